@@ -1,0 +1,3 @@
+from evenrl.cli import main
+
+raise SystemExit(main())

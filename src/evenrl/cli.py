@@ -1,0 +1,65 @@
+"""The `evenrl` command: a thin dispatcher to the subcommands' own modules.
+
+    evenrl plan CONFIG [overrides] [--nnodes N --nproc-per-node P] [--json] [--fit]
+    evenrl train CONFIG [overrides] [--nproc-per-node P] [--resume]
+    evenrl sft CONFIG [overrides]
+    evenrl report RUN_DIR
+    evenrl demo
+
+Subcommand modules are imported only when chosen, so `evenrl plan` never imports torch.
+Every user error (evenrl.errors.UsageError) becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from evenrl.errors import UsageError
+
+# subcommand -> (module, one-line help). Each module exposes main(argv: list[str]) -> int.
+COMMANDS = {
+    "plan": ("evenrl.plan", "check a config against a cluster layout before loading anything"),
+    "train": ("evenrl.launch", "RL post-training (GRPO family) on 1..N processes"),
+    "sft": ("evenrl.launch", "supervised warm start on the same data core and launcher"),
+    "report": ("evenrl.report", "plot a run directory's metrics to PNG"),
+    "demo": ("evenrl.demo", "tiny model, synthetic task: SFT warm start then GRPO, on CPU"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: evenrl COMMAND [args]", "", "commands:"]
+    lines += [f"  {name:<8}{help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `evenrl COMMAND --help` for a command's arguments."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from evenrl import __version__
+
+        print(f"evenrl {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"evenrl: error: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        if COMMANDS[name][0] == "evenrl.launch":
+            return int(module.main([name, *rest]) or 0)
+        return int(module.main(rest) or 0)
+    except UsageError as e:
+        print(f"evenrl {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"evenrl {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""Balance and speed of evenrl's partitioner against naive splits, and the speed of make_schedule.
+
+Run: .venv/bin/python benchmarks/partition.py
+
+Lengths are lognormal (mean ~600 tokens, sigma 1.0, seed 0). Load = tokens. "ratio" is max load over the lower
+bound on the best achievable max (so 1.0000 is optimal). Times are medians over repeats, wall clock and CPU.
+Prints numbers only; nothing here asserts speed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+
+import evenrl.partition as partition_mod
+from evenrl.partition import balanced_partition, lower_bound
+from evenrl.schedule import make_schedule
+
+REPEATS = 15
+
+
+def lognormal_lengths(n: int, seed: int = 0, mean: float = 600.0, sigma: float = 1.0) -> list[int]:
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma * sigma / 2
+    return [max(1, int(rng.lognormvariate(mu, sigma))) for _ in range(n)]
+
+
+def contiguous(loads: list[int], k: int) -> list[list[int]]:
+    q, r = divmod(len(loads), k)
+    cuts = [i * q + min(i, r) for i in range(k + 1)]
+    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+def round_robin(loads: list[int], k: int) -> list[list[int]]:
+    return [list(range(i, len(loads), k)) for i in range(k)]
+
+
+def evenrl_parts(loads: list[int], k: int) -> list[list[int]]:
+    return balanced_partition(loads, k).parts
+
+
+def lpt_only_parts(loads: list[int], k: int) -> list[list[int]]:
+    saved = partition_mod._IMPROVE_BUDGET
+    partition_mod._IMPROVE_BUDGET = 0  # the local pass switched off: plain LPT, for reference
+    try:
+        return balanced_partition(loads, k).parts
+    finally:
+        partition_mod._IMPROVE_BUDGET = saved
+
+
+def timed(fn, *args) -> tuple[object, float, float]:
+    wall, cpu = [], []
+    out = None
+    for _ in range(REPEATS):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = fn(*args)
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    return out, statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
+
+
+def main() -> None:
+    methods = [
+        ("evenrl balanced_partition", evenrl_parts),
+        ("  (LPT only, no local pass)", lpt_only_parts),
+        ("naive contiguous chunks", contiguous),
+        ("round-robin", round_robin),
+    ]
+    header = (
+        f"{'N':>5} {'K':>3}  {'method':<28} {'max load':>10} {'mean load':>10} {'max/mean':>9} {'ratio':>7}"
+        f" {'ms':>8} {'cpu ms':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for n, k in [(4096, 8), (4096, 64), (512, 6)]:
+        loads = lognormal_lengths(n)
+        lb = lower_bound(loads, k)
+        mean = sum(loads) / k
+        for name, fn in methods:
+            parts, ms, cpu = timed(fn, loads, k)
+            mx = max(sum(loads[i] for i in p) for p in parts)
+            print(
+                f"{n:>5} {k:>3}  {name:<28} {mx:>10.0f} {mean:>10.1f} {mx / mean:>9.4f} {mx / lb:>7.4f}"
+                f" {ms:>8.3f} {cpu:>7.3f}"
+            )
+        print()
+
+    lengths = lognormal_lengths(4096)
+    sched, ms, cpu = timed(lambda: make_schedule(lengths, world=64, minibatches=4, token_cap=16384))
+    padded = sched.rank_loads()
+    print(
+        f"make_schedule 4096 rows, world 64, 4 mini-batches, token_cap 16384: {ms:.1f} ms ({cpu:.1f} ms cpu); "
+        f"micro-steps {sched.micro_steps()}; padded tokens per rank max/mean "
+        f"{max(padded) / (sum(padded) / len(padded)):.4f}; oversize {len(sched.oversize)}"
+    )
+    sched, ms, cpu = timed(lambda: make_schedule(lengths, world=64, minibatches=4, token_cap=16384, min_rows=2))
+    print(f"  same with min_rows=2: {ms:.1f} ms ({cpu:.1f} ms cpu); micro-steps {sched.micro_steps()}")
+
+
+if __name__ == "__main__":
+    main()

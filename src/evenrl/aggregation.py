@@ -1,0 +1,64 @@
+"""Exact loss normalisation over a mini-batch split across micro-batches and ranks (pure functions).
+
+A mode's value over the whole mini-batch is a sum divided by a global count. Each micro-batch contributes its
+local sum divided by the GLOBAL count (`Denominators`, all-reduced once per mini-batch by
+`evenrl.dist.global_denominators`), so summing the shares of every micro-batch on every rank, i.e. gradient
+accumulation followed by a SUM all-reduce of gradients, gives exactly the single-device value and gradient,
+however unevenly the rows are spread. (Under DDP/FSDP, which average gradients over W, multiply the share by W.)
+
+Modes, with the names of verl's `loss_agg_mode`; `m` is the response mask, a "sequence" is a row with >= 1
+masked-in token (rows with an all-zero mask, e.g. padding rows, are not counted):
+  token-mean           sum_{i,t} m*x / sum_{i,t} m
+  seq-mean-token-mean  mean_i ( sum_t m*x / sum_t m )
+  seq-mean-token-sum   mean_i ( sum_t m*x )
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from evenrl.errors import bad
+
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+@dataclass(frozen=True)
+class Denominators:
+    tokens: float  # masked-in tokens
+    seqs: float    # rows with at least one masked-in token
+
+    def __add__(self, other: Denominators) -> Denominators:
+        return Denominators(self.tokens + other.tokens, self.seqs + other.seqs)
+
+
+def local_counts(masks: Sequence[Tensor]) -> Denominators:
+    """Counts over this rank's micro-batches of one mini-batch; each mask is [B, T] (bool or 0/1)."""
+    tokens = seqs = 0
+    for m in masks:
+        if m.numel():
+            per_row = m.bool().sum(-1)
+            tokens += int(per_row.sum())
+            seqs += int((per_row > 0).sum())
+    return Denominators(float(tokens), float(seqs))
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: str, denom: Denominators) -> Tensor:
+    """This micro-batch's share of the mode's value over the whole mini-batch.
+
+    per_token [B, T] (e.g. per-token loss), mask [B, T], denom: global counts of the mini-batch.
+    Masked-out entries are ignored even if they hold inf/nan. An empty micro-batch (B == 0) gives 0.
+    """
+    if mode not in MODES:
+        raise bad("loss_agg_mode", mode, "one of " + ", ".join(MODES))
+    keep = mask.bool()
+    x = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    if mode == "token-mean":
+        return x.sum() / max(denom.tokens, 1.0)
+    row_sum = x.sum(-1)
+    if mode == "seq-mean-token-mean":
+        row_sum = row_sum / keep.sum(-1).clamp(min=1).to(x.dtype)
+    return row_sum.sum() / max(denom.seqs, 1.0)

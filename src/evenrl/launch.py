@@ -1,0 +1,103 @@
+"""Start `evenrl train` / `evenrl sft` on one process, N local processes, or many nodes.
+
+    evenrl train CONFIG [overrides]                          # one process
+    evenrl train CONFIG --nproc-per-node 3                   # 3 local processes via torch.distributed.run
+    evenrl train CONFIG --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr HOST --master-port 29500
+    torchrun --nproc-per-node 3 -m evenrl.cli train CONFIG   # started by torchrun: runs as a worker
+    srun -N2 --ntasks-per-node 8 evenrl train CONFIG         # started by Slurm: runs as a worker (MASTER_ADDR needed)
+
+The flags mean what torchrun's do. A process that already has a rank (torchrun, srun) is a worker and
+never launches again. Restarts use torch's elastic agent (`--max-restarts`); with gloo they fail on the
+shared rendezvous store's stale keys unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (FIELD_NOTES, pytorch#135712),
+so the launcher sets it. A restarted worker resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from evenrl.errors import UsageError
+
+
+def _parser(cmd: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"evenrl {cmd}", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="YAML run config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.prompts_per_step=64")
+    p.add_argument("--nproc-per-node", "--num-gpus", type=int, default=1, help="processes on this node")
+    p.add_argument("--nnodes", "--num-nodes", type=int, default=1, help="number of nodes")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (0..nnodes-1)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
+    p.add_argument("--master-port", type=int, default=29500, help="port on node 0")
+    p.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole worker group on failure")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    return p
+
+
+def _is_worker() -> bool:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def main(argv: list[str]) -> int:
+    cmd, rest = argv[0], argv[1:]
+    args = _parser(cmd).parse_args(rest)
+    for name in ("nproc_per_node", "nnodes"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; must be >= 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UsageError(f"--node-rank: got {args.node_rank}; must be in 0..{args.nnodes - 1}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts: got {args.max_restarts}; must be >= 0")
+    if _is_worker() or (args.nproc_per_node == 1 and args.nnodes == 1):
+        return run_worker(cmd, args.config, args.overrides, resume=args.resume)
+    return _launch(cmd, args)
+
+
+def run_worker(cmd: str, config: str, overrides: list[str], *, resume: bool) -> int:
+    from evenrl.config import load_config
+
+    cfg = load_config(config, overrides)
+    if cmd == "train":
+        from evenrl.train import train
+
+        train(cfg, resume=resume or _restarted())
+    else:
+        from evenrl.sft import sft
+
+        sft(cfg)
+    return 0
+
+
+def _restarted() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def _launch(cmd: str, args: argparse.Namespace) -> int:
+    # Validate the config before starting N processes that would all fail the same way.
+    from evenrl.config import load_config
+
+    load_config(args.config, args.overrides)
+    from torch.distributed.run import parse_args, run
+
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    torchrun = [
+        f"--nproc-per-node={args.nproc_per_node}",
+        f"--nnodes={args.nnodes}",
+        f"--max-restarts={args.max_restarts}",
+    ]
+    if args.nnodes == 1:
+        torchrun.append("--standalone")
+    else:
+        torchrun += [f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={args.master_addr}:{args.master_port}"]
+    worker = ["-m", "evenrl.cli", cmd, args.config, *args.overrides] + (["--resume"] if args.resume else [])
+    try:
+        run(parse_args(torchrun + worker))
+    except Exception as e:  # ChildFailedError carries the failing rank's exit code; its log is above
+        print(f"evenrl {cmd}: a worker failed: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,200 @@
+"""Loading policies from local directories, and tiny random models for tests and the demo.
+
+Nothing here touches the network: a model is a directory written by `save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+
+import torch
+
+from evenrl.errors import UsageError, bad
+
+# Printable ASCII plus newline: enough for arithmetic, countdown and short word prompts.
+DEFAULT_VOCAB = string.digits + "+-*/=()<>.,:;!?'\"_%&#@$[]{}|\\^~`" + " \n" + string.ascii_letters
+
+PAD, EOS, BOS, UNK = "<pad>", "<|endoftext|>", "<bos>", "<unk>"
+SPECIAL_TOKENS = [PAD, EOS, BOS, UNK]
+
+# Plain text roles so the template only needs characters the tiny vocab already has.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+# transformers' Qwen2 pre-tokenizer split (models/qwen2/tokenization_qwen2.py); see make_tiny_model.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise bad("dtype", dtype, f"one of {', '.join(_DTYPES)}")
+
+
+def load_policy(path: str, *, dtype="float32", device="cpu"):
+    """Load `(model, tokenizer)` from a local directory written by `save_pretrained`.
+
+    The tokenizer always has a pad token afterwards (its EOS when it had none), and
+    `model.config.pad_token_id` agrees with it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a per-load weights bar on every rank is noise in a training log
+    path = os.fspath(path)
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise bad("model path", path, "expected a local directory with config.json (a model saved with save_pretrained)")
+    torch_dtype = _resolve_dtype(dtype)
+    device = torch.device(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"model path: could not load a tokenizer from {path!r}; {_first_line(e)}") from None
+    # sdpa is the fastest exact attention on CPU; flash kernels are GPU-only.
+    kwargs = dict(local_files_only=True, dtype=torch_dtype, attn_implementation="sdpa")
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except ValueError as e:
+            if "sdpa" not in str(e).lower():
+                raise
+            kwargs["attn_implementation"] = "eager"
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"model path: could not load a causal LM from {path!r}; {_first_line(e)}") from None
+    model.to(device)
+    model.eval()
+
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise UsageError(f"model path: tokenizer in {path!r} has neither a pad nor an EOS token; add one to it")
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def make_tiny_model(
+    out_dir: str,
+    *,
+    arch: str = "qwen2",
+    vocab: str = DEFAULT_VOCAB,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    seed: int = 0,
+    chat_template: bool = False,
+    max_positions: int = 512,
+) -> str:
+    """Write a random tiny causal LM with a character-level tokenizer to `out_dir`; return the path.
+
+    Token ids: 0 <pad>, 1 <|endoftext|> (EOS), 2 <bos>, 3 <unk>, then one id per byte of the
+    characters in `vocab` (one per character for ASCII). Characters outside `vocab` are dropped
+    when encoding. The tokenizer adds no special tokens when encoding; `chat_template=True` adds a
+    plain-text "user: ...\nassistant: " template. Same arguments → identical weights.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+    if arch not in ("qwen2", "llama"):
+        raise bad("arch", arch, "one of qwen2, llama")
+    chars = list(dict.fromkeys(vocab))  # keep order, drop duplicates
+    if not chars:
+        raise bad("vocab", vocab, "a non-empty string of characters")
+    if hidden % heads:
+        raise bad("hidden", hidden, f"a multiple of heads ({heads})")
+
+    token_to_id = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    byte_char = _bytes_to_unicode()
+    for c in chars:
+        for b in c.encode("utf-8"):
+            token_to_id.setdefault(byte_char[b], len(token_to_id))
+    # Byte-level BPE without merges = one token per byte. It is built exactly like transformers'
+    # Qwen2Tokenizer builds its pipeline, because AutoTokenizer swaps that class in for any qwen2
+    # checkpoint; both load paths then tokenize identically (a char-level WordLevel tokenizer would
+    # lose its spaces under Qwen2Tokenizer).
+    tok = Tokenizer(models.BPE(vocab=token_to_id, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token=UNK,
+    )
+    if chat_template:
+        fast.chat_template = TINY_CHAT_TEMPLATE
+
+    common = dict(
+        vocab_size=len(token_to_id),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2 if heads % 2 == 0 else heads,  # GQA when it divides, as in real Qwen2/Llama
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=token_to_id[PAD],
+        eos_token_id=token_to_id[EOS],
+        bos_token_id=token_to_id[BOS],
+    )
+    config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
+    # A private RNG stream so building a model never shifts the caller's torch RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # tests and the demo call this often; the bar is noise
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    fast.save_pretrained(out_dir)
+    return os.fspath(out_dir)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:
+    """Token ids for one prompt.
+
+    With `use_chat_template` and a tokenizer that has a template, the text becomes a single user
+    turn followed by the generation prompt; the template supplies any BOS, so none is added again.
+    Otherwise (or when the tokenizer has no template) the text is encoded as is, with the
+    tokenizer's usual special tokens.
+    """
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])

@@ -1,0 +1,324 @@
+"""The step schedule: which rows each rank runs in which micro-step of which mini-batch.
+
+make_schedule() turns one step's sample lengths into a StepSchedule such that
+  - mini-batch membership depends only on (N, minibatches, groups), never on the world size, so with loss
+    normalised by global counts the update equals the single-device one (FIELD_NOTES "Exact gradients");
+  - inside a mini-batch, rows are balanced over ranks by cost with `balanced_partition` (rank weights = capacity);
+  - each rank packs its rows, longest first, into micro-batches whose padded tokens (rows * longest row) stay
+    within `token_cap`, and every rank runs the same number of micro-batches (FSDP2 needs equal step counts):
+    a rank with fewer first splits its largest multi-row micro-batches, then pads with empty filler steps;
+  - with `min_rows` (BatchNorm needs >= 2 rows in training mode), every non-empty micro-batch has >= min_rows rows.
+
+Decisions:
+  - Mini-batches are contiguous runs of rows (sizes differ by at most one). With `groups`, each group is a unit
+    placed at its first row (groups that are not contiguous are gathered there) and cuts fall on the unit
+    boundary nearest to the ungrouped cut (ties: earlier). Groups only constrain mini-batch cuts: rows of one
+    group may run on different ranks. Empty mini-batches (minibatches > N, or large groups) are dropped, so
+    N == 0 gives a schedule with no mini-batches and M > N gives N mini-batches of one row.
+  - min_rows = m: only floor(rows/m) ranks (the highest-weight ones) get rows, so there are enough rows for each
+    active rank to hold >= m; after balancing, a rank with 1..m-1 rows takes the shortest row of the most loaded
+    rank that has more than m (such a rank always exists). A non-empty mini-batch with fewer than m rows cannot be
+    scheduled and raises ScheduleError.
+  - token_cap: a row longer than the cap is listed in `oversize` and runs alone (with m-1 companions when m > 1).
+    When m*len > cap, or when a rank's last rows cannot be split into pieces of >= m rows within the cap, the
+    schedule exceeds the cap rather than failing mid-run: such a micro-batch holds at most 2m-1 rows, and either
+    its longest row cannot share a micro-batch of m rows within the cap or its tokens are <= (2m-1)/m * cap.
+    With m == 1 the cap is only ever exceeded by a single oversize row. `StepSchedule.over_cap()` lists them all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from bisect import bisect_left
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from evenrl.errors import UsageError, bad
+from evenrl.partition import balanced_partition, sample_cost
+
+__all__ = ["MicroBatch", "MiniBatch", "StepSchedule", "ScheduleError", "make_schedule", "split_minibatches"]
+
+
+class ScheduleError(UsageError, ValueError):
+    """A constraint that cannot be met; message says which and why (the planner shows it)."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    rows: tuple[int, ...]  # global sample indices, ascending; empty tuple = zero-weight filler step
+    tokens: int  # padded token count = len(rows) * max(lengths of rows)
+
+
+FILLER = MicroBatch((), 0)
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    rows: tuple[int, ...]  # all rows of this mini-batch, ascending; independent of world
+    per_rank: tuple[tuple[MicroBatch, ...], ...]  # len == world; same number (>= 1) of micro-batches per rank
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    world: int
+    minibatches: tuple[MiniBatch, ...]
+    oversize: tuple[int, ...]  # rows whose own length exceeds token_cap, ascending
+    token_cap: int | None = None
+    min_rows: int = 1
+
+    def rank_rows(self, rank: int) -> list[int]:
+        """All rows `rank` needs this step, in schedule order (each row is scheduled once, so no duplicates)."""
+        if not 0 <= rank < self.world:
+            raise IndexError(f"rank {rank} out of range for world {self.world}")
+        return [r for mb in self.minibatches for micro in mb.per_rank[rank] for r in micro.rows]
+
+    def micro_steps(self) -> list[int]:
+        """Micro-steps per mini-batch (the same on every rank)."""
+        return [len(mb.per_rank[0]) for mb in self.minibatches]
+
+    def rank_loads(self) -> list[int]:
+        """Padded tokens per rank over the whole step (what the rank's forward/backward passes see)."""
+        return [sum(m.tokens for mb in self.minibatches for m in mb.per_rank[r]) for r in range(self.world)]
+
+    def over_cap(self) -> list[tuple[int, int, int]]:
+        """(mini-batch, rank, micro-step) of every micro-batch whose tokens exceed token_cap."""
+        if self.token_cap is None:
+            return []
+        return [
+            (b, r, s)
+            for b, mb in enumerate(self.minibatches)
+            for r, micros in enumerate(mb.per_rank)
+            for s, m in enumerate(micros)
+            if m.tokens > self.token_cap
+        ]
+
+    def to_dict(self) -> dict:
+        """JSON-able summary (counts and totals, not the row lists)."""
+        return {
+            "world": self.world,
+            "rows": sum(len(mb.rows) for mb in self.minibatches),
+            "token_cap": self.token_cap,
+            "min_rows": self.min_rows,
+            "micro_steps": self.micro_steps(),
+            "rank_loads": self.rank_loads(),
+            "oversize": list(self.oversize),
+            "over_cap": [list(x) for x in self.over_cap()],
+            "minibatches": [
+                {
+                    "rows": len(mb.rows),
+                    "micro_steps": len(mb.per_rank[0]),
+                    "rank_rows": [sum(len(m.rows) for m in micros) for micros in mb.per_rank],
+                    "rank_tokens": [sum(m.tokens for m in micros) for micros in mb.per_rank],
+                    "fillers": sum(1 for micros in mb.per_rank for m in micros if not m.rows),
+                }
+                for mb in self.minibatches
+            ],
+        }
+
+
+def _err(field: str, value, allowed: str) -> ScheduleError:
+    return ScheduleError(str(bad(field, value, allowed)))
+
+
+def _check_int(field: str, value, lo: int, what: str = "an integer") -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        out = operator.index(value)  # accepts numpy integers, refuses floats
+    except TypeError:
+        raise _err(field, value, f"need {what} >= {lo}") from None
+    if out < lo:
+        raise _err(field, value, f"need {what} >= {lo}")
+    return out
+
+
+def _check_float(field: str, value, positive: bool) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        out = float("nan")
+    if isinstance(value, bool) or not (out > 0 if positive else out >= 0) or out == float("inf"):
+        raise _err(field, value, f"need a finite number {'>' if positive else '>='} 0")
+    return out
+
+
+def split_minibatches(n: int, minibatches: int, groups: Sequence[Hashable] | None = None) -> list[tuple[int, ...]]:
+    """Rows 0..n-1 cut into at most `minibatches` contiguous, non-empty, near-equal mini-batches (world-free).
+
+    Without groups, sizes differ by at most one (the first n % M get the extra row). With groups, each group is a
+    unit at its first row and every cut moves to the nearest unit boundary (ties: the earlier one).
+    """
+    n = _check_int("n", n, 0)
+    m = _check_int("minibatches", minibatches, 1)
+    q, r = divmod(n, m)
+    cuts = [i * q + min(i, r) for i in range(m + 1)]
+    if groups is None:
+        return [tuple(range(a, b)) for a, b in zip(cuts, cuts[1:]) if b > a]
+    if len(groups) != n:
+        raise _err("groups", f"{len(groups)} ids", f"need one group id per sample ({n})")
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    units = list(members.values())  # dicts keep first-appearance order
+    bounds = [0]
+    for u in units:
+        bounds.append(bounds[-1] + len(u))
+    chosen = [0]
+    for c in cuts[1:-1]:
+        p = bisect_left(bounds, c)
+        if p == len(bounds) or (p > 0 and c - bounds[p - 1] <= bounds[p] - c):
+            p -= 1
+        chosen.append(max(p, chosen[-1]))
+    chosen.append(len(units))
+    out = []
+    for a, b in zip(chosen, chosen[1:]):
+        if b > a:
+            out.append(tuple(sorted(i for u in units[a:b] for i in u)))
+    return out
+
+
+def make_schedule(
+    lengths: Sequence[int],
+    *,
+    world: int,
+    minibatches: int = 1,
+    token_cap: int | None = None,
+    groups: Sequence[Hashable] | None = None,
+    weights: Sequence[float] | None = None,
+    min_rows: int = 1,
+    quadratic_cost: float = 0.0,
+) -> StepSchedule:
+    """Plan one training step: rows -> mini-batches -> ranks -> micro-batches (see the module docstring)."""
+    lengths = [_check_int(f"lengths[{i}]", x, 0, "an integer token count") for i, x in enumerate(lengths)]
+    world = _check_int("world", world, 1)
+    minibatches = _check_int("minibatches", minibatches, 1)
+    if token_cap is not None:
+        token_cap = _check_int("token_cap", token_cap, 1)
+    min_rows = _check_int("min_rows", min_rows, 1)
+    quadratic_cost = _check_float("quadratic_cost", quadratic_cost, positive=False)
+    if weights is None:
+        w = [1.0] * world
+    else:
+        w = list(weights)
+        if len(w) != world:
+            raise _err("weights", w, f"need one capacity weight per rank ({world})")
+        w = [_check_float(f"weights[{r}]", x, positive=True) for r, x in enumerate(w)]
+
+    batches = split_minibatches(len(lengths), minibatches, groups)
+    for b, rows in enumerate(batches):
+        if len(rows) < min_rows:
+            raise ScheduleError(
+                f"min_rows: mini-batch {b} has {len(rows)} row(s) but min_rows={min_rows} (a training-mode "
+                f"BatchNorm needs that many); use at most {len(lengths) // min_rows} mini-batches, more samples, "
+                f"or min_rows=1 (no BatchNorm)"
+            )
+
+    cost = [sample_cost(length, 1.0, quadratic_cost) for length in lengths]
+    # Ranks that may get rows when min_rows > 1: the highest-weight ones, ties to the lower rank.
+    by_weight = sorted(range(world), key=lambda r: (-w[r], r))
+    out = []
+    for rows in batches:
+        active = sorted(by_weight[: min(world, len(rows) // min_rows)])
+        part = balanced_partition([cost[i] for i in rows], len(active), weights=[w[r] for r in active])
+        rank_rows: list[list[int]] = [[] for _ in range(world)]
+        for p, items in enumerate(part.parts):
+            rank_rows[active[p]] = [rows[i] for i in items]
+        if min_rows > 1:
+            _fill_short_ranks(rank_rows, cost, w, min_rows)
+        chunks = [_pack(rr, lengths, token_cap, min_rows) for rr in rank_rows]
+        steps = max(1, max(len(c) for c in chunks))
+        per_rank = []
+        for c in chunks:
+            if len(c) < steps:
+                c = _split_to(c, steps, lengths, min_rows)
+            micros = sorted(
+                (MicroBatch(tuple(sorted(ch)), len(ch) * lengths[ch[0]]) for ch in c),
+                key=lambda m: (-m.tokens, m.rows),
+            )
+            micros.extend([FILLER] * (steps - len(micros)))
+            per_rank.append(tuple(micros))
+        out.append(MiniBatch(rows=rows, per_rank=tuple(per_rank)))
+
+    oversize = () if token_cap is None else tuple(i for i, length in enumerate(lengths) if length > token_cap)
+    return StepSchedule(world=world, minibatches=tuple(out), oversize=oversize, token_cap=token_cap, min_rows=min_rows)
+
+
+def _fill_short_ranks(rank_rows: list[list[int]], cost: list[float], w: list[float], m: int) -> None:
+    """Give each rank holding 1..m-1 rows the shortest rows of the most loaded ranks holding more than m.
+
+    A donor always exists: only floor(rows/m) ranks are active, so if every non-short active rank held exactly m
+    rows and one held fewer, there would be fewer than m * active rows. A short rank gains at most m-1 rows.
+    """
+    load = [sum(cost[i] for i in rr) for rr in rank_rows]
+    for d, rr in enumerate(rank_rows):
+        while 0 < len(rr) < m:
+            donor = max(
+                (r for r in range(len(rank_rows)) if len(rank_rows[r]) > m), key=lambda r: (load[r] / w[r], -r)
+            )
+            src = rank_rows[donor]
+            row = min(src, key=lambda i: (cost[i], i))
+            src.remove(row)
+            rr.append(row)
+            load[donor] -= cost[row]
+            load[d] += cost[row]
+    for rr in rank_rows:
+        rr.sort()
+
+
+def _pack(rows: list[int], lengths: list[int], cap: int | None, m: int) -> list[list[int]]:
+    """Rows longest first into consecutive chunks: each takes as many rows as fit its longest row under the cap.
+
+    Taking consecutive rows in length order minimises padding, and filling greedily from the longest gives the
+    fewest chunks. The look-ahead keeps the last chunk at >= m rows by leaving exactly m rows for it.
+    """
+    order = sorted(rows, key=lambda i: (-lengths[i], i))
+    n = len(order)
+    chunks = []
+    i = 0
+    while i < n:
+        longest = lengths[order[i]]
+        fit = n if cap is None or longest == 0 else cap // longest
+        left = n - i
+        take = min(max(fit, m), left)
+        if 0 < left - take < m:
+            take = left - m if left - m >= m else left
+        chunks.append(order[i : i + take])
+        i += take
+    return chunks
+
+
+def _split_to(chunks: list[list[int]], steps: int, lengths: list[int], m: int) -> list[list[int]]:
+    """Split chunks (pieces of >= m rows) until there are `steps` of them or none can be split further.
+
+    Extra pieces go one at a time to the chunk whose largest piece has the most padded tokens; a chunk cut into p
+    pieces gets near-equal row counts, the smaller pieces holding its longest rows. A piece never has more tokens
+    than its chunk, so splitting never breaks the cap.
+    """
+
+    def worst(c: list[int], p: int) -> int:
+        return max(size * lengths[c[start]] for start, size in _pieces(len(c), p))
+
+    pieces = [1] * len(chunks)
+    heap = [(-worst(c, 1), c[0], i) for i, c in enumerate(chunks) if len(c) >= 2 * m]
+    heapq.heapify(heap)
+    extra = steps - len(chunks)
+    while extra > 0 and heap:
+        _, _, i = heapq.heappop(heap)
+        pieces[i] += 1
+        extra -= 1
+        c = chunks[i]
+        if len(c) >= (pieces[i] + 1) * m:
+            heapq.heappush(heap, (-worst(c, pieces[i]), c[0], i))
+    return [c[start : start + size] for c, p in zip(chunks, pieces) for start, size in _pieces(len(c), p)]
+
+
+def _pieces(n: int, p: int) -> list[tuple[int, int]]:
+    """(start, size) of p consecutive pieces of n rows; sizes differ by at most one, smaller ones first."""
+    q, r = divmod(n, p)
+    out, start = [], 0
+    for k in range(p):
+        size = q + (1 if k >= p - r else 0)
+        out.append((start, size))
+        start += size
+    return out

@@ -1,0 +1,313 @@
+"""evenrl.dist on real gloo process groups: the update of one step is the single-device update on 1..6 ranks.
+
+One spawn per world size (spawning costs seconds); each worker loops over all sample counts and loss modes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+from torch import nn
+
+from evenrl import dist
+from evenrl.aggregation import MODES, aggregate, local_counts
+from evenrl.batch import Batch, Ragged
+from evenrl.schedule import make_schedule
+
+pytestmark = pytest.mark.slow
+
+# (N samples, M mini-batches, token cap in padded tokens): several micro-batches per rank, uneven shards
+CASES = [(1, 1, 96), (2, 2, 96), (5, 1, 64), (7, 2, 64), (512, 2, 320)]
+VOCAB = 11
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
+
+
+class TinyPolicy(nn.Module):
+    """Per-token log-probs over variable-length sequences (embedding + GRU + head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, VOCAB)
+        self.long_bias = nn.Parameter(torch.zeros(VOCAB))  # in the graph only when a row > 30 tokens is
+        self.unused = nn.Linear(2, 2)  # never used: its grad must stay None on every rank
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.gru(self.emb(tokens))[0])
+        long = lengths > 30
+        if bool(long.any()):  # per row, so the function does not depend on who shares the micro-batch
+            logits = logits + self.long_bias * long[:, None, None]
+        return torch.log_softmax(logits, -1)
+
+
+def make_data(n: int, seed: int) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 41, (n,), generator=g)
+    total = int(lens.sum())
+    mask = torch.rand(total, generator=g) < 0.8
+    starts = torch.cumsum(lens, 0) - lens
+    mask[starts] = False  # first token of each row is "prompt"
+    if n > 3:
+        mask[starts[3]:starts[3] + lens[3]] = False  # a row without response tokens: not a sequence
+    return Batch({
+        "sample_index": torch.arange(n),
+        "tokens": Ragged(torch.randint(0, VOCAB, (total,), generator=g), lens),
+        "targets": Ragged(torch.randint(0, VOCAB, (total,), generator=g), lens.clone()),
+        "loss_mask": Ragged(mask, lens.clone()),
+        "advantage": torch.randn(n, generator=g),
+        "prompt": [f"prompt {i}" for i in range(n)],
+    })
+
+
+def per_token_loss(model: TinyPolicy, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, _ = b.padded("tokens")
+    targets, _ = b.padded("targets")
+    mask, _ = b.padded("loss_mask", False)
+    logp = model(tokens, b["tokens"].lengths).gather(-1, targets[..., None])[..., 0]
+    return -b["advantage"][:, None] * logp, mask
+
+
+def naive_value(x: torch.Tensor, m: torch.Tensor, mode: str) -> torch.Tensor:
+    """The mode computed directly over a whole mini-batch on one process."""
+    x = torch.where(m, x, 0.0)
+    if mode == "token-mean":
+        return x.sum() / m.sum()
+    seq = m.sum(-1) > 0
+    per_seq = x.sum(-1)[seq] / (m.sum(-1)[seq] if mode == "seq-mean-token-mean" else 1)
+    return per_seq.mean()
+
+
+def fresh_model():
+    torch.manual_seed(0)
+    model = TinyPolicy()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def grads(model) -> dict:
+    return {k: (None if p.grad is None else p.grad.detach().clone()) for k, p in model.named_parameters()}
+
+
+def params(model) -> dict:
+    return {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def reference(n: int, minibatches: int, cap: int, mode: str) -> dict:
+    """Single process, whole mini-batch in one forward."""
+    data = make_data(n, seed=n)
+    sched = make_schedule(data["tokens"].lengths.tolist(), world=1, minibatches=minibatches, token_cap=cap)
+    model, opt = fresh_model()
+    out = {"rows": [list(mb.rows) for mb in sched.minibatches], "grads": []}
+    for mb in sched.minibatches:
+        naive_value(*per_token_loss(model, data.select(list(mb.rows))), mode).backward()
+        out["grads"].append(grads(model))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["params"] = params(model)
+    return out
+
+
+def distributed(n: int, minibatches: int, cap: int, mode: str) -> dict:
+    """What a trainer rank does: produce some rows, exchange to the scheduled ranks, exact update."""
+    W, me = dist.world(), dist.rank()
+    data = make_data(n, seed=n)
+    produced = data.select([i for i in range(n) if (3 * i + 1) % W == me])  # uneven, often empty
+    sched = make_schedule(data["tokens"].lengths.tolist(), world=W, minibatches=minibatches, token_cap=cap)
+    owner = {row: r for r in range(W) for row in sched.rank_rows(r)}
+    local = dist.exchange(produced, [owner[int(i)] for i in produced["sample_index"]])
+    assert local["sample_index"].tolist() == sorted(sched.rank_rows(me))
+    pos = {int(s): j for j, s in enumerate(local["sample_index"])}
+    model, opt = fresh_model()
+    out = {"rows": [list(mb.rows) for mb in sched.minibatches], "grads": [], "micro": []}
+    for mb in sched.minibatches:
+        assert len({len(p) for p in mb.per_rank}) == 1  # same number of micro-steps on every rank
+        micro = [local.select([pos[r] for r in m.rows]) for m in mb.per_rank[me]]
+        losses = [per_token_loss(model, b) if len(b) else None for b in micro]
+        denom = dist.global_denominators(local_counts([m for _, m in filter(None, losses)]))
+        for item in losses:
+            if item is not None:  # an empty filler has nothing to forward; its share would be 0
+                aggregate(*item, mode, denom).backward()
+        dist.all_reduce_grads(model.parameters())
+        out["grads"].append(grads(model))
+        out["micro"].append(len(micro))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["params"] = params(model)
+    return out
+
+
+def same_batch(a: Batch, b: Batch) -> bool:
+    def eq(x, y):
+        if isinstance(x, Ragged):
+            return isinstance(y, Ragged) and eq(x.values, y.values) and eq(x.lengths, y.lengths)
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        return x == y
+    return a.keys() == b.keys() and all(eq(a[k], b[k]) for k in a.keys())
+
+
+def dest_rows_of(rank: int) -> list[int]:
+    """exchange_checks' rows that end on `rank`: rank 1 sends nothing, row 4 is produced by nobody."""
+    sent = [i for i in range(10) if i != 4 and i % 3 != 1]
+    return [i for i in sent if (i % 2 == 1) == (rank == 0)] if rank < 2 else []
+
+
+def exchange_checks() -> dict:
+    """3 ranks, uneven destinations (rank 2 receives nothing, rank 1 sends nothing); both transports."""
+    data = make_data(10, seed=1)
+    me = dist.rank()
+    produced = data.select([i for i in [9, 0, 4, 7, 2, 5, 8, 1, 3, 6] if i % 3 == me and i != 4])  # 4: nobody
+    dest = [0 if int(i) % 2 else 1 for i in produced["sample_index"]]
+    if me == 1:
+        produced, dest = produced.select([]), []
+    out = {"got": dist.exchange(produced, dest).to_dict()}
+    parts = produced.select(torch.argsort(torch.tensor(dest, dtype=torch.long), stable=True)).split(
+        torch.bincount(torch.tensor(dest, dtype=torch.long), minlength=3).tolist())
+    a = Batch.concat(dist._exchange_all_to_all(parts, produced))
+    b = Batch.concat(dist._exchange_objects(parts, produced))
+    out["same_transport"] = same_batch(a, b) and len(a) == len(dest_rows_of(me))
+    bad = produced.select([])
+    bad["extra"] = torch.zeros(0)  # every rank must notice a column mismatch, not hang
+    try:
+        dist.exchange(bad if me == 2 else produced, [] if me == 2 else dest)
+        out["mismatch_raised"] = False
+    except ValueError:
+        out["mismatch_raised"] = True
+    try:  # a bad destination on one rank fails all ranks
+        dist.exchange(produced, [7] * len(produced) if me == 0 else dest)
+        out["bad_dest_raised"] = False
+    except ValueError:
+        out["bad_dest_raised"] = True
+    return out
+
+
+def run_all() -> dict:
+    out = {f"{n},{m},{mode}": distributed(n, m, cap, mode) for n, m, cap in CASES for mode in MODES}
+    if dist.world() == 3:
+        out["exchange"] = exchange_checks()
+    return out
+
+
+def _worker(rank: int, world: int, port: int, path: str) -> None:
+    torch.set_num_threads(1)
+    for k in ENV_KEYS:
+        os.environ.pop(k, None)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    info = dist.init(timeout=60)
+    assert (info.rank, info.world, info.backend) == (rank, world, "gloo")
+    result = run_all()
+    dist.shutdown()
+    torch.save(result, f"{path}.{rank}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_RESULTS: dict[int, list[dict]] = {}
+_REFERENCE: dict[str, dict] = {}
+
+
+def results(world: int, tmp_path_factory) -> list[dict]:
+    if world not in _RESULTS:
+        path = str(tmp_path_factory.mktemp(f"w{world}") / "out")
+        mp.spawn(_worker, args=(world, _free_port(), path), nprocs=world)
+        _RESULTS[world] = [torch.load(f"{path}.{r}", weights_only=True) for r in range(world)]
+    return _RESULTS[world]
+
+
+def close(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    d = float((a - b).abs().max())
+    return d <= 1e-6 or d <= 1e-5 * float(b.abs().max())
+
+
+def check_against_reference(per_rank: list[dict]) -> None:
+    for n, m, cap in CASES:
+        for mode in MODES:
+            key = f"{n},{m},{mode}"
+            if key not in _REFERENCE:
+                _REFERENCE[key] = reference(n, m, cap, mode)
+            ref = _REFERENCE[key]
+            for r, res in enumerate(per_rank):
+                got = res[key]
+                assert got["rows"] == ref["rows"], f"{key}: mini-batch rows depend on world"
+                for step, (g, h) in enumerate(zip(got["grads"], ref["grads"])):
+                    bad = [k for k in h if not close(g[k], h[k])]
+                    assert not bad, f"{key} rank {r} mini-batch {step}: grads differ in {bad}"
+                bad = [k for k in ref["params"] if not close(got["params"][k], ref["params"][k])]
+                assert not bad, f"{key} rank {r}: params after the update differ in {bad}"
+                assert got["grads"][-1]["unused.weight"] is None and ref["grads"][-1]["unused.weight"] is None
+
+
+def test_world_one_without_env_has_no_process_group(monkeypatch):
+    for k in ENV_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        info = dist.init()
+        assert (info.world, info.rank, info.backend, info.device) == (1, 0, None, torch.device("cpu"))
+        assert dist.init() is info and not tdist.is_initialized()
+        assert dist.all_gather_object("x") == ["x"] and dist.broadcast_object(3) == 3
+        assert dist.all_reduce_max_int(4) == 4 and float(dist.all_reduce_sum(torch.ones(1))) == 1.0
+        b = make_data(4, 0).select([2, 0, 3])
+        assert dist.exchange(b, [0, 0, 0])["sample_index"].tolist() == [0, 2, 3]
+        with pytest.raises(ValueError):
+            dist.exchange(b, [0, 1, 0])
+        check_against_reference([run_all()])
+    finally:
+        dist.shutdown()
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6])
+def test_update_equals_single_device(world, tmp_path_factory):
+    per_rank = results(world, tmp_path_factory)
+    check_against_reference(per_rank)
+    # ranks holding no rows of a mini-batch still ran the same micro-steps (N=1 and 2 leave most ranks empty)
+    assert len({tuple(res["1,1,token-mean"]["micro"]) for res in per_rank}) == 1
+
+
+def test_exchange_on_three_ranks(tmp_path_factory):
+    per_rank = [res["exchange"] for res in results(3, tmp_path_factory)]
+    data = make_data(10, seed=1)
+    assert [len(dest_rows_of(r)) for r in range(3)] == [3, 4, 0]
+    for r, res in enumerate(per_rank):
+        assert same_batch(Batch.from_dict(res["got"]), data.select(dest_rows_of(r)))  # ascending sample_index
+        assert res["same_transport"] and res["mismatch_raised"] and res["bad_dest_raised"]
+
+
+def test_naive_per_rank_mean_is_not_the_single_device_gradient():
+    """The check above can fail: averaging each rank's own token-mean (DDP-style) on an uneven 2-way split."""
+    data = make_data(7, seed=7)
+    model, _ = fresh_model()
+    naive_value(*per_token_loss(model, data), "token-mean").backward()
+    want = grads(model)
+    model, _ = fresh_model()
+    for rows in ([0, 1, 2, 3], [4, 5, 6]):
+        (naive_value(*per_token_loss(model, data.select(rows)), "token-mean") / 2).backward()
+    assert not all(close(g, want[k]) for k, g in grads(model).items() if g is not None)
+
+
+def test_layout_from_torchrun_and_slurm_env():
+    torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+                "MASTER_ADDR": "n0", "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert dist._layout(torchrun) == dict(rank=5, world=8, local_rank=1, local_world=4, node_rank=1, addr="n0",
+                                          port=1234)
+    slurm = {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+             "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_JOB_ID": "100"}
+    assert dist._layout(slurm) == dict(rank=4, world=5, local_rank=0, local_world=1, node_rank=2, addr="gpu07",
+                                       port=15100)
+    assert dist._layout({**slurm, "MASTER_ADDR": "head", "MASTER_PORT": "9"})["addr"] == "head"
+    assert dist._layout({})["world"] == 1

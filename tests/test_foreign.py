@@ -1,0 +1,241 @@
+"""`evenrl plan --from`: each issue case shows the peer's failure with its exact message, and the evenrl
+equivalent runs. Messages are the peers' own (see evenrl.foreign's docstring for where they were checked)."""
+
+import argparse
+import json
+
+import pytest
+import yaml
+
+from evenrl.cli import main as cli_main
+from evenrl.config import load_config
+from evenrl.errors import UsageError
+from evenrl.foreign import parse_flags, read_foreign, translate
+from evenrl.layout import make_layout
+from evenrl.plan import fit, make_plan, render
+
+QWEN7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+          "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+          "max_position_embeddings": 32768}
+
+EASYR1 = {"data": {"rollout_batch_size": 512, "max_prompt_length": 2048, "max_response_length": 2048},
+          "algorithm": {"adv_estimator": "grpo", "use_kl_loss": True, "kl_coef": 0.01, "kl_penalty": "low_var_kl"},
+          "worker": {"actor": {"global_batch_size": 128, "micro_batch_size_per_device_for_update": 4,
+                               "micro_batch_size_per_device_for_experience": 16},
+                     "rollout": {"n": 5}},
+          "trainer": {"n_gpus_per_node": 8, "nnodes": 1}}
+LOGIC_RL = {"data": {"train_batch_size": 2, "max_prompt_length": 400, "max_response_length": 4096},
+            "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 256, "ppo_micro_batch_size_per_gpu": 8,
+                                            "use_kl_loss": True, "kl_loss_coef": 0.001},
+                                  "rollout": {"n": 8, "gpu_memory_utilization": 0.6}},
+            "algorithm": {"adv_estimator": "grpo"}, "trainer": {"n_gpus_per_node": 4, "nnodes": 1}}
+OPEN_R1 = {"model_name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "bf16": True, "use_vllm": True,
+           "vllm_mode": "server", "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+           "num_generations": 8, "max_prompt_length": 512, "max_completion_length": 1024, "max_steps": 500}
+OPENRLHF = """python3 -m openrlhf.cli.train_ppo_ray \\
+  --actor_num_nodes 1 --actor_num_gpus_per_node 4 \\
+  --vllm_num_engines 3 --vllm_tensor_parallel_size 1 \\
+  --micro_train_batch_size 2 --train_batch_size 30 \\
+  --micro_rollout_batch_size 4 --rollout_batch_size 6 --n_samples_per_prompt 4 \\
+  --advantage_estimator group_norm --prompt_max_len 1024 --generate_max_len 2048 \\
+  --zero_stage 3 --bf16 --gradient_checkpointing --use_kl_loss --init_kl_coef 0.001  # a comment
+"""
+
+
+def ns(**kw):
+    base = dict(nnodes=None, nproc_per_node=None, rollout_devices=None, device=None, device_memory_gib=None,
+                capacity_weights=None, json=False, fit=False)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def run(tmp_path, framework, content, overrides=(), **layout):
+    f = tmp_path / "peer.yaml"
+    f.write_text(content if isinstance(content, str) else yaml.safe_dump(content))
+    data = read_foreign(framework, str(f), list(overrides))
+    t, cfg = translate(framework, data, ns(**layout))
+    return t, cfg, make_plan(cfg, t.layout)
+
+
+def messages(t):
+    return [c.message for c in t.checks]
+
+
+def test_easyr1_512_prompts_on_6_gpus(tmp_path):
+    t, cfg, plan = run(tmp_path, "easyr1", EASYR1, ["trainer.n_gpus_per_node=6"])
+    assert t.layout.training_ranks == 6
+    assert messages(t) == ["actor global batch size per device must be divisible by the micro batch size.",
+                           "only support equal chunk. Got size of DataProto 512 and chunk 6."]
+    assert "640 samples // 6 GPUs = 106 per GPU; 106 % micro_batch_size_per_device_for_update 4 = 2" in t.checks[0].why
+    assert [c.stage for c in t.checks] == ["worker", "rollout"]
+    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.algo.minibatches_per_step) == (512, 5, 4)
+    assert cfg.algo.kl_coef == 0.01 and cfg.algo.kl_in == "loss" and cfg.algo.kl_estimator == "k3"
+    assert plan.runnable and not plan.idle
+    assert sorted({r.samples for r in plan.ranks}) == [424, 428] and sum(r.samples for r in plan.ranks) == 2560
+    # on 8 GPUs the same config passes EasyR1's checks
+    t8, _, _ = run(tmp_path, "easyr1", EASYR1)
+    assert t8.checks == []
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    (["data.rollout_batch_size=100"], "Rollout batch size must be divisible by actor global batch size."),
+    (["worker.actor.micro_batch_size_per_device_for_experience=7"],
+     "Rollout batch size * rollout.n must be divisible by actor micro batch size for experience."),
+    (["worker.rollout.n=1"], "GRPO and RLOO algorithm need `config.worker.rollout.n > 1`."),
+    (["trainer.n_gpus_per_node=8", "trainer.nnodes=200"],
+     "actor global batch size * ulysses size must be larger than num gpus."),
+    (["+worker.actor.fsdp.enable_cpu_offload=true"],
+     "actor cannot use FSDP's CPU offload when gradient accumulation is enabled."),
+])
+def test_easyr1_checks(tmp_path, overrides, expect):
+    t, _, _ = run(tmp_path, "easyr1", EASYR1, overrides)
+    assert expect in messages(t)
+
+
+def test_logic_rl_verl_2_prompts_on_4_gpus(tmp_path):
+    t, cfg, plan = run(tmp_path, "verl", LOGIC_RL)
+    msgs = messages(t)
+    assert "only support equal chunk. Got size of DataProto 2 and chunk 4." in msgs  # Logic-RL issue #13
+    assert "train_batch_size (2) must be >= actor.ppo_mini_batch_size (256)" in msgs
+    assert not any(m.startswith("real_train_batch_size") for m in msgs)  # 2 x 8 = 16 divides over 4 GPUs
+    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt) == (2, 8)
+    assert plan.runnable and not plan.idle and {r.samples for r in plan.ranks} == {4}
+    assert "rollout-idle" in {f.rule for f in plan.findings}  # 2 prompts generate on 2 of the 4 ranks
+    t1, _, _ = run(tmp_path, "verl", LOGIC_RL, ["actor_rollout_ref.rollout.n=1"])
+    assert "real_train_batch_size (2) must be divisible by minimal possible batch size (4)" in messages(t1)
+    a = "actor_rollout_ref.actor."
+    t2, _, _ = run(tmp_path, "verl", LOGIC_RL, ["data.train_batch_size=8", a + "ppo_mini_batch_size=8",
+                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
+    assert "normalized ppo_mini_batch_size 16 should be divisible by ppo_micro_batch_size_per_gpu 3" in messages(t2)
+    t3, _, _ = run(tmp_path, "verl", LOGIC_RL, ["data.train_batch_size=256", a + "ppo_mini_batch_size=1",
+                                               "actor_rollout_ref.rollout.n=1", "trainer.n_gpus_per_node=8"])
+    assert "ppo_mini_batch_size 0 should be larger than 0 after normalization" in messages(t3)
+
+
+def test_logic_rl_oom_follow_up(tmp_path):
+    """Raising train_batch_size then runs out of memory: the estimate and the ranked knobs, for a 7B config."""
+    model = tmp_path / "qwen7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN7B))
+    peer = {**LOGIC_RL, "actor_rollout_ref": {**LOGIC_RL["actor_rollout_ref"], "model": {"path": str(model)}}}
+    t, cfg, plan = run(tmp_path, "verl", peer, ["data.train_batch_size=8"], device_memory_gib=80)
+    assert cfg.model.path == str(model) and cfg.parallel.sharding == "fsdp"
+    over = {f.rule: f for f in plan.findings}["memory-over"]
+    assert over.level == "error" and "> 80.0 GiB" in over.message
+    assert plan.memory.total_gib > 80 and plan.memory.breakdown["activations"] > plan.memory.breakdown["optimizer"]
+    knobs = [k for f in plan.memory_fixes for k in f.settings]
+    assert "model.gradient_checkpointing" in knobs and "train.token_cap_per_micro_batch" in knobs
+    assert [f.total_gib for f in plan.memory_fixes] == sorted(f.total_gib for f in plan.memory_fixes)
+    assert any(f.fits for f in plan.memory_fixes)
+    new, changes = fit(plan)
+    again = make_plan(new, plan.layout)
+    assert again.memory.fits and again.runnable, render(again)
+
+
+def test_open_r1_trl_4_gpus_one_for_vllm(tmp_path):
+    t, cfg, plan = run(tmp_path, "trl", OPEN_R1, nproc_per_node=4, device_memory_gib=80)
+    assert (t.layout.world, t.layout.rollout_devices, t.layout.training_ranks) == (4, 1, 3)
+    assert messages(t) == [
+        "generation_batch_size (12) must be divisible by num_generations (8).",
+        "The global train batch size (3 x 2) must be evenly divisible by the number of generations per prompt (8). "
+        "Given the current train batch size, the valid values for the number of generations are: [2, 3, 6]."]
+    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt) == (2, 8)  # 12 samples = 1.5 prompts -> 2
+    assert cfg.train.steps == 500 and cfg.model.gradient_checkpointing is False
+    assert plan.runnable and sorted(r.samples for r in plan.ranks) == [5, 5, 6]
+    assert "rollout-devices-unused" in {f.rule for f in plan.findings}
+    ok, _, _ = run(tmp_path, "trl", {**OPEN_R1, "per_device_train_batch_size": 8}, nproc_per_node=4)
+    assert ok.checks == []  # 8 x 3 x 2 = 48 samples = 6 prompts of 8
+    g1, _, _ = run(tmp_path, "trl", {**OPEN_R1, "num_generations": 1}, nproc_per_node=4)
+    assert any("GRPO requires at least 2 generations per prompt" in m for m in messages(g1))
+    both, _, _ = run(tmp_path, "trl", {**OPEN_R1, "generation_batch_size": 48, "steps_per_generation": 2},
+                     nproc_per_node=4)
+    assert any("can not be both configured" in m for m in messages(both))
+    proc, _, _ = run(tmp_path, "trl", {**OPEN_R1, "num_processes": 7})
+    assert (proc.layout.world, proc.layout.training_ranks) == (8, 7)
+
+
+def test_openpi_batch_of_one_with_batchnorm(tmp_path):
+    """OpenPI: per-device batch 1 breaks BatchNorm. evenrl: min_rows_per_micro_batch=2; the schedule honours it
+    by training on fewer ranks (the planner says which and how to use them all), or explains why it cannot."""
+    f = tmp_path / "bn.yaml"
+    f.write_text(yaml.safe_dump({"data": {"prompts_per_step": 4}, "rollout": {"samples_per_prompt": 2},
+                                 "train": {"min_rows_per_micro_batch": 2}}))
+    lay = make_layout(1, 8, device="cuda", device_memory_gib=80)
+    plan = make_plan(load_config(str(f)), lay)
+    assert plan.schedule_error is None and sorted(r.samples for r in plan.ranks) == [0] * 4 + [2] * 4
+    idle = {x.rule: x for x in plan.findings}["idle-ranks"]
+    assert "min_rows_per_micro_batch=2" in idle.message and "data.prompts_per_step=8" in idle.fix
+    assert "SyncBatchNorm" in idle.fix
+    new, _ = fit(plan)
+    fitted = make_plan(new, lay)
+    assert fitted.runnable and not fitted.idle and {r.samples for r in fitted.ranks} == {2}
+    bad = make_plan(load_config(str(f), ["train.min_rows_per_micro_batch=3", "algo.minibatches_per_step=4"]), lay)
+    err = {x.rule: x for x in bad.findings}["min-rows"]
+    assert err.level == "error" and "mini-batch 0 has 2 row(s) but min_rows=3" in err.message
+    assert "data.prompts_per_step=8" in err.fix and "algo.minibatches_per_step=2" in err.fix
+
+
+def test_openrlhf_command_text(tmp_path):
+    t, cfg, plan = run(tmp_path, "openrlhf", OPENRLHF)
+    assert (t.layout.world, t.layout.rollout_devices) == (7, 3)
+    assert messages(t) == [
+        "rollout_bach_size must be divisible by actor_world_size, got 6 and 4",
+        "actor_world_size must be divisible by vllm_num_engines, got 4 and 3",
+        "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step "
+        "* world_size 30 != 2 * 3 * 4"]
+    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.parallel.sharding) == (6, 4, "fsdp")
+    assert cfg.algo.advantage == "grpo" and cfg.model.dtype == "bfloat16" and plan.runnable
+    few, _, _ = run(tmp_path, "openrlhf", {"rollout_batch_size": 2, "n_samples_per_prompt": 1,
+                                           "micro_rollout_batch_size": 8, "train_batch_size": 4,
+                                           "actor_num_gpus_per_node": 8})
+    assert "The number of sample batches must be greater than or equal to the effective number of actor processes." \
+        in messages(few)
+    assert "Gradient accumulation steps: 0 has to be greater than 0" in messages(few)
+    nested, cfg2, _ = run(tmp_path, "openrlhf", {"rollout": {"batch_size": 16, "n_samples_per_prompt": 8},
+                                                 "actor": {"num_nodes": 1, "num_gpus_per_node": 8}})
+    assert (cfg2.data.prompts_per_step, cfg2.rollout.samples_per_prompt) == (16, 8)
+
+
+def test_parse_flags():
+    assert parse_flags("python -m x --a 1 --flag --b=two --c 0.5 --list '[1, 2]'") == {
+        "a": 1, "flag": True, "b": "two", "c": 0.5, "list": [1, 2]}
+
+
+@pytest.mark.parametrize("content, overrides, match", [
+    (None, [], "no such file"),
+    ("", [], "file is empty"),
+    ("- 1\n", [], "top level is a list"),
+    ("data: [\n", [], "invalid YAML"),
+    ("data: {}\n", ["~data.x"], "deleting keys"),
+    ("data: {}\n", ["data.train_batch_size=abc"], "verl data.train_batch_size: got 'abc'"),
+    ("data: {}\n", ["data.train_batch_size=-2"], "need an integer"),
+    ("data: {}\n", ["data.train_batch_size=1000000000000"], r"1\.\.10\^9"),
+    ("data: {}\n", ["data.train_batch_size=20000000"], "data.train_batch_size -> evenrl: data.prompts_per_step"),
+    ("data: {}\n", ["actor_rollout_ref.actor.use_kl_loss=maybe"], "need true or false"),
+    ("data: {}\n", ["actor_rollout_ref.rollout.temperature=hot"], "need a number"),
+    ("data: {}\n", ["bad override"], "expected key=value"),
+])
+def test_bad_peer_input(tmp_path, content, overrides, match):
+    f = tmp_path / "v.yaml"
+    if content is not None:
+        f.write_text(content)
+    with pytest.raises(UsageError, match=match):
+        data = read_foreign("verl", str(f), overrides)
+        translate("verl", data, ns())
+
+
+def test_cli_from(tmp_path, capsys):
+    f = tmp_path / "easyr1.yaml"
+    f.write_text(yaml.safe_dump(EASYR1))
+    assert cli_main(["plan", "--from", "easyr1", str(f), "trainer.n_gpus_per_node=6"]) == 0
+    out = capsys.readouterr().out
+    assert "EasyR1 would fail 2 checks" in out and "ValueError: actor global batch size per device" in out
+    assert "equivalent evenrl config" in out and "prompts_per_step: 512" in out
+    assert cli_main(["plan", "--from", "easyr1", str(f), "trainer.n_gpus_per_node=6", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["schema"] == "evenrl.foreign/1" and d["framework"] == "easyr1" and d["plan"]["runnable"]
+    assert set(d["checks"][0]) == {"stage", "error", "message", "why", "version"}
+    assert d["config"]["data"]["prompts_per_step"] == 512 and d["plan"]["schema"] == "evenrl.plan/1"
+    assert cli_main(["plan", "--from", "easyr1", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert cli_main(["plan", "--from", "megatron", str(f)]) == 2
+    assert "invalid choice" in capsys.readouterr().err

@@ -1,0 +1,156 @@
+"""Cluster layout: flags, torchrun/Slurm environment, local detection (nvidia-smi faked), validation."""
+
+import argparse
+import subprocess
+
+import pytest
+
+from evenrl.errors import UsageError
+from evenrl.layout import (Layout, add_layout_args, detect_local, first_host, host_memory_gib, layout_from_args,
+                           layout_from_env, local_gpus, make_layout, read_dist_env)
+
+
+def parse(*argv):
+    p = argparse.ArgumentParser()
+    add_layout_args(p)
+    return p.parse_args(list(argv))
+
+
+def fake_smi(stdout="81920\n81920\n40960\n", rc=0):
+    def run(cmd, **kw):
+        assert cmd[0] == "nvidia-smi" and kw["timeout"] <= 5
+        return subprocess.CompletedProcess(cmd, rc, stdout=stdout, stderr="")
+    return run
+
+
+def no_smi(cmd, **kw):
+    raise FileNotFoundError(cmd[0])
+
+
+def test_counts():
+    lay = make_layout(2, 4, device="cuda", device_memory_gib=80, rollout_devices=1)
+    assert (lay.world, lay.training_ranks) == (8, 7)
+    assert "2 nodes x 4 cuda" in lay.describe() and "7 training, 1 reserved for rollout" in lay.describe()
+    d = lay.to_dict()
+    assert d["world"] == 8 and d["training_ranks"] == 7 and d["capacity_weights"] is None
+
+
+def test_capacity_weights_shown_as_runs():
+    lay = make_layout(1, 4, capacity_weights=[1, 1, 2, 2])
+    assert "capacity weights 1x2,2x2" in lay.describe()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(nnodes=0), "--nnodes"),
+    (dict(nproc_per_node=-1), "--nproc-per-node"),
+    (dict(nproc_per_node=2000), "--nproc-per-node"),
+    (dict(nnodes=1000, nproc_per_node=1000), "ranks"),
+    (dict(device="tpu"), "--device"),
+    (dict(device_memory_gib=-1), "--device-memory-gib"),
+    (dict(rollout_devices=-1), "--rollout-devices"),
+    (dict(capacity_weights=[1, 0]), "--capacity-weights"),
+    (dict(capacity_weights=[]), "--capacity-weights"),
+])
+def test_make_layout_refuses(kwargs, field):
+    with pytest.raises(UsageError, match=field):
+        make_layout(**kwargs)
+
+
+def test_rollout_devices_beyond_world_is_a_finding_not_an_error():
+    assert make_layout(1, 4, rollout_devices=4).training_ranks == 0
+
+
+@pytest.mark.parametrize("env, expect", [
+    ({}, None),
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "RANK": "5", "LOCAL_RANK": "1", "GROUP_RANK": "1",
+      "MASTER_ADDR": "h0", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "2"},
+     dict(source="torchrun", rank=5, local_rank=1, node_rank=1, world_size=8, local_world_size=4, nnodes=2,
+          master_addr="h0", master_port=29500, restart_count=2)),
+    ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8(x2)",
+      "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[03-04]"},
+     dict(source="slurm", rank=9, local_rank=1, node_rank=1, world_size=16, local_world_size=8, nnodes=2,
+          master_addr="gpu03", master_port=None)),
+    ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NTASKS": "4", "MASTER_ADDR": "x"},
+     dict(source="slurm", world_size=4, local_world_size=2, master_addr="x")),
+])
+def test_read_dist_env(env, expect):
+    d = read_dist_env(env)
+    if expect is None:
+        assert d is None
+    else:
+        assert {k: getattr(d, k) for k in expect} == expect
+
+
+def test_read_dist_env_bad_value_is_one_line():
+    with pytest.raises(UsageError, match="WORLD_SIZE='x' is not an integer"):
+        read_dist_env({"WORLD_SIZE": "x", "RANK": "0"})
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("gpu[03-05,9],cpu1", "gpu03"), ("node7", "node7"), ("a1,a2", "a1"), ("", ""), ("n[10]", "n10")])
+def test_first_host(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+@pytest.mark.parametrize("visible, run, expect", [
+    (None, fake_smi(), [80.0, 80.0, 40.0]),
+    ("2", fake_smi(), [40.0]),
+    ("0,1", fake_smi(), [80.0, 80.0]),
+    ("", fake_smi(), []),
+    ("-1", fake_smi(), []),
+    (None, no_smi, []),
+    ("0,1", no_smi, [0.0, 0.0]),  # listed devices, memory unknown
+    (None, fake_smi(rc=9), []),
+    ("GPU-uuid-a", fake_smi(), [80.0]),
+])
+def test_local_gpus(visible, run, expect):
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    assert local_gpus(env, run) == expect
+
+
+def test_detect_local_gpu_and_cpu():
+    lay = detect_local({}, fake_smi())
+    assert (lay.device, lay.nproc_per_node, lay.device_memory_gib, lay.source) == ("cuda", 3, 40.0, "local")
+    cpu = detect_local({}, no_smi)
+    assert (cpu.device, cpu.world) == ("cpu", 1) and cpu.device_memory_gib >= 0
+
+
+def test_host_memory(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       16777216 kB\nMemFree: 1 kB\n")
+    assert host_memory_gib(str(f)) == 16.0
+    assert host_memory_gib(str(tmp_path / "missing")) == 0.0
+
+
+def test_layout_from_env_torchrun_and_slurm_gpus():
+    lay = layout_from_env({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "RANK": "0"}, fake_smi("81920\n" * 8))
+    assert (lay.nnodes, lay.nproc_per_node, lay.device, lay.source) == (2, 8, "cuda", "torchrun")
+    # one Slurm task per node that will run torchrun over the node's GPUs
+    slurm = {"SLURM_JOB_ID": "1", "SLURM_NNODES": "4", "SLURM_NTASKS": "4", "SLURM_GPUS_ON_NODE": "8"}
+    lay = layout_from_env(slurm, fake_smi("81920\n" * 8))
+    assert (lay.nnodes, lay.nproc_per_node, lay.source) == (4, 8, "slurm")
+
+
+@pytest.mark.parametrize("argv, env, expect", [
+    (["--nnodes", "2", "--nproc-per-node", "4"], {}, dict(nnodes=2, nproc_per_node=4, device="cuda", source="flags")),
+    (["--num-nodes", "3", "--num-gpus", "2"], {}, dict(nnodes=3, nproc_per_node=2)),
+    (["--nproc-per-node", "4", "--device", "cpu"], {}, dict(nnodes=1, nproc_per_node=4, device="cpu")),
+    (["--nproc-per-node", "4", "--rollout-devices", "1", "--capacity-weights", "1,1,2"], {},
+     dict(rollout_devices=1, capacity_weights=(1.0, 1.0, 2.0))),
+    ([], {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "RANK": "0"}, dict(nproc_per_node=4, source="torchrun")),
+    (["--device-memory-gib", "24"], {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0"},
+     dict(nproc_per_node=2, device_memory_gib=24.0)),
+    ([], {}, dict(source="local")),
+])
+def test_layout_from_args(argv, env, expect):
+    lay = layout_from_args(parse(*argv), env, no_smi)
+    assert isinstance(lay, Layout)
+    assert {k: getattr(lay, k) for k in expect} == expect
+
+
+@pytest.mark.parametrize("argv", [["--nnodes", "0"], ["--nnodes", "x"], ["--nproc-per-node", "1.5"],
+                                  ["--capacity-weights", "1,-2"], ["--capacity-weights", "a"],
+                                  ["--device-memory-gib", "0"], ["--device", "tpu"], ["--rollout-devices", "-1"]])
+def test_bad_flags_exit(argv):
+    with pytest.raises(SystemExit):  # argparse; `evenrl plan` turns these into a one-line UsageError
+        parse(*argv)

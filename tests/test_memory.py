@@ -1,0 +1,157 @@
+"""Memory estimate: parameter count and every component against a hand calculation; the ranked fixes."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from evenrl.config import RunConfig
+from evenrl.layout import make_layout
+from evenrl.memory import (GIB, dims_from_config, estimate_memory, memory_fixes, read_model_dims, with_settings,
+                           worst_case_shape)
+
+# A tiny Llama-like model: every number below is computed by hand from these.
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "tie_word_embeddings": False}
+QWEN7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+          "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+          "max_position_embeddings": 32768}
+
+
+def cfg(**sections) -> RunConfig:
+    base = {"data": {"prompts_per_step": 4, "max_prompt_tokens": 32}, "rollout": {"samples_per_prompt": 2,
+            "max_new_tokens": 32}, "train": {"token_cap_per_micro_batch": 256}}
+    for sec, vals in sections.items():
+        base.setdefault(sec, {}).update(vals)
+    return RunConfig.model_validate(base)
+
+
+def test_param_count_by_hand():
+    d = dims_from_config(TINY)
+    # per layer: q 64*64 + k,v 2*64*(2*16) + o 64*64 + MLP 3*64*128 + 2 RMSNorms 2*64 = 36,992
+    assert d.head_dim == 16 and d.layer_params == 4096 + 4096 + 4096 + 24576 + 128
+    # embeddings + untied lm_head 2*100*64, 2 layers, final norm 64
+    assert d.params == 12_800 + 2 * 36_992 + 64
+    assert dims_from_config({**TINY, "tie_word_embeddings": True}).params == 6_400 + 2 * 36_992 + 64
+
+
+def test_qwen2_7b_count_matches_published_size():
+    d = dims_from_config(QWEN7B)
+    assert d.qkv_bias and abs(d.params - 7.6154e9) / 7.6154e9 < 0.001  # Qwen2.5-7B: 7.61 B parameters
+
+
+def test_every_component_by_hand():
+    """float32, replicated, no offload, 1 rank: p = 4 bytes, P = 86,848.
+    Worst case 64-token samples; 8 samples on the rank; cap 256 -> 4 rows -> t = 256 tokens; 8 samples generated.
+    activations  t * L * a * p, a = 4h + 2*q_dim + 2*kv_dim + 4i = 256 + 128 + 64 + 512 = 960
+    logits       t * V * 12;  KV cache  g * len * L * 2 * kv_dim * p;  overhead 0.3 GiB (cpu)
+    peak = params + optimizer + overhead + max(grads + activations + logits, KV)."""
+    d = dims_from_config(TINY)
+    P = 86_848
+    est = estimate_memory(cfg(), make_layout(1, 1, device="cpu", device_memory_gib=8), d)
+    b = {k: v * GIB for k, v in est.breakdown.items()}
+    assert (est.micro_tokens, est.rollout_samples) == (256, 8)
+    assert b["parameters"] == P * 4 and b["gradients"] == P * 4
+    assert b["optimizer"] == P * 8  # two fp32 moments, no master copy in fp32
+    assert b["activations"] == 256 * 2 * 960 * 4
+    assert b["logits"] == 256 * 100 * 12
+    assert b["KV cache"] == 8 * 64 * 2 * 2 * 32 * 4
+    assert b["reference model"] == b["fsdp gather"] == b["rollout reserve"] == 0
+    expect = P * 4 + P * 8 + 0.3 * GIB + (P * 4 + 256 * 2 * 960 * 4 + 256 * 100 * 12)
+    assert est.total_gib * GIB == pytest.approx(expect)
+    assert est.fits is True
+
+
+def test_checkpointing_bf16_fsdp_offload_reference():
+    d = dims_from_config(TINY)
+    P, lay = 86_848, make_layout(1, 4, device="cuda", device_memory_gib=8)
+    ck = estimate_memory(cfg(model={"gradient_checkpointing": True}), make_layout(1, 1), d)
+    assert ck.breakdown["activations"] * GIB == 256 * (2 * 64 + 960) * 4  # layer inputs + one layer recomputed
+    bf = estimate_memory(cfg(model={"dtype": "bfloat16"}), make_layout(1, 1), d)
+    assert bf.breakdown["optimizer"] * GIB == P * 12  # fp32 moments + fp32 master weights
+    assert bf.breakdown["parameters"] * GIB == P * 2
+    fs = estimate_memory(cfg(parallel={"sharding": "fsdp"}), lay, d)
+    assert fs.breakdown["parameters"] * GIB == P * 4 / 4 and fs.breakdown["optimizer"] * GIB == P * 8 / 4
+    assert fs.breakdown["fsdp gather"] * GIB == 2 * max(36_992, 6_400) * 4
+    off = estimate_memory(cfg(parallel={"cpu_offload": "optimizer"}), lay, d)
+    assert off.breakdown["optimizer"] == 0 and off.host_gib * GIB == P * 8
+    full = estimate_memory(cfg(parallel={"sharding": "fsdp", "cpu_offload": "full"}), lay, d)
+    assert full.breakdown["parameters"] == full.breakdown["gradients"] == full.breakdown["optimizer"] == 0
+    repl = estimate_memory(cfg(parallel={"cpu_offload": "full"}), lay, d)
+    assert repl.breakdown["parameters"] > 0 and any("needs sharding=fsdp" in a for a in repl.assumptions)
+    ref = estimate_memory(cfg(algo={"kl_coef": 0.01}), make_layout(1, 1), d)
+    assert ref.breakdown["reference model"] * GIB == P * 4
+    res = estimate_memory(cfg(rollout={"memory_fraction": 0.5}), lay, d)
+    assert res.breakdown["rollout reserve"] == 4.0
+
+
+@pytest.mark.parametrize("overrides, layout, shape", [
+    ({}, (1, 1), (256, 8)),  # 8 rows fit 4 per micro-batch; 4 prompts x 2 generated
+    ({}, (1, 4), (128, 2)),  # 2 rows per rank; one prompt (2 samples) per rank
+    ({"train": {"token_cap_per_micro_batch": 10}}, (1, 1), (64, 8)),  # cap below one sample: it runs alone
+    ({"train": {"min_rows_per_micro_batch": 2, "token_cap_per_micro_batch": 64}}, (1, 1), (128, 8)),
+    ({"algo": {"minibatches_per_step": 4}}, (1, 1), (128, 8)),
+])
+def test_worst_case_shape(overrides, layout, shape):
+    assert worst_case_shape(cfg(**overrides), make_layout(*layout)) == shape
+
+
+@pytest.mark.parametrize("hf, match", [
+    ({**QWEN7B, "num_experts": 64}, "mixture-of-experts"),
+    ({"model_type": "t5", "d_model": 512}, "lacks hidden_size"),
+    ([1, 2], "not a JSON object"),
+    ({**TINY, "hidden_size": "64"}, "lacks hidden_size"),
+])
+def test_unsupported_configs(hf, match):
+    with pytest.raises(ValueError, match=match):
+        dims_from_config(hf)
+
+
+def test_nested_text_config_and_head_dim():
+    d = dims_from_config({"model_type": "qwen2_5_vl", "text_config": {**TINY, "head_dim": 32}})
+    assert d.head_dim == 32 and d.hidden == 64
+
+
+def test_read_model_dims(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        read_model_dims(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable JSON"):
+        read_model_dims(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert read_model_dims(str(tmp_path)).params == 86_848
+
+
+def test_fixes_are_ranked_and_each_lowers_the_peak():
+    d = dims_from_config(QWEN7B)
+    c = RunConfig.model_validate({"model": {"dtype": "bfloat16"}, "algo": {"kl_coef": 0.001},
+                                  "data": {"prompts_per_step": 8, "max_prompt_tokens": 400},
+                                  "rollout": {"samples_per_prompt": 8, "max_new_tokens": 4096},
+                                  "train": {"token_cap_per_micro_batch": 71936}})
+    lay = make_layout(1, 4, device="cuda", device_memory_gib=80)
+    base = estimate_memory(c, lay, d).total_gib
+    assert base > 80
+    fixes = memory_fixes(c, lay, d)
+    totals = [f.total_gib for f in fixes]
+    assert totals == sorted(totals) and all(t < base for t in totals)
+    keys = {k for f in fixes for k in f.settings}
+    assert {"model.gradient_checkpointing", "parallel.sharding", "parallel.cpu_offload",
+            "train.token_cap_per_micro_batch", "algo.kl_coef", "data.prompts_per_step"} <= keys
+    cap = next(f for f in fixes if "train.token_cap_per_micro_batch" in f.settings)
+    value = cap.settings["train.token_cap_per_micro_batch"]
+    assert value % 4496 == 0 and value < 71936  # whole rows of 400 + 4096 tokens
+    for f in fixes:  # the numbers are what re-estimating with the setting gives
+        assert estimate_memory(with_settings(c, f.settings), lay, d).total_gib == pytest.approx(f.total_gib)
+        assert f.fits == (f.total_gib <= 80)
+    if cap.fits:  # the largest cap that fits: one more row does not
+        bigger = with_settings(c, {"train.token_cap_per_micro_batch": value + 4496})
+        assert estimate_memory(bigger, lay, d).total_gib > 80
+    assert "->" in fixes[0].text() and "GiB" in fixes[0].text()
+
+
+def test_with_settings_validates_and_copies():
+    c = cfg()
+    new = with_settings(c, {"data.prompts_per_step": 9})
+    assert new.data.prompts_per_step == 9 and c.data.prompts_per_step == 4
+    with pytest.raises(ValidationError):
+        with_settings(c, {"data.prompts_per_step": -1})

@@ -1,0 +1,284 @@
+"""The planner: one table-driven test per rule, the plan's numbers, --fit, the JSON schema and the CLI
+(exit codes 0/1/2, one-line errors, no torch import). Subprocess calls are batched: each costs ~0.3 s."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evenrl.cli import main as cli_main
+from evenrl.config import RunConfig, load_config
+from evenrl.layout import make_layout
+from evenrl.plan import fit, make_plan, minimal_yaml, render
+
+QWEN7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+          "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+          "max_position_embeddings": 32768}
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 128}
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "plan_512x8.yaml")
+BASE = ["data.prompts_per_step=8", "rollout.samples_per_prompt=4", "data.max_prompt_tokens=64",
+        "rollout.max_new_tokens=64", "train.token_cap_per_micro_batch=1024"]
+
+
+def make(overrides=(), model_config=None, **layout):
+    layout = {"nproc_per_node": 4, "device": "cuda", "device_memory_gib": 80, **layout}
+    return make_plan(load_config(None, BASE + list(overrides)), make_layout(**layout), model_config=model_config)
+
+
+def rules(p):
+    return {f.rule: f for f in p.findings}
+
+
+CASES = [
+    # (rule, level, overrides, layout, model config, text that must appear in message or fix)
+    ("idle-ranks", "warning", ["data.prompts_per_step=2", "rollout.samples_per_prompt=1"], {}, None,
+     ["2 prompts × 1 sample on 4 training ranks leaves 2 ranks idle", "data.prompts_per_step=4",
+      "rollout.samples_per_prompt>=2"]),
+    ("idle-ranks", "warning", ["data.prompts_per_step=4", "rollout.samples_per_prompt=2",
+                               "algo.minibatches_per_step=2"], {"nproc_per_node": 8}, None,
+     ["in 2 mini-batches", "leaves", "data.prompts_per_step=8"]),
+    ("single-sample-group", "error", ["rollout.samples_per_prompt=1"], {}, None,
+     ["samples_per_prompt=1", "rollout.samples_per_prompt>=2"]),
+    ("single-sample-group", "error", ["rollout.samples_per_prompt=1", "algo.advantage=rloo"], {}, None, ["rloo"]),
+    ("greedy-group", "error", ["rollout.temperature=0"], {}, None, ["rollout.temperature=1.0"]),
+    ("small-group", "note", ["rollout.samples_per_prompt=2"], {}, None, ["+-0.71", "algo.std_scale=batch"]),
+    ("empty-minibatches", "error", ["data.prompts_per_step=1", "rollout.samples_per_prompt=2",
+                                    "algo.minibatches_per_step=4"], {}, None,
+     ["minibatches_per_step=4", "algo.minibatches_per_step="]),
+    ("empty-minibatches", "error", ["data.prompts_per_step=2", "algo.minibatches_per_step=4"], {}, None,
+     ["prompt groups", "make only 2", "algo.minibatches_per_step=2"]),
+    ("uneven-minibatches", "note", ["data.prompts_per_step=3", "rollout.samples_per_prompt=8",
+                                    "algo.minibatches_per_step=2"], {}, None, ["8..16", "data.prompts_per_step=4"]),
+    ("min-rows", "error", ["data.prompts_per_step=4", "rollout.samples_per_prompt=2", "algo.minibatches_per_step=4",
+                           "train.min_rows_per_micro_batch=3"], {}, None, ["min_rows=3", "BatchNorm"]),
+    ("min-rows-token-cap", "warning", ["train.min_rows_per_micro_batch=2", "train.token_cap_per_micro_batch=200"],
+     {}, None, ["256 tokens", "train.token_cap_per_micro_batch=256"]),
+    ("token-cap-oversize", "warning", ["train.token_cap_per_micro_batch=100"], {}, None,
+     ["128", "run alone", "train.token_cap_per_micro_batch=128", "rollout.max_new_tokens=36"]),
+    ("no-training-ranks", "error", [], {"rollout_devices": 4}, None, ["no rank is left", "--rollout-devices 3"]),
+    ("capacity-weights", "error", [], {"capacity_weights": [1, 2]}, None, ["2 weights for 4", "1,1,1,1"]),
+    ("capacity-weights", "error", ["parallel.capacity_weights=[1,1,-1,1]"], {}, None, ["<= 0"]),
+    ("imbalance", "note", ["data.prompts_per_step=5", "rollout.samples_per_prompt=2"], {}, None,
+     ["20% more", "data.prompts_per_step=6"]),
+    ("rollout-idle", "warning", ["data.prompts_per_step=2"], {}, None,
+     ["2 ranks generate nothing", "data.prompts_per_step=4"]),
+    ("data-path", "warning", [], {}, None, ["data.path is empty"]),
+    ("data-path", "error", ["data.path=/no/such/file.jsonl"], {}, None, ["does not exist"]),
+    ("model-path", "error", ["model.path=/no/such/model"], {}, None, ["not a local directory"]),
+    ("memory-over", "error", ["model.dtype=bfloat16", "train.token_cap_per_micro_batch=16384"], {}, QWEN7B,
+     ["> 80.0 GiB", "best first", "GiB (fits)"]),
+    ("memory-tight", "warning", ["model.dtype=bfloat16", "parallel.sharding=fsdp", "parallel.cpu_offload=optimizer"],
+     {"device_memory_gib": 18}, QWEN7B, ["> 90%"]),
+    ("memory-unknown", "note", [], {"device_memory_gib": 0}, TINY, ["device memory unknown", "--device-memory-gib"]),
+    ("memory-skipped", "note", [], {}, None, ["model.path is empty"]),
+    ("memory-skipped", "note", [], {}, {**QWEN7B, "num_experts": 8}, ["mixture-of-experts"]),
+    ("max-positions", "warning", ["rollout.max_new_tokens=100"], {}, TINY, ["164", "128",
+                                                                             "rollout.max_new_tokens=64"]),
+    ("offload-replicated", "warning", ["parallel.cpu_offload=full"], {}, None, ["parallel.sharding=fsdp"]),
+    ("fsdp-one-rank", "note", ["parallel.sharding=fsdp"], {"nproc_per_node": 1}, None, ["shards nothing"]),
+    ("rollout-devices-unused", "warning", [], {"rollout_devices": 1}, None, ["sit idle", "--rollout-devices 0"]),
+    ("rollout-reserve-unused", "warning", ["rollout.memory_fraction=0.3"], {}, None, ["rollout.memory_fraction=0"]),
+    ("fp16-cpu", "warning", ["model.dtype=float16"], {"device": "cpu"}, None, ["model.dtype=float32"]),
+    ("warmup-longer-than-run", "warning", ["train.steps=10", "train.warmup_steps=50"], {}, None,
+     ["10 optimizer steps", "train.warmup_steps=1"]),
+]
+
+
+@pytest.mark.parametrize("rule, level, overrides, layout, model_config, texts", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_rule(rule, level, overrides, layout, model_config, texts):
+    p = make(overrides, model_config, **layout)
+    found = rules(p)
+    assert rule in found, render(p)
+    f = found[rule]
+    assert f.level == level
+    for text in texts:
+        assert text in f.message + " | " + f.fix, (text, f)
+    assert p.runnable == (not any(x.level == "error" for x in p.findings))
+    assert f"{level.upper():<7} {rule}:" in render(p)  # every plan renders, and shows its findings
+    json.dumps(p.to_dict())
+
+
+def test_every_rule_is_reported_at_once():
+    p = make(["data.prompts_per_step=2", "rollout.samples_per_prompt=1", "train.token_cap_per_micro_batch=100",
+              "parallel.cpu_offload=full"], capacity_weights=[1, 1])
+    assert {"idle-ranks", "single-sample-group", "token-cap-oversize", "offload-replicated", "capacity-weights",
+            "rollout-idle", "data-path"} <= set(rules(p))
+    levels = [f.level for f in p.findings]
+    assert levels == sorted(levels, key=["error", "warning", "note"].index)  # errors first
+
+
+def test_clean_config_is_runnable(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": str(i), "answer": "1"}) + "\n" for i in range(80)) + "\n")
+    p = make([f"data.path={data}", "train.steps=30"])
+    assert p.findings == [] or all(f.level == "note" for f in p.findings), render(p)
+    assert p.runnable and p.dataset_rows == 80 and p.steps_per_epoch == 10
+    assert "dataset 80 rows = 10.0 RL steps" in render(p)
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    assert rules(make([f"data.path={empty}"]))["data-path"].level == "error"
+    assert rules(make([f"data.path={data}", "data.prompts_per_step=100"]))["prompts-exceed-dataset"]
+
+
+def test_model_dir_without_config_json(tmp_path):
+    f = rules(make([f"model.path={tmp_path}"]))["model-path"]
+    assert f.level == "error" and "no config.json" in f.message
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert "model-path" not in rules(make([f"model.path={tmp_path}"]))
+
+
+def test_numbers_512x8_on_64_ranks():
+    cfg = load_config(EXAMPLE)
+    lay = make_layout(8, 8, device="cuda", device_memory_gib=80)
+    t0 = time.perf_counter()
+    p = make_plan(cfg, lay)
+    dt = time.perf_counter() - t0
+    print(f"\nplan 512 prompts x 8 samples on 64 ranks: {dt * 1000:.1f} ms")
+    assert p.simulated and p.minibatch_sizes == [1024] * 4
+    assert {r.samples for r in p.ranks} == {64} and p.idle == []
+    assert p.optimizer_steps_per_step == 4 and p.to_dict()["optimizer_steps"]["total"] == 4 * cfg.train.steps
+    assert len({r.micro_steps for r in p.ranks}) == 1  # every rank runs the same number of micro-steps
+    assert dt < 1.0
+
+
+def test_uneven_and_weighted_split():
+    p = make(["data.prompts_per_step=5", "rollout.samples_per_prompt=2"], nproc_per_node=3)
+    assert sorted(r.samples for r in p.ranks) == [3, 3, 4] and sum(r.samples for r in p.ranks) == 10
+    w = make(["data.prompts_per_step=6", "rollout.samples_per_prompt=2"], capacity_weights=[1, 1, 2, 2])
+    assert [r.samples for r in w.ranks] == [2, 2, 4, 4]
+
+
+def test_huge_step_is_computed_not_simulated():
+    p = make(["data.prompts_per_step=100000", "rollout.samples_per_prompt=8", "algo.minibatches_per_step=3"],
+             nnodes=4, nproc_per_node=8)
+    assert not p.simulated and sum(r.samples for r in p.ranks) == 800_000 and len(p.minibatch_sizes) == 3
+    assert "computed" in render(p)
+
+
+FIT_CASES = [
+    ["data.prompts_per_step=2", "rollout.samples_per_prompt=1"],
+    ["rollout.temperature=0", "algo.minibatches_per_step=64"],
+    ["data.prompts_per_step=4", "rollout.samples_per_prompt=2", "train.min_rows_per_micro_batch=2"],
+    ["train.token_cap_per_micro_batch=100", "parallel.cpu_offload=full", "rollout.memory_fraction=0.5"],
+    ["model.dtype=bfloat16", "train.token_cap_per_micro_batch=16384", "algo.kl_coef=0.01"],
+    ["parallel.capacity_weights=[1,2]"],
+]
+
+
+@pytest.mark.parametrize("overrides", FIT_CASES)
+def test_fit_removes_errors_and_idle_ranks(overrides):
+    p = make(overrides, QWEN7B)
+    before = p.config.model_dump()
+    new, changes = fit(p)
+    assert p.config.model_dump() == before  # the original config is never changed
+    q = make_plan(new, p.layout, model_config=QWEN7B)
+    assert q.runnable and not q.idle, render(q)
+    assert not {"idle-ranks", "rollout-idle", "token-cap-oversize", "memory-over"} & set(rules(q))
+    assert changes and all(a != b for _, a, b in changes)
+    assert load_config_text(minimal_yaml(new)) == new  # the printed YAML is the fitted config
+
+
+def load_config_text(text):
+    return RunConfig.model_validate(yaml.safe_load(text))
+
+
+def test_json_schema():
+    d = make(["data.prompts_per_step=2"], TINY).to_dict()
+    assert d["schema"] == "evenrl.plan/1" and isinstance(d["runnable"], bool)
+    assert set(d) == {"schema", "runnable", "counts", "layout", "step", "ranks", "optimizer_steps", "memory",
+                      "findings"}
+    assert set(d["counts"]) == {"error", "warning", "note"}
+    assert {"world", "training_ranks", "device", "device_memory_gib"} <= set(d["layout"])
+    assert {"prompts_per_step", "samples_per_prompt", "samples_per_step", "minibatch_sizes", "sample_tokens",
+            "token_cap", "min_rows", "simulated"} <= set(d["step"])
+    assert set(d["ranks"]["per_rank"][0]) == {"rank", "samples", "tokens", "micro_steps", "idle_minibatches"}
+    assert {"min", "mean", "max"} == set(d["ranks"]["samples"])
+    assert set(d["optimizer_steps"]) == {"per_step", "total", "dataset_rows", "steps_per_epoch", "per_epoch"}
+    assert {"breakdown_gib", "total_gib", "capacity_gib", "fits", "fixes", "assumptions"} <= set(d["memory"])
+    assert all(set(f) == {"level", "rule", "message", "fix"} for f in d["findings"])
+    json.dumps(d)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+BAD_INPUTS = [
+    (["plan"], "the following arguments are required"),
+    (["plan", EXAMPLE, "--nnodes", "0"], "--nnodes"),
+    (["plan", EXAMPLE, "--nproc-per-node", "two"], "--nproc-per-node"),
+    (["plan", EXAMPLE, "--capacity-weights", "1,x"], "--capacity-weights"),
+    (["plan", EXAMPLE, "--device", "tpu"], "--device"),
+    (["plan", EXAMPLE, "--bogus"], "unrecognized arguments"),
+    (["plan", EXAMPLE, "data.prompts_per_step=1000000000000"], "less than or equal"),
+    (["plan", EXAMPLE, "data.prompts_per_step=-4"], "greater than or equal to 1"),
+    (["plan", EXAMPLE, "rollout.samples_per_prompt=lots"], "valid integer"),
+    (["plan", EXAMPLE, "data.nope=1"], "unknown key"),
+    (["plan", EXAMPLE, "data.prompts_per_step"], "expected key=value"),
+    (["plan", EXAMPLE, "=3"], "empty key segment"),
+    (["plan", str(ROOT / "examples")], "is a directory"),
+    (["plan", "no/such.yaml"], "no such file"),
+    (["plan", EXAMPLE, "--nnodes", "1000", "--nproc-per-node", "1000"], "ranks"),
+]
+
+
+@pytest.mark.parametrize("argv, text", BAD_INPUTS)
+def test_bad_input_is_one_line_exit_2(argv, text, capsys):
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and text in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("content, text", [("", "file is empty"), ("- a\n- b\n", "top level is a list"),
+                                           ("data: [\n", "invalid YAML"), ("data:\n  prompts_per_step: [1]\n",
+                                                                          "valid integer")])
+def test_bad_files(tmp_path, capsys, content, text):
+    f = tmp_path / "c.yaml"
+    f.write_text(content)
+    assert cli_main(["plan", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and text in err
+
+
+def test_cli_exit_codes_json_and_fit(capsys):
+    assert cli_main(["plan", EXAMPLE, "--nproc-per-node", "4", "--device-memory-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "layout     1 node x 4 cuda" in out and "findings" in out
+    args = ["plan", EXAMPLE, "rollout.samples_per_prompt=1", "--nproc-per-node", "4"]
+    assert cli_main(args) == 1
+    assert "ERROR   single-sample-group" in capsys.readouterr().out
+    assert cli_main(args + ["--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["runnable"] is False and d["counts"]["error"] >= 1
+    assert cli_main(args + ["--fit", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fit"]["plan"]["runnable"] and d["fit"]["changes"][0]["key"] == "rollout.samples_per_prompt"
+    assert cli_main(args + ["--fit"]) == 0
+    out = capsys.readouterr().out
+    assert "--fit: rollout.samples_per_prompt 1 -> 4" in out and "plan of the fitted config" in out
+
+
+def test_subprocess_no_torch_no_traceback(tmp_path):
+    """The real entry points in fresh interpreters: exit codes, one-line stderr, torch never imported."""
+    code = (
+        "import sys\n"
+        "from evenrl.cli import main\n"
+        "codes = [main(['plan', '" + EXAMPLE + "', '--nnodes', '8', '--nproc-per-node', '8', '--json']),\n"
+        "         main(['plan', '" + EXAMPLE + "', 'rollout.samples_per_prompt=1', '--fit'])]\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "print('CODES', codes)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "CODES [0, 0]" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "evenrl.cli", "plan", EXAMPLE,
+                          "data.prompts_per_step=1000000000000"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+    err = subprocess.run([sys.executable, "-m", "evenrl.cli", "plan", EXAMPLE,
+                          "rollout.samples_per_prompt=1"], capture_output=True, text=True, timeout=60)
+    assert err.returncode == 1 and "single-sample-group" in err.stdout

@@ -1,0 +1,199 @@
+import numpy as np
+import pytest
+import torch
+
+from evenrl.errors import UsageError
+from evenrl.models import encode_prompt, load_policy, make_tiny_model
+from evenrl.rollout import (
+    Completion,
+    SamplingParams,
+    generate,
+    greedy,
+    row_seed,
+    sample_from_logits,
+    uniforms,
+)
+
+PAD = 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models on a shared 2-core box run ~10x faster single-threaded (no OpenMP barrier waits).
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return load_policy(make_tiny_model(str(tmp_path_factory.mktemp("tiny")), seed=3))
+
+
+@pytest.fixture(scope="module")
+def abc(policy):
+    _, tok = policy
+    # Different lengths, so batching them needs real left padding.
+    return [encode_prompt(tok, t, False) for t in ("7+8=", "countdown 3 5 7 to 15:", "12*3=")]
+
+
+def run(model, prompts, keys, params, *, step=0, eos=frozenset(), **kw):
+    return generate(model, prompts, keys, params, step=step, eos_token_ids=set(eos), pad_token_id=PAD, **kw)
+
+
+def by_key(results):
+    return {(c.prompt_key, c.sample_index): c for r in results for c in r}
+
+
+def full_logits(model, prompt, completion):
+    ids = torch.tensor([prompt + completion])
+    return model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+
+
+def test_batching_does_not_change_samples(policy, abc):
+    model, _ = policy
+    A, B, C = abc
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, samples_per_prompt=4, seed=5)
+    together = by_key(run(model, [A, B, C], [10, 11, 12], params, step=3))
+    alone = by_key(run(model, [C], [12], params, step=3))
+    reversed_ = by_key(run(model, [B, A], [11, 10], params, step=3))
+    one_by_one = by_key(run(model, [A, B, C], [10, 11, 12], params, step=3, max_batch_prompts=1))
+    for other in (alone, reversed_, one_by_one):
+        for k, c in other.items():
+            assert c.token_ids == together[k].token_ids, k
+            np.testing.assert_allclose(c.logprobs, together[k].logprobs, atol=1e-5)
+    # The test has teeth: samples of one prompt differ, and another step gives other samples.
+    assert len({tuple(together[(10, s)].token_ids) for s in range(4)}) > 1
+    later = by_key(run(model, [A], [10], params, step=4))
+    assert later[(10, 0)].token_ids != together[(10, 0)].token_ids
+
+
+def test_shape_and_keys(policy, abc):
+    model, _ = policy
+    res = run(model, abc, [7, 8, 9], SamplingParams(max_new_tokens=3, samples_per_prompt=2))
+    assert [[(c.prompt_key, c.sample_index) for c in r] for r in res] == [[(7, 0), (7, 1)], [(8, 0), (8, 1)], [(9, 0), (9, 1)]]
+    assert all(isinstance(c, Completion) and len(c.token_ids) == len(c.logprobs) == 3 for r in res for c in r)
+    assert run(model, [], [], SamplingParams(max_new_tokens=3)) == []
+
+
+def test_eos_stops_rows_without_disturbing_others(policy, abc):
+    model, tok = policy
+    eos = {1} | set(encode_prompt(tok, "0123456789", False))  # ~11% of the vocab: rows end at varied steps
+    params = SamplingParams(max_new_tokens=16, samples_per_prompt=6, seed=1)
+    stopped = run(model, abc, [0, 1, 2], params, eos=eos)
+    free = run(model, abc, [0, 1, 2], params)
+    flags = [c.finished for r in stopped for c in r]
+    assert any(flags) and not all(flags)
+    assert len({len(c.token_ids) for r in stopped for c in r}) > 2
+    for rs, rf in zip(stopped, free):
+        for s, f in zip(rs, rf):
+            n = len(s.token_ids)
+            if s.finished:
+                assert s.token_ids[-1] in eos and not eos & set(s.token_ids[:-1])
+            else:
+                assert n == 16 and not eos & set(s.token_ids)
+            # Dropping finished rows from the batch must not change the rows that keep going.
+            assert s.token_ids == f.token_ids[:n]
+            np.testing.assert_allclose(s.logprobs, f.logprobs[:n], atol=1e-5)
+
+
+def test_temperature_zero_is_argmax(policy, abc):
+    model, _ = policy
+    res = greedy(model, abc, max_new_tokens=8, eos_token_ids=set(), pad_token_id=PAD)
+    for prompt, c in zip(abc, res):
+        ids = list(prompt)
+        for _ in range(8):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        assert c.token_ids == ids[len(prompt) :]
+    assert len({tuple(c.token_ids) for c in res}) > 1
+
+
+def test_tiny_top_p_is_greedy(policy, abc):
+    model, _ = policy
+    g = run(model, abc, [0, 1, 2], SamplingParams(max_new_tokens=8, temperature=0.0))
+    p = run(model, abc, [0, 1, 2], SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1e-6, samples_per_prompt=3))
+    for rg, rp in zip(g, p):
+        assert all(c.token_ids == rg[0].token_ids for c in rp)
+    # A wide nucleus at temperature 1 does sample something else.
+    w = run(model, abc, [0, 1, 2], SamplingParams(max_new_tokens=8, samples_per_prompt=3))
+    assert any(c.token_ids != rg[0].token_ids for rg, rw in zip(g, w) for c in rw)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_logprobs_and_tokens_match_uncached_forward(policy, abc, temperature, top_p):
+    model, _ = policy
+    params = SamplingParams(max_new_tokens=10, temperature=temperature, top_p=top_p, samples_per_prompt=3, seed=9)
+    res = run(model, abc, [4, 5, 6], params, step=2)
+    worst = 0.0
+    for prompt, r in zip(abc, res):
+        for c in r:
+            logits = full_logits(model, prompt, c.token_ids)
+            ref = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+            # Re-sample from the no-cache, no-padding logits with the same uniforms: same tokens.
+            seed = np.array([row_seed(9, 2, c.prompt_key, c.sample_index)], dtype=np.uint64)
+            for t, want in enumerate(c.token_ids):
+                u = torch.from_numpy(uniforms(seed, t))
+                got, _ = sample_from_logits(logits[t : t + 1], u, temperature, top_p)
+                assert int(got) == want
+    assert worst < 1e-4
+
+
+def test_llama_matches_uncached_forward(tmp_path):
+    model, tok = load_policy(make_tiny_model(str(tmp_path), arch="llama", seed=2))
+    prompts = [encode_prompt(tok, t, False) for t in ("1+1=", "a longer prompt: 9-4=")]
+    res = run(model, prompts, [0, 1], SamplingParams(max_new_tokens=6, samples_per_prompt=2, seed=4))
+    for prompt, r in zip(prompts, res):
+        for c in r:
+            logits = full_logits(model, prompt, c.token_ids)
+            ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+
+
+def test_sampler_follows_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]])
+    n = 20000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n  # stratified: frequencies are exact to 1/n
+    for temperature, top_p in [(1.0, 1.0), (0.5, 1.0), (1.0, 0.8)]:
+        toks, lps = sample_from_logits(logits.expand(n, -1), u, temperature, top_p)
+        probs = torch.softmax(logits[0] / temperature, -1)
+        if top_p < 1:
+            probs[2:] = 0  # p = .64, .24, .09, ... -> nucleus {0, 1} holds 0.88 >= 0.8
+            probs /= probs.sum()
+        freq = torch.bincount(toks, minlength=5).double() / n
+        assert torch.allclose(freq, probs.double(), atol=2e-4), (temperature, top_p, freq)
+        np.testing.assert_allclose(lps, torch.log_softmax(logits[0] / temperature, -1)[toks], atol=1e-6)
+    assert not (toks == 4).any()
+
+
+def test_uniforms_are_keyed_and_uniform():
+    seeds = np.array([row_seed(0, 0, k, 0) for k in range(5000)], dtype=np.uint64)
+    u0, u1 = uniforms(seeds, 0), uniforms(seeds, 1)
+    assert ((u0 >= 0) & (u0 < 1)).all() and abs(u0.mean() - 0.5) < 0.02 and abs(u1.mean() - 0.5) < 0.02
+    assert abs(np.corrcoef(u0, u1)[0, 1]) < 0.05
+    assert row_seed(0, 0, 1, 0) != row_seed(0, 0, 0, 1) != row_seed(0, 1, 0, 0) != row_seed(1, 0, 0, 0)
+    np.testing.assert_array_equal(uniforms(seeds[7:8], 3), uniforms(seeds, 3)[7:8])
+
+
+def test_bad_inputs(policy, abc):
+    model, _ = policy
+    for kw in (dict(max_new_tokens=0), dict(max_new_tokens=4, temperature=-1.0), dict(max_new_tokens=4, top_p=0.0),
+               dict(max_new_tokens=4, samples_per_prompt=0)):
+        with pytest.raises(UsageError):
+            SamplingParams(**kw)
+    p = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ValueError, match="unique"):
+        run(model, abc[:2], [1, 1], p)
+    with pytest.raises(ValueError, match="no tokens"):
+        run(model, [[]], [0], p)
+
+
+def test_restores_training_mode(policy, abc):
+    model, _ = policy
+    model.train()
+    try:
+        run(model, abc[:1], [0], SamplingParams(max_new_tokens=2))
+        assert model.training
+    finally:
+        model.eval()

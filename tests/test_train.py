@@ -1,0 +1,135 @@
+"""End-to-end `evenrl train` / `evenrl sft` on a tiny random Qwen2 model made on the spot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from evenrl.demo import write_addition_data
+from evenrl.models import make_tiny_model
+
+TESTS = Path(__file__).resolve().parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+       "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    model = make_tiny_model(str(root / "model"), arch="qwen2", seed=0)
+    data = root / "addition.jsonl"
+    write_addition_data(data)
+    cfg = root / "cfg.yaml"
+    cfg.write_text(f"""
+model: {{path: {model}}}
+data: {{path: {data}, prompts_per_step: 7, max_prompt_tokens: 16}}
+rollout: {{samples_per_prompt: 3, max_new_tokens: 4, temperature: 1.0}}
+rewards: {{functions: [{{name: exact_match}}, {{name: 'toy_rewards:digit_fraction', weight: 0.5}}]}}
+algo: {{advantage: grpo, minibatches_per_step: 2}}
+train: {{steps: 2, lr: 1.0e-3, token_cap_per_micro_batch: 24}}
+log: {{progress: false, tensorboard: false, samples_every_steps: 1}}
+""")
+    return {"model": model, "data": data, "cfg": cfg, "root": root}
+
+
+def evenrl(*args, env=None, check=True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "evenrl.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env or ENV, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_one_process_run_writes_everything(assets, tmp_path):
+    run = tmp_path / "one"
+    evenrl("train", assets["cfg"], f"log.run_dir={run}")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["samples"] == 21 for r in rows)
+    assert (run / "config.yaml").exists() and (run / "samples.jsonl").exists()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True)
+    start = AutoModelForCausalLM.from_pretrained(assets["model"], local_files_only=True)
+    moved = max(float((a - b).abs().max().detach()) for a, b in zip(model.parameters(), start.parameters()))
+    assert moved > 1e-5, "training did not change the model"
+
+
+@pytest.mark.slow
+def test_same_model_on_one_and_three_processes(assets, tmp_path):
+    """Layout invariance: 7 prompts x 3 samples, 2 mini-batches, on 1 and on 3 ranks -> the same parameters."""
+    one, three = tmp_path / "w1", tmp_path / "w3"
+    evenrl("train", assets["cfg"], f"log.run_dir={one}")
+    evenrl("train", assets["cfg"], f"log.run_dir={three}", "--nproc-per-node", 3)
+    diff = max_diff(final_params(one), final_params(three))
+    assert diff <= 1e-5, diff
+    m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    m3 = [json.loads(x) for x in (three / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/mean"] for r in m1] == [r["reward/mean"] for r in m3]
+    assert len(m3[0]["load/rank_tokens"]) == 3
+
+
+@pytest.mark.slow
+def test_resume_after_a_crash_gives_the_same_model(assets, tmp_path):
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    common = ["train.steps=4", "checkpoint.every_steps=2"]
+    evenrl("train", assets["cfg"], *common, f"log.run_dir={straight}")
+    proc = evenrl("train", assets["cfg"], *common, f"log.run_dir={crashed}",
+                  env={**ENV, "EVENRL_TEST_CRASH_AT_STEP": "3"}, check=False)
+    assert proc.returncode != 0
+    assert not (crashed / "final").exists()
+    assert (crashed / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    evenrl("train", assets["cfg"], *common, f"log.run_dir={crashed}", "--resume")
+    assert max_diff(final_params(straight), final_params(crashed)) == 0.0
+    steps = [json.loads(x)["step"] for x in (crashed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_sft_then_kl_and_multi_epoch_paths(assets, tmp_path):
+    sft_dir = tmp_path / "sft"
+    evenrl("sft", assets["cfg"], f"log.run_dir={sft_dir}", "sft.steps=3", "sft.rows_per_step=8")
+    assert (sft_dir / "final" / "model.safetensors").exists()
+    run = tmp_path / "kl"
+    evenrl("train", assets["cfg"], f"model.path={sft_dir / 'final'}", f"log.run_dir={run}", "train.steps=1",
+           "algo.kl_coef=0.1", "algo.epochs_per_step=2", "algo.entropy_coef=0.01", "algo.advantage=rloo")
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["kl"] >= 0.0
+    run2 = tmp_path / "klr"
+    evenrl("train", assets["cfg"], f"log.run_dir={run2}", "train.steps=1", "algo.kl_coef=0.1", "algo.kl_in=reward")
+    assert (run2 / "final").exists()
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.path=/nonexistent/model", "/nonexistent/model"),
+    ("data.path=/nonexistent/data.jsonl", "/nonexistent/data.jsonl"),
+    ("rollout.samples_per_prompt=0", "rollout.samples_per_prompt"),
+    ("algo.advantage=ppo2", "algo.advantage"),
+])
+def test_bad_input_is_one_line_and_exit_2(assets, tmp_path, override, needle):
+    proc = evenrl("train", assets["cfg"], f"log.run_dir={tmp_path / 'bad'}", override, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_missing_config_file_exit_2(tmp_path):
+    proc = evenrl("train", tmp_path / "nope.yaml", check=False)
+    assert proc.returncode == 2 and "nope.yaml" in proc.stderr and "Traceback" not in proc.stderr

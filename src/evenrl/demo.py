@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="evenrl demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/demo", help="where the model, data and runs go")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes for the GRPO phase")
-    p.add_argument("overrides", nargs="*", help="dotted overrides for the GRPO config, e.g. train.steps=50")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of examples/demo.yaml, e.g. train.steps=50 sft.steps=100")
     args = p.parse_args(argv)
     out = Path(args.out)
     cfg_path = _config_path()
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
 
     common = [f"data.path={data}"]
     sft_dir = out / "sft"
-    sft_cfg = load_config(cfg_path, common + [f"model.path={model_dir}", f"log.run_dir={sft_dir}"])
+    sft_cfg = load_config(cfg_path, common + [*args.overrides, f"model.path={model_dir}", f"log.run_dir={sft_dir}"])
     print(f"[demo] supervised warm start: {sft_cfg.sft.steps} steps of {sft_cfg.sft.rows_per_step} rows")
     from evenrl.sft import sft
 

@@ -19,8 +19,10 @@ from pathlib import Path
 
 class RunLog:
     def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool, progress_total: int | None,
-                 progress: bool, initial_step: int = 0):
+                 progress: bool, initial_step: int = 0, shown: dict[str, str] | None = None):
+        """`shown` maps metric names to the short labels the progress bar shows after each step."""
         self.dir = Path(run_dir)
+        self.shown = shown or {}
         self.enabled = enabled
         self._tb = None
         self._bar = None
@@ -57,9 +59,8 @@ class RunLog:
                     self._tb.add_scalar(k, v, step)
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix_str(
-                f"reward {values.get('reward/mean', float('nan')):.3f} kl {values.get('kl', 0.0):.4f} "
-                f"tok/s {values.get('perf/tokens_per_s', 0.0):.0f}", refresh=False)
+            self._bar.set_postfix_str(" ".join(f"{label} {values[k]:.4g}" for k, label in self.shown.items()
+                                               if isinstance(values.get(k), (int, float))), refresh=False)
 
     def samples(self, step: int, rows: list[dict]) -> None:
         if not self.enabled:

@@ -40,7 +40,7 @@ def sft(cfg: RunConfig) -> Path:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=cfg.train.weight_decay)
     run_dir = Path(cfg.log.run_dir)
     log = RunLog(str(run_dir), enabled=dist.is_main(), tensorboard=cfg.log.tensorboard,
-                 progress_total=cfg.sft.steps, progress=cfg.log.progress)
+                 progress_total=cfg.sft.steps, progress=cfg.log.progress, shown={"sft/nll": "nll"})
     log.write_text("config.yaml", config_to_yaml(cfg))
 
     def loss_fn(logits, tgt, mask, mb):

@@ -85,18 +85,44 @@ def test_errors_name_file_and_field(tmp_path):
     one_line_error(lambda: load_prompts(j, extra_fields=["id"]), "extra_fields")
 
 
-def test_hf_dataset_dir_without_datasets_is_a_clear_error(tmp_path):
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("datasets is installed")
-    d = tmp_path / "hf"
-    d.mkdir()
-    (d / "state.json").write_text("{}")
-    (d / "dataset_info.json").write_text("{}")
-    one_line_error(lambda: load_prompts(str(d)), "datasets", "hf")
+TYPED = [dict(r, solution=str(r["solution"])) for r in RECORDS]  # Arrow columns hold one type
+
+
+def write_save_to_disk(d, records, split=None):
+    """The layout `datasets.Dataset.save_to_disk` writes: Arrow stream file(s) listed in state.json."""
+    target = d / split if split else d
+    target.mkdir(parents=True)
+    table = pa.Table.from_pylist(records)
+    with pa.OSFile(str(target / "data-00000-of-00001.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    (target / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    (target / "dataset_info.json").write_text("{}")
+    if split:
+        (d / "dataset_dict.json").write_text(json.dumps({"splits": [split]}))
+
+
+def test_hf_save_to_disk_dir_reads_without_datasets(tmp_path):
+    write_save_to_disk(tmp_path / "hf", TYPED)
+    rows = load_prompts(str(tmp_path / "hf"), prompt_field="question", answer_field="solution")
+    assert [r["prompt"] for r in rows] == [r["question"] for r in TYPED]
+    write_save_to_disk(tmp_path / "dd", TYPED, split="train")
+    assert len(load_prompts(str(tmp_path / "dd"), prompt_field="question", answer_field="solution")) == 3
+    write_save_to_disk(tmp_path / "test_only", TYPED, split="test")
+    one_line_error(lambda: load_prompts(str(tmp_path / "test_only")), "train")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "state.json").write_text("{}")
+    (broken / "dataset_info.json").write_text("{}")
+    one_line_error(lambda: load_prompts(str(broken)), "broken")
+
+
+def test_hf_save_to_disk_matches_the_datasets_library(tmp_path):
+    datasets = pytest.importorskip("datasets")  # extra check where the bench extra is installed
+    datasets.Dataset.from_list(TYPED).save_to_disk(str(tmp_path / "real"))
+    rows = load_prompts(str(tmp_path / "real"), prompt_field="question", answer_field="solution")
+    assert [r["answer"] for r in rows] == [r["solution"] for r in TYPED]
+
 
 
 def test_filter_by_length_skips_and_counts():

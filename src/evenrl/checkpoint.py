@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from evenrl.errors import UsageError
@@ -112,7 +113,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module) -> tuple[int, dict]:
         meta = json.loads((path / "meta.json").read_text())
         weights = load_file(str(path / "model.safetensors"))
         trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, SafetensorError, KeyError) as e:
         raise UsageError(f"{path}: unreadable checkpoint ({e.__class__.__name__}); "
                          f"delete it or resume from an earlier one") from None
     device = next(model.parameters()).device

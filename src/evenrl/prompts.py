@@ -25,8 +25,8 @@ def load_prompts(
     """Rows `{"prompt": str, "answer": ..., "id": int, **extra}` from a local dataset.
 
     `path` is a .jsonl or .parquet file, a directory of such files (read in sorted name order), or
-    a directory written by `datasets.Dataset.save_to_disk` (needs the `datasets` package; a
-    DatasetDict must have a "train" split). `id` is the row's index in that order, stable across
+    a directory written by `datasets.Dataset.save_to_disk` (read with pyarrow; a DatasetDict must have a
+    "train" split). `id` is the row's index in that order, stable across
     runs. Answers are kept as stored (a number stays a number); `answer_field=None` means no answers.
     """
     path = os.fspath(path)
@@ -122,19 +122,30 @@ def _read_dir(path: str) -> list[tuple[str, list]]:
 
 
 def _read_hf_dataset(path: str) -> list:
+    """A directory written by `datasets` save_to_disk, read with pyarrow alone (no `datasets` dependency):
+    `state.json` lists the split's Arrow stream files; a DatasetDict has `dataset_dict.json` and one
+    sub-directory per split, of which "train" is used."""
+    import json
+
+    import pyarrow as pa
+
+    if os.path.exists(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            splits = json.load(f).get("splits", [])
+        if "train" not in splits:
+            raise bad("prompts path", path, f"a dataset or a DatasetDict with a 'train' split (splits: {', '.join(splits)})")
+        path = os.path.join(path, "train")
     try:
-        import datasets
-    except ImportError:
-        raise UsageError(
-            f"prompts path: {path!r} is a Hugging Face dataset directory, which needs the `datasets` package; "
-            "install it or export the data to .jsonl/.parquet"
-        ) from None
-    ds = datasets.load_from_disk(path)
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise bad("prompts path", path, f"a dataset or a DatasetDict with a 'train' split (splits: {', '.join(ds)})")
-        ds = ds["train"]
-    return ds.to_list()
+        with open(os.path.join(path, "state.json")) as f:
+            files = [d["filename"] for d in json.load(f)["_data_files"]]
+        rows: list = []
+        for name in files:
+            with pa.memory_map(os.path.join(path, name)) as source:
+                rows.extend(pa.ipc.open_stream(source).read_all().to_pylist())
+    except (OSError, KeyError, ValueError, TypeError, pa.ArrowInvalid) as e:
+        raise UsageError(f"prompts path: {path!r} is not a readable save_to_disk dataset "
+                         f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+    return rows
 
 
 def filter_by_length(rows: list[dict], token_counts: list[int], max_prompt_tokens: int) -> tuple[list[dict], int]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from test_train import ENV, assets, evenrl, final_params, max_diff  # noqa: F401  (assets is a fixture)
+from e2e import ENV, evenrl, final_params, max_diff
 
 
 def free_port() -> int:

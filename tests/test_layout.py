@@ -132,7 +132,8 @@ def test_layout_from_env_torchrun_and_slurm_gpus():
 
 
 @pytest.mark.parametrize("argv, env, expect", [
-    (["--nnodes", "2", "--nproc-per-node", "4"], {}, dict(nnodes=2, nproc_per_node=4, device="cuda", source="flags")),
+    (["--nnodes", "2", "--nproc-per-node", "4"], {"GPUS": "yes"},
+     dict(nnodes=2, nproc_per_node=4, device="cuda", device_memory_gib=40.0, source="flags")),
     (["--num-nodes", "3", "--num-gpus", "2"], {}, dict(nnodes=3, nproc_per_node=2)),
     (["--nproc-per-node", "4", "--device", "cpu"], {}, dict(nnodes=1, nproc_per_node=4, device="cpu")),
     (["--nproc-per-node", "4", "--rollout-devices", "1", "--capacity-weights", "1,1,2"], {},
@@ -143,7 +144,8 @@ def test_layout_from_env_torchrun_and_slurm_gpus():
     ([], {}, dict(source="local")),
 ])
 def test_layout_from_args(argv, env, expect):
-    lay = layout_from_args(parse(*argv), env, no_smi)
+    run = fake_smi() if env.pop("GPUS", None) else no_smi  # a machine with GPUs of 80, 80 and 40 GiB
+    lay = layout_from_args(parse(*argv), env, run)
     assert isinstance(lay, Layout)
     assert {k: getattr(lay, k) for k in expect} == expect
 
@@ -154,3 +156,30 @@ def test_layout_from_args(argv, env, expect):
 def test_bad_flags_exit(argv):
     with pytest.raises(SystemExit):  # argparse; `evenrl plan` turns these into a one-line UsageError
         parse(*argv)
+
+
+def test_shape_flags_take_device_and_memory_from_this_machine():
+    """--nproc-per-node alone used to mean 'cuda, memory unknown' even on a CPU machine."""
+    host = detect_local({}, no_smi)  # no GPU: one CPU process with the host's memory (less the reserve)
+    lay = layout_from_args(parse("--nproc-per-node", "4"), {}, no_smi)
+    assert (lay.device, lay.nproc_per_node, lay.source) == ("cpu", 4, "flags")
+    assert lay.device_memory_gib == pytest.approx(host.device_memory_gib / 4)
+    assert "memory unknown" not in lay.describe() or host.device_memory_gib == 0
+    # with GPUs: cuda, the smallest GPU's memory; --device/--device-memory-gib still override
+    assert layout_from_args(parse("--nproc-per-node", "4"), {}, fake_smi()).device_memory_gib == 40.0
+    told = layout_from_args(parse("--nproc-per-node", "4", "--device", "cuda", "--device-memory-gib", "24"), {},
+                            lambda *a, **k: pytest.fail("nvidia-smi run although the flags say everything"))
+    assert (told.device, told.device_memory_gib) == ("cuda", 24.0)
+    cpu = layout_from_args(parse("--nproc-per-node", "2", "--device", "cpu"), {}, fake_smi())
+    assert (cpu.device, cpu.device_memory_gib) == ("cpu", pytest.approx(host.device_memory_gib / 2))
+    assert layout_from_args(parse("--nproc-per-node", "2", "--device", "cuda"), {}, no_smi).device_memory_gib == 0
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(nnodes=2, nproc_per_node=4, device="cuda", device_memory_gib=80),
+     "2 nodes x 4 cuda, 80 GiB each = 8 training ranks"),
+    (dict(device_memory_gib=3.5), "1 node x 1 cpu, 3.5 GiB = 1 training rank  [flags]"),
+    (dict(nproc_per_node=4, rollout_devices=4), "= 4 ranks: 0 training, 4 reserved for rollout"),
+])
+def test_describe(kwargs, text):
+    assert text in make_layout(**kwargs).describe()

@@ -12,7 +12,8 @@ import yaml
 
 from evenrl.cli import main as cli_main
 from evenrl.config import RunConfig, load_config
-from evenrl.layout import make_layout
+from evenrl.errors import UsageError
+from evenrl.layout import Layout, detect_local, make_layout
 from evenrl.plan import fit, make_plan, minimal_yaml, render
 
 QWEN7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -63,7 +64,6 @@ CASES = [
      ["128", "run alone", "train.token_cap_per_micro_batch=128", "rollout.max_new_tokens=36"]),
     ("no-training-ranks", "error", [], {"rollout_devices": 4}, None, ["no rank is left", "--rollout-devices 3"]),
     ("capacity-weights", "error", [], {"capacity_weights": [1, 2]}, None, ["2 weights for 4", "1,1,1,1"]),
-    ("capacity-weights", "error", ["parallel.capacity_weights=[1,1,-1,1]"], {}, None, ["<= 0"]),
     ("imbalance", "note", ["data.prompts_per_step=5", "rollout.samples_per_prompt=2"], {}, None,
      ["20% more", "data.prompts_per_step=6"]),
     ("rollout-idle", "warning", ["data.prompts_per_step=2"], {}, None,
@@ -103,6 +103,18 @@ def test_rule(rule, level, overrides, layout, model_config, texts):
     assert p.runnable == (not any(x.level == "error" for x in p.findings))
     assert f"{level.upper():<7} {rule}:" in render(p)  # every plan renders, and shows its findings
     json.dumps(p.to_dict())
+
+
+def test_non_positive_capacity_weights():
+    """The config refuses them when it is loaded (one line naming the field); a Layout built in code that
+    carries them still gets the capacity-weights error rather than a crash."""
+    with pytest.raises(UsageError, match=r"^config: parallel\.capacity_weights\.2: got -1; .*greater than 0$"):
+        load_config(None, BASE + ["parallel.capacity_weights=[1,1,-1,1]"])
+    with pytest.raises(UsageError, match="parallel.capacity_weights.1: got inf; .*finite"):
+        load_config(None, ["parallel.capacity_weights=[1,.inf]"])
+    lay = Layout(1, 4, "cuda", 80.0, (1.0, 1.0, -1.0, 1.0))
+    f = rules(make_plan(load_config(None, BASE), lay))["capacity-weights"]
+    assert f.level == "error" and "<= 0" in f.message
 
 
 def test_every_rule_is_reported_at_once():
@@ -246,7 +258,7 @@ def test_bad_files(tmp_path, capsys, content, text):
 
 
 def test_cli_exit_codes_json_and_fit(capsys):
-    assert cli_main(["plan", EXAMPLE, "--nproc-per-node", "4", "--device-memory-gib", "80"]) == 0
+    assert cli_main(["plan", EXAMPLE, "--nproc-per-node", "4", "--device", "cuda", "--device-memory-gib", "80"]) == 0
     out = capsys.readouterr().out
     assert "layout     1 node x 4 cuda" in out and "findings" in out
     args = ["plan", EXAMPLE, "rollout.samples_per_prompt=1", "--nproc-per-node", "4"]
@@ -261,6 +273,52 @@ def test_cli_exit_codes_json_and_fit(capsys):
     assert cli_main(args + ["--fit"]) == 0
     out = capsys.readouterr().out
     assert "--fit: rollout.samples_per_prompt 1 -> 4" in out and "plan of the fitted config" in out
+
+
+def test_shape_flags_on_a_cpu_machine(capsys, monkeypatch):
+    """`--nproc-per-node 4` alone plans this machine's device kind and memory, not 'cuda, memory unknown'."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no visible GPU, whatever the machine has
+    assert cli_main(["plan", str(ROOT / "examples" / "demo.yaml"), "--nproc-per-node", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "layout     1 node x 4 cpu, " in out and "memory unknown" not in out and "no GPU on this machine" in out
+    assert cli_main(["plan", str(ROOT / "examples" / "demo.yaml"), "--nproc-per-node", "4", "--json"]) == 0
+    lay = json.loads(capsys.readouterr().out)["layout"]
+    host = detect_local({"CUDA_VISIBLE_DEVICES": ""})
+    assert lay["device"] == "cpu" and lay["device_memory_gib"] == pytest.approx(host.device_memory_gib / 4)
+
+
+@pytest.mark.parametrize("overrides, layout, texts", [
+    (["data.prompts_per_step=1", "rollout.samples_per_prompt=2"], {"nproc_per_node": 1, "device_memory_gib": 1},
+     ["= 1 training rank  [", "1 prompt × 2 samples = 2 samples; 1 mini-batch of 2; 1 epoch over", "\n           0 ",
+      "1 step per RL step"]),
+    ([], {"rollout_devices": 1}, ["4 ranks: 3 training, 1 reserved for rollout", "1 device reserved for rollout",
+                                  "(then 4 ranks train and generate)"]),
+    (["parallel.capacity_weights=[1]"], {}, ["has 1 weight for 4 training ranks"]),
+    (["algo.minibatches_per_step=9"], {}, ["1 mini-batch would be empty"]),
+], ids=["one-rank", "rollout-device", "one-weight", "one-empty-minibatch"])
+def test_render_singular_and_plural(overrides, layout, texts):
+    p = make(overrides, TINY, **layout)
+    text = "\n".join([render(p)] + [f"{f.message} | {f.fix}" for f in p.findings])  # unwrapped findings too
+    for t in texts:
+        assert t in text, (t, text)
+    for wrong in (" 1 ranks", " 1 samples", " 1 prompts", " 1 mini-batches", " 1 epochs", " 1 steps", " 1 weights",
+                  " 1 devices", "(s)", "0.00 B params"):
+        assert wrong not in text, (wrong, text)
+    assert "86.8 K params" in text
+
+
+def test_render_groups_ranks_and_stays_compact():
+    many = render(make_plan(load_config(EXAMPLE), make_layout(8, 8, device="cuda", device_memory_gib=80),
+                            model_config=QWEN7B))
+    assert "\n           0-63         64        98,304\n" in many and "7.62 B params" in many
+    head = many[:many.index("\nfindings")].splitlines()  # everything above the findings
+    assert len(head) <= 16 and max(map(len, many.splitlines())) <= 120, many
+    six = render(make_plan(load_config(EXAMPLE), make_layout(1, 6, device="cuda", device_memory_gib=80)))
+    assert "0-3         684     1,050,624" in six and "4-5         680     1,044,480" in six
+    assert "72 micro-steps on every rank (18 per mini-batch)" in six
+    weights = [1, 2] + [1] * 30 + [3, 1] * 16
+    odd = render(make_plan(load_config(EXAMPLE), make_layout(1, 64, capacity_weights=weights)))
+    assert "kinds of rank (--json lists each)" in odd and "samples " in odd  # too many kinds of rank: min/mean/max
 
 
 def test_subprocess_no_torch_no_traceback(tmp_path):

@@ -3,57 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from evenrl.demo import write_addition_data
-from evenrl.models import make_tiny_model
-
-TESTS = Path(__file__).resolve().parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-       "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    model = make_tiny_model(str(root / "model"), arch="qwen2", seed=0)
-    data = root / "addition.jsonl"
-    write_addition_data(data)
-    cfg = root / "cfg.yaml"
-    cfg.write_text(f"""
-model: {{path: {model}}}
-data: {{path: {data}, prompts_per_step: 7, max_prompt_tokens: 16}}
-rollout: {{samples_per_prompt: 3, max_new_tokens: 4, temperature: 1.0}}
-rewards: {{functions: [{{name: exact_match}}, {{name: 'toy_rewards:digit_fraction', weight: 0.5}}]}}
-algo: {{advantage: grpo, minibatches_per_step: 2}}
-train: {{steps: 2, lr: 1.0e-3, token_cap_per_micro_batch: 24}}
-log: {{progress: false, tensorboard: false, samples_every_steps: 1}}
-""")
-    return {"model": model, "data": data, "cfg": cfg, "root": root}
-
-
-def evenrl(*args, env=None, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "evenrl.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env or ENV, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "final" / "model.safetensors"))
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+from e2e import ENV, evenrl, final_params, max_diff
 
 
 def test_one_process_run_writes_everything(assets, tmp_path):
@@ -70,6 +23,10 @@ def test_one_process_run_writes_everything(assets, tmp_path):
     start = AutoModelForCausalLM.from_pretrained(assets["model"], local_files_only=True)
     moved = max(float((a - b).abs().max().detach()) for a, b in zip(model.parameters(), start.parameters()))
     assert moved > 1e-5, "training did not change the model"
+    proc = evenrl("report", run)
+    assert {p.name for p in (run / "plots").glob("*.png")} >= {"reward.png", "rank_load.png", "phases.png"}
+    assert str(run / "plots" / "reward.png") in proc.stdout
+    assert evenrl("report", run / "nope", check=False).returncode == 2
 
 
 @pytest.mark.slow

@@ -1,0 +1,54 @@
+"""The command-line surface is frozen: adding, renaming or removing a flag or a command means editing this
+file too, as a deliberate change (torchtitan's test_no_new_cli_options). Every flag is one more thing to
+document, test and keep; prefer a config field with a description."""
+
+import subprocess
+import sys
+
+import pytest
+
+from evenrl import cli, launch, plan
+
+PLAN = {
+    "config", "overrides", "-h", "--help", "--json", "--fit", "--from",
+    # layout (evenrl.layout.add_layout_args)
+    "--nnodes", "--num-nodes", "--nproc-per-node", "--num-gpus", "--rollout-devices", "--device",
+    "--device-memory-gib", "--capacity-weights",
+}
+TRAIN = {
+    "config", "overrides", "-h", "--help", "--nproc-per-node", "--num-gpus", "--nnodes", "--num-nodes",
+    "--node-rank", "--master-addr", "--master-port", "--max-restarts", "--resume",
+}
+COMMANDS = ["plan", "train", "sft", "report", "demo"]
+
+
+def options(p):
+    return {s for a in p._actions for s in (a.option_strings or [a.dest])}
+
+
+def test_plan_options_are_frozen():
+    assert options(plan.parser()) == PLAN
+
+
+def test_train_and_sft_options_are_frozen():
+    assert options(launch._parser("train")) == TRAIN
+    assert options(launch._parser("sft")) == TRAIN  # one launcher, one surface
+
+
+def test_commands_are_frozen():
+    assert list(cli.COMMANDS) == COMMANDS
+
+
+def test_plan_help_exits_0(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--help"])
+    assert e.value.code == 0 and "--nproc-per-node" in capsys.readouterr().out
+
+
+def test_help_and_unknown_command():
+    """The real entry point in a fresh interpreter: --help exits 0, an unknown command 2 with one line."""
+    ok = subprocess.run([sys.executable, "-m", "evenrl", "--help"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and all(c in ok.stdout for c in COMMANDS) and ok.stderr == ""
+    bad = subprocess.run([sys.executable, "-m", "evenrl", "bogus"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
+    assert "unknown command 'bogus'" in bad.stderr and "plan" in bad.stderr and "Traceback" not in bad.stderr

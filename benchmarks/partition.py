@@ -1,6 +1,6 @@
 """Balance and speed of evenrl's partitioner against naive splits, and the speed of make_schedule.
 
-Run: .venv/bin/python benchmarks/partition.py
+Run: .venv/bin/python benchmarks/partition.py [--plot docs/rank_load.png]
 
 Lengths are lognormal (mean ~600 tokens, sigma 1.0, seed 0). Load = tokens. "ratio" is max load over the lower
 bound on the best achievable max (so 1.0000 is optimal). Times are medians over repeats, wall clock and CPU.
@@ -61,7 +61,34 @@ def timed(fn, *args) -> tuple[object, float, float]:
     return out, statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
+def plot(path: str, n: int = 512, k: int = 6) -> None:
+    """Per-rank tokens of one long-tailed step, evenrl vs contiguous chunks (the EasyR1 512-on-6 case)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = lognormal_lengths(n)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+    for ax, (title, fn) in zip(axes, [("contiguous chunks (row counts)", contiguous),
+                                      ("evenrl balanced_partition (tokens)", evenrl_parts)]):
+        per_rank = [sum(loads[i] for i in p) for p in fn(loads, k)]
+        ax.bar(range(k), per_rank, color="#c44e52" if fn is contiguous else "#4c72b0")
+        ax.axhline(sum(loads) / k, color="k", ls="--", lw=1)
+        ax.set_title(f"{title}\nslowest rank / mean = {max(per_rank) / (sum(loads) / k):.3f}", fontsize=9)
+        ax.set_xlabel("rank")
+    axes[0].set_ylabel("tokens")
+    fig.suptitle(f"{n} samples (lognormal lengths) on {k} ranks", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
 def main() -> None:
+    import sys
+
+    if "--plot" in sys.argv:
+        plot(sys.argv[sys.argv.index("--plot") + 1])
     methods = [
         ("evenrl balanced_partition", evenrl_parts),
         ("  (LPT only, no local pass)", lpt_only_parts),

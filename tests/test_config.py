@@ -59,9 +59,8 @@ def test_override_syntax(tmp_path, overrides, match):
                  "sft, train"),
     (["data.batch_size=64"], "data.batch_size: unknown key; allowed here: answer_field, extra_fields, "
                              "max_prompt_tokens, path, prompt_field, prompts_per_step, seed"),
-    pytest.param(["rewards.functions=[{name: math, wieght: 2}]"], "rewards.functions.0.wieght: unknown key; "
-                 "allowed here: name, weight", marks=pytest.mark.xfail(
-                     strict=True, reason="_allowed_keys stops at list[RewardSpec] and lists the rewards section")),
+    (["rewards.functions=[{name: math, wieght: 2}]"], "rewards.functions.0.wieght: unknown key; "
+                                                      "allowed here: name, weight"),
 ])
 def test_unknown_keys_list_the_allowed_ones(overrides, match):
     fails(None, overrides, match=match)

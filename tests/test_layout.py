@@ -1,10 +1,13 @@
-"""Cluster layout: flags, torchrun/Slurm environment, local detection (nvidia-smi faked), validation."""
+"""Cluster layout: flags, torchrun/Slurm environment, local detection (nvidia-smi faked), validation, and the
+launcher's worker check built on read_dist_env."""
 
 import argparse
+import os
 import subprocess
 
 import pytest
 
+from evenrl import launch
 from evenrl.errors import UsageError
 from evenrl.layout import (Layout, add_layout_args, detect_local, first_host, host_memory_gib, layout_from_args,
                            layout_from_env, local_gpus, make_layout, read_dist_env)
@@ -183,3 +186,47 @@ def test_shape_flags_take_device_and_memory_from_this_machine():
 ])
 def test_describe(kwargs, text):
     assert text in make_layout(**kwargs).describe()
+
+
+# ------------------------------------------------------------------------------------------ the launcher's use
+
+TORCHRUN = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "2"}
+SRUN = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NTASKS": "16", "SLURM_PROCID": "9",
+        "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[03-04]", "MASTER_ADDR": "gpu03"}
+
+
+def _old_is_worker(env):
+    """evenrl.launch's check before it used read_dist_env, kept as the reference for its behaviour."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return True
+    return "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
+
+
+def _set_env(monkeypatch, env):
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "TORCHELASTIC_")) or key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK",
+                                                                     "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("env, worker", [
+    ({}, False),
+    (TORCHRUN, True),
+    ({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_WORLD_SIZE": "1"}, True),  # torchrun --nproc-per-node 1
+    (SRUN, True),
+    ({**SRUN, "SLURM_NTASKS": "1", "SLURM_NNODES": "1", "SLURM_PROCID": "0"}, False),  # salloc -n1 shell
+    ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_PROCID": "0"}, False),  # sbatch -N2 script, no --ntasks
+    ({**SRUN, **TORCHRUN}, True),  # torchrun inside a Slurm allocation
+], ids=["none", "torchrun", "torchrun-1", "srun-16", "slurm-1-task", "sbatch-script", "torchrun-in-slurm"])
+def test_launcher_is_worker(env, worker, monkeypatch):
+    _set_env(monkeypatch, env)
+    assert launch._is_worker() is worker
+    assert _old_is_worker(env) is worker
+
+
+def test_launcher_bad_environment_is_one_line(monkeypatch):
+    _set_env(monkeypatch, {"WORLD_SIZE": "four", "RANK": "0"})
+    with pytest.raises(UsageError, match="WORLD_SIZE='four' is not an integer"):
+        launch._is_worker()

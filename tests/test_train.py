@@ -90,3 +90,10 @@ def test_bad_input_is_one_line_and_exit_2(assets, tmp_path, override, needle):
 def test_missing_config_file_exit_2(tmp_path):
     proc = evenrl("train", tmp_path / "nope.yaml", check=False)
     assert proc.returncode == 2 and "nope.yaml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args", [["--bogus"], ["--nproc-per-node", "0"], ["--nnodes", "2", "--node-rank", "5"]])
+def test_bad_flags_are_one_line_and_exit_2(assets, args):
+    proc = evenrl("train", assets["cfg"], *args, check=False)
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

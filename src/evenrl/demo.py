@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 from evenrl.config import load_config
+from evenrl.errors import ArgumentParser, UsageError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -38,14 +38,12 @@ def write_addition_data(path: Path, seed: int = 0) -> int:
 def _config_path() -> Path:
     path = EXAMPLES / "demo.yaml"
     if not path.exists():
-        from evenrl.errors import UsageError
-
         raise UsageError(f"{path}: missing; the demo runs from a checkout of the evenrl repository (make demo)")
     return path
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="evenrl demo", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="evenrl demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/demo", help="where the model, data and runs go")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes for the GRPO phase")
     p.add_argument("overrides", nargs="*", help="dotted overrides of examples/demo.yaml, e.g. train.steps=50 sft.steps=100")

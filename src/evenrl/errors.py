@@ -1,5 +1,7 @@
 """Errors a user can fix. The CLI prints them as one line and exits with code 2, no traceback."""
 
+import argparse
+
 
 class UsageError(Exception):
     """Bad input: a config field, a file, a flag. The message names it, the value and what is allowed."""
@@ -11,3 +13,10 @@ def bad(field: str, value, allowed: str) -> UsageError:
     if len(shown) > 80:
         shown = shown[:77] + "..."
     return UsageError(f"{field}: got {shown}; {allowed}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes are UsageErrors: one line and exit code 2 through the CLI, no usage dump."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")

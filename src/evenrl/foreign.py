@@ -382,7 +382,10 @@ def _easyr1(src: Source, ns: argparse.Namespace, t: Translation) -> None:
 def _trl(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     server = src.bool("use_vllm", False) and src.str("vllm_mode", "server") == "server"
     reserve = 1 if server and ns.rollout_devices is None else (ns.rollout_devices or 0)
-    if has_shape_flags(ns) or not src.has("num_processes"):
+    if has_shape_flags(ns):  # GPUs, like every peer's layout (the evenrl config itself plans for this machine)
+        t.layout = _layout(argparse.Namespace(**{**vars(ns), "rollout_devices": reserve}), ns.nnodes or 1,
+                           ns.nproc_per_node or 1, reserve)
+    elif not src.has("num_processes"):
         base = layout_from_args(ns)
         t.layout = apply_layout_flags(base, argparse.Namespace(**{**vars(ns), "rollout_devices": reserve}))
     else:

@@ -18,11 +18,11 @@ import argparse
 import os
 import sys
 
-from evenrl.errors import UsageError
+from evenrl.errors import ArgumentParser, UsageError
 
 
 def _parser(cmd: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"evenrl {cmd}", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog=f"evenrl {cmd}", description=__doc__.splitlines()[0])
     p.add_argument("config", help="YAML run config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.prompts_per_step=64")
     p.add_argument("--nproc-per-node", "--num-gpus", type=int, default=1, help="processes on this node")
@@ -36,9 +36,14 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
 
 
 def _is_worker() -> bool:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return True
-    return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    """Started by torchrun, or one of several Slurm tasks. A single Slurm task (salloc, an sbatch script
+    without --ntasks: read_dist_env then assumes one task per node) launches instead."""
+    from evenrl.layout import read_dist_env
+
+    d = read_dist_env(os.environ)
+    if d is None:
+        return False
+    return d.source == "torchrun" or ("SLURM_NTASKS" in os.environ and d.world_size > 1)
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,8 @@ and devices reserved for rollout (which do not train).
     evenrl plan examples/plan_512x8.yaml --nnodes 8 --nproc-per-node 8 --device cuda --device-memory-gib 80
 
 Where the layout comes from, first match wins:
-  1. flags: --nnodes/--num-nodes, --nproc-per-node/--num-gpus (missing ones default to 1);
+  1. flags: --nnodes/--num-nodes, --nproc-per-node/--num-gpus (missing ones default to 1), on this machine's
+     kind of device and memory (its GPUs, else CPU processes sharing the host's memory);
   2. the environment of a launched worker: torchrun (WORLD_SIZE, LOCAL_WORLD_SIZE) or Slurm (SLURM_NNODES,
      SLURM_NTASKS_PER_NODE or SLURM_NTASKS, SLURM_GPUS_ON_NODE);
   3. this machine: CUDA_VISIBLE_DEVICES and `nvidia-smi` (2 s timeout), else one CPU process with the host's memory.
@@ -53,12 +54,17 @@ class Layout:
         return self.world - self.rollout_devices
 
     def describe(self) -> str:
-        mem = f", {self.device_memory_gib:.0f} GiB each" if self.device_memory_gib else ", memory unknown"
+        """'2 nodes x 4 cuda, 80 GiB each = 8 ranks: 7 training, 1 reserved for rollout  [flags]'."""
+        m = self.device_memory_gib
+        mem = (f", {m:.0f} GiB" if m >= 10 else f", {m:.1f} GiB") if m else ", memory unknown"
+        mem += " each" if m and self.world > 1 else ""
         node = "node" if self.nnodes == 1 else "nodes"
-        text = f"{self.nnodes} {node} x {self.nproc_per_node} {self.device}{mem} = {self.world} ranks"
-        text += f": {max(self.training_ranks, 0)} training"
+        text = f"{self.nnodes} {node} x {self.nproc_per_node} {self.device}{mem} = "
         if self.rollout_devices:
-            text += f", {self.rollout_devices} reserved for rollout"
+            text += (f"{self.world} ranks: {max(self.training_ranks, 0)} training, "
+                     f"{self.rollout_devices} reserved for rollout")
+        else:
+            text += f"{self.world} training rank{'' if self.world == 1 else 's'}"
         if self.capacity_weights:
             text += f", capacity weights {_runs(self.capacity_weights)}"
         return text + f"  [{self.source}]"
@@ -259,14 +265,22 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 def layout_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None,
                      run: Callable = subprocess.run) -> Layout:
     if has_shape_flags(ns):
-        device = ns.device or "cuda"
-        mem = ns.device_memory_gib
-        if mem is None and device == "cpu":
-            mem = _cpu_share(host_memory_gib(), ns.nproc_per_node or 1)
-        base = make_layout(ns.nnodes or 1, ns.nproc_per_node or 1, device=device, device_memory_gib=mem or 0.0)
+        base = _shape_on_this_machine(ns, env, run)
     else:
         base = layout_from_env(env, run) or detect_local(env, run)
     return apply_layout_flags(base, ns)
+
+
+def _shape_on_this_machine(ns: argparse.Namespace, env: Mapping[str, str] | None, run: Callable) -> Layout:
+    """The flags' nodes x processes on this machine's kind of device, as detect_local sees it: its GPUs (the
+    smallest one's memory) or, without any, CPU processes sharing the host's memory. --device and
+    --device-memory-gib then override; nvidia-smi is skipped when they already say all it would."""
+    nnodes, per_node = ns.nnodes or 1, ns.nproc_per_node or 1
+    told = ns.device == "cpu" or (ns.device == "cuda" and ns.device_memory_gib is not None)
+    gpus = [] if told else local_gpus(env, run)
+    if gpus or ns.device == "cuda":
+        return make_layout(nnodes, per_node, device="cuda", device_memory_gib=min(gpus, default=0.0))
+    return make_layout(nnodes, per_node, device="cpu", device_memory_gib=_cpu_share(host_memory_gib(), per_node))
 
 
 def has_shape_flags(ns: argparse.Namespace) -> bool:

@@ -10,6 +10,8 @@ max_new_tokens), so per-rank rows, tokens and micro-steps are what the trainer w
 Derived numbers live in `Plan`; the config is never changed (--fit builds a validated copy).
 Exit codes: 0 runnable (no error finding), 1 an error finding, 2 unusable input (one line on stderr).
 Never imports torch. Answers in well under a second (512 prompts x 8 samples on 64 ranks: ~0.1 s).
+The rules that produce findings live in evenrl.rules, the text form in evenrl.render; `Finding` and
+`render` are importable from here too.
 
 JSON (--json), schema "evenrl.plan/1":
   schema, runnable (bool), counts {error, warning, note},
@@ -32,35 +34,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from evenrl.config import RunConfig, load_config
-from evenrl.errors import UsageError
-from evenrl.layout import Layout, add_layout_args, layout_from_args
+from evenrl.errors import ArgumentParser
+from evenrl.layout import Layout, add_layout_args, has_shape_flags, layout_from_args
 from evenrl.memory import (ModelDims, MemoryEstimate, MemoryFix, dims_from_config, estimate_memory, memory_fixes,
                            read_model_dims, with_settings)
 from evenrl.partition import lower_bound
+from evenrl.render import render
+from evenrl.rules import GROUP_ADVANTAGES, RULES, Finding
 from evenrl.schedule import ScheduleError, make_schedule
 
-GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 SIMULATE_MAX = 50_000  # samples (or mini-batches x ranks) beyond which per-rank numbers are computed, not simulated
 COUNT_MAX_BYTES = 512 * 1024**2  # jsonl files larger than this are not line-counted
-
-
-@dataclass(frozen=True)
-class Finding:
-    level: Literal["error", "warning", "note"]
-    rule: str  # stable id, e.g. "idle-ranks"
-    message: str  # what is wrong, with the numbers
-    fix: str = ""  # nearest valid settings; alternatives separated by "; "
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -249,274 +242,6 @@ def count_rows(path: str) -> int | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------ rules
-# Each rule looks at the plan and returns findings. They all run: every problem is reported at once.
-
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
-def rule_layout(p: Plan) -> list[Finding]:
-    lay = p.layout
-    if lay.training_ranks >= 1:
-        return []
-    return [Finding("error", "no-training-ranks",
-                    f"{lay.rollout_devices} rollout devices out of {lay.world}: no rank is left to train",
-                    f"--rollout-devices {lay.world - 1}; or more devices (--nproc-per-node {lay.rollout_devices + 1})")]
-
-
-def rule_capacity_weights(p: Plan) -> list[Finding]:
-    t = p.layout.training_ranks
-    w = p.layout.capacity_weights or p.config.parallel.capacity_weights
-    where = "--capacity-weights" if p.layout.capacity_weights else "parallel.capacity_weights"
-    if not w or t < 1:
-        return []
-    if len(w) != t:
-        return [Finding("error", "capacity-weights",
-                        f"{where} has {len(w)} weights for {t} training ranks",
-                        f"give one weight per training rank, e.g. {where}={','.join(['1'] * t)}; or drop it")]
-    if not all(x > 0 and math.isfinite(x) for x in w):
-        return [Finding("error", "capacity-weights", f"{where}={list(w)} has a weight <= 0",
-                        "every weight must be a positive relative speed, e.g. 1 or 2")]
-    return []
-
-
-def rule_data(p: Plan) -> list[Finding]:
-    d = p.config.data
-    if not d.path:
-        return [Finding("warning", "data-path", "data.path is empty: no prompts to train on",
-                        "data.path=FILE.jsonl (or .parquet, or a local Hugging Face dataset directory)")]
-    if not Path(d.path).expanduser().exists():
-        return [Finding("error", "data-path", f"data.path {d.path!r} does not exist (evenrl never downloads)",
-                        "point data.path at a local .jsonl/.parquet file or dataset directory")]
-    if p.dataset_rows == 0:
-        return [Finding("error", "data-path", f"data.path {d.path!r} has no rows", "use a non-empty dataset")]
-    if p.dataset_rows is not None and p.dataset_rows < d.prompts_per_step:
-        return [Finding("warning", "prompts-exceed-dataset",
-                        f"{_plural(d.prompts_per_step, 'prompt')} per step from a dataset of "
-                        f"{_plural(p.dataset_rows, 'row')}: every step repeats prompts",
-                        f"data.prompts_per_step={p.dataset_rows}")]
-    return []
-
-
-def rule_model(p: Plan) -> list[Finding]:
-    m = p.config.model
-    path = Path(m.path).expanduser() if m.path else None
-    if path is not None and not path.is_dir():
-        return [Finding("error", "model-path", f"model.path {m.path!r} is not a local directory "
-                        "(evenrl never downloads)", "download the model, then model.path=/local/dir")]
-    if path is not None and not (path / "config.json").is_file():
-        return [Finding("error", "model-path", f"model.path {m.path!r} has no config.json",
-                        "point model.path at a Hugging Face model directory (config.json, weights, tokenizer)")]
-    out = []
-    if p.dims and p.dims.max_positions and p.sample_tokens > p.dims.max_positions:
-        out.append(Finding("warning", "max-positions",
-                           f"max_prompt_tokens + max_new_tokens = {p.sample_tokens:,} exceeds the model's "
-                           f"max_position_embeddings {p.dims.max_positions:,}",
-                           f"rollout.max_new_tokens={max(1, p.dims.max_positions - p.config.data.max_prompt_tokens)}"))
-    return out
-
-
-def rule_groups(p: Plan) -> list[Finding]:
-    c = p.config
-    k, adv = c.rollout.samples_per_prompt, c.algo.advantage
-    if adv not in GROUP_ADVANTAGES:
-        return []
-    if k == 1:
-        return [Finding("error", "single-sample-group",
-                        f"advantage {adv} compares samples of one prompt, but samples_per_prompt=1: "
-                        "every advantage is 0 and nothing is learned",
-                        "rollout.samples_per_prompt>=2 (4-16 is usual)")]
-    if c.rollout.temperature == 0:
-        return [Finding("error", "greedy-group",
-                        f"temperature 0 makes the {k} samples of a prompt identical: every advantage is 0",
-                        "rollout.temperature=1.0")]
-    if k < 4 and c.algo.std_scale == "group":
-        return [Finding("note", "small-group",
-                        f"the group std of {k} samples is coarse (with 0/1 rewards every advantage is "
-                        f"{'+-0.71' if k == 2 else '+-0.58 or +-1.15'} or 0)",
-                        "rollout.samples_per_prompt>=4; or algo.std_scale=batch")]
-    return []
-
-
-def rule_minibatches(p: Plan) -> list[Finding]:
-    c, out = p.config, []
-    want, got = c.algo.minibatches_per_step, len(p.minibatch_sizes)
-    if p.ranks and got < want:
-        n, prompts = c.samples_per_step(), c.data.prompts_per_step
-        why = (f"{_plural(n, 'sample')}" if want > n else
-               f"{_plural(prompts, 'prompt')} (mini-batch cuts fall between prompt groups)")
-        out.append(Finding("error", "empty-minibatches",
-                           f"minibatches_per_step={want} but {why} make only {got}: "
-                           f"{want - got} mini-batches would be empty",
-                           f"algo.minibatches_per_step={got}; or data.prompts_per_step={max(prompts, want)}"))
-    sizes = p.minibatch_sizes
-    if len(sizes) > 1 and max(sizes) > 1.25 * min(sizes):
-        m = len(sizes)
-        even = math.ceil(c.data.prompts_per_step / m) * m
-        out.append(Finding("note", "uneven-minibatches",
-                           f"mini-batches of {min(sizes)}..{max(sizes)} samples: cuts fall between prompt groups",
-                           f"data.prompts_per_step={even} (a multiple of minibatches_per_step={m})"))
-    return out
-
-
-def _prompts_for(p: Plan, rows_per_rank: int) -> int:
-    """Smallest prompts_per_step whose smallest mini-batch gives every training rank rows_per_rank rows."""
-    c, t = p.config, p.layout.training_ranks
-    m, k = c.algo.minibatches_per_step, c.rollout.samples_per_prompt
-    return m * math.ceil(t * rows_per_rank / k)
-
-
-def rule_idle(p: Plan) -> list[Finding]:
-    c, t = p.config, p.layout.training_ranks
-    idle = p.idle
-    if not idle:
-        return []
-    mrows = c.train.min_rows_per_micro_batch
-    per_mb = min(p.minibatch_sizes)
-    nmb = len(p.minibatch_sizes)
-    k, prompts = c.rollout.samples_per_prompt, c.data.prompts_per_step
-    head = f"{_plural(prompts, 'prompt')} × {_plural(k, 'sample')}"
-    if nmb > 1:
-        head += f" in {nmb} mini-batches (smallest {per_mb})"
-    why = f" with min_rows_per_micro_batch={mrows}" if mrows > 1 else ""
-    fixes = [f"data.prompts_per_step={_prompts_for(p, mrows)}"]
-    need_k = math.ceil(t * mrows * nmb / prompts)
-    if need_k > k:
-        fixes.append(f"rollout.samples_per_prompt>={need_k}")
-    if nmb > 1 and c.samples_per_step() // (t * mrows) >= 1:
-        fixes.append(f"algo.minibatches_per_step={max(1, c.samples_per_step() // (t * mrows))}")
-    fixes.append(f"or fewer training ranks ({max(1, per_mb // mrows)})")
-    if mrows > 1:
-        fixes.append("or SyncBatchNorm (CUDA, gathers statistics over ranks) with train.min_rows_per_micro_batch=1")
-    idle_all = sum(1 for r in p.ranks if r.idle_minibatches == nmb)
-    return [Finding("warning", "idle-ranks",
-                    f"{head} on {t} training ranks{why} leaves {len(idle)} rank{'s' if len(idle) > 1 else ''} idle"
-                    + (f" ({idle_all} for the whole step)" if nmb > 1 and idle_all else ""),
-                    ", or ".join(fixes[:-2 if mrows > 1 else -1]) + "; " + "; ".join(fixes[-2 if mrows > 1 else -1:]))]
-
-
-def rule_rollout_idle(p: Plan) -> list[Finding]:
-    c, t = p.config, p.layout.training_ranks
-    prompts = c.data.prompts_per_step
-    if t < 2 or prompts >= t:
-        return []
-    return [Finding("warning", "rollout-idle",
-                    f"{_plural(prompts, 'prompt')} on {t} ranks: {_plural(t - prompts, 'rank')} "
-                    f"generate{'s' if t - prompts == 1 else ''} nothing "
-                    "(each prompt is generated on one rank, its samples sharing the prefill)",
-                    f"data.prompts_per_step={t}")]
-
-
-def rule_min_rows(p: Plan) -> list[Finding]:
-    c = p.config
-    m, length, cap = c.train.min_rows_per_micro_batch, p.sample_tokens, c.train.token_cap_per_micro_batch
-    out = []
-    if p.schedule_error:
-        k, mbs, prompts = c.rollout.samples_per_prompt, c.algo.minibatches_per_step, c.data.prompts_per_step
-        out.append(Finding("error", "min-rows", p.schedule_error,
-                           f"data.prompts_per_step={mbs * math.ceil(m / k)} ({_prompts_for(p, m)} keeps every rank "
-                           f"busy); or algo.minibatches_per_step={max(1, prompts // math.ceil(m / k))}"))
-    if m > 1 and m * length > cap:
-        out.append(Finding("warning", "min-rows-token-cap",
-                           f"min_rows_per_micro_batch={m} rows of up to {length:,} tokens need {m * length:,} "
-                           f"tokens, above token_cap_per_micro_batch={cap:,}: such micro-batches exceed the cap",
-                           f"train.token_cap_per_micro_batch={m * length}"))
-    return out
-
-
-def rule_token_cap(p: Plan) -> list[Finding]:
-    c, length = p.config, p.sample_tokens
-    cap = c.train.token_cap_per_micro_batch
-    if length <= cap:
-        return []
-    return [Finding("warning", "token-cap-oversize",
-                    f"token_cap_per_micro_batch={cap:,} is below max_prompt_tokens + max_new_tokens = {length:,}: "
-                    "such samples run alone as oversize micro-batches (memory follows them, not the cap)",
-                    f"train.token_cap_per_micro_batch={length}; or rollout.max_new_tokens="
-                    f"{max(1, cap - c.data.max_prompt_tokens)}")]
-
-
-def rule_imbalance(p: Plan) -> list[Finding]:
-    if p.imbalance is None or p.idle:
-        return []
-    c, t = p.config, p.layout.training_ranks
-    k, m = c.rollout.samples_per_prompt, len(p.minibatch_sizes) or 1
-    if p.bound_ratio and p.bound_ratio > 1.05:
-        return [Finding("note", "imbalance", f"the busiest rank is {100 * (p.bound_ratio - 1):.0f}% above the "
-                        "partition's lower bound (capacity weights that do not match the sample counts)",
-                        "parallel.capacity_weights closer to 1, or more samples per step")]
-    if p.imbalance < 1.10:
-        return []
-    step = t * m // math.gcd(t * m, k)  # prompts_per_step a multiple of this splits evenly
-    even = math.ceil(c.data.prompts_per_step / step) * step
-    return [Finding("note", "imbalance",
-                    f"the busiest rank does {100 * (p.imbalance - 1):.0f}% more than an even split: "
-                    f"{c.samples_per_step():,} whole samples over {t} ranks"
-                    + (f" in {m} mini-batches" if m > 1 else "") + " cannot split evenly (others wait)",
-                    f"data.prompts_per_step={even} splits evenly")]
-
-
-def rule_memory(p: Plan) -> list[Finding]:
-    c, lay, mem = p.config, p.layout, p.memory
-    if mem is None:
-        if p.dims_error:
-            return [Finding("note", "memory-skipped", f"no memory estimate: {p.dims_error}", "")]
-        if not c.model.path:
-            return [Finding("note", "memory-skipped", "no memory estimate: model.path is empty",
-                            "model.path=/local/model/dir (its config.json gives the dimensions)")]
-        return []
-    if mem.fits is None:
-        return [Finding("note", "memory-unknown", f"estimated peak {mem.total_gib:.1f} GiB per rank; "
-                        "device memory unknown", "--device-memory-gib 80 (your device's memory)")]
-    top = sorted(((v, k) for k, v in mem.breakdown.items() if v >= 0.05), reverse=True)[:4]
-    parts = ", ".join(f"{k} {v:.1f}" for v, k in top)
-    if not mem.fits:
-        fixes = "; ".join(f.text() + (" (fits)" if f.fits else "") for f in p.memory_fixes)
-        return [Finding("error", "memory-over",
-                        f"estimated peak {mem.total_gib:.1f} GiB per rank > {lay.device_memory_gib:.1f} GiB "
-                        f"device memory ({parts} GiB)",
-                        f"each alone, best first: {fixes}" if fixes else "use devices with more memory")]
-    if mem.total_gib > 0.9 * lay.device_memory_gib:
-        return [Finding("warning", "memory-tight", f"estimated peak {mem.total_gib:.1f} GiB of "
-                        f"{lay.device_memory_gib:.1f} GiB per rank (> 90%; fragmentation may push it over)",
-                        "model.gradient_checkpointing=true; or a lower train.token_cap_per_micro_batch")]
-    return []
-
-
-def rule_parallel(p: Plan) -> list[Finding]:
-    c, lay, out = p.config, p.layout, []
-    if c.parallel.cpu_offload == "full" and c.parallel.sharding != "fsdp":
-        out.append(Finding("warning", "offload-replicated", "cpu_offload=full keeps parameters on the host only "
-                           "under FSDP (CPUOffloadPolicy); with sharding=replicated only the optimizer moves",
-                           "parallel.sharding=fsdp; or parallel.cpu_offload=optimizer"))
-    if c.parallel.sharding == "fsdp" and lay.training_ranks == 1:
-        out.append(Finding("note", "fsdp-one-rank", "sharding=fsdp over 1 training rank shards nothing",
-                           "parallel.sharding=replicated, or more ranks"))
-    if lay.rollout_devices and c.rollout.engine == "hf":
-        out.append(Finding("warning", "rollout-devices-unused",
-                           f"{lay.rollout_devices} device(s) reserved for rollout, but engine 'hf' generates on "
-                           "the training ranks: the reserved devices sit idle",
-                           f"--rollout-devices 0 (then {lay.world} ranks train and generate)"))
-    if c.rollout.memory_fraction > 0 and c.rollout.engine == "hf":
-        out.append(Finding("warning", "rollout-reserve-unused",
-                           f"rollout.memory_fraction={c.rollout.memory_fraction} reserves memory for a separate "
-                           "engine; engine 'hf' samples with the training model", "rollout.memory_fraction=0"))
-    if c.model.dtype == "float16" and lay.device == "cpu":
-        out.append(Finding("warning", "fp16-cpu", "float16 on CPU is slow and lacks kernels for some ops",
-                           "model.dtype=float32 (or bfloat16)"))
-    total = p.optimizer_steps_per_step * c.train.steps
-    if c.train.warmup_steps and c.train.warmup_steps >= total:
-        out.append(Finding("warning", "warmup-longer-than-run",
-                           f"warmup_steps={c.train.warmup_steps} >= {total} optimizer steps in the whole run: "
-                           "the learning rate never reaches train.lr", f"train.warmup_steps={total // 10}"))
-    return out
-
-
-RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_groups, rule_minibatches, rule_min_rows,
-         rule_idle, rule_rollout_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel]
-
-
 # ------------------------------------------------------------------------------------------ --fit
 
 def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
@@ -604,109 +329,10 @@ def minimal_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(diff, sort_keys=False) if diff else "{}\n"
 
 
-# ------------------------------------------------------------------------------------------ text output
-
-def render(p: Plan) -> str:
-    c, lay = p.config, p.layout
-    t, k, prompts = lay.training_ranks, c.rollout.samples_per_prompt, c.data.prompts_per_step
-    out = [f"layout     {lay.describe()}"]
-    sizes = p.minibatch_sizes
-    mbs = (f"{len(sizes)} mini-batch{'es' if len(sizes) != 1 else ''} of {_range(sizes)}" if sizes
-           else "no mini-batches")
-    out.append(f"step       {_plural(prompts, 'prompt')} × {_plural(k, 'sample')} = "
-               f"{c.samples_per_step():,} samples; {mbs}; "
-               f"{_plural(c.algo.epochs_per_step, 'epoch')} over them")
-    out.append(f"samples    worst case {p.sample_tokens:,} tokens each (prompt {c.data.max_prompt_tokens:,} + new "
-               f"{c.rollout.max_new_tokens:,}); token cap {c.train.token_cap_per_micro_batch:,} per micro-batch"
-               + (f"; min {c.train.min_rows_per_micro_batch} rows" if c.train.min_rows_per_micro_batch > 1 else ""))
-    if p.ranks:
-        out += _rank_lines(p)
-    total = p.optimizer_steps_per_step * c.train.steps
-    line = (f"optimizer  {p.optimizer_steps_per_step} per RL step; {c.train.steps:,} RL steps = {total:,} "
-            "optimizer steps")
-    if p.steps_per_epoch is not None:
-        line += (f"; dataset {p.dataset_rows:,} rows = {p.steps_per_epoch:,.1f} RL steps "
-                 f"({p.steps_per_epoch * p.optimizer_steps_per_step:,.1f} optimizer steps) per epoch")
-    else:
-        line += "; dataset size unknown"
-    out.append(line)
-    if p.memory:
-        out += _memory_lines(p)
-    counts = p.counts()
-    out.append("findings   " + (", ".join(_plural(n, lv) for lv, n in counts.items() if n) or "none: runnable"))
-    for f in p.findings:
-        out.append(f"  {f.level.upper():<7} {f.rule}: {f.message}")
-        for i, alt in enumerate(x for x in f.fix.split("; ") if x):
-            out.append(f"  {'':7} {'fix: ' if i == 0 else '     '}{alt}")
-    return "\n".join(out)
-
-
-def _range(xs: list[int]) -> str:
-    return f"{min(xs):,}" if min(xs) == max(xs) else f"{min(xs):,}..{max(xs):,}"
-
-
-def _rank_lines(p: Plan) -> list[str]:
-    rows, nmb = p.ranks, len(p.minibatch_sizes)
-    head = "per rank   " + ("(computed: too many samples to simulate) " if not p.simulated else "")
-    lines = []
-    if len(rows) <= 16:
-        lines.append(head + f"{'rank':>4} {'samples':>8} {'est. tokens':>12} {'micro-steps':>12}")
-        for r in rows:
-            idle = "" if not r.idle_minibatches else (
-                "  idle" if r.idle_minibatches == nmb else f"  idle in {r.idle_minibatches}/{nmb} mini-batches")
-            lines.append(f"{'':11}{r.rank:>4} {r.samples:>8,} {r.tokens:>12,} {r.micro_steps:>12}{idle}")
-    s = _stats([r.samples for r in rows])
-    tk = _stats([r.tokens for r in rows])
-    summary = (f"samples {s['min']:,}/{s['mean']:,.1f}/{s['max']:,}, tokens {tk['min']:,}/{tk['mean']:,.0f}/"
-               f"{tk['max']:,} (min/mean/max); {_plural(rows[0].micro_steps, 'micro-step')} per rank "
-               f"({', '.join(map(str, p.micro_steps))} per mini-batch)")
-    lines.append((f"{'':11}" if len(rows) <= 16 else head) + summary)
-    idle = p.idle
-    lines.append(f"{'':11}idle ranks: " + (_ranks_text(idle) if idle else "none")
-                 + ("" if p.imbalance is None else f"; busiest rank / even split = {p.imbalance:.3f}")
-                 + ("" if not p.bound_ratio or p.bound_ratio < 1.0005 else f" (lower bound x{p.bound_ratio:.3f})"))
-    return lines
-
-
-def _ranks_text(ranks: list[int], most: int = 12) -> str:
-    spans, start = [], ranks[0]
-    for a, b in zip(ranks, ranks[1:] + [None]):
-        if b != a + 1:
-            spans.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    more = f",... ({len(ranks):,} ranks)" if len(spans) > most else ""
-    return ",".join(spans[:most]) + more
-
-
-def _memory_lines(p: Plan) -> list[str]:
-    mem, c, d = p.memory, p.config, p.dims
-    off = {"none": "no offload", "optimizer": "optimizer on host", "full": "params+optimizer on host"}
-    lines = [f"memory     per rank: {d.model_type} {mem.params / 1e9:.2f} B params, {c.model.dtype}, "
-             f"{c.parallel.sharding}, {off[c.parallel.cpu_offload]}, "
-             f"{'checkpointing' if c.model.gradient_checkpointing else 'no checkpointing'}",
-             f"{'':11}largest micro-batch {mem.micro_tokens:,} tokens; "
-             f"generates {_plural(mem.rollout_samples, 'sample')}"
-             + (f"; {mem.host_gib:.1f} GiB on the host" if mem.host_gib else "")]
-    for key, gib in mem.breakdown.items():
-        if gib >= 0.005:
-            lines.append(f"{'':13}{key:<17}{gib:>8.2f} GiB")
-    cap = f" of {mem.capacity_gib:.1f} GiB" if mem.capacity_gib else " (device memory unknown)"
-    verdict = {True: "fits", False: "DOES NOT FIT", None: ""}[mem.fits]
-    lines.append(f"{'':13}{'peak':<17}{mem.total_gib:>8.2f} GiB{cap}  {verdict}".rstrip())
-    lines.append(f"{'':13}peak = params + optimizer + gather + reference + reserve + overhead"
-                 " + max(gradients + activations + logits, KV cache)")
-    return lines
-
-
 # ------------------------------------------------------------------------------------------ command line
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (via the CLI), no usage dump
-        raise UsageError(message)
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="evenrl plan", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="evenrl plan", description=__doc__.splitlines()[0])
     p.add_argument("config", help="evenrl YAML config (or the peer's file with --from)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.prompts_per_step=64")
     add_layout_args(p)
@@ -726,7 +352,10 @@ def main(argv: list[str]) -> int:
     cfg = load_config(ns.config, ns.overrides)
     layout = layout_from_args(ns)
     plan = make_plan(cfg, layout)
-    return report(plan, as_json=ns.json, with_fit=ns.fit, title=f"evenrl plan: {ns.config}")
+    hint = ""
+    if has_shape_flags(ns) and ns.device is None and layout.device == "cpu":  # e.g. planning a cluster on a laptop
+        hint = "no GPU on this machine: planning CPU processes (--device cuda --device-memory-gib N plans GPUs)"
+    return report(plan, as_json=ns.json, with_fit=ns.fit, title=f"evenrl plan: {ns.config}", head_text=hint)
 
 
 def report(plan: Plan, *, as_json: bool, with_fit: bool, title: str, head: dict | None = None,
@@ -744,10 +373,10 @@ def report(plan: Plan, *, as_json: bool, with_fit: bool, title: str, head: dict 
                                    "; ".join(f"{k} {a} -> {b}" for k, a, b in changes)))
         text.append("fitted config (keys that differ from the defaults):\n" + minimal_yaml(cfg).rstrip())
         text.append("plan of the fitted config:\n" + render(final))
-    if as_json:
-        print(json.dumps(doc, indent=1))
-    else:
-        print("\n".join(text))
+    try:
+        print(json.dumps(doc, indent=1) if as_json else "\n".join(text), flush=True)
+    except BrokenPipeError:  # `evenrl plan ... | head`: the reader left early; the plan itself is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if final.runnable else 1
 
 

@@ -5,10 +5,9 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from evenrl.errors import UsageError
+from evenrl.errors import ArgumentParser, UsageError
 from evenrl.runlog import read_metrics
 
 # (file name, title, metric keys plotted on one axis)
@@ -83,7 +82,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="evenrl report", description="Plot a run directory's metrics to PNG.")
+    p = ArgumentParser(prog="evenrl report", description="Plot a run directory's metrics to PNG.")
     p.add_argument("run_dir")
     args = p.parse_args(argv)
     if not Path(args.run_dir).is_dir():

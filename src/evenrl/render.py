@@ -1,0 +1,177 @@
+"""The text form of a plan: what `evenrl plan` prints and every run directory keeps as plan.txt.
+
+    evenrl plan examples/plan_512x8.yaml --nproc-per-node 6
+
+One labelled block per question a user asks before a run: where (layout), how much (step, samples), who does
+what (per rank), how often (optimizer), will it fit (memory), what to change (findings). Ranks with the same
+numbers share one table row, so 6 ranks and 64 ranks both fit on a screen; --json has every rank.
+Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import textwrap
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from evenrl.plan import Plan
+
+WIDTH = 120  # long rows wrap here
+LABEL = 11  # "optimizer  " — the label column
+MAX_ROWS = 8  # distinct per-rank rows shown as a table; more are summarised as min/mean/max
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """plural(1, 'rank') -> '1 rank'; plural(4, 'mini-batch') -> '4 mini-batches'; thousands separated."""
+    if many is None:
+        many = word + ("es" if word.endswith(("tch", "sh", "ss", "x")) else "s")
+    return f"{n:,} {word if n == 1 else many}"
+
+
+def count_unit(n: int) -> str:
+    """Parameter counts with 3 significant digits: 86.8 K, 0.43 M, 494 M, 7.62 B."""
+    for size, unit in ((1e9, "B"), (1e5, "M"), (1e3, "K")):
+        if n >= size:
+            shown = f"{n / (1e6 if unit == 'M' else size):.3g}"
+            if unit == "M" and float(shown) >= 1000:  # 999.9 M rounds up to the next unit
+                return f"{n / 1e9:.3g} B"
+            return f"{shown} {unit}"
+    return f"{n:,}"
+
+
+def render(p: Plan) -> str:
+    c, lay = p.config, p.layout
+    k, prompts = c.rollout.samples_per_prompt, c.data.prompts_per_step
+    sizes = p.minibatch_sizes
+    mbs = f"{plural(len(sizes), 'mini-batch')} of {_range(sizes)}" if sizes else "no mini-batches"
+    cap, length = c.train.token_cap_per_micro_batch, p.sample_tokens
+    fits = f" ({plural(cap // length, 'sample')})" if cap >= length else " (below one sample)"
+    out = [_row("layout", lay.describe()),
+           _row("step", f"{plural(prompts, 'prompt')} × {plural(k, 'sample')} = "
+                        f"{plural(c.samples_per_step(), 'sample')}; {mbs}; "
+                        f"{plural(c.algo.epochs_per_step, 'epoch')} over them"),
+           _row("samples", f"worst case {length:,} tokens each (prompt {c.data.max_prompt_tokens:,} + new "
+                           f"{c.rollout.max_new_tokens:,}); token cap {cap:,} per micro-batch{fits}"
+                           + (f"; min {c.train.min_rows_per_micro_batch} rows"
+                              if c.train.min_rows_per_micro_batch > 1 else ""))]
+    if p.ranks:
+        out += _rank_lines(p)
+    out += [_row("optimizer", _optimizer_text(p)), _row("", _dataset_text(p))]
+    if p.memory:
+        out += _memory_lines(p)
+    counts = {lv: n for lv, n in p.counts().items() if n}
+    verdict = "runnable" if p.runnable else "not runnable"
+    out.append(_row("findings", (", ".join(plural(n, lv) for lv, n in counts.items()) + f"; {verdict}")
+                    if counts else "none: runnable"))
+    for f in p.findings:
+        out += _wrap(f"{f.level.upper():<7} {f.rule}: {f.message}", "  ", " " * 10)
+        for i, alt in enumerate(x for x in f.fix.split("; ") if x):
+            out += _wrap(alt, " " * 10 + ("fix: " if i == 0 else "     "), " " * 17)
+    return "\n".join(out)
+
+
+def _row(label: str, text: str, indent: int = LABEL) -> str:
+    """A labelled row, wrapped at WIDTH; continuation lines start at `indent`."""
+    return "\n".join(_wrap(text, f"{label:<{LABEL}}", " " * indent))
+
+
+def _wrap(text: str, first: str, rest: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False,
+                         break_long_words=False) or [first.rstrip()]
+
+
+def _range(xs: list[int]) -> str:
+    return f"{min(xs):,}" if min(xs) == max(xs) else f"{min(xs):,}..{max(xs):,}"
+
+
+def _optimizer_text(p: Plan) -> str:
+    c, per = p.config, p.optimizer_steps_per_step
+    why = (f" ({plural(len(p.minibatch_sizes), 'mini-batch')} × {plural(c.algo.epochs_per_step, 'epoch')})"
+           if c.algo.epochs_per_step > 1 else "")
+    text = (f"{plural(per, 'step')} per RL step{why} × {plural(c.train.steps, 'RL step')} = "
+            f"{plural(per * c.train.steps, 'optimizer step')}")
+    return text
+
+
+def _dataset_text(p: Plan) -> str:
+    if not p.config.data.path:
+        return "no dataset (data.path is empty)"
+    if p.steps_per_epoch is None:
+        return "dataset size unknown (rows are counted in local .jsonl and .parquet files)"
+    return (f"dataset {plural(p.dataset_rows, 'row')} = {p.steps_per_epoch:,.1f} RL steps "
+            f"({p.steps_per_epoch * p.optimizer_steps_per_step:,.1f} optimizer steps) per epoch")
+
+
+def _rank_lines(p: Plan) -> list[str]:
+    rows, nmb = p.ranks, len(p.minibatch_sizes)
+    # Consecutive ranks with the same numbers share a row: 64 equal ranks are one line.
+    groups = [list(g) for _, g in itertools.groupby(rows, key=lambda r: (r.samples, r.tokens, r.idle_minibatches))]
+    computed = "" if p.simulated else "   (computed, not simulated: too many samples)"
+    lines = []
+    if len(groups) <= MAX_ROWS:
+        labels = [f"{g[0].rank}-{g[-1].rank}" if len(g) > 1 else str(g[0].rank) for g in groups]
+        w = max(5, *map(len, labels))
+        lines.append(_row("per rank", f"{'ranks':<{w}} {'samples':>9} {'est. tokens':>13}{computed}"))
+        for label, (r, *_) in zip(labels, groups):
+            idle = "" if not r.idle_minibatches else (
+                "  idle" if r.idle_minibatches == nmb else f"  idle in {r.idle_minibatches} of {nmb} mini-batches")
+            lines.append(_row("", f"{label:<{w}} {r.samples:>9,} {r.tokens:>13,}{idle}"))
+    else:
+        s, t = [r.samples for r in rows], [r.tokens for r in rows]
+        lines.append(_row("per rank", f"samples {min(s):,}..{max(s):,} (mean {sum(s) / len(s):,.1f}), est. tokens "
+                                      f"{min(t):,}..{max(t):,} (mean {sum(t) / len(t):,.0f}); "
+                                      f"{len(groups)} kinds of rank (--json lists each){computed}"))
+    steps = {r.micro_steps for r in rows}
+    micro = (plural(rows[0].micro_steps, "micro-step") + " on every rank" if len(steps) == 1
+             else f"{min(steps)}..{max(steps)} micro-steps per rank")
+    per_mb = set(p.micro_steps)
+    if nmb > 1:
+        micro += (f" ({p.micro_steps[0]} per mini-batch)" if len(per_mb) == 1
+                  else f" ({', '.join(map(str, p.micro_steps))} per mini-batch)" if nmb <= 8
+                  else f" ({min(per_mb)}..{max(per_mb)} per mini-batch)")
+    idle = p.idle
+    parts = [micro, f"idle ranks: {ranks_text(idle)} ({len(idle)} of {len(rows)})" if idle else "no idle ranks"]
+    if p.imbalance is not None:
+        bound = f" (lower bound x{p.bound_ratio:.3f})" if p.bound_ratio and p.bound_ratio >= 1.0005 else ""
+        parts.append(f"busiest rank / even split = {p.imbalance:.3f}{bound}")
+    lines.append(_row("", "; ".join(parts)))
+    return lines
+
+
+def ranks_text(ranks: list[int], most: int = 12) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'; long lists end with ',...'."""
+    spans, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            spans.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(spans[:most]) + (",..." if len(spans) > most else "")
+
+
+# Phases of the peak: what stays resident, and the two that never overlap (memory.py's module docstring).
+_PHASES = {"resident": ("parameters", "optimizer", "fsdp gather", "reference model", "rollout reserve", "overhead"),
+           "training": ("gradients", "activations", "logits"),
+           "generation": ("KV cache",)}
+
+
+def _memory_lines(p: Plan) -> list[str]:
+    mem, c, d = p.memory, p.config, p.dims
+    off = {"none": "no offload", "optimizer": "optimizer on host", "full": "params+optimizer on host"}
+    lines = [_row("memory", f"{d.model_type} {count_unit(mem.params)} params, {c.model.dtype}, "
+                            f"{c.parallel.sharding}, {off[c.parallel.cpu_offload]}, "
+                            f"{'checkpointing' if c.model.gradient_checkpointing else 'no checkpointing'}"),
+             _row("", f"per rank: largest micro-batch {mem.micro_tokens:,} tokens; generates "
+                      f"{plural(mem.rollout_samples, 'sample')}"
+                      + (f"; {mem.host_gib:.1f} GiB on the host" if mem.host_gib else ""))]
+    sums = {}
+    for phase, keys in _PHASES.items():
+        sums[phase] = sum(mem.breakdown.get(k, 0.0) for k in keys)
+        parts = " + ".join(f"{k} {mem.breakdown[k]:.2f}" for k in keys if mem.breakdown.get(k, 0.0) >= 0.005)
+        lines.append(_row("", f"  {phase:<11}{sums[phase]:>9.2f} GiB  {parts}".rstrip(), indent=LABEL + 28))
+    larger = "training" if sums["training"] >= sums["generation"] else "generation"
+    cap = f"; device {mem.capacity_gib:.1f} GiB" if mem.capacity_gib else "; device memory unknown"
+    verdict = {True: ": fits", False: ": DOES NOT FIT", None: ""}[mem.fits]
+    lines.append(_row("", f"  {'peak':<11}{mem.total_gib:>9.2f} GiB  = resident + {larger} (the larger phase)"
+                          f"{cap}{verdict}"))
+    return lines

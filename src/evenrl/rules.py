@@ -1,0 +1,297 @@
+"""The planner's rules: each looks at a `Plan` and returns findings, each with the numbers and the fix.
+
+    evenrl plan examples/plan_512x8.yaml data.prompts_per_step=2 rollout.samples_per_prompt=1 --nproc-per-node 4
+
+Every rule in RULES runs on every plan, so all problems are reported at once. A rule is a plain function
+`Plan -> list[Finding]`; add one by writing it here and listing it in RULES (and a row in tests/test_plan.py).
+Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from evenrl.render import plural
+
+if TYPE_CHECKING:
+    from evenrl.plan import Plan
+
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: Literal["error", "warning", "note"]
+    rule: str  # stable id, e.g. "idle-ranks"
+    message: str  # what is wrong, with the numbers
+    fix: str = ""  # nearest valid settings; alternatives separated by "; "
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rule_layout(p: Plan) -> list[Finding]:
+    lay = p.layout
+    if lay.training_ranks >= 1:
+        return []
+    return [Finding("error", "no-training-ranks",
+                    f"{plural(lay.rollout_devices, 'rollout device')} out of {lay.world}: no rank is left to train",
+                    f"--rollout-devices {lay.world - 1}; or more devices (--nproc-per-node {lay.rollout_devices + 1})")]
+
+
+def rule_capacity_weights(p: Plan) -> list[Finding]:
+    t = p.layout.training_ranks
+    w = p.layout.capacity_weights or p.config.parallel.capacity_weights
+    where = "--capacity-weights" if p.layout.capacity_weights else "parallel.capacity_weights"
+    if not w or t < 1:
+        return []
+    if len(w) != t:
+        ones = ",".join(["1"] * t) if t <= 16 else f"1,...,1 ({t} numbers)"
+        example = f"--capacity-weights {ones}" if where.startswith("--") else f"{where}=[{ones}]"
+        return [Finding("error", "capacity-weights",
+                        f"{where} has {plural(len(w), 'weight')} for {plural(t, 'training rank')}",
+                        f"give one weight per training rank, e.g. {example}; or drop it")]
+    # The flags and the config refuse such weights; a Layout built in code can still carry them.
+    if not all(x > 0 and math.isfinite(x) for x in w):
+        return [Finding("error", "capacity-weights", f"{where}={list(w)} has a weight <= 0",
+                        "every weight must be a positive relative speed, e.g. 1 or 2")]
+    return []
+
+
+def rule_data(p: Plan) -> list[Finding]:
+    d = p.config.data
+    if not d.path:
+        return [Finding("warning", "data-path", "data.path is empty: no prompts to train on",
+                        "data.path=FILE.jsonl (or .parquet, or a local Hugging Face dataset directory)")]
+    if not Path(d.path).expanduser().exists():
+        return [Finding("error", "data-path", f"data.path {d.path!r} does not exist (evenrl never downloads)",
+                        "point data.path at a local .jsonl/.parquet file or dataset directory")]
+    if p.dataset_rows == 0:
+        return [Finding("error", "data-path", f"data.path {d.path!r} has no rows", "use a non-empty dataset")]
+    if p.dataset_rows is not None and p.dataset_rows < d.prompts_per_step:
+        return [Finding("warning", "prompts-exceed-dataset",
+                        f"{plural(d.prompts_per_step, 'prompt')} per step from a dataset of "
+                        f"{plural(p.dataset_rows, 'row')}: every step repeats prompts",
+                        f"data.prompts_per_step={p.dataset_rows}")]
+    return []
+
+
+def rule_model(p: Plan) -> list[Finding]:
+    m = p.config.model
+    path = Path(m.path).expanduser() if m.path else None
+    if path is not None and not path.is_dir():
+        return [Finding("error", "model-path", f"model.path {m.path!r} is not a local directory "
+                        "(evenrl never downloads)", "download the model, then model.path=/local/dir")]
+    if path is not None and not (path / "config.json").is_file():
+        return [Finding("error", "model-path", f"model.path {m.path!r} has no config.json",
+                        "point model.path at a Hugging Face model directory (config.json, weights, tokenizer)")]
+    out = []
+    if p.dims and p.dims.max_positions and p.sample_tokens > p.dims.max_positions:
+        out.append(Finding("warning", "max-positions",
+                           f"max_prompt_tokens + max_new_tokens = {p.sample_tokens:,} exceeds the model's "
+                           f"max_position_embeddings {p.dims.max_positions:,}",
+                           f"rollout.max_new_tokens={max(1, p.dims.max_positions - p.config.data.max_prompt_tokens)}"))
+    return out
+
+
+def rule_groups(p: Plan) -> list[Finding]:
+    c = p.config
+    k, adv = c.rollout.samples_per_prompt, c.algo.advantage
+    if adv not in GROUP_ADVANTAGES:
+        return []
+    if k == 1:
+        return [Finding("error", "single-sample-group",
+                        f"advantage {adv} compares samples of one prompt, but samples_per_prompt=1: "
+                        "every advantage is 0 and nothing is learned",
+                        "rollout.samples_per_prompt>=2 (4-16 is usual)")]
+    if c.rollout.temperature == 0:
+        return [Finding("error", "greedy-group",
+                        f"temperature 0 makes the {k} samples of a prompt identical: every advantage is 0",
+                        "rollout.temperature=1.0")]
+    if k < 4 and c.algo.std_scale == "group":
+        return [Finding("note", "small-group",
+                        f"the group std of {k} samples is coarse (with 0/1 rewards every advantage is "
+                        f"{'+-0.71' if k == 2 else '+-0.58 or +-1.15'} or 0)",
+                        "rollout.samples_per_prompt>=4; or algo.std_scale=batch")]
+    return []
+
+
+def rule_minibatches(p: Plan) -> list[Finding]:
+    c, out = p.config, []
+    want, got = c.algo.minibatches_per_step, len(p.minibatch_sizes)
+    if p.ranks and got < want:
+        n, prompts = c.samples_per_step(), c.data.prompts_per_step
+        why = (f"{plural(n, 'sample')}" if want > n else
+               f"{plural(prompts, 'prompt')} (mini-batch cuts fall between prompt groups)")
+        out.append(Finding("error", "empty-minibatches",
+                           f"minibatches_per_step={want} but {why} make only {got}: "
+                           f"{plural(want - got, 'mini-batch')} would be empty",
+                           f"algo.minibatches_per_step={got}; or data.prompts_per_step={max(prompts, want)}"))
+    sizes = p.minibatch_sizes
+    if len(sizes) > 1 and max(sizes) > 1.25 * min(sizes):
+        m = len(sizes)
+        even = math.ceil(c.data.prompts_per_step / m) * m
+        out.append(Finding("note", "uneven-minibatches",
+                           f"mini-batches of {min(sizes)}..{max(sizes)} samples: cuts fall between prompt groups",
+                           f"data.prompts_per_step={even} (a multiple of minibatches_per_step={m})"))
+    return out
+
+
+def _prompts_for(p: Plan, rows_per_rank: int) -> int:
+    """Smallest prompts_per_step whose smallest mini-batch gives every training rank rows_per_rank rows."""
+    c, t = p.config, p.layout.training_ranks
+    m, k = c.algo.minibatches_per_step, c.rollout.samples_per_prompt
+    return m * math.ceil(t * rows_per_rank / k)
+
+
+def rule_idle(p: Plan) -> list[Finding]:
+    c, t = p.config, p.layout.training_ranks
+    idle = p.idle
+    if not idle:
+        return []
+    mrows = c.train.min_rows_per_micro_batch
+    per_mb = min(p.minibatch_sizes)
+    nmb = len(p.minibatch_sizes)
+    k, prompts = c.rollout.samples_per_prompt, c.data.prompts_per_step
+    head = f"{plural(prompts, 'prompt')} × {plural(k, 'sample')}"
+    if nmb > 1:
+        head += f" in {nmb} mini-batches (smallest {per_mb})"
+    why = f" with min_rows_per_micro_batch={mrows}" if mrows > 1 else ""
+    fixes = [f"data.prompts_per_step={_prompts_for(p, mrows)}"]
+    need_k = math.ceil(t * mrows * nmb / prompts)
+    if need_k > k:
+        fixes.append(f"rollout.samples_per_prompt>={need_k}")
+    if nmb > 1 and c.samples_per_step() // (t * mrows) >= 1:
+        fixes.append(f"algo.minibatches_per_step={max(1, c.samples_per_step() // (t * mrows))}")
+    fixes.append(f"or fewer training ranks ({max(1, per_mb // mrows)})")
+    if mrows > 1:
+        fixes.append("or SyncBatchNorm (CUDA, gathers statistics over ranks) with train.min_rows_per_micro_batch=1")
+    idle_all = sum(1 for r in p.ranks if r.idle_minibatches == nmb)
+    return [Finding("warning", "idle-ranks",
+                    f"{head} on {plural(t, 'training rank')}{why} leaves {plural(len(idle), 'rank')} idle"
+                    + (f" ({idle_all} for the whole step)" if nmb > 1 and idle_all else ""),
+                    ", or ".join(fixes[:-2 if mrows > 1 else -1]) + "; " + "; ".join(fixes[-2 if mrows > 1 else -1:]))]
+
+
+def rule_rollout_idle(p: Plan) -> list[Finding]:
+    c, t = p.config, p.layout.training_ranks
+    prompts = c.data.prompts_per_step
+    if t < 2 or prompts >= t:
+        return []
+    return [Finding("warning", "rollout-idle",
+                    f"{plural(prompts, 'prompt')} on {plural(t, 'rank')}: {plural(t - prompts, 'rank')} "
+                    f"generate{'s' if t - prompts == 1 else ''} nothing "
+                    "(each prompt is generated on one rank, its samples sharing the prefill)",
+                    f"data.prompts_per_step={t}")]
+
+
+def rule_min_rows(p: Plan) -> list[Finding]:
+    c = p.config
+    m, length, cap = c.train.min_rows_per_micro_batch, p.sample_tokens, c.train.token_cap_per_micro_batch
+    out = []
+    if p.schedule_error:
+        k, mbs, prompts = c.rollout.samples_per_prompt, c.algo.minibatches_per_step, c.data.prompts_per_step
+        out.append(Finding("error", "min-rows", p.schedule_error,
+                           f"data.prompts_per_step={mbs * math.ceil(m / k)} ({_prompts_for(p, m)} keeps every rank "
+                           f"busy); or algo.minibatches_per_step={max(1, prompts // math.ceil(m / k))}"))
+    if m > 1 and m * length > cap:
+        out.append(Finding("warning", "min-rows-token-cap",
+                           f"min_rows_per_micro_batch={m} rows of up to {length:,} tokens need {m * length:,} "
+                           f"tokens, above token_cap_per_micro_batch={cap:,}: such micro-batches exceed the cap",
+                           f"train.token_cap_per_micro_batch={m * length}"))
+    return out
+
+
+def rule_token_cap(p: Plan) -> list[Finding]:
+    c, length = p.config, p.sample_tokens
+    cap = c.train.token_cap_per_micro_batch
+    if length <= cap:
+        return []
+    return [Finding("warning", "token-cap-oversize",
+                    f"token_cap_per_micro_batch={cap:,} is below max_prompt_tokens + max_new_tokens = {length:,}: "
+                    "such samples run alone as oversize micro-batches (memory follows them, not the cap)",
+                    f"train.token_cap_per_micro_batch={length}; or rollout.max_new_tokens="
+                    f"{max(1, cap - c.data.max_prompt_tokens)}")]
+
+
+def rule_imbalance(p: Plan) -> list[Finding]:
+    if p.imbalance is None or p.idle:
+        return []
+    c, t = p.config, p.layout.training_ranks
+    k, m = c.rollout.samples_per_prompt, len(p.minibatch_sizes) or 1
+    if p.bound_ratio and p.bound_ratio > 1.05:
+        return [Finding("note", "imbalance", f"the busiest rank is {100 * (p.bound_ratio - 1):.0f}% above the "
+                        "partition's lower bound (capacity weights that do not match the sample counts)",
+                        "parallel.capacity_weights closer to 1, or more samples per step")]
+    if p.imbalance < 1.10:
+        return []
+    step = t * m // math.gcd(t * m, k)  # prompts_per_step a multiple of this splits evenly
+    even = math.ceil(c.data.prompts_per_step / step) * step
+    return [Finding("note", "imbalance",
+                    f"the busiest rank does {100 * (p.imbalance - 1):.0f}% more than an even split: "
+                    f"{c.samples_per_step():,} whole samples over {t} ranks"
+                    + (f" in {m} mini-batches" if m > 1 else "") + " cannot split evenly (others wait)",
+                    f"data.prompts_per_step={even} splits evenly")]
+
+
+def rule_memory(p: Plan) -> list[Finding]:
+    c, lay, mem = p.config, p.layout, p.memory
+    if mem is None:
+        if p.dims_error:
+            return [Finding("note", "memory-skipped", f"no memory estimate: {p.dims_error}", "")]
+        if not c.model.path:
+            return [Finding("note", "memory-skipped", "no memory estimate: model.path is empty",
+                            "model.path=/local/model/dir (its config.json gives the dimensions)")]
+        return []
+    if mem.fits is None:
+        return [Finding("note", "memory-unknown", f"estimated peak {mem.total_gib:.1f} GiB per rank; "
+                        "device memory unknown", "--device-memory-gib 80 (your device's memory)")]
+    top = sorted(((v, k) for k, v in mem.breakdown.items() if v >= 0.05), reverse=True)[:4]
+    parts = ", ".join(f"{k} {v:.1f}" for v, k in top)
+    if not mem.fits:
+        fixes = "; ".join(f.text() + (" (fits)" if f.fits else "") for f in p.memory_fixes)
+        return [Finding("error", "memory-over",
+                        f"estimated peak {mem.total_gib:.1f} GiB per rank > {lay.device_memory_gib:.1f} GiB "
+                        f"device memory ({parts} GiB)",
+                        f"each alone, best first: {fixes}" if fixes else "use devices with more memory")]
+    if mem.total_gib > 0.9 * lay.device_memory_gib:
+        return [Finding("warning", "memory-tight", f"estimated peak {mem.total_gib:.1f} GiB of "
+                        f"{lay.device_memory_gib:.1f} GiB per rank (> 90%; fragmentation may push it over)",
+                        "model.gradient_checkpointing=true; or a lower train.token_cap_per_micro_batch")]
+    return []
+
+
+def rule_parallel(p: Plan) -> list[Finding]:
+    c, lay, out = p.config, p.layout, []
+    if c.parallel.cpu_offload == "full" and c.parallel.sharding != "fsdp":
+        out.append(Finding("warning", "offload-replicated", "cpu_offload=full keeps parameters on the host only "
+                           "under FSDP (CPUOffloadPolicy); with sharding=replicated only the optimizer moves",
+                           "parallel.sharding=fsdp; or parallel.cpu_offload=optimizer"))
+    if c.parallel.sharding == "fsdp" and lay.training_ranks == 1:
+        out.append(Finding("note", "fsdp-one-rank", "sharding=fsdp over 1 training rank shards nothing",
+                           "parallel.sharding=replicated, or more ranks"))
+    if lay.rollout_devices and c.rollout.engine == "hf":
+        out.append(Finding("warning", "rollout-devices-unused",
+                           f"{plural(lay.rollout_devices, 'device')} reserved for rollout, but engine 'hf' "
+                           "generates on the training ranks: the reserved devices sit idle",
+                           f"--rollout-devices 0 (then {plural(lay.world, 'rank')} train and generate)"))
+    if c.rollout.memory_fraction > 0 and c.rollout.engine == "hf":
+        out.append(Finding("warning", "rollout-reserve-unused",
+                           f"rollout.memory_fraction={c.rollout.memory_fraction} reserves memory for a separate "
+                           "engine; engine 'hf' samples with the training model", "rollout.memory_fraction=0"))
+    if c.model.dtype == "float16" and lay.device == "cpu":
+        out.append(Finding("warning", "fp16-cpu", "float16 on CPU is slow and lacks kernels for some ops",
+                           "model.dtype=float32 (or bfloat16)"))
+    total = p.optimizer_steps_per_step * c.train.steps
+    if c.train.warmup_steps and c.train.warmup_steps >= total:
+        out.append(Finding("warning", "warmup-longer-than-run",
+                           f"warmup_steps={c.train.warmup_steps} >= {plural(total, 'optimizer step')} in the whole "
+                           "run: the learning rate never reaches train.lr", f"train.warmup_steps={total // 10}"))
+    return out
+
+
+RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_groups, rule_minibatches, rule_min_rows,
+         rule_idle, rule_rollout_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel]

@@ -196,17 +196,24 @@ def _deep_copy(d: Any) -> Any:
     return d
 
 
+def read_text_file(path: str | os.PathLike, what: str) -> str:
+    """A UTF-8 text file's contents; a missing file, a directory or unreadable bytes is a one-line UsageError
+    naming the file and `what` was expected there."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{p}: no such file; give {what}")
+    if p.is_dir():
+        raise UsageError(f"{p}: is a directory; give {what}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{p}: cannot read ({e.__class__.__name__}); give {what} in UTF-8") from None
+
+
 def read_yaml(path: str | os.PathLike) -> dict:
     """Read a YAML mapping with safe_load; every failure is a one-line UsageError naming the file."""
     p = Path(path)
-    if not p.exists():
-        raise UsageError(f"{p}: no such file; give a YAML config file")
-    if p.is_dir():
-        raise UsageError(f"{p}: is a directory; give a YAML config file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{p}: cannot read ({e.__class__.__name__}); give a UTF-8 YAML file") from None
+    text = read_text_file(p, "a YAML config file")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

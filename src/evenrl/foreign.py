@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from evenrl.config import RunConfig, apply_overrides, validation_message
+from evenrl.config import RunConfig, apply_overrides, read_text_file, validation_message
 from evenrl.errors import UsageError
 from evenrl.layout import Layout, apply_layout_flags, has_shape_flags, layout_from_args, make_layout
 from evenrl.memory import with_settings
@@ -133,14 +133,7 @@ class Source:
 
 def read_foreign(framework: str, path: str, overrides: list[str]) -> dict:
     p = Path(path)
-    if not p.exists():
-        raise UsageError(f"{p}: no such file; give the {NAMES[framework]} config file")
-    if p.is_dir():
-        raise UsageError(f"{p}: is a directory; give the {NAMES[framework]} config file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{p}: cannot read ({e.__class__.__name__}); give a UTF-8 text file") from None
+    text = read_text_file(p, f"the {NAMES[framework]} config file")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -196,7 +196,7 @@ def _deep_copy(d: Any) -> Any:
     return d
 
 
-def read_text_file(path: str | os.PathLike, what: str) -> str:
+def read_text_file(path: str | os.PathLike, what: str, utf8_what: str) -> str:
     """A UTF-8 text file's contents; a missing file, a directory or unreadable bytes is a one-line UsageError
     naming the file and `what` was expected there."""
     p = Path(path)
@@ -207,13 +207,13 @@ def read_text_file(path: str | os.PathLike, what: str) -> str:
     try:
         return p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{p}: cannot read ({e.__class__.__name__}); give {what} in UTF-8") from None
+        raise UsageError(f"{p}: cannot read ({e.__class__.__name__}); give {utf8_what}") from None
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
     """Read a YAML mapping with safe_load; every failure is a one-line UsageError naming the file."""
     p = Path(path)
-    text = read_text_file(p, "a YAML config file")
+    text = read_text_file(p, "a YAML config file", "a UTF-8 YAML file")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

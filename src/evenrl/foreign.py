@@ -133,7 +133,7 @@ class Source:
 
 def read_foreign(framework: str, path: str, overrides: list[str]) -> dict:
     p = Path(path)
-    text = read_text_file(p, f"the {NAMES[framework]} config file")
+    text = read_text_file(p, f"the {NAMES[framework]} config file", "a UTF-8 text file")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

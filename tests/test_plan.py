@@ -137,6 +137,9 @@ def test_clean_config_is_runnable(tmp_path):
     empty.write_text("\n")
     assert rules(make([f"data.path={empty}"]))["data-path"].level == "error"
     assert rules(make([f"data.path={data}", "data.prompts_per_step=100"]))["prompts-exceed-dataset"]
+    missing_eval = rules(make([f"data.path={data}", "eval.path=/no/such/eval.jsonl"]))["eval-path"]
+    assert missing_eval.level == "error" and "/no/such/eval.jsonl" in missing_eval.message
+    assert "eval-path" not in rules(make([f"data.path={data}", f"eval.path={data}"]))
 
 
 def test_model_dir_without_config_json(tmp_path):

@@ -11,9 +11,13 @@ from e2e import ENV, evenrl, final_params, max_diff
 
 def test_one_process_run_writes_everything(assets, tmp_path):
     run = tmp_path / "one"
-    evenrl("train", assets["cfg"], f"log.run_dir={run}")
+    out = evenrl("train", assets["cfg"], f"log.run_dir={run}", f"eval.path={assets['data']}",
+                 "eval.max_prompts=10").stdout
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["eval/prompts"] == 10 and "eval/reward" in rows[2] and "eval/reward" not in rows[1]
+    rows = rows[1:]
+    assert "phase breakdown over 2 steps" in out and all(r["time/step"] > 0 for r in rows)
     assert all(r["samples"] == 21 for r in rows)
     assert (run / "config.yaml").exists() and (run / "samples.jsonl").exists()
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
@@ -33,14 +37,16 @@ def test_one_process_run_writes_everything(assets, tmp_path):
 def test_same_model_on_one_and_three_processes(assets, tmp_path):
     """Layout invariance: 7 prompts x 3 samples, 2 mini-batches, on 1 and on 3 ranks -> the same parameters."""
     one, three = tmp_path / "w1", tmp_path / "w3"
-    evenrl("train", assets["cfg"], f"log.run_dir={one}")
-    evenrl("train", assets["cfg"], f"log.run_dir={three}", "--nproc-per-node", 3)
+    evals = [f"eval.path={assets['data']}", "eval.max_prompts=11"]
+    evenrl("train", assets["cfg"], f"log.run_dir={one}", *evals)
+    evenrl("train", assets["cfg"], f"log.run_dir={three}", *evals, "--nproc-per-node", 3)
     diff = max_diff(final_params(one), final_params(three))
     assert diff <= 1e-5, diff
     m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     m3 = [json.loads(x) for x in (three / "metrics.jsonl").read_text().splitlines()]
-    assert [r["reward/mean"] for r in m1] == [r["reward/mean"] for r in m3]
-    assert len(m3[0]["load/rank_tokens"]) == 3
+    assert [r.get("reward/mean") for r in m1] == [r.get("reward/mean") for r in m3]
+    assert [r.get("eval/reward") for r in m1] == [r.get("eval/reward") for r in m3]
+    assert len(m3[-1]["load/rank_tokens"]) == 3
 
 
 @pytest.mark.slow
@@ -97,3 +103,14 @@ def test_bad_flags_are_one_line_and_exit_2(assets, args):
     proc = evenrl("train", assets["cfg"], *args, check=False)
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_phase_table_sums_phases_and_names_the_rest():
+    from evenrl.train import phase_table
+
+    text = phase_table({"rollout": 3.0, "update": 1.0, "reward": 0.5, "step": 5.0}, steps=4)
+    lines = text.splitlines()
+    assert lines[0] == "phase breakdown over 4 steps (rank 0):"
+    rows = {ln.split()[0]: (float(ln.split()[1]), float(ln.split()[2])) for ln in lines[2:]}
+    assert list(rows) == ["rollout", "reward", "update", "other", "total"]  # the step's order, then the rest
+    assert rows["rollout"] == (3.0, 60.0) and rows["other"] == (0.5, 10.0) and rows["total"] == (5.0, 100.0)

@@ -134,6 +134,14 @@ class LogConfig(_Section):
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
 
 
+class EvalConfig(_Section):
+    path: str = Field("", description="Held-out prompts (same format and fields as data.path) scored with greedy "
+                                      "decoding; empty: no evaluation.")
+    every_steps: int = Field(0, ge=0, description="Evaluate every this many steps, besides before the first and after "
+                                                  "the last (0: only those two).")
+    max_prompts: int = Field(256, ge=1, le=MAX_COUNT, description="Evaluate on the first this many prompts.")
+
+
 class SftConfig(_Section):
     steps: int = Field(200, ge=0, le=MAX_COUNT, description="Supervised optimizer steps.")
     rows_per_step: int = Field(32, ge=1, le=MAX_COUNT, description="Prompt/answer rows per optimizer step.")
@@ -149,6 +157,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation and micro-batching.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Sharding and offload.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Greedy evaluation on held-out prompts.")
     log: LogConfig = Field(default_factory=LogConfig, description="Run directory and logging.")
     sft: SftConfig = Field(default_factory=SftConfig, description="Supervised warm start (evenrl sft).")
 

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     n = write_addition_data(data)
     print(f"[demo] tiny Qwen2 model in {model_dir}; {n} addition prompts in {data}")
 
-    common = [f"data.path={data}"]
+    common = [f"data.path={data}", f"eval.path={data}"]  # 100 prompts: the task is all of them
     sft_dir = out / "sft"
     sft_cfg = load_config(cfg_path, common + [*args.overrides, f"model.path={model_dir}", f"log.run_dir={sft_dir}"])
     print(f"[demo] supervised warm start: {sft_cfg.sft.steps} steps of {sft_cfg.sft.rows_per_step} rows")
@@ -86,12 +86,15 @@ def main(argv: list[str]) -> int:
     from evenrl.report import write_plots
     from evenrl.runlog import read_metrics
 
-    rows = read_metrics(grpo_dir)
+    rows = [r for r in read_metrics(grpo_dir) if "reward/mean" in r]
+    evals = [r["eval/reward"] for r in read_metrics(grpo_dir) if "eval/reward" in r]
     rewards = [r["reward/mean"] for r in rows]
     first, last = rewards[:10], rewards[-10:]
     plots = write_plots(grpo_dir)
     print(f"[demo] {len(rows)} GRPO steps; mean reward first 10 steps {sum(first) / len(first):.3f} "
           f"-> last 10 steps {sum(last) / len(last):.3f}")
+    if len(evals) >= 2:
+        print(f"[demo] greedy exact-match on all {n} prompts: before GRPO {evals[0]:.3f} -> after {evals[-1]:.3f}")
     print(f"[demo] run directory: {grpo_dir}  (config.yaml, plan.txt, metrics.jsonl, samples.jsonl, tb/, final/)")
     print(f"[demo] plots: {', '.join(str(p) for p in plots)}")
     print(f"[demo] total {time.time() - t0:.0f} s")

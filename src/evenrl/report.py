@@ -12,7 +12,7 @@ from evenrl.runlog import read_metrics
 
 # (file name, title, metric keys plotted on one axis)
 PANELS = [
-    ("reward.png", "Reward (mean over the step's samples)", ["reward/mean"]),
+    ("reward.png", "Reward: sampled (mean over the step's samples) and greedy eval", ["reward/mean", "eval/reward"]),
     ("kl.png", "KL to the reference / policy drift", ["kl", "policy/approx_kl"]),
     ("response_length.png", "Response length (tokens)", ["response/length_mean"]),
     ("phases.png", "Seconds per step by phase", ["time/rollout", "time/reward", "time/exchange",
@@ -52,6 +52,9 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         for k in present:
             xs = [s for s, r in zip(steps, rows) if r.get(k) is not None]
             ys = [r[k] for r in rows if r.get(k) is not None]
+            if len(ys) < 20:  # sparse series (evaluations): points, no smoothing
+                ax.plot(xs, ys, "o-", lw=1.5, ms=5, label=k)
+                continue
             line, = ax.plot(xs, ys, alpha=0.35, lw=1)
             ax.plot(xs, _smooth(ys, max(1, len(ys) // 20)), color=line.get_color(), lw=2, label=k)
         ax.set_title(title)

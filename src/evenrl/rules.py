@@ -71,6 +71,9 @@ def rule_data(p: Plan) -> list[Finding]:
                         "point data.path at a local .jsonl/.parquet file or dataset directory")]
     if p.dataset_rows == 0:
         return [Finding("error", "data-path", f"data.path {d.path!r} has no rows", "use a non-empty dataset")]
+    if p.config.eval.path and not Path(p.config.eval.path).expanduser().exists():
+        return [Finding("error", "eval-path", f"eval.path {p.config.eval.path!r} does not exist",
+                        "point eval.path at a local .jsonl/.parquet file or dataset directory, or eval.path=''")]
     if p.dataset_rows is not None and p.dataset_rows < d.prompts_per_step:
         return [Finding("warning", "prompts-exceed-dataset",
                         f"{plural(d.prompts_per_step, 'prompt')} per step from a dataset of "

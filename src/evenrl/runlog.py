@@ -47,7 +47,8 @@ class RunLog:
         if self.enabled:
             (self.dir / name).write_text(text)
 
-    def metrics(self, step: int, values: dict) -> None:
+    def metrics(self, step: int, values: dict, advance: bool = True) -> None:
+        """Append one row; `advance=False` for a row that is not a training step (evaluation before step 1)."""
         if not self.enabled:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in values.items()}}
@@ -57,7 +58,7 @@ class RunLog:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
-        if self._bar is not None:
+        if self._bar is not None and advance:
             self._bar.update(1)
             self._bar.set_postfix_str(" ".join(f"{label} {values[k]:.4g}" for k, label in self.shown.items()
                                                if isinstance(values.get(k), (int, float))), refresh=False)

@@ -1,0 +1,33 @@
+"""Greedy evaluation on held-out prompts, spread over ranks like the rollout (called by evenrl train).
+
+The score is the mean summed reward over `eval.max_prompts` prompts with greedy decoding, so it shows what
+the model does when it is not sampling; it is computed before the first step, every `eval.every_steps`
+steps and after the last, and logged as `eval/reward`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from evenrl import dist
+from evenrl.partition import balanced_partition
+from evenrl.rewards import score_all
+from evenrl.rollout import greedy
+
+
+def evaluate(run, rows: list[dict], prompt_tokens: list[list[int]]) -> dict:
+    cfg = run.cfg
+    costs = [len(t) + cfg.rollout.max_new_tokens for t in prompt_tokens]
+    mine = balanced_partition(costs, dist.world(), weights=cfg.parallel.capacity_weights).parts[dist.rank()]
+    total = torch.zeros(3, dtype=torch.float64)  # summed reward, prompts, summed response length
+    if mine:
+        completions = greedy(run.model, [prompt_tokens[i] for i in mine], max_new_tokens=cfg.rollout.max_new_tokens,
+                             eos_token_ids=run.eos_ids, pad_token_id=run.pad_id)
+        texts = [run.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        scores, _ = score_all(run.reward_fns, texts, [rows[i] for i in mine], cfg.rewards.timeout_s)
+        total += torch.tensor([sum(scores), len(scores), sum(len(c.token_ids) for c in completions)],
+                              dtype=torch.float64)
+    dist.all_reduce_sum(total)
+    n = max(float(total[1]), 1.0)
+    return {"eval/reward": float(total[0]) / n, "eval/response_length": float(total[2]) / n,
+            "eval/prompts": int(total[1])}

@@ -23,9 +23,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# bench: partitioner numbers, evenrl vs verl's partitioner (needs VERL_PATH=<a checkout of volcengine/verl>, else it
+# says it skipped), evenrl vs TRL GRPO side by side (~10 min on 2 cores; see docs/performance.md for narrower runs).
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -c "import torch; print('torch', torch.__version__)"
 	$(PY) benchmarks/partition.py
+	$(PY) benchmarks/partition_vs_verl.py
+	$(PY) benchmarks/grpo_vs_trl.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

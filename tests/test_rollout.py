@@ -6,6 +6,7 @@ from evenrl.errors import UsageError
 from evenrl.models import encode_prompt, load_policy, make_tiny_model
 from evenrl.rollout import (
     Completion,
+    LeanDecoder,
     SamplingParams,
     generate,
     greedy,
@@ -149,6 +150,40 @@ def test_llama_matches_uncached_forward(tmp_path):
             logits = full_logits(model, prompt, c.token_ids)
             ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
             assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_lean_decoder_gives_the_forward_decoders_samples(tmp_path, arch):
+    """The pre-allocated-cache decoder against the model's own forward: left padding, GQA, finished rows dropped
+    mid-generation (the eos set is ~11% of the vocab), top-p; same tokens, log-probs equal to float rounding."""
+    model, tok = load_policy(make_tiny_model(str(tmp_path), arch=arch, seed=5))
+    assert LeanDecoder.supports(model) and model.config.num_key_value_heads < model.config.num_attention_heads
+    prompts = [encode_prompt(tok, t, False) for t in ("7+8=", "countdown 3 5 7 to 15:", "12*3=", "x")]
+    eos = {1} | set(encode_prompt(tok, "0123456789", False))
+    params = SamplingParams(max_new_tokens=14, temperature=0.9, top_p=0.95, samples_per_prompt=5, seed=3)
+    hf = run(model, prompts, [0, 1, 2, 3], params, eos=eos, decoder="forward")
+    lean = run(model, prompts, [0, 1, 2, 3], params, eos=eos, decoder="lean")
+    flags = [c.finished for r in lean for c in r]
+    assert any(flags) and not all(flags)
+    for rh, rl in zip(hf, lean):
+        for h, c in zip(rh, rl):
+            assert (h.token_ids, h.finished) == (c.token_ids, c.finished)
+            np.testing.assert_allclose(c.logprobs, h.logprobs, atol=1e-5)
+
+
+def test_other_architectures_use_the_models_forward():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64)).eval()
+    assert not LeanDecoder.supports(model)
+    params = SamplingParams(max_new_tokens=4, samples_per_prompt=2)
+    auto = run(model, [[5, 6, 7], [8]], [0, 1], params)
+    assert [c.token_ids for r in auto for c in r] == [c.token_ids for r in run(model, [[5, 6, 7], [8]], [0, 1], params,
+                                                                                decoder="forward") for c in r]
+    with pytest.raises(UsageError, match="decoder"):
+        run(model, [[5]], [0], params, decoder="lean")
 
 
 def test_sampler_follows_the_distribution():

@@ -109,6 +109,10 @@ def sample_from_logits(logits: torch.Tensor, u: torch.Tensor, temperature: float
 
 _KEEP_ARG: dict[type, bool] = {}
 
+# Finished rows are dropped from the batch once this share of it has finished: dropping copies the whole KV cache,
+# so doing it at every finished row costs more than computing a few dead rows for some steps.
+_COMPACT_DEAD_SHARE = 0.25
+
 
 def _supports_logits_to_keep(model) -> bool:
     cls = type(model)
@@ -137,6 +141,7 @@ def generate(
     eos_token_ids: set[int],
     pad_token_id: int,
     max_batch_prompts: int | None = None,
+    decoder: str = "auto",
 ) -> list[list[Completion]]:
     """Sample `params.samples_per_prompt` completions per prompt; returns [prompt][sample].
 
@@ -144,6 +149,9 @@ def generate(
     does not depend on the rank layout, e.g. the prompt's position in the global batch (not its
     dataset row, which can repeat across an epoch boundary). `max_batch_prompts` bounds how many
     prompts share one forward pass; it changes speed and memory, never the samples.
+    `decoder` changes speed, not samples: "lean" (Qwen2/Llama-style models: their own modules on a KV cache
+    allocated once, see LeanDecoder), "forward" (the model's Hugging Face forward with a DynamicCache: any causal
+    LM), or "auto" (lean when the model supports it).
     """
     if len(keys) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(keys)} keys")
@@ -152,8 +160,14 @@ def generate(
     for k, p in zip(keys, prompts):
         if len(p) == 0:
             raise ValueError(f"generate: prompt with key {k} has no tokens")
+    if decoder not in ("auto", "lean", "forward"):
+        raise bad("decoder", decoder, "one of auto, lean, forward")
+    if decoder == "lean" and not LeanDecoder.supports(model):
+        raise bad("decoder", decoder, f"forward or auto for {type(model).__name__} "
+                                      f"(lean covers {', '.join(LeanDecoder.ARCHS)})")
     if not prompts:
         return []
+    lean = decoder == "lean" or (decoder == "auto" and LeanDecoder.supports(model))
     chunk = max_batch_prompts or len(prompts)
     was_training = model.training
     model.eval()  # dropout off: a sample must not depend on anything but its key
@@ -162,14 +176,14 @@ def generate(
         for s in range(0, len(prompts), chunk):
             out.extend(
                 _generate_batch(model, prompts[s : s + chunk], keys[s : s + chunk], params, step,
-                                set(eos_token_ids), pad_token_id)
+                                set(eos_token_ids), pad_token_id, lean)
             )
         return out
     finally:
         model.train(was_training)
 
 
-def _generate_batch(model, prompts, keys, params: SamplingParams, step, eos_ids, pad_token_id):
+def _generate_batch(model, prompts, keys, params: SamplingParams, step, eos_ids, pad_token_id, lean: bool):
     device = next(model.parameters()).device
     n = params.samples_per_prompt
     n_prompts = len(prompts)
@@ -185,50 +199,47 @@ def _generate_batch(model, prompts, keys, params: SamplingParams, step, eos_ids,
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
 
-    cache = _new_cache(model)
-    extra = {"logits_to_keep": 1} if _supports_logits_to_keep(model) else {}
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                past_key_values=cache, use_cache=True, **extra)
-    cache = out.past_key_values
-    logits = out.logits[:, -1, :]
-    del out
+    max_new = params.max_new_tokens
+    dec = LeanDecoder(model, width + max_new) if lean else _ForwardDecoder(model)
+    logits = dec.prefill(input_ids, attn, position_ids)
     if n > 1:  # the n samples of a prompt share its prefill
-        cache.batch_repeat_interleave(n)
+        dec.repeat_rows(n)
         logits = logits.repeat_interleave(n, dim=0)
-        attn = attn.repeat_interleave(n, dim=0)
 
     n_rows = n_prompts * n
     seeds = np.array([row_seed(params.seed, step, keys[r // n], r % n) for r in range(n_rows)], dtype=np.uint64)
     next_pos = torch.tensor(lens, device=device).repeat_interleave(n)
-    active = torch.arange(n_rows)  # global row of each batch row still generating
+    rows = torch.arange(n_rows)  # global row of each batch row
+    live = torch.ones(n_rows, dtype=torch.bool)  # batch rows still generating (finished ones wait to be dropped)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-    max_new = params.max_new_tokens
     out_tok = torch.full((n_rows, max_new), -1, dtype=torch.long)
     out_lp = torch.zeros((n_rows, max_new), dtype=torch.float32)
     length = torch.zeros(n_rows, dtype=torch.long)
     finished = torch.zeros(n_rows, dtype=torch.bool)
+    tok_in = torch.full((n_rows,), pad_token_id, dtype=torch.long, device=device)
 
     for t in range(max_new):
-        u = torch.from_numpy(uniforms(seeds[active.numpy()], t))
-        tok, lp = sample_from_logits(logits, u, params.temperature, params.top_p)
-        out_tok[active, t] = tok.cpu()
-        out_lp[active, t] = lp.cpu()
-        length[active] = t + 1
-        done = torch.isin(tok, eos) if len(eos) else torch.zeros_like(tok, dtype=torch.bool)
-        finished[active[done.cpu()]] = True
+        idx = live.nonzero().squeeze(1)
+        all_live = len(idx) == len(live)
+        g = rows if all_live else rows[idx]  # global rows sampled at this step
+        u = torch.from_numpy(uniforms(seeds[g.numpy()], t))
+        tok, lp = sample_from_logits(logits if all_live else logits[idx.to(device)], u, params.temperature,
+                                     params.top_p)
+        out_tok[g, t] = tok.cpu()
+        out_lp[g, t] = lp.cpu()
+        length[g] = t + 1
+        done = (torch.isin(tok, eos) if len(eos) else torch.zeros_like(tok, dtype=torch.bool)).cpu()
+        finished[g[done]] = True
         if t == max_new - 1 or bool(done.all()):
             break
-        if bool(done.any()):  # drop finished rows so later steps only compute live ones
-            keep = (~done).nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-            attn, tok, next_pos = attn[keep], tok[keep], next_pos[keep]
-            active = active[keep.cpu()]
-        attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        logits = out.logits[:, -1, :]
-        del out
+        live[idx[done]] = False
+        tok_in[idx.to(device)] = tok
+        if (~live).sum() >= max(1, _COMPACT_DEAD_SHARE * len(live)):  # drop finished rows, keep live ones
+            keep = live.nonzero().squeeze(1)
+            dec.select_rows(keep.to(device))
+            rows, tok_in, next_pos = rows[keep], tok_in[keep.to(device)], next_pos[keep.to(device)]
+            live = torch.ones(len(keep), dtype=torch.bool)
+        logits = dec.step(tok_in, next_pos)
         next_pos = next_pos + 1
 
     toks, lps, lens_out, fin = out_tok.tolist(), out_lp.tolist(), length.tolist(), finished.tolist()
@@ -236,6 +247,158 @@ def _generate_batch(model, prompts, keys, params: SamplingParams, step, eos_ids,
         Completion(keys[r // n], r % n, toks[r][: lens_out[r]], lps[r][: lens_out[r]], fin[r]) for r in range(n_rows)
     ]
     return [completions[i * n : (i + 1) * n] for i in range(n_prompts)]
+
+
+class _ForwardDecoder:
+    """Any Hugging Face causal LM through its own forward and a DynamicCache (the reference path)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = _new_cache(model)
+        self.attn = None
+
+    def prefill(self, input_ids, attn, position_ids):
+        extra = {"logits_to_keep": 1} if _supports_logits_to_keep(self.model) else {}
+        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True, **extra)
+        self.cache, self.attn = out.past_key_values, attn
+        return out.logits[:, -1, :]
+
+    def repeat_rows(self, n):
+        self.cache.batch_repeat_interleave(n)
+        self.attn = self.attn.repeat_interleave(n, dim=0)
+
+    def select_rows(self, keep):
+        self.cache.batch_select_indices(keep)
+        self.attn = self.attn[keep]
+
+    def step(self, tok, pos):
+        self.attn = torch.cat([self.attn, self.attn.new_ones((self.attn.shape[0], 1))], dim=1)
+        out = self.model(input_ids=tok[:, None], attention_mask=self.attn, position_ids=pos[:, None],
+                         past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[:, -1, :]
+
+
+class LeanDecoder:
+    """Incremental decoding for plain pre-norm decoder-only LMs (Qwen2, Llama): the model's own modules called
+    layer by layer on a KV cache allocated once for prompt + max_new_tokens.
+
+    Why: on CPU, Hugging Face's forward grows its cache with torch.cat at every token (and the row drops copy it),
+    which was ~35% of sampling time for a 2.4 M-parameter Qwen2 at 256 rows x 128 tokens. Here a token costs the
+    projections (one fused q|k|v and one fused gate|up matmul per layer) and attention over a view of the cache;
+    finished rows are dropped in batches (_COMPACT_DEAD_SHARE). Measured on 2 cores: 1.2x (32 rows x 16 tokens)
+    to 1.3x (256 rows x 128 tokens) faster than the model's forward. The arithmetic is the model's (same norms,
+    rotary embedding, activation and scaling); only the matmul grouping differs, which moves log-probs by float
+    rounding (tests compare both decoders and the model's uncached forward).
+    """
+
+    ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+    @classmethod
+    def supports(cls, model) -> bool:
+        if type(model).__name__ not in cls.ARCHS:
+            return False
+        cfg, inner = model.config, getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "rotary_emb") or getattr(cfg, "pretraining_tp", 1) != 1:
+            return False
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+            return False  # sliding-window layers: leave them to the model's own masks
+        if getattr(cfg, "use_sliding_window", False):
+            return False
+        # Sharded (DTensor) parameters are gathered by hooks on the wrapped modules' forward, which we bypass.
+        return all(type(p.data) is torch.Tensor for p in model.parameters())
+
+    def __init__(self, model, max_len: int):
+        import sys
+
+        inner = model.model
+        self.model, self.inner, self.max_len = model, inner, max_len
+        first = inner.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.heads = model.config.num_attention_heads
+        self.kv_heads = model.config.num_key_value_heads
+        self.rope = sys.modules[type(first).__module__].apply_rotary_pos_emb
+        self.fused = []
+        for layer in inner.layers:  # weights change every optimizer step, so fuse per generate call
+            a, m = layer.self_attn, layer.mlp
+            qkv_b = None
+            if a.q_proj.bias is not None:
+                qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            gu_b = torch.cat([m.gate_proj.bias, m.up_proj.bias]) if m.gate_proj.bias is not None else None
+            self.fused.append((torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b,
+                               torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b))
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.length = 0
+        self.key_ok = None  # [rows, max_len] bool: False at left-padding columns; None when there is none
+
+    def _forward(self, ids, pos, mask):
+        """ids, pos [B, T]; writes the T new keys/values at columns length..length+T; returns last-column logits."""
+        F = torch.nn.functional
+        B, T = ids.shape
+        h = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(h, pos)
+        end = self.length + T
+        H, Hk, D = self.heads, self.kv_heads, self.head_dim
+        for i, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            w_qkv, b_qkv, w_gu, b_gu = self.fused[i]
+            x = layer.input_layernorm(h)
+            q, k, v = F.linear(x, w_qkv, b_qkv).split([H * D, Hk * D, Hk * D], dim=-1)
+            q = q.view(B, T, H, D).transpose(1, 2)
+            k = k.view(B, T, Hk, D).transpose(1, 2)
+            q, k = self.rope(q, k, cos, sin)
+            self.k[i][:, :, self.length:end] = k
+            self.v[i][:, :, self.length:end] = v.view(B, T, Hk, D).transpose(1, 2)
+            keys, values = self.k[i][:, :, :end], self.v[i][:, :, :end]
+            if T == 1:
+                # One query per row: the query heads sharing a key/value head become that head's query rows, and
+                # plain matmul-softmax-matmul beats SDPA's blocked kernel for a single query (~20% on CPU).
+                s = torch.matmul(q.reshape(B, Hk, H // Hk, D), keys.transpose(-1, -2)).mul_(attn.scaling)
+                if mask is not None:
+                    s.masked_fill_(~mask, float("-inf"))
+                o = torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(values.dtype), values)
+            else:
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                   scale=attn.scaling, enable_gqa=H != Hk)
+            h = h + attn.o_proj(o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
+            x = layer.post_attention_layernorm(h)
+            g, u = F.linear(x, w_gu, b_gu).chunk(2, dim=-1)
+            h = h + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
+        self.length = end
+        return self.model.lm_head(self.inner.norm(h[:, -1]))
+
+    def prefill(self, input_ids, attn, position_ids):
+        B, T = input_ids.shape
+        p = next(self.model.parameters())
+        shape = (B, self.kv_heads, self.max_len, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.inner.layers]
+        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.inner.layers]
+        mask = None
+        if not bool(attn.all()):
+            self.key_ok = torch.ones((B, self.max_len), dtype=torch.bool, device=attn.device)
+            self.key_ok[:, :T] = attn.bool()
+            causal = torch.ones((T, T), dtype=torch.bool, device=attn.device).tril()
+            # A padding query may see itself: a fully masked row would turn into NaN and reach the cache.
+            mask = (causal & self.key_ok[:, None, None, :T]) | torch.eye(T, dtype=torch.bool, device=attn.device)
+        return self._forward(input_ids, position_ids, mask)
+
+    def repeat_rows(self, n):
+        self.k = [x.repeat_interleave(n, dim=0) for x in self.k]
+        self.v = [x.repeat_interleave(n, dim=0) for x in self.v]
+        if self.key_ok is not None:
+            self.key_ok = self.key_ok.repeat_interleave(n, dim=0)
+
+    def select_rows(self, keep):
+        self.k = [x.index_select(0, keep) for x in self.k]
+        self.v = [x.index_select(0, keep) for x in self.v]
+        if self.key_ok is not None:
+            self.key_ok = self.key_ok.index_select(0, keep)
+
+    def step(self, tok, pos):
+        mask = None if self.key_ok is None else self.key_ok[:, None, None, : self.length + 1]
+        return self._forward(tok[:, None], pos[:, None], mask)
 
 
 def greedy(model, prompts: list[list[int]], *, max_new_tokens: int, eos_token_ids: set[int], pad_token_id: int,

@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/evenrl demo
+	$(VENV)/bin/evenrl demo --nproc-per-node 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q

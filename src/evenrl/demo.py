@@ -1,9 +1,9 @@
 """The demo behind `make demo`: a tiny model learns one-digit addition on 2 CPU cores in a few minutes.
 
     evenrl demo                          # SFT warm start, then GRPO; prints first/last-10-step rewards
-    evenrl demo --nproc-per-node 2       # the GRPO phase on two processes (same result, see README)
+    evenrl demo --nproc-per-node 2       # the GRPO phase on two processes (what make demo runs)
 
-1. makes a random ~0.3 M-parameter Qwen2 model with a character tokenizer in runs/demo/model (no download);
+1. makes a random 81 K-parameter Qwen2 model with a character tokenizer in runs/demo/model (no download);
 2. writes the task: prompts "3+5=" with answers "8" (a, b in 0..9), runs/demo/data/addition.jsonl;
 3. a short supervised warm start (evenrl sft) so greedy answers are mostly right but samples are not
    (RL sharpens what the model half-knows: FIELD_NOTES "What a tiny model can learn");

@@ -16,7 +16,6 @@ Why the result does not depend on the number of ranks:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
@@ -208,16 +207,20 @@ def update(run: "Run", batch: Batch, micro: list[list[list[int]]]) -> dict:
             per_token = per_token - algo.entropy_coef * ent
             stats["entropy"] = ((ent.detach() * mask).sum(), n)
         else:
-            stats["entropy"] = entropy_stats(logits, mask)
+            stats["entropy"] = entropy_stats(logits, mask, run.temperature)
         return per_token, stats
 
-    stats: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    updates = 0
     for _ in range(algo.epochs_per_step):
         for rows in micro:
             stats = minibatch_update(run.model, run.optimizer, run.lr_scheduler, batch, rows, loss_fn=loss_fn,
                                      stat_names=STAT_NAMES, aggregation=algo.loss_aggregation,
                                      max_grad_norm=cfg.train.max_grad_norm, pad_token_id=run.pad_id)
-    return stats
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
+            updates += 1
+    return {k: v / updates for k, v in totals.items()}  # mean over the step's optimizer steps
 
 
 def step_metrics(run: "Run", everyone: dict, schedule, stats: dict, reward_stats: dict, timer: "Timer") -> dict:

@@ -17,7 +17,6 @@ from evenrl import dist
 from evenrl.aggregation import Denominators, aggregate
 from evenrl.algos import entropy_from_logits, token_logprobs
 from evenrl.batch import Batch
-from evenrl.schedule import MiniBatch
 
 
 def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -106,7 +105,8 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     return means
 
 
-def entropy_stats(logits: Tensor, mask: Tensor) -> tuple[float, float]:
+def entropy_stats(logits: Tensor, mask: Tensor, temperature: float) -> tuple[float, float]:
+    """(sum, count) of the sampling distribution's entropy over response tokens, for the metrics."""
     with torch.no_grad():
-        ent = entropy_from_logits(logits)
+        ent = entropy_from_logits(logits, temperature)
         return float((ent * mask).sum()), float(mask.sum())

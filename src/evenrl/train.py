@@ -42,7 +42,8 @@ STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "
 
 # ------------------------------------------------------------------------------------------ the step
 
-def rl_step(step: int, run: "Run") -> dict:
+def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
+    """One RL step on this rank; returns the step's global metrics and a few of this rank's completions."""
     cfg, timer = run.cfg, Timer()
     prompt_ids = run.sampler.next_prompts(cfg.data.prompts_per_step)           # same on every rank
 

@@ -213,11 +213,16 @@ def run_one(kind: str, workload: str, nproc: int, warmup: int, steps: int, threa
         cfg = run_dir / "config.bench.yaml"
         evenrl_config(cfg, model, data, run_dir / "run", workload, total_steps, seed)
         cmd = evenrl_command(cfg, nproc)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env_for(threads), capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - t0
-    (run_dir / "stdout.txt").write_text(proc.stdout)
-    (run_dir / "stderr.txt").write_text(proc.stderr)
+    for attempt in (1, 2):  # a worker crash (seen once: TRL rank 1 aborted at teardown under torchrun) gets one retry
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env_for(threads), capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - t0
+        (run_dir / "stdout.txt").write_text(proc.stdout)
+        (run_dir / "stderr.txt").write_text(proc.stderr)
+        if proc.returncode == 0:
+            break
+        if attempt == 1:
+            print(f"   {kind} run failed (exit {proc.returncode}); retrying it once", flush=True)
     if proc.returncode != 0:
         raise SystemExit(f"{kind} failed (exit {proc.returncode}); command:\n  {shlex.join(cmd)}\n"
                          f"stderr tail:\n{proc.stderr[-3000:]}")

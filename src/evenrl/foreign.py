@@ -211,16 +211,19 @@ def _split_layout(ns, nodes: int, train_per_node: int, rollout: int) -> Layout:
     return _layout(ns, 1, nodes * train_per_node + rollout, rollout)
 
 
+def _trainer_layout(src: Source, ns: argparse.Namespace) -> Layout:
+    """verl and EasyR1 both size the cluster with trainer.nnodes x trainer.n_gpus_per_node; shape flags win."""
+    if has_shape_flags(ns):
+        return _layout(ns, ns.nnodes or 1, ns.nproc_per_node or 1)
+    return _layout(ns, src.int("trainer.nnodes", 1), src.int("trainer.n_gpus_per_node", 8))
+
+
 # ------------------------------------------------------------------------------------------ verl
 
 def _verl(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     a = "actor_rollout_ref.actor."
-    if has_shape_flags(ns):
-        nodes, per = ns.nnodes or 1, ns.nproc_per_node or 1
-    else:
-        nodes, per = src.int("trainer.nnodes", 1), src.int("trainer.n_gpus_per_node", 8)
-    t.layout = _layout(ns, nodes, per)
-    world = nodes * per
+    t.layout = _trainer_layout(src, ns)
+    world = t.layout.world
     tbs, n = src.int("data.train_batch_size", 1024), src.int("actor_rollout_ref.rollout.n", 1)
     mini = src.int(a + "ppo_mini_batch_size", 256)
     micro = src.int(a + "ppo_micro_batch_size_per_gpu", None)
@@ -296,12 +299,8 @@ def _verl(src: Source, ns: argparse.Namespace, t: Translation) -> None:
 
 def _easyr1(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     a = "worker.actor."
-    if has_shape_flags(ns):
-        nodes, per = ns.nnodes or 1, ns.nproc_per_node or 1
-    else:
-        nodes, per = src.int("trainer.nnodes", 1), src.int("trainer.n_gpus_per_node", 8)
-    t.layout = _layout(ns, nodes, per)
-    world = nodes * per
+    t.layout = _trainer_layout(src, ns)
+    world = t.layout.world
     rbs, n = src.int("data.rollout_batch_size", 512), src.int("worker.rollout.n", 1)
     gbs = src.int(a + "global_batch_size", 256)
     m_up = src.int(a + "micro_batch_size_per_device_for_update", 4)

@@ -278,6 +278,40 @@ def test_no_cap_means_one_micro_batch_per_rank():
     assert s.micro_steps() == [1]
 
 
+@settings(deadline=None, max_examples=80)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 200), world=st.integers(1, 7),
+       minibatches=st.integers(1, 4), share=st.sampled_from([0.0, 0.3, 0.9, 1.0]))
+def test_inert_rows_stay_members_but_nobody_runs_them(seed, n, world, minibatches, share):
+    rng = random.Random(seed)
+    lengths = _lengths(rng, n)
+    groups = [i // 4 for i in range(n)]
+    inert = [rng.random() < share for _ in range(n)]
+    kw = dict(world=world, minibatches=minibatches, token_cap=400, groups=groups)
+    plain = make_schedule(lengths, **kw)
+    s = make_schedule(lengths, inert=inert, **kw)
+    # Membership (what the loss denominators count) is unchanged; only rows with work are run, once each.
+    assert [mb.rows for mb in s.minibatches] == [mb.rows for mb in plain.minibatches]
+    run = [i for mb in s.minibatches for micros in mb.per_rank for m in micros for i in m.rows]
+    assert sorted(run) == [i for i in range(n) if not inert[i]]
+    for mb in s.minibatches:
+        assert len({len(micros) for micros in mb.per_rank}) == 1, "equal micro-steps on every rank"
+        work = [lengths[i] for i in mb.rows if not inert[i]]
+        if work:  # balanced over the working rows alone
+            loads = [sum(lengths[i] for m in micros for i in m.rows) for micros in mb.per_rank]
+            assert max(loads) <= (sum(work) + (world - 1) * max(work)) / world + 1e-9
+
+
+def test_all_inert_minibatch_is_one_filler_step_per_rank():
+    s = make_schedule([5, 6, 7, 8], world=3, minibatches=2, inert=[True, True, False, False])
+    assert [len(mb.rows) for mb in s.minibatches] == [2, 2]
+    assert all(m.rows == () for micros in s.minibatches[0].per_rank for m in micros)
+    assert s.micro_steps() == [1, 1]
+    with pytest.raises(ScheduleError, match="^inert"):
+        make_schedule([5, 6], world=1, inert=[True])
+    with pytest.raises(ScheduleError, match="^inert"):
+        make_schedule([5, 6, 7, 8], world=1, min_rows=2, inert=[True, False, False, False])
+
+
 def test_bad_arguments_name_the_field():
     for kw, field in [
         (dict(world=0), "world"),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from e2e import ENV, evenrl, final_params, max_diff
 
@@ -63,6 +65,24 @@ def test_resume_after_a_crash_gives_the_same_model(assets, tmp_path):
     assert max_diff(final_params(straight), final_params(crashed)) == 0.0
     steps = [json.loads(x)["step"] for x in (crashed / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_skipping_zero_gradient_samples_changes_nothing(assets, tmp_path):
+    """Samples with advantage 0 are not run but still count in the denominators: same model as running them,
+    here also across layouts (skipping on 3 processes vs running everything on 1)."""
+    common = ["rewards.functions=[{name: 'toy_rewards:starts_with_digit'}]", "train.steps=3"]
+    ran, skipped = tmp_path / "ran", tmp_path / "skipped"
+    evenrl("train", assets["cfg"], *common, f"log.run_dir={ran}", "train.skip_zero_gradient_samples=false")
+    evenrl("train", assets["cfg"], *common, f"log.run_dir={skipped}", "--nproc-per-node", 3)
+    rows = [json.loads(x) for x in (skipped / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["load/skipped_samples"] for r in rows) > 0
+    assert all(r["load/skipped_samples"] < r["samples"] for r in rows), "nothing left to learn from: weak test"
+    assert all(r["load/skipped_samples"] == 0 for r in
+               (json.loads(x) for x in (ran / "metrics.jsonl").read_text().splitlines()))
+    assert max_diff(final_params(ran), final_params(skipped)) <= 1e-5
+    start = load_file(str(Path(assets["model"]) / "model.safetensors"))
+    assert max_diff(final_params(ran), start) > 1e-5, "training did not move the model: weak test"
 
 
 def test_sft_then_kl_and_multi_epoch_paths(assets, tmp_path):

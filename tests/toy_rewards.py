@@ -4,3 +4,8 @@
 def digit_fraction(completion: str, sample: dict) -> float:
     """Share of characters that are digits: a random tiny model gets varied scores, so advantages are non-zero."""
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+def starts_with_digit(completion: str, sample: dict) -> float:
+    """0/1: some groups of a random tiny model are all 0 or all 1 (zero advantage), others are mixed."""
+    return float(completion[:1].isdigit())

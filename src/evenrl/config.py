@@ -108,6 +108,10 @@ class TrainConfig(_Section):
         description="Most padded tokens (rows x longest row) in one forward/backward; bounds activation memory.")
     min_rows_per_micro_batch: int = Field(
         1, ge=1, le=1024, description="Smallest non-empty micro-batch (2 for models with BatchNorm in training mode).")
+    skip_zero_gradient_samples: bool = Field(
+        True, description="Skip the forward/backward of samples whose loss gradient is exactly zero (advantage 0, "
+                          "e.g. a group whose rewards are all equal, with no KL-in-loss or entropy term); they still "
+                          "count in the loss denominators, so the update is unchanged. Off when min_rows > 1.")
     seed: int = Field(0, description="Seed for sampling and initialisation.")
 
 

@@ -7,7 +7,10 @@ make_schedule() turns one step's sample lengths into a StepSchedule such that
   - each rank packs its rows, longest first, into micro-batches whose padded tokens (rows * longest row) stay
     within `token_cap`, and every rank runs the same number of micro-batches (FSDP2 needs equal step counts):
     a rank with fewer first splits its largest multi-row micro-batches, then pads with empty filler steps;
-  - with `min_rows` (BatchNorm needs >= 2 rows in training mode), every non-empty micro-batch has >= min_rows rows.
+  - with `min_rows` (BatchNorm needs >= 2 rows in training mode), every non-empty micro-batch has >= min_rows rows;
+  - `inert` rows (whose gradient is exactly zero, e.g. a GRPO group whose rewards are all equal) stay members of
+    their mini-batch, so they count in its loss denominators, but no rank runs them: balancing and packing see
+    only the rows that carry gradient.
 
 Decisions:
   - Mini-batches are contiguous runs of rows (sizes differ by at most one). With `groups`, each group is a unit
@@ -188,6 +191,7 @@ def make_schedule(
     weights: Sequence[float] | None = None,
     min_rows: int = 1,
     quadratic_cost: float = 0.0,
+    inert: Sequence[bool] | None = None,
 ) -> StepSchedule:
     """Plan one training step: rows -> mini-batches -> ranks -> micro-batches (see the module docstring)."""
     lengths = [_check_int(f"lengths[{i}]", x, 0, "an integer token count") for i, x in enumerate(lengths)]
@@ -205,6 +209,12 @@ def make_schedule(
             raise _err("weights", w, f"need one capacity weight per rank ({world})")
         w = [_check_float(f"weights[{r}]", x, positive=True) for r, x in enumerate(w)]
 
+    if inert is not None:
+        if len(inert) != len(lengths):
+            raise _err("inert", f"{len(inert)} flags", f"need one flag per row ({len(lengths)})")
+        if min_rows > 1 and any(inert):
+            # Dropping rows could leave a mini-batch with 1..min_rows-1 rows to run; keep BatchNorm runs simple.
+            raise _err("inert", "rows marked inert", "none when min_rows > 1")
     batches = split_minibatches(len(lengths), minibatches, groups)
     for b, rows in enumerate(batches):
         if len(rows) < min_rows:
@@ -219,11 +229,13 @@ def make_schedule(
     by_weight = sorted(range(world), key=lambda r: (-w[r], r))
     out = []
     for rows in batches:
-        active = sorted(by_weight[: min(world, len(rows) // min_rows)])
-        part = balanced_partition([cost[i] for i in rows], len(active), weights=[w[r] for r in active])
+        work = rows if inert is None else tuple(i for i in rows if not inert[i])
+        active = sorted(by_weight[: min(world, len(work) // min_rows)])
         rank_rows: list[list[int]] = [[] for _ in range(world)]
-        for p, items in enumerate(part.parts):
-            rank_rows[active[p]] = [rows[i] for i in items]
+        if active:
+            part = balanced_partition([cost[i] for i in work], len(active), weights=[w[r] for r in active])
+            for p, items in enumerate(part.parts):
+                rank_rows[active[p]] = [work[i] for i in items]
         if min_rows > 1:
             _fill_short_ranks(rank_rows, cost, w, min_rows)
         chunks = [_pack(rr, lengths, token_cap, min_rows) for rr in rank_rows]

@@ -22,7 +22,7 @@ from evenrl.runlog import RunLog
 from evenrl.schedule import make_schedule
 from evenrl.train import _ragged, load_data, save_final
 from evenrl.algos import token_logprobs
-from evenrl.update import minibatch_update
+from evenrl.update import minibatch_denominators, minibatch_update
 
 
 def sft(cfg: RunConfig) -> Path:
@@ -60,7 +60,8 @@ def sft(cfg: RunConfig) -> Path:
         })
         pos = {row: j for j, row in enumerate(mine)}
         micro = [[pos[r] for r in m.rows] for m in schedule.minibatches[0].per_rank[dist.rank()]]
-        stats = minibatch_update(model, opt, None, batch, micro, loss_fn=loss_fn, stat_names=["sft/nll"],
+        denom = minibatch_denominators([len(targets[i]) for i in ids], schedule.minibatches[0].rows)
+        stats = minibatch_update(model, opt, None, batch, micro, denom, loss_fn=loss_fn, stat_names=["sft/nll"],
                                  aggregation="token-mean", max_grad_norm=cfg.train.max_grad_norm,
                                  pad_token_id=tokenizer.pad_token_id)
         log.metrics(step, stats)

@@ -35,7 +35,8 @@ from evenrl.rewards import resolve, score_all
 from evenrl.rollout import SamplingParams, generate
 from evenrl.runlog import RunLog
 from evenrl.schedule import make_schedule
-from evenrl.update import compute_logprobs, entropy_stats, minibatch_update, ragged_to_right_aligned
+from evenrl.update import (compute_logprobs, entropy_stats, minibatch_denominators, minibatch_update,
+                           ragged_to_right_aligned)
 
 STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "entropy"]
 
@@ -60,13 +61,14 @@ def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
     with timer("exchange"):
         schedule = plan_step(run, everyone)
         batch, micro = exchange(run, local, schedule)                           # rows this rank trains on
+        denoms = [minibatch_denominators(everyone["response_len"], mb.rows) for mb in schedule.minibatches]
     with timer("logprobs"):
         if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "loss":
             add_logprobs(run, batch, "ref_logp", run.reference, flat(micro))
         if needs_old_logprobs(cfg):
             add_logprobs(run, batch, "old_logp", run.model, flat(micro))
     with timer("update"):
-        stats = update(run, batch, micro)
+        stats = update(run, batch, micro, denoms)
 
     metrics = step_metrics(run, everyone, schedule, stats, reward_stats, timer)
     return metrics, example_rows(local)
@@ -161,7 +163,18 @@ def plan_step(run: "Run", everyone: dict):
     return make_schedule(everyone["total_len"].tolist(), world=dist.world(),
                          minibatches=cfg.algo.minibatches_per_step, token_cap=cfg.train.token_cap_per_micro_batch,
                          groups=everyone["group"].tolist(), weights=cfg.parallel.capacity_weights,
-                         min_rows=cfg.train.min_rows_per_micro_batch)
+                         min_rows=cfg.train.min_rows_per_micro_batch, inert=zero_gradient_rows(cfg, everyone))
+
+
+def zero_gradient_rows(cfg: RunConfig, everyone: dict) -> list[bool] | None:
+    """Samples whose loss gradient is exactly zero, so nobody needs to run them: with no per-token KL or entropy
+    term the policy loss is advantage x f(ratio), and the advantage is 0 (a GRPO group with equal rewards; with
+    0/1 rewards that is every all-right and all-wrong group). None when nothing may be skipped."""
+    algo, train = cfg.algo, cfg.train
+    kl_in_loss = algo.kl_coef > 0 and algo.kl_in == "loss"
+    if not train.skip_zero_gradient_samples or kl_in_loss or algo.entropy_coef > 0 or train.min_rows_per_micro_batch > 1:
+        return None
+    return (everyone["advantage"] == 0).tolist()
 
 
 def exchange(run: "Run", local: Batch, schedule) -> tuple[Batch, list[list[list[int]]]]:
@@ -173,8 +186,9 @@ def exchange(run: "Run", local: Batch, schedule) -> tuple[Batch, list[list[list[
             for m in micros:
                 for row in m.rows:
                     owner[row] = r
-    dest = [owner[int(i)] for i in local["sample_index"]]
-    batch = dist.exchange(local, dest)
+    # rows nobody runs (zero gradient) are left out: they only count in the denominators, taken from `everyone`
+    local = local.select([i for i, s in enumerate(local["sample_index"].tolist()) if s in owner])
+    batch = dist.exchange(local, [owner[int(i)] for i in local["sample_index"]])
     pos = {int(s): i for i, s in enumerate(batch["sample_index"])}
     micro = [[[pos[row] for row in m.rows] for m in mb.per_rank[dist.rank()]] for mb in schedule.minibatches]
     return batch, micro
@@ -186,7 +200,7 @@ def needs_old_logprobs(cfg: RunConfig) -> bool:
     return cfg.algo.minibatches_per_step > 1 or cfg.algo.epochs_per_step > 1
 
 
-def update(run: "Run", batch: Batch, micro: list[list[list[int]]]) -> dict:
+def update(run: "Run", batch: Batch, micro: list[list[list[int]]], denoms: list) -> dict:
     cfg, algo = run.cfg, run.cfg.algo
 
     def loss_fn(logits, targets, mask, mb):
@@ -214,8 +228,8 @@ def update(run: "Run", batch: Batch, micro: list[list[list[int]]]) -> dict:
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(algo.epochs_per_step):
-        for rows in micro:
-            stats = minibatch_update(run.model, run.optimizer, run.lr_scheduler, batch, rows, loss_fn=loss_fn,
+        for rows, denom in zip(micro, denoms):
+            stats = minibatch_update(run.model, run.optimizer, run.lr_scheduler, batch, rows, denom, loss_fn=loss_fn,
                                      stat_names=STAT_NAMES, aggregation=algo.loss_aggregation,
                                      max_grad_norm=cfg.train.max_grad_norm, pad_token_id=run.pad_id)
             for k, v in stats.items():
@@ -239,6 +253,9 @@ def step_metrics(run: "Run", everyone: dict, schedule, stats: dict, reward_stats
         "lr": run.optimizer.param_groups[0]["lr"],
         "load/rank_tokens": [int(x) for x in schedule.rank_loads()],
         "load/micro_steps": sum(schedule.micro_steps()),
+        # samples no rank ran because their gradient is exactly zero (train.skip_zero_gradient_samples)
+        "load/skipped_samples": sum(len(mb.rows) for mb in schedule.minibatches) - sum(
+            len(m.rows) for mb in schedule.minibatches for micros in mb.per_rank for m in micros),
     }
     out.update(stats)
     out.update({f"time/{k}": v for k, v in timer.seconds.items()})

@@ -1,0 +1,60 @@
+"""The training forward: the shared-prefix path against the plain one, and the loss denominators."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evenrl import update as U
+from evenrl.batch import Batch, Ragged
+from evenrl.models import load_policy, make_tiny_model
+
+
+def _batch(prompt_lens: list[int], samples: int, max_resp: int, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    rows, resp = [], []
+    for p in prompt_lens:
+        prompt = torch.randint(3, 90, (p,), generator=g)
+        for _ in range(samples):
+            n = int(torch.randint(1, max_resp + 1, (), generator=g))
+            rows.append(torch.cat([prompt, torch.randint(3, 90, (n,), generator=g)]))
+            resp.append(n)
+    return Batch({"tokens": Ragged(torch.cat(rows), torch.tensor([len(r) for r in rows])),
+                  "response_len": torch.tensor(resp)})
+
+
+def _logp_and_grads(model, batch, shared: bool, monkeypatch):
+    monkeypatch.setattr(U, "_MIN_SAVED_PER_ROW", 0 if shared else 10**9)
+    model.zero_grad(set_to_none=True)
+    logits, targets, mask = U.response_logits(model, batch, pad_token_id=0)
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    (logp * mask * torch.linspace(0.5, 1.5, logp.shape[1])).sum().backward()
+    return (logp * mask).detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_shared_prefix_forward_matches_plain(tmp_path, monkeypatch, arch):
+    model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch, seed=1))
+    model.train()
+    batch = _batch([9, 14, 9, 2], samples=3, max_resp=7)  # two groups with equal prompt length, one of 2 tokens
+    assert U._shared_prefixes(model, batch) is not None
+    plain, mask, g_plain = _logp_and_grads(model, batch, False, monkeypatch)
+    shared, mask2, g_shared = _logp_and_grads(model, batch, True, monkeypatch)
+    assert torch.equal(mask, mask2)
+    assert float((plain - shared).abs().max()) < 1e-5
+    scale = max(float(g.abs().max()) for g in g_plain.values())
+    assert max(float((g_plain[k] - g_shared[k]).abs().max()) for k in g_plain) < 1e-5 * scale
+
+
+def test_shared_prefix_only_when_it_saves_enough(tmp_path):
+    model, _ = load_policy(make_tiny_model(str(tmp_path / "m"), seed=1))
+    assert U._shared_prefixes(model, _batch([40, 30], samples=8, max_resp=5)) is not None
+    assert U._shared_prefixes(model, _batch([40, 30], samples=1, max_resp=5)) is None   # nothing repeats
+    assert U._shared_prefixes(model, _batch([3, 3], samples=8, max_resp=5)) is None     # too short to pay
+    assert U._shared_prefixes(model, _batch([40, 1], samples=8, max_resp=5)) is None    # a one-token prompt
+
+
+def test_minibatch_denominators_count_every_row():
+    d = U.minibatch_denominators(torch.tensor([3, 5, 7, 11]), (0, 2, 3))
+    assert (d.tokens, d.seqs) == (21.0, 3.0)
+    assert U.minibatch_denominators(torch.tensor([3]), ()).seqs == 0.0

@@ -187,10 +187,58 @@ def exchange_checks() -> dict:
     return out
 
 
+def grads_checks() -> dict:
+    """all_reduce_grads in many small buckets, with `extra` tensors, against one plain all_reduce per tensor.
+    Integer-valued grads, so the sum is exact whatever order gloo adds in."""
+    W, me = dist.world(), dist.rank()
+    g = torch.Generator().manual_seed(100 + me)
+    shapes = [(5, 3), (3, 5), (7,), (4,), (2,), (6,)]
+    ps = [nn.Parameter(torch.zeros(s, dtype=torch.float64 if i == 2 else torch.float32)) for i, s in enumerate(shapes)]
+    ps[1] = nn.Parameter(torch.zeros(5, 3).t())  # non-contiguous: its grad must keep the parameter's strides
+    ps[5].requires_grad_(False)  # frozen: skipped, grad stays None
+    for i, p in enumerate(ps[:5]):
+        if i == 3 and me != W - 1:
+            continue  # a grad on the last rank only: everyone gets the sum
+        if i == 4:
+            continue  # a grad on no rank: stays None everywhere
+        p.grad = torch.randint(-50, 50, p.shape, generator=g).to(p.dtype)
+        if i == 1:
+            p.grad = torch.randint(-50, 50, (5, 3), generator=g).float().t()
+    want = []
+    for i, p in enumerate(ps[:5]):
+        t = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+        dist.all_reduce_sum(t)
+        want.append(None if i == 4 else t)
+    extra = [torch.arange(4, dtype=torch.float64) + me / 4, torch.tensor([me, 1], dtype=torch.long)]
+    dist.all_reduce_grads(ps, bucket_mb=40 / 2**20, extra=extra)  # ~one bucket per parameter
+    return {"grads": [p.grad for p in ps], "want": want + [None], "strides": [p.grad.stride() == p.stride()
+            for p in ps if p.grad is not None], "extra": extra}
+
+
+def gather_checks() -> dict:
+    """all_gather_tensors: uneven and empty first dimensions, several dtypes, a 0-d tensor; a schema mismatch on
+    one rank raises on every rank and leaves the group usable."""
+    W, me = dist.world(), dist.rank()
+    mine = {"x": torch.arange(me + 1, dtype=torch.float32) * 1.5 + me, "m": torch.ones(me % 2, 2, 3, dtype=torch.bool),
+            "n": torch.tensor(me), "i": torch.full((W - me,), -me, dtype=torch.long)}
+    out = {"got": dist.all_gather_tensors(mine)}
+    bad = dict(mine, x=mine["x"].double()) if me == W - 1 else mine
+    try:
+        dist.all_gather_tensors(bad)
+        out["mismatch_raised"] = False
+    except ValueError:
+        out["mismatch_raised"] = True
+    out["after"] = dist.all_gather_tensors({"y": torch.tensor([me])})
+    return out
+
+
 def run_all() -> dict:
     out = {f"{n},{m},{mode}": distributed(n, m, cap, mode) for n, m, cap in CASES for mode in MODES}
     if dist.world() == 3:
         out["exchange"] = exchange_checks()
+    if dist.world() > 1:
+        out["grads_checks"] = grads_checks()
+        out["gather_checks"] = gather_checks()
     return out
 
 
@@ -261,6 +309,12 @@ def test_world_one_without_env_has_no_process_group(monkeypatch):
         assert dist.init() is info and not tdist.is_initialized()
         assert dist.all_gather_object("x") == ["x"] and dist.broadcast_object(3) == 3
         assert dist.all_reduce_max_int(4) == 4 and float(dist.all_reduce_sum(torch.ones(1))) == 1.0
+        cols = {"a": torch.arange(3)}
+        assert dist.all_gather_tensors(cols) == [cols]
+        p, extra = nn.Parameter(torch.ones(2)), torch.ones(2)
+        p.grad = torch.full((2,), 3.0)
+        dist.all_reduce_grads([p], extra=[extra])  # one rank: nothing to sum, nothing touched
+        assert p.grad.tolist() == [3.0, 3.0] and extra.tolist() == [1.0, 1.0]
         b = make_data(4, 0).select([2, 0, 3])
         assert dist.exchange(b, [0, 0, 0])["sample_index"].tolist() == [0, 2, 3]
         with pytest.raises(ValueError):
@@ -277,6 +331,29 @@ def test_update_equals_single_device(world, tmp_path_factory):
     check_against_reference(per_rank)
     # ranks holding no rows of a mini-batch still ran the same micro-steps (N=1 and 2 leave most ranks empty)
     assert len({tuple(res["1,1,token-mean"]["micro"]) for res in per_rank}) == 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_grads_buckets_and_extra(world, tmp_path_factory):
+    for res in results(world, tmp_path_factory):
+        got = res["grads_checks"]
+        for g, w in zip(got["grads"], got["want"]):
+            assert (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
+        assert len(got["strides"]) == 4 and all(got["strides"])
+        assert torch.equal(got["extra"][0], sum(torch.arange(4, dtype=torch.float64) + r / 4 for r in range(world)))
+        assert got["extra"][1].tolist() == [sum(range(world)), world]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_tensors(world, tmp_path_factory):
+    for res in results(world, tmp_path_factory):
+        got = res["gather_checks"]
+        assert [p["y"].tolist() for p in got["after"]] == [[r] for r in range(world)] and got["mismatch_raised"]
+        for r, part in enumerate(got["got"]):
+            assert torch.equal(part["x"], torch.arange(r + 1, dtype=torch.float32) * 1.5 + r)
+            assert part["m"].shape == (r % 2, 2, 3) and part["m"].dtype == torch.bool and bool(part["m"].all())
+            assert part["n"].shape == () and int(part["n"]) == r
+            assert torch.equal(part["i"], torch.full((world - r,), -r, dtype=torch.long))
 
 
 def test_exchange_on_three_ranks(tmp_path_factory):

@@ -55,6 +55,6 @@ def test_shared_prefix_only_when_it_saves_enough(tmp_path):
 
 
 def test_minibatch_denominators_count_every_row():
-    d = U.minibatch_denominators(torch.tensor([3, 5, 7, 11]), (0, 2, 3))
-    assert (d.tokens, d.seqs) == (21.0, 3.0)
+    d = U.minibatch_denominators(torch.tensor([3, 5, 7, 11, 0]), (0, 2, 3, 4))
+    assert (d.tokens, d.seqs) == (21.0, 3.0)  # a row with no response token is no sequence (as in aggregation)
     assert U.minibatch_denominators(torch.tensor([3]), ()).seqs == 0.0

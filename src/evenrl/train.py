@@ -56,7 +56,7 @@ def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
         with timer("logprobs"):
             add_reward_kl(run, local)
     with timer("advantage"):
-        everyone = gather_rows(local)                                          # per-sample numbers of all ranks
+        everyone, failures = gather_rows(local, reward_stats.get("failures", 0))  # per-sample numbers of all ranks
         add_advantages(run, local, everyone)
     with timer("exchange"):
         schedule = plan_step(run, everyone)
@@ -70,7 +70,7 @@ def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
     with timer("update"):
         stats = update(run, batch, micro, denoms)
 
-    metrics = step_metrics(run, everyone, schedule, stats, reward_stats, timer)
+    metrics = step_metrics(run, everyone, schedule, stats, failures, timer)
     return metrics, example_rows(local)
 
 
@@ -133,17 +133,20 @@ def add_reward_kl(run: "Run", batch: Batch) -> None:
     batch["kl_sum"] = torch.stack(kl).float() if kl else torch.zeros(0)
 
 
-def gather_rows(local: Batch) -> dict[str, torch.Tensor]:
-    """Every rank's per-sample scalars, ordered by global sample index (one all-gather of small tensors)."""
+def gather_rows(local: Batch, failures: int = 0) -> tuple[dict[str, torch.Tensor], int]:
+    """Every rank's per-sample scalars, ordered by global sample index, and the step's reward failures summed
+    over ranks (they ride along: no all-reduce of their own). dist.all_gather_tensors: no pickling."""
     cols = ["sample_index", "group", "reward", "response_len", "finished"]
     mine = {c: local[c] for c in cols}
     mine["total_len"] = local["tokens"].lengths
     if "kl_sum" in local:
         mine["kl_sum"] = local["kl_sum"]
-    parts = dist.all_gather_object({k: v.cpu() for k, v in mine.items()})
+    parts = dist.all_gather_tensors({**{k: v.cpu() for k, v in mine.items()},
+                                     "failures": torch.tensor([int(failures)], dtype=torch.long)})
+    total_failures = sum(int(p.pop("failures")) for p in parts)
     merged = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     order = torch.argsort(merged["sample_index"])
-    return {k: v[order] for k, v in merged.items()}
+    return {k: v[order] for k, v in merged.items()}, total_failures
 
 
 def add_advantages(run: "Run", local: Batch, everyone: dict) -> None:
@@ -238,7 +241,7 @@ def update(run: "Run", batch: Batch, micro: list[list[list[int]]], denoms: list)
     return {k: v / updates for k, v in totals.items()}  # mean over the step's optimizer steps
 
 
-def step_metrics(run: "Run", everyone: dict, schedule, stats: dict, reward_stats: dict, timer: "Timer") -> dict:
+def step_metrics(run: "Run", everyone: dict, schedule, stats: dict, failures: int, timer: "Timer") -> dict:
     rewards, lens = everyone["reward"].double(), everyone["response_len"].double()
     elapsed = max(sum(timer.seconds.values()), 1e-9)
     out = {
@@ -259,8 +262,7 @@ def step_metrics(run: "Run", everyone: dict, schedule, stats: dict, reward_stats
     }
     out.update(stats)
     out.update({f"time/{k}": v for k, v in timer.seconds.items()})
-    failures = dist.all_reduce_sum(torch.tensor([float(reward_stats.get("failures", 0))], dtype=torch.float64))
-    out["reward/failures"] = int(failures.item())
+    out["reward/failures"] = int(failures)  # summed over ranks by gather_rows
     return out
 
 

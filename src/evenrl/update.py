@@ -135,16 +135,11 @@ def compute_logprobs(model, batch: Batch, micro_rows: list[list[int]], *, temper
 
 
 def minibatch_denominators(response_len, rows) -> Denominators:
-    """A mini-batch's loss denominators (response tokens, sequences) over ALL its rows, from the step's global
-    per-sample lengths: every rank computes the same numbers without a collective, and rows that no rank runs
-    (inert, zero gradient) still count, as they would on one device."""
-    idx = torch.as_tensor(list(rows), dtype=torch.long)
-    return Denominators(tokens=float(torch.as_tensor(response_len)[idx].sum()) if len(idx) else 0.0,
-                        seqs=float(len(idx)))
-
-
-# loss_fn(logits, targets, mask, micro_batch) -> (per_token_loss [B, R], stats {name: (sum, count)})
-LossFn = Callable[[Tensor, Tensor, Tensor, Batch], tuple[Tensor, dict]]
+    """A mini-batch's loss denominators (response tokens, sequences with >= 1 response token) over ALL its rows,
+    from the step's global per-sample lengths: every rank computes the same numbers without a collective, and
+    rows that no rank runs (inert, zero gradient) still count, as they would on one device."""
+    lens = torch.as_tensor(response_len)[torch.as_tensor(list(rows), dtype=torch.long)]
+    return Denominators(tokens=float(lens.sum()), seqs=float((lens > 0).sum()))
 
 
 def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: list[list[int]], denom: Denominators,
@@ -166,7 +161,10 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
             acc[0] += float(s)
             acc[1] += float(c)
     params = [p for p in model.parameters() if p.requires_grad]
-    dist.all_reduce_grads(params)
+    # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names.
+    # They are summed together with the gradients (extra=): one wait for both instead of a second meeting.
+    flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])], dtype=torch.float64)
+    dist.all_reduce_grads(params, extra=[flat])
     if denom.seqs > 0 and all(p.grad is None for p in params):
         # Every row was skipped as zero-gradient: one device running them would step AdamW on zero gradients
         # (momentum and weight decay still move the weights), so do exactly that.
@@ -177,9 +175,6 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     if lr_scheduler is not None:
         lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names
-    flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])], dtype=torch.float64)
-    dist.all_reduce_sum(flat)
     means = {k: float(flat[2 * i] / max(float(flat[2 * i + 1]), 1.0)) for i, k in enumerate(stat_names)}
     means["grad_norm"] = float(grad_norm)
     return means

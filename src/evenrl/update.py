@@ -142,6 +142,10 @@ def minibatch_denominators(response_len, rows) -> Denominators:
     return Denominators(tokens=float(lens.sum()), seqs=float((lens > 0).sum()))
 
 
+# loss_fn(logits, targets, mask, micro_batch) -> (per_token_loss [B, R], stats {name: (sum, count)})
+LossFn = Callable[[Tensor, Tensor, Tensor, Batch], tuple[Tensor, dict]]
+
+
 def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: list[list[int]], denom: Denominators,
                      *, loss_fn: LossFn, stat_names: list[str], aggregation: str, max_grad_norm: float,
                      pad_token_id: int) -> dict:

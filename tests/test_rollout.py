@@ -171,6 +171,76 @@ def test_lean_decoder_gives_the_forward_decoders_samples(tmp_path, arch):
             np.testing.assert_allclose(c.logprobs, h.logprobs, atol=1e-5)
 
 
+def test_lean_decoder_with_biases_matches_the_forward_decoder():
+    """Llama with attention and MLP biases: the projections that add a bias before the residual (o_proj, down_proj).
+    Short prompts, so the steps cross from the short-row softmax (fewer than _SHORT_ROWS keys) to torch.softmax."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                          max_position_embeddings=64)
+        model = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.3)  # initialised to zero: give them something to do
+    assert LeanDecoder.supports(model)
+    params = SamplingParams(max_new_tokens=20, samples_per_prompt=3, seed=2)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    hf = run(model, prompts, [0, 1], params, eos={4}, decoder="forward")
+    lean = run(model, prompts, [0, 1], params, eos={4}, decoder="lean")
+    for rh, rl in zip(hf, lean):
+        for h, c in zip(rh, rl):
+            assert (h.token_ids, h.finished) == (c.token_ids, c.finished)
+            np.testing.assert_allclose(c.logprobs, h.logprobs, atol=1e-5)
+
+
+def test_lean_decoder_pieces_are_the_models_arithmetic(policy):
+    """The decoding step's rewrites of the model's ops give the same numbers: rotary tables + one flip for
+    apply_rotary_pos_emb, F.rms_norm for the RMSNorm modules."""
+    import sys
+
+    from evenrl.rollout import _norm, _rotate
+
+    model, _ = policy
+    inner = model.model
+    dec = LeanDecoder(model, 40)
+    x = torch.randn(3, 5, 4, dec.head_dim)  # [B, T, heads, D]
+    pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [30, 31, 32, 33, 34]])
+    cos, sin = inner.rotary_emb(x, pos)
+    rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
+    want, _ = rope(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
+    cs = dec.rope[pos]
+    assert torch.equal(_rotate(x, cs[:, :, None, 0], cs[:, :, None, 1]), want.transpose(1, 2))
+    norm = inner.layers[0].input_layernorm
+    h = torch.randn(7, norm.weight.shape[0]) * 3
+    assert torch.equal(_norm(norm)(h), norm(h))
+
+
+def test_lean_decoder_leaves_dynamic_rope_to_the_forward():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert not LeanDecoder.supports(LlamaForCausalLM(cfg))
+
+
+def test_sampling_in_chunks_gives_the_same_samples(monkeypatch):
+    from evenrl import rollout
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, 7, generator=g) * 2
+    u = torch.rand(50, dtype=torch.float64, generator=g)
+    for temperature, top_p in [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)]:
+        whole = sample_from_logits(logits, u, temperature, top_p)
+        monkeypatch.setattr(rollout, "_SAMPLE_CHUNK_ELEMS", 7 * 8)  # 8 rows per chunk: 7 chunks, the last short
+        chunked = sample_from_logits(logits, u, temperature, top_p)
+        monkeypatch.undo()
+        assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
 def test_other_architectures_use_the_models_forward():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -46,6 +46,20 @@ def test_shared_prefix_forward_matches_plain(tmp_path, monkeypatch, arch):
     assert max(float((g_plain[k] - g_shared[k]).abs().max()) for k in g_plain) < 1e-5 * scale
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_right_padded_forward_matches_the_models_masked_one(tmp_path, monkeypatch, arch):
+    model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch, seed=2))
+    model.train()
+    batch = _batch([9, 3, 14, 1], samples=2, max_resp=7, seed=3)  # unequal prompts and responses
+    fast, mask, g_fast = _logp_and_grads(model, batch, False, monkeypatch)
+    monkeypatch.setattr(U.LeanDecoder, "supports", classmethod(lambda cls, m: False))  # the generic masked path
+    plain, mask2, g_plain = _logp_and_grads(model, batch, False, monkeypatch)
+    assert torch.equal(mask, mask2)
+    assert float((plain - fast).abs().max()) < 1e-5
+    scale = max(float(g.abs().max()) for g in g_plain.values())
+    assert max(float((g_plain[k] - g_fast[k]).abs().max()) for k in g_plain) < 1e-5 * scale
+
+
 def test_shared_prefix_only_when_it_saves_enough(tmp_path):
     model, _ = load_policy(make_tiny_model(str(tmp_path / "m"), seed=1))
     assert U._shared_prefixes(model, _batch([40, 30], samples=8, max_resp=5)) is not None

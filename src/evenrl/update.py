@@ -17,6 +17,7 @@ from evenrl import dist
 from evenrl.aggregation import Denominators, aggregate
 from evenrl.algos import entropy_from_logits, token_logprobs
 from evenrl.batch import Batch
+from evenrl.rollout import LeanDecoder
 
 
 def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -25,6 +26,8 @@ def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Ten
     shared = _shared_prefixes(model, batch)
     if shared is not None:
         return _response_logits_shared(model, batch, pad_token_id, *shared)
+    if LeanDecoder.supports(model):
+        return _response_logits_right_padded(model, batch, pad_token_id)
     tokens, attn = batch.padded("tokens", pad_token_id, side="left")
     tokens, attn = tokens.to(model.device), attn.to(model.device)
     resp_len = batch["response_len"].to(model.device)
@@ -37,6 +40,25 @@ def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Ten
     targets = tokens[:, -width:]
     mask = torch.arange(width, device=tokens.device)[None, :] >= (width - resp_len)[:, None]
     return logits, targets, mask
+
+
+def _response_logits_right_padded(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """response_logits for Qwen2/Llama without an attention mask: right padding sits after every real token, so
+    plain causal attention never lets a real token see it and SDPA runs its unmasked causal kernel (~7% faster
+    forward+backward than the masked one at 32 rows x 20-132 tokens on CPU). The LM head runs only on the
+    positions that predict response tokens, gathered right-aligned as the other paths return them."""
+    tokens, _ = batch.padded("tokens", pad_token_id, side="right")
+    tokens = tokens.to(model.device)
+    lengths = batch["tokens"].lengths.to(model.device)
+    resp_len = batch["response_len"].to(model.device)
+    width = int(resp_len.max())
+    hidden = model.model(input_ids=tokens, use_cache=False).last_hidden_state  # [B, L, H]; positions 0..L-1
+    col = torch.arange(width, device=tokens.device)[None, :]
+    target_at = (lengths[:, None] - width + col).clamp_(min=1)  # clamped columns are masked out below
+    picked = hidden.gather(1, (target_at - 1)[..., None].expand(-1, -1, hidden.shape[-1]))
+    logits = model.lm_head(picked)
+    mask = col >= (width - resp_len)[:, None]
+    return logits, tokens.gather(1, target_at), mask
 
 
 # A shared prefix pays for a second forward call and a key/value copy per row; below this many saved tokens per

@@ -41,7 +41,11 @@ ROOT = HERE.parent
 WORKLOADS = {  # name: (prompts per step, samples per prompt, max new tokens)
     "small": (4, 8, 16),
     "large": (32, 8, 128),
+    "large-binary": (32, 8, 128),
 }
+# The issue's two workloads use a graded reward; "large-binary" (opt-in) is the large one with a 0/1 reward, as in
+# verifiable-reward RL, where whole groups score alike and get advantage 0.
+REWARD = {"large-binary": "starts_with_digit"}
 PROMPT_TOKENS = 4  # "a+b=" with one-digit a, b under the character tokenizer
 MICRO_ROWS = 32  # completions per forward/backward micro-batch, both frameworks
 LR = 1e-3  # large for RL, so that a tiny random model's reward moves within a few steps
@@ -51,6 +55,12 @@ MODEL = {"hidden": 256, "layers": 4, "heads": 8, "seed": 0}
 def digit_fraction(completion: str, sample: dict) -> float:
     """The shared reward: share of characters that are digits (evenrl calls it as grpo_vs_trl:digit_fraction)."""
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+def starts_with_digit(completion: str, sample: dict) -> float:
+    """0/1 reward of "large-binary": ~10% of a random model's completions start with a digit, so many groups of 8
+    score all 0 (and, as it learns, all 1)."""
+    return float(completion[:1].isdigit())
 
 
 # ------------------------------------------------------------------------------------------ assets
@@ -102,7 +112,9 @@ def trl_worker(spec: dict) -> None:
 
     def reward(completions, **kw):
         seen.append(len(completions))
-        return [digit_fraction(c, {}) for c in completions]
+        return [score(c, {}) for c in completions]
+
+    score = globals()[spec["reward"]]
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -187,7 +199,7 @@ def evenrl_config(path: Path, model: Path, data: Path, run_dir: Path, workload: 
 model: {{path: {model}}}
 data: {{path: {data}, prompts_per_step: {prompts}, max_prompt_tokens: 8, seed: {seed}}}
 rollout: {{samples_per_prompt: {samples}, max_new_tokens: {max_new}, temperature: 1.0, top_p: 1.0}}
-rewards: {{functions: [{{name: 'grpo_vs_trl:digit_fraction'}}]}}
+rewards: {{functions: [{{name: 'grpo_vs_trl:{REWARD.get(workload, "digit_fraction")}'}}], isolate: false}}
 algo: {{advantage: grpo, std_scale: group, loss_aggregation: token-mean, clip_low: 0.2, clip_high: 0.2, kl_coef: 0.0}}
 train: {{steps: {steps}, seed: {seed}, lr: {LR}, weight_decay: 0.0, max_grad_norm: 1.0,
         token_cap_per_micro_batch: {cap}}}
@@ -205,6 +217,7 @@ def run_one(kind: str, workload: str, nproc: int, warmup: int, steps: int, threa
     if kind == "trl":
         spec = {"model": str(model), "data": str(data), "run_dir": str(run_dir), "out": str(run_dir / "result.json"),
                 "steps": total_steps, "lr": LR, "samples": samples, "seed": seed, "max_new": max_new,
+                "reward": REWARD.get(workload, "digit_fraction"),
                 "layout": batch_layout(workload, nproc)}
         spec_path = run_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -293,12 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"evenrl vs TRL {trl.__version__} GRPO on CPU (torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {os.cpu_count()} cores)")
     print(f"model: {model} (Qwen2, hidden {MODEL['hidden']}, {MODEL['layers']} layers, {n_params(model) / 1e6:.2f} M "
-          f"parameters, char tokenizer); data: {data} (100 prompts 'a+b='); reward: digit share of the completion")
+          f"parameters, char tokenizer); data: {data} (100 prompts 'a+b='); reward: digit share of the completion "
+          "(large-binary: 1 if the completion starts with a digit, else 0)")
     print(f"same for both: lr {LR} constant, AdamW (0.9, 0.999), no weight decay, grad clip 1.0, no KL, "
           "temperature 1, top-p 1, GRPO group-std advantages, token-mean loss over the whole batch (TRL "
           "loss_type='dapo'), clip 0.2, one optimizer step per generation batch, fp32, no gradient checkpointing; "
           "micro-batches: TRL 32 completions, evenrl token_cap_per_micro_batch = 32 x (8 + max new tokens) padded "
-          "tokens (the same memory bound)")
+          "tokens (the same memory bound); rewards scored in the trainer process (evenrl rewards.isolate=false)")
     table = []
     for workload in args.workloads.split(","):
         prompts, samples, max_new = WORKLOADS[workload]

@@ -95,7 +95,8 @@ def test_sft_then_kl_and_multi_epoch_paths(assets, tmp_path):
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert row["kl"] >= 0.0
     run2 = tmp_path / "klr"
-    evenrl("train", assets["cfg"], f"log.run_dir={run2}", "train.steps=1", "algo.kl_coef=0.1", "algo.kl_in=reward")
+    evenrl("train", assets["cfg"], f"log.run_dir={run2}", "train.steps=1", "algo.kl_coef=0.1", "algo.kl_in=reward",
+           "rewards.isolate=false")
     assert (run2 / "final").exists()
 
 

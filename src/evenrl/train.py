@@ -114,7 +114,8 @@ def rollout(run: "Run", step: int, prompt_ids: list[int]) -> Batch:
 
 def add_rewards(run: "Run", batch: Batch) -> tuple[Batch, dict]:
     rows = [run.rows[r] for r in batch["row_id"]]
-    scores, stats = score_all(run.reward_fns, batch["completion"], rows, run.cfg.rewards.timeout_s)
+    scores, stats = score_all(run.reward_fns, batch["completion"], rows, run.cfg.rewards.timeout_s,
+                              isolate=run.cfg.rewards.isolate)
     batch["reward"] = torch.tensor(scores, dtype=torch.float32)
     return batch, stats
 

@@ -191,7 +191,9 @@ def exchange(run: "Run", local: Batch, schedule) -> tuple[Batch, list[list[list[
                 for row in m.rows:
                     owner[row] = r
     # rows nobody runs (zero gradient) are left out: they only count in the denominators, taken from `everyone`
-    local = local.select([i for i, s in enumerate(local["sample_index"].tolist()) if s in owner])
+    run_here = [i for i, s in enumerate(local["sample_index"].tolist()) if s in owner]
+    if len(run_here) < len(local):
+        local = local.select(run_here)
     batch = dist.exchange(local, [owner[int(i)] for i in local["sample_index"]])
     pos = {int(s): i for i, s in enumerate(batch["sample_index"])}
     micro = [[[pos[row] for row in m.rows] for m in mb.per_rank[dist.rank()]] for mb in schedule.minibatches]

@@ -38,8 +38,7 @@ def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Ten
                 logits_to_keep=width + 1, use_cache=False)
     logits = out.logits[:, :-1]
     targets = tokens[:, -width:]
-    mask = torch.arange(width, device=tokens.device)[None, :] >= (width - resp_len)[:, None]
-    return logits, targets, mask
+    return logits, targets, _response_mask(resp_len, width)
 
 
 def _response_logits_right_padded(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -57,7 +56,7 @@ def _response_logits_right_padded(model, batch: Batch, pad_token_id: int) -> tup
     target_at = (lengths[:, None] - width + col).clamp_(min=1)  # clamped columns are masked out below
     picked = hidden.gather(1, (target_at - 1)[..., None].expand(-1, -1, hidden.shape[-1]))
     logits = model.lm_head(picked)
-    mask = col >= (width - resp_len)[:, None]
+    mask = _response_mask(resp_len, width)
     return logits, tokens.gather(1, target_at), mask
 
 
@@ -98,13 +97,8 @@ def _response_logits_shared(model, batch: Batch, pad_token_id: int, prefixes: li
     from transformers import DynamicCache
 
     device = model.device
-    width_p = max(len(p) for p in prefixes)
-    p_ids = torch.full((len(prefixes), width_p), pad_token_id, dtype=torch.long)
-    p_attn = torch.zeros((len(prefixes), width_p), dtype=torch.long)
-    for i, p in enumerate(prefixes):
-        p_ids[i, width_p - len(p):] = torch.tensor(p, dtype=torch.long)
-        p_attn[i, width_p - len(p):] = 1
-    p_ids, p_attn = p_ids.to(device), p_attn.to(device)
+    p_ids, p_attn = _left_padded([torch.tensor(p, dtype=torch.long) for p in prefixes], pad_token_id, device)
+    width_p = p_ids.shape[1]
     cache = DynamicCache(config=model.config)
     model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(-1) - 1).clamp_(min=0),
           past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -113,22 +107,32 @@ def _response_logits_shared(model, batch: Batch, pad_token_id: int, prefixes: li
 
     # The rest of each row: last prompt token + response, left-padded so responses end at the right edge.
     resp_len = batch["response_len"].to(device)
-    tails = [seq[len(seq) - n - 1:] for seq, n in zip(seqs, batch["response_len"].tolist())]
     width = int(resp_len.max())
-    t_ids = torch.full((len(tails), width + 1), pad_token_id, dtype=torch.long)
-    t_attn = torch.zeros((len(tails), width + 1), dtype=torch.long)
-    for i, t in enumerate(tails):
-        t_ids[i, width + 1 - len(t):] = t
-        t_attn[i, width + 1 - len(t):] = 1
-    t_ids, t_attn = t_ids.to(device), t_attn.to(device)
+    t_ids, t_attn = _left_padded([seq[len(seq) - n - 1:] for seq, n in zip(seqs, batch["response_len"].tolist())],
+                                 pad_token_id, device)
     attn = torch.cat([p_attn[row_index], t_attn], dim=1)
     position_ids = (attn.cumsum(-1) - 1).clamp_(min=0)[:, width_p:]
     out = model(input_ids=t_ids, attention_mask=attn, position_ids=position_ids, past_key_values=cache,
                 use_cache=True, logits_to_keep=width + 1)
     logits = out.logits[:, :-1]
     targets = t_ids[:, 1:]
-    mask = torch.arange(width, device=device)[None, :] >= (width - resp_len)[:, None]
-    return logits, targets, mask
+    return logits, targets, _response_mask(resp_len, width)
+
+
+def _response_mask(resp_len: Tensor, width: int) -> Tensor:
+    """[B, width] True on each row's response tokens, right-aligned."""
+    return torch.arange(width, device=resp_len.device)[None, :] >= (width - resp_len)[:, None]
+
+
+def _left_padded(rows: list[Tensor], pad_token_id: int, device) -> tuple[Tensor, Tensor]:
+    """Token rows left-padded to the longest: (ids [B, L], attention mask [B, L] long)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        attn[i, width - len(r):] = 1
+    return ids.to(device), attn.to(device)
 
 
 def ragged_to_right_aligned(batch: Batch, name: str, device) -> Tensor:

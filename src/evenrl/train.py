@@ -176,7 +176,8 @@ def zero_gradient_rows(cfg: RunConfig, everyone: dict) -> list[bool] | None:
     0/1 rewards that is every all-right and all-wrong group). None when nothing may be skipped."""
     algo, train = cfg.algo, cfg.train
     kl_in_loss = algo.kl_coef > 0 and algo.kl_in == "loss"
-    if not train.skip_zero_gradient_samples or kl_in_loss or algo.entropy_coef > 0 or train.min_rows_per_micro_batch > 1:
+    if (not train.skip_zero_gradient_samples or kl_in_loss or algo.entropy_coef > 0
+            or train.min_rows_per_micro_batch > 1):
         return None
     return (everyone["advantage"] == 0).tolist()
 

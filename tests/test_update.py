@@ -46,18 +46,63 @@ def test_shared_prefix_forward_matches_plain(tmp_path, monkeypatch, arch):
     assert max(float((g_plain[k] - g_shared[k]).abs().max()) for k in g_plain) < 1e-5 * scale
 
 
+def _masked_path(monkeypatch):
+    monkeypatch.setattr(U, "_packs", lambda m: False)
+    monkeypatch.setattr(U.LeanDecoder, "supports", classmethod(lambda cls, m: False))
+
+
+@pytest.mark.parametrize("path", ["packed", "right_padded"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_right_padded_forward_matches_the_models_masked_one(tmp_path, monkeypatch, arch):
+def test_lean_forwards_match_the_models_masked_one(tmp_path, monkeypatch, arch, path):
     model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch, seed=2))
     model.train()
     batch = _batch([9, 3, 14, 1], samples=2, max_resp=7, seed=3)  # unequal prompts and responses
+    assert U._packs(model)
+    used = []
+    monkeypatch.setattr(U, f"_response_logits_{path}",
+                        lambda *a, f=getattr(U, f"_response_logits_{path}"): used.append(path) or f(*a))
+    if path == "right_padded":
+        monkeypatch.setattr(U, "_packs", lambda m: False)
     fast, mask, g_fast = _logp_and_grads(model, batch, False, monkeypatch)
-    monkeypatch.setattr(U.LeanDecoder, "supports", classmethod(lambda cls, m: False))  # the generic masked path
+    assert used == [path]
+    _masked_path(monkeypatch)
     plain, mask2, g_plain = _logp_and_grads(model, batch, False, monkeypatch)
     assert torch.equal(mask, mask2)
     assert float((plain - fast).abs().max()) < 1e-5
     scale = max(float(g.abs().max()) for g in g_plain.values())
     assert max(float((g_plain[k] - g_fast[k]).abs().max()) for k in g_plain) < 1e-5 * scale
+
+
+def test_packed_forward_with_biases_and_one_token_rows(tmp_path, monkeypatch):
+    """Llama with biases everywhere (attention_bias, mlp_bias) and rows whose prompt is their only token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).train()
+    assert U._packs(model)
+    batch = _batch([1, 5, 1], samples=2, max_resp=6, seed=4)
+    fast, mask, g_fast = _logp_and_grads(model, batch, False, monkeypatch)
+    _masked_path(monkeypatch)
+    plain, mask2, g_plain = _logp_and_grads(model, batch, False, monkeypatch)
+    assert torch.equal(mask, mask2)
+    assert float((plain - fast).abs().max()) < 1e-5
+    assert max(float((g_plain[k] - g_fast[k]).abs().max()) for k in g_plain) < 1e-5
+
+
+def test_packed_forward_leaves_checkpointing_and_dropout_to_the_model(tmp_path):
+    model, _ = load_policy(make_tiny_model(str(tmp_path / "m"), seed=1))
+    model.train()
+    assert U._packs(model)
+    model.config.attention_dropout = 0.1
+    assert not U._packs(model)
+    model.eval()  # dropout is off in eval mode (log-prob passes)
+    assert U._packs(model)
+    model.config.attention_dropout = 0.0
+    model.train()
+    model.gradient_checkpointing_enable()
+    assert not U._packs(model)
 
 
 def test_shared_prefix_only_when_it_saves_enough(tmp_path):

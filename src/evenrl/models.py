@@ -82,6 +82,13 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
     return model, tokenizer
 
 
+def is_checkpointing(model) -> bool:
+    """Whether the model recomputes activations in backward (transformers 5 renamed the flag)."""
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    return bool(getattr(model, flag, False))
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__

@@ -366,16 +366,11 @@ class LeanDecoder:
         inner = model.model
         self.model, self.inner, self.max_len = model, inner, max_len
         first = inner.layers[0].self_attn
-        self.head_dim = D = first.head_dim
+        self.head_dim = first.head_dim
         self.heads = model.config.num_attention_heads
         self.kv_heads = model.config.num_key_value_heads
         p = next(model.parameters())
-        # Rotary cos/sin for every position, once per call (the model recomputes them at every token). sin carries
-        # rotate_half's sign, so x·cos + rotate_half(x)·sin = x·cos + swap_halves(x)·sin_signed: same numbers.
-        cos, sin = inner.rotary_emb(torch.empty(0, dtype=p.dtype, device=p.device),
-                                    torch.arange(max_len, device=p.device)[None])
-        sin = torch.cat([-sin[0, :, : D // 2], sin[0, :, D // 2 :]], dim=-1)
-        self.rope = torch.stack([cos[0], sin], dim=1)  # [max_len, 2, D]
+        self.rope = rope_table(model, max_len)  # once per call: the model recomputes it at every token
         self.zero = torch.zeros((), dtype=p.dtype, device=p.device)
         self.layers = []
         for layer in inner.layers:  # weights change every optimizer step, so fuse per generate call
@@ -492,6 +487,16 @@ class LeanDecoder:
             h = _linear(act(g) * u, w_d, b_d, h)
         self.length = end
         return self.model.lm_head(self.final_norm(h))
+
+
+def rope_table(model, length: int) -> torch.Tensor:
+    """Rotary cos and sin of a Qwen2/Llama model for positions 0..length-1, [length, 2, head_dim], for _rotate.
+    sin carries rotate_half's sign, so x·cos + rotate_half(x)·sin = x·cos + swap_halves(x)·sin_signed."""
+    p, D = next(model.parameters()), model.model.layers[0].self_attn.head_dim
+    cos, sin = model.model.rotary_emb(torch.empty(0, dtype=p.dtype, device=p.device),
+                                      torch.arange(length, device=p.device)[None])
+    sin = torch.cat([-sin[0, :, : D // 2], sin[0, :, D // 2 :]], dim=-1)
+    return torch.stack([cos[0], sin], dim=1)
 
 
 def _norm(mod):

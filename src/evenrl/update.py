@@ -1,9 +1,10 @@
 """The pieces of a gradient step shared by `evenrl train` and `evenrl sft`.
 
 Rows are stored pad-free in a Batch: `tokens` (ragged: prompt + response ids) and `response_len` ([N]).
-A micro-batch is left-padded so every row's response sits at the right edge; only the last
-`max(response_len)` positions go through the LM head (the logits tensor, tokens x vocab, is the usual
-hidden memory peak). Per-token tensors are then [B, R] with each row's response right-aligned.
+`response_logits` forwards a micro-batch by the cheapest exact path the model allows (shared prompts, packed rows
+for Qwen2/Llama, right padding, or the model's own left-padded masked forward); only the positions that predict
+response tokens go through the LM head (the logits tensor, tokens x vocab, is the usual hidden memory peak).
+Per-token tensors are then [B, R], R = the longest response, with each row's response right-aligned.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from evenrl import dist
 from evenrl.aggregation import Denominators, aggregate
 from evenrl.algos import entropy_from_logits, token_logprobs
 from evenrl.batch import Batch
-from evenrl.rollout import LeanDecoder
+from evenrl.models import is_checkpointing
+from evenrl.rollout import LeanDecoder, _rotate, rope_table
 
 
 def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -26,6 +28,8 @@ def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Ten
     shared = _shared_prefixes(model, batch)
     if shared is not None:
         return _response_logits_shared(model, batch, pad_token_id, *shared)
+    if _packs(model):
+        return _response_logits_packed(model, batch)
     if LeanDecoder.supports(model):
         return _response_logits_right_padded(model, batch, pad_token_id)
     tokens, attn = batch.padded("tokens", pad_token_id, side="left")
@@ -39,6 +43,65 @@ def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Ten
     logits = out.logits[:, :-1]
     targets = tokens[:, -width:]
     return logits, targets, _response_mask(resp_len, width)
+
+
+def _packs(model) -> bool:
+    """Whether _packed_forward may stand in for the model's own training forward: a plain Qwen2/Llama (what
+    LeanDecoder covers) without activation checkpointing or attention dropout, which stay with the model's forward."""
+    dropout = model.training and getattr(model.config, "attention_dropout", 0.0)
+    return LeanDecoder.supports(model) and not is_checkpointing(model) and not dropout
+
+
+def _response_logits_packed(model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+    """response_logits for Qwen2/Llama without padding (_packed_forward); tests compare it with the model's own
+    masked forward."""
+    tok = batch["tokens"]
+    device = model.device
+    ids, lengths = tok.values.to(device), tok.lengths.to(device)
+    resp_len = batch["response_len"].to(device)
+    width = int(resp_len.max())
+    ends = torch.cumsum(lengths, 0)
+    # packed position of each response token, right-aligned; clamped columns (shorter responses) are masked out
+    target_at = torch.maximum(ends[:, None] - width + torch.arange(width, device=device)[None, :],
+                              (ends - lengths + 1)[:, None]).clamp_(max=len(ids) - 1)
+    logits = _packed_forward(model, ids, lengths, target_at - 1)
+    return logits, ids[target_at], _response_mask(resp_len, width)
+
+
+def _packed_forward(model, ids: Tensor, lengths: Tensor, pick: Tensor) -> Tensor:
+    """A Qwen2/Llama forward over rows stored back to back (`ids` [T], row lengths [B], each row's positions from 0),
+    returning the logits at the packed positions `pick`. The model's own modules and arithmetic, in its order.
+
+    Why: norms, projections and the MLP run on the T real tokens instead of B x longest; only attention sees the rows
+    padded (on the right, so causal attention never lets a real token see a pad). Longest-first micro-batches of GRPO
+    samples are ~12-22% padding at up to 128 new tokens; measured on 2 cores, 32 rows of 20-132 tokens: forward +
+    backward 366 -> 326 ms against the right-padded path below, equal at 32 rows of 17-20 tokens. Fusing q|k|v and
+    gate|up into one matmul each (as LeanDecoder.step does) bought nothing here, so the modules are called as they are.
+    """
+    F = torch.nn.functional
+    inner, cfg = model.model, model.config
+    H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, inner.layers[0].self_attn.head_dim
+    B, L, T = len(lengths), int(lengths.max()), ids.shape[0]
+    starts = torch.cumsum(lengths, 0) - lengths
+    pos = torch.arange(T, device=ids.device) - torch.repeat_interleave(starts, lengths, output_size=T)
+    slot = torch.repeat_interleave(torch.arange(0, B * L, L, device=ids.device), lengths, output_size=T) + pos
+    cs = rope_table(model, L)[pos]  # [T, 2, D]
+    cos, sin = cs[:, None, 0], cs[:, None, 1]
+    h = inner.embed_tokens(ids)  # [T, hidden]
+    for layer in inner.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        x = layer.input_layernorm(h)
+        qkv = torch.cat([_rotate(a.q_proj(x).unflatten(-1, (H, D)), cos, sin).flatten(1),
+                         _rotate(a.k_proj(x).unflatten(-1, (Hk, D)), cos, sin).flatten(1), a.v_proj(x)], dim=1)
+        padded = qkv.new_zeros(B * L, qkv.shape[1]).index_copy(0, slot, qkv).view(B, L, -1)
+        q, k, v = padded.split([H * D, Hk * D, Hk * D], dim=-1)
+        o = F.scaled_dot_product_attention(q.unflatten(-1, (H, D)).transpose(1, 2),
+                                           k.unflatten(-1, (Hk, D)).transpose(1, 2),
+                                           v.unflatten(-1, (Hk, D)).transpose(1, 2),
+                                           is_causal=L > 1, scale=a.scaling, enable_gqa=H != Hk)
+        h = h + a.o_proj(o.transpose(1, 2).reshape(B * L, H * D).index_select(0, slot))
+        h = h + mlp(layer.post_attention_layernorm(h))
+    return model.lm_head(inner.norm(h[pick]))
 
 
 def _response_logits_right_padded(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -69,9 +132,7 @@ def _shared_prefixes(model, batch: Batch):
     """(prefixes, prefix of each row) when rows repeat a prompt (the samples of a GRPO group) and running each
     distinct prompt once saves enough; else None. A row's prefix is its prompt minus the last token: that token's
     logits predict the first response token, so it runs with the response."""
-    checkpointing = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"
-    if getattr(model, checkpointing, False):  # checkpointed layers drop the cache
+    if is_checkpointing(model):  # checkpointed layers drop the cache
         return None
     tok = batch["tokens"]
     seqs = torch.split(tok.values, tok.lengths.tolist())

@@ -3,6 +3,7 @@
     .venv/bin/pip install -e '.[bench]'          # TRL, accelerate, datasets (make bench does it)
     .venv/bin/python benchmarks/grpo_vs_trl.py                      # both workloads, 1 and 2 processes, 3 pairs
     .venv/bin/python benchmarks/grpo_vs_trl.py --workloads small --nprocs 1 --pairs 3
+    .venv/bin/python benchmarks/grpo_vs_trl.py --plot docs/bench_steps.png     # also draw where each step goes
 
 Both frameworks load the same tiny Qwen2 directory (made here, ~2.4 M parameters, character tokenizer), get the same
 synthetic prompts ("a+b=") and the same reward (share of digit characters in the completion, so a random model gets
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="threads per process = cores // processes, the same for both frameworks")
     p.add_argument("--out", default="runs/bench_trl", help="scratch directory (model, data, run dirs)")
     p.add_argument("--verbose", action="store_true", help="print evenrl's phase breakdown of every run")
+    p.add_argument("--plot", help="also draw seconds per step (generate+score vs update) of both to this PNG")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.trl_worker:
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
           "loss_type='dapo'), clip 0.2, one optimizer step per generation batch, fp32, no gradient checkpointing; "
           "micro-batches: TRL 32 completions, evenrl token_cap_per_micro_batch = 32 x (8 + max new tokens) padded "
           "tokens (the same memory bound); rewards scored in the trainer process (evenrl rewards.isolate=false)")
-    table = []
+    table, bars = [], []
     for workload in args.workloads.split(","):
         prompts, samples, max_new = WORKLOADS[workload]
         steps = args.steps_small if workload == "small" else args.steps_large
@@ -354,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             r_trl = statistics.median(p["trl"]["reward_end"] for p in rows)
             r_evenrl = statistics.median(p["evenrl"]["reward_end"] for p in rows)
             print(f"   median ratio evenrl/TRL samples/s: {med:.2f}  (pairs: {', '.join(f'{x:.2f}' for x in ratios)})")
+            bars.append((f"{workload}\n{nproc} proc", med, *[statistics.median(p[k][m] for p in rows)
+                                                          for k in ("trl", "evenrl") for m in ("gen_s", "step_s")]))
             table.append((workload, nproc, med, min(ratios), max(ratios),
                           statistics.median(p["trl"]["samples_per_s"] for p in rows),
                           statistics.median(p["evenrl"]["samples_per_s"] for p in rows),
@@ -366,7 +370,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {w} | {n} | **{med:.2f}x** ({lo:.2f}-{hi:.2f}) | {st:.1f} | {se:.1f} | {rt:.3f} / {re_:.3f} "
               f"({ft:.3f} / {fe:.3f}) | {nsteps} |")
     print("(reward after N steps: mean reward of the last 3 steps, median over pairs)")
+    if args.plot:
+        plot_steps(bars, Path(args.plot))
+        print(f"picture: {args.plot}")
     return 0
+
+
+def plot_steps(bars: list[tuple], path: Path) -> None:
+    """Median seconds per step of each framework, split into generate+score and the rest (the update), one panel per
+    workload x processes: where each framework spends its step, and so what a further speed-up has to shrink."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(bars), figsize=(2.2 * len(bars) + 1, 3.6), squeeze=False)
+    for ax, (label, ratio, trl_gen, trl_step, ev_gen, ev_step) in zip(axes[0], bars):
+        gen, rest = [trl_gen, ev_gen], [trl_step - trl_gen, ev_step - ev_gen]
+        ax.bar([0, 1], gen, color="#8fb3d9", label="generate + score")
+        ax.bar([0, 1], rest, bottom=gen, color="#2c5f8a", label="update (rest of the step)")
+        for x, total in enumerate([trl_step, ev_step]):
+            ax.text(x, total, f"{total:.2f}" if total < 1 else f"{total:.1f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks([0, 1], ["TRL", "evenrl"])
+        ax.set_title(f"{label}: {ratio:.2f}x", fontsize=9)
+        ax.margins(y=0.15)
+    axes[0][0].set_ylabel("seconds per step (median)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.suptitle("evenrl vs TRL GRPO on CPU: seconds per step (title: median per-pair samples/s ratio)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ def test_one_process_run_writes_everything(assets, tmp_path):
 
 @pytest.mark.slow
 def test_same_model_on_one_and_three_processes(assets, tmp_path):
-    """Layout invariance: 7 prompts x 3 samples, 2 mini-batches, on 1 and on 3 ranks -> the same parameters."""
+    """Layout invariance: 7 prompts x 3 samples, 2 mini-batches, on 1 and on 3 ranks -> the same parameters; and
+    the same with activation checkpointing on."""
     one, three = tmp_path / "w1", tmp_path / "w3"
     evals = [f"eval.path={assets['data']}", "eval.max_prompts=11"]
     evenrl("train", assets["cfg"], f"log.run_dir={one}", *evals)
@@ -49,6 +50,10 @@ def test_same_model_on_one_and_three_processes(assets, tmp_path):
     assert [r.get("reward/mean") for r in m1] == [r.get("reward/mean") for r in m3]
     assert [r.get("eval/reward") for r in m1] == [r.get("eval/reward") for r in m3]
     assert len(m3[-1]["load/rank_tokens"]) == 3
+    # activation checkpointing leaves the packed forward for the model's own (recomputing) one: same model
+    ckpt = tmp_path / "ckpt"
+    evenrl("train", assets["cfg"], f"log.run_dir={ckpt}", "model.gradient_checkpointing=true")
+    assert max_diff(final_params(one), final_params(ckpt)) <= 1e-5
 
 
 @pytest.mark.slow

@@ -281,7 +281,10 @@ class Run:
         torch.manual_seed(cfg.train.seed)
         self.model, self.tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
         if cfg.model.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # transformers 5 renamed it; the old name warns and goes in v6
+            enable = getattr(self.model, "activation_checkpointing_enable", None) \
+                or self.model.gradient_checkpointing_enable
+            enable()
         self.model.train()
         self.reference = None
         if cfg.algo.kl_coef > 0:

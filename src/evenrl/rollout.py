@@ -141,7 +141,9 @@ def _new_cache(model):
         return DynamicCache()
 
 
-@torch.no_grad()
+# inference_mode, not no_grad: no version counters or view tracking, ~7% faster sampling here (32 rows x 16 tokens
+# and 256 x 128, same samples); nothing made here reaches autograd (completions leave as Python lists).
+@torch.inference_mode()
 def generate(
     model,
     prompts: list[list[int]],

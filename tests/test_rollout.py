@@ -60,7 +60,10 @@ def test_batching_does_not_change_samples(policy, abc):
     alone = by_key(run(model, [C], [12], params, step=3))
     reversed_ = by_key(run(model, [B, A], [11, 10], params, step=3))
     one_by_one = by_key(run(model, [A, B, C], [10, 11, 12], params, step=3, max_batch_prompts=1))
-    for other in (alone, reversed_, one_by_one):
+    # a rank's part of prompts split over ranks (train.rollout_shares): the same samples
+    parts = run(model, [A, C], [10, 12], params, step=3, sample_ranges=[(1, 2), (3, 1)])
+    assert [[c.sample_index for c in r] for r in parts] == [[1, 2], [3]]
+    for other in (alone, reversed_, one_by_one, by_key(parts)):
         for k, c in other.items():
             assert c.token_ids == together[k].token_ids, k
             np.testing.assert_allclose(c.logprobs, together[k].logprobs, atol=1e-5)
@@ -292,6 +295,9 @@ def test_bad_inputs(policy, abc):
         run(model, abc[:2], [1, 1], p)
     with pytest.raises(ValueError, match="no tokens"):
         run(model, [[]], [0], p)
+    for ranges in ([(0, 2)], [(-1, 1)], [(0, 0)], [(0, 1), (0, 1)]):  # past samples_per_prompt=1, or one per prompt
+        with pytest.raises(UsageError, match="sample_ranges"):
+            run(model, abc[:1], [0], p, sample_ranges=ranges)
 
 
 def test_restores_training_mode(policy, abc):

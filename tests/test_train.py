@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from e2e import ENV, evenrl, final_params, max_diff
@@ -140,3 +142,20 @@ def test_phase_table_sums_phases_and_names_the_rest():
     rows = {ln.split()[0]: (float(ln.split()[1]), float(ln.split()[2])) for ln in lines[2:]}
     assert list(rows) == ["rollout", "reward", "update", "other", "total"]  # the step's order, then the rest
     assert rows["rollout"] == (3.0, 60.0) and rows["other"] == (0.5, 10.0) and rows["total"] == (5.0, 100.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.integers(1, 300), min_size=1, max_size=12), n=st.integers(1, 9), world=st.integers(1, 7),
+       weighted=st.booleans(), data=st.data())
+def test_rollout_shares_cover_every_sample_once_and_balance(costs, n, world, weighted, data):
+    from evenrl.train import rollout_shares
+
+    w = data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=world, max_size=world)) if weighted else None
+    shares = rollout_shares(costs, n, world, w)
+    flat = [(p, first + j) for share in shares for p, first, count in share for j in range(count)]
+    assert flat == [(p, s) for p in range(len(costs)) for s in range(n)]  # each sample once, in order, ranks in order
+    assert sum(len(share) for share in shares) <= len(costs) + world - 1  # a cut splits at most one prompt
+    weights = w or [1.0] * world
+    for share, wr in zip(shares, weights):
+        load = sum(costs[p] * count for p, _, count in share)
+        assert abs(load - sum(costs) * n * wr / sum(weights)) <= max(costs) + 1e-6  # within one sample of its share

@@ -153,8 +153,7 @@ def worst_case_shape(cfg: RunConfig, layout: Layout) -> tuple[int, int]:
     per_mb = math.ceil(cfg.samples_per_step() / cfg.algo.minibatches_per_step)
     rows_rank = max(1, math.ceil(per_mb * share - 1e-9))
     rows = min(rows_rank, max(1, cfg.train.token_cap_per_micro_batch // length, cfg.train.min_rows_per_micro_batch))
-    prompts_rank = max(1, math.ceil(cfg.data.prompts_per_step * share - 1e-9))
-    return rows * length, prompts_rank * cfg.rollout.samples_per_prompt
+    return rows * length, max(1, math.ceil(cfg.samples_per_step() * share - 1e-9))  # train.rollout_shares
 
 
 def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEstimate:

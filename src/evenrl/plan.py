@@ -262,7 +262,7 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
     k = s.get("rollout.samples_per_prompt", cfg.rollout.samples_per_prompt)
     prompts, m, mrows = cfg.data.prompts_per_step, cfg.algo.minibatches_per_step, cfg.train.min_rows_per_micro_batch
     m = min(m, prompts)
-    need = max(prompts, m * math.ceil(t * mrows / k), t)  # every rank trains and generates
+    need = max(prompts, m * math.ceil(t * mrows / k))  # every rank trains and generates (>= 1 sample each)
     if plan.imbalance and plan.imbalance >= 1.10:
         step = t * m // math.gcd(t * m, k)
         even = math.ceil(need / step) * step

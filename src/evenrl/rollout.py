@@ -155,8 +155,11 @@ def generate(
     pad_token_id: int,
     max_batch_prompts: int | None = None,
     decoder: str = "auto",
+    sample_ranges: list[tuple[int, int]] | None = None,
 ) -> list[list[Completion]]:
     """Sample `params.samples_per_prompt` completions per prompt; returns [prompt][sample].
+    `sample_ranges` [(first, count)] per prompt samples only those indices of the prompt's streams (a rank's part of
+    a prompt split over ranks); a sample is the same whichever part it is generated in.
 
     `keys` name the prompts' random streams and must be unique within a step; use something that
     does not depend on the rank layout, e.g. the prompt's position in the global batch (not its
@@ -173,6 +176,11 @@ def generate(
     for k, p in zip(keys, prompts):
         if len(p) == 0:
             raise ValueError(f"generate: prompt with key {k} has no tokens")
+    n = params.samples_per_prompt
+    ranges = [(0, n)] * len(prompts) if sample_ranges is None else [(int(a), int(c)) for a, c in sample_ranges]
+    if len(ranges) != len(prompts) or any(a < 0 or c < 1 or a + c > n for a, c in ranges):
+        raise bad("sample_ranges", sample_ranges, f"one (first, count) per prompt with 0 <= first, count >= 1, "
+                                                  f"first + count <= samples_per_prompt ({n})")
     if decoder not in ("auto", "lean", "forward"):
         raise bad("decoder", decoder, "one of auto, lean, forward")
     if decoder == "lean" and not LeanDecoder.supports(model):
@@ -188,17 +196,16 @@ def generate(
         out: list[list[Completion]] = []
         for s in range(0, len(prompts), chunk):
             out.extend(
-                _generate_batch(model, prompts[s : s + chunk], keys[s : s + chunk], params, step,
-                                set(eos_token_ids), pad_token_id, lean)
+                _generate_batch(model, prompts[s : s + chunk], keys[s : s + chunk], ranges[s : s + chunk], params,
+                                step, set(eos_token_ids), pad_token_id, lean)
             )
         return out
     finally:
         model.train(was_training)
 
 
-def _generate_batch(model, prompts, keys, params: SamplingParams, step, eos_ids, pad_token_id, lean: bool):
+def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, eos_ids, pad_token_id, lean: bool):
     device = next(model.parameters()).device
-    n = params.samples_per_prompt
     n_prompts = len(prompts)
     lens = [len(p) for p in prompts]
     width = max(lens)
@@ -215,13 +222,17 @@ def _generate_batch(model, prompts, keys, params: SamplingParams, step, eos_ids,
     max_new = params.max_new_tokens
     dec = LeanDecoder(model, width + max_new) if lean else _ForwardDecoder(model)
     logits = dec.prefill(input_ids, attn, position_ids)
-    if n > 1:  # the n samples of a prompt share its prefill
-        dec.repeat_rows(n)
-        logits = logits.repeat_interleave(n, dim=0)
+    counts = [c for _, c in ranges]
+    if any(c > 1 for c in counts):  # the samples of a prompt share its prefill
+        counts_d = torch.tensor(counts, device=device)
+        dec.repeat_rows(counts_d)
+        logits = logits.repeat_interleave(counts_d, dim=0)
 
-    n_rows = n_prompts * n
-    seeds = np.array([row_seed(params.seed, step, keys[r // n], r % n) for r in range(n_rows)], dtype=np.uint64)
-    next_pos = torch.tensor(lens, device=device).repeat_interleave(n)
+    # batch row -> (prompt, sample index)
+    row_of = [(i, a + j) for i, (a, c) in enumerate(ranges) for j in range(c)]
+    n_rows = len(row_of)
+    seeds = np.array([row_seed(params.seed, step, keys[i], s) for i, s in row_of], dtype=np.uint64)
+    next_pos = torch.tensor([lens[i] for i, _ in row_of], device=device)
     # EOS test as one lookup in a vocabulary-sized table (ids outside the vocabulary are never sampled).
     vocab = logits.shape[-1]
     eos_in_vocab = sorted(e for e in eos_ids if 0 <= e < vocab)
@@ -284,11 +295,11 @@ def _generate_batch(model, prompts, keys, params: SamplingParams, step, eos_ids,
     toks, lps = out_tok.tolist(), out_lp.tolist()
     lens_out = np.bincount(g_all, minlength=n_rows).tolist()  # a row is sampled at steps 0..length-1
     eos_set = set(eos_in_vocab)
-    completions = []
-    for r in range(n_rows):
+    out: list[list[Completion]] = [[] for _ in range(n_prompts)]
+    for r, (i, s) in enumerate(row_of):
         m = lens_out[r]
-        completions.append(Completion(keys[r // n], r % n, toks[r][:m], lps[r][:m], toks[r][m - 1] in eos_set))
-    return [completions[i * n : (i + 1) * n] for i in range(n_prompts)]
+        out[i].append(Completion(keys[i], s, toks[r][:m], lps[r][:m], toks[r][m - 1] in eos_set))
+    return out
 
 
 class _ForwardDecoder:
@@ -306,9 +317,10 @@ class _ForwardDecoder:
         self.cache, self.attn = out.past_key_values, attn
         return out.logits[:, -1, :]
 
-    def repeat_rows(self, n):
-        self.cache.batch_repeat_interleave(n)
-        self.attn = self.attn.repeat_interleave(n, dim=0)
+    def repeat_rows(self, counts):
+        index = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+        self.cache.batch_select_indices(index)
+        self.attn = self.attn[index]
 
     def select_rows(self, keep):
         self.cache.batch_select_indices(keep)
@@ -431,14 +443,15 @@ class LeanDecoder:
         self.length = T
         return self.model.lm_head(self.final_norm(h.view(B, T, -1)[:, -1]))
 
-    def repeat_rows(self, n):
-        B, T = self.k[0].shape[0], self.length
-        caches = self._alloc(B * n)
+    def repeat_rows(self, counts):
+        """Row i becomes counts[i] rows (the samples sharing prompt i's prefill)."""
+        index = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+        caches = self._alloc(len(index))
         for new, old in zip(caches, self.k + self.v):  # only the filled columns are copied
-            new.view(B, n, *new.shape[1:])[:, :, :, :T] = old[:, None, :, :T]
+            new[:, :, : self.length] = old[:, :, : self.length].index_select(0, index)
         self.k, self.v = caches[: len(self.layers)], caches[len(self.layers) :]
         if self.key_pad is not None:
-            self.key_pad = self.key_pad.repeat_interleave(n, dim=0)
+            self.key_pad = self.key_pad.index_select(0, index)
 
     def select_rows(self, keep):
         """Row j becomes row keep[j]; the caches shrink to their first len(keep) rows in place. A new cache would be

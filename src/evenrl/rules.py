@@ -181,14 +181,14 @@ def rule_idle(p: Plan) -> list[Finding]:
 
 def rule_rollout_idle(p: Plan) -> list[Finding]:
     c, t = p.config, p.layout.training_ranks
-    prompts = c.data.prompts_per_step
-    if t < 2 or prompts >= t:
+    samples, k = c.samples_per_step(), c.rollout.samples_per_prompt
+    if t < 2 or samples >= t:
         return []
     return [Finding("warning", "rollout-idle",
-                    f"{plural(prompts, 'prompt')} on {plural(t, 'rank')}: {plural(t - prompts, 'rank')} "
-                    f"generate{'s' if t - prompts == 1 else ''} nothing "
-                    "(each prompt is generated on one rank, its samples sharing the prefill)",
-                    f"data.prompts_per_step={t}")]
+                    f"{plural(samples, 'sample')} on {plural(t, 'rank')}: {plural(t - samples, 'rank')} "
+                    f"generate{'s' if t - samples == 1 else ''} nothing "
+                    "(a prompt's samples are spread over ranks, but a sample runs on one)",
+                    f"data.prompts_per_step={-(-t // k)}")]
 
 
 def rule_min_rows(p: Plan) -> list[Finding]:

@@ -29,7 +29,6 @@ from evenrl.config import RunConfig, config_to_yaml
 from evenrl.errors import UsageError
 from evenrl.evaluate import evaluate
 from evenrl.models import encode_prompt, load_policy
-from evenrl.partition import balanced_partition
 from evenrl.prompts import PromptSampler, filter_by_length, load_prompts
 from evenrl.rewards import resolve, score_all
 from evenrl.rollout import SamplingParams, generate
@@ -77,21 +76,22 @@ def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
 # ------------------------------------------------------------------------------------------ named pieces
 
 def rollout(run: "Run", step: int, prompt_ids: list[int]) -> Batch:
-    """Generate samples_per_prompt completions for this rank's share of the step's prompts.
-    Prompts are spread by estimated cost; a prompt's samples stay together and share its prefill."""
+    """Generate this rank's share of the step's samples (rollout_shares): whole prompts where the ranks divide
+    them, a prompt's samples split over ranks where they do not (2 prompts x 8 samples on 4 ranks: 4 samples each)."""
     cfg = run.cfg
     n = cfg.rollout.samples_per_prompt
-    costs = [(len(run.prompt_tokens[i]) + cfg.rollout.max_new_tokens) * n for i in prompt_ids]
-    mine = balanced_partition(costs, dist.world(), weights=cfg.parallel.capacity_weights).parts[dist.rank()]
+    costs = [len(run.prompt_tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
+    mine = rollout_shares(costs, n, dist.world(), cfg.parallel.capacity_weights)[dist.rank()]
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, samples_per_prompt=n, seed=cfg.train.seed)
     run.model.eval()
-    completions = generate(run.model, [run.prompt_tokens[prompt_ids[p]] for p in mine],
-                           mine, params, step=step,  # key = position in the step's prompts: unique, rank-free
-                           eos_token_ids=run.eos_ids, pad_token_id=run.pad_id) if mine else []
+    completions = generate(run.model, [run.prompt_tokens[prompt_ids[p]] for p, _, _ in mine],
+                           [p for p, _, _ in mine], params, step=step,  # key = position in the step: rank-free
+                           eos_token_ids=run.eos_ids, pad_token_id=run.pad_id,
+                           sample_ranges=[(first, count) for _, first, count in mine]) if mine else []
     run.model.train()
     tokens, resp_len, index, group, row_ids, texts, finished = [], [], [], [], [], [], []
-    for p, samples in zip(mine, completions):
+    for (p, _, _), samples in zip(mine, completions):
         prompt = run.prompt_tokens[prompt_ids[p]]
         for c in samples:
             tokens.append(torch.tensor(prompt + c.token_ids, dtype=torch.long))
@@ -110,6 +110,29 @@ def rollout(run: "Run", step: int, prompt_ids: list[int]) -> Batch:
         "row_id": row_ids,
         "completion": texts,
     })
+
+
+def rollout_shares(prompt_costs: list[float], n: int, world: int, weights=None) -> list[list[tuple[int, int, int]]]:
+    """Per rank, the (prompt, first sample, count) it generates. The step's samples, prompt by prompt, are cut into
+    `world` runs of near-equal cost (in proportion to the capacity weights), so each rank's work is within one
+    sample of its share and a prompt's samples are split over as few ranks as possible (each part repeats the
+    prompt's prefill). Every rank computes the same cut; a sample's randomness is keyed, so where it runs does
+    not change it."""
+    w = list(weights) if weights else [1.0] * world
+    total = sum(prompt_costs) * n
+    ends = [total * sum(w[: r + 1]) / sum(w) for r in range(world)]
+    shares: list[list[list[int]]] = [[] for _ in range(world)]
+    done, r = 0.0, 0
+    for p, cost in enumerate(prompt_costs):
+        for sample in range(n):
+            while r < world - 1 and done + cost / 2 > ends[r]:  # a sample goes where its midpoint falls
+                r += 1
+            if shares[r] and shares[r][-1][0] == p:
+                shares[r][-1][2] += 1
+            else:
+                shares[r].append([p, sample, 1])
+            done += cost
+    return [[tuple(x) for x in share] for share in shares]
 
 
 def add_rewards(run: "Run", batch: Batch) -> tuple[Batch, dict]:

@@ -205,7 +205,7 @@ def test_lean_decoder_pieces_are_the_models_arithmetic(policy):
     apply_rotary_pos_emb, F.rms_norm for the RMSNorm modules."""
     import sys
 
-    from evenrl.rollout import _norm, _rotate
+    from evenrl.rollout import _norm, rope_rotate
 
     model, _ = policy
     inner = model.model
@@ -216,7 +216,7 @@ def test_lean_decoder_pieces_are_the_models_arithmetic(policy):
     rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
     want, _ = rope(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
     cs = dec.rope[pos]
-    assert torch.equal(_rotate(x, cs[:, :, None, 0], cs[:, :, None, 1]), want.transpose(1, 2))
+    assert torch.equal(rope_rotate(x, cs[:, :, None, 0], cs[:, :, None, 1]), want.transpose(1, 2))
     norm = inner.layers[0].input_layernorm
     h = torch.randn(7, norm.weight.shape[0]) * 3
     assert torch.equal(_norm(norm)(h), norm(h))

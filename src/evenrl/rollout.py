@@ -430,7 +430,7 @@ class LeanDecoder:
         h = self.inner.embed_tokens(input_ids).flatten(0, 1)  # [B·T, hidden]
         for i, (norm1, w_qkv, b_qkv, w_o, b_o, scale, norm2, w_gu, b_gu, act, w_d, b_d) in enumerate(self.layers):
             qkv = _linear(norm1(h), w_qkv, b_qkv).view(B, T, -1)
-            qk = _rotate(qkv[..., : (H + Hk) * D].unflatten(-1, (H + Hk, D)), cos, sin)  # [B, T, H + Hk, D]
+            qk = rope_rotate(qkv[..., : (H + Hk) * D].unflatten(-1, (H + Hk, D)), cos, sin)  # [B, T, H + Hk, D]
             q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
             v = qkv[..., (H + Hk) * D :].unflatten(-1, (Hk, D)).transpose(1, 2)  # [B, Hk, T, D]
             self.k[i][:, :, :T] = k
@@ -480,7 +480,7 @@ class LeanDecoder:
         h = self.inner.embed_tokens(tok)  # [B, hidden]: rows stay 2-D, so every projection is one (add)mm
         for i, (norm1, w_qkv, b_qkv, w_o, b_o, scale, norm2, w_gu, b_gu, act, w_d, b_d) in enumerate(self.layers):
             qkv = _linear(norm1(h), w_qkv, b_qkv)
-            qk = _rotate(qkv[:, :nqk].view(B, H + Hk, D), cos, sin)  # q and k heads rotated in one go
+            qk = rope_rotate(qkv[:, :nqk].view(B, H + Hk, D), cos, sin)  # q and k heads rotated in one go
             kc, vc = self.k[i], self.v[i]
             kc[:, :, L] = qk[:, H:]
             vc[:, :, L] = qkv[:, nqk:].view(B, Hk, D)
@@ -505,7 +505,7 @@ class LeanDecoder:
 
 
 def rope_table(model, length: int) -> torch.Tensor:
-    """Rotary cos and sin of a Qwen2/Llama model for positions 0..length-1, [length, 2, head_dim], for _rotate.
+    """Rotary cos and sin of a Qwen2/Llama model for positions 0..length-1, [length, 2, head_dim], for rope_rotate.
     sin carries rotate_half's sign, so x·cos + rotate_half(x)·sin = x·cos + swap_halves(x)·sin_signed."""
     p, D = next(model.parameters()), model.model.layers[0].self_attn.head_dim
     cos, sin = model.model.rotary_emb(torch.empty(0, dtype=p.dtype, device=p.device),
@@ -540,7 +540,7 @@ def _linear(x, w, b, residual=None):
     return y if residual is None else residual + y
 
 
-def _rotate(x, cos, sin):
+def rope_rotate(x, cos, sin):
     """Rotary embedding of x [..., D] with LeanDecoder's tables: x·cos + rotate_half(x)·sin in the model's terms
     (rotate_half(x) = [-x2, x1]; the sign lives in the table, so swapping the halves is one flip)."""
     return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin

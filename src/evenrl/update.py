@@ -19,7 +19,7 @@ from evenrl.aggregation import Denominators, aggregate
 from evenrl.algos import entropy_from_logits, token_logprobs
 from evenrl.batch import Batch
 from evenrl.models import is_checkpointing
-from evenrl.rollout import LeanDecoder, _rotate, rope_table
+from evenrl.rollout import LeanDecoder, rope_rotate, rope_table
 
 
 def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -91,8 +91,8 @@ def _packed_forward(model, ids: Tensor, lengths: Tensor, pick: Tensor) -> Tensor
     for layer in inner.layers:
         a, mlp = layer.self_attn, layer.mlp
         x = layer.input_layernorm(h)
-        qkv = torch.cat([_rotate(a.q_proj(x).unflatten(-1, (H, D)), cos, sin).flatten(1),
-                         _rotate(a.k_proj(x).unflatten(-1, (Hk, D)), cos, sin).flatten(1), a.v_proj(x)], dim=1)
+        qkv = torch.cat([rope_rotate(a.q_proj(x).unflatten(-1, (H, D)), cos, sin).flatten(1),
+                         rope_rotate(a.k_proj(x).unflatten(-1, (Hk, D)), cos, sin).flatten(1), a.v_proj(x)], dim=1)
         padded = qkv.new_zeros(B * L, qkv.shape[1]).index_copy(0, slot, qkv).view(B, L, -1)
         q, k, v = padded.split([H * D, Hk * D, Hk * D], dim=-1)
         o = F.scaled_dot_product_attention(q.unflatten(-1, (H, D)).transpose(1, 2),

@@ -222,11 +222,10 @@ def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, 
     max_new = params.max_new_tokens
     dec = LeanDecoder(model, width + max_new) if lean else _ForwardDecoder(model)
     logits = dec.prefill(input_ids, attn, position_ids)
-    counts = [c for _, c in ranges]
-    if any(c > 1 for c in counts):  # the samples of a prompt share its prefill
-        counts_d = torch.tensor(counts, device=device)
-        dec.repeat_rows(counts_d)
-        logits = logits.repeat_interleave(counts_d, dim=0)
+    if any(c > 1 for _, c in ranges):  # the samples of a prompt share its prefill: row i becomes its count rows
+        index = torch.repeat_interleave(torch.arange(n_prompts), torch.tensor([c for _, c in ranges])).to(device)
+        dec.repeat_rows(index)
+        logits = logits.index_select(0, index)
 
     # batch row -> (prompt, sample index)
     row_of = [(i, a + j) for i, (a, c) in enumerate(ranges) for j in range(c)]
@@ -317,8 +316,7 @@ class _ForwardDecoder:
         self.cache, self.attn = out.past_key_values, attn
         return out.logits[:, -1, :]
 
-    def repeat_rows(self, counts):
-        index = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    def repeat_rows(self, index):
         self.cache.batch_select_indices(index)
         self.attn = self.attn[index]
 
@@ -443,9 +441,8 @@ class LeanDecoder:
         self.length = T
         return self.model.lm_head(self.final_norm(h.view(B, T, -1)[:, -1]))
 
-    def repeat_rows(self, counts):
-        """Row i becomes counts[i] rows (the samples sharing prompt i's prefill)."""
-        index = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    def repeat_rows(self, index):
+        """Row j becomes a copy of row index[j] (samples sharing a prompt's prefill); the cache has len(index) rows."""
         caches = self._alloc(len(index))
         for new, old in zip(caches, self.k + self.v):  # only the filled columns are copied
             new[:, :, : self.length] = old[:, :, : self.length].index_select(0, index)

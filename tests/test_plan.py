@@ -66,8 +66,6 @@ CASES = [
     ("capacity-weights", "error", [], {"capacity_weights": [1, 2]}, None, ["2 weights for 4", "1,1,1,1"]),
     ("imbalance", "note", ["data.prompts_per_step=5", "rollout.samples_per_prompt=2"], {}, None,
      ["20% more", "data.prompts_per_step=6"]),
-    ("rollout-idle", "warning", ["data.prompts_per_step=2", "rollout.samples_per_prompt=1"], {}, None,
-     ["2 samples on 4 ranks: 2 ranks generate nothing", "data.prompts_per_step=4"]),
     ("data-path", "warning", [], {}, None, ["data.path is empty"]),
     ("data-path", "error", ["data.path=/no/such/file.jsonl"], {}, None, ["does not exist"]),
     ("model-path", "error", ["model.path=/no/such/model"], {}, None, ["not a local directory"]),
@@ -121,7 +119,7 @@ def test_every_rule_is_reported_at_once():
     p = make(["data.prompts_per_step=2", "rollout.samples_per_prompt=1", "train.token_cap_per_micro_batch=100",
               "parallel.cpu_offload=full"], capacity_weights=[1, 1])
     assert {"idle-ranks", "single-sample-group", "token-cap-oversize", "offload-replicated", "capacity-weights",
-            "rollout-idle", "data-path"} <= set(rules(p))
+            "data-path"} <= set(rules(p))
     levels = [f.level for f in p.findings]
     assert levels == sorted(levels, key=["error", "warning", "note"].index)  # errors first
 
@@ -195,7 +193,7 @@ def test_fit_removes_errors_and_idle_ranks(overrides):
     assert p.config.model_dump() == before  # the original config is never changed
     q = make_plan(new, p.layout, model_config=QWEN7B)
     assert q.runnable and not q.idle, render(q)
-    assert not {"idle-ranks", "rollout-idle", "token-cap-oversize", "memory-over"} & set(rules(q))
+    assert not {"idle-ranks", "token-cap-oversize", "memory-over"} & set(rules(q))
     assert changes and all(a != b for _, a, b in changes)
     assert load_config_text(minimal_yaml(new)) == new  # the printed YAML is the fitted config
 

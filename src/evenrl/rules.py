@@ -179,18 +179,6 @@ def rule_idle(p: Plan) -> list[Finding]:
                     ", or ".join(fixes[:-2 if mrows > 1 else -1]) + "; " + "; ".join(fixes[-2 if mrows > 1 else -1:]))]
 
 
-def rule_rollout_idle(p: Plan) -> list[Finding]:
-    c, t = p.config, p.layout.training_ranks
-    samples, k = c.samples_per_step(), c.rollout.samples_per_prompt
-    if t < 2 or samples >= t:
-        return []
-    return [Finding("warning", "rollout-idle",
-                    f"{plural(samples, 'sample')} on {plural(t, 'rank')}: {plural(t - samples, 'rank')} "
-                    f"generate{'s' if t - samples == 1 else ''} nothing "
-                    "(a prompt's samples are spread over ranks, but a sample runs on one)",
-                    f"data.prompts_per_step={-(-t // k)}")]
-
-
 def rule_min_rows(p: Plan) -> list[Finding]:
     c = p.config
     m, length, cap = c.train.min_rows_per_micro_batch, p.sample_tokens, c.train.token_cap_per_micro_batch
@@ -297,4 +285,4 @@ def rule_parallel(p: Plan) -> list[Finding]:
 
 
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_groups, rule_minibatches, rule_min_rows,
-         rule_idle, rule_rollout_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel]
+         rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel]

@@ -222,14 +222,13 @@ def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, 
     max_new = params.max_new_tokens
     dec = LeanDecoder(model, width + max_new) if lean else _ForwardDecoder(model)
     logits = dec.prefill(input_ids, attn, position_ids)
-    if any(c > 1 for _, c in ranges):  # the samples of a prompt share its prefill: row i becomes its count rows
-        index = torch.repeat_interleave(torch.arange(n_prompts), torch.tensor([c for _, c in ranges])).to(device)
-        dec.repeat_rows(index)
-        logits = logits.index_select(0, index)
-
     # batch row -> (prompt, sample index)
     row_of = [(i, a + j) for i, (a, c) in enumerate(ranges) for j in range(c)]
     n_rows = len(row_of)
+    if n_rows > n_prompts:  # the samples of a prompt share its prefill: its row is copied to each of them
+        index = torch.tensor([i for i, _ in row_of], device=device)
+        dec.repeat_rows(index)
+        logits = logits.index_select(0, index)
     seeds = np.array([row_seed(params.seed, step, keys[i], s) for i, s in row_of], dtype=np.uint64)
     next_pos = torch.tensor([lens[i] for i, _ in row_of], device=device)
     # EOS test as one lookup in a vocabulary-sized table (ids outside the vocabulary are never sampled).

@@ -14,9 +14,9 @@ import random
 import statistics
 import time
 
-import evenrl.partition as partition_mod
-from evenrl.partition import balanced_partition, lower_bound
-from evenrl.schedule import make_schedule
+import evenrl.core.partition as partition_mod
+from evenrl.core.partition import balanced_partition, lower_bound
+from evenrl.core.schedule import make_schedule
 
 REPEATS = 15
 

@@ -29,7 +29,7 @@ import time
 import types
 from pathlib import Path
 
-from evenrl.partition import balanced_partition, lower_bound
+from evenrl.core.partition import balanced_partition, lower_bound
 
 CASES = [(4096, 64), (4096, 8), (512, 6)]
 

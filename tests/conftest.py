@@ -3,7 +3,7 @@
 import pytest
 
 from evenrl.demo import write_addition_data
-from evenrl.models import make_tiny_model
+from evenrl.models.loading import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenrl.aggregation import MODES, Denominators, aggregate, local_counts
+from evenrl.core.aggregation import MODES, Denominators, aggregate, local_counts
 from evenrl.errors import UsageError
 
 

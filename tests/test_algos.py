@@ -1,4 +1,4 @@
-"""Every function in evenrl.algos against a plain-Python loop (float64, math module) on random inputs."""
+"""Every advantage and loss function (evenrl.core.advantages, evenrl.core.losses) against a plain-Python loop (float64, math module) on random inputs."""
 
 import math
 import random
@@ -9,18 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenrl import algos
-from evenrl.algos import (
-    apply_kl_to_rewards,
-    compute_advantages,
-    entropy_from_logits,
-    grpo_advantages,
-    kl_penalty,
-    policy_loss,
-    reinforce_pp_baseline_advantages,
-    rloo_advantages,
-    token_logprobs,
-)
+from evenrl.core import advantages, losses
+from evenrl.core.losses import apply_kl_to_rewards, entropy_from_logits, kl_penalty, policy_loss, token_logprobs
+from evenrl.core.advantages import compute_advantages, grpo_advantages, reinforce_pp_baseline_advantages, rloo_advantages
 from evenrl.errors import UsageError
 
 EPS = 1e-6
@@ -139,7 +130,7 @@ def test_advantages_match_naive_loops(batch):
 def test_advantages_degenerate_groups_are_finite_and_zero():
     g = torch.tensor([7, 7, 7, 2])  # one all-equal group, one singleton
     r = torch.tensor([1.0, 1.0, 1.0, 5.0])
-    for name in algos.ADVANTAGES:
+    for name in advantages.ADVANTAGES:
         adv = compute_advantages(name, r, g)
         assert torch.isfinite(adv).all() and torch.equal(adv, torch.zeros(4)), name
     single = compute_advantages("grpo", torch.tensor([3.0]), torch.tensor([0]), std_scale="batch")
@@ -283,7 +274,7 @@ def test_apply_kl_to_rewards_matches_naive():
 @pytest.fixture(params=[False, True], ids=["one_chunk", "many_chunks"])
 def chunking(request, monkeypatch):
     if request.param:
-        monkeypatch.setattr(algos, "_CHUNK_ELEMENTS", 25)  # 2 positions per chunk at V = 11
+        monkeypatch.setattr(losses, "_CHUNK_ELEMENTS", 25)  # 2 positions per chunk at V = 11
 
 
 def test_token_logprobs_matches_naive(chunking):

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from evenrl.batch import Batch, Ragged
+from evenrl.core.batch import Batch, Ragged
 
 
 def make(n: int, seed: int = 0) -> Batch:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from evenrl import checkpoint
+from evenrl.train import checkpoint
 from evenrl.errors import UsageError
 
 

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from evenrl import cli, launch, plan
+from evenrl import cli
+from evenrl.planner import plan
+from evenrl.train import launch
 
 PLAN = {
     "config", "overrides", "-h", "--help", "--json", "--fit", "--from",

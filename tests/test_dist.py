@@ -14,10 +14,10 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 from torch import nn
 
-from evenrl import dist
-from evenrl.aggregation import MODES, aggregate, local_counts
-from evenrl.batch import Batch, Ragged
-from evenrl.schedule import make_schedule
+from evenrl.distributed import collectives as dist
+from evenrl.core.aggregation import MODES, aggregate, local_counts
+from evenrl.core.batch import Batch, Ragged
+from evenrl.core.schedule import make_schedule
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import yaml
 from evenrl.cli import main as cli_main
 from evenrl.config import load_config
 from evenrl.errors import UsageError
-from evenrl.foreign import parse_flags, read_foreign, translate
-from evenrl.layout import make_layout
-from evenrl.plan import fit, make_plan, render
+from evenrl.planner.peers import parse_flags, read_foreign, translate
+from evenrl.planner.layout import make_layout
+from evenrl.planner.plan import fit, make_plan, render
 
 QWEN7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
           "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,

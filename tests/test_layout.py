@@ -7,10 +7,9 @@ import subprocess
 
 import pytest
 
-from evenrl import launch
+from evenrl.train import launch
 from evenrl.errors import UsageError
-from evenrl.layout import (Layout, add_layout_args, detect_local, first_host, host_memory_gib, layout_from_args,
-                           layout_from_env, local_gpus, make_layout, read_dist_env)
+from evenrl.planner.layout import Layout, add_layout_args, detect_local, first_host, host_memory_gib, layout_from_args, layout_from_env, local_gpus, make_layout, read_dist_env
 
 
 def parse(*argv):

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from evenrl.errors import UsageError
-from evenrl.models import DEFAULT_VOCAB, encode_prompt, load_policy, make_tiny_model
-from evenrl.rollout import SamplingParams, generate
+from evenrl.models.loading import DEFAULT_VOCAB, load_policy, make_tiny_model
+from evenrl.train.data import encode_prompt
+from evenrl.engines.hf import SamplingParams, generate
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

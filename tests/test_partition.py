@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenrl.partition import Partition, balanced_partition, lower_bound, sample_cost
+from evenrl.core.partition import Partition, balanced_partition, lower_bound, sample_cost
 
 EPS = 1e-9
 

@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from evenrl.errors import UsageError
-from evenrl.prompts import PromptSampler, filter_by_length, load_prompts
+from evenrl.train.data import PromptSampler, filter_by_length, load_prompts
 
 RECORDS = [
     {"question": "1+2=", "solution": "3", "level": 1},

@@ -3,17 +3,10 @@ import pytest
 import torch
 
 from evenrl.errors import UsageError
-from evenrl.models import encode_prompt, load_policy, make_tiny_model
-from evenrl.rollout import (
-    Completion,
-    LeanDecoder,
-    SamplingParams,
-    generate,
-    greedy,
-    row_seed,
-    sample_from_logits,
-    uniforms,
-)
+from evenrl.models.loading import load_policy, make_tiny_model
+from evenrl.train.data import encode_prompt
+from evenrl.engines.hf import Completion, SamplingParams, generate, greedy, row_seed, sample_from_logits, uniforms
+from evenrl.models.decoder import LeanDecoder
 
 PAD = 0
 
@@ -205,7 +198,7 @@ def test_lean_decoder_pieces_are_the_models_arithmetic(policy):
     apply_rotary_pos_emb, F.rms_norm for the RMSNorm modules."""
     import sys
 
-    from evenrl.rollout import _norm, rope_rotate
+    from evenrl.models.decoder import _norm, rope_rotate
 
     model, _ = policy
     inner = model.model
@@ -231,7 +224,7 @@ def test_lean_decoder_leaves_dynamic_rope_to_the_forward():
 
 
 def test_sampling_in_chunks_gives_the_same_samples(monkeypatch):
-    from evenrl import rollout
+    from evenrl.engines import hf as rollout
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(50, 7, generator=g) * 2

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenrl.errors import UsageError
-from evenrl.partition import sample_cost
-from evenrl.schedule import MicroBatch, ScheduleError, StepSchedule, make_schedule, split_minibatches
+from evenrl.core.partition import sample_cost
+from evenrl.core.schedule import MicroBatch, ScheduleError, StepSchedule, make_schedule, split_minibatches
 
 EPS = 1e-9
 
@@ -341,6 +341,6 @@ def test_fast_enough_for_the_planner():
 
 
 def test_no_torch_or_numpy_at_import():
-    code = "import sys, evenrl.schedule, evenrl.partition; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    code = "import sys, evenrl.core.schedule, evenrl.core.partition; print('torch' in sys.modules, 'numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -134,7 +134,7 @@ def test_bad_flags_are_one_line_and_exit_2(assets, args):
 
 
 def test_phase_table_sums_phases_and_names_the_rest():
-    from evenrl.train import phase_table
+    from evenrl.train.loop import phase_table
 
     text = phase_table({"rollout": 3.0, "update": 1.0, "reward": 0.5, "step": 5.0}, steps=4)
     lines = text.splitlines()
@@ -148,7 +148,7 @@ def test_phase_table_sums_phases_and_names_the_rest():
 @given(costs=st.lists(st.integers(1, 300), min_size=1, max_size=12), n=st.integers(1, 9), world=st.integers(1, 7),
        weighted=st.booleans(), data=st.data())
 def test_rollout_shares_cover_every_sample_once_and_balance(costs, n, world, weighted, data):
-    from evenrl.train import rollout_shares
+    from evenrl.core.schedule import rollout_shares
 
     w = data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=world, max_size=world)) if weighted else None
     shares = rollout_shares(costs, n, world, w)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evenrl import update as U
-from evenrl.batch import Batch, Ragged
-from evenrl.models import load_policy, make_tiny_model
+from evenrl.models import forward as U
+from evenrl.train.update import minibatch_denominators
+from evenrl.core.batch import Batch, Ragged
+from evenrl.models.loading import load_policy, make_tiny_model
 
 
 def _batch(prompt_lens: list[int], samples: int, max_resp: int, seed: int = 0) -> Batch:
@@ -114,6 +115,6 @@ def test_shared_prefix_only_when_it_saves_enough(tmp_path):
 
 
 def test_minibatch_denominators_count_every_row():
-    d = U.minibatch_denominators(torch.tensor([3, 5, 7, 11, 0]), (0, 2, 3, 4))
+    d = minibatch_denominators(torch.tensor([3, 5, 7, 11, 0]), (0, 2, 3, 4))
     assert (d.tokens, d.seqs) == (21.0, 3.0)  # a row with no response token is no sequence (as in aggregation)
-    assert U.minibatch_denominators(torch.tensor([3]), ()).seqs == 0.0
+    assert minibatch_denominators(torch.tensor([3]), ()).seqs == 0.0

@@ -19,9 +19,9 @@ from evenrl.errors import UsageError
 
 # subcommand -> (module, one-line help). Each module exposes main(argv: list[str]) -> int.
 COMMANDS = {
-    "plan": ("evenrl.plan", "check a config against a cluster layout before loading anything"),
-    "train": ("evenrl.launch", "RL post-training (GRPO family) on 1..N processes"),
-    "sft": ("evenrl.launch", "supervised warm start on the same data core and launcher"),
+    "plan": ("evenrl.planner.plan", "check a config against a cluster layout before loading anything"),
+    "train": ("evenrl.train.launch", "RL post-training (GRPO family) on 1..N processes"),
+    "sft": ("evenrl.train.launch", "supervised warm start on the same data core and launcher"),
     "report": ("evenrl.report", "plot a run directory's metrics to PNG"),
     "demo": ("evenrl.demo", "tiny model, synthetic task: SFT warm start then GRPO, on CPU"),
 }
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     try:
-        if COMMANDS[name][0] == "evenrl.launch":
+        if COMMANDS[name][0] == "evenrl.train.launch":
             return int(module.main([name, *rest]) or 0)
         return int(module.main(rest) or 0)
     except UsageError as e:

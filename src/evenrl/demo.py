@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     cfg_path = _config_path()
     t0 = time.time()
 
-    from evenrl.models import make_tiny_model
+    from evenrl.models.loading import make_tiny_model
 
     model_dir = make_tiny_model(str(out / "model"), arch="qwen2", seed=0)
     data = out / "data" / "addition.jsonl"
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     sft_dir = out / "sft"
     sft_cfg = load_config(cfg_path, common + [*args.overrides, f"model.path={model_dir}", f"log.run_dir={sft_dir}"])
     print(f"[demo] supervised warm start: {sft_cfg.sft.steps} steps of {sft_cfg.sft.rows_per_step} rows")
-    from evenrl.sft import sft
+    from evenrl.train.sft import sft
 
     sft(sft_cfg)
     print(f"[demo] warm start done in {time.time() - t0:.0f} s")
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
         return rc
 
     from evenrl.report import write_plots
-    from evenrl.runlog import read_metrics
+    from evenrl.train.runlog import read_metrics
 
     rows = [r for r in read_metrics(grpo_dir) if "reward/mean" in r]
     evals = [r["eval/reward"] for r in read_metrics(grpo_dir) if "eval/reward" in r]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from evenrl.errors import ArgumentParser, UsageError
-from evenrl.runlog import read_metrics
+from evenrl.train.runlog import read_metrics
 
 # (file name, title, metric keys plotted on one axis)
 PANELS = [

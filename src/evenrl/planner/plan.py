@@ -44,13 +44,12 @@ import yaml
 
 from evenrl.config import RunConfig, load_config
 from evenrl.errors import ArgumentParser
-from evenrl.layout import Layout, add_layout_args, has_shape_flags, layout_from_args
-from evenrl.memory import (ModelDims, MemoryEstimate, MemoryFix, dims_from_config, estimate_memory, memory_fixes,
-                           read_model_dims, with_settings)
-from evenrl.partition import lower_bound
-from evenrl.render import render
-from evenrl.rules import GROUP_ADVANTAGES, RULES, Finding
-from evenrl.schedule import ScheduleError, make_schedule
+from evenrl.planner.layout import Layout, add_layout_args, has_shape_flags, layout_from_args
+from evenrl.planner.memory import ModelDims, MemoryEstimate, MemoryFix, dims_from_config, estimate_memory, memory_fixes, read_model_dims, with_settings
+from evenrl.core.partition import lower_bound
+from evenrl.planner.render import render
+from evenrl.planner.rules import GROUP_ADVANTAGES, RULES, Finding
+from evenrl.core.schedule import ScheduleError, make_schedule
 
 SIMULATE_MAX = 50_000  # samples (or mini-batches x ranks) beyond which per-rank numbers are computed, not simulated
 COUNT_MAX_BYTES = 512 * 1024**2  # jsonl files larger than this are not line-counted
@@ -346,7 +345,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     ns = parser().parse_intermixed_args(argv)
     if ns.framework:
-        from evenrl.foreign import run_foreign
+        from evenrl.planner.peers import run_foreign
 
         return run_foreign(ns)
     cfg = load_config(ns.config, ns.overrides)

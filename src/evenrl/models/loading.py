@@ -189,19 +189,3 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
-
-
-def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:
-    """Token ids for one prompt.
-
-    With `use_chat_template` and a tokenizer that has a template, the text becomes a single user
-    turn followed by the generation prompt; the template supplies any BOS, so none is added again.
-    Otherwise (or when the tokenizer has no template) the text is encoded as is, with the
-    tokenizer's usual special tokens.
-    """
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])

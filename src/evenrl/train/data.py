@@ -9,6 +9,7 @@ import json
 import os
 import random
 
+from evenrl.config import RunConfig
 from evenrl.errors import UsageError, bad
 
 _RESERVED = ("prompt", "answer", "id")
@@ -211,3 +212,34 @@ class PromptSampler:
         if epoch < 0 or not (0 <= position < self.n_rows):
             raise ValueError(f"load_state_dict: bad sampler state epoch={epoch} position={position}")
         self.epoch, self.position = epoch, position
+
+
+def load_data(cfg: RunConfig, tokenizer, path: str | None = None) -> tuple[list[dict], list[list[int]], int]:
+    """Prompt rows of `path` (default data.path), their token ids, and how many were skipped as too long."""
+    path = cfg.data.path if path is None else path
+    if not path:
+        raise UsageError("data.path: empty; give a .jsonl/.parquet file or a dataset directory")
+    rows = load_prompts(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field,
+                        extra_fields=cfg.data.extra_fields)
+    tokens = [encode_prompt(tokenizer, r["prompt"], cfg.model.use_chat_template) for r in rows]
+    kept, skipped = filter_by_length(list(range(len(rows))), [len(t) for t in tokens], cfg.data.max_prompt_tokens)
+    if not kept:
+        raise UsageError(f"data.max_prompt_tokens: got {cfg.data.max_prompt_tokens}; all {len(rows)} prompts "
+                         f"of {path} are longer — raise it")
+    return [rows[i] for i in kept], [tokens[i] for i in kept], skipped
+
+
+def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:
+    """Token ids for one prompt.
+
+    With `use_chat_template` and a tokenizer that has a template, the text becomes a single user
+    turn followed by the generation prompt; the template supplies any BOS, so none is added again.
+    Otherwise (or when the tokenizer has no template) the text is encoded as is, with the
+    tokenizer's usual special tokens.
+    """
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])

@@ -34,9 +34,9 @@ from pydantic import ValidationError
 
 from evenrl.config import RunConfig, apply_overrides, read_text_file, validation_message
 from evenrl.errors import UsageError
-from evenrl.layout import Layout, apply_layout_flags, has_shape_flags, layout_from_args, make_layout
-from evenrl.memory import with_settings
-from evenrl.plan import count_rows, make_plan, report
+from evenrl.planner.layout import Layout, apply_layout_flags, has_shape_flags, layout_from_args, make_layout
+from evenrl.planner.memory import with_settings
+from evenrl.planner.plan import count_rows, make_plan, report
 
 NAMES = {"verl": "verl", "easyr1": "EasyR1", "trl": "TRL", "openrlhf": "OpenRLHF"}
 STAGES = {"config": "at config check (before anything loads)", "worker": "at worker start (before the model loads)",
@@ -638,7 +638,7 @@ def run_foreign(ns: argparse.Namespace) -> int:
     else:
         lines.append(f"  {name} would pass its batch checks on this layout")
     lines += [f"  note: {n}" for n in t.notes]
-    from evenrl.plan import minimal_yaml
+    from evenrl.planner.plan import minimal_yaml
 
     lines.append("equivalent evenrl config (keys that differ from the defaults; any batch runs on any ranks):")
     lines.append(minimal_yaml(cfg).rstrip())

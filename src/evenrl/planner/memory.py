@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from evenrl.config import RunConfig
-from evenrl.layout import Layout
+from evenrl.planner.layout import Layout
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

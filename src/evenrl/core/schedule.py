@@ -38,7 +38,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from evenrl.errors import UsageError, bad
-from evenrl.partition import balanced_partition, sample_cost
+from evenrl.core.partition import balanced_partition, sample_cost
 
 __all__ = ["MicroBatch", "MiniBatch", "StepSchedule", "ScheduleError", "make_schedule", "split_minibatches"]
 
@@ -334,3 +334,26 @@ def _pieces(n: int, p: int) -> list[tuple[int, int]]:
         out.append((start, size))
         start += size
     return out
+
+
+def rollout_shares(prompt_costs: list[float], n: int, world: int, weights=None) -> list[list[tuple[int, int, int]]]:
+    """Per rank, the (prompt, first sample, count) it generates. The step's samples, prompt by prompt, are cut into
+    `world` runs of near-equal cost (in proportion to the capacity weights), so each rank's work is within one
+    sample of its share and a prompt's samples are split over as few ranks as possible (each part repeats the
+    prompt's prefill). Every rank computes the same cut; a sample's randomness is keyed, so where it runs does
+    not change it."""
+    w = list(weights) if weights else [1.0] * world
+    total = sum(prompt_costs) * n
+    ends = [total * sum(w[: r + 1]) / sum(w) for r in range(world)]
+    shares: list[list[list[int]]] = [[] for _ in range(world)]
+    done, r = 0.0, 0
+    for p, cost in enumerate(prompt_costs):
+        for sample in range(n):
+            while r < world - 1 and done + cost / 2 > ends[r]:  # a sample goes where its midpoint falls
+                r += 1
+            if shares[r] and shares[r][-1][0] == p:
+                shares[r][-1][2] += 1
+            else:
+                shares[r].append([p, sample, 1])
+            done += cost
+    return [[tuple(x) for x in share] for share in shares]

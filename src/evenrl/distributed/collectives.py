@@ -34,8 +34,8 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as tdist
 
-from evenrl.aggregation import Denominators
-from evenrl.batch import SAMPLE_INDEX, Batch, Ragged
+from evenrl.core.aggregation import Denominators
+from evenrl.core.batch import SAMPLE_INDEX, Batch, Ragged
 
 
 @dataclass(frozen=True)

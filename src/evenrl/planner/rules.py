@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from evenrl.render import plural
+from evenrl.planner.render import plural
 
 if TYPE_CHECKING:
-    from evenrl.plan import Plan
+    from evenrl.planner.plan import Plan
 
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 

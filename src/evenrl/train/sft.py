@@ -14,21 +14,23 @@ from pathlib import Path
 
 import torch
 
-from evenrl import dist
-from evenrl.batch import Batch
+from evenrl.distributed import collectives as dist
+from evenrl.core.batch import Batch
 from evenrl.config import RunConfig, config_to_yaml
-from evenrl.prompts import PromptSampler
-from evenrl.runlog import RunLog
-from evenrl.schedule import make_schedule
-from evenrl.train import _ragged, load_data, save_final
-from evenrl.algos import token_logprobs
-from evenrl.update import minibatch_denominators, minibatch_update
+from evenrl.train.data import PromptSampler
+from evenrl.train.runlog import RunLog
+from evenrl.core.schedule import make_schedule
+from evenrl.train.step import _ragged
+from evenrl.train.data import load_data
+from evenrl.train.loop import save_final
+from evenrl.core.losses import token_logprobs
+from evenrl.train.update import minibatch_denominators, minibatch_update
 
 
 def sft(cfg: RunConfig) -> Path:
     info = dist.init()
     torch.manual_seed(cfg.train.seed)
-    from evenrl.models import load_policy
+    from evenrl.models.loading import load_policy
 
     model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
     model.train()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from evenrl import dist
-from evenrl.partition import balanced_partition
+from evenrl.distributed import collectives as dist
+from evenrl.core.partition import balanced_partition
 from evenrl.rewards import score_all
-from evenrl.rollout import greedy
+from evenrl.engines.hf import greedy
 
 
 def evaluate(run, rows: list[dict], prompt_tokens: list[list[int]]) -> dict:

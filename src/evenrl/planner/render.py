@@ -15,7 +15,7 @@ import textwrap
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from evenrl.plan import Plan
+    from evenrl.planner.plan import Plan
 
 WIDTH = 120  # long rows wrap here
 LABEL = 11  # "optimizer  " — the label column

@@ -1,41 +1,35 @@
-"""GRPO-family RL post-training of a Hugging Face causal LM. The whole step reads top to bottom in `rl_step`.
-
-    evenrl train examples/demo.yaml                          # one process
-    evenrl train examples/demo.yaml --nproc-per-node 3       # three local processes (torch.distributed.run)
-    evenrl train examples/demo.yaml --resume                 # continue from the run directory's latest checkpoint
+"""One GRPO-family RL step on this rank. It reads top to bottom in `rl_step`; each phase is a named function below.
 
 One step: sample prompts -> rollout -> rewards -> advantages -> exchange to the planned ranks
--> old/reference log-probs when needed -> mini-batch updates -> metrics -> checkpoint.
+-> old/reference log-probs when needed -> mini-batch updates -> metrics.
 
 Why the result does not depend on the number of ranks:
   * the prompt order comes from (seed, epoch) only; each sample's randomness from (seed, step, prompt id, sample);
   * advantages are computed from the whole step's rewards on every rank;
-  * mini-batch membership is fixed before ranks are considered (evenrl.schedule);
-  * losses are divided by the mini-batch's global counts and gradients are summed (evenrl.update).
+  * mini-batch membership is fixed before ranks are considered (evenrl.core.schedule);
+  * losses are divided by the mini-batch's global counts and gradients are summed (evenrl.train.update).
 """
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from evenrl import checkpoint, dist
-from evenrl.algos import compute_advantages, entropy_from_logits, kl_penalty, policy_loss, token_logprobs
-from evenrl.batch import Batch
-from evenrl.config import RunConfig, config_to_yaml
-from evenrl.errors import UsageError
-from evenrl.evaluate import evaluate
-from evenrl.models import encode_prompt, load_policy
-from evenrl.prompts import PromptSampler, filter_by_length, load_prompts
-from evenrl.rewards import resolve, score_all
-from evenrl.rollout import SamplingParams, generate
-from evenrl.runlog import RunLog
-from evenrl.schedule import make_schedule
-from evenrl.update import (compute_logprobs, entropy_stats, minibatch_denominators, minibatch_update,
-                           ragged_to_right_aligned)
+from evenrl.config import RunConfig
+from evenrl.core.advantages import compute_advantages
+from evenrl.core.batch import Batch, Ragged
+from evenrl.core.losses import entropy_from_logits, kl_penalty, policy_loss, token_logprobs
+from evenrl.core.schedule import make_schedule, rollout_shares
+from evenrl.distributed import collectives as dist
+from evenrl.engines.hf import SamplingParams, generate
+from evenrl.models.forward import ragged_to_right_aligned
+from evenrl.rewards import score_all
+from evenrl.train.update import compute_logprobs, entropy_stats, minibatch_denominators, minibatch_update
+
+if TYPE_CHECKING:
+    from evenrl.train.loop import Run
 
 STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "entropy"]
 
@@ -110,29 +104,6 @@ def rollout(run: "Run", step: int, prompt_ids: list[int]) -> Batch:
         "row_id": row_ids,
         "completion": texts,
     })
-
-
-def rollout_shares(prompt_costs: list[float], n: int, world: int, weights=None) -> list[list[tuple[int, int, int]]]:
-    """Per rank, the (prompt, first sample, count) it generates. The step's samples, prompt by prompt, are cut into
-    `world` runs of near-equal cost (in proportion to the capacity weights), so each rank's work is within one
-    sample of its share and a prompt's samples are split over as few ranks as possible (each part repeats the
-    prompt's prefill). Every rank computes the same cut; a sample's randomness is keyed, so where it runs does
-    not change it."""
-    w = list(weights) if weights else [1.0] * world
-    total = sum(prompt_costs) * n
-    ends = [total * sum(w[: r + 1]) / sum(w) for r in range(world)]
-    shares: list[list[list[int]]] = [[] for _ in range(world)]
-    done, r = 0.0, 0
-    for p, cost in enumerate(prompt_costs):
-        for sample in range(n):
-            while r < world - 1 and done + cost / 2 > ends[r]:  # a sample goes where its midpoint falls
-                r += 1
-            if shares[r] and shares[r][-1][0] == p:
-                shares[r][-1][2] += 1
-            else:
-                shares[r].append([p, sample, 1])
-            done += cost
-    return [[tuple(x) for x in share] for share in shares]
 
 
 def add_rewards(run: "Run", batch: Batch) -> tuple[Batch, dict]:
@@ -293,208 +264,7 @@ def step_metrics(run: "Run", everyone: dict, schedule, stats: dict, failures: in
     return out
 
 
-# ------------------------------------------------------------------------------------------ the run
-
-class Run:
-    """Everything a step needs, built once: model, tokenizer, data, optimizer, sampler."""
-
-    def __init__(self, cfg: RunConfig, info):
-        self.cfg = cfg
-        self.info = info
-        torch.manual_seed(cfg.train.seed)
-        self.model, self.tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
-        if cfg.model.gradient_checkpointing:
-            # transformers 5 renamed it; the old name warns and goes in v6
-            enable = getattr(self.model, "activation_checkpointing_enable", None) \
-                or self.model.gradient_checkpointing_enable
-            enable()
-        self.model.train()
-        self.reference = None
-        if cfg.algo.kl_coef > 0:
-            self.reference, _ = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
-            self.reference.eval().requires_grad_(False)
-        self.pad_id = self.tokenizer.pad_token_id
-        self.eos_ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        self.rows, self.prompt_tokens, self.skipped = load_data(cfg, self.tokenizer)
-        self.eval_rows, self.eval_tokens = [], []
-        if cfg.eval.path:
-            rows, tokens, _ = load_data(cfg, self.tokenizer, cfg.eval.path)
-            self.eval_rows, self.eval_tokens = rows[:cfg.eval.max_prompts], tokens[:cfg.eval.max_prompts]
-        self.sampler = PromptSampler(len(self.rows), cfg.data.seed)
-        self.reward_fns = [(resolve(spec.name), spec.weight) for spec in cfg.rewards.functions]
-        # fused: one kernel over all parameters; the default per-tensor loop cost ~15 ms a step for 2.4 M params on CPU
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                           betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay,
-                                           fused=True)
-        warm = cfg.train.warmup_steps
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
-
-    def trainer_state(self, step: int) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
-                "sampler": self.sampler.state_dict(), "rng": checkpoint.rng_state(), "step": step}
-
-    def load_trainer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
-        checkpoint.set_rng_state(state["rng"])
-
-
-def load_data(cfg: RunConfig, tokenizer, path: str | None = None) -> tuple[list[dict], list[list[int]], int]:
-    """Prompt rows of `path` (default data.path), their token ids, and how many were skipped as too long."""
-    path = cfg.data.path if path is None else path
-    if not path:
-        raise UsageError("data.path: empty; give a .jsonl/.parquet file or a dataset directory")
-    rows = load_prompts(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field,
-                        extra_fields=cfg.data.extra_fields)
-    tokens = [encode_prompt(tokenizer, r["prompt"], cfg.model.use_chat_template) for r in rows]
-    kept, skipped = filter_by_length(list(range(len(rows))), [len(t) for t in tokens], cfg.data.max_prompt_tokens)
-    if not kept:
-        raise UsageError(f"data.max_prompt_tokens: got {cfg.data.max_prompt_tokens}; all {len(rows)} prompts "
-                         f"of {path} are longer — raise it")
-    return [rows[i] for i in kept], [tokens[i] for i in kept], skipped
-
-
-def preflight(cfg: RunConfig):
-    """The plan of `evenrl plan` for the layout this process runs in; an error finding stops the run
-    before the model loads, as one line."""
-    from evenrl.layout import detect_local, layout_from_env
-    from evenrl.plan import make_plan
-
-    # The planner can estimate FSDP and offload (to tell you what would fit); the trainer cannot run them yet.
-    for field, value, allowed in (("parallel.sharding", cfg.parallel.sharding, "replicated"),
-                                  ("parallel.cpu_offload", cfg.parallel.cpu_offload, "none")):
-        if value != allowed:
-            raise UsageError(f"{field}: got {value!r}; evenrl train supports {allowed!r} today "
-                             f"(evenrl plan estimates {value!r}; the trainer's support is on the roadmap)")
-    plan = make_plan(cfg, layout_from_env(os.environ) or detect_local())
-    errors = [f for f in plan.findings if f.level == "error"]
-    if errors:
-        e = errors[0]
-        fix = "; ".join(line.strip() for line in e.fix.splitlines() if line.strip())
-        more = f" (+{len(errors) - 1} more: run evenrl plan)" if len(errors) > 1 else ""
-        raise UsageError(f"plan {e.rule}: {e.message}; fix: {fix}{more}")
-    return plan
-
-
-def train(cfg: RunConfig, *, resume: bool = False) -> Path:
-    """Run `cfg.train.steps` RL steps (or continue to them from the latest checkpoint). Returns the run dir."""
-    plan = preflight(cfg)
-    info = dist.init()
-    run_dir = Path(cfg.log.run_dir)
-    ckpt_root = run_dir / "checkpoints"
-    run = Run(cfg, info)
-    start = 0
-    if resume:
-        found = checkpoint.latest(ckpt_root)
-        if found is not None:
-            start, state = checkpoint.load(found, run.model)
-            run.load_trainer_state(state)
-            if dist.is_main():
-                print(f"evenrl: resumed from {found} (step {start})", flush=True)
-    if dist.is_main():
-        write_run_header(run, plan, resumed_from=start)
-    log = RunLog(str(run_dir), enabled=dist.is_main(), tensorboard=cfg.log.tensorboard,
-                 progress_total=cfg.train.steps, progress=cfg.log.progress, initial_step=start,
-                 shown={"reward/mean": "reward", "kl": "kl", "perf/tokens_per_s": "tok/s"})
-    # Test hook: simulate a worker killed at the start of a step (first attempt only, so an elastic restart recovers).
-    fail_at = int(os.environ.get("EVENRL_TEST_CRASH_AT_STEP", "0"))
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        fail_at = 0
-    phases: dict[str, float] = {}
-    if run.eval_rows and start == 0:
-        log.metrics(0, evaluate(run, run.eval_rows, run.eval_tokens), advance=False)
-    for step in range(start + 1, cfg.train.steps + 1):
-        if step == fail_at:
-            os._exit(17)
-        t0 = time.perf_counter()
-        metrics, examples = rl_step(step, run)
-        metrics["time/step"] = time.perf_counter() - t0  # wall time of the whole step, phases and the rest
-        for k, v in metrics.items():
-            if k.startswith("time/"):
-                phases[k[5:]] = phases.get(k[5:], 0.0) + v
-        if run.eval_rows and (step == cfg.train.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
-            metrics.update(evaluate(run, run.eval_rows, run.eval_tokens))
-        log.metrics(step, metrics)
-        if cfg.log.samples_every_steps and step % cfg.log.samples_every_steps == 0:
-            log.samples(step, examples)
-        if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == cfg.train.steps:
-            if dist.is_main():
-                checkpoint.save(ckpt_root, step, model=run.model, trainer_state=run.trainer_state(step),
-                                keep=cfg.checkpoint.keep)
-            dist.barrier()
-    if dist.is_main():
-        save_final(run.model, run.tokenizer, run_dir / "final")
-    log.close()
-    if dist.is_main() and phases:
-        print(phase_table(phases, cfg.train.steps - start), flush=True)
-    dist.barrier()
-    return run_dir
-
-
-def write_run_header(run: Run, plan, *, resumed_from: int) -> None:
-    """Print the plan and dump the resolved config and plan into the run directory (rank 0)."""
-    import json
-
-    from evenrl.plan import render
-
-    text = render(plan)
-    print(text, flush=True)
-    run_dir = Path(run.cfg.log.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_to_yaml(run.cfg))
-    (run_dir / "plan.txt").write_text(text + "\n")
-    (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-    if resumed_from:
-        _truncate_metrics(run_dir / "metrics.jsonl", resumed_from)
-    if run.skipped:
-        print(f"evenrl: skipped {run.skipped} prompts longer than data.max_prompt_tokens={run.cfg.data.max_prompt_tokens}")
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """After a resume, drop metric rows of steps the checkpoint does not contain (they are re-run)."""
-    import json
-
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
-
-
-def save_final(model, tokenizer, out: Path) -> None:
-    """The trained model as a Hugging Face directory (safetensors), written atomically."""
-    import shutil
-
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # safetensors by default
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.rename(tmp, out)
-
-
 # ------------------------------------------------------------------------------------------ small helpers
-
-PHASES = ["rollout", "reward", "advantage", "exchange", "logprobs", "update"]
-
-
-def phase_table(seconds: dict[str, float], steps: int) -> str:
-    """Rank 0's time per phase summed over the run's steps, so the next speed-up is chosen from data.
-    `seconds` holds the phase timers plus "step" (wall time of whole steps); "other" is what no phase covers."""
-    total = seconds.get("step", sum(v for k, v in seconds.items() if k != "step"))
-    names = [p for p in PHASES if p in seconds] + sorted(k for k in seconds if k not in PHASES and k != "step")
-    rows = [(p, seconds[p]) for p in names] + [("other", max(0.0, total - sum(seconds[p] for p in names)))]
-    lines = [f"phase breakdown over {steps} step{'s' if steps != 1 else ''} (rank 0):",
-             f"  {'phase':<10} {'seconds':>9} {'%':>6}"]
-    lines += [f"  {name:<10} {sec:9.2f} {100 * sec / max(total, 1e-9):6.1f}" for name, sec in rows]
-    lines.append(f"  {'total':<10} {total:9.2f} {100.0:6.1f}")
-    return "\n".join(lines)
-
 
 class Timer:
     def __init__(self):
@@ -513,9 +283,7 @@ class Timer:
         return _Ctx()
 
 
-def _ragged(rows: list[torch.Tensor], dtype) -> "object":
-    from evenrl.batch import Ragged
-
+def _ragged(rows: list[torch.Tensor], dtype) -> Ragged:
     if rows:
         return Ragged(torch.cat(rows).to(dtype), torch.tensor([len(r) for r in rows], dtype=torch.long))
     return Ragged(torch.zeros(0, dtype=dtype), torch.zeros(0, dtype=torch.long))
@@ -533,11 +301,3 @@ def example_rows(local: Batch, k: int = 4) -> list[dict]:
     """A few of this rank's completions for samples.jsonl."""
     return [{"row_id": local["row_id"][i], "completion": local["completion"][i],
              "reward": float(local["reward"][i])} for i in range(min(k, len(local)))]
-
-
-if __name__ == "__main__":
-    import sys
-
-    from evenrl.cli import main
-
-    sys.exit(main(["train", *sys.argv[1:]]))

@@ -38,7 +38,7 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
 def _is_worker() -> bool:
     """Started by torchrun, or one of several Slurm tasks. A single Slurm task (salloc, an sbatch script
     without --ntasks: read_dist_env then assumes one task per node) launches instead."""
-    from evenrl.layout import read_dist_env
+    from evenrl.planner.layout import read_dist_env
 
     d = read_dist_env(os.environ)
     if d is None:
@@ -66,11 +66,11 @@ def run_worker(cmd: str, config: str, overrides: list[str], *, resume: bool) -> 
 
     cfg = load_config(config, overrides)
     if cmd == "train":
-        from evenrl.train import train
+        from evenrl.train.loop import train
 
         train(cfg, resume=resume or _restarted())
     else:
-        from evenrl.sft import sft
+        from evenrl.train.sft import sft
 
         sft(cfg)
     return 0

@@ -1,0 +1,97 @@
+"""The pieces of a gradient step shared by `evenrl train` and `evenrl sft`.
+
+Rows are stored pad-free in a Batch: `tokens` (ragged: prompt + response ids) and `response_len` ([N]).
+`response_logits` forwards a micro-batch by the cheapest exact path the model allows (shared prompts, packed rows
+for Qwen2/Llama, right padding, or the model's own left-padded masked forward); only the positions that predict
+response tokens go through the LM head (the logits tensor, tokens x vocab, is the usual hidden memory peak).
+Per-token tensors are then [B, R], R = the longest response, with each row's response right-aligned.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from evenrl.distributed import collectives as dist
+from evenrl.core.aggregation import Denominators, aggregate
+from evenrl.core.losses import entropy_from_logits, token_logprobs
+from evenrl.core.batch import Batch
+from evenrl.models.forward import response_logits
+
+
+@torch.no_grad()
+def compute_logprobs(model, batch: Batch, micro_rows: list[list[int]], *, temperature: float,
+                     pad_token_id: int) -> list[Tensor]:
+    """Per-row response log-probs (1-D tensors, in batch row order) computed micro-batch by micro-batch."""
+    out: list[Tensor | None] = [None] * len(batch)
+    was_training = model.training
+    model.eval()
+    for rows in micro_rows:
+        if not rows:
+            continue
+        mb = batch.select(rows)
+        logits, targets, mask = response_logits(model, mb, pad_token_id)
+        logp = token_logprobs(logits, targets, temperature)
+        for j, r in enumerate(rows):
+            out[r] = logp[j][mask[j]].float().cpu()
+    model.train(was_training)
+    return out  # type: ignore[return-value]
+
+
+def minibatch_denominators(response_len, rows) -> Denominators:
+    """A mini-batch's loss denominators (response tokens, sequences with >= 1 response token) over ALL its rows,
+    from the step's global per-sample lengths: every rank computes the same numbers without a collective, and
+    rows that no rank runs (inert, zero gradient) still count, as they would on one device."""
+    lens = torch.as_tensor(response_len)[torch.as_tensor(list(rows), dtype=torch.long)]
+    return Denominators(tokens=float(lens.sum()), seqs=float((lens > 0).sum()))
+
+
+# loss_fn(logits, targets, mask, micro_batch) -> (per_token_loss [B, R], stats {name: (sum, count)})
+LossFn = Callable[[Tensor, Tensor, Tensor, Batch], tuple[Tensor, dict]]
+
+
+def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: list[list[int]], denom: Denominators,
+                     *, loss_fn: LossFn, stat_names: list[str], aggregation: str, max_grad_norm: float,
+                     pad_token_id: int) -> dict:
+    """One optimizer step over this rank's micro-batches of one mini-batch, exact across ranks:
+    losses are divided by the mini-batch's GLOBAL token/sequence counts (`denom`, from minibatch_denominators)
+    and gradients are SUM-reduced, so the step equals the one a single device would take on the whole mini-batch."""
+    sums: dict[str, list[float]] = {}
+    for rows in micro_rows:
+        if not rows:  # zero-weight filler: nothing to forward; collectives happen once per mini-batch below
+            continue
+        mb = batch.select(rows)
+        logits, targets, mask = response_logits(model, mb, pad_token_id)
+        per_token, stats = loss_fn(logits, targets, mask, mb)
+        aggregate(per_token, mask, aggregation, denom).backward()
+        for k, (s, c) in stats.items():
+            acc = sums.setdefault(k, [0.0, 0.0])
+            acc[0] += float(s)
+            acc[1] += float(c)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names.
+    # They are summed together with the gradients (extra=): one wait for both instead of a second meeting.
+    flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])], dtype=torch.float64)
+    dist.all_reduce_grads(params, extra=[flat])
+    if denom.seqs > 0 and all(p.grad is None for p in params):
+        # Every row was skipped as zero-gradient: one device running them would step AdamW on zero gradients
+        # (momentum and weight decay still move the weights), so do exactly that.
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    optimizer.step()
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    means = {k: float(flat[2 * i] / max(float(flat[2 * i + 1]), 1.0)) for i, k in enumerate(stat_names)}
+    means["grad_norm"] = float(grad_norm)
+    return means
+
+
+def entropy_stats(logits: Tensor, mask: Tensor, temperature: float) -> tuple[float, float]:
+    """(sum, count) of the sampling distribution's entropy over response tokens, for the metrics."""
+    with torch.no_grad():
+        ent = entropy_from_logits(logits, temperature)
+        return float((ent * mask).sum()), float(mask.sum())

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenrl.core import advantages, losses
-from evenrl.core.losses import apply_kl_to_rewards, entropy_from_logits, kl_penalty, policy_loss, token_logprobs
+from evenrl.core.losses import (LossInputs, LossSettings, entropy_from_logits, kl_penalty, policy_loss, rl_loss,
+                                 token_logprobs)
 from evenrl.core.advantages import compute_advantages, grpo_advantages, reinforce_pp_baseline_advantages, rloo_advantages
 from evenrl.errors import UsageError
 
@@ -60,7 +61,7 @@ def naive_rpp(rewards, groups, eps=EPS):
     return [c / (std + eps) for c in centred]
 
 
-def naive_policy_loss(logp, old, adv, clip_low, clip_high, dual_clip=None):
+def naive_policy_loss(logp, old, adv, clip_low, clip_high):
     loss, low, high = [], 0, 0
     for b in range(len(logp)):
         row = []
@@ -68,8 +69,6 @@ def naive_policy_loss(logp, old, adv, clip_low, clip_high, dual_clip=None):
             a = adv[b]
             ratio = math.exp(logp[b][t] - old[b][t])
             value = -min(ratio * a, min(max(ratio, 1 - clip_low), 1 + clip_high) * a)
-            if dual_clip is not None and a < 0:
-                value = min(value, -a * dual_clip)
             row.append(value)
             low += a < 0 and ratio < 1 - clip_low
             high += a > 0 and ratio > 1 + clip_high
@@ -163,18 +162,17 @@ def test_advantage_errors():
 # ----------------------------------------------------------------------------------------------- policy loss
 
 
-@pytest.mark.parametrize("dual_clip", [None, 3.0])
-def test_policy_loss_matches_naive_loop(dual_clip):
+def test_policy_loss_matches_naive_loop():
     gen = torch.Generator().manual_seed(0)
     B, T = 6, 9
     logp = torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.5 - 2
     old = logp + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.4
     adv = torch.randn(B, generator=gen, dtype=torch.float64)
     mask = torch.rand(B, T, generator=gen) > 0.3
-    loss, stats = policy_loss(logp, old, adv, 0.2, 0.28, dual_clip=dual_clip, mask=mask)
-    expected, low, high = naive_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28, dual_clip)
+    loss, stats = policy_loss(logp, old, adv, 0.2, 0.28, mask=mask)
+    expected, low, high = naive_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28)
     close(loss, (t64(expected) * mask).tolist())
-    unmasked, _ = policy_loss(logp, old, adv, 0.2, 0.28, dual_clip=dual_clip)
+    unmasked, _ = policy_loss(logp, old, adv, 0.2, 0.28)
     close(unmasked, expected)
     _, low_all, high_all = naive_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28)
     stats_all = policy_loss(logp, old, adv, 0.2, 0.28)[1]
@@ -214,17 +212,6 @@ def test_policy_loss_gradient_signs_and_asymmetric_clip():
     assert grad_at(1.5, -1.0)[0] == pytest.approx(1.5)
 
 
-def test_dual_clip_bounds_negative_advantage_loss():
-    g, stats = grad_at(5.0, -1.0, dual_clip=3.0)
-    assert g == 0.0 and stats["dual_clipped_tokens"] == 1
-    loss, _ = policy_loss(torch.tensor([[math.log(5.0)]]), torch.zeros(1, 1), torch.tensor([-2.0]), dual_clip=3.0)
-    assert loss.item() == pytest.approx(6.0)  # -A * c, not -A * ratio = 10
-    g, stats = grad_at(2.0, -1.0, dual_clip=3.0)
-    assert g == pytest.approx(2.0) and stats["dual_clipped_tokens"] == 0
-    with pytest.raises(UsageError, match="dual_clip"):
-        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), dual_clip=1.0)
-
-
 def test_policy_loss_token_level_advantages_and_extreme_ratio():
     logp = torch.tensor([[0.0, -100.0]])
     old = torch.tensor([[-100.0, 0.0]])  # log-ratios +-100 would overflow exp without the clamp
@@ -255,17 +242,51 @@ def test_k3_is_nonnegative_and_clamped():
         kl_penalty(d, d, "k4")
 
 
-def test_apply_kl_to_rewards_matches_naive():
-    gen = torch.Generator().manual_seed(2)
-    lp = torch.randn(3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
-    ref = torch.randn(3, 5, generator=gen, dtype=torch.float64)
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
-    rewards = t64([1.0, 0.0, 0.5])
-    out = apply_kl_to_rewards(rewards, lp, ref, mask, beta=0.1, kind="k3")
-    expected = [r - 0.1 * sum(naive_kl(a, b, "k3") for a, b, m in zip(ra, rb, mr) if m)
-                for r, ra, rb, mr in zip(rewards.tolist(), lp.tolist(), ref.tolist(), mask.tolist())]
-    close(out, expected)
-    assert not out.requires_grad and out[2] == 0.5
+@pytest.mark.parametrize("kl_coef, entropy_coef, with_ref", [(0.0, 0.0, False), (0.1, 0.0, True), (0.0, 0.01, True),
+                                                              (0.05, 0.02, True)])
+def test_rl_loss_matches_naive_loop(kl_coef, entropy_coef, with_ref):
+    """The whole micro-batch objective token by token: clip surrogate + kl_coef x k3 - entropy_coef x entropy, and
+    each statistic as (sum over response tokens, count)."""
+    gen = torch.Generator().manual_seed(3)
+    B, T = 5, 6
+    logp = (torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.4
+    ref = logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3
+    ent = torch.rand(B, T, generator=gen, dtype=torch.float64) * 2
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=gen) > 0.3
+    inp = LossInputs(logp=logp, old_logp=old, advantages=adv, mask=mask, entropy=ent,
+                     ref_logp=ref if with_ref else None)
+    loss, stats = rl_loss(inp, LossSettings(clip_low=0.2, clip_high=0.28, kl_coef=kl_coef, kl_estimator="k3",
+                                            entropy_coef=entropy_coef))
+    surrogate, _, _ = naive_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28)
+    want, sums = [], {"policy/loss": 0.0, "kl": 0.0, "entropy": 0.0, "policy/approx_kl": 0.0}
+    clipped = 0
+    for b in range(B):
+        row = []
+        for t_ in range(T):
+            lp, o, r, e, a = logp[b, t_].item(), old[b, t_].item(), ref[b, t_].item(), ent[b, t_].item(), adv[b].item()
+            kl = naive_kl(lp, r, "k3")
+            value = surrogate[b][t_] + (kl_coef * kl if with_ref else 0.0) - entropy_coef * e
+            row.append(value if mask[b, t_] else 0.0)
+            if mask[b, t_]:
+                ratio = math.exp(lp - o)
+                clipped += ratio * a > min(max(ratio, 0.8), 1.28) * a
+                sums["policy/loss"] += surrogate[b][t_]
+                sums["kl"] += kl
+                sums["entropy"] += e
+                sums["policy/approx_kl"] += o - lp
+        want.append(row)
+    close(loss * mask, want)
+    n = int(mask.sum())
+    assert set(stats) == {"policy/loss", "policy/clip_fraction", "policy/approx_kl", "entropy"} | ({"kl"} if with_ref
+                                                                                                    else set())
+    for name, (s, c) in stats.items():
+        assert int(c) == n and not s.requires_grad
+        expected = clipped if name == "policy/clip_fraction" else sums[name]
+        assert float(s) == pytest.approx(expected, rel=1e-9, abs=1e-9), name
+    loss.sum().backward()  # the surrogate and KL terms reach logp; entropy is an input here, not a function of logp
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()
 
 
 # ----------------------------------------------------------------------------------------------- vocabulary functions

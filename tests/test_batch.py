@@ -17,11 +17,24 @@ def make(n: int, seed: int = 0) -> Batch:
         "tokens": Ragged(torch.randint(0, 99, (int(lens.sum()),), generator=g), lens),
         "topk": Ragged(torch.randn(int(lens.sum()), 3, generator=g), lens.clone()),
         "prompt": [f"p{i}" for i in range(n)],
-    }, meta={"step": 7})
+    })
+
+
+def row(b: Batch, i: int) -> dict:
+    """Row i read the slow way: a ragged value is its slice of the flat storage."""
+    out = {}
+    for name in b.keys():
+        col = b[name]
+        if isinstance(col, Ragged):
+            start = int(col.lengths[:i].sum())
+            out[name] = col.values[start:start + int(col.lengths[i])]
+        else:
+            out[name] = col[i]
+    return out
 
 
 def rows(b: Batch) -> list[dict]:
-    return [b.row(i) for i in range(len(b))]
+    return [row(b, i) for i in range(len(b))]
 
 
 def same_row(x: dict, y: dict) -> bool:
@@ -30,7 +43,7 @@ def same_row(x: dict, y: dict) -> bool:
 
 
 def assert_same(a: Batch, b: Batch) -> None:
-    assert len(a) == len(b) and a.keys() == b.keys() and a.meta == b.meta
+    assert len(a) == len(b) and a.keys() == b.keys()
     for x, y in zip(rows(a), rows(b)):
         assert same_row(x, y)
     for k in a.keys():  # dtypes survive, including empty batches
@@ -41,11 +54,11 @@ def assert_same(a: Batch, b: Batch) -> None:
             assert ca.dtype == cb.dtype and ca.shape[1:] == cb.shape[1:]
 
 
-def test_list_of_tensors_becomes_ragged_and_row_reads_it():
+def test_list_of_tensors_becomes_ragged():
     x = [torch.tensor([1, 2]), torch.tensor([], dtype=torch.long), torch.tensor([3])]
     b = Batch({"x": x, "s": ["a", "b", "c"]})
     assert isinstance(b["x"], Ragged) and b["x"].lengths.tolist() == [2, 0, 1]
-    assert b.row(0)["x"].tolist() == [1, 2] and b.row(1)["x"].tolist() == [] and b.row(2)["s"] == "c"
+    assert row(b, 0)["x"].tolist() == [1, 2] and row(b, 1)["x"].tolist() == [] and row(b, 2)["s"] == "c"
     with pytest.raises(ValueError):
         b["bad"] = torch.zeros(4)
     with pytest.raises(ValueError):
@@ -61,7 +74,7 @@ def test_select_matches_rows(seed):
         s = b.select(form)
         assert len(s) == len(idx)
         for j, i in enumerate(idx):
-            assert same_row(s.row(j), b.row(i))
+            assert same_row(row(s, j), row(b, i))
     mask = torch.tensor([rng.random() < 0.5 for _ in range(9)])
     assert_same(b.select(mask), b.select(mask.nonzero().flatten().tolist()))
 
@@ -126,3 +139,22 @@ def test_concat_rejects_different_columns():
     c = Batch({"sample_index": torch.arange(2)})
     with pytest.raises(ValueError):
         Batch.concat([b, c])
+
+
+def test_declared_columns_keep_their_kind_and_dtype():
+    from evenrl.core.batch import COLUMNS
+
+    b = Batch({"reward": torch.zeros(3), "tokens": Ragged.of([torch.tensor([1, 2]), torch.tensor([3])] * 1 +
+                                                              [torch.tensor([4])], torch.long)})
+    assert len(b) == 3 and b["tokens"].lengths.tolist() == [2, 1, 1]
+    for name, value in [("reward", torch.zeros(3, dtype=torch.float64)),         # wrong dtype
+                        ("advantage", torch.zeros(3, 1)),                         # per-sample column with a 2nd dim
+                        ("tokens", torch.zeros(3, dtype=torch.long)),             # per-token column given per sample
+                        ("old_logp", Ragged.of([torch.zeros(1)] * 3, torch.float64)),
+                        ("completion", torch.zeros(3))]:                          # a list column given a tensor
+        with pytest.raises(TypeError, match=name):
+            b[name] = value
+    b["undeclared"] = torch.zeros(3, dtype=torch.float64)  # scratch columns stay free
+    assert all(c.meaning for c in COLUMNS.values())
+    empty = Ragged.of([], torch.float32)
+    assert empty.values.dtype == torch.float32 and empty.lengths.tolist() == []

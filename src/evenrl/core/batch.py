@@ -1,33 +1,64 @@
-"""`Batch`: the per-sample container that moves from rollout to exchange to the update.
+"""`Batch`: the per-sample container that carries a step from rollout to exchange to the update, and `COLUMNS`, the
+one declaration of what travels in it.
 
 Three kinds of column, all with one entry per sample (row):
-  * fixed:  a tensor [N, ...]                       (rewards, advantages, sample_index)
-  * ragged: `Ragged(values [sum(L), ...], lengths [N])`, pad-free (tokens, log-probs, loss masks)
-  * list:   a Python list of N objects               (prompt text, answers, ids, group ids)
-plus `meta`, a step-level dict that is not indexed by row.
+  * sample: a tensor [N]                                    (rewards, advantages, sample_index)
+  * token:  `Ragged(values [sum(L)], lengths [N])`, pad-free (token ids, per-token log-probs)
+  * list:   a Python list of N objects                      (completion text, dataset row ids)
+The step's columns are declared once in `COLUMNS` (kind, dtype, meaning); a Batch refuses a declared column of the
+wrong kind or dtype, so a phase cannot hand the next one a float where it expects token ids. The same type holds a
+rank's own samples and the all-ranks view of the per-sample numbers (`train.step.gather_rows`).
 
 Why not tensordict (0.15): ragged columns there are lazy stacks or jagged nested tensors whose API is still
 moving, strings live in NonTensorStack wrappers, and its own save format is memmap/pickle rather than a
 plain dict that `torch.load(weights_only=True)` accepts; it also tests only against the newest torch.
-What evenrl needs (select/split/concat/padded/to_dict on three column kinds) is the ~150 lines below.
-
-`to_dict()` holds only tensors, lists, dicts, str, int, float, bool and None *provided list columns and meta
-hold only those*, so `torch.save` / `torch.load(weights_only=True)` work on it.
+What evenrl needs (select/split/concat/padded on three column kinds) is the ~150 lines below.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
-SAMPLE_INDEX = "sample_index"  # int64 fixed column: a row's global index; exchange() sorts by it.
+
+class Column(NamedTuple):
+    kind: Literal["sample", "token", "list"]
+    dtype: torch.dtype | None  # None for list columns
+    meaning: str
+
+
+COLUMNS: dict[str, Column] = {
+    "sample_index": Column("sample", torch.long, "position in the step: prompt position x samples_per_prompt + "
+                                                 "sample; the same on any layout, so exchange() orders rows by it"),
+    "group": Column("sample", torch.long, "the prompt's position in the step; samples of one prompt form a group"),
+    "tokens": Column("token", torch.long, "prompt + response token ids"),
+    "total_len": Column("sample", torch.long, "prompt + response tokens (the all-ranks view; a rank's own rows "
+                                              "read it from tokens)"),
+    "response_len": Column("sample", torch.long, "response tokens (the last response_len of tokens)"),
+    "finished": Column("sample", torch.bool, "the response ended with EOS (not cut at max_new_tokens)"),
+    "reward": Column("sample", torch.float32, "summed weighted reward"),
+    "kl_sum": Column("sample", torch.float32, "summed per-token KL to the reference at sampling time (kl_in=reward)"),
+    "advantage": Column("sample", torch.float32, "advantage, from the whole step's rewards"),
+    "old_logp": Column("token", torch.float32, "response log-probs under the policy that sampled (PPO ratio)"),
+    "ref_logp": Column("token", torch.float32, "response log-probs under the frozen reference (kl_in=loss)"),
+    "row_id": Column("list", None, "the prompt's dataset row"),
+    "completion": Column("list", None, "decoded response text"),
+}
+SAMPLE_INDEX = "sample_index"
 
 
 class Ragged(NamedTuple):
     values: Tensor   # [sum(lengths), ...] rows stored back to back
     lengths: Tensor  # [N] int64, on the same device as values
+
+    @staticmethod
+    def of(rows: Sequence[Tensor], dtype: torch.dtype) -> Ragged:
+        """Rows (1-D tensors) stored back to back; an empty list gives an empty column of `dtype`."""
+        if rows:
+            return Ragged(torch.cat(list(rows)).to(dtype), torch.tensor([len(r) for r in rows], dtype=torch.long))
+        return Ragged(torch.zeros(0, dtype=dtype), torch.zeros(0, dtype=torch.long))
 
 
 def _offsets(lengths: Tensor) -> Tensor:
@@ -42,13 +73,24 @@ def _column(value: Any) -> Tensor | Ragged | list:
         return Ragged(value.values, lengths)
     if isinstance(value, Tensor):
         if value.dim() == 0:
-            raise ValueError("a fixed column needs a leading row dimension; put scalars in meta")
+            raise ValueError("a fixed column needs a leading row dimension")
         return value
     value = list(value)
     if value and all(isinstance(v, Tensor) for v in value):  # a list of per-row tensors -> ragged
         lengths = torch.tensor([v.shape[0] for v in value], dtype=torch.long, device=value[0].device)
         return Ragged(torch.cat(value), lengths)
     return value
+
+
+def _check_declared(name: str, col: Tensor | Ragged | list) -> None:
+    spec = COLUMNS.get(name)
+    if spec is None:
+        return
+    kind = "token" if isinstance(col, Ragged) else "sample" if isinstance(col, Tensor) else "list"
+    dtype = col.values.dtype if isinstance(col, Ragged) else col.dtype if isinstance(col, Tensor) else None
+    if kind != spec.kind or dtype != spec.dtype or (kind == "sample" and col.dim() != 1):
+        raise TypeError(f"column {name!r} ({spec.meaning}): declared {spec.kind} {spec.dtype}, "
+                        f"got {kind} {dtype}" + (f" with shape {tuple(col.shape)}" if kind == "sample" else ""))
 
 
 def _rows(col: Tensor | Ragged | list) -> int:
@@ -59,11 +101,10 @@ class Batch:
     """N samples in named columns. A list of tensors given for a column becomes a ragged column;
     pass `Ragged(values, lengths)` directly for a ragged column that may be empty."""
 
-    def __init__(self, columns: dict[str, Any] | None = None, meta: dict | None = None):
+    def __init__(self, columns: dict[str, Any] | None = None):
         self._cols: dict[str, Tensor | Ragged | list] = {}
         self._n: int | None = None
         self._off: dict[str, Tensor] = {}
-        self.meta: dict = dict(meta or {})
         for name, value in (columns or {}).items():
             self[name] = value
 
@@ -82,6 +123,7 @@ class Batch:
 
     def __setitem__(self, name: str, value: Any) -> None:
         col = _column(value)
+        _check_declared(name, col)
         if self._n is not None and _rows(col) != self._n and not (len(self._cols) == 1 and name in self._cols):
             raise ValueError(f"column {name!r} has {_rows(col)} rows, the batch has {self._n}")
         self._cols[name] = col
@@ -94,17 +136,6 @@ class Batch:
             self._off[name] = _offsets(self._cols[name].lengths)
         return self._off[name]
 
-    def row(self, i: int) -> dict[str, Any]:
-        """Row i as {name: value}; a ragged value is a view [L_i, ...] into the flat storage."""
-        out = {}
-        for name, col in self._cols.items():
-            if isinstance(col, Ragged):
-                off = self.offsets(name)
-                out[name] = col.values[int(off[i]):int(off[i + 1])]
-            else:
-                out[name] = col[i]
-        return out
-
     def __repr__(self) -> str:
         def kind(c):
             if isinstance(c, Ragged):
@@ -114,7 +145,7 @@ class Batch:
 
     # ---- row operations ------------------------------------------------------------------
     def _new(self, cols: dict) -> Batch:
-        return Batch(cols, self.meta)
+        return Batch(cols)
 
     def select(self, indices: Sequence[int] | Tensor) -> Batch:
         """Rows at `indices` (ints, an int tensor or a bool mask), in that order; repeats allowed."""
@@ -160,7 +191,7 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
-        """Rows of all batches in order; columns must match; meta is taken from the first."""
+        """Rows of all batches in order; columns must match."""
         if not batches:
             raise ValueError("Batch.concat needs at least one batch")
         names = batches[0].keys()
@@ -176,7 +207,7 @@ class Batch:
                 out[name] = torch.cat(cols)
             else:
                 out[name] = [v for c in cols for v in c]
-        return Batch(out, batches[0].meta)
+        return Batch(out)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         def move(c):
@@ -200,16 +231,16 @@ class Batch:
         out[mask] = col.values  # row-major order of the mask matches the flat storage order
         return out, mask
 
-    # ---- plain-dict form (exchange, checkpoints) ---------------------------------------------
+    # ---- plain-dict form (exchange between ranks) --------------------------------------------
     def to_dict(self) -> dict:
         cols = {k: ({"values": c.values, "lengths": c.lengths} if isinstance(c, Ragged) else c)
                 for k, c in self._cols.items()}
-        return {"size": len(self), "columns": cols, "meta": dict(self.meta)}
+        return {"size": len(self), "columns": cols}
 
     @staticmethod
     def from_dict(d: dict) -> Batch:
         cols = {k: (Ragged(c["values"], c["lengths"]) if isinstance(c, dict) else c) for k, c in d["columns"].items()}
-        b = Batch(cols, d.get("meta"))
+        b = Batch(cols)
         if b._n is None:
             b._n = d["size"]
         return b

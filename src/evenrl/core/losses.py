@@ -9,6 +9,8 @@ Conventions taken from verl (volcengine/verl, `verl/trainer/ppo/core_algos.py`) 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from evenrl.errors import bad
@@ -32,7 +34,6 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     *,
-    dual_clip: float | None = None,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip surrogate per token with asymmetric clipping.  -> (loss [B, T], stats).
@@ -42,18 +43,15 @@ def policy_loss(
       ratio = exp(logp - old_logp)          (log-ratio clamped to [-20, 20] first, as verl does)
       loss  = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
     PPO: Schulman et al. arXiv:1707.06347.  clip_high > clip_low is DAPO's "clip-higher" (arXiv:2503.14476).
-    dual_clip = c > 1 bounds the loss of negative-advantage tokens by -c * A (Ye et al. arXiv:1912.09729;
-    verl `clip_ratio_c`).  Tokens outside `mask` get loss 0.
+    Tokens outside `mask` get loss 0.
 
     stats: detached scalar *sums over masked tokens*, so they can be all-reduced and then divided by
     stats["tokens"]: clipped_tokens (the clipped branch was taken; verl pg_clipfrac numerator), clipped_low_tokens
-    (A < 0, ratio < 1 - clip_low), clipped_high_tokens (A > 0, ratio > 1 + clip_high), dual_clipped_tokens
-    (verl pg_clipfrac_lower numerator), approx_kl_sum (sum of old_logp - logp; verl ppo_kl numerator).
+    (A < 0, ratio < 1 - clip_low), clipped_high_tokens (A > 0, ratio > 1 + clip_high), approx_kl_sum (sum of
+    old_logp - logp; verl ppo_kl numerator).
     """
     if logp.shape != old_logp.shape or logp.dim() != 2:
         raise ValueError(f"logp and old_logp must both be [B, T]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise bad("dual_clip", dual_clip, "None or a number > 1")
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     adv = adv.to(logp.dtype)
     mask = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask.bool()
@@ -63,11 +61,6 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
-    dual_hit = torch.zeros_like(mask)
-    if dual_clip is not None:
-        bound = -adv * dual_clip
-        dual_hit = (adv < 0) & (loss > bound)
-        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
     loss = torch.where(mask, loss, torch.zeros_like(loss))
 
     def count(hit: torch.Tensor) -> torch.Tensor:
@@ -79,7 +72,6 @@ def policy_loss(
             "clipped_tokens": count(clipped > unclipped),
             "clipped_low_tokens": count((adv < 0) & (ratio < 1.0 - clip_low)),
             "clipped_high_tokens": count((adv > 0) & (ratio > 1.0 + clip_high)),
-            "dual_clipped_tokens": count(dual_hit),
             "approx_kl_sum": torch.where(mask, -log_ratio, torch.zeros_like(log_ratio)).sum(),
         }
     return loss, stats
@@ -103,25 +95,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
         d = (ref_logp - logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         return (d.exp() - d - 1.0).clamp(max=_K3_CLAMP)
     raise bad("kl kind", kind, "one of 'k1', 'k2', 'k3'")
-
-
-def apply_kl_to_rewards(
-    rewards: torch.Tensor,
-    logp: torch.Tensor,
-    ref_logp: torch.Tensor,
-    mask: torch.Tensor,
-    beta: float,
-    kind: str = "k1",
-) -> torch.Tensor:
-    """KL-in-reward shaping: r_i - beta * sum_t mask * kl_t.  rewards [B]; logp, ref_logp, mask [B, T] -> [B].
-
-    The per-token penalty of verl `apply_kl_penalty` / OpenRLHF `compute_reward` (InstructGPT, arXiv:2203.02155),
-    summed over the response because outcome estimators (GRPO, RLOO, REINFORCE++) sum token rewards anyway.  k1 is
-    the default: as a reward it gives an unbiased KL gradient (Shah et al., "A Comedy of Estimators", 2025).
-    The result is detached: a reward is a constant for the policy gradient.
-    """
-    kl = kl_penalty(logp, ref_logp, kind) * mask.to(logp.dtype)
-    return (rewards - beta * kl.sum(-1)).detach()
 
 
 def _rows_per_chunk(vocab: int) -> int:
@@ -173,3 +146,54 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
         logp = logp.clamp(min=torch.finfo(logp.dtype).min)
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.cat(out).reshape(logits.shape[:-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The RL objective of one micro-batch: inputs in, per-token loss and statistics out
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What the objective needs per micro-batch; per-token tensors are [B, R] (R = longest response), each row's
+    response right-aligned, float32."""
+    logp: torch.Tensor            # log-probs of the sampled tokens under the policy being trained (with grad)
+    old_logp: torch.Tensor        # under the policy that sampled (the ratio's denominator; no grad)
+    advantages: torch.Tensor      # [B] one per sample, broadcast over its tokens
+    mask: torch.Tensor            # [B, R] bool: True on response tokens
+    entropy: torch.Tensor         # [B, R] entropy of the sampling distribution (with grad when entropy_coef > 0)
+    ref_logp: torch.Tensor | None = None  # under the frozen reference; None when KL is not measured per token
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0          # weight of the per-token KL term; 0 measures KL (when ref_logp is given) only
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0     # weight of the entropy bonus; 0 only measures entropy
+
+
+def rl_loss(inp: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """PPO-clip surrogate + kl_coef x KL(policy || reference) - entropy_coef x entropy, per token.
+    -> (loss [B, R], stats {name: (sum over masked tokens, token count)}).
+
+    Stats are (sum, count) pairs so a global mean over ranks and micro-batches is exact: policy/loss,
+    policy/clip_fraction, policy/approx_kl, entropy, and kl when ref_logp is given. Reducing the loss to a scalar
+    with global denominators is evenrl.core.aggregation's job.
+    """
+    per_token, pstats = policy_loss(inp.logp, inp.old_logp, inp.advantages, clip_low=s.clip_low,
+                                    clip_high=s.clip_high, mask=inp.mask)
+    n = inp.mask.sum()
+    stats = {"policy/loss": ((per_token * inp.mask).sum().detach(), n),
+             "policy/clip_fraction": (pstats["clipped_tokens"], n),
+             "policy/approx_kl": (pstats["approx_kl_sum"], n)}
+    if inp.ref_logp is not None:
+        kl = kl_penalty(inp.logp, inp.ref_logp, s.kl_estimator)
+        if s.kl_coef > 0:
+            per_token = per_token + s.kl_coef * kl
+        stats["kl"] = ((kl.detach() * inp.mask).sum(), n)
+    if s.entropy_coef > 0:
+        per_token = per_token - s.entropy_coef * inp.entropy
+    stats["entropy"] = ((inp.entropy.detach() * inp.mask).sum(), n)
+    return per_token, stats

@@ -131,3 +131,14 @@ def _is_tied(model: torch.nn.Module, key: str) -> bool:
     if isinstance(tied, dict):
         tied = list(tied)
     return key in tied or (key == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))
+
+
+def save_final(model, tokenizer, out: Path) -> None:
+    """The trained model as a Hugging Face directory (safetensors), written atomically."""
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)  # safetensors by default
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(tmp, out)

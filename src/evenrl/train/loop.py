@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -144,7 +143,7 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
                                 keep=cfg.checkpoint.keep)
             dist.barrier()
     if dist.is_main():
-        save_final(run.model, run.tokenizer, run_dir / "final")
+        checkpoint.save_final(run.model, run.tokenizer, run_dir / "final")
     log.close()
     if dist.is_main() and phases:
         print(phase_table(phases, cfg.train.steps - start), flush=True)
@@ -177,17 +176,6 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
-
-
-def save_final(model, tokenizer, out: Path) -> None:
-    """The trained model as a Hugging Face directory (safetensors), written atomically."""
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # safetensors by default
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.rename(tmp, out)
 
 
 PHASES = ["rollout", "reward", "advantage", "exchange", "logprobs", "update"]

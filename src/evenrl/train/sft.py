@@ -14,17 +14,16 @@ from pathlib import Path
 
 import torch
 
-from evenrl.distributed import collectives as dist
-from evenrl.core.batch import Batch
 from evenrl.config import RunConfig, config_to_yaml
-from evenrl.train.data import PromptSampler
-from evenrl.train.runlog import RunLog
-from evenrl.core.schedule import make_schedule
-from evenrl.train.step import _ragged
-from evenrl.train.data import load_data
-from evenrl.train.loop import save_final
+from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import token_logprobs
+from evenrl.core.schedule import make_schedule
+from evenrl.distributed import collectives as dist
+from evenrl.train.data import PromptSampler, load_data
+from evenrl.train.checkpoint import save_final
+from evenrl.train.runlog import RunLog
 from evenrl.train.update import minibatch_denominators, minibatch_update
+
 
 
 def sft(cfg: RunConfig) -> Path:
@@ -57,7 +56,7 @@ def sft(cfg: RunConfig) -> Path:
                                  min_rows=cfg.train.min_rows_per_micro_batch)
         mine = schedule.rank_rows(dist.rank())
         batch = Batch({
-            "tokens": _ragged([torch.tensor(seqs[i], dtype=torch.long) for i in mine], torch.long),
+            "tokens": Ragged.of([torch.tensor(seqs[i], dtype=torch.long) for i in mine], torch.long),
             "response_len": torch.tensor([len(targets[ids[i]]) for i in mine], dtype=torch.long),
         })
         pos = {row: j for j, row in enumerate(mine)}

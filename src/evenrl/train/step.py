@@ -12,6 +12,7 @@ Why the result does not depend on the number of ranks:
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -20,13 +21,13 @@ import torch
 from evenrl.config import RunConfig
 from evenrl.core.advantages import compute_advantages
 from evenrl.core.batch import Batch, Ragged
-from evenrl.core.losses import entropy_from_logits, kl_penalty, policy_loss, token_logprobs
+from evenrl.core.losses import LossInputs, LossSettings, entropy_from_logits, kl_penalty, rl_loss, token_logprobs
 from evenrl.core.schedule import make_schedule, rollout_shares
 from evenrl.distributed import collectives as dist
 from evenrl.engines.hf import SamplingParams, generate
 from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.rewards import score_all
-from evenrl.train.update import compute_logprobs, entropy_stats, minibatch_denominators, minibatch_update
+from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update
 
 if TYPE_CHECKING:
     from evenrl.train.loop import Run
@@ -97,7 +98,7 @@ def rollout(run: "Run", step: int, prompt_ids: list[int]) -> Batch:
             finished.append(c.finished)
     return Batch({
         "sample_index": torch.tensor(index, dtype=torch.long),
-        "tokens": _ragged(tokens, torch.long),
+        "tokens": Ragged.of(tokens, torch.long),
         "response_len": torch.tensor(resp_len, dtype=torch.long),
         "group": torch.tensor(group, dtype=torch.long),
         "finished": torch.tensor(finished, dtype=torch.bool),
@@ -116,7 +117,7 @@ def add_rewards(run: "Run", batch: Batch) -> tuple[Batch, dict]:
 
 def add_logprobs(run: "Run", batch: Batch, name: str, model, micro_rows: list[list[int]]) -> None:
     logps = compute_logprobs(model, batch, micro_rows, temperature=run.temperature, pad_token_id=run.pad_id)
-    batch[name] = _ragged(logps, torch.float32)
+    batch[name] = Ragged.of(logps, torch.float32)
 
 
 def add_reward_kl(run: "Run", batch: Batch) -> None:
@@ -128,9 +129,10 @@ def add_reward_kl(run: "Run", batch: Batch) -> None:
     batch["kl_sum"] = torch.stack(kl).float() if kl else torch.zeros(0)
 
 
-def gather_rows(local: Batch, failures: int = 0) -> tuple[dict[str, torch.Tensor], int]:
-    """Every rank's per-sample scalars, ordered by global sample index, and the step's reward failures summed
-    over ranks (they ride along: no all-reduce of their own). dist.all_gather_tensors: no pickling."""
+def gather_rows(local: Batch, failures: int = 0) -> tuple[Batch, int]:
+    """The all-ranks view: every rank's per-sample scalars (a Batch ordered by sample_index, so a sample's
+    sample_index is its row), and the step's reward failures summed over ranks (they ride along: no all-reduce of
+    their own). dist.all_gather_tensors: no pickling."""
     cols = ["sample_index", "group", "reward", "response_len", "finished"]
     mine = {c: local[c] for c in cols}
     mine["total_len"] = local["tokens"].lengths
@@ -140,11 +142,10 @@ def gather_rows(local: Batch, failures: int = 0) -> tuple[dict[str, torch.Tensor
                                      "failures": torch.tensor([int(failures)], dtype=torch.long)})
     total_failures = sum(int(p.pop("failures")) for p in parts)
     merged = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    order = torch.argsort(merged["sample_index"])
-    return {k: v[order] for k, v in merged.items()}, total_failures
+    return Batch(merged).select(torch.argsort(merged["sample_index"])), total_failures
 
 
-def add_advantages(run: "Run", local: Batch, everyone: dict) -> None:
+def add_advantages(run: "Run", local: Batch, everyone: Batch) -> None:
     algo = run.cfg.algo
     rewards = everyone["reward"].double()
     if "kl_sum" in everyone:
@@ -155,7 +156,7 @@ def add_advantages(run: "Run", local: Batch, everyone: dict) -> None:
     local["advantage"] = adv[local["sample_index"]]  # sample_index is the position in `everyone`
 
 
-def plan_step(run: "Run", everyone: dict):
+def plan_step(run: "Run", everyone: Batch):
     """The step schedule from all-gathered lengths: every rank computes the same one, no coordinator."""
     cfg = run.cfg
     return make_schedule(everyone["total_len"].tolist(), world=dist.world(),
@@ -164,7 +165,7 @@ def plan_step(run: "Run", everyone: dict):
                          min_rows=cfg.train.min_rows_per_micro_batch, inert=zero_gradient_rows(cfg, everyone))
 
 
-def zero_gradient_rows(cfg: RunConfig, everyone: dict) -> list[bool] | None:
+def zero_gradient_rows(cfg: RunConfig, everyone: Batch) -> list[bool] | None:
     """Samples whose loss gradient is exactly zero, so nobody needs to run them: with no per-token KL or entropy
     term the policy loss is advantage x f(ratio), and the advantage is 0 (a GRPO group with equal rewards; with
     0/1 rewards that is every all-right and all-wrong group). None when nothing may be skipped."""
@@ -204,33 +205,12 @@ def needs_old_logprobs(cfg: RunConfig) -> bool:
 def update(run: "Run", batch: Batch, micro: list[list[list[int]]], denoms: list) -> dict:
     cfg, algo = run.cfg, run.cfg.algo
 
-    def loss_fn(logits, targets, mask, mb):
-        logp = token_logprobs(logits, targets, run.temperature)
-        old = ragged_to_right_aligned(mb, "old_logp", logp.device) if "old_logp" in mb else logp.detach()
-        adv = mb["advantage"].to(logp.device)
-        per_token, pstats = policy_loss(logp, old, adv, clip_low=algo.clip_low, clip_high=algo.clip_high, mask=mask)
-        n = mask.sum()
-        stats = {"policy/loss": ((per_token * mask).sum().detach(), n),
-                 "policy/clip_fraction": (pstats["clipped_tokens"], n),
-                 "policy/approx_kl": (pstats["approx_kl_sum"], n)}
-        if "ref_logp" in mb:
-            kl = kl_penalty(logp, ragged_to_right_aligned(mb, "ref_logp", logp.device), algo.kl_estimator)
-            if algo.kl_in == "loss":
-                per_token = per_token + algo.kl_coef * kl
-            stats["kl"] = ((kl.detach() * mask).sum(), n)
-        if algo.entropy_coef > 0:
-            ent = entropy_from_logits(logits, run.temperature)
-            per_token = per_token - algo.entropy_coef * ent
-            stats["entropy"] = ((ent.detach() * mask).sum(), n)
-        else:
-            stats["entropy"] = entropy_stats(logits, mask, run.temperature)
-        return per_token, stats
-
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(algo.epochs_per_step):
         for rows, denom in zip(micro, denoms):
-            stats = minibatch_update(run.model, run.optimizer, run.lr_scheduler, batch, rows, denom, loss_fn=loss_fn,
+            stats = minibatch_update(run.model, run.optimizer, run.lr_scheduler, batch, rows, denom,
+                                     loss_fn=functools.partial(rl_objective, run),
                                      stat_names=STAT_NAMES, aggregation=algo.loss_aggregation,
                                      max_grad_norm=cfg.train.max_grad_norm, pad_token_id=run.pad_id)
             for k, v in stats.items():
@@ -239,7 +219,22 @@ def update(run: "Run", batch: Batch, micro: list[list[list[int]]], denoms: list)
     return {k: v / updates for k, v in totals.items()}  # mean over the step's optimizer steps
 
 
-def step_metrics(run: "Run", everyone: dict, schedule, stats: dict, failures: int, timer: "Timer") -> dict:
+def rl_objective(run: "Run", logits, targets, mask, mb: Batch):
+    """A micro-batch's loss: its LossInputs from the logits and its columns, then the pure objective."""
+    algo = run.cfg.algo
+    logp = token_logprobs(logits, targets, run.temperature)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and algo.entropy_coef > 0):  # measured only: no graph
+        entropy = entropy_from_logits(logits, run.temperature)
+    inputs = LossInputs(
+        logp=logp, mask=mask, entropy=entropy, advantages=mb["advantage"].to(logp.device),
+        old_logp=ragged_to_right_aligned(mb, "old_logp", logp.device) if "old_logp" in mb else logp.detach(),
+        ref_logp=ragged_to_right_aligned(mb, "ref_logp", logp.device) if "ref_logp" in mb else None)
+    return rl_loss(inputs, LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high, entropy_coef=algo.entropy_coef,
+                                        kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0,
+                                        kl_estimator=algo.kl_estimator))
+
+
+def step_metrics(run: "Run", everyone: Batch, schedule, stats: dict, failures: int, timer: "Timer") -> dict:
     rewards, lens = everyone["reward"].double(), everyone["response_len"].double()
     elapsed = max(sum(timer.seconds.values()), 1e-9)
     out = {
@@ -281,12 +276,6 @@ class Timer:
                 timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t
 
         return _Ctx()
-
-
-def _ragged(rows: list[torch.Tensor], dtype) -> Ragged:
-    if rows:
-        return Ragged(torch.cat(rows).to(dtype), torch.tensor([len(r) for r in rows], dtype=torch.long))
-    return Ragged(torch.zeros(0, dtype=dtype), torch.zeros(0, dtype=torch.long))
 
 
 def singles(n: int) -> list[list[int]]:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from evenrl.distributed import collectives as dist
 from evenrl.core.aggregation import Denominators, aggregate
-from evenrl.core.losses import entropy_from_logits, token_logprobs
+from evenrl.core.losses import token_logprobs
 from evenrl.core.batch import Batch
 from evenrl.models.forward import response_logits
 
@@ -88,10 +88,3 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     means = {k: float(flat[2 * i] / max(float(flat[2 * i + 1]), 1.0)) for i, k in enumerate(stat_names)}
     means["grad_norm"] = float(grad_norm)
     return means
-
-
-def entropy_stats(logits: Tensor, mask: Tensor, temperature: float) -> tuple[float, float]:
-    """(sum, count) of the sampling distribution's entropy over response tokens, for the metrics."""
-    with torch.no_grad():
-        ent = entropy_from_logits(logits, temperature)
-        return float((ent * mask).sum()), float(mask.sum())

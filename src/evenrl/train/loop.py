@@ -192,11 +192,3 @@ def phase_table(seconds: dict[str, float], steps: int) -> str:
     lines += [f"  {name:<10} {sec:9.2f} {100 * sec / max(total, 1e-9):6.1f}" for name, sec in rows]
     lines.append(f"  {'total':<10} {total:9.2f} {100.0:6.1f}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    import sys
-
-    from evenrl.cli import main
-
-    sys.exit(main(["train", *sys.argv[1:]]))

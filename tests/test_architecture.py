@@ -1,0 +1,116 @@
+"""The folders are the architecture: each package may import only packages below it, and modules never import each
+other in a cycle. Read from the source (every import, also the ones inside functions), so a lazy import cannot hide
+an upward dependency. Imports under `if TYPE_CHECKING:` are for annotations and never run, so they do not count."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "evenrl"
+
+# Lower number = lower layer. A module may import its own package and any lower layer, nothing at or above its layer
+# in another package. The planner is torch-free (tests/test_plan.py checks that separately).
+LAYERS = {
+    "errors": 0,
+    "config": 1,
+    "core": 2, "rewards": 2,
+    "distributed": 3, "models": 3,
+    "engines": 4, "planner": 4,
+    "train": 5,
+    "report": 6, "demo": 7, "cli": 8, "__main__": 9, "__init__": 9,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, pkg: str | None = None) -> set[str]:
+    """Every evenrl module `path` imports, at any depth of the file. `pkg`: the package relative imports start
+    from (default: the file's own)."""
+    out: set[str] = set()
+    if pkg is None:
+        pkg = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block)
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "evenrl"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "evenrl":
+                continue
+            for a in node.names:  # `from evenrl.x import y` may name a submodule y
+                sub = f"{base}.{a.name}"
+                out.add(sub if _exists(sub) else base)
+    return out
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:`: imports for annotations only, never run."""
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def _exists(module: str) -> bool:
+    rel = Path(*module.split(".")[1:])
+    return (SRC / rel).with_suffix(".py").exists() or (SRC / rel / "__init__.py").exists()
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in SRC.rglob("*.py")}
+
+
+def test_every_package_has_a_layer():
+    assert {_package(m) for m in _graph()} <= set(LAYERS)
+
+
+def test_no_package_imports_upwards():
+    wrong = []
+    for mod, deps in _graph().items():
+        mine = _package(mod)
+        for dep in deps:
+            other = _package(dep)
+            if other != mine and other != "__init__" and LAYERS[other] >= LAYERS[mine]:
+                wrong.append(f"{mod} (layer {LAYERS[mine]}) imports {dep} (layer {LAYERS[other]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d in graph and d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("def f():\n    from evenrl.train import step\n    import evenrl.core.batch\n"
+                 "from ..core.schedule import make_schedule\n"
+                 "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from evenrl.train.loop import Run\n")
+    assert _imports(f, pkg="evenrl.train") == {"evenrl.train.step", "evenrl.core.batch", "evenrl.core.schedule"}

@@ -6,7 +6,7 @@
 1. makes a random 81 K-parameter Qwen2 model with a character tokenizer in runs/demo/model (no download);
 2. writes the task: prompts "3+5=" with answers "8" (a, b in 0..9), runs/demo/data/addition.jsonl;
 3. a short supervised warm start (evenrl sft) so greedy answers are mostly right but samples are not
-   (RL sharpens what the model half-knows: FIELD_NOTES "What a tiny model can learn");
+   (RL sharpens what the model half-knows: with too little SFT the reward barely moves);
 4. GRPO (evenrl train) with an exact-match reward, config examples/demo.yaml;
 5. plots (evenrl report) and the mean reward of the first and last 10 steps.
 """

@@ -1,10 +1,7 @@
 """Advantage estimators as pure functions: one scalar reward per sample -> one advantage per sample.
 
-Shapes used throughout:
-  N  completions in a batch (advantage functions work on one scalar reward per completion);
-  B, T  rows and token positions of a padded token batch; V  vocabulary size.
-Token-level functions return per-token [B, T] tensors; reducing them to a scalar (token-mean, seq-mean, Dr. GRPO's
-constant normaliser, ...) is `evenrl.aggregation`'s job, so that the count used to normalise can be global.
+Shapes: N completions in a step; every function maps rewards [N] and group ids [N] to advantages [N]. They run on
+the whole step's rewards (on every rank), so an advantage does not depend on how samples are spread over ranks.
 
 Conventions taken from verl (volcengine/verl, `verl/trainer/ppo/core_algos.py`) unless a docstring says otherwise.
 """
@@ -79,7 +76,7 @@ def dr_grpo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Ten
 
     rewards [N], groups [N] -> [N].  Same as `grpo_advantages(..., std_scale="none")`.  Dr. GRPO's other half is
     dividing the summed token losses by a constant (the maximum generation length) instead of each response's
-    length; that is a loss-aggregation mode in `evenrl.aggregation` (verl: `seq-mean-token-sum-norm`), not here.
+    length; that is a loss-aggregation mode in `evenrl.core.aggregation` (verl: `seq-mean-token-sum-norm`), not here.
     """
     return grpo_advantages(rewards, groups, std_scale="none")
 

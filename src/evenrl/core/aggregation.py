@@ -2,10 +2,9 @@
 
 A mode's value over the whole mini-batch is a sum divided by a global count. Each micro-batch contributes its
 local sum divided by the GLOBAL count (`Denominators`: the trainer computes them from the step's all-gathered
-lengths, `evenrl.update.minibatch_denominators`; `evenrl.dist.global_denominators` all-reduces local counts
-where only those are known), so summing the shares of every micro-batch on every rank, i.e. gradient
-accumulation followed by a SUM all-reduce of gradients, gives exactly the single-device value and gradient,
-however unevenly the rows are spread. (Under DDP/FSDP, which average gradients over W, multiply the share by W.)
+lengths, `evenrl.train.update.minibatch_denominators`), so summing the shares of every micro-batch on every rank,
+i.e. gradient accumulation followed by a SUM all-reduce of gradients, gives exactly the single-device value and
+gradient, however unevenly the rows are spread. (Under DDP/FSDP, which average gradients over W, multiply the share by W.)
 
 Modes, with the names of verl's `loss_agg_mode`; `m` is the response mask, a "sequence" is a row with >= 1
 masked-in token (rows with an all-zero mask, e.g. padding rows, are not counted):

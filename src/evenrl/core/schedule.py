@@ -2,7 +2,7 @@
 
 make_schedule() turns one step's sample lengths into a StepSchedule such that
   - mini-batch membership depends only on (N, minibatches, groups), never on the world size, so with loss
-    normalised by global counts the update equals the single-device one (FIELD_NOTES "Exact gradients");
+    normalised by global counts the update equals the single-device one;
   - inside a mini-batch, rows are balanced over ranks by cost with `balanced_partition` (rank weights = capacity);
   - each rank packs its rows, longest first, into micro-batches whose padded tokens (rows * longest row) stay
     within `token_cap`, and every rank runs the same number of micro-batches (FSDP2 needs equal step counts):

@@ -2,7 +2,7 @@
 
 Every random draw is a pure function of (seed, step, prompt key, sample index, token index), so a
 completion is the same whether its prompt is generated alone, in a batch, or on another rank.
-Benchmark: `python -m evenrl.rollout` prints tokens/s on a tiny random model.
+Benchmark: `python -m evenrl.engines.hf` prints tokens/s on a tiny random model.
 """
 
 from __future__ import annotations

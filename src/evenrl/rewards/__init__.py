@@ -22,6 +22,12 @@ Measured on 2 shared CPU cores, 128 short completions x 1 cheap reward: ~0.2 ms 
 pool; starting the pool costs ~0.1 s plus whatever the rewards import (math-verify/sympy: ~1 s per worker).
 Rewards go to workers by reference, so they must be module-level functions (what `resolve` returns); lambdas,
 closures and functions of the __main__ script run inline on the main thread instead.
+
+Why not pebble's ProcessPool (the well-kept library for this): it schedules one future per call, so a step's
+hundreds of cheap calls pay one round trip each instead of one per worker; its timeout kills the worker process,
+where a SIGALRM inside the worker ends a Python-level overrun and keeps the warm worker (re-importing sympy costs
+~1 s); and its workers start from the parent's interpreter state instead of a fresh one that imports only the
+reward's module. The pool below is the part of it that those three points need.
 """
 
 from __future__ import annotations

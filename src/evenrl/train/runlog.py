@@ -5,7 +5,7 @@
     RUN_DIR/metrics.jsonl    one JSON object per step
     RUN_DIR/samples.jsonl    a few completions every `log.samples_every_steps` steps
     RUN_DIR/tb/              TensorBoard event files
-    RUN_DIR/checkpoints/     see evenrl.checkpoint
+    RUN_DIR/checkpoints/     see evenrl.train.checkpoint
     RUN_DIR/final/           the trained model as a Hugging Face directory
 """
 

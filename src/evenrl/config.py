@@ -190,18 +190,43 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise UsageError(f"override {item!r}: expected key=value, e.g. data.prompts_per_step=64")
         key, _, raw = item.partition("=")
-        parts = key.strip().split(".")
-        if not all(parts):
+        if not all(key.strip().split(".")):
             raise UsageError(f"override {item!r}: empty key segment; expected e.g. rollout.samples_per_prompt=8")
-        node = out
-        for p in parts[:-1]:
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            if not isinstance(nxt, dict):
-                raise UsageError(f"override {key}: {p} is a value, not a section")
-            node = nxt
-        node[parts[-1]] = _parse_value(raw)
+        set_dotted(out, key.strip(), _parse_value(raw), what=f"override {key}")
+    return out
+
+
+def set_dotted(data: dict, key: str, value: Any, *, what: str = "") -> None:
+    """data["a"]["b"]["c"] = value for key "a.b.c", in place; missing sections are created (validation catches
+    unknown keys). A value where a section should be is a UsageError, named by `what` (default: the key)."""
+    *path, last = key.split(".")
+    node = data
+    for part in path:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise UsageError(f"{what or key}: {part} is a value, not a section")
+        node = nxt
+    node[last] = value
+
+
+def with_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
+    """A validated copy of cfg with dotted settings ({"data.prompts_per_step": 64}) applied; cfg is unchanged."""
+    data = cfg.model_dump()
+    for key, value in settings.items():
+        set_dotted(data, key, value)
+    return RunConfig.model_validate(data)
+
+
+def flatten(data: dict, prefix: str = "", sep: str = ".") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: nested sections to joined keys, leaves (lists included) as they are."""
+    out = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}{sep}", sep))
+        else:
+            out[f"{prefix}{k}"] = v
     return out
 
 

@@ -5,9 +5,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from evenrl.config import RunConfig
+from evenrl.config import RunConfig, with_settings
 from evenrl.planner.layout import make_layout
-from evenrl.planner.memory import GIB, dims_from_config, estimate_memory, memory_fixes, read_model_dims, with_settings, worst_case_shape
+from evenrl.planner.memory import GIB, dims_from_config, estimate_memory, memory_fixes, read_model_dims, worst_case_shape
 
 # A tiny Llama-like model: every number below is computed by hand from these.
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

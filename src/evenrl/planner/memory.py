@@ -28,24 +28,31 @@ Models" (arXiv:2205.05198, sec. 4.1: 34*s*b*h + 5*a*s^2*b bytes per layer for GP
 (gate, up, SiLU(gate), product: 4i), grouped-query attention (q, k, v, context: 2*q_dim + 2*kv_dim), RMSNorm
 inputs (2h), the inputs of the QKV and MLP projections (2h), no dropout masks, and SDPA/flash attention (no
 s^2 score matrix). Worst case: every sample is max_prompt_tokens + max_new_tokens long.
+g comes from the trainer's own rollout split (evenrl.core.schedule.rollout_shares), so the estimate follows any
+change to it; past SPLIT_MAX samples per step that split costs too much time for a preflight (the planner sizes
+fixes by bisection, re-estimating each time), and g is the bound it keeps: within one sample of the busiest
+rank's weighted share.
 Pure Python: the planner imports this without torch.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evenrl.config import RunConfig
+from evenrl.config import RunConfig, with_settings
+from evenrl.core.schedule import rollout_shares
 from evenrl.planner.layout import Layout
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOGIT_BYTES = 12  # fp32 logits + fp32 log-softmax + fp32 gradient, per token per vocab entry
 OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.3}
+SPLIT_MAX = 20_000  # samples per step beyond which the rollout split is bounded, not computed (module docstring)
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -148,12 +155,25 @@ def worst_case_shape(cfg: RunConfig, layout: Layout) -> tuple[int, int]:
     """(tokens of the largest micro-batch, samples the busiest rank generates), all samples at max length."""
     t = max(layout.training_ranks, 1)
     w = layout.capacity_weights or cfg.parallel.capacity_weights
-    share = max(w) / sum(w) if w and len(w) == t else 1 / t
+    weights = tuple(w) if w and len(w) == t else None
+    share = max(weights) / sum(weights) if weights else 1 / t
     length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     per_mb = math.ceil(cfg.samples_per_step() / cfg.algo.minibatches_per_step)
     rows_rank = max(1, math.ceil(per_mb * share - 1e-9))
     rows = min(rows_rank, max(1, cfg.train.token_cap_per_micro_batch // length, cfg.train.min_rows_per_micro_batch))
-    return rows * length, max(1, math.ceil(cfg.samples_per_step() * share - 1e-9))  # train.rollout_shares
+    gen = _busiest_rollout(cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, length, t, weights)
+    return rows * length, gen
+
+
+@functools.lru_cache(maxsize=256)
+def _busiest_rollout(prompts: int, k: int, length: int, world: int, weights: tuple[float, ...] | None) -> int:
+    """Samples the busiest rank generates: the trainer's own split (rollout_shares) with every prompt at `length`.
+    Past SPLIT_MAX samples, the bound that split keeps instead (within one sample of the rank's weighted share)."""
+    if prompts * k > SPLIT_MAX:
+        share = max(weights) / sum(weights) if weights else 1 / world
+        return max(1, math.ceil(prompts * k * share - 1e-9))
+    shares = rollout_shares([float(length)] * prompts, k, world, weights)
+    return max(1, max(sum(count for _, _, count in mine) for mine in shares))
 
 
 def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEstimate:
@@ -213,18 +233,6 @@ class MemoryFix:
 
 def _show(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
-
-
-def with_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
-    """A validated copy of cfg with dotted settings applied; cfg itself is never changed."""
-    data = cfg.model_dump()
-    for key, value in settings.items():
-        node = data
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return RunConfig.model_validate(data)
 
 
 def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[MemoryFix]:

@@ -1,4 +1,5 @@
-"""evenrl.dist on real gloo process groups: the update of one step is the single-device update on 1..6 ranks.
+"""evenrl.distributed.collectives on real gloo process groups: the update of one step is the single-device update
+on 1..6 ranks.
 
 One spawn per world size (spawning costs seconds); each worker loops over all sample counts and loss modes.
 """
@@ -377,14 +378,16 @@ def test_naive_per_rank_mean_is_not_the_single_device_gradient():
     assert not all(close(g, want[k]) for k, g in grads(model).items() if g is not None)
 
 
-def test_layout_from_torchrun_and_slurm_env():
-    torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
-                "MASTER_ADDR": "n0", "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
-    assert dist._layout(torchrun) == dict(rank=5, world=8, local_rank=1, local_world=4, node_rank=1, addr="n0",
-                                          port=1234)
-    slurm = {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
-             "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_JOB_ID": "100"}
-    assert dist._layout(slurm) == dict(rank=4, world=5, local_rank=0, local_world=1, node_rank=2, addr="gpu07",
-                                       port=15100)
-    assert dist._layout({**slurm, "MASTER_ADDR": "head", "MASTER_PORT": "9"})["addr"] == "head"
-    assert dist._layout({})["world"] == 1
+def test_init_joins_no_group_unless_launched_as_a_rank(monkeypatch):
+    """A shell in a Slurm allocation (no SLURM_PROCID) reads the allocation's 4 tasks but is not one of them:
+    init runs it as one process instead of waiting for 3 ranks that never come."""
+    for k in ENV_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    try:
+        info = dist.init()
+        assert (info.world, info.rank, info.backend) == (1, 0, None) and not tdist.is_initialized()
+    finally:
+        dist.shutdown()

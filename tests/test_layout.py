@@ -1,15 +1,18 @@
-"""Cluster layout: flags, torchrun/Slurm environment, local detection (nvidia-smi faked), validation, and the
-launcher's worker check built on read_dist_env."""
+"""Cluster layout: flags, torchrun/Slurm environment (evenrl.distributed.env, shared with collectives.init and the
+launcher), local detection (nvidia-smi faked), validation, and the launcher's worker check."""
 
 import argparse
 import os
+import re
 import subprocess
 
 import pytest
 
-from evenrl.train import launch
+from evenrl.distributed.env import LaunchEnv, first_host, read_env, tasks_per_node
 from evenrl.errors import UsageError
-from evenrl.planner.layout import Layout, add_layout_args, detect_local, first_host, host_memory_gib, layout_from_args, layout_from_env, local_gpus, make_layout, read_dist_env
+from evenrl.planner.layout import (Layout, add_layout_args, detect_local, host_memory_gib, layout_from_args,
+                                   layout_from_env, local_gpus, make_layout)
+from evenrl.train import launch
 
 
 def parse(*argv):
@@ -62,36 +65,118 @@ def test_rollout_devices_beyond_world_is_a_finding_not_an_error():
     assert make_layout(1, 4, rollout_devices=4).training_ranks == 0
 
 
+TORCHRUN_8 = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "RANK": "5", "LOCAL_RANK": "1", "GROUP_RANK": "1",
+              "MASTER_ADDR": "h0", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "2"}
+
+
 @pytest.mark.parametrize("env, expect", [
-    ({}, None),
-    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "RANK": "5", "LOCAL_RANK": "1", "GROUP_RANK": "1",
-      "MASTER_ADDR": "h0", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "2"},
-     dict(source="torchrun", rank=5, local_rank=1, node_rank=1, world_size=8, local_world_size=4, nnodes=2,
-          master_addr="h0", master_port=29500, restart_count=2)),
+    ({}, dict(source=None, rank=0, world=1, local_rank=0, local_world=1, node_rank=0, nnodes=1, master_addr=None,
+              master_port=None, restart_count=0, launched=False)),
+    (TORCHRUN_8,
+     dict(source="torchrun", rank=5, local_rank=1, node_rank=1, world=8, local_world=4, nnodes=2,
+          master_addr="h0", master_port=29500, restart_count=2, launched=True)),
+    # torchrun inside a Slurm allocation: torchrun's variables win
+    ({**TORCHRUN_8, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "7", "SLURM_NNODES": "1"},
+     dict(source="torchrun", rank=5, world=8, master_addr="h0")),
     ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8(x2)",
       "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[03-04]"},
-     dict(source="slurm", rank=9, local_rank=1, node_rank=1, world_size=16, local_world_size=8, nnodes=2,
-          master_addr="gpu03", master_port=None)),
+     dict(source="slurm", rank=9, local_rank=1, node_rank=1, world=16, local_world=8, nnodes=2,
+          master_addr="gpu03", master_port=15007, launched=True)),  # the port init listens on: 15000 + job id
     ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NTASKS": "4", "MASTER_ADDR": "x"},
-     dict(source="slurm", world_size=4, local_world_size=2, master_addr="x")),
+     dict(source="slurm", world=4, local_world=2, master_addr="x", launched=False)),  # salloc shell: no task
+    # collectives.init's Slurm case: SLURM_PROCID without SLURM_NNODES; this node's entry of the list
+    ({"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+      "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_JOB_ID": "100"},
+     dict(source="slurm", rank=4, world=5, local_rank=0, local_world=1, node_rank=2, nnodes=3, master_addr="gpu07",
+          master_port=15100, launched=True)),
 ])
-def test_read_dist_env(env, expect):
-    d = read_dist_env(env)
-    if expect is None:
-        assert d is None
-    else:
-        assert {k: getattr(d, k) for k in expect} == expect
+def test_read_env(env, expect):
+    d = read_env(env)
+    assert {k: getattr(d, k) for k in expect} == expect
 
 
-def test_read_dist_env_bad_value_is_one_line():
-    with pytest.raises(UsageError, match="WORLD_SIZE='x' is not an integer"):
-        read_dist_env({"WORLD_SIZE": "x", "RANK": "0"})
+def test_read_env_plain_process_is_the_default():
+    assert read_env({"PATH": "/bin"}) == LaunchEnv() and read_env({"WORLD_SIZE": "4"}) == LaunchEnv()
+
+
+@pytest.mark.parametrize("env, expect", [
+    # torchrun without LOCAL_RANK/GROUP_RANK/MASTER_*: derived from RANK (ranks are numbered node by node),
+    # torchrun's default address and port
+    ({"RANK": "6", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"},
+     dict(local_rank=2, node_rank=1, nnodes=2, master_addr="127.0.0.1", master_port=29500, launched=True)),
+    # WORLD_SIZE with LOCAL_WORLD_SIZE but no RANK: a layout to plan for, not a rank to join
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, dict(source="torchrun", rank=0, nnodes=2, launched=False)),
+    ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "", "LOCAL_WORLD_SIZE": ""},  # "" counts as unset
+     dict(master_addr="127.0.0.1", local_world=4)),
+    # the step's counts, list and node list before the job's (srun -n3 in a larger allocation)
+    ({"SLURM_PROCID": "2", "SLURM_JOB_ID": "20001", "SLURM_NNODES": "4", "SLURM_NTASKS": "32",
+      "SLURM_TASKS_PER_NODE": "8(x4)", "SLURM_JOB_NODELIST": "a[1-4]", "SLURM_STEP_NUM_TASKS": "3",
+      "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "a[3-4]",
+      "SLURM_NODEID": "1"},
+     dict(world=3, nnodes=2, local_world=1, master_addr="a3", master_port=15001, launched=True)),
+    # SLURM_NTASKS_PER_NODE is the last list read; no node list: this host
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "4"},
+     dict(local_world=4, nnodes=2, master_addr="127.0.0.1", master_port=15000)),
+    # no list: tasks spread over the nodes; SLURM_NODELIST is the last node list read
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_NNODES": "2", "SLURM_NODELIST": "n[5-6]"},
+     dict(local_world=4, master_addr="n5")),
+    # no task count (a batch script without --ntasks): the world is the list's sum, else one task per node,
+    # and the process is not one of several launched ranks
+    ({"SLURM_PROCID": "0", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "4(x2)"},
+     dict(world=8, local_world=4, launched=False)),
+    ({"SLURM_PROCID": "0", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2"}, dict(world=2, local_world=1, launched=False)),
+    ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_RESTART_COUNT": "3"}, dict(restart_count=3)),
+    # MASTER_ADDR/MASTER_PORT set by the user win over the node list and the job's port
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_JOB_ID": "100",
+      "MASTER_ADDR": "head", "MASTER_PORT": "9"}, dict(master_addr="head", master_port=9)),
+])
+def test_read_env_unified_rules(env, expect):
+    d = read_env(env)
+    assert {k: getattr(d, k) for k in expect} == expect
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "x", "RANK": "0"}, "WORLD_SIZE='x' is not an integer"),
+    ({"WORLD_SIZE": "4", "RANK": "-1"}, "RANK='-1' is negative"),
+    ({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE='0' must be at least 1"),
+    ({"WORLD_SIZE": "4", "RANK": "4"}, "RANK='4' is not below the world size 4"),
+    ({"WORLD_SIZE": "4", "RANK": "0", "MASTER_PORT": "70000"}, "MASTER_PORT='70000' is not a port"),
+    ({"SLURM_PROCID": "x", "SLURM_NTASKS": "2"}, "SLURM_PROCID='x' is not an integer"),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "2"}, "SLURM_PROCID='2' is not below the world size 2"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2(x"},
+     "SLURM_TASKS_PER_NODE='2(x' is not a Slurm tasks-per-node list"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[03"},
+     "SLURM_JOB_NODELIST='gpu[03' is not a Slurm node list"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "abc"}, "SLURM_JOB_ID='abc' is not an integer"),
+])
+def test_read_env_bad_value_is_one_line(env, message):
+    with pytest.raises(UsageError, match="^environment: " + re.escape(message)) as e:
+        read_env(env)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("nodelist, host", [
-    ("gpu[03-05,9],cpu1", "gpu03"), ("node7", "node7"), ("a1,a2", "a1"), ("", ""), ("n[10]", "n10")])
+    ("gpu[03-05,9],cpu1", "gpu03"), ("node7", "node7"), ("a1,a2", "a1"), ("", ""), ("n[10]", "n10"),
+    (" n[7-8] ", "n7"), ("rack[1-2]-n[07-08],x", "rack1-n07"), ("gpu[03-04]-ib", "gpu03-ib")])
 def test_first_host(nodelist, host):
     assert first_host(nodelist) == host
+
+
+@pytest.mark.parametrize("nodelist", ["gpu[03", "gpu[]", "]a", "a[1]]"])
+def test_first_host_refuses_unreadable(nodelist):
+    with pytest.raises(ValueError, match="node list"):
+        first_host(nodelist)
+
+
+@pytest.mark.parametrize("spec, counts", [("8", [8]), ("2(x3),1", [2, 2, 2, 1]), (" 4(x2) , 3", [4, 4, 3])])
+def test_tasks_per_node(spec, counts):
+    assert tasks_per_node(spec) == counts
+
+
+@pytest.mark.parametrize("spec", ["", "x", "2(x0)", "0", "2(3)"])
+def test_tasks_per_node_refuses(spec):
+    with pytest.raises(ValueError, match="tasks-per-node"):
+        tasks_per_node(spec)
 
 
 @pytest.mark.parametrize("visible, run, expect", [
@@ -131,6 +216,11 @@ def test_layout_from_env_torchrun_and_slurm_gpus():
     slurm = {"SLURM_JOB_ID": "1", "SLURM_NNODES": "4", "SLURM_NTASKS": "4", "SLURM_GPUS_ON_NODE": "8"}
     lay = layout_from_env(slurm, fake_smi("81920\n" * 8))
     assert (lay.nnodes, lay.nproc_per_node, lay.source) == (4, 8, "slurm")
+    # an srun task whose step says 4 tasks on each of 2 nodes (no SLURM_NNODES needed)
+    task = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+    lay = layout_from_env(task, no_smi)
+    assert (lay.nnodes, lay.nproc_per_node, lay.device, lay.source) == (2, 4, "cpu", "slurm")
+    assert layout_from_env({"PATH": "/bin"}, no_smi) is None
 
 
 @pytest.mark.parametrize("argv, env, expect", [
@@ -195,7 +285,7 @@ SRUN = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NTASKS": "16", "SLURM_P
 
 
 def _old_is_worker(env):
-    """evenrl.launch's check before it used read_dist_env, kept as the reference for its behaviour."""
+    """Reference for the launcher's check: a torchrun rank, or one of several Slurm tasks."""
     if "RANK" in env and "WORLD_SIZE" in env:
         return True
     return "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
@@ -218,7 +308,9 @@ def _set_env(monkeypatch, env):
     ({**SRUN, "SLURM_NTASKS": "1", "SLURM_NNODES": "1", "SLURM_PROCID": "0"}, False),  # salloc -n1 shell
     ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_PROCID": "0"}, False),  # sbatch -N2 script, no --ntasks
     ({**SRUN, **TORCHRUN}, True),  # torchrun inside a Slurm allocation
-], ids=["none", "torchrun", "torchrun-1", "srun-16", "slurm-1-task", "sbatch-script", "torchrun-in-slurm"])
+    ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NTASKS": "16"}, False),  # salloc -N2 -n16 shell: no task
+], ids=["none", "torchrun", "torchrun-1", "srun-16", "slurm-1-task", "sbatch-script", "torchrun-in-slurm",
+        "salloc-shell"])
 def test_launcher_is_worker(env, worker, monkeypatch):
     _set_env(monkeypatch, env)
     assert launch._is_worker() is worker

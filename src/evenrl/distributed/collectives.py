@@ -1,23 +1,14 @@
 """All collectives of evenrl. One code path for 1 and N ranks: with one process there is no process group and
 every function below is the identity (or a local select), so callers never branch on the world size.
 
-Launch (see evenrl.launch): `torchrun --nproc-per-node 3 -m evenrl.cli train CONFIG`, or under Slurm
-`srun -N2 --ntasks-per-node 8 evenrl train CONFIG`.
+Launch (see evenrl.train.launch): `torchrun --nproc-per-node 3 -m evenrl.cli train CONFIG`, or under Slurm
+`srun -N2 --ntasks-per-node 8 evenrl train CONFIG`. `init` reads the rank, world, node and master from
+torchrun's or Slurm's variables by the rules of `evenrl.distributed.env`, and joins a process group only when
+that environment launched this process as one of several ranks. Start Slurm ranks with srun: a batch script
+run without srun is one process. The store is built here, prefixed by the restart count, because a restarted
+gloo group otherwise trips over keys left in the shared store by the failed attempt (pytorch#135712).
 
-Where the layout comes from, in this order:
-  * torchrun / elastic: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT.
-  * Slurm (only when RANK/WORLD_SIZE are absent): SLURM_PROCID, SLURM_STEP_NUM_TASKS or else SLURM_NTASKS,
-    SLURM_LOCALID, SLURM_NODEID, tasks per node from SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE.
-    MASTER_ADDR: taken from the environment if set, else the first host of SLURM_STEP_NODELIST /
-    SLURM_JOB_NODELIST (what `scontrol show hostnames | head -1` prints). MASTER_PORT: from the environment,
-    else 15000 + SLURM_JOB_ID % 20000, so two jobs sharing a node rarely collide; set it yourself when one job
-    runs several multi-rank steps at once. Start the ranks with srun: a batch script run without srun sees
-    SLURM_NTASKS of the whole allocation and would wait for ranks that never come.
-  * nothing: world 1, no process group.
-The store is built here, prefixed by TORCHELASTIC_RESTART_COUNT, because a restarted gloo group otherwise
-trips over keys left in the shared store by the failed attempt (FIELD_NOTES, pytorch#135712).
-
-Gradients are SUM-reduced (`all_reduce_grads`), never averaged: the loss shares of `evenrl.aggregation` are
+Gradients are SUM-reduced (`all_reduce_grads`), never averaged: the loss shares of `evenrl.core.aggregation` are
 already divided by global counts, so the sum over ranks is the single-device gradient.
 """
 
@@ -25,7 +16,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +26,7 @@ import torch.distributed as tdist
 
 from evenrl.core.aggregation import Denominators
 from evenrl.core.batch import SAMPLE_INDEX, Batch, Ragged
+from evenrl.distributed.env import LaunchEnv, read_env
 
 
 @dataclass(frozen=True)
@@ -57,80 +48,43 @@ def _active() -> bool:
     return tdist.is_available() and tdist.is_initialized()
 
 
-def _tasks_on_node(spec: str, node: int) -> int:
-    """Slurm's compressed tasks-per-node list, e.g. '2(x3),1' -> [2, 2, 2, 1][node]."""
-    counts: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if not m:
-            raise ValueError(f"cannot read Slurm tasks-per-node list {spec!r}")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
-    return counts[min(node, len(counts) - 1)]
-
-
-def _first_host(nodelist: str) -> str:
-    """First host of a Slurm node list: 'gpu[03-05,9],cpu1' -> 'gpu03'."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        raise ValueError(f"cannot read Slurm node list {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    return prefix + re.split(r"[-,]", ranges)[0] if ranges else prefix
-
-
-def _layout(env: dict[str, str]) -> dict[str, Any]:
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        return dict(rank=rank, world=world, local_rank=int(env.get("LOCAL_RANK", rank % local_world)),
-                    local_world=local_world, node_rank=int(env.get("GROUP_RANK", rank // local_world)),
-                    addr=env.get("MASTER_ADDR", "127.0.0.1"), port=int(env.get("MASTER_PORT", "29500")))
-    if "SLURM_PROCID" in env:
-        world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
-        node = int(env.get("SLURM_NODEID", 0))
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        return dict(rank=int(env["SLURM_PROCID"]), world=world, local_rank=int(env.get("SLURM_LOCALID", 0)),
-                    local_world=_tasks_on_node(per_node, node) if per_node else world, node_rank=node,
-                    addr=env.get("MASTER_ADDR") or _first_host(nodelist),
-                    port=int(env.get("MASTER_PORT") or 15000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
-    return dict(rank=0, world=1, local_rank=0, local_world=1, node_rank=0, addr=None, port=None)
-
-
 def init(backend: str | None = None, *, timeout: float | None = None) -> DistInfo:
     """Join the process group described by the environment (idempotent). backend None: NCCL with CUDA, else gloo.
     timeout: seconds the rendezvous and each collective may wait before failing (default 10 minutes)."""
     global _INFO, _OWN_GROUP
     if _INFO is not None:
         return _INFO
-    lay = _layout(dict(os.environ))
+    env = read_env()
+    lay = env if env.launched else LaunchEnv()  # not one of several launched ranks: one plain process
     cuda = torch.cuda.is_available()
     if cuda:
-        device = torch.device("cuda", lay["local_rank"] % torch.cuda.device_count())
+        device = torch.device("cuda", lay.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if _active():  # someone else built the group: adopt it
-        _INFO = DistInfo(tdist.get_rank(), tdist.get_world_size(), lay["local_rank"], lay["local_world"],
-                         lay["node_rank"], device, str(tdist.get_backend()))
+        _INFO = DistInfo(tdist.get_rank(), tdist.get_world_size(), lay.local_rank, lay.local_world,
+                         lay.node_rank, device, str(tdist.get_backend()))
         return _INFO
-    if lay["world"] > 1:
+    if lay.world > 1:
         backend = backend or ("nccl" if cuda else "gloo")
         wait = timedelta(seconds=timeout) if timeout else timedelta(minutes=10)
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
-        store = tdist.TCPStore(lay["addr"], lay["port"], lay["world"], is_master=lay["rank"] == 0 and not agent,
+        store = tdist.TCPStore(lay.master_addr, lay.master_port, lay.world, is_master=lay.rank == 0 and not agent,
                                timeout=wait, multi_tenant=not agent)
-        store = tdist.PrefixStore(f"evenrl/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        tdist.init_process_group(backend, store=store, rank=lay["rank"], world_size=lay["world"], timeout=wait,
+        store = tdist.PrefixStore(f"evenrl/restart{lay.restart_count}", store)
+        tdist.init_process_group(backend, store=store, rank=lay.rank, world_size=lay.world, timeout=wait,
                                  device_id=device if backend == "nccl" else None)
         _OWN_GROUP = True
     else:
         backend = None
-    _INFO = DistInfo(lay["rank"], lay["world"], lay["local_rank"], lay["local_world"], lay["node_rank"],
-                     device, backend)
+    _INFO = DistInfo(lay.rank, lay.world, lay.local_rank, lay.local_world, lay.node_rank, device, backend)
     return _INFO
 
 
 def shutdown() -> None:
+    """Leave the process group `init` built (an adopted one stays) and forget `init`'s answer, so the next `init`
+    reads the environment again."""
     global _INFO, _OWN_GROUP
     if _OWN_GROUP and _active():
         tdist.destroy_process_group()
@@ -359,7 +313,7 @@ def _rebuild(template: Batch, tensors: list[torch.Tensor], lists: dict) -> Batch
             cols[name] = next(it)
         else:
             cols[name] = lists[name]
-    return Batch(cols, template.meta)
+    return Batch(cols)
 
 
 def _pack(p: Batch, dev: torch.device) -> torch.Tensor:
@@ -432,18 +386,18 @@ def _exchange_objects(parts: list[Batch], template: Batch) -> list[Batch]:
             elif isinstance(c, torch.Tensor):
                 c = c.to(t.device)
             cols[n] = c
-        out.append(Batch(cols, template.meta))
+        out.append(Batch(cols))
     return out
 
 
 def exchange(local: Batch, dest: Sequence[int], *, key: str = SAMPLE_INDEX) -> Batch:
     """Send local row i to rank dest[i]; return the rows this rank received, sorted by the int column `key`.
 
-    Every rank must call it (a rank with no rows passes an empty batch with the same columns). The result keeps
-    this rank's `meta`. Arguments and columns are checked on all ranks first (a mismatch raises ValueError
-    everywhere). gloo/NCCL/MPI: two all_to_all_single, the first of which also carries that check (each row
-    crosses the network once; measured 4-12x faster than all_gather_object on gloo, 3 ranks). Other backends:
-    an all-reduce for the check, then all_gather_object.
+    Every rank must call it (a rank with no rows passes an empty batch with the same columns). Arguments and
+    columns are checked on all ranks first (a mismatch raises ValueError everywhere). gloo/NCCL/MPI: two
+    all_to_all_single, the first of which also carries that check (each row crosses the network once; measured
+    4-12x faster than all_gather_object on gloo, 3 ranks). Other backends: an all-reduce for the check, then
+    all_gather_object.
     """
     W = world()
     d = torch.as_tensor(list(dest), dtype=torch.long)

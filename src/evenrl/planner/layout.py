@@ -6,11 +6,12 @@ and devices reserved for rollout (which do not train).
 Where the layout comes from, first match wins:
   1. flags: --nnodes/--num-nodes, --nproc-per-node/--num-gpus (missing ones default to 1), on this machine's
      kind of device and memory (its GPUs, else CPU processes sharing the host's memory);
-  2. the environment of a launched worker: torchrun (WORLD_SIZE, LOCAL_WORLD_SIZE) or Slurm (SLURM_NNODES,
-     SLURM_NTASKS_PER_NODE or SLURM_NTASKS, SLURM_GPUS_ON_NODE);
+  2. the torchrun or Slurm environment, read by `evenrl.distributed.env` (the rules every reader of it shares):
+     its nodes and processes per node; under Slurm with one task per node, SLURM_GPUS_ON_NODE processes per node
+     (the task runs torchrun over the node's GPUs);
   3. this machine: CUDA_VISIBLE_DEVICES and `nvidia-smi` (2 s timeout), else one CPU process with the host's memory.
 --device, --device-memory-gib, --capacity-weights and --rollout-devices then override single fields.
-Pure Python: never imports torch (`evenrl plan` must not). `read_dist_env` is shared with the launcher.
+Pure Python: never imports torch (`evenrl plan` must not).
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-from evenrl.errors import UsageError, bad
+from evenrl.distributed.env import read_env, read_int
+from evenrl.errors import bad
 
 MAX_NODES = 100_000
 MAX_PROCS_PER_NODE = 1024
@@ -111,78 +112,6 @@ def make_layout(nnodes: int = 1, nproc_per_node: int = 1, *, device: str = "cpu"
     return Layout(nnodes, nproc_per_node, device, float(device_memory_gib), weights, rollout_devices, source)
 
 
-# ------------------------------------------------------------------------------------------ environment
-
-@dataclass(frozen=True)
-class DistEnv:
-    """What a launched worker learns from its environment (torchrun or Slurm)."""
-    source: str  # torchrun | slurm
-    rank: int
-    local_rank: int
-    node_rank: int
-    world_size: int
-    local_world_size: int
-    nnodes: int
-    master_addr: str | None
-    master_port: int | None
-    restart_count: int = 0
-
-
-def read_dist_env(env: Mapping[str, str] | None = None) -> DistEnv | None:
-    """The distributed environment, or None outside torchrun/Slurm. torchrun's variables win over Slurm's.
-    Slurm: RANK=SLURM_PROCID, LOCAL_RANK=SLURM_LOCALID, node rank SLURM_NODEID, MASTER_ADDR = the first host of
-    SLURM_JOB_NODELIST unless MASTER_ADDR is set (FIELD_NOTES "Launching")."""
-    env = os.environ if env is None else env
-    try:
-        if "WORLD_SIZE" in env and ("LOCAL_WORLD_SIZE" in env or "RANK" in env):
-            world = _int(env, "WORLD_SIZE")
-            local_world = _int(env, "LOCAL_WORLD_SIZE", world)
-            return DistEnv("torchrun", _int(env, "RANK", 0), _int(env, "LOCAL_RANK", 0), _int(env, "GROUP_RANK", 0),
-                           world, local_world, max(1, world // max(local_world, 1)), env.get("MASTER_ADDR"),
-                           _int(env, "MASTER_PORT", None), _int(env, "TORCHELASTIC_RESTART_COUNT", 0))
-        if "SLURM_JOB_ID" in env and "SLURM_NNODES" in env:
-            nnodes = _int(env, "SLURM_NNODES")
-            ntasks = _int(env, "SLURM_NTASKS", nnodes)
-            per_node = _slurm_per_node(env.get("SLURM_NTASKS_PER_NODE")) or max(1, ntasks // nnodes)
-            addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
-            return DistEnv("slurm", _int(env, "SLURM_PROCID", 0), _int(env, "SLURM_LOCALID", 0),
-                           _int(env, "SLURM_NODEID", 0), ntasks, per_node, nnodes, addr or None,
-                           _int(env, "MASTER_PORT", None), _int(env, "SLURM_RESTART_COUNT", 0))
-    except ValueError as e:
-        raise UsageError(f"environment: {e}") from None
-    return None
-
-
-def _int(env: Mapping[str, str], key: str, default: int | None = ...) -> int | None:
-    raw = env.get(key)
-    if raw is None or raw == "":
-        if default is ...:
-            raise ValueError(f"{key} is not set")
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{key}={raw!r} is not an integer") from None
-    if value < 0:
-        raise ValueError(f"{key}={raw!r} is negative")
-    return value
-
-
-def _slurm_per_node(raw: str | None) -> int | None:
-    """SLURM_NTASKS_PER_NODE looks like '8' or '8(x2)' or '8(x2),4' (heterogeneous: the first count is used)."""
-    m = re.match(r"\s*(\d+)", raw or "")
-    return int(m.group(1)) if m and int(m.group(1)) > 0 else None
-
-
-def first_host(nodelist: str) -> str:
-    """First host of a Slurm node list: 'gpu[03-05,9],cpu1' -> 'gpu03'."""
-    m = re.match(r"\s*([^,\[]+)(?:\[([^\]]*)\])?", nodelist or "")
-    if not m:
-        return ""
-    prefix, ranges = m.group(1).strip(), m.group(2)
-    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
-
-
 # ------------------------------------------------------------------------------------------ this machine
 
 def local_gpus(env: Mapping[str, str] | None = None, run: Callable = subprocess.run) -> list[float]:
@@ -233,15 +162,17 @@ def _cpu_share(host_gib: float, procs: int) -> float:
 
 
 def layout_from_env(env: Mapping[str, str] | None = None, run: Callable = subprocess.run) -> Layout | None:
-    d = read_dist_env(env)
-    if d is None:
+    """The layout torchrun or Slurm describes (`evenrl.distributed.env`), on this machine's kind of device;
+    None outside both."""
+    env = os.environ if env is None else env
+    d = read_env(env)
+    if d.source is None:
         return None
     gpus = local_gpus(env, run)
     nnodes = min(max(d.nnodes, 1), MAX_NODES)
-    per_node = min(max(d.local_world_size, 1), MAX_PROCS_PER_NODE)
+    per_node = min(max(d.local_world, 1), MAX_PROCS_PER_NODE)
     if d.source == "slurm" and per_node == 1:
-        env_ = os.environ if env is None else env
-        per_node = _slurm_per_node(env_.get("SLURM_GPUS_ON_NODE")) or per_node  # one task per node runs torchrun
+        per_node = read_int(env, "SLURM_GPUS_ON_NODE", 0) or per_node  # one task per node runs torchrun
     if gpus:
         return make_layout(nnodes, per_node, device="cuda", device_memory_gib=min(gpus), source=d.source)
     return make_layout(nnodes, per_node, device="cpu", device_memory_gib=_cpu_share(host_memory_gib(), per_node),

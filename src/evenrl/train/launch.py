@@ -8,8 +8,8 @@
 
 The flags mean what torchrun's do. A process that already has a rank (torchrun, srun) is a worker and
 never launches again. Restarts use torch's elastic agent (`--max-restarts`); with gloo they fail on the
-shared rendezvous store's stale keys unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (FIELD_NOTES, pytorch#135712),
-so the launcher sets it. A restarted worker resumes from the latest checkpoint.
+shared rendezvous store's stale keys unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712), so the
+launcher sets it. A restarted worker resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 
+from evenrl.distributed.env import read_env
 from evenrl.errors import ArgumentParser, UsageError
 
 
@@ -36,14 +37,10 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
 
 
 def _is_worker() -> bool:
-    """Started by torchrun, or one of several Slurm tasks. A single Slurm task (salloc, an sbatch script
-    without --ntasks: read_dist_env then assumes one task per node) launches instead."""
-    from evenrl.planner.layout import read_dist_env
-
-    d = read_dist_env(os.environ)
-    if d is None:
-        return False
-    return d.source == "torchrun" or ("SLURM_NTASKS" in os.environ and d.world_size > 1)
+    """Started by torchrun, or one of several Slurm tasks (`launched` in evenrl.distributed.env). A single Slurm
+    task, a shell in an allocation (salloc) or a batch script without --ntasks launches instead."""
+    e = read_env()
+    return e.launched and (e.source == "torchrun" or e.world > 1)
 
 
 def main(argv: list[str]) -> int:
@@ -77,7 +74,9 @@ def run_worker(cmd: str, config: str, overrides: list[str], *, resume: bool) -> 
 
 
 def _restarted() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    """A worker that torchrun's elastic agent started again after a failure."""
+    e = read_env()
+    return e.source == "torchrun" and e.restart_count > 0
 
 
 def _launch(cmd: str, args: argparse.Namespace) -> int:

@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from evenrl import cli
-from evenrl.planner import plan
+from evenrl.planner import cli as plan_cli
 from evenrl.train import launch
 
 PLAN = {
     "config", "overrides", "-h", "--help", "--json", "--fit", "--from",
-    # layout (evenrl.layout.add_layout_args)
+    # layout (evenrl.planner.layout.add_layout_args)
     "--nnodes", "--num-nodes", "--nproc-per-node", "--num-gpus", "--rollout-devices", "--device",
     "--device-memory-gib", "--capacity-weights",
 }
@@ -29,7 +29,7 @@ def options(p):
 
 
 def test_plan_options_are_frozen():
-    assert options(plan.parser()) == PLAN
+    assert options(plan_cli.parser()) == PLAN
 
 
 def test_train_and_sft_options_are_frozen():

@@ -1,5 +1,5 @@
 """`evenrl plan --from`: each issue case shows the peer's failure with its exact message, and the evenrl
-equivalent runs. Messages are the peers' own (see evenrl.foreign's docstring for where they were checked)."""
+equivalent runs. Messages are the peers' own (see evenrl.planner.peers's docstring for where they were checked)."""
 
 import argparse
 import json
@@ -12,7 +12,8 @@ from evenrl.config import load_config
 from evenrl.errors import UsageError
 from evenrl.planner.peers import parse_flags, read_foreign, translate
 from evenrl.planner.layout import make_layout
-from evenrl.planner.plan import fit, make_plan, render
+from evenrl.planner.fit import fit
+from evenrl.planner.plan import make_plan, render
 
 QWEN7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
           "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,

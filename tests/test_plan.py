@@ -1,6 +1,8 @@
 """The planner: one table-driven test per rule, the plan's numbers, --fit, the JSON schema and the CLI
 (exit codes 0/1/2, one-line errors, no torch import). Subprocess calls are batched: each costs ~0.3 s."""
 
+import ast
+import graphlib
 import json
 import subprocess
 import sys
@@ -13,8 +15,9 @@ import yaml
 from evenrl.cli import main as cli_main
 from evenrl.config import RunConfig, load_config
 from evenrl.errors import UsageError
+from evenrl.planner.fit import fit, minimal_yaml
 from evenrl.planner.layout import Layout, detect_local, make_layout
-from evenrl.planner.plan import fit, make_plan, minimal_yaml, render
+from evenrl.planner.plan import make_plan, render
 
 QWEN7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
           "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
@@ -324,21 +327,86 @@ def test_render_groups_ranks_and_stays_compact():
 
 
 def test_subprocess_no_torch_no_traceback(tmp_path):
-    """The real entry points in fresh interpreters: exit codes, one-line stderr, torch never imported."""
+    """The real entry points in fresh interpreters: exit codes, one-line stderr, and torch never imported by any
+    planner module (walked with pkgutil, so a new module is covered without editing this test) nor by a run."""
+    trl = tmp_path / "grpo.yaml"
+    trl.write_text(yaml.safe_dump({"num_processes": 2, "per_device_train_batch_size": 4, "num_generations": 4}))
     code = (
-        "import sys\n"
+        "import importlib, pkgutil, sys\n"
+        "import evenrl.planner\n"
+        "names = ['evenrl.config', 'evenrl.core.schedule', 'evenrl.core.partition']\n"
+        "names += [m.name for m in pkgutil.walk_packages(evenrl.planner.__path__, 'evenrl.planner.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
         "from evenrl.cli import main\n"
         "codes = [main(['plan', '" + EXAMPLE + "', '--nnodes', '8', '--nproc-per-node', '8', '--json']),\n"
-        "         main(['plan', '" + EXAMPLE + "', 'rollout.samples_per_prompt=1', '--fit'])]\n"
+        "         main(['plan', '" + EXAMPLE + "', 'rollout.samples_per_prompt=1', '--fit']),\n"
+        "         main(['plan', '--from', 'trl', '" + str(trl) + "', '--fit'])]\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "print('MODULES', sorted(names))\n"
         "print('CODES', codes)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "CODES [0, 0]" in r.stdout
+    assert "CODES [0, 0, 0]" in r.stdout
+    for name in ("plan", "fit", "cli", "rules", "render", "memory", "layout", "peers", "peers.reader", "peers.verl",
+                 "peers.easyr1", "peers.trl", "peers.openrlhf"):
+        assert f"'evenrl.planner.{name}'" in r.stdout, name  # the walk found them all
     bad = subprocess.run([sys.executable, "-m", "evenrl.cli", "plan", EXAMPLE,
                           "data.prompts_per_step=1000000000000"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
     err = subprocess.run([sys.executable, "-m", "evenrl.cli", "plan", EXAMPLE,
                           "rollout.samples_per_prompt=1"], capture_output=True, text=True, timeout=60)
     assert err.returncode == 1 and "single-sample-group" in err.stdout
+
+
+def planner_imports() -> dict[str, set[str]]:
+    """module -> the evenrl.planner modules it imports, read from the source with ast. Imports inside functions
+    count (a lazy import is still a dependency); those under `if TYPE_CHECKING:` do not (annotations only, never
+    run). `from a import b` names a.b when that is a module, else a; a package is not counted as imported by
+    its own submodules (Python imports parents first, whichever way the modules depend)."""
+    src = ROOT / "src"
+    files = {".".join(f.relative_to(src).with_suffix("").parts).removesuffix(".__init__"): f
+             for f in (src / "evenrl" / "planner").rglob("*.py")}
+    graph = {}
+    for name, f in files.items():
+        tree = ast.parse(f.read_text(), str(f))
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, up level - 1
+                    pkg = name.split(".") if f.name == "__init__.py" else name.split(".")[:-1]
+                    base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+                deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def test_planner_has_no_import_cycles():
+    graph = planner_imports()
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        pytest.fail(f"import cycle in evenrl.planner: {' -> '.join(e.args[1])}")
+    assert {"evenrl.planner.plan", "evenrl.planner.fit", "evenrl.planner.peers"} <= graph["evenrl.planner.cli"]
+
+    def below(name):  # everything `name` imports, directly or not
+        seen, todo = set(), [name]
+        while todo:
+            for d in graph[todo.pop()] - seen:
+                seen.add(d)
+                todo.append(d)
+        return seen
+
+    top = {"evenrl.planner.cli", "evenrl.planner.fit"} | {m for m in graph if m.startswith("evenrl.planner.peers")}
+    assert not below("evenrl.planner.plan") & top  # the plan knows nothing of its callers
+    assert not below("evenrl.planner.fit") & top
+    assert not any(m.startswith("evenrl.planner.peers") and "evenrl.planner.cli" in below(m) for m in graph)
+

@@ -19,7 +19,7 @@ from evenrl.errors import UsageError
 
 # subcommand -> (module, one-line help). Each module exposes main(argv: list[str]) -> int.
 COMMANDS = {
-    "plan": ("evenrl.planner.plan", "check a config against a cluster layout before loading anything"),
+    "plan": ("evenrl.planner.cli", "check a config against a cluster layout before loading anything"),
     "train": ("evenrl.train.launch", "RL post-training (GRPO family) on 1..N processes"),
     "sft": ("evenrl.train.launch", "supervised warm start on the same data core and launcher"),
     "report": ("evenrl.report", "plot a run directory's metrics to PNG"),

@@ -1,19 +1,18 @@
-"""`evenrl plan`: every layout, batch and memory problem of a run, found before anything is loaded, with the fix.
+"""The plan of a run: what the trainer would do with a config on a layout, and every problem with it.
 
-    evenrl plan examples/plan_512x8.yaml --nnodes 8 --nproc-per-node 8 --device cuda --device-memory-gib 80
-    evenrl plan examples/plan_512x8.yaml data.prompts_per_step=2 rollout.samples_per_prompt=1 --nproc-per-node 4
-    evenrl plan CONFIG --fit             # print the nearest config that runs well on this layout, and its plan
-    evenrl plan --from verl FILE [overrides] [layout flags]    # a peer's config: its failures, evenrl's equivalent
+    plan = make_plan(load_config("examples/plan_512x8.yaml"), make_layout(8, 8, device="cuda"))
+    print(render(plan)); plan.runnable; plan.to_dict()
 
-The step is simulated with evenrl.schedule on worst-case lengths (every sample max_prompt_tokens +
-max_new_tokens), so per-rank rows, tokens and micro-steps are what the trainer would run for such a step.
-Derived numbers live in `Plan`; the config is never changed (--fit builds a validated copy).
-Exit codes: 0 runnable (no error finding), 1 an error finding, 2 unusable input (one line on stderr).
-Never imports torch. Answers in well under a second (512 prompts x 8 samples on 64 ranks: ~0.1 s).
-The rules that produce findings live in evenrl.rules, the text form in evenrl.render; `Finding` and
-`render` are importable from here too.
+The step is simulated with evenrl.core.schedule on worst-case lengths (every sample max_prompt_tokens +
+max_new_tokens), so per-rank rows, tokens and micro-steps are what the trainer would run for such a step; past
+SIMULATE_MAX the same numbers come in closed form, so a huge step still plans in well under a second
+(512 prompts x 8 samples on 64 ranks: ~0.1 s).
+Derived numbers live in `Plan`; the config is never changed. The rules that produce findings live in
+evenrl.planner.rules, the text form in evenrl.planner.render; `Finding` and `render` are importable from here
+too. The command line (evenrl.planner.cli) and --fit (evenrl.planner.fit) build on this module; it imports
+neither, nor the peers' readers. Never imports torch.
 
-JSON (--json), schema "evenrl.plan/1":
+Plan.to_dict(), schema "evenrl.plan/1" (what --json prints):
   schema, runnable (bool), counts {error, warning, note},
   layout {nnodes, nproc_per_node, device, device_memory_gib, capacity_weights, rollout_devices, source,
           world, training_ranks},
@@ -26,30 +25,24 @@ JSON (--json), schema "evenrl.plan/1":
   memory null | {breakdown_gib{...}, total_gib, capacity_gib, fits, params, micro_tokens,
                  rollout_samples_per_rank, host_gib, assumptions[], fixes[{settings, total_gib, fits, why}]},
   findings [{level, rule, message, fix}]   (errors first)
-With --fit: the plan of the original config plus "fit": {changes[{key, from, to}], config{...}, plan{...}}.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-import yaml
-
-from evenrl.config import RunConfig, load_config
-from evenrl.errors import ArgumentParser
-from evenrl.planner.layout import Layout, add_layout_args, has_shape_flags, layout_from_args
-from evenrl.planner.memory import ModelDims, MemoryEstimate, MemoryFix, dims_from_config, estimate_memory, memory_fixes, read_model_dims, with_settings
+from evenrl.config import RunConfig
 from evenrl.core.partition import lower_bound
-from evenrl.planner.render import render
-from evenrl.planner.rules import GROUP_ADVANTAGES, RULES, Finding
 from evenrl.core.schedule import ScheduleError, make_schedule
+from evenrl.planner.layout import Layout
+from evenrl.planner.memory import (ModelDims, MemoryEstimate, MemoryFix, dims_from_config, estimate_memory,
+                                   memory_fixes, read_model_dims)
+from evenrl.planner.render import render
+from evenrl.planner.rules import RULES, Finding
+
+__all__ = ["Plan", "RankRow", "Finding", "make_plan", "count_rows", "render"]
 
 SIMULATE_MAX = 50_000  # samples (or mini-batches x ranks) beyond which per-rank numbers are computed, not simulated
 COUNT_MAX_BYTES = 512 * 1024**2  # jsonl files larger than this are not line-counted
@@ -239,145 +232,3 @@ def count_rows(path: str) -> int | None:
     except Exception:  # an unreadable dataset is the trainer's error to report; here it only means "unknown"
         return None
     return None
-
-
-# ------------------------------------------------------------------------------------------ --fit
-
-def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
-    """The nearest config that runs well on plan.layout, and its changes as (key, old, new).
-    Layout problems (no training ranks) and missing files cannot be fixed here; they stay in the re-plan."""
-    cfg, lay, s = plan.config, plan.layout, {}
-    t = max(lay.training_ranks, 1)
-    if cfg.algo.advantage in GROUP_ADVANTAGES and cfg.rollout.samples_per_prompt == 1:
-        s["rollout.samples_per_prompt"] = 4
-    if cfg.rollout.temperature == 0 and cfg.algo.advantage in GROUP_ADVANTAGES:
-        s["rollout.temperature"] = 1.0
-    if cfg.parallel.capacity_weights and len(cfg.parallel.capacity_weights) != t:
-        s["parallel.capacity_weights"] = None
-    if cfg.parallel.cpu_offload == "full" and cfg.parallel.sharding != "fsdp":
-        s["parallel.sharding" if t > 1 else "parallel.cpu_offload"] = "fsdp" if t > 1 else "optimizer"
-    if cfg.rollout.memory_fraction > 0 and cfg.rollout.engine == "hf":
-        s["rollout.memory_fraction"] = 0.0
-    k = s.get("rollout.samples_per_prompt", cfg.rollout.samples_per_prompt)
-    prompts, m, mrows = cfg.data.prompts_per_step, cfg.algo.minibatches_per_step, cfg.train.min_rows_per_micro_batch
-    m = min(m, prompts)
-    need = max(prompts, m * math.ceil(t * mrows / k))  # every rank trains and generates (>= 1 sample each)
-    if plan.imbalance and plan.imbalance >= 1.10:
-        step = t * m // math.gcd(t * m, k)
-        even = math.ceil(need / step) * step
-        need = even if even <= 2 * need else need
-    if need != prompts:
-        s["data.prompts_per_step"] = need
-    if m != cfg.algo.minibatches_per_step:
-        s["algo.minibatches_per_step"] = m
-    length = plan.sample_tokens
-    if cfg.train.token_cap_per_micro_batch < max(length, mrows * length):
-        s["train.token_cap_per_micro_batch"] = max(length, mrows * length)
-    new = with_settings(cfg, s) if s else cfg
-    if plan.dims and lay.training_ranks >= 1 and lay.device_memory_gib:
-        new = _fit_memory(new, lay, plan.dims)
-    changes = []
-    old_d, new_d = _flat(cfg.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
-    for key, value in new_d.items():
-        if old_d.get(key) != value:
-            changes.append((key, old_d.get(key), value))
-    return new, changes
-
-
-# Least intrusive first; algorithm-changing knobs (kl, prompts) only when nothing else fits.
-_PREFERENCE = ["model.gradient_checkpointing", "parallel.sharding", "train.token_cap_per_micro_batch", "model.dtype",
-               "parallel.cpu_offload", "rollout.memory_fraction", "algo.kl_coef", "data.prompts_per_step"]
-
-
-def _fit_memory(cfg: RunConfig, lay: Layout, dims: ModelDims) -> RunConfig:
-    for _ in range(len(_PREFERENCE)):
-        if estimate_memory(cfg, lay, dims).total_gib <= lay.device_memory_gib:
-            return cfg
-        fixes = memory_fixes(cfg, lay, dims)
-        if not fixes:
-            return cfg
-        fitting = [f for f in fixes if f.fits]
-        rank = {key: i for i, key in enumerate(_PREFERENCE)}
-        pick = (min(fitting, key=lambda f: (max(rank.get(k, 99) for k in f.settings), len(f.settings))) if fitting
-                else next((f for f in fixes if not {"algo.kl_coef", "data.prompts_per_step"} & set(f.settings)),
-                          fixes[0]))
-        cfg = with_settings(cfg, pick.settings)
-    return cfg
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-ALWAYS_SHOWN = {"data": ("prompts_per_step",), "rollout": ("samples_per_prompt",), "algo": ("minibatches_per_step",)}
-
-
-def minimal_yaml(cfg: RunConfig) -> str:
-    """The batch keys and those that differ from the defaults, as a config file (defaults fill in the rest)."""
-    default = RunConfig().model_dump(mode="json")
-    full = cfg.model_dump(mode="json")
-    diff = {sec: {k: v for k, v in vals.items() if default[sec].get(k) != v or k in ALWAYS_SHOWN.get(sec, ())}
-            for sec, vals in full.items()}
-    diff = {sec: vals for sec, vals in diff.items() if vals}
-    return yaml.safe_dump(diff, sort_keys=False) if diff else "{}\n"
-
-
-# ------------------------------------------------------------------------------------------ command line
-
-def parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="evenrl plan", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="evenrl YAML config (or the peer's file with --from)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.prompts_per_step=64")
-    add_layout_args(p)
-    p.add_argument("--json", action="store_true", help="print the plan as JSON (schema evenrl.plan/1)")
-    p.add_argument("--fit", action="store_true", help="print the nearest config that runs well, and its plan")
-    p.add_argument("--from", dest="framework", choices=["verl", "easyr1", "trl", "openrlhf"],
-                   help="read CONFIG as that framework's config and show its checks and evenrl's equivalent")
-    return p
-
-
-def main(argv: list[str]) -> int:
-    ns = parser().parse_intermixed_args(argv)
-    if ns.framework:
-        from evenrl.planner.peers import run_foreign
-
-        return run_foreign(ns)
-    cfg = load_config(ns.config, ns.overrides)
-    layout = layout_from_args(ns)
-    plan = make_plan(cfg, layout)
-    hint = ""
-    if has_shape_flags(ns) and ns.device is None and layout.device == "cpu":  # e.g. planning a cluster on a laptop
-        hint = "no GPU on this machine: planning CPU processes (--device cuda --device-memory-gib N plans GPUs)"
-    return report(plan, as_json=ns.json, with_fit=ns.fit, title=f"evenrl plan: {ns.config}", head_text=hint)
-
-
-def report(plan: Plan, *, as_json: bool, with_fit: bool, title: str, head: dict | None = None,
-           head_text: str = "") -> int:
-    """Print a plan (and with_fit: the fitted config and its plan); return the exit code."""
-    final = plan
-    doc = dict(head, plan=plan.to_dict()) if head else plan.to_dict()
-    text = [title, head_text, render(plan)] if head_text else [title, render(plan)]
-    if with_fit:
-        cfg, changes = fit(plan)
-        final = make_plan(cfg, plan.layout)
-        doc["fit"] = {"changes": [{"key": k, "from": a, "to": b} for k, a, b in changes],
-                      "config": cfg.model_dump(mode="json"), "plan": final.to_dict()}
-        text.append("\n--fit: " + ("no change needed" if not changes else
-                                   "; ".join(f"{k} {a} -> {b}" for k, a, b in changes)))
-        text.append("fitted config (keys that differ from the defaults):\n" + minimal_yaml(cfg).rstrip())
-        text.append("plan of the fitted config:\n" + render(final))
-    try:
-        print(json.dumps(doc, indent=1) if as_json else "\n".join(text), flush=True)
-    except BrokenPipeError:  # `evenrl plan ... | head`: the reader left early; the plan itself is fine
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0 if final.runnable else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,111 @@
+"""`evenrl plan`: every layout, batch and memory problem of a run, found before anything is loaded, with the fix.
+
+    evenrl plan examples/plan_512x8.yaml --nnodes 8 --nproc-per-node 8 --device cuda --device-memory-gib 80
+    evenrl plan examples/plan_512x8.yaml data.prompts_per_step=2 rollout.samples_per_prompt=1 --nproc-per-node 4
+    evenrl plan CONFIG --fit             # print the nearest config that runs well on this layout, and its plan
+    evenrl plan --from verl FILE [overrides] [layout flags]    # a peer's config: its failures, evenrl's equivalent
+
+Exit codes: 0 runnable (no error finding), 1 an error finding, 2 unusable input (one line on stderr). With
+--from, 0 means the evenrl equivalent is runnable: the peer's failures are what the command explains.
+JSON (--json): the plan, schema "evenrl.plan/1" (its fields: evenrl.planner.plan). With --fit, plus
+  "fit": {changes[{key, from, to}], config{...}, plan{evenrl.plan/1}}.
+With --from, schema "evenrl.foreign/1":
+  {schema, framework, file, layout, checks[{stage, error, message, why, version}], notes[], config{...},
+   plan{evenrl.plan/1}}  (+ "fit" with --fit, as above).
+
+This module is the top of the planner: it brings together plan (the numbers and findings), fit (the nearest
+good config) and peers (other frameworks' configs). None of them imports it, and plan imports neither fit nor
+peers, so the planner has no import cycle (tests/test_plan.py checks the graph).
+Never imports torch (a test enforces it), so it answers on any machine in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+from evenrl.config import load_config
+from evenrl.errors import ArgumentParser
+from evenrl.planner.fit import fit, minimal_yaml
+from evenrl.planner.layout import add_layout_args, has_shape_flags, layout_from_args
+from evenrl.planner.peers import NAMES, read_foreign, translate
+from evenrl.planner.plan import Plan, make_plan
+from evenrl.planner.render import render
+
+
+def parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="evenrl plan", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="evenrl YAML config (or the peer's file with --from)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.prompts_per_step=64")
+    add_layout_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (schema evenrl.plan/1)")
+    p.add_argument("--fit", action="store_true", help="print the nearest config that runs well, and its plan")
+    p.add_argument("--from", dest="framework", choices=["verl", "easyr1", "trl", "openrlhf"],
+                   help="read CONFIG as that framework's config and show its checks and evenrl's equivalent")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    ns = parser().parse_intermixed_args(argv)
+    if ns.framework:
+        return run_foreign(ns)
+    cfg = load_config(ns.config, ns.overrides)
+    layout = layout_from_args(ns)
+    plan = make_plan(cfg, layout)
+    hint = ""
+    if has_shape_flags(ns) and ns.device is None and layout.device == "cpu":  # e.g. planning a cluster on a laptop
+        hint = "no GPU on this machine: planning CPU processes (--device cuda --device-memory-gib N plans GPUs)"
+    return report(plan, as_json=ns.json, with_fit=ns.fit, title=f"evenrl plan: {ns.config}", head_text=hint)
+
+
+def report(plan: Plan, *, as_json: bool, with_fit: bool, title: str, head: dict | None = None,
+           head_text: str = "") -> int:
+    """Print a plan (and with_fit: the fitted config and its plan); return the exit code."""
+    final = plan
+    doc = dict(head, plan=plan.to_dict()) if head else plan.to_dict()
+    text = [title, head_text, render(plan)] if head_text else [title, render(plan)]
+    if with_fit:
+        cfg, changes = fit(plan)
+        final = make_plan(cfg, plan.layout)
+        doc["fit"] = {"changes": [{"key": k, "from": a, "to": b} for k, a, b in changes],
+                      "config": cfg.model_dump(mode="json"), "plan": final.to_dict()}
+        text.append("\n--fit: " + ("no change needed" if not changes else
+                                   "; ".join(f"{k} {a} -> {b}" for k, a, b in changes)))
+        text.append("fitted config (keys that differ from the defaults):\n" + minimal_yaml(cfg).rstrip())
+        text.append("plan of the fitted config:\n" + render(final))
+    try:
+        print(json.dumps(doc, indent=1) if as_json else "\n".join(text), flush=True)
+    except BrokenPipeError:  # `evenrl plan ... | head`: the reader left early; the plan itself is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0 if final.runnable else 1
+
+
+
+def run_foreign(ns: argparse.Namespace) -> int:
+    """`--from`: the peer's failing checks and notes, the equivalent evenrl config, and that config's plan."""
+    fw = ns.framework
+    data = read_foreign(fw, ns.config, ns.overrides)
+    t, cfg = translate(fw, data, ns)
+    plan = make_plan(cfg, t.layout)
+    name = NAMES[fw]
+    lines = [f"{name} on {t.layout.describe()}"]
+    if t.checks:
+        lines.append(f"  {name} would fail {len(t.checks)} check{'s' if len(t.checks) > 1 else ''} "
+                     "(in the order it meets them):")
+        lines += [f"  {i}. {c.text()}" for i, c in enumerate(t.checks, 1)]
+    else:
+        lines.append(f"  {name} would pass its batch checks on this layout")
+    lines += [f"  note: {n}" for n in t.notes]
+    lines.append("equivalent evenrl config (keys that differ from the defaults; any batch runs on any ranks):")
+    lines.append(minimal_yaml(cfg).rstrip())
+    lines.append("its plan:")
+    head = {"schema": "evenrl.foreign/1", "framework": fw, "file": ns.config, "layout": t.layout.to_dict(),
+            "checks": [asdict(c) for c in t.checks], "notes": t.notes, "config": cfg.model_dump(mode="json")}
+    return report(plan, as_json=ns.json, with_fit=ns.fit, title=f"evenrl plan --from {fw}: {ns.config}",
+                  head=head, head_text="\n".join(lines))
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,100 @@
+"""`evenrl plan --fit`: the nearest config that runs well on the planned layout, and that config as a short file.
+
+    evenrl plan examples/plan_512x8.yaml --nproc-per-node 6 --fit
+
+fit() changes only what a finding asks for: group size and temperature for group advantages, capacity weights
+that do not match the ranks, offload without sharding, a rollout reserve the HF sampler cannot use, then the
+batch (enough prompts that every rank trains and generates, a multiple of ranks x mini-batches when the split
+is uneven) and the token cap (one sample, or min_rows samples, must fit). Memory comes last: knobs from
+memory_fixes, least intrusive first, until the estimate fits. Layout problems and missing files stay in the
+re-plan: no setting fixes them. The original config is never changed; the result is validated.
+Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import yaml
+
+from evenrl.config import RunConfig, flatten, with_settings
+from evenrl.planner.layout import Layout
+from evenrl.planner.memory import ModelDims, estimate_memory, memory_fixes
+from evenrl.planner.plan import Plan
+from evenrl.planner.rules import GROUP_ADVANTAGES
+
+
+def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
+    """The nearest config that runs well on plan.layout, and its changes as (key, old, new).
+    Layout problems (no training ranks) and missing files cannot be fixed here; they stay in the re-plan."""
+    cfg, lay, s = plan.config, plan.layout, {}
+    t = max(lay.training_ranks, 1)
+    if cfg.algo.advantage in GROUP_ADVANTAGES and cfg.rollout.samples_per_prompt == 1:
+        s["rollout.samples_per_prompt"] = 4
+    if cfg.rollout.temperature == 0 and cfg.algo.advantage in GROUP_ADVANTAGES:
+        s["rollout.temperature"] = 1.0
+    if cfg.parallel.capacity_weights and len(cfg.parallel.capacity_weights) != t:
+        s["parallel.capacity_weights"] = None
+    if cfg.parallel.cpu_offload == "full" and cfg.parallel.sharding != "fsdp":
+        s["parallel.sharding" if t > 1 else "parallel.cpu_offload"] = "fsdp" if t > 1 else "optimizer"
+    if cfg.rollout.memory_fraction > 0 and cfg.rollout.engine == "hf":
+        s["rollout.memory_fraction"] = 0.0
+    k = s.get("rollout.samples_per_prompt", cfg.rollout.samples_per_prompt)
+    prompts, m, mrows = cfg.data.prompts_per_step, cfg.algo.minibatches_per_step, cfg.train.min_rows_per_micro_batch
+    m = min(m, prompts)
+    need = max(prompts, m * math.ceil(t * mrows / k))  # every rank trains and generates (>= 1 sample each)
+    if plan.imbalance and plan.imbalance >= 1.10:
+        step = t * m // math.gcd(t * m, k)
+        even = math.ceil(need / step) * step
+        need = even if even <= 2 * need else need
+    if need != prompts:
+        s["data.prompts_per_step"] = need
+    if m != cfg.algo.minibatches_per_step:
+        s["algo.minibatches_per_step"] = m
+    length = plan.sample_tokens
+    if cfg.train.token_cap_per_micro_batch < max(length, mrows * length):
+        s["train.token_cap_per_micro_batch"] = max(length, mrows * length)
+    new = with_settings(cfg, s) if s else cfg
+    if plan.dims and lay.training_ranks >= 1 and lay.device_memory_gib:
+        new = _fit_memory(new, lay, plan.dims)
+    changes = []
+    old_d, new_d = flatten(cfg.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
+    for key, value in new_d.items():
+        if old_d.get(key) != value:
+            changes.append((key, old_d.get(key), value))
+    return new, changes
+
+
+# Least intrusive first; algorithm-changing knobs (kl, prompts) only when nothing else fits.
+_PREFERENCE = ["model.gradient_checkpointing", "parallel.sharding", "train.token_cap_per_micro_batch", "model.dtype",
+               "parallel.cpu_offload", "rollout.memory_fraction", "algo.kl_coef", "data.prompts_per_step"]
+
+
+def _fit_memory(cfg: RunConfig, lay: Layout, dims: ModelDims) -> RunConfig:
+    for _ in range(len(_PREFERENCE)):
+        if estimate_memory(cfg, lay, dims).total_gib <= lay.device_memory_gib:
+            return cfg
+        fixes = memory_fixes(cfg, lay, dims)
+        if not fixes:
+            return cfg
+        fitting = [f for f in fixes if f.fits]
+        rank = {key: i for i, key in enumerate(_PREFERENCE)}
+        pick = (min(fitting, key=lambda f: (max(rank.get(k, 99) for k in f.settings), len(f.settings))) if fitting
+                else next((f for f in fixes if not {"algo.kl_coef", "data.prompts_per_step"} & set(f.settings)),
+                          fixes[0]))
+        cfg = with_settings(cfg, pick.settings)
+    return cfg
+
+
+ALWAYS_SHOWN = {"data": ("prompts_per_step",), "rollout": ("samples_per_prompt",), "algo": ("minibatches_per_step",)}
+
+
+def minimal_yaml(cfg: RunConfig) -> str:
+    """The batch keys and those that differ from the defaults, as a config file (defaults fill in the rest)."""
+    default = RunConfig().model_dump(mode="json")
+    full = cfg.model_dump(mode="json")
+    diff = {sec: {k: v for k, v in vals.items() if default[sec].get(k) != v or k in ALWAYS_SHOWN.get(sec, ())}
+            for sec, vals in full.items()}
+    diff = {sec: vals for sec, vals in diff.items() if vals}
+    return yaml.safe_dump(diff, sort_keys=False) if diff else "{}\n"

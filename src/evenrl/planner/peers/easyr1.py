@@ -1,0 +1,86 @@
+"""EasyR1: its batch checks (ray_trainer, fsdp_workers) and its config as evenrl settings.
+
+EasyR1 counts rollout_batch_size and global_batch_size in prompts and the micro-batch sizes per device in samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from evenrl.planner.peers.reader import (
+    Check, Source, Translation, check_dataloader, set_advantage, set_data, set_kl, set_lengths, set_loss_agg,
+    set_model, set_parallel, set_sampling, set_steps, trainer_layout)
+
+
+def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
+    """EasyR1's config -> t: the checks EasyR1 would fail on t.layout, and the evenrl settings."""
+    a = "worker.actor."
+    t.layout = trainer_layout(src, ns)
+    world = t.layout.world
+    rbs, n = src.int("data.rollout_batch_size", 512), src.int("worker.rollout.n", 1)
+    gbs = src.int(a + "global_batch_size", 256)
+    m_up = src.int(a + "micro_batch_size_per_device_for_update", 4)
+    m_exp = src.int(a + "micro_batch_size_per_device_for_experience", 16)
+    sp = src.int(a + "ulysses_size", None) or src.int(a + "ulysses_sequence_parallel_size", 1)
+    plen, rlen = src.int("data.max_prompt_length", 512), src.int("data.max_response_length", 512)
+    adv = src.str("algorithm.adv_estimator", "grpo")
+    if rbs % gbs:
+        t.checks.append(Check("config", "ValueError",
+                              "Rollout batch size must be divisible by actor global batch size.",
+                              f"rollout_batch_size {rbs} % global_batch_size {gbs} = {rbs % gbs}"))
+    if (rbs * n) % m_exp:
+        t.checks.append(Check("config", "ValueError",
+                              "Rollout batch size * rollout.n must be divisible by actor micro batch size for "
+                              "experience.", f"{rbs} x {n} = {rbs * n}; % micro_batch_size_per_device_for_experience "
+                              f"{m_exp} = {rbs * n % m_exp}"))
+    if adv in ("grpo", "rloo") and n == 1:
+        t.checks.append(Check("config", "ValueError", "GRPO and RLOO algorithm need `config.worker.rollout.n > 1`.",
+                              "one sample per prompt has no group baseline", "recent EasyR1"))
+    per_dev = (gbs * n if n > 1 else gbs) // max(world // sp, 1)
+    if per_dev == 0:
+        t.checks.append(Check("worker", "ValueError",
+                              "actor global batch size * ulysses size must be larger than num gpus.",
+                              f"global_batch_size {gbs} x n {n} // ({world} GPUs // ulysses {sp}) = 0"))
+    elif per_dev % m_up:
+        t.checks.append(Check("worker", "ValueError",
+                              "actor global batch size per device must be divisible by the micro batch size.",
+                              f"global_batch_size {gbs} x rollout.n {n} = {gbs * n} samples // {world // sp} GPUs "
+                              f"= {per_dev} per GPU; {per_dev} % micro_batch_size_per_device_for_update {m_up} = "
+                              f"{per_dev % m_up}"))
+    if per_dev and src.bool(a + "fsdp.enable_cpu_offload", False) and per_dev != m_up:
+        t.checks.append(Check("worker", "ValueError",
+                              "actor cannot use FSDP's CPU offload when gradient accumulation is enabled.",
+                              f"{per_dev} samples per GPU != micro_batch_size_per_device_for_update {m_up}"))
+    if rbs % world:
+        t.checks.append(Check("rollout", "AssertionError",
+                              f"only support equal chunk. Got size of DataProto {rbs} and chunk {world}.",
+                              f"the {rbs} prompts are split over {world} workers for generation: {rbs} % {world} = "
+                              f"{rbs % world} (not checked up front)"))
+    check_dataloader(src, t, "data.train_files", rbs, "AssertionError", "")
+    t.set("data.prompts_per_step", rbs, "data.rollout_batch_size")
+    t.set("rollout.samples_per_prompt", n, "worker.rollout.n")
+    set_lengths(t, plen, rlen, "data.max_prompt_length", "data.max_response_length")
+    t.set("algo.minibatches_per_step", max(1, rbs // gbs), a + "global_batch_size")
+    t.set("algo.epochs_per_step", src.int(a + "ppo_epochs", 1), a + "ppo_epochs")
+    t.set("train.token_cap_per_micro_batch", m_up * (plen + rlen), a + "micro_batch_size_per_device_for_update")
+    set_sampling(src, t, "worker.rollout.temperature", "worker.rollout.top_p")
+    t.set("train.lr", src.float(a + "optim.lr", 1e-6), a + "optim.lr")
+    t.set("algo.clip_low", src.float(a + "clip_ratio_low", 0.2), a + "clip_ratio_low")
+    t.set("algo.clip_high", src.float(a + "clip_ratio_high", 0.3), a + "clip_ratio_high")
+    if not src.bool("algorithm.disable_kl", False):
+        coef = src.float("algorithm.kl_coef", 1e-3)  # first: with two bad keys, the error names this one
+        where = "loss" if src.bool("algorithm.use_kl_loss", False) else "reward"
+        set_kl(t, coef, where, src.str("algorithm.kl_penalty", "kl"), "algorithm.kl_coef")
+    set_advantage(t, adv, "algorithm.adv_estimator",
+               {"grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_pp_baseline"})
+    mode = src.str(a + "loss_avg_mode", "token")
+    set_loss_agg(t, {"token": "token-mean", "seq": "seq-mean-token-mean"}.get(mode, mode), a + "loss_avg_mode")
+    set_model(t, src.str(a + "model.model_path"), a + "model.model_path")
+    t.set("model.gradient_checkpointing", src.bool(a + "model.enable_gradient_checkpointing", True),
+          a + "model.enable_gradient_checkpointing")
+    set_parallel(t, world, params=src.bool(a + "offload.offload_params", False),
+              optimizer=src.bool(a + "offload.offload_optimizer", False),
+              shard=src.bool(a + "fsdp.enable_full_shard", True))
+    set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"),
+          src.str("data.answer_key", "answer"))
+    set_steps(src, t, "trainer.max_steps", "trainer.total_episodes", 10, rbs)

@@ -1,0 +1,92 @@
+"""OpenRLHF: train_ppo_ray's batch checks (and DeepSpeed's, at init) and its flags as evenrl settings.
+
+OpenRLHF sizes actors (actor_num_nodes x actor_num_gpus_per_node) and vLLM engines separately; unless
+colocate_all_models, the engines' GPUs are extra devices that generate and do not train.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from evenrl.planner.layout import Layout, has_shape_flags
+from evenrl.planner.plan import count_rows
+from evenrl.planner.peers.reader import (
+    Check, Source, Translation, gpu_layout, set_advantage, set_data, set_kl, set_lengths, set_model, set_parallel,
+    set_sampling)
+
+
+def _split_layout(ns, nodes: int, train_per_node: int, rollout: int) -> Layout:
+    """Training ranks nodes x train_per_node plus `rollout` generation devices, as nodes x processes."""
+    if rollout % nodes == 0:
+        return gpu_layout(ns, nodes, train_per_node + rollout // nodes, rollout)
+    return gpu_layout(ns, 1, nodes * train_per_node + rollout, rollout)
+
+
+def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
+    """OpenRLHF's flags -> t: the checks OpenRLHF would fail on t.layout, and the evenrl settings."""
+    if has_shape_flags(ns):
+        nodes, per = ns.nnodes or 1, ns.nproc_per_node or 1
+    else:
+        nodes, per = src.int("actor_num_nodes", 1), src.int("actor_num_gpus_per_node", 8)
+    engines, tp = src.int("vllm_num_engines", 0, lo=0), src.int("vllm_tensor_parallel_size", 1)
+    shared = src.bool("colocate_all_models", False)
+    rollout = ns.rollout_devices if ns.rollout_devices is not None else (0 if shared else engines * tp)
+    t.layout = _split_layout(argparse.Namespace(**{**vars(ns), "rollout_devices": None}), nodes, per, rollout)
+    aw = nodes * per
+    rbs, n = src.int("rollout_batch_size", 1024), src.int("n_samples_per_prompt", 1)
+    tbs, micro = src.int("train_batch_size", 128), src.int("micro_train_batch_size", 8)
+    mroll = src.int("micro_rollout_batch_size", 8)
+    ring, dstp = src.int("ring_attn_size", 1), src.int("ds_tensor_parallel_size", 1)
+    plen, glen = src.int("prompt_max_len", 1024), src.int("generate_max_len", 1024)
+    if rbs % aw:
+        t.checks.append(Check("config", "AssertionError",
+                              f"rollout_bach_size must be divisible by actor_world_size, got {rbs} and {aw}",
+                              f"rollout_batch_size {rbs} % {aw} actor GPUs = {rbs % aw}", "older OpenRLHF"))
+    if engines and aw % engines and engines % aw:
+        t.checks.append(Check("config", "AssertionError",
+                              f"actor_world_size must be divisible by vllm_num_engines, got {aw} and {engines}",
+                              f"{aw} actor GPUs, {engines} vLLM engines"))
+    dp = max(aw // ring // dstp, 1)
+    if n * rbs // mroll < dp:
+        t.checks.append(Check("config", "AssertionError",
+                              "The number of sample batches must be greater than or equal to the effective number of "
+                              "actor processes.", f"n_samples_per_prompt {n} x rollout_batch_size {rbs} // "
+                              f"micro_rollout_batch_size {mroll} = {n * rbs // mroll} < {dp} actor processes"))
+    acc = tbs // (micro * dp)
+    if acc == 0:
+        t.checks.append(Check("deepspeed", "AssertionError", "Gradient accumulation steps: 0 has to be greater than 0",
+                              f"train_batch_size {tbs} // (micro_train_batch_size {micro} x {dp} GPUs) = 0"))
+    elif tbs != micro * acc * dp:
+        t.checks.append(Check("deepspeed", "AssertionError",
+                              "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
+                              f"gradient_acc_step * world_size {tbs} != {micro} * {acc} * {dp}",
+                              f"train_batch_size {tbs} is not a multiple of {micro} x {dp} GPUs = {micro * dp}"))
+    t.set("data.prompts_per_step", rbs, "rollout_batch_size")
+    t.set("rollout.samples_per_prompt", n, "n_samples_per_prompt")
+    set_lengths(t, plen, glen, "prompt_max_len", "generate_max_len")
+    t.set("algo.minibatches_per_step", max(1, rbs * n // tbs), "train_batch_size")
+    t.set("algo.epochs_per_step", src.int("max_epochs", 1), "max_epochs")
+    t.set("train.token_cap_per_micro_batch", micro * (plen + glen), "micro_train_batch_size")
+    set_sampling(src, t, "temperature", "top_p")
+    t.set("train.lr", src.float("actor_learning_rate", 1e-6), "actor_learning_rate")
+    eps = src.float("eps_clip", 0.2)
+    low_high = src.raw("eps_clip_low_high")
+    low, high = (low_high if isinstance(low_high, list) and len(low_high) == 2 else (eps, eps))
+    t.set("algo.clip_low", float(low), "eps_clip")
+    t.set("algo.clip_high", float(high), "eps_clip")
+    kl = src.float("init_kl_coef", 0.01)
+    if kl > 0:
+        set_kl(t, kl, "loss" if src.bool("use_kl_loss", False) else "reward", src.str("kl_estimator", "k1"),
+            "init_kl_coef")
+    set_advantage(t, src.str("advantage_estimator", "gae"), "advantage_estimator",
+               {"group_norm": "grpo", "rloo": "rloo", "reinforce_baseline": "reinforce_pp_baseline",
+                "dr_grpo": "dr_grpo"})
+    set_model(t, src.str("pretrain"), "pretrain")
+    t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
+    t.set("model.dtype", "bfloat16" if src.bool("bf16", False) else "float32", "bf16")
+    zero = src.int("zero_stage", 2, lo=0)
+    set_parallel(t, aw, params=False, optimizer=src.bool("adam_offload", False), shard=zero == 3)
+    set_data(t, src.str("prompt_data"), "prompt_data", src.str("input_key", "input"), src.str("label_key", "answer"))
+    rows = count_rows(t.settings.get("data.path", ""))
+    if rows:
+        t.set("train.steps", max(1, rows // rbs) * src.int("num_episodes", 1), "num_episodes")

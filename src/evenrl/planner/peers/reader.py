@@ -1,0 +1,274 @@
+"""What every peer translator shares: reading the peer's file, typed reads of its keys, the result type, and
+the mappings that are the same in every framework (lengths, sampling, KL, advantage, loss, model, data, steps).
+
+The per-framework modules (verl, easyr1, trl, openrlhf) import this one; the package __init__ imports them to
+build its table. Keeping the shared part here rather than in __init__ is what keeps that one-way: a framework
+module that imported its own package would import the module that imports it.
+OpenRLHF's command-line form (parse_flags) and its nested-flag aliases are read here too, because the reader
+must recognise that form before any translator runs.
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from evenrl.config import apply_overrides, flatten, read_text_file
+from evenrl.errors import UsageError
+from evenrl.planner.layout import Layout, apply_layout_flags, has_shape_flags, make_layout
+from evenrl.planner.plan import count_rows
+
+NAMES = {"verl": "verl", "easyr1": "EasyR1", "trl": "TRL", "openrlhf": "OpenRLHF"}
+STAGES = {"config": "at config check (before anything loads)", "worker": "at worker start (before the model loads)",
+          "deepspeed": "at DeepSpeed init (model loading)", "rollout": "at the first rollout (after the model loads)"}
+KL_ESTIMATORS = {"kl": "k1", "k1": "k1", "abs": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+
+
+@dataclass(frozen=True)
+class Check:
+    stage: str  # a key of STAGES
+    error: str  # exception type the peer raises
+    message: str  # what it prints
+    why: str  # the arithmetic behind it
+    version: str = ""  # when only some versions fail this way
+
+    def text(self) -> str:
+        v = f" [{self.version}]" if self.version else ""
+        return f"{STAGES[self.stage]}{v}: {self.error}: {self.message}\n       {self.why}"
+
+
+@dataclass
+class Translation:
+    framework: str
+    layout: Layout
+    settings: dict[str, Any] = field(default_factory=dict)  # evenrl dotted key -> value
+    source: dict[str, str] = field(default_factory=dict)  # evenrl dotted key -> the peer's key
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def set(self, key: str, value: Any, src: str) -> None:
+        self.settings[key] = value
+        self.source[key] = src
+
+
+class Source:
+    """Typed reads from the peer's config; a wrong type is a one-line UsageError naming the peer's key."""
+
+    def __init__(self, framework: str, data: dict):
+        self.fw, self.data = framework, data
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        if key in self.data:  # flat frameworks (TRL, OpenRLHF) may have dots in nothing; nested ones use paths
+            return self.data[key] if self.data[key] is not None else default
+        node: Any = self.data
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return default if node is None else node
+
+    def has(self, key: str) -> bool:
+        return self.raw(key) is not None
+
+    def int(self, key: str, default: int | None, lo: int = 1) -> int | None:
+        v = self.raw(key, default)
+        if v is None:
+            return None
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 10**9:
+            raise UsageError(f"{self.fw} {key}: got {v!r}; need an integer in {lo}..10^9")
+        return v
+
+    def float(self, key: str, default: float) -> float:
+        v = self.raw(key, default)
+        try:
+            if isinstance(v, bool):
+                raise ValueError
+            out = float(v)
+        except (TypeError, ValueError):
+            raise UsageError(f"{self.fw} {key}: got {v!r}; need a number") from None
+        if not math.isfinite(out):
+            raise UsageError(f"{self.fw} {key}: got {v!r}; need a finite number")
+        return out
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.raw(key, default)
+        if isinstance(v, str) and v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        if not isinstance(v, bool):
+            raise UsageError(f"{self.fw} {key}: got {v!r}; need true or false")
+        return v
+
+    def str(self, key: str, default: str = "") -> str:
+        v = self.raw(key, default)
+        if isinstance(v, list):  # verl train_files may be a list; the first file stands for the set
+            v = v[0] if v else default
+        return str(v)
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+def read_foreign(framework: str, path: str, overrides: list[str]) -> dict:
+    p = Path(path)
+    text = read_text_file(p, f"the {NAMES[framework]} config file", "a UTF-8 text file")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        if not (framework == "openrlhf" and "--" in text):
+            mark = getattr(e, "problem_mark", None)
+            raise UsageError(f"{p}: invalid YAML/JSON{f' at line {mark.line + 1}' if mark else ''}; "
+                             "fix the syntax") from None
+        data = None
+    if framework == "openrlhf" and not isinstance(data, dict) and "--" in text:
+        data = parse_flags(text)  # the command line itself
+    if data is None:
+        raise UsageError(f"{p}: file is empty; expected the {NAMES[framework]} config")
+    if not isinstance(data, dict):
+        raise UsageError(f"{p}: top level is a {type(data).__name__}; expected a mapping of "
+                         f"{NAMES[framework]} settings")
+    overrides = [o[2:] if o.startswith("++") else o[1:] if o.startswith("+") else o for o in overrides]
+    for o in overrides:
+        if o.startswith("~"):
+            raise UsageError(f"override {o!r}: deleting keys is not supported; set the value instead")
+    data = apply_overrides(data, overrides)
+    return _openrlhf_keys(data) if framework == "openrlhf" else data
+
+
+# OpenRLHF's newer nested flags (--rollout.batch_size) flatten to these classic names.
+_OPENRLHF_ALIASES = {"rollout_n_samples_per_prompt": "n_samples_per_prompt",
+                     "rollout_micro_batch_size": "micro_rollout_batch_size",
+                     "train_micro_batch_size": "micro_train_batch_size", "train_batch_size": "train_batch_size",
+                     "ds_zero_stage": "zero_stage", "ds_ring_attn_size": "ring_attn_size"}
+
+
+def _openrlhf_keys(data: dict) -> dict:
+    """OpenRLHF's flags are flat: nested YAML sections and `--a.b` / `--a-b` flags become `a_b`."""
+    out = {}
+    for key, value in flatten(data, sep="_").items():
+        key = key.replace(".", "_").replace("-", "_")
+        out[_OPENRLHF_ALIASES.get(key, key)] = value
+    return out
+
+
+def parse_flags(text: str) -> dict:
+    """`python -m openrlhf.cli.train_ppo_ray --a 1 --flag --b x` -> {"a": 1, "flag": True, "b": "x"}."""
+    tokens = [t for t in shlex.split(text.replace("\\\n", " "), comments=True) if t.strip()]
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        i += 1
+        if not tok.startswith("--"):
+            continue  # the command itself (python3 -m ...)
+        key, eq, value = tok[2:].partition("=")
+        if not eq:
+            if i < len(tokens) and not tokens[i].startswith("--"):
+                value, i = tokens[i], i + 1
+            else:
+                value = "true"
+        parsed = yaml.safe_load(value) if value else True
+        out[key.replace("-", "_")] = parsed
+    return out
+
+
+# ------------------------------------------------------------------------------------------ layouts
+
+def gpu_layout(ns: argparse.Namespace, nnodes: int, per_node: int, rollout: int = 0) -> Layout:
+    base = make_layout(nnodes, per_node, device="cuda", device_memory_gib=ns.device_memory_gib or 0.0,
+                       rollout_devices=rollout, source="config")
+    return apply_layout_flags(base, ns)
+
+
+def trainer_layout(src: Source, ns: argparse.Namespace) -> Layout:
+    """verl and EasyR1 both size the cluster with trainer.nnodes x trainer.n_gpus_per_node; shape flags win."""
+    if has_shape_flags(ns):
+        return gpu_layout(ns, ns.nnodes or 1, ns.nproc_per_node or 1)
+    return gpu_layout(ns, src.int("trainer.nnodes", 1), src.int("trainer.n_gpus_per_node", 8))
+
+
+# ------------------------------------------------------------------------------------------ shared mapping
+
+def set_lengths(t: Translation, prompt: int, new: int, pkey: str, nkey: str) -> None:
+    t.set("data.max_prompt_tokens", prompt, pkey)
+    t.set("rollout.max_new_tokens", new, nkey)
+
+
+def set_sampling(src: Source, t: Translation, temp: str, top_p: str) -> None:
+    t.set("rollout.temperature", src.float(temp, 1.0), temp)
+    t.set("rollout.top_p", src.float(top_p, 1.0), top_p)
+
+
+def set_kl(t: Translation, coef: float, where: str, estimator: str, key: str) -> None:
+    t.set("algo.kl_coef", coef, key)
+    t.set("algo.kl_in", where, key)
+    t.set("algo.kl_estimator", KL_ESTIMATORS.get(estimator, "k3"), key)
+
+
+def set_advantage(t: Translation, name: str, key: str, table: dict[str, str]) -> None:
+    if name in table:
+        t.set("algo.advantage", table[name], key)
+        return
+    t.set("algo.advantage", "grpo", key)
+    t.notes.append(f"{key}={name} (e.g. PPO with a critic) has no evenrl equivalent; the plan uses grpo")
+
+
+def set_loss_agg(t: Translation, mode: str, key: str) -> None:
+    if mode.startswith("seq-mean-token-sum"):
+        mode = "seq-mean-token-sum"
+    if mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        t.set("algo.loss_aggregation", mode, key)
+    else:
+        t.notes.append(f"{key}={mode} has no evenrl equivalent; token-mean is used")
+
+
+def set_model(t: Translation, path: str, key: str) -> None:
+    if path and Path(path).expanduser().is_dir():
+        t.set("model.path", path, key)
+    elif path:
+        t.notes.append(f"{key}={path!r} is not a local directory; set model.path to a local copy for the memory "
+                       "estimate")
+    t.set("model.dtype", "bfloat16", key)
+
+
+def set_parallel(t: Translation, world: int, *, params: bool, optimizer: bool, shard: bool) -> None:
+    t.set("parallel.sharding", "fsdp" if shard and world > 1 else "replicated", "fsdp")
+    t.set("parallel.cpu_offload", "full" if params and shard else "optimizer" if (optimizer or params) else "none",
+          "offload")
+
+
+def set_data(t: Translation, path: str, key: str, prompt_field: str, answer_field: str | None = None) -> None:
+    local = path.split("@")[0] if path else ""
+    if local and Path(local).expanduser().exists():
+        t.set("data.path", local, key)
+    elif path:
+        t.notes.append(f"{key}={path!r} is not a local file or directory; set data.path to a local copy")
+    t.set("data.prompt_field", prompt_field, key)
+    if answer_field:
+        t.set("data.answer_field", answer_field, key)
+
+
+def set_steps(src: Source, t: Translation, steps_key: str, epochs_key: str, epochs_default: int, prompts: int) -> None:
+    steps = src.int(steps_key, None)
+    if steps:
+        t.set("train.steps", steps, steps_key)
+        return
+    rows = count_rows(t.settings.get("data.path", ""))
+    if rows:
+        t.set("train.steps", max(1, rows // prompts) * src.int(epochs_key, epochs_default), epochs_key)
+
+
+def check_dataloader(src: Source, t: Translation, key: str, prompts: int, error: str, message: str) -> None:
+    rows = count_rows(src.str(key))
+    if rows is not None and rows < prompts:
+        t.checks.append(Check("config", error, message or "(bare assert len(self.train_dataloader) >= 1)",
+                              f"{rows} rows with drop_last=True make no batch of {prompts} prompts"))

@@ -1,0 +1,104 @@
+"""TRL: GRPOConfig/GRPOTrainer's batch checks and a GRPOConfig as evenrl settings.
+
+TRL counts per-device samples; a generation batch is per_device_train_batch_size x processes x
+steps_per_generation samples, and (use_vllm, vllm_mode=server) one device runs the vLLM server instead of training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from evenrl.planner.layout import apply_layout_flags, has_shape_flags, layout_from_args
+from evenrl.planner.peers.reader import (
+    Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_loss_agg, set_model, set_sampling)
+
+
+def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
+    """A TRL GRPOConfig -> t: the checks TRL would fail on t.layout, and the evenrl settings."""
+    server = src.bool("use_vllm", False) and src.str("vllm_mode", "server") == "server"
+    reserve = 1 if server and ns.rollout_devices is None else (ns.rollout_devices or 0)
+    if has_shape_flags(ns):  # GPUs, like every peer's layout (the evenrl config itself plans for this machine)
+        t.layout = gpu_layout(argparse.Namespace(**{**vars(ns), "rollout_devices": reserve}), ns.nnodes or 1,
+                           ns.nproc_per_node or 1, reserve)
+    elif not src.has("num_processes"):
+        base = layout_from_args(ns)
+        t.layout = apply_layout_flags(base, argparse.Namespace(**{**vars(ns), "rollout_devices": reserve}))
+    else:
+        t.layout = gpu_layout(ns, 1, src.int("num_processes", 1) + reserve, reserve)
+    if server and ns.rollout_devices is None:
+        t.notes.append("use_vllm with vllm_mode=server: one device runs `trl vllm-serve`, the rest train "
+                       "(--rollout-devices N to change)")
+    procs = max(t.layout.training_ranks, 1)
+    b, g = src.int("per_device_train_batch_size", 8), src.int("gradient_accumulation_steps", 1)
+    k = src.int("num_generations", 8)
+    gen, spg = src.int("generation_batch_size", None), src.int("steps_per_generation", None)
+    if gen is not None and spg is not None:
+        t.checks.append(Check("config", "ValueError",
+                              "'generation_batch_size' and 'steps_per_generation' can not be both configured at the "
+                              "same time", "set one of them", "TRL >= 0.18"))
+    if gen is None:
+        spg = spg or g
+        gen = b * procs * spg
+    elif gen % (b * procs):
+        t.checks.append(Check("config", "ValueError",
+                              f"generation_batch_size ({gen}) must be divisible by the global batch size "
+                              f"({b * procs}).", f"{b} per device x {procs} processes = {b * procs}", "TRL >= 0.18"))
+        spg = max(1, gen // (b * procs))
+    else:
+        spg = gen // (b * procs)
+    if gen % k:
+        t.checks.append(Check("config", "ValueError",
+                              f"generation_batch_size ({gen}) must be divisible by num_generations ({k}).",
+                              f"per_device_train_batch_size {b} x {procs} processes x steps_per_generation {spg} = "
+                              f"{gen}; {gen} % {k} = {gen % k}", "TRL >= 0.18"))
+    if k < 2:
+        t.checks.append(Check("config", "ValueError",
+                              "GRPO requires at least 2 generations per prompt to calculate the advantages. You "
+                              f"provided {k}, which is less than the minimum required.", "num_generations < 2"))
+    glob = procs * b
+    valid = [x for x in range(2, glob + 1) if glob % x == 0]
+    if k not in valid:
+        t.checks.append(Check("worker", "ValueError",
+                              f"The global train batch size ({procs} x {b}) must be evenly divisible by the number "
+                              f"of generations per prompt ({k}). Given the current train batch size, the valid "
+                              f"values for the number of generations are: {valid}.",
+                              f"{procs} processes x per_device_train_batch_size {b} = {glob}; {glob} % {k} = "
+                              f"{glob % k}", "TRL < 0.18, at GRPOTrainer()"))
+    prompts = max(1, math.ceil(gen / k))
+    if gen % k:
+        t.notes.append(f"generation_batch_size {gen} is {gen / k:g} prompts x {k}: evenrl takes {prompts} whole "
+                       f"prompts ({prompts * k} samples)")
+    plen, clen = src.int("max_prompt_length", 512), src.int("max_completion_length", 256)
+    t.set("data.prompts_per_step", prompts, "generation_batch_size / num_generations")
+    t.set("rollout.samples_per_prompt", k, "num_generations")
+    set_lengths(t, plen, clen, "max_prompt_length", "max_completion_length")
+    m = max(1, spg // g)
+    mu = src.int("num_iterations", 1)
+    t.set("algo.minibatches_per_step", m, "steps_per_generation / gradient_accumulation_steps")
+    t.set("algo.epochs_per_step", mu, "num_iterations")
+    t.set("train.token_cap_per_micro_batch", b * (plen + clen), "per_device_train_batch_size")
+    set_sampling(src, t, "temperature", "top_p")
+    t.set("train.lr", src.float("learning_rate", 1e-6), "learning_rate")
+    eps = src.float("epsilon", 0.2)
+    t.set("algo.clip_low", eps, "epsilon")
+    t.set("algo.clip_high", src.float("epsilon_high", eps), "epsilon_high")
+    beta = src.float("beta", 0.0)
+    if beta > 0:
+        set_kl(t, beta, "loss", "k3", "beta")
+    scale = src.raw("scale_rewards", "group")
+    scale = {True: "group", False: "none", "true": "group", "false": "none"}.get(scale, scale)
+    if scale in ("group", "batch", "none"):
+        t.set("algo.std_scale", scale, "scale_rewards")
+    else:
+        t.notes.append(f"scale_rewards={scale!r} has no evenrl equivalent; group std is used")
+    loss = src.str("loss_type", "dapo")
+    set_loss_agg(t, {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "bnpo": "token-mean",
+                  "dr_grpo": "seq-mean-token-sum"}.get(loss, loss), "loss_type")
+    set_model(t, src.str("model_name_or_path"), "model_name_or_path")
+    t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
+    t.set("model.dtype", "bfloat16" if src.bool("bf16", True) else "float32", "bf16")
+    set_data(t, src.str("dataset_name"), "dataset_name", src.str("dataset_prompt_column", "prompt"))
+    steps = src.int("max_steps", -1, lo=-1)
+    if steps and steps > 0:
+        t.set("train.steps", max(1, math.ceil(steps / (m * mu))), "max_steps")

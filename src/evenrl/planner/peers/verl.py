@@ -1,0 +1,89 @@
+"""verl: its batch checks (ray_trainer._validate_config, fsdp_workers) and its config as evenrl settings.
+
+verl counts ppo_mini_batch_size in prompts and normalises it per GPU by rollout.n and the sequence-parallel size;
+each check below reproduces that arithmetic with the message verl prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from evenrl.planner.peers.reader import (
+    Check, Source, Translation, check_dataloader, set_advantage, set_data, set_kl, set_lengths, set_loss_agg,
+    set_model, set_parallel, set_sampling, set_steps, trainer_layout)
+
+
+def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
+    """verl's config -> t: the checks verl would fail on t.layout, and the evenrl settings."""
+    a = "actor_rollout_ref.actor."
+    t.layout = trainer_layout(src, ns)
+    world = t.layout.world
+    tbs, n = src.int("data.train_batch_size", 1024), src.int("actor_rollout_ref.rollout.n", 1)
+    mini = src.int(a + "ppo_mini_batch_size", 256)
+    micro = src.int(a + "ppo_micro_batch_size_per_gpu", None)
+    if micro is None and src.has(a + "ppo_micro_batch_size"):
+        micro = max(1, src.int(a + "ppo_micro_batch_size", 1) // world)
+    dyn = src.bool(a + "use_dynamic_bsz", False)
+    sp = src.int(a + "ulysses_sequence_parallel_size", 1)
+    plen, rlen = src.int("data.max_prompt_length", 512), src.int("data.max_response_length", 512)
+    if (tbs * n) % world:
+        t.checks.append(Check("config", "AssertionError",
+                              f"real_train_batch_size ({tbs * n}) must be divisible by minimal possible batch size "
+                              f"({world})", f"train_batch_size {tbs} x rollout.n {n} = {tbs * n} samples over "
+                              f"{world} GPUs leaves {tbs * n % world}", "verl >= 0.3"))
+    if not dyn and tbs < mini:
+        t.checks.append(Check("config", "ValueError",
+                              f"train_batch_size ({tbs}) must be >= actor.ppo_mini_batch_size ({mini})",
+                              "ppo_mini_batch_size counts prompts (default 256)", "recent verl"))
+    norm = mini * n // max(world // sp, 1)
+    if norm == 0:
+        t.checks.append(Check("worker", "AssertionError",
+                              f"ppo_mini_batch_size {norm} should be larger than 0 after normalization",
+                              f"ppo_mini_batch_size {mini} x n {n} // ({world} GPUs // sp {sp}) = 0"))
+    elif micro and not dyn and norm % micro:
+        t.checks.append(Check("worker", "AssertionError",
+                              f"normalized ppo_mini_batch_size {norm} should be divisible by "
+                              f"ppo_micro_batch_size_per_gpu {micro}",
+                              f"ppo_mini_batch_size {mini} x n {n} // {world // sp} = {norm}; {norm} % {micro} = "
+                              f"{norm % micro}"))
+    if tbs % world:
+        t.checks.append(Check("rollout", "AssertionError",
+                              f"only support equal chunk. Got size of DataProto {tbs} and chunk {world}.",
+                              f"the {tbs} prompts are split over {world} workers before rollout.n repeats them: "
+                              f"{tbs} % {world} = {tbs % world}", "verl before the up-front check, e.g. Logic-RL"))
+    check_dataloader(src, t, "data.train_files", tbs, "AssertionError", "Train dataloader is empty!")
+    t.set("data.prompts_per_step", tbs, "data.train_batch_size")
+    t.set("rollout.samples_per_prompt", n, "actor_rollout_ref.rollout.n")
+    set_lengths(t, plen, rlen, "data.max_prompt_length", "data.max_response_length")
+    t.set("algo.minibatches_per_step", max(1, tbs // mini), a + "ppo_mini_batch_size")
+    t.set("algo.epochs_per_step", src.int(a + "ppo_epochs", 1), a + "ppo_epochs")
+    cap = src.int(a + "ppo_max_token_len_per_gpu", 16384) if dyn else (micro or 1) * (plen + rlen)
+    t.set("train.token_cap_per_micro_batch", cap, a + ("ppo_max_token_len_per_gpu" if dyn else
+                                                      "ppo_micro_batch_size_per_gpu"))
+    set_sampling(src, t, "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p")
+    t.set("train.lr", src.float(a + "optim.lr", 1e-6), a + "optim.lr")
+    clip = src.float(a + "clip_ratio", 0.2)
+    t.set("algo.clip_low", src.float(a + "clip_ratio_low", clip), a + "clip_ratio_low")
+    t.set("algo.clip_high", src.float(a + "clip_ratio_high", clip), a + "clip_ratio_high")
+    if src.bool(a + "use_kl_loss", False):
+        set_kl(t, src.float(a + "kl_loss_coef", 0.001), "loss", src.str(a + "kl_loss_type", "low_var_kl"),
+            a + "kl_loss_coef")
+    elif src.bool("algorithm.use_kl_in_reward", False):
+        set_kl(t, src.float("algorithm.kl_ctrl.kl_coef", 0.001), "reward", src.str("algorithm.kl_penalty", "kl"),
+            "algorithm.kl_ctrl.kl_coef")
+    set_advantage(t, src.str("algorithm.adv_estimator", "gae"), "algorithm.adv_estimator",
+               {"grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
+                "drgrpo": "dr_grpo", "dr_grpo": "dr_grpo"})
+    if not src.bool("algorithm.norm_adv_by_std_in_grpo", True):
+        t.set("algo.std_scale", "none", "algorithm.norm_adv_by_std_in_grpo")
+    set_loss_agg(t, src.str(a + "loss_agg_mode", "token-mean"), a + "loss_agg_mode")
+    set_model(t, src.str("actor_rollout_ref.model.path"), "actor_rollout_ref.model.path")
+    t.set("model.gradient_checkpointing", src.bool("actor_rollout_ref.model.enable_gradient_checkpointing", False),
+          "actor_rollout_ref.model.enable_gradient_checkpointing")
+    set_parallel(t, world, params=src.bool(a + "fsdp_config.param_offload", False),
+              optimizer=src.bool(a + "fsdp_config.optimizer_offload", False), shard=True)
+    set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"))
+    set_steps(src, t, "trainer.total_training_steps", "trainer.total_epochs", 1, tbs)
+    if src.has("actor_rollout_ref.rollout.gpu_memory_utilization"):
+        t.notes.append("rollout.gpu_memory_utilization sizes vLLM's KV cache; evenrl's 'hf' sampler uses the "
+                       "training model, so its KV cache is part of the memory estimate instead")

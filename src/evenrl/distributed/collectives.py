@@ -24,7 +24,6 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as tdist
 
-from evenrl.core.aggregation import Denominators
 from evenrl.core.batch import SAMPLE_INDEX, Batch, Ragged
 from evenrl.distributed.env import LaunchEnv, read_env
 
@@ -131,37 +130,12 @@ def _on_comm_device(t: torch.Tensor) -> torch.Tensor:
     return t if t.device == dev or (dev.type == "cpu" and t.device.type != "cpu") else t.to(dev)
 
 
-def all_reduce_max_int(x: int) -> int:
-    if world() == 1:
-        return int(x)
-    t = torch.tensor([int(x)], dtype=torch.long, device=_comm_device())
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def all_gather_object(obj: Any) -> list:
     if world() == 1:
         return [obj]
     out: list = [None] * world()
     tdist.all_gather_object(out, obj)
     return out
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    if world() == 1:
-        return obj
-    box = [obj]
-    tdist.broadcast_object_list(box, src=src, device=_comm_device())
-    return box[0]
-
-
-def global_denominators(local: Denominators) -> Denominators:
-    """Loss denominators of a whole mini-batch: one all-reduce per mini-batch, before its first backward."""
-    if world() == 1:
-        return local
-    t = torch.tensor([local.tokens, local.seqs], dtype=torch.float64, device=_comm_device())
-    tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
-    return Denominators(float(t[0]), float(t[1]))
 
 
 def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64.0, *,

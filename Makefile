@@ -20,8 +20,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/evenrl demo --nproc-per-node 2
 
+# the default suite (worlds <= 3 processes), then the opt-in large_world tests; each prints its slowest tests
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -m large_world
 
 # bench: partitioner numbers, evenrl vs verl's partitioner (needs VERL_PATH=<a checkout of volcengine/verl>, else it
 # says it skipped), evenrl vs TRL GRPO side by side (~10 min on 2 cores; see docs/performance.md for narrower runs).

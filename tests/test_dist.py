@@ -326,7 +326,7 @@ def test_world_one_without_env_has_no_process_group(monkeypatch):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 6])
+@pytest.mark.parametrize("world", [2, 3, *(pytest.param(w, marks=pytest.mark.large_world) for w in (4, 6))])
 def test_update_equals_single_device(world, tmp_path_factory):
     per_rank = results(world, tmp_path_factory)
     check_against_reference(per_rank)

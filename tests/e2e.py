@@ -1,10 +1,15 @@
-"""Shared helpers of the end-to-end tests: run the evenrl CLI in a subprocess, compare final models."""
+"""Shared helpers of the end-to-end tests: run the evenrl CLI in a subprocess (one, or several side by side) or in
+this process, read a run's metrics, compare final models."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -13,14 +18,92 @@ from safetensors.torch import load_file
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+TIMEOUT_S = 600
+
+
+class Job:
+    """`python -m evenrl.cli ARGS` started now, waited for later. Output goes to files, not pipes, so a job nobody
+    reads yet never blocks on a full pipe."""
+
+    def __init__(self, *args, env=None):
+        self.args = [sys.executable, "-m", "evenrl.cli", *map(str, args)]
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(self.args, stdout=self._out, stderr=self._err, text=True, env=env or ENV)
+
+    def done(self) -> bool:
+        if self.proc.poll() is None and time.monotonic() - self.started > TIMEOUT_S:
+            self.proc.kill()  # wait() then reports the kill as a failure with the output so far
+        return self.proc.poll() is not None
+
+    def wait(self, check=True) -> subprocess.CompletedProcess:
+        try:
+            self.proc.wait(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        outs = []
+        for f in (self._out, self._err):
+            f.seek(0)
+            outs.append(f.read())
+            f.close()
+        proc = subprocess.CompletedProcess(self.args, self.proc.returncode, *outs)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(self.args[3:])}: exit {proc.returncode}\n"
+                                 f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+        return proc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def evenrl(*args, env=None, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "evenrl.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env or ENV, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
-    return proc
+    """Run `evenrl ARGS` in a subprocess and wait; by default a non-zero exit fails the test with its output."""
+    return Job(*args, env=env).wait(check=check)
+
+
+def evenrl_many(runs: dict[str, list], parallel: int = 2) -> dict[str, subprocess.CompletedProcess]:
+    """Run several `evenrl` commands, at most `parallel` at a time, in the given order; all must exit 0.
+    On a 2-core machine a 1-process run leaves a core idle, so two side by side finish sooner than one after the
+    other; the numbers do not depend on it (every process is single-threaded and seeded)."""
+    pending, running, done = list(runs.items()), {}, {}
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                name, args = pending.pop(0)
+                running[name] = Job(*args)
+            for name in [n for n, job in running.items() if job.done()]:
+                done[name] = running.pop(name).wait()
+            time.sleep(0.05)
+    finally:
+        for job in running.values():
+            job.kill()
+    return {name: done[name] for name in runs}
+
+
+def evenrl_here(capsys, *args) -> tuple[int, str, str]:
+    """`evenrl ARGS` in this process: (exit code, stdout, stderr). Python warnings, which pytest would swallow,
+    are counted as stderr lines, under the filters a fresh `python` process starts with."""
+    from evenrl.cli import main
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", quiet)
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's own exits, as `raise SystemExit(main())` would give
+            code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+    return code, out, err
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:

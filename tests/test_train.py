@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from e2e import ENV, evenrl, final_params, max_diff
+from e2e import ENV, Job, evenrl, evenrl_here, final_params, max_diff, metrics
 
 
 def test_one_process_run_writes_everything(assets, tmp_path):
@@ -93,44 +93,65 @@ def test_skipping_zero_gradient_samples_changes_nothing(assets, tmp_path):
 
 
 def test_sft_then_kl_and_multi_epoch_paths(assets, tmp_path):
-    sft_dir = tmp_path / "sft"
-    evenrl("sft", assets["cfg"], f"log.run_dir={sft_dir}", "sft.steps=3", "sft.rows_per_step=8")
-    assert (sft_dir / "final" / "model.safetensors").exists()
-    run = tmp_path / "kl"
-    evenrl("train", assets["cfg"], f"model.path={sft_dir / 'final'}", f"log.run_dir={run}", "train.steps=1",
-           "algo.kl_coef=0.1", "algo.epochs_per_step=2", "algo.entropy_coef=0.01", "algo.advantage=rloo")
-    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["kl"] >= 0.0
-    run2 = tmp_path / "klr"
-    evenrl("train", assets["cfg"], f"log.run_dir={run2}", "train.steps=1", "algo.kl_coef=0.1", "algo.kl_in=reward",
-           "rewards.isolate=false")
-    assert (run2 / "final").exists()
+    run2 = tmp_path / "klr"  # independent of the SFT: runs beside it
+    klr = Job("train", assets["cfg"], f"log.run_dir={run2}", "train.steps=1", "algo.kl_coef=0.1",
+              "algo.kl_in=reward", "rewards.isolate=false")
+    try:
+        sft_dir = tmp_path / "sft"
+        evenrl("sft", assets["cfg"], f"log.run_dir={sft_dir}", "sft.steps=3", "sft.rows_per_step=8")
+        assert (sft_dir / "final" / "model.safetensors").exists()
+        run = tmp_path / "kl"
+        evenrl("train", assets["cfg"], f"model.path={sft_dir / 'final'}", f"log.run_dir={run}", "train.steps=1",
+               "algo.kl_coef=0.1", "algo.epochs_per_step=2", "algo.entropy_coef=0.01", "algo.advantage=rloo")
+        row = metrics(run)[0]
+        assert row["kl"] >= 0.0
+        klr.wait()
+        assert (run2 / "final").exists()
+    finally:
+        klr.kill()
 
 
-@pytest.mark.parametrize("override, needle", [
+BAD_INPUT = [
     ("model.path=/nonexistent/model", "/nonexistent/model"),
     ("data.path=/nonexistent/data.jsonl", "/nonexistent/data.jsonl"),
     ("rollout.samples_per_prompt=0", "rollout.samples_per_prompt"),
     ("algo.advantage=ppo2", "algo.advantage"),
-])
-def test_bad_input_is_one_line_and_exit_2(assets, tmp_path, override, needle):
+]
+
+
+def _lines(stderr: str) -> list[str]:
+    return [x for x in stderr.splitlines() if x.strip()]
+
+
+@pytest.mark.parametrize("override, needle", BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_2(assets, tmp_path, capsys, override, needle):
+    code, _, err = evenrl_here(capsys, "train", assets["cfg"], f"log.run_dir={tmp_path / 'bad'}", override)
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = _lines(err)
+    assert len(lines) == 1 and needle in lines[0], err
+
+
+def test_bad_input_from_the_real_entry_point(assets, tmp_path):
+    """The in-process cases above, proven once through `python -m evenrl.cli` in a fresh process."""
+    override, needle = BAD_INPUT[0]
     proc = evenrl("train", assets["cfg"], f"log.run_dir={tmp_path / 'bad'}", override, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    lines = _lines(proc.stderr)
     assert len(lines) == 1 and needle in lines[0], proc.stderr
 
 
-def test_missing_config_file_exit_2(tmp_path):
-    proc = evenrl("train", tmp_path / "nope.yaml", check=False)
-    assert proc.returncode == 2 and "nope.yaml" in proc.stderr and "Traceback" not in proc.stderr
+def test_missing_config_file_exit_2(tmp_path, capsys):
+    code, _, err = evenrl_here(capsys, "train", tmp_path / "nope.yaml")
+    assert code == 2 and "nope.yaml" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("args", [["--bogus"], ["--nproc-per-node", "0"], ["--nnodes", "2", "--node-rank", "5"]])
-def test_bad_flags_are_one_line_and_exit_2(assets, args):
-    proc = evenrl("train", assets["cfg"], *args, check=False)
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+def test_bad_flags_are_one_line_and_exit_2(assets, capsys, args):
+    code, _, err = evenrl_here(capsys, "train", assets["cfg"], *args)
+    lines = _lines(err)
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
 
 
 def test_phase_table_sums_phases_and_names_the_rest():

@@ -17,11 +17,12 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback_give_the_one_process_model(assets, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    evenrl("train", assets["cfg"], f"log.run_dir={one}")
+def test_two_nodes_on_loopback_give_the_one_process_model(shared_runs, tmp_path):
+    """The shared config on 2 nodes x 1 process ends with the parameters of shared_runs.one (tests/conftest.py)."""
+    two = tmp_path / "two"
     port = free_port()
-    nodes = [subprocess.Popen([sys.executable, "-m", "evenrl.cli", "train", str(assets["cfg"]), f"log.run_dir={two}",
+    nodes = [subprocess.Popen([sys.executable, "-m", "evenrl.cli", "train", *map(str, shared_runs.args),
+                               f"log.run_dir={two}",
                                "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
                                "--master-addr", "127.0.0.1", "--master-port", str(port)],
                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -29,18 +30,18 @@ def test_two_nodes_on_loopback_give_the_one_process_model(assets, tmp_path):
     outs = [n.communicate(timeout=300)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
     assert "2 nodes" in (two / "plan.txt").read_text() or "2 ranks" in (two / "plan.txt").read_text()
-    assert max_diff(final_params(one), final_params(two)) <= 1e-5
+    assert max_diff(final_params(shared_runs.one), final_params(two)) <= 1e-5
 
 
 @pytest.mark.slow
-def test_elastic_restart_resumes_and_matches(assets, tmp_path):
-    straight, restarted = tmp_path / "straight", tmp_path / "restarted"
-    common = ["train.steps=3", "checkpoint.every_steps=1"]
-    evenrl("train", assets["cfg"], *common, f"log.run_dir={straight}")
-    proc = evenrl("train", assets["cfg"], *common, f"log.run_dir={restarted}", "--nproc-per-node", "2",
+def test_elastic_restart_resumes_and_matches(shared_runs, tmp_path):
+    """The shared config on 2 processes, killed at the start of step 3 and restarted by the elastic agent from the
+    step-2 checkpoint, ends with the parameters of shared_runs.one (tests/conftest.py)."""
+    restarted = tmp_path / "restarted"
+    proc = evenrl("train", *shared_runs.args, f"log.run_dir={restarted}", "--nproc-per-node", "2",
                   "--max-restarts", "1", env={**ENV, "EVENRL_TEST_CRASH_AT_STEP": "3"})
     assert proc.returncode == 0
     assert "resumed from" in proc.stdout and "step-000002" in proc.stdout  # the crash happened and was recovered
     steps = [json.loads(x)["step"] for x in (restarted / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
-    assert max_diff(final_params(straight), final_params(restarted)) <= 1e-5
+    assert steps == [0, 1, 2, 3, 4]  # the eval before step 1 (row 0) once, every step once
+    assert max_diff(final_params(shared_runs.one), final_params(restarted)) <= 1e-5

@@ -1,8 +1,10 @@
-"""End-to-end `evenrl train` / `evenrl sft` on a tiny random Qwen2 model made on the spot."""
+"""End-to-end `evenrl train` / `evenrl sft` on a tiny random Qwen2 model made on the spot.
+
+The uninterrupted runs the tests below compare against are the `shared_runs` fixture's (tests/conftest.py: which
+run serves which test)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,81 +15,74 @@ from safetensors.torch import load_file
 from e2e import ENV, Job, evenrl, evenrl_here, final_params, max_diff, metrics
 
 
-def test_one_process_run_writes_everything(assets, tmp_path):
-    run = tmp_path / "one"
-    out = evenrl("train", assets["cfg"], f"log.run_dir={run}", f"eval.path={assets['data']}",
-                 "eval.max_prompts=10").stdout
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[0]["eval/prompts"] == 10 and "eval/reward" in rows[2] and "eval/reward" not in rows[1]
+def test_one_process_run_writes_everything(shared_runs, assets, capsys):
+    """Served by shared_runs.one: 4 steps on 1 process, eval of 11 prompts, a checkpoint every 2 steps."""
+    run, out = shared_runs.one, shared_runs.stdout["one"]
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[0]["eval/prompts"] == 11 and "eval/reward" in rows[4]
+    assert all("eval/reward" not in r for r in rows[1:4])
     rows = rows[1:]
-    assert "phase breakdown over 2 steps" in out and all(r["time/step"] > 0 for r in rows)
+    assert "phase breakdown over 4 steps" in out and all(r["time/step"] > 0 for r in rows)
     assert all(r["samples"] == 21 for r in rows)
     assert (run / "config.yaml").exists() and (run / "samples.jsonl").exists()
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000004"
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True)
     start = AutoModelForCausalLM.from_pretrained(assets["model"], local_files_only=True)
     moved = max(float((a - b).abs().max().detach()) for a, b in zip(model.parameters(), start.parameters()))
     assert moved > 1e-5, "training did not change the model"
-    proc = evenrl("report", run)
+    code, stdout, _ = evenrl_here(capsys, "report", run)
+    assert code == 0
     assert {p.name for p in (run / "plots").glob("*.png")} >= {"reward.png", "rank_load.png", "phases.png"}
-    assert str(run / "plots" / "reward.png") in proc.stdout
-    assert evenrl("report", run / "nope", check=False).returncode == 2
+    assert str(run / "plots" / "reward.png") in stdout
+    assert evenrl_here(capsys, "report", run / "nope")[0] == 2
 
 
 @pytest.mark.slow
-def test_same_model_on_one_and_three_processes(assets, tmp_path):
+def test_same_model_on_one_and_three_processes(shared_runs):
     """Layout invariance: 7 prompts x 3 samples, 2 mini-batches, on 1 and on 3 ranks -> the same parameters; and
-    the same with activation checkpointing on."""
-    one, three = tmp_path / "w1", tmp_path / "w3"
-    evals = [f"eval.path={assets['data']}", "eval.max_prompts=11"]
-    evenrl("train", assets["cfg"], f"log.run_dir={one}", *evals)
-    evenrl("train", assets["cfg"], f"log.run_dir={three}", *evals, "--nproc-per-node", 3)
+    the same with activation checkpointing on. Served by shared_runs.one, .three and .grad_ckpt (4 steps)."""
+    one, three = shared_runs.one, shared_runs.three
     diff = max_diff(final_params(one), final_params(three))
     assert diff <= 1e-5, diff
-    m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
-    m3 = [json.loads(x) for x in (three / "metrics.jsonl").read_text().splitlines()]
+    m1, m3 = metrics(one), metrics(three)
     assert [r.get("reward/mean") for r in m1] == [r.get("reward/mean") for r in m3]
     assert [r.get("eval/reward") for r in m1] == [r.get("eval/reward") for r in m3]
     assert len(m3[-1]["load/rank_tokens"]) == 3
     # activation checkpointing leaves the packed forward for the model's own (recomputing) one: same model
-    ckpt = tmp_path / "ckpt"
-    evenrl("train", assets["cfg"], f"log.run_dir={ckpt}", "model.gradient_checkpointing=true")
-    assert max_diff(final_params(one), final_params(ckpt)) <= 1e-5
+    assert max_diff(final_params(one), final_params(shared_runs.grad_ckpt)) <= 1e-5
 
 
 @pytest.mark.slow
-def test_resume_after_a_crash_gives_the_same_model(assets, tmp_path):
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    common = ["train.steps=4", "checkpoint.every_steps=2"]
-    evenrl("train", assets["cfg"], *common, f"log.run_dir={straight}")
-    proc = evenrl("train", assets["cfg"], *common, f"log.run_dir={crashed}",
+def test_resume_after_a_crash_gives_the_same_model(shared_runs, tmp_path):
+    """A run of the shared config killed at the start of step 3, then resumed from its step-2 checkpoint, ends with
+    exactly the parameters of the uninterrupted shared_runs.one."""
+    crashed = tmp_path / "crashed"
+    proc = evenrl("train", *shared_runs.args, f"log.run_dir={crashed}",
                   env={**ENV, "EVENRL_TEST_CRASH_AT_STEP": "3"}, check=False)
     assert proc.returncode != 0
     assert not (crashed / "final").exists()
     assert (crashed / "checkpoints" / "latest").read_text().strip() == "step-000002"
-    evenrl("train", assets["cfg"], *common, f"log.run_dir={crashed}", "--resume")
-    assert max_diff(final_params(straight), final_params(crashed)) == 0.0
-    steps = [json.loads(x)["step"] for x in (crashed / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
+    evenrl("train", *shared_runs.args, f"log.run_dir={crashed}", "--resume")
+    assert max_diff(final_params(shared_runs.one), final_params(crashed)) == 0.0
+    steps = [r["step"] for r in metrics(crashed)]
+    assert steps == [0, 1, 2, 3, 4]  # the eval before step 1 (row 0) once, every step once
 
 
 @pytest.mark.slow
-def test_skipping_zero_gradient_samples_changes_nothing(assets, tmp_path):
+def test_skipping_zero_gradient_samples_changes_nothing(shared_runs, assets):
     """Samples with advantage 0 are not run but still count in the denominators: same model as running them,
-    here also across layouts (skipping on 3 processes vs running everything on 1)."""
-    common = ["rewards.functions=[{name: 'toy_rewards:starts_with_digit'}]", "train.steps=3"]
-    ran, skipped = tmp_path / "ran", tmp_path / "skipped"
-    evenrl("train", assets["cfg"], *common, f"log.run_dir={ran}", "train.skip_zero_gradient_samples=false")
-    evenrl("train", assets["cfg"], *common, f"log.run_dir={skipped}", "--nproc-per-node", 3)
-    rows = [json.loads(x) for x in (skipped / "metrics.jsonl").read_text().splitlines()]
+    on one layout (shared_runs.one skips vs .no_skip runs everything, 1 process each) and across layouts
+    (.three skips on 3 processes vs .no_skip)."""
+    ran, skipped = shared_runs.no_skip, shared_runs.three
+    rows = [r for r in metrics(skipped) if r["step"] > 0]  # row 0 is the eval before the first step
     assert sum(r["load/skipped_samples"] for r in rows) > 0
     assert all(r["load/skipped_samples"] < r["samples"] for r in rows), "nothing left to learn from: weak test"
-    assert all(r["load/skipped_samples"] == 0 for r in
-               (json.loads(x) for x in (ran / "metrics.jsonl").read_text().splitlines()))
+    assert all(r["load/skipped_samples"] == 0 for r in metrics(ran) if r["step"] > 0)
     assert max_diff(final_params(ran), final_params(skipped)) <= 1e-5
+    assert max_diff(final_params(ran), final_params(shared_runs.one)) <= 1e-5
     start = load_file(str(Path(assets["model"]) / "model.safetensors"))
     assert max_diff(final_params(ran), start) > 1e-5, "training did not move the model: weak test"
 

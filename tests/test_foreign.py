@@ -3,6 +3,7 @@ equivalent runs. Messages are the peers' own (see evenrl.planner.peers's docstri
 
 import argparse
 import json
+import struct
 
 import pytest
 import yaml
@@ -18,6 +19,18 @@ from evenrl.planner.plan import make_plan, render
 QWEN7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
           "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
           "max_position_embeddings": 32768}
+
+
+def config_only_model(d, config: dict):
+    """A model directory for planning: the real config.json, and stand-ins for the files the planner checks
+    (a tokenizer.json with a vocabulary, a complete safetensors file of no tensors) without 15 GB of weights."""
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}}))
+    header = b"{}"
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return d
+
 
 EASYR1 = {"data": {"rollout_batch_size": 512, "max_prompt_length": 2048, "max_response_length": 2048},
           "algorithm": {"adv_estimator": "grpo", "use_kl_loss": True, "kl_coef": 0.01, "kl_penalty": "low_var_kl"},
@@ -113,9 +126,7 @@ def test_logic_rl_verl_2_prompts_on_4_gpus(tmp_path):
 
 def test_logic_rl_oom_follow_up(tmp_path):
     """Raising train_batch_size then runs out of memory: the estimate and the ranked knobs, for a 7B config."""
-    model = tmp_path / "qwen7b"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(QWEN7B))
+    model = config_only_model(tmp_path / "qwen7b", QWEN7B)
     peer = {**LOGIC_RL, "actor_rollout_ref": {**LOGIC_RL["actor_rollout_ref"], "model": {"path": str(model)}}}
     t, cfg, plan = run(tmp_path, "verl", peer, ["data.train_batch_size=8"], device_memory_gib=80)
     assert cfg.model.path == str(model) and cfg.parallel.sharding == "fsdp"

@@ -150,6 +150,27 @@ def test_model_dir_without_config_json(tmp_path):
     assert "model-path" not in rules(make([f"model.path={tmp_path}"]))
 
 
+def test_model_and_data_files_are_checked_as_the_trainer_checks_them(tmp_path):
+    """What evenrl train would refuse in the model directory or the dataset is an error finding (tests/
+    test_bad_input.py runs every such case through both commands)."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    found = rules(make([f"model.path={model}"]))
+    assert found["model-tokenizer"].level == found["model-weights"].level == "error" and "model-config" not in found
+    assert "no tokenizer files" in found["model-tokenizer"].message and "no weights" in found["model-weights"].message
+    (model / "config.json").write_text(json.dumps({**TINY, "model_type": "t5"}))
+    assert "'t5' is not a causal LM" in rules(make([f"model.path={model}"]))["model-config"].message
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2="}\n')
+    f = rules(make([f"data.path={data}"]))["data-file"]
+    assert f.level == "error" and f"{data} line 2: no field 'prompt'" in f.message and "data.prompt_field" in f.fix
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    e = rules(make([f"data.path={good}", f"eval.path={data}"]))["eval-file"]
+    assert e.level == "error" and "line 2" in e.message and "eval.path=''" in e.fix
+
+
 def test_numbers_512x8_on_64_ranks():
     cfg = load_config(EXAMPLE)
     lay = make_layout(8, 8, device="cuda", device_memory_gib=80)

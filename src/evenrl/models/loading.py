@@ -9,8 +9,10 @@ import os
 import string
 
 import torch
+from safetensors import SafetensorError
 
 from evenrl.errors import UsageError, bad
+from evenrl.models.files import check_model_dir
 
 # Printable ASCII plus newline: enough for arithmetic, countdown and short word prompts.
 DEFAULT_VOCAB = string.digits + "+-*/=()<>.,:;!?'\"_%&#@$[]{}|\\^~`" + " \n" + string.ascii_letters
@@ -51,14 +53,16 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
 
     hf_logging.disable_progress_bar()  # a per-load weights bar on every rank is noise in a training log
     path = os.fspath(path)
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-        raise bad("model path", path, "expected a local directory with config.json (a model saved with save_pretrained)")
     torch_dtype = _resolve_dtype(dtype)
+    # The torch-free checks `evenrl plan` runs too: config.json and its model_type, tokenizer files, complete
+    # weights. What they catch would otherwise surface half-way through transformers as a traceback.
+    check_model_dir(path)
     device = torch.device(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError) as e:
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
         raise UsageError(f"model path: could not load a tokenizer from {path!r}; {_first_line(e)}") from None
+    _check_vocabulary(tokenizer, path)
     # sdpa is the fastest exact attention on CPU; flash kernels are GPU-only.
     kwargs = dict(local_files_only=True, dtype=torch_dtype, attn_implementation="sdpa")
     try:
@@ -69,7 +73,9 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
                 raise
             kwargs["attn_implementation"] = "eager"
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (OSError, ValueError, TypeError, KeyError) as e:
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError) as e:
         raise UsageError(f"model path: could not load a causal LM from {path!r}; {_first_line(e)}") from None
     model.to(device)
     model.eval()
@@ -80,6 +86,19 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def _check_vocabulary(tokenizer, path: str) -> None:
+    """A tokenizer with no ordinary tokens (only special ones) is what transformers builds from a directory
+    whose vocabulary files are missing or empty: refuse it rather than train on token soup."""
+    try:
+        ids = set(tokenizer.get_vocab().values())
+    except (AttributeError, NotImplementedError, TypeError):  # no vocabulary to list: trust the tokenizer
+        return
+    ordinary = ids - set(getattr(tokenizer, "all_special_ids", []) or [])
+    if not ordinary:
+        raise UsageError(f"{path}: the tokenizer has {len(ids)} tokens, none of them ordinary (its vocabulary files "
+                         "are missing or empty); save the model's tokenizer beside it (tokenizer.save_pretrained)")
 
 
 def is_checkpointing(model) -> bool:

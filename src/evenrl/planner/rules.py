@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from evenrl.config import RunConfig
+from evenrl.errors import UsageError
+from evenrl.models.files import Fields, check_tokenizer_files, check_weights, read_model_config, read_rows
 from evenrl.planner.render import plural
 
 if TYPE_CHECKING:
@@ -71,15 +74,40 @@ def rule_data(p: Plan) -> list[Finding]:
                         "point data.path at a local .jsonl/.parquet file or dataset directory")]
     if p.dataset_rows == 0:
         return [Finding("error", "data-path", f"data.path {d.path!r} has no rows", "use a non-empty dataset")]
-    if p.config.eval.path and not Path(p.config.eval.path).expanduser().exists():
-        return [Finding("error", "eval-path", f"eval.path {p.config.eval.path!r} does not exist",
+    problem = dataset_problem(p.config, d.path)
+    if problem:
+        return [Finding("error", "data-file", problem, _DATA_FIX.format(key="data.path"))]
+    e = p.config.eval.path
+    if e and not Path(e).expanduser().exists():
+        return [Finding("error", "eval-path", f"eval.path {e!r} does not exist",
                         "point eval.path at a local .jsonl/.parquet file or dataset directory, or eval.path=''")]
+    problem = dataset_problem(p.config, e) if e else None
+    if problem:
+        return [Finding("error", "eval-file", problem, _DATA_FIX.format(key="eval.path") + "; or eval.path=''")]
     if p.dataset_rows is not None and p.dataset_rows < d.prompts_per_step:
         return [Finding("warning", "prompts-exceed-dataset",
                         f"{plural(d.prompts_per_step, 'prompt')} per step from a dataset of "
                         f"{plural(p.dataset_rows, 'row')}: every step repeats prompts",
                         f"data.prompts_per_step={p.dataset_rows}")]
     return []
+
+
+# How much of a dataset the plan reads: the rows evenrl train would refuse are usually near the top (a wrong
+# field name, a header line); the trainer reads the rest, before it writes anything.
+PLAN_DATA_BYTES = 16 * 1024**2  # of each .jsonl file
+PLAN_DATA_ROWS = 1000  # of each parquet / Arrow table, after its schema
+_DATA_FIX = ("fix the file (evenrl train reads it the same way); or point {key} at another .jsonl/.parquet file "
+             "or dataset directory, or set data.prompt_field / data.answer_field to its columns")
+
+
+def dataset_problem(cfg: RunConfig, path: str) -> str | None:
+    """What evenrl train would refuse in the dataset at `path` (its first rows, every table's columns), or None."""
+    try:
+        fields = Fields(cfg.data.prompt_field, cfg.data.answer_field, tuple(cfg.data.extra_fields))
+        read_rows(str(Path(path).expanduser()), fields, max_bytes=PLAN_DATA_BYTES, max_rows=PLAN_DATA_ROWS)
+    except UsageError as e:
+        return str(e)
+    return None
 
 
 def rule_model(p: Plan) -> list[Finding]:
@@ -92,6 +120,16 @@ def rule_model(p: Plan) -> list[Finding]:
         return [Finding("error", "model-path", f"model.path {m.path!r} has no config.json",
                         "point model.path at a Hugging Face model directory (config.json, weights, tokenizer)")]
     out = []
+    if path is not None:  # what load_policy checks before transformers sees the directory
+        for rule, check, fix in (
+                ("model-config", read_model_config, "point model.path at a decoder-only Hugging Face model"),
+                ("model-tokenizer", check_tokenizer_files, "save the tokenizer into model.path "
+                                                           "(tokenizer.save_pretrained(model.path))"),
+                ("model-weights", check_weights, "re-download the model, or save it again with save_pretrained")):
+            try:
+                check(str(path))
+            except UsageError as e:
+                out.append(Finding("error", rule, str(e), fix))
     if p.dims and p.dims.max_positions and p.sample_tokens > p.dims.max_positions:
         out.append(Finding("warning", "max-positions",
                            f"max_prompt_tokens + max_new_tokens = {p.sample_tokens:,} exceeds the model's "

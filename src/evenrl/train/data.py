@@ -5,15 +5,12 @@ Does not import torch.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
 from evenrl.config import RunConfig
 from evenrl.errors import UsageError, bad
-
-_RESERVED = ("prompt", "answer", "id")
-_FILE_KINDS = (".jsonl", ".parquet")
+from evenrl.models.files import Fields, read_rows
 
 
 def load_prompts(
@@ -29,123 +26,11 @@ def load_prompts(
     a directory written by `datasets.Dataset.save_to_disk` (read with pyarrow; a DatasetDict must have a
     "train" split). `id` is the row's index in that order, stable across
     runs. Answers are kept as stored (a number stays a number); `answer_field=None` means no answers.
+    Reading and checking is evenrl.models.files.read_rows, which `evenrl plan` runs on the first rows too:
+    a line that is not a JSON object, a missing column or field is a one-line UsageError naming the file.
     """
-    path = os.fspath(path)
-    extra_fields = list(extra_fields or [])
-    for f in extra_fields:
-        if f in _RESERVED:
-            raise bad("extra_fields", f, f"names other than {', '.join(_RESERVED)} (those are always present)")
-    if not os.path.exists(path):
-        raise bad("prompts path", path, "expected an existing .jsonl or .parquet file or a dataset directory")
-
-    if os.path.isdir(path):
-        sources = _read_dir(path)
-    else:
-        sources = [(path, _read_file(path))]
-
-    rows: list[dict] = []
-    for src, records in sources:
-        for i, rec in enumerate(records):
-            rows.append(_make_row(rec, src, i, len(rows), prompt_field, answer_field, extra_fields))
-    if not rows:
-        raise UsageError(f"prompts path: {path!r} has no rows; expected at least one prompt")
-    return rows
-
-
-def _make_row(rec, src, i, row_id, prompt_field, answer_field, extra_fields) -> dict:
-    where = f"{src} row {i}"
-    if not isinstance(rec, dict):
-        raise UsageError(f"{where}: got {type(rec).__name__}; expected an object with a {prompt_field!r} field")
-    if prompt_field not in rec:
-        raise UsageError(f"{where}: no field {prompt_field!r} (prompt_field); fields are {_names(rec)}")
-    prompt = rec[prompt_field]
-    if not isinstance(prompt, str):
-        raise UsageError(f"{where}: field {prompt_field!r} is {type(prompt).__name__}; expected a string")
-    row = {"prompt": prompt, "answer": None, "id": row_id}
-    if answer_field is not None:
-        if answer_field not in rec:
-            raise UsageError(f"{where}: no field {answer_field!r} (answer_field); fields are {_names(rec)}")
-        row["answer"] = rec[answer_field]
-    for f in extra_fields:
-        if f not in rec:
-            raise UsageError(f"{where}: no field {f!r} (extra_fields); fields are {_names(rec)}")
-        row[f] = rec[f]
-    return row
-
-
-def _names(rec: dict) -> str:
-    names = ", ".join(sorted(map(str, rec)))
-    return names if len(names) <= 120 else names[:117] + "..."
-
-
-def _read_file(path: str) -> list:
-    if path.endswith(".jsonl"):
-        return _read_jsonl(path)
-    if path.endswith(".parquet"):
-        return _read_parquet(path)
-    raise bad("prompts path", path, "expected a .jsonl or .parquet file or a dataset directory")
-
-
-def _read_jsonl(path: str) -> list:
-    out = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise UsageError(f"{path} line {n}: not valid JSON ({e.msg}); expected one JSON object per line") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{path}: not UTF-8 text; expected a .jsonl file") from None
-    return out
-
-
-def _read_parquet(path: str) -> list:
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as e:  # pyarrow raises several unrelated types for corrupt files
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path}: could not read parquet ({msg})") from None
-
-
-def _read_dir(path: str) -> list[tuple[str, list]]:
-    names = sorted(os.listdir(path))
-    if any(n in names for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
-        return [(path, _read_hf_dataset(path))]
-    files = [os.path.join(path, n) for n in names if n.endswith(_FILE_KINDS) and os.path.isfile(os.path.join(path, n))]
-    if not files:
-        raise bad("prompts path", path, "a directory holding .jsonl/.parquet files or a dataset saved with save_to_disk")
-    return [(f, _read_file(f)) for f in files]
-
-
-def _read_hf_dataset(path: str) -> list:
-    """A directory written by `datasets` save_to_disk, read with pyarrow alone (no `datasets` dependency):
-    `state.json` lists the split's Arrow stream files; a DatasetDict has `dataset_dict.json` and one
-    sub-directory per split, of which "train" is used."""
-    import json
-
-    import pyarrow as pa
-
-    if os.path.exists(os.path.join(path, "dataset_dict.json")):
-        with open(os.path.join(path, "dataset_dict.json")) as f:
-            splits = json.load(f).get("splits", [])
-        if "train" not in splits:
-            raise bad("prompts path", path, f"a dataset or a DatasetDict with a 'train' split (splits: {', '.join(splits)})")
-        path = os.path.join(path, "train")
-    try:
-        with open(os.path.join(path, "state.json")) as f:
-            files = [d["filename"] for d in json.load(f)["_data_files"]]
-        rows: list = []
-        for name in files:
-            with pa.memory_map(os.path.join(path, name)) as source:
-                rows.extend(pa.ipc.open_stream(source).read_all().to_pylist())
-    except (OSError, KeyError, ValueError, TypeError, pa.ArrowInvalid) as e:
-        raise UsageError(f"prompts path: {path!r} is not a readable save_to_disk dataset "
-                         f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+    fields = Fields(prompt_field, answer_field, tuple(extra_fields or ()))
+    rows, _ = read_rows(os.fspath(path), fields)
     return rows
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -94,36 +96,89 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+STEP_DIR = re.compile(r"step-(\d+)")
+_EARLIER = "delete it or resume from an earlier one"
+
+
 def latest(ckpt_root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint, or None. Half-written `.tmp-*` directories are ignored."""
+    """The newest complete checkpoint, or None. Half-written `.tmp-*` directories are ignored; a `latest`
+    pointer that cannot be read or names no checkpoint falls back to the highest step-N with a meta.json."""
     root = Path(ckpt_root)
     pointer = root / "latest"
-    if pointer.exists():
-        cand = root / pointer.read_text().strip()
-        if (cand / "meta.json").exists():
+    if pointer.is_file():
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        cand = root / name
+        if STEP_DIR.fullmatch(name) and (cand / "meta.json").exists():
             return cand
-    done = sorted(p for p in root.glob("step-*") if (p / "meta.json").exists())
-    return done[-1] if done else None
+    done = [p for p in root.glob("step-*") if STEP_DIR.fullmatch(p.name) and (p / "meta.json").exists()]
+    return max(done, key=lambda p: int(p.name[5:])) if done else None
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """A checkpoint's meta.json: a JSON object whose "step" is a whole number (the one in the directory's name);
+    anything else is a one-line UsageError naming the file."""
+    f = Path(path) / "meta.json"
+    want = '{"step": N, "time": T} as evenrl train writes it'
+    try:
+        meta = json.loads(f.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UsageError(f"{f}: cannot read ({e.__class__.__name__}); {_EARLIER}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UsageError(f"{f}: not valid JSON; expected {want}; {_EARLIER}") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"{f}: top level is a {type(meta).__name__}; expected {want}; {_EARLIER}")
+    if "step" not in meta:
+        raise UsageError(f"{f}: no \"step\" field; expected {want}; {_EARLIER}")
+    step = meta["step"]
+    if type(step) is not int or step < 0:
+        raise UsageError(f"{f}: step is {step!r}; expected a whole number >= 0; {_EARLIER}")
+    named = STEP_DIR.fullmatch(Path(path).name)
+    if named and int(named.group(1)) != step:
+        raise UsageError(f"{f}: step is {step} but the directory is {Path(path).name}; {_EARLIER}")
+    return meta
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module) -> tuple[int, dict]:
-    """Load weights into `model` and return (step, trainer_state)."""
+    """Load weights into `model` and return (step, trainer_state). The metadata is checked before anything is
+    read into the model; every problem is a one-line UsageError naming the checkpoint's file."""
     path = Path(path)
+    step = read_meta(path)["step"]
     try:
-        meta = json.loads((path / "meta.json").read_text())
         weights = load_file(str(path / "model.safetensors"))
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        raise UsageError(f"{path / 'model.safetensors'}: unreadable checkpoint ({e.__class__.__name__}); "
+                         f"{_EARLIER}") from None
+    try:
         trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
-    except (OSError, ValueError, RuntimeError, SafetensorError, KeyError) as e:
-        raise UsageError(f"{path}: unreadable checkpoint ({e.__class__.__name__}); "
-                         f"delete it or resume from an earlier one") from None
+    except (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
+        raise UsageError(f"{path / 'trainer.pt'}: unreadable checkpoint ({e.__class__.__name__}); "
+                         f"{_EARLIER}") from None
+    if not isinstance(trainer_state, dict):
+        raise UsageError(f"{path / 'trainer.pt'}: holds a {type(trainer_state).__name__}; expected the trainer state "
+                         f"(a dict); {_EARLIER}")
+    if "step" in trainer_state and trainer_state["step"] != step:
+        raise UsageError(f"{path / 'trainer.pt'}: saved at step {trainer_state['step']!r} but meta.json says {step}; "
+                         f"{_EARLIER}")
     device = next(model.parameters()).device
-    missing, unexpected = model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
+    except RuntimeError as e:  # same names, other shapes
+        raise UsageError(f"{path}: checkpoint does not match model.path ({_first_line(e)}); resume with the same "
+                         "model") from None
     # tied weights were saved once; anything else missing means a different model
     missing = [k for k in missing if not _is_tied(model, k)]
     if missing or unexpected:
         raise UsageError(f"{path}: checkpoint does not match model.path (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}); resume with the same model")
-    return int(meta["step"]), trainer_state
+    return step, trainer_state
+
+
+def _first_line(e: Exception) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def _is_tied(model: torch.nn.Module, key: str) -> bool:

@@ -16,6 +16,8 @@ import math
 import time
 from pathlib import Path
 
+from evenrl.errors import UsageError
+
 
 class RunLog:
     def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool, progress_total: int | None,
@@ -84,7 +86,29 @@ def _jsonable(v):
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl ([] when there is none). A line that is not a JSON object with a whole
+    "step" is a one-line UsageError naming the file and the line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    try:
+        with path.open("rb") as f:
+            for n, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    raise UsageError(f"{path} line {n}: not valid JSON; expected one JSON object per step, as evenrl "
+                                     "train writes (delete the line to read the rest)") from None
+                if not isinstance(row, dict):
+                    kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+                        type(row), "null")
+                    raise UsageError(f"{path} line {n}: a JSON {kind}; expected one JSON object per step")
+                if type(row.get("step")) is not int:
+                    raise UsageError(f"{path} line {n}: \"step\" is {row.get('step')!r}; expected a whole number")
+                rows.append(row)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read ({e.__class__.__name__}); expected the metrics of a run") from None
+    return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,25 +24,30 @@ TIMEOUT_S = 600
 
 class Job:
     """`python -m evenrl.cli ARGS` started now, waited for later. Output goes to files, not pipes, so a job nobody
-    reads yet never blocks on a full pipe."""
+    reads yet never blocks on a full pipe. It runs in a process group of its own, so that killing it (a timeout,
+    an interrupted test) reaches everything it started."""
 
-    def __init__(self, *args, env=None):
+    def __init__(self, *args, env=None, timeout_s: float = TIMEOUT_S):
         self.args = [sys.executable, "-m", "evenrl.cli", *map(str, args)]
+        self.timeout_s = timeout_s
         self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(self.args, stdout=self._out, stderr=self._err, text=True, env=env or ENV)
+        self.proc = subprocess.Popen(self.args, stdout=self._out, stderr=self._err, text=True, env=env or ENV,
+                                     start_new_session=True)
 
     def done(self) -> bool:
-        if self.proc.poll() is None and time.monotonic() - self.started > TIMEOUT_S:
-            self.proc.kill()  # wait() then reports the kill as a failure with the output so far
+        if self.proc.poll() is None and time.monotonic() - self.started > self.timeout_s:
+            self.kill()  # wait() then reports the kill as a failure with the output so far
         return self.proc.poll() is not None
 
     def wait(self, check=True) -> subprocess.CompletedProcess:
         try:
-            self.proc.wait(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - self.started)))
+            self.proc.wait(timeout=max(1.0, self.timeout_s - (time.monotonic() - self.started)))
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
+        except BaseException:  # e.g. pytest-timeout or Ctrl-C while waiting: leave no process behind
+            self.kill()
+            raise
         outs = []
         for f in (self._out, self._err):
             f.seek(0)
@@ -54,9 +60,20 @@ class Job:
         return proc
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        """SIGTERM first: torchrun's agent then stops the workers it started (in sessions of their own); SIGKILL to
+        whatever of the group is left after 15 s."""
+        if self.proc.poll() is not None:
+            return
+        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=grace)
+                return
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def evenrl(*args, env=None, check=True) -> subprocess.CompletedProcess:

@@ -2,12 +2,10 @@
 
 import json
 import socket
-import subprocess
-import sys
 
 import pytest
 
-from e2e import ENV, evenrl, final_params, max_diff
+from e2e import ENV, Job, evenrl, final_params, max_diff
 
 
 def free_port() -> int:
@@ -21,14 +19,15 @@ def test_two_nodes_on_loopback_give_the_one_process_model(shared_runs, tmp_path)
     """The shared config on 2 nodes x 1 process ends with the parameters of shared_runs.one (tests/conftest.py)."""
     two = tmp_path / "two"
     port = free_port()
-    nodes = [subprocess.Popen([sys.executable, "-m", "evenrl.cli", "train", *map(str, shared_runs.args),
-                               f"log.run_dir={two}",
-                               "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
-                               "--master-addr", "127.0.0.1", "--master-port", str(port)],
-                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    nodes = [Job("train", *shared_runs.args, f"log.run_dir={two}", "--nnodes", "2", "--node-rank", r,
+                 "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, timeout_s=300)
              for r in (0, 1)]
-    outs = [n.communicate(timeout=300)[0] for n in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    try:
+        outs = [n.wait(check=False) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert [o.returncode for o in outs] == [0, 0], "\n".join(o.stdout[-2000:] + o.stderr[-2000:] for o in outs)
     assert "2 nodes" in (two / "plan.txt").read_text() or "2 ranks" in (two / "plan.txt").read_text()
     assert max_diff(final_params(shared_runs.one), final_params(two)) <= 1e-5
 

@@ -349,6 +349,42 @@ def crashes(completion, sample):
     return 1.0
 
 
+def hogs_memory(completion, sample):
+    if completion == "slow":
+        return len(bytearray(512 * 2**20))  # past a 256 MiB cap
+    if completion == "leaky":
+        return len([bytearray(2**20) for _ in range(512)])  # 512 MiB, 1 MiB at a time
+    return 1.0
+
+
+def uses_numpy(completion, sample):
+    import numpy  # a library that maps far more address space than it uses loads under the default cap
+
+    return float(numpy.ones(1000).sum())
+
+
+def sums(completion, sample):
+    return float(sum(i for i in range(2000)))  # ~0.1 ms of CPU
+
+
+def burns_cpu(completion, sample):
+    x = 0
+    while completion == "slow":
+        x += 1
+    return 1.0
+
+
+def ignores_cpu_limit(completion, sample):
+    deadline = time.monotonic() + 3.0
+    while completion == "slow" and time.monotonic() < deadline:
+        try:
+            while time.monotonic() < deadline:
+                pass
+        except BaseException:
+            pass
+    return 1.0
+
+
 def test_weighted_sum_and_stats():
     completions = ["a", "bbb", ""]
     samples = [{}] * 3
@@ -395,6 +431,45 @@ def test_worker_is_killed_and_replaced(fn, kind):
     assert time.perf_counter() - start < 6.0
     assert scores == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and stats[kind] == 1
     assert score_all([(one, 1.0)], ["ok"] * 4, [{}] * 4, 5)[0] == [1.0] * 4  # the pool still works
+
+
+def test_memory_cap_fails_the_call_and_keeps_the_worker():
+    score_all([(one, 1.0)], ["warm"], [{}], 5)
+    completions = ["ok", "slow", "ok", "leaky", "ok"]
+    scores, stats = score_all([(hogs_memory, 1.0)], completions, [{}] * 5, timeout_s=10, memory_limit_mib=256)
+    assert scores == [1.0, 0.0, 1.0, 0.0, 1.0] and stats["memory"] == 2 and stats["failures"] == 2
+    assert stats["failed"] == [False, True, False, True, False]
+    assert stats["by_reward"]["hogs_memory"]["first_error"].startswith("ran out of memory (MemoryError")
+    # the same calls without a cap succeed: the cap, not the machine, failed them
+    scores, stats = score_all([(hogs_memory, 1.0)], ["slow"], [{}], timeout_s=10, memory_limit_mib=0)
+    assert scores == [512 * 2**20] and stats["failures"] == 0
+    assert score_all([(uses_numpy, 1.0)], ["a"], [{}], timeout_s=30, memory_limit_mib=2048)[0] == [1000.0]
+
+
+def test_cpu_cap_fails_the_call_before_the_wall_clock_limit():
+    score_all([(one, 1.0)], ["warm"], [{}], 5)
+    start = time.perf_counter()
+    scores, stats = score_all([(burns_cpu, 1.0)], ["ok", "slow", "ok"], [{}] * 3, timeout_s=20, cpu_time_limit_s=0.5)
+    assert time.perf_counter() - start < 5.0
+    assert scores == [1.0, 0.0, 1.0] and stats["cpu"] == 1 and stats["timeout"] == 0
+    assert stats["by_reward"]["burns_cpu"]["first_error"] == "used more than 0.5 s of CPU time"
+    # the limit is per call: many calls that each use a little CPU add up to far more than it without failing
+    scores, stats = score_all([(sums, 1.0)], ["x"] * 4000, [{}] * 4000, timeout_s=5, cpu_time_limit_s=0.01)
+    assert stats["failures"] == 0 and scores == [float(sum(range(2000)))] * 4000
+
+
+def test_a_reward_that_swallows_the_cpu_signal_is_stopped_by_the_wall_clock():
+    score_all([(one, 1.0)], ["warm"], [{}], 5)
+    scores, stats = score_all([(ignores_cpu_limit, 1.0)], ["slow", "ok"], [{}] * 2, timeout_s=1.0,
+                              cpu_time_limit_s=0.2)
+    assert scores == [0.0, 1.0] and stats["timeout"] == 1
+
+
+def test_failed_flags_per_completion_over_several_rewards():
+    _, stats = score_all([(one, 1.0), (raises, 0.0)], ["a", "b"], [{}, {}], 5)
+    assert stats["failed"] == [True, True]
+    _, stats = score_all([(one, 1.0), (crashes, 1.0)], ["a", "slow", "b"], [{}] * 3, 5)
+    assert stats["failed"] == [False, True, False] and stats["raised"] == 1
 
 
 def test_math_reward_hang_is_bounded_inline():
@@ -446,6 +521,10 @@ def test_score_all_argument_errors():
         score_all([(one, 1.0)], ["a", "b"], [{}], 1)
     with pytest.raises(UsageError, match="timeout_s"):
         score_all([(one, 1.0)], ["a"], [{}], 0)
+    with pytest.raises(UsageError, match="cpu_time_limit_s"):
+        score_all([(one, 1.0)], ["a"], [{}], 1, cpu_time_limit_s=0)
+    with pytest.raises(UsageError, match="memory_limit_mib"):
+        score_all([(one, 1.0)], ["a"], [{}], 1, memory_limit_mib=-1)
 
 
 def test_overhead_for_128_cheap_completions():

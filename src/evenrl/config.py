@@ -97,8 +97,18 @@ class RewardsConfig(_Section):
     isolate: bool = Field(
         True, description="Score in worker processes, so a reward that crashes or hangs cannot take the trainer "
                           "down (costs ~5-10 ms a step on CPU); false scores in the trainer process, as TRL does, "
-                          "with the same time limit (a timer signal): for cheap, trusted reward functions.")
-
+                          "with the same time limit (a timer signal) but no memory or CPU-time cap: for cheap, "
+                          "trusted reward functions.")
+    memory_limit_mib: int = Field(
+        2048, ge=0, le=1024**2,
+        description="Memory cap of each reward worker process, in MiB (RLIMIT_DATA: its heap and private memory); "
+                    "a call that allocates past it fails. 0: no cap. Not applied with isolate=false: it would cap "
+                    "the trainer itself.")
+    cpu_time_limit_s: float | None = Field(
+        None, gt=0.0, le=3600.0,
+        description="CPU seconds one reward call may use in a worker (all its threads together); past it the call "
+                    "fails. null: the same as timeout_s. Not applied with isolate=false (the trainer's other "
+                    "threads would count).")
 
 class TrainConfig(_Section):
     steps: int = Field(100, ge=0, le=MAX_COUNT, description="RL steps (rollout + updates) to run.")

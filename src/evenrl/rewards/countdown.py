@@ -1,8 +1,9 @@
 """Countdown (TinyZero): combine the given numbers with + - * / to reach a target, each number used exactly once.
 
 sample fields: "numbers" (list of int), "target" (int), "prompt" (str), "solution" (one valid equation, for
-reference only).  The equation is read from the last <answer>...</answer> and evaluated by a small AST walker over
-exact fractions that accepts integer literals, + - * /, unary minus and parentheses; nothing else is ever run.
+reference only).  The equation is read from the last <answer>...</answer> (at most MAX_EQUATION_CHARS), parsed with
+`ast.parse(mode="eval")` (parsing only: the tree is never compiled or run), rejected unless every node is an integer
+literal, + - * /, unary minus/plus or parentheses, and evaluated by a small walker over exact fractions.
 """
 
 from __future__ import annotations

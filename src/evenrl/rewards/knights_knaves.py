@@ -3,6 +3,9 @@
 sample fields: "prompt" (str), "names" (list of str), "solution" (dict name -> bool, True = knight),
 "statements" (list of [speaker index, statement]; a statement is a JSON-friendly nested list:
 ["knight", i] | ["knave", i] | [op, s1, s2] with op in "and", "or", "iff", "implies").
+
+The completion is read with str.find (its last <answer>) and one regular expression built from the puzzle's
+re.escape'd names, `\\b(name|...)\\s+is\\s+an?\\s+(knight|knave)s?\\b` (no nested quantifiers).
 """
 
 from __future__ import annotations

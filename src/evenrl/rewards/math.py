@@ -2,6 +2,14 @@
 
 sample fields: "answer" (str or number; the gold final answer, LaTeX allowed, e.g. "\\frac{1}{2}" or "42";
 a gold string containing \\boxed{...} is reduced to its last boxed content).
+
+What reads the completion: `extract_answer` (linear scans, no regex backtracking), then, for an answer of at most
+MAX_ANSWER_CHARS, math-verify. Its `parse` reads LaTeX with latex2sympy2_extended (an ANTLR grammar building sympy
+objects) and plain expressions (only digits, '.', whitespace and + - * × ÷ / ^ ( ) pass its pattern) with sympy's
+`parse_expr(evaluate=False)`, which runs the rewritten text with eval(); `verify` compares the sympy objects and
+can take unbounded time and memory. math-verify catches every Exception inside parse and verify, MemoryError
+included, so an allocation past the reward worker's memory cap usually ends as "no match" (0 via the string check)
+rather than a counted failure; the wall-clock and CPU-time limits of `evenrl.rewards.score_all` still end the call.
 """
 
 from __future__ import annotations

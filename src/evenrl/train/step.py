@@ -108,9 +108,9 @@ def rollout(run: "Run", step: int, prompt_ids: list[int]) -> Batch:
 
 
 def add_rewards(run: "Run", batch: Batch) -> tuple[Batch, dict]:
-    rows = [run.rows[r] for r in batch["row_id"]]
-    scores, stats = score_all(run.reward_fns, batch["completion"], rows, run.cfg.rewards.timeout_s,
-                              isolate=run.cfg.rewards.isolate)
+    rows, rc = [run.rows[r] for r in batch["row_id"]], run.cfg.rewards
+    scores, stats = score_all(run.reward_fns, batch["completion"], rows, rc.timeout_s, isolate=rc.isolate,
+                              memory_limit_mib=rc.memory_limit_mib, cpu_time_limit_s=rc.cpu_time_limit_s)
     batch["reward"] = torch.tensor(scores, dtype=torch.float32)
     return batch, stats
 

@@ -20,6 +20,8 @@ PLAN = {
 TRAIN = {
     "config", "overrides", "-h", "--help", "--nproc-per-node", "--num-gpus", "--nnodes", "--num-nodes",
     "--node-rank", "--master-addr", "--master-port", "--max-restarts", "--resume",
+    # a run directory belongs to one run; how long a rank waits for a stopped peer (parallel.collective_timeout_s)
+    "--overwrite", "--collective-timeout-s",
 }
 COMMANDS = ["plan", "train", "sft", "report", "demo"]
 

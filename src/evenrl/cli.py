@@ -7,15 +7,20 @@
     evenrl demo
 
 Subcommand modules are imported only when chosen, so `evenrl plan` never imports torch.
-Every user error (evenrl.errors.UsageError) becomes one line on stderr and exit code 2.
+Every user error (evenrl.errors.UsageError) becomes one line on stderr and exit code 2; a run that had to stop
+(evenrl.errors.RunStopped) one line and exit code 3. In a worker started by torch's elastic agent the same line goes
+to the agent's error file, so the launcher's summary shows it.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import sys
+import time
 
-from evenrl.errors import UsageError
+from evenrl.errors import RunStopped, UsageError
 
 # subcommand -> (module, one-line help). Each module exposes main(argv: list[str]) -> int.
 COMMANDS = {
@@ -54,11 +59,24 @@ def main(argv: list[str] | None = None) -> int:
             return int(module.main([name, *rest]) or 0)
         return int(module.main(rest) or 0)
     except UsageError as e:
-        print(f"evenrl {name}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"evenrl {name}: error: {e}", 2)
+    except RunStopped as e:
+        return _fail(f"evenrl {name}: stopped: {e}", 3)
     except KeyboardInterrupt:
         print(f"evenrl {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _fail(line: str, code: int) -> int:
+    print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torch's elastic agent for each worker
+    if error_file:
+        try:
+            with open(error_file, "w", encoding="utf-8") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the line above is on stderr anyway
+    return code
 
 
 if __name__ == "__main__":

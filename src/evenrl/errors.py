@@ -20,3 +20,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+class RunStopped(Exception):
+    """The run cannot go on: a non-finite loss or gradient, a peer that stopped or died. The CLI prints one line
+    and exits with code 3; the last good checkpoint is kept and nothing half-written replaces it."""

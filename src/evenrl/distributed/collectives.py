@@ -10,12 +10,19 @@ gloo group otherwise trips over keys left in the shared store by the failed atte
 
 Gradients are SUM-reduced (`all_reduce_grads`), never averaged: the loss shares of `evenrl.core.aggregation` are
 already divided by global counts, so the sum over ranks is the single-device gradient.
+
+A collective that fails (a peer died: at once; a peer stopped: after `timeout` seconds) raises RunStopped with one
+line saying which phase this rank was in and where each other rank last said it was (`mark` leaves a rank's phase
+in the group's store), instead of a backend traceback after a fixed 10 minutes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import re
+import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +33,7 @@ import torch.distributed as tdist
 
 from evenrl.core.batch import SAMPLE_INDEX, Batch, Ragged
 from evenrl.distributed.env import LaunchEnv, read_env
+from evenrl.errors import RunStopped
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,8 @@ class DistInfo:
 
 _INFO: DistInfo | None = None
 _OWN_GROUP = False
+_STORE = None  # the group's store; each rank leaves its current phase there (mark)
+_PHASE = "start"
 
 
 def _active() -> bool:
@@ -50,7 +60,7 @@ def _active() -> bool:
 def init(backend: str | None = None, *, timeout: float | None = None) -> DistInfo:
     """Join the process group described by the environment (idempotent). backend None: NCCL with CUDA, else gloo.
     timeout: seconds the rendezvous and each collective may wait before failing (default 10 minutes)."""
-    global _INFO, _OWN_GROUP
+    global _INFO, _OWN_GROUP, _STORE
     if _INFO is not None:
         return _INFO
     env = read_env()
@@ -74,7 +84,7 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> DistInf
         store = tdist.PrefixStore(f"evenrl/restart{lay.restart_count}", store)
         tdist.init_process_group(backend, store=store, rank=lay.rank, world_size=lay.world, timeout=wait,
                                  device_id=device if backend == "nccl" else None)
-        _OWN_GROUP = True
+        _OWN_GROUP, _STORE = True, store
     else:
         backend = None
     _INFO = DistInfo(lay.rank, lay.world, lay.local_rank, lay.local_world, lay.node_rank, device, backend)
@@ -84,10 +94,10 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> DistInf
 def shutdown() -> None:
     """Leave the process group `init` built (an adopted one stays) and forget `init`'s answer, so the next `init`
     reads the environment again."""
-    global _INFO, _OWN_GROUP
+    global _INFO, _OWN_GROUP, _STORE
     if _OWN_GROUP and _active():
         tdist.destroy_process_group()
-    _INFO, _OWN_GROUP = None, False
+    _INFO, _OWN_GROUP, _STORE = None, False, None
 
 
 def rank() -> int:
@@ -102,6 +112,45 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def mark(phase: str) -> None:
+    """Say where this rank is (e.g. "step 3 exchange"): kept here and, with several ranks, in the group's store,
+    so that a failed collective on any rank can name the peer that stopped and where (one small store write)."""
+    global _PHASE
+    _PHASE = phase
+    if _STORE is not None:
+        _STORE.set(f"phase/{rank()}", phase)
+
+
+@contextlib.contextmanager
+def _guard(op: str):
+    """A backend error inside a collective becomes one RunStopped line: this rank, its phase, the operation, the
+    backend's reason, and where the other ranks last were."""
+    t0 = time.monotonic()
+    try:
+        yield
+    except RuntimeError as e:
+        if world() == 1:
+            raise
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0])[:160]
+        raise RunStopped(f"rank {rank()} in {_PHASE}: {op} failed after {time.monotonic() - t0:.0f} s ({reason}); "
+                         f"{_whereabouts()}") from None
+
+
+def _whereabouts() -> str:
+    """Where each other rank last said it was. The store lives on rank 0 (or torchrun's agent), which may itself be
+    gone; nothing here waits for long."""
+    try:
+        _STORE.set_timeout(timedelta(seconds=5))
+        seen = {r: _STORE.get(f"phase/{r}").decode() if _STORE.check([f"phase/{r}"]) else "not started"
+                for r in range(world()) if r != rank()}
+    except Exception:  # the store's host is gone too
+        return "the rendezvous store (on rank 0 or the launcher) is unreachable: rank 0 may have stopped or died"
+    behind = {r: p for r, p in seen.items() if p != _PHASE}
+    if not behind:
+        return f"every other rank also reached {_PHASE}"
+    return "; ".join(f"rank {r} was last in {p}" for r, p in behind.items()) + " (stopped, died or still busy)"
+
+
 def _comm_device() -> torch.device:
     if "nccl" in str(tdist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
@@ -110,14 +159,16 @@ def _comm_device() -> torch.device:
 
 def barrier() -> None:
     if world() > 1:
-        tdist.barrier()
+        with _guard("barrier"):
+            tdist.barrier()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """SUM over ranks, in place; returns t."""
     if world() > 1:
         x = _on_comm_device(t)
-        tdist.all_reduce(x, op=tdist.ReduceOp.SUM)
+        with _guard("all-reduce"):
+            tdist.all_reduce(x, op=tdist.ReduceOp.SUM)
         if x is not t:
             t.copy_(x)
     return t
@@ -134,7 +185,8 @@ def all_gather_object(obj: Any) -> list:
     if world() == 1:
         return [obj]
     out: list = [None] * world()
-    tdist.all_gather_object(out, obj)
+    with _guard("all-gather"):
+        tdist.all_gather_object(out, obj)
     return out
 
 
@@ -175,40 +227,41 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
             filled[k] = 0
         buckets[-1].append(p)
         filled[k] = filled.get(k, 0) + p.nbytes
-    pending = []
-    for (device, dtype), buckets in groups.items():
-        for ps in buckets:
-            n = sum(p.numel() for p in ps)
-            flat = torch.empty(n + len(ps), dtype=dtype, device=device)
-            at = 0
-            for p in ps:  # written in place: no temporaries, not even zeros for a missing grad
-                if p.grad is None:
-                    flat[at:at + p.numel()].zero_()
-                else:
-                    flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
-                at += p.numel()
-            flat[n:] = torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype)
-            pending.append((ps, flat, tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, async_op=True)))
-    extra_comm = [_on_comm_device(t) for t in extra]
-    extra_work = [tdist.all_reduce(x, op=tdist.ReduceOp.SUM, async_op=True) for x in extra_comm]
-    for ps, flat, work in pending:
-        work.wait()
-        flags = flat[-len(ps):].tolist()
-        at = 0
-        for p, had in zip(ps, flags):
-            piece = flat[at:at + p.numel()].view(p.shape)
-            at += p.numel()
-            if had > 0:
-                if p.is_contiguous():
-                    p.grad = piece
-                else:  # keep the parameter's own strides, as autograd would
+    with _guard("gradient all-reduce"):
+        pending = []
+        for (device, dtype), buckets in groups.items():
+            for ps in buckets:
+                n = sum(p.numel() for p in ps)
+                flat = torch.empty(n + len(ps), dtype=dtype, device=device)
+                at = 0
+                for p in ps:  # written in place: no temporaries, not even zeros for a missing grad
                     if p.grad is None:
-                        p.grad = torch.empty_like(p)
-                    p.grad.copy_(piece)
-    for t, x, work in zip(extra, extra_comm, extra_work):
-        work.wait()
-        if x is not t:
-            t.copy_(x)
+                        flat[at:at + p.numel()].zero_()
+                    else:
+                        flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
+                    at += p.numel()
+                flat[n:] = torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype)
+                pending.append((ps, flat, tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, async_op=True)))
+        extra_comm = [_on_comm_device(t) for t in extra]
+        extra_work = [tdist.all_reduce(x, op=tdist.ReduceOp.SUM, async_op=True) for x in extra_comm]
+        for ps, flat, work in pending:
+            work.wait()
+            flags = flat[-len(ps):].tolist()
+            at = 0
+            for p, had in zip(ps, flags):
+                piece = flat[at:at + p.numel()].view(p.shape)
+                at += p.numel()
+                if had > 0:
+                    if p.is_contiguous():
+                        p.grad = piece
+                    else:  # keep the parameter's own strides, as autograd would
+                        if p.grad is None:
+                            p.grad = torch.empty_like(p)
+                        p.grad.copy_(piece)
+        for t, x, work in zip(extra, extra_comm, extra_work):
+            work.wait()
+            if x is not t:
+                t.copy_(x)
 
 
 # torch >= 2.13 renames all_gather_into_tensor (and warns on the old name); torch >= 2.4 is supported
@@ -233,17 +286,18 @@ def all_gather_tensors(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch
     rows = torch.tensor([t.shape[0] if t.dim() else 1 for t in ts], dtype=torch.long)
     blob = torch.cat([rows.view(torch.uint8)] + [t.reshape(-1).view(torch.uint8) for t in ts])
     W, dev = world(), _comm_device()
-    heads = torch.empty(W * 2, dtype=torch.long, device=dev)
-    _all_gather_single(heads, torch.tensor([fingerprint, blob.numel()], dtype=torch.long, device=dev))
-    heads = heads.view(W, 2).tolist()
-    if any(h[0] != fingerprint for h in heads):  # every rank sees every fingerprint: all raise, none hangs
-        raise ValueError("all_gather_tensors: ranks passed different names, dtypes or trailing shapes")
-    size = max(h[1] for h in heads)
-    send = torch.zeros(size, dtype=torch.uint8, device=dev)
-    send[:blob.numel()] = blob.to(dev)
-    recv = torch.empty(W * size, dtype=torch.uint8, device=dev)
-    _all_gather_single(recv, send)
-    recv = recv.cpu()
+    with _guard("all-gather of per-sample numbers"):
+        heads = torch.empty(W * 2, dtype=torch.long, device=dev)
+        _all_gather_single(heads, torch.tensor([fingerprint, blob.numel()], dtype=torch.long, device=dev))
+        heads = heads.view(W, 2).tolist()
+        if any(h[0] != fingerprint for h in heads):  # every rank sees every fingerprint: all raise, none hangs
+            raise ValueError("all_gather_tensors: ranks passed different names, dtypes or trailing shapes")
+        size = max(h[1] for h in heads)
+        send = torch.zeros(size, dtype=torch.uint8, device=dev)
+        send[:blob.numel()] = blob.to(dev)
+        recv = torch.empty(W * size, dtype=torch.uint8, device=dev)
+        _all_gather_single(recv, send)
+        recv = recv.cpu()
     out = []
     for r in range(W):
         chunk = recv[r * size:(r + 1) * size]
@@ -389,18 +443,20 @@ def exchange(local: Batch, dest: Sequence[int], *, key: str = SAMPLE_INDEX) -> B
     if W == 1:
         if problem:
             raise ValueError(problem)
-        received = local
-    elif any(b in str(tdist.get_backend()) for b in ("gloo", "nccl", "mpi")):
-        received = Batch.concat(_exchange_all_to_all(parts, local, problem))  # agrees on arguments first
-    else:  # agree first, so a mistake on one rank fails every rank instead of hanging the others
-        fingerprint = _schema(local)[1]
-        check = torch.tensor([fingerprint, -fingerprint, problem is not None], dtype=torch.long, device=_comm_device())
-        tdist.all_reduce(check, op=tdist.ReduceOp.MAX)
-        if problem is None and check[2]:
-            problem = "exchange: another rank passed bad arguments (see its error)"
-        elif problem is None and check.tolist()[:2] != [fingerprint, -fingerprint]:
-            problem = _SCHEMA_MISMATCH
-        if problem:
-            raise ValueError(problem)
-        received = Batch.concat(_exchange_objects(parts, local))
+        return local.select(torch.argsort(local[key].cpu(), stable=True))
+    with _guard("exchange"):
+        if any(b in str(tdist.get_backend()) for b in ("gloo", "nccl", "mpi")):
+            received = Batch.concat(_exchange_all_to_all(parts, local, problem))  # agrees on arguments first
+        else:  # agree first, so a mistake on one rank fails every rank instead of hanging the others
+            fingerprint = _schema(local)[1]
+            check = torch.tensor([fingerprint, -fingerprint, problem is not None], dtype=torch.long,
+                                 device=_comm_device())
+            tdist.all_reduce(check, op=tdist.ReduceOp.MAX)
+            if problem is None and check[2]:
+                problem = "exchange: another rank passed bad arguments (see its error)"
+            elif problem is None and check.tolist()[:2] != [fingerprint, -fingerprint]:
+                problem = _SCHEMA_MISMATCH
+            if problem:
+                raise ValueError(problem)
+            received = Batch.concat(_exchange_objects(parts, local))
     return received.select(torch.argsort(received[key].cpu(), stable=True))

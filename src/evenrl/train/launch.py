@@ -9,7 +9,10 @@
 The flags mean what torchrun's do. A process that already has a rank (torchrun, srun) is a worker and
 never launches again. Restarts use torch's elastic agent (`--max-restarts`); with gloo they fail on the
 shared rendezvous store's stale keys unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712), so the
-launcher sets it. A restarted worker resumes from the latest checkpoint.
+launcher sets it. A restarted worker resumes from the latest checkpoint, so --max-restarts needs periodic
+checkpoints (checkpoint.every_steps > 0). A worker under torchrun dies with its launcher (Linux: the parent-death
+signal), so killing `evenrl train` never leaves workers running unsupervised. When a worker fails, the launcher
+prints each failed rank's own one-line error.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=29500, help="port on node 0")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole worker group on failure")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in log.run_dir")
+    p.add_argument("--collective-timeout-s", type=float, default=None,
+                   help="seconds a rank waits for a stopped peer (parallel.collective_timeout_s)")
     return p
 
 
@@ -45,7 +51,7 @@ def _is_worker() -> bool:
 
 def main(argv: list[str]) -> int:
     cmd, rest = argv[0], argv[1:]
-    args = _parser(cmd).parse_args(rest)
+    args = _parser(cmd).parse_intermixed_args(rest)  # flags may come between overrides
     for name in ("nproc_per_node", "nnodes"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; must be >= 1")
@@ -53,24 +59,47 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--node-rank: got {args.node_rank}; must be in 0..{args.nnodes - 1}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts: got {args.max_restarts}; must be >= 0")
-    if _is_worker() or (args.nproc_per_node == 1 and args.nnodes == 1):
-        return run_worker(cmd, args.config, args.overrides, resume=args.resume)
+    if args.collective_timeout_s is not None:
+        args.overrides.append(f"parallel.collective_timeout_s={args.collective_timeout_s}")
+    if cmd == "sft" and args.resume:
+        raise UsageError("--resume: evenrl sft has no checkpoints to resume from; run it again (with --overwrite)")
+    if _is_worker():
+        _die_with_parent()
+        return run_worker(cmd, args)
+    if args.nproc_per_node == 1 and args.nnodes == 1:
+        return run_worker(cmd, args)
     return _launch(cmd, args)
 
 
-def run_worker(cmd: str, config: str, overrides: list[str], *, resume: bool) -> int:
+def run_worker(cmd: str, args: argparse.Namespace) -> int:
     from evenrl.config import load_config
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(args.config, args.overrides)
     if cmd == "train":
         from evenrl.train.loop import train
 
-        train(cfg, resume=resume or _restarted())
+        train(cfg, resume=args.resume, overwrite=args.overwrite, restarted=_restarted())
     else:
         from evenrl.train.sft import sft
 
-        sft(cfg)
+        sft(cfg, overwrite=args.overwrite or _restarted())  # sft has no checkpoints: a restart starts over
     return 0
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGTERM when its parent (the launcher's elastic agent) dies, even by SIGKILL,
+    instead of training on unsupervised. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent was gone before prctl took effect
+        os._exit(1)
 
 
 def _restarted() -> bool:
@@ -80,10 +109,16 @@ def _restarted() -> bool:
 
 
 def _launch(cmd: str, args: argparse.Namespace) -> int:
-    # Validate the config before starting N processes that would all fail the same way.
+    # Validate the config and the run directory before starting N processes that would all fail the same way.
     from evenrl.config import load_config
+    from evenrl.train import rundir
 
-    load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    rundir.check(cfg.log.run_dir, resume=args.resume, overwrite=args.overwrite)
+    if args.max_restarts > 0 and cmd == "train" and not cfg.checkpoint.every_steps:
+        raise UsageError(f"--max-restarts {args.max_restarts}: checkpoint.every_steps is 0, so a restarted run would "
+                         "start over from step 1; set checkpoint.every_steps (e.g. 10)")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -97,11 +132,15 @@ def _launch(cmd: str, args: argparse.Namespace) -> int:
     else:
         torchrun += [f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint={args.master_addr}:{args.master_port}"]
-    worker = ["-m", "evenrl.cli", cmd, args.config, *args.overrides] + (["--resume"] if args.resume else [])
+    worker = ["-m", "evenrl.cli", cmd, args.config, *args.overrides] + (["--resume"] if args.resume else []) \
+        + (["--overwrite"] if args.overwrite else [])
     try:
         run(parse_args(torchrun + worker))
-    except Exception as e:  # ChildFailedError carries the failing rank's exit code; its log is above
-        print(f"evenrl {cmd}: a worker failed: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}",
-              file=sys.stderr)
+    except ChildFailedError as e:
+        # Each failed rank's own line (the worker writes it to the agent's error file), not torch's banner.
+        for rank, f in sorted(e.failures.items()):
+            why = f.message if isinstance(f.message, str) and f.message.startswith("evenrl") else \
+                f"exit code {f.exitcode}" + (f" ({f.message})" if f.exitcode < 0 else "; its output is above")
+            print(f"evenrl {cmd}: rank {rank} failed: {why}", file=sys.stderr)
         return 1
     return 0

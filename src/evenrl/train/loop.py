@@ -17,10 +17,10 @@ import torch
 
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
-from evenrl.errors import UsageError
+from evenrl.errors import RunStopped, UsageError
 from evenrl.models.loading import load_policy
 from evenrl.rewards import resolve
-from evenrl.train import checkpoint
+from evenrl.train import checkpoint, rundir
 from evenrl.train.data import PromptSampler, load_data
 from evenrl.train.evaluate import evaluate
 from evenrl.train.runlog import RunLog
@@ -96,21 +96,27 @@ def preflight(cfg: RunConfig):
     return plan
 
 
-def train(cfg: RunConfig, *, resume: bool = False) -> Path:
-    """Run `cfg.train.steps` RL steps (or continue to them from the latest checkpoint). Returns the run dir."""
-    plan = preflight(cfg)
-    info = dist.init()
+def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, restarted: bool = False) -> Path:
+    """Run `cfg.train.steps` RL steps (or continue to them from the latest checkpoint). Returns the run dir.
+    restarted: this worker was started again by the elastic agent (continue from a checkpoint if there is one)."""
     run_dir = Path(cfg.log.run_dir)
+    rundir.check(run_dir, resume=resume, overwrite=overwrite, restarted=restarted)
+    plan = preflight(cfg)
+    info = dist.init(timeout=cfg.parallel.collective_timeout_s)
+    if dist.is_main():
+        rundir.prepare(run_dir, overwrite=overwrite and not restarted)
+    dist.barrier()
     ckpt_root = run_dir / "checkpoints"
     run = Run(cfg, info)
     start = 0
-    if resume:
-        found = checkpoint.latest(ckpt_root)
-        if found is not None:
-            start, state = checkpoint.load(found, run.model)
-            run.load_trainer_state(state)
-            if dist.is_main():
-                print(f"evenrl: resumed from {found} (step {start})", flush=True)
+    found = checkpoint.latest(ckpt_root) if resume or restarted else None
+    if found is not None:
+        start, state = checkpoint.load(found, run.model)
+        run.load_trainer_state(state)
+        if dist.is_main():
+            print(f"evenrl: resumed from {found} (step {start})", flush=True)
+    elif restarted and dist.is_main():
+        print("evenrl: restarted before the first checkpoint; starting over from step 1", flush=True)
     if dist.is_main():
         write_run_header(run, plan, resumed_from=start)
     log = RunLog(str(run_dir), enabled=dist.is_main(), tensorboard=cfg.log.tensorboard,
@@ -121,23 +127,32 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         fail_at = 0
     phases: dict[str, float] = {}
+    idle = Idle()
     if run.eval_rows and start == 0:
         log.metrics(0, evaluate(run, run.eval_rows, run.eval_tokens), advance=False)
     for step in range(start + 1, cfg.train.steps + 1):
         if step == fail_at:
             os._exit(17)
         t0 = time.perf_counter()
-        metrics, examples = rl_step(step, run)
+        try:
+            metrics, examples = rl_step(step, run)
+        except RunStopped as e:  # every rank stops here; nothing of this step is saved
+            last = checkpoint.latest(ckpt_root)
+            raise RunStopped(f"step {step}: {e}; last good checkpoint: {last or 'none yet'}") from None
         metrics["time/step"] = time.perf_counter() - t0  # wall time of the whole step, phases and the rest
         for k, v in metrics.items():
             if k.startswith("time/"):
                 phases[k[5:]] = phases.get(k[5:], 0.0) + v
+        if dist.is_main():
+            idle.see(step, metrics)
         if run.eval_rows and (step == cfg.train.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
+            dist.mark(f"step {step} evaluate")
             metrics.update(evaluate(run, run.eval_rows, run.eval_tokens))
         log.metrics(step, metrics)
         if cfg.log.samples_every_steps and step % cfg.log.samples_every_steps == 0:
             log.samples(step, examples)
         if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == cfg.train.steps:
+            dist.mark(f"step {step} checkpoint")
             if dist.is_main():
                 checkpoint.save(ckpt_root, step, model=run.model, trainer_state=run.trainer_state(step),
                                 keep=cfg.checkpoint.keep)
@@ -147,8 +162,31 @@ def train(cfg: RunConfig, *, resume: bool = False) -> Path:
     log.close()
     if dist.is_main() and phases:
         print(phase_table(phases, cfg.train.steps - start), flush=True)
+        idle.summary(cfg.train.steps - start)
     dist.barrier()
     return run_dir
+
+
+class Idle:
+    """Steps that learn nothing: every sample's advantage is 0 (each group's rewards were all equal, e.g. a 0/1
+    reward the model never or always earns), so the policy gradient is zero. Warns at the first step of each such
+    streak, and once at the end when it happened at all."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def see(self, step: int, metrics: dict) -> None:
+        if metrics.get("samples", 0) and metrics.get("advantage/abs_mean", 1.0) == 0.0:
+            if not self.steps or self.steps[-1] != step - 1:
+                print(f"evenrl: warning: step {step} learned nothing: every group's rewards were equal, so all "
+                      f"{metrics['samples']} samples have advantage 0 (check the reward on a few samples.jsonl rows)",
+                      flush=True)
+            self.steps.append(step)
+
+    def summary(self, steps: int) -> None:
+        if self.steps:
+            print(f"evenrl: note: {len(self.steps)} of {steps} steps learned nothing (all advantages 0); "
+                  "the reward does not tell this model's samples apart", flush=True)
 
 
 def write_run_header(run: Run, plan, *, resumed_from: int) -> None:

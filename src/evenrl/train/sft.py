@@ -20,14 +20,18 @@ from evenrl.core.losses import token_logprobs
 from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
 from evenrl.train.data import PromptSampler, load_data
+from evenrl.train import rundir
 from evenrl.train.checkpoint import save_final
 from evenrl.train.runlog import RunLog
 from evenrl.train.update import minibatch_denominators, minibatch_update
 
 
-
-def sft(cfg: RunConfig) -> Path:
-    info = dist.init()
+def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
+    rundir.check(cfg.log.run_dir, resume=False, overwrite=overwrite)
+    info = dist.init(timeout=cfg.parallel.collective_timeout_s)
+    if dist.is_main():
+        rundir.prepare(cfg.log.run_dir, overwrite=overwrite)
+    dist.barrier()
     torch.manual_seed(cfg.train.seed)
     from evenrl.models.loading import load_policy
 

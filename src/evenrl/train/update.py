@@ -14,10 +14,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from evenrl.distributed import collectives as dist
 from evenrl.core.aggregation import Denominators, aggregate
-from evenrl.core.losses import token_logprobs
 from evenrl.core.batch import Batch
+from evenrl.core.losses import token_logprobs
+from evenrl.distributed import collectives as dist
+from evenrl.errors import RunStopped
 from evenrl.models.forward import response_logits
 
 
@@ -81,6 +82,13 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         for p in params:
             p.grad = torch.zeros_like(p)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    # Both numbers are global (summed over ranks above), so every rank stops here together, before the optimizer
+    # could write a NaN into the weights.
+    if not torch.isfinite(flat).all() or not torch.isfinite(grad_norm):
+        bad = [k for i, k in enumerate(stat_names) if not torch.isfinite(flat[2 * i])]
+        what = f"loss statistic {bad[0]}" if bad else "gradient norm"
+        value = float(flat[2 * stat_names.index(bad[0])]) if bad else float(grad_norm)
+        raise RunStopped(f"non-finite {what} ({value}); the weights were not updated")
     optimizer.step()
     if lr_scheduler is not None:
         lr_scheduler.step()

@@ -1,0 +1,175 @@
+"""Faults end the run fast, name their cause in one line and lose nothing: a non-finite loss, a stopped or dead
+peer, a launcher killed under its workers, a run directory that holds another run, restarts without checkpoints,
+and a run that learns nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from e2e import ENV, evenrl
+from evenrl import cli
+
+
+def one_line(capsys) -> str:
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1, err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+# ---------------------------------------------------------------------------------------------- run directory
+
+def test_a_run_directory_belongs_to_one_run(assets, tmp_path, capsys):
+    used = tmp_path / "used"
+    (used / "checkpoints").mkdir(parents=True)
+    (used / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted(p.name for p in used.rglob("*"))
+    assert cli.main(["train", str(assets["cfg"]), f"log.run_dir={used}"]) == 2
+    line = one_line(capsys)
+    assert "already holds a run" in line and "--resume" in line and "--overwrite" in line
+    assert cli.main(["train", str(assets["cfg"]), f"log.run_dir={used}", "--resume"]) == 2  # no checkpoint in it
+    assert "holds metrics.jsonl but no checkpoint" in one_line(capsys)
+    assert cli.main(["train", str(assets["cfg"]), f"log.run_dir={tmp_path / 'new'}", "--resume"]) == 2
+    assert "no checkpoint" in one_line(capsys)
+    assert cli.main(["train", str(assets["cfg"]), f"log.run_dir={used}", "--resume", "--overwrite"]) == 2
+    assert "give one" in one_line(capsys)
+    assert cli.main(["sft", str(assets["cfg"]), f"log.run_dir={used}"]) == 2
+    assert "already holds a run" in one_line(capsys)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert cli.main(["train", str(assets["cfg"]), f"log.run_dir={blocker / 'run'}"]) == 2
+    assert "is a file, not a directory" in one_line(capsys)
+    assert sorted(p.name for p in used.rglob("*")) == before and not (tmp_path / "new").exists()
+
+
+def test_overwrite_replaces_the_old_run_and_cleans_killed_saves(assets, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / ".tmp-step-000004-123").mkdir(parents=True)  # a save killed half-way
+    (run / "checkpoints" / "step-000009").mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 9}\n')
+    (run / "notes.txt").write_text("mine")  # not evenrl's: stays
+    evenrl("train", assets["cfg"], f"log.run_dir={run}", "train.steps=1", "--overwrite")
+    steps = [line for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 1 and '"step": 1' in steps[0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000001"]
+    assert (run / "notes.txt").read_text() == "mine"
+
+
+def test_restarts_need_periodic_checkpoints(assets, tmp_path, capsys):
+    args = ["train", str(assets["cfg"]), f"log.run_dir={tmp_path / 'r'}", "--nproc-per-node", "2"]
+    assert cli.main([*args, "--max-restarts", "2"]) == 2
+    line = one_line(capsys)
+    assert "--max-restarts 2" in line and "checkpoint.every_steps" in line
+    assert not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------------------------------------- training faults
+
+@pytest.mark.slow
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(assets, tmp_path):
+    from evenrl.models.loading import load_policy
+    from evenrl.train import checkpoint
+
+    run = tmp_path / "run"
+    common = [assets["cfg"], f"log.run_dir={run}", "checkpoint.every_steps=1", "rewards.isolate=false"]
+    evenrl("train", *common, "train.steps=2")
+    proc = evenrl("train", *common, "train.steps=4", "--resume", "algo.advantage=dr_grpo",
+                  "rewards.functions=[{name: 'fault_rewards:huge'}]", check=False)
+    err = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "stopped: step 3:" in err[0] and "non-finite" in err[0] and "step-000002" in err[0], err[0]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    assert not any(p.name.startswith("step-00000") and p.name > "step-000002" for p in (run / "checkpoints").iterdir())
+    model, _ = load_policy(assets["model"])
+    step, state = checkpoint.load(run / "checkpoints" / "step-000002", model)
+    assert step == 2 and all(bool(p.isfinite().all()) for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["stop_rank_1", "kill_rank_1"])
+def test_a_stopped_or_dead_peer_ends_the_job_naming_it(assets, tmp_path, fault):
+    """A stopped peer: the others wait --collective-timeout-s, then rank 0 stops with one line naming its phase and
+    where rank 1 was; a dead one: the launcher sees it exit at once and ends the job, naming it. Either way the
+    launcher's summary lists each failed rank with its own reason, not torch's banner."""
+    seconds = 8
+    t0 = time.monotonic()
+    proc = evenrl("train", assets["cfg"], f"log.run_dir={tmp_path / 'run'}", "--nproc-per-node", 2,
+                  "--collective-timeout-s", seconds, "rewards.isolate=false",
+                  f"rewards.functions=[{{name: 'fault_rewards:{fault}'}}]", check=False)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    summary = {line.split(" failed: ")[0].rsplit(" ", 1)[-1]: line.split(" failed: ", 1)[1]
+               for line in proc.stderr.splitlines() if line.startswith("evenrl train: rank ")}
+    if fault == "stop_rank_1":
+        why = summary.get("0", "")
+        assert why.startswith("evenrl train: stopped: step 1: rank 0 in step 1 "), proc.stderr[-3000:]
+        assert f"failed after {seconds} s" in why or f"failed after {seconds + 1} s" in why, why
+        assert "rank 1 was last in step 1 reward" in why, why
+        assert took < seconds + 60, f"the job took {took:.0f} s to end"  # + the agent's grace for the stopped rank
+    else:
+        assert summary.get("1", "").startswith("exit code 9"), proc.stderr[-3000:]
+        assert took < 60, f"the job took {took:.0f} s to end"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_killing_the_launcher_ends_its_workers(assets, tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "evenrl.cli", "train", str(assets["cfg"]),
+                                 f"log.run_dir={tmp_path / 'run'}", "train.steps=100000", "--nproc-per-node", "2"],
+                                env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        workers: list[int] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (tmp_path / "run" / "metrics.jsonl").exists():
+            time.sleep(0.5)  # the workers have trained a step: they are up
+        workers = _descendants(launcher.pid)
+        assert len(workers) >= 2, "workers did not start"
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in workers):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in workers), "workers outlived their launcher"
+    finally:
+        for p in _descendants(launcher.pid) + [launcher.pid]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    pairs = [(int(a), int(b)) for a, b in zip(out[::2], out[1::2])]
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in pairs if p in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- silent non-learning
+
+def test_a_run_that_learns_nothing_says_so(assets, tmp_path):
+    proc = evenrl("train", assets["cfg"], f"log.run_dir={tmp_path / 'run'}", "train.steps=2", "rewards.isolate=false",
+                  "rewards.functions=[{name: 'fault_rewards:constant'}]")
+    warnings = [x for x in proc.stdout.splitlines() if "learned nothing" in x]
+    assert len(warnings) == 2, proc.stdout[-2000:]  # the first step of the streak, then the run's note
+    assert warnings[0].startswith("evenrl: warning: step 1 learned nothing")
+    assert warnings[1].startswith("evenrl: note: 2 of 2 steps learned nothing")

@@ -1,13 +1,16 @@
 """Run config: YAML file + dotted overrides, and every way they can be wrong -> one-line UsageError naming
 the field or file, the value and what is allowed."""
 
+from pathlib import Path
+
 import pydantic
 import pytest
 import yaml
 from pydantic import BaseModel
 
-from evenrl.config import (MAX_COUNT, RunConfig, apply_overrides, config_to_yaml, load_config,
-                           validation_message)
+from evenrl import config
+from evenrl.config import (MAX_COUNT, MAX_YAML_NODES, RunConfig, apply_overrides, config_to_yaml, load_config,
+                           parse_yaml, validation_message)
 from evenrl.errors import UsageError
 
 
@@ -128,3 +131,49 @@ def test_every_field_has_a_description():
                 walk(ann, f"{prefix}{name}.")
     walk(RunConfig)
     assert yaml.safe_load(config_to_yaml(RunConfig()))["data"]["prompts_per_step"] == 16
+
+
+def test_bounded_yaml_reads_what_safe_load_reads():
+    """The bounded reader builds what yaml.safe_load builds: aliases, merge keys, YAML 1.1 scalars ('1e-6' stays
+    text, as before), and every shipped example."""
+    text = ("base: &b {lr: 1.0e-3, betas: [0.9, 0.99], on: yes, when: 2001-12-14, n: 0x10, s: 1e-6}\n"
+            "train:\n  <<: *b\n  steps: 3\nlist: [*b, *b]\n")
+    assert parse_yaml(text, "t") == yaml.safe_load(text)
+    for f in sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml")):
+        assert parse_yaml(f.read_text(), str(f)) == yaml.safe_load(f.read_text())
+    assert parse_yaml("", "t") is None and parse_yaml("# comment\n", "t") is None
+
+
+def test_bounded_yaml_limits_are_exact(monkeypatch):
+    """MAX_YAML_NODES values are read; one more is refused, also when an alias brings it."""
+    monkeypatch.setattr(config, "MAX_YAML_NODES", 100)
+    items = 100 - 2  # the mapping, its key, the list: 3 values; items make it MAX_YAML_NODES + 1
+    assert len(parse_yaml("x: [" + ", ".join(["1"] * (items - 1)) + "]", "t")["x"]) == items - 1
+    with pytest.raises(UsageError, match="t: more than 100 values"):
+        parse_yaml("x: [" + ", ".join(["1"] * items) + "]", "t")
+    half = (100 - 5) // 2
+    shared = "a: &a [" + ", ".join(["1"] * half) + "]\nb: *a\n"  # 2 keys, 2 uses of the list
+    assert len(parse_yaml(shared, "t")["b"]) == half
+    with pytest.raises(UsageError, match="more than 100 values"):
+        parse_yaml(shared + "c: *a\n", "t")
+    assert MAX_YAML_NODES == 100_000  # the shipped limit
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["data.prompts_per_step=true"], "data.prompts_per_step: got True; expected a number, not true/false"),
+    (["train.betas=[0.9, true]"], "train.betas: got [0.9, True]; expected a number, not true/false"),
+    (["rewards.functions=[{name: exact_match, weight: false}]"], "rewards.functions.0.weight: got False"),
+    (["algo.clip_high=.inf"], "algo.clip_high: got inf; input should be a finite number"),
+    (["algo.kl_coef=.nan"], "algo.kl_coef: got nan; input should be a finite number"),
+    (["train.betas=[0.9, 1]"], "train.betas.1: got 1; input should be less than 1"),
+    (["train.seed=-9223372036854775809"], "train.seed: got -9223372036854775809; input should be greater than"),
+    (["data.prompt_field=\"a\\0\""], "data.prompt_field: got 'a\\x00'; expected text without a zero"),
+])
+def test_values_that_would_poison_a_run(overrides, match):
+    fails(None, overrides, match=match)
+
+
+def test_booleans_stay_booleans_and_numbers_numbers():
+    cfg = load_config(None, ["log.tensorboard=false", "train.betas=[0, 0.5]", "rewards.functions=[{name: a, weight: 2}]",
+                             "train.seed=-1"])
+    assert cfg.log.tensorboard is False and cfg.train.betas == (0.0, 0.5) and cfg.rewards.functions[0].weight == 2.0

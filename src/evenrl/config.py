@@ -10,22 +10,66 @@ overloaded "batch size". Numbers derived from these (samples per step, per-rank 
 from __future__ import annotations
 
 import os
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from evenrl.errors import UsageError
 
 # Caps that catch typos (10**12 prompts) before any arithmetic is attempted.
 MAX_COUNT = 10_000_000
 MAX_TOKENS = 10_000_000
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit integer
+
+# Bounds on reading YAML (configs, overrides, peers' configs), so no file can make reading it slow or large:
+# aliases (*name) are references, and a few hundred bytes of nested ones expand to billions of values.
+MAX_YAML_BYTES = 1024**2  # a config file
+MAX_YAML_DEPTH = 64  # nesting, aliases expanded
+MAX_YAML_NODES = 100_000  # values (scalars, lists, mappings), aliases expanded
+MAX_YAML_CHARS = 4 * 1024**2  # characters of all scalars, aliases expanded
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    # allow_inf_nan=False: NaN or inf in any float field (a reward weight, a coefficient) would poison the run.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_values(cls, value: Any, info: ValidationInfo) -> Any:
+        """Every int and float field, also inside lists and tuples, refuses true/false (pydantic's lax mode would
+        read them as 1 and 0); every text field refuses a NUL character (no path or name can hold one)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None:
+            _check_leaves(field.annotation, value)
+        return value
+
+
+def _check_leaves(ann: Any, value: Any) -> None:
+    """Raise pydantic's error for a bool where `ann` wants a number, or a NUL in text, at any depth of `value`."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is Annotated:
+        return _check_leaves(args[0], value)
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if arg is not type(None):
+                _check_leaves(arg, value)
+        return
+    if ann in (int, float) and isinstance(value, bool):
+        raise PydanticCustomError("number_not_bool", "expected a number, not true/false")
+    if ann is str and isinstance(value, str) and "\0" in value:
+        raise PydanticCustomError("text_nul", "expected text without a zero (\\x00) character")
+    if origin in (list, tuple) and isinstance(value, (list, tuple)):
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            for arg, item in zip(args, value):
+                _check_leaves(arg, item)
+        elif args:
+            for item in value:
+                _check_leaves(args[0], item)
 
 
 class ModelConfig(_Section):
@@ -48,7 +92,8 @@ class DataConfig(_Section):
         16, ge=1, le=MAX_COUNT, description="Distinct prompts sampled per RL step (before samples_per_prompt).")
     max_prompt_tokens: int = Field(
         256, ge=1, le=MAX_TOKENS, description="Prompts longer than this are skipped and counted, never truncated.")
-    seed: int = Field(0, description="Seed of the prompt order; the order does not depend on the number of ranks.")
+    seed: int = Field(0, ge=-MAX_SEED - 1, le=MAX_SEED,
+                      description="Seed of the prompt order; the order does not depend on the number of ranks.")
 
 
 class RolloutConfig(_Section):
@@ -110,11 +155,13 @@ class RewardsConfig(_Section):
                     "fails. null: the same as timeout_s. Not applied with isolate=false (the trainer's other "
                     "threads would count).")
 
+
 class TrainConfig(_Section):
     steps: int = Field(100, ge=0, le=MAX_COUNT, description="RL steps (rollout + updates) to run.")
     lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.999), description="AdamW betas, each in [0, 1).")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
     max_grad_norm: float = Field(1.0, ge=0.0, description="Global gradient-norm clip; 0 disables.")
     token_cap_per_micro_batch: int = Field(
@@ -126,7 +173,7 @@ class TrainConfig(_Section):
         True, description="Skip the forward/backward of samples whose loss gradient is exactly zero (advantage 0, "
                           "e.g. a group whose rewards are all equal, with no KL-in-loss or entropy term); they still "
                           "count in the loss denominators, so the update is unchanged. Off when min_rows > 1.")
-    seed: int = Field(0, description="Seed for sampling and initialisation.")
+    seed: int = Field(0, ge=-MAX_SEED - 1, le=MAX_SEED, description="Seed for sampling and initialisation.")
 
 
 class ParallelConfig(_Section):
@@ -138,6 +185,12 @@ class ParallelConfig(_Section):
                             "evenrl train runs 'none' today; offload is planned (evenrl plan estimates it).")
     capacity_weights: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
         None, description="Relative speed of each training rank (mixed GPU models); rank i gets work ~ weight i.")
+    collective_timeout_s: float = Field(
+        600.0, gt=0.0, le=86400.0,
+        description="How long a rank waits in one collective for a stopped peer before the job ends with one line "
+                    "naming the phase and the ranks that did not arrive (a dead peer ends it at once). Also the "
+                    "flag --collective-timeout-s of evenrl train/sft. Raise it when one step's generation can take "
+                    "longer on some rank than on others.")
 
 
 class CheckpointConfig(_Section):
@@ -185,10 +238,127 @@ class RunConfig(_Section):
 
 # ---------------------------------------------------------------------------------------------- loading
 
-def _parse_value(text: str) -> Any:
-    """Override values are YAML scalars/lists: `8`, `1e-6`, `true`, `[1, 2]`, `null`, `my text`."""
+def parse_yaml(text: str, source: str) -> Any:
+    """yaml.safe_load, bounded: the document may nest at most MAX_YAML_DEPTH levels and hold at most
+    MAX_YAML_NODES values and MAX_YAML_CHARS characters of text once its aliases are expanded, and no alias may
+    refer to a collection that contains it. The node graph is composed first (aliases stay shared, so composing
+    costs what the text costs, and stops at the same limits) and measured with one memoised pass over it; only
+    then is it built, so a "billion laughs" file is refused in milliseconds. Each limit is a one-line UsageError
+    naming `source`; bad syntax raises yaml.YAMLError for the caller to word."""
+    loader = _BoundedLoader(text)
+    loader.source = source
     try:
-        return yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _measure(node, source)
+        try:
+            return loader.construct_document(node)
+        except (ValueError, TypeError, OverflowError) as e:  # e.g. an integer of more than 4300 digits
+            raise UsageError(f"{source}: a value cannot be read ({_first_line(e)}); fix it") from None
+    finally:
+        loader.dispose()
+
+
+class _DepthComposer(yaml.composer.Composer):
+    """PyYAML's composer, stopping at MAX_YAML_DEPTH nested collections (it recurses once per level) and at
+    MAX_YAML_NODES values written out (before any alias is expanded)."""
+
+    source = "YAML"
+    _depth = 0
+    _nodes = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        self._nodes += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise UsageError(f"{self.source}: nested deeper than {MAX_YAML_DEPTH} levels; "
+                                 f"the limit is {MAX_YAML_DEPTH}")
+            if self._nodes > MAX_YAML_NODES:
+                raise UsageError(_too_many(self.source))
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _too_many(source: str) -> str:
+    return (f"{source}: more than {MAX_YAML_NODES:,} values (an alias *name counts its values at every use); "
+            f"the limit is {MAX_YAML_NODES:,}")
+
+
+if getattr(yaml, "__with_libyaml__", False):
+    class _BoundedLoader(_DepthComposer, yaml.cyaml.CParser, yaml.constructor.SafeConstructor, yaml.resolver.Resolver):
+        """libyaml's scanner and parser (~5x faster than PyYAML's), PyYAML's composer (so the depth is bounded)
+        and safe constructor: what yaml.safe_load builds."""
+
+        def __init__(self, stream: str):
+            yaml.cyaml.CParser.__init__(self, stream)
+            _DepthComposer.__init__(self)
+            yaml.constructor.SafeConstructor.__init__(self)
+            yaml.resolver.Resolver.__init__(self)
+else:  # pragma: no cover - PyYAML built without libyaml
+    class _BoundedLoader(_DepthComposer, yaml.SafeLoader):
+        pass
+
+
+def _measure(root: yaml.Node, source: str) -> None:
+    """Values, depth and characters of the document with aliases expanded, memoised over node ids (each shared
+    node is measured once); a node met again below itself is a recursive alias."""
+    done: dict[int, tuple[int, int, int]] = {}  # id -> (values, depth, characters)
+    open_: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        kids = _children(node)
+        if finished:
+            values = 1 + sum(done[id(k)][0] for k in kids)
+            depth = 1 + max((done[id(k)][1] for k in kids), default=0)
+            chars = (len(node.value) if isinstance(node, yaml.ScalarNode) else 0) + sum(done[id(k)][2] for k in kids)
+            done[key] = (values, depth, chars)
+            open_.discard(key)
+            if depth > MAX_YAML_DEPTH:
+                raise UsageError(f"{source}: nested deeper than {MAX_YAML_DEPTH} levels (counting the levels an alias "
+                                 f"*name brings); the limit is {MAX_YAML_DEPTH}")
+            if values > MAX_YAML_NODES:
+                raise UsageError(_too_many(source))
+            if chars > MAX_YAML_CHARS:
+                raise UsageError(f"{source}: more than {MAX_YAML_CHARS:,} characters of text (an alias *name "
+                                 f"counts its text at every use); the limit is {MAX_YAML_CHARS:,}")
+            continue
+        if key in done:
+            continue
+        open_.add(key)
+        stack.append((node, True))
+        for k in kids:
+            if id(k) in open_:
+                raise UsageError(f"{source}: line {k.start_mark.line + 1}: an alias refers to a collection that "
+                                 "contains it; recursive aliases are not allowed")
+            if id(k) not in done:
+                stack.append((k, False))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _parse_value(text: str, source: str = "override") -> Any:
+    """Override values are YAML scalars/lists: `8`, `1e-6`, `true`, `[1, 2]`, `null`, `my text`; text that is
+    not YAML stays text. Read with the same bounds as a config file."""
+    if len(text) > MAX_YAML_BYTES:
+        raise UsageError(f"{source}: a value of {len(text):,} characters; the limit is {MAX_YAML_BYTES:,}")
+    try:
+        return parse_yaml(text, source)
     except yaml.YAMLError:
         return text
 
@@ -202,7 +372,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, _, raw = item.partition("=")
         if not all(key.strip().split(".")):
             raise UsageError(f"override {item!r}: empty key segment; expected e.g. rollout.samples_per_prompt=8")
-        set_dotted(out, key.strip(), _parse_value(raw), what=f"override {key}")
+        set_dotted(out, key.strip(), _parse_value(raw, f"override {key.strip()}"), what=f"override {key}")
     return out
 
 
@@ -248,35 +418,44 @@ def _deep_copy(d: Any) -> Any:
     return d
 
 
-def read_text_file(path: str | os.PathLike, what: str, utf8_what: str) -> str:
-    """A UTF-8 text file's contents; a missing file, a directory or unreadable bytes is a one-line UsageError
-    naming the file and `what` was expected there."""
+def read_text_file(path: str | os.PathLike, what: str, utf8_what: str, max_bytes: int = MAX_YAML_BYTES) -> str:
+    """A UTF-8 text file's contents, at most `max_bytes` of them; a missing file, a directory, a larger file or
+    unreadable bytes is a one-line UsageError naming the file and `what` was expected there."""
     p = Path(path)
     if not p.exists():
         raise UsageError(f"{p}: no such file; give {what}")
     if p.is_dir():
         raise UsageError(f"{p}: is a directory; give {what}")
     try:
-        return p.read_text(encoding="utf-8")
+        with p.open("rb") as f:
+            raw = f.read(max_bytes + 1)  # bounded: a device or a pipe may never end
+        if len(raw) > max_bytes:
+            raise UsageError(f"{p}: larger than {max_bytes:,} bytes, the limit for {what}")
+        return raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"{p}: cannot read ({e.__class__.__name__}); give {utf8_what}") from None
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
-    """Read a YAML mapping with safe_load; every failure is a one-line UsageError naming the file."""
+    """Read a YAML mapping with the bounded reader (parse_yaml); every failure is a one-line UsageError naming
+    the file."""
     p = Path(path)
     text = read_text_file(p, "a YAML config file", "a UTF-8 YAML file")
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text, str(p))
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"{p}: invalid YAML{where}; fix the syntax") from None
+        raise UsageError(f"{p}: invalid YAML{yaml_error_line(e)}; fix the syntax") from None
     if data is None:
         raise UsageError(f"{p}: file is empty; expected a mapping of sections (model, data, rollout, ...)")
     if not isinstance(data, dict):
         raise UsageError(f"{p}: top level is a {type(data).__name__}; expected a mapping of sections")
     return data
+
+
+def yaml_error_line(e: yaml.YAMLError) -> str:
+    """' at line N' for a YAML error that knows where it happened, else ''."""
+    mark = getattr(e, "problem_mark", None)
+    return f" at line {mark.line + 1}" if mark is not None else ""
 
 
 def validation_message(err: ValidationError, source: str = "config") -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from evenrl.config import apply_overrides, flatten, read_text_file
+from evenrl.config import apply_overrides, flatten, parse_yaml, read_text_file, yaml_error_line
 from evenrl.errors import UsageError
 from evenrl.planner.layout import Layout, apply_layout_flags, has_shape_flags, make_layout
 from evenrl.planner.plan import count_rows
@@ -122,12 +122,10 @@ def read_foreign(framework: str, path: str, overrides: list[str]) -> dict:
     p = Path(path)
     text = read_text_file(p, f"the {NAMES[framework]} config file", "a UTF-8 text file")
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text, str(p))  # bounded, as evenrl's own configs (evenrl.config.parse_yaml)
     except yaml.YAMLError as e:
         if not (framework == "openrlhf" and "--" in text):
-            mark = getattr(e, "problem_mark", None)
-            raise UsageError(f"{p}: invalid YAML/JSON{f' at line {mark.line + 1}' if mark else ''}; "
-                             "fix the syntax") from None
+            raise UsageError(f"{p}: invalid YAML/JSON{yaml_error_line(e)}; fix the syntax") from None
         data = None
     if framework == "openrlhf" and not isinstance(data, dict) and "--" in text:
         data = parse_flags(text)  # the command line itself
@@ -176,7 +174,10 @@ def parse_flags(text: str) -> dict:
                 value, i = tokens[i], i + 1
             else:
                 value = "true"
-        parsed = yaml.safe_load(value) if value else True
+        try:
+            parsed = parse_yaml(value, f"--{key}") if value else True
+        except yaml.YAMLError:
+            parsed = value  # not YAML: the flag's text as is
         out[key.replace("-", "_")] = parsed
     return out
 

@@ -126,6 +126,32 @@ def test_advantages_match_naive_loops(batch):
         close(compute_advantages(name, r, g), values, tol=1e-6)
 
 
+@settings(max_examples=60, deadline=None)
+@given(batches.flatmap(lambda b: st.tuples(st.just(b), st.lists(st.booleans(), min_size=len(b[0]),
+                                                                  max_size=len(b[0])))))
+def test_advantages_over_valid_samples_match_naive_loops_without_the_others(batch_and_valid):
+    """valid=: the advantages of the valid samples are those of a step in which the others were never sampled
+    (naive loops over the kept samples only); the others get 0."""
+    (rewards, groups), valid = batch_and_valid
+    r, g, v = t64(rewards), torch.tensor(groups), torch.tensor(valid, dtype=torch.bool)
+    kept_r = [x for x, ok in zip(rewards, valid) if ok]
+    kept_g = [x for x, ok in zip(groups, valid) if ok]
+
+    def spread(values):  # back to all samples, 0 where not valid
+        it = iter(values)
+        return [next(it) if ok else 0.0 for ok in valid]
+
+    expected = {"grpo": naive_grpo(kept_r, kept_g), "dr_grpo": naive_grpo(kept_r, kept_g, "none"),
+                "rloo": naive_rloo(kept_r, kept_g), "reinforce_pp_baseline": naive_rpp(kept_r, kept_g)}
+    for name, values in expected.items():
+        close(compute_advantages(name, r, g, valid=v), spread(values), tol=1e-6)
+    for scale in ("group", "batch", "none"):
+        close(compute_advantages("grpo", r, g, valid=v, std_scale=scale), spread(naive_grpo(kept_r, kept_g, scale)),
+              tol=1e-6)
+    everyone = torch.ones(len(rewards), dtype=torch.bool)
+    assert torch.equal(compute_advantages("grpo", r, g, valid=everyone), compute_advantages("grpo", r, g))
+
+
 def test_advantages_degenerate_groups_are_finite_and_zero():
     g = torch.tensor([7, 7, 7, 2])  # one all-equal group, one singleton
     r = torch.tensor([1.0, 1.0, 1.0, 5.0])
@@ -157,6 +183,10 @@ def test_advantage_errors():
         grpo_advantages(r, g.float())
     with pytest.raises(ValueError):
         grpo_advantages(r, g[:2])
+    with pytest.raises(ValueError, match="valid"):
+        compute_advantages("grpo", r, g, valid=torch.ones(3))
+    with pytest.raises(ValueError, match="valid"):
+        compute_advantages("grpo", r, g, valid=torch.ones(2, dtype=torch.bool))
 
 
 # ----------------------------------------------------------------------------------------------- policy loss

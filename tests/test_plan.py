@@ -431,3 +431,11 @@ def test_planner_has_no_import_cycles():
     assert not below("evenrl.planner.fit") & top
     assert not any(m.startswith("evenrl.planner.peers") and "evenrl.planner.cli" in below(m) for m in graph)
 
+
+
+@pytest.mark.parametrize("name, ok", [("exact_match", True), ("math", True), ("toy_rewards:digit_fraction", True),
+                                      ("no_such_package_xyz:fn", False), ("digits", False)])
+def test_reward_names_are_checked_as_the_trainer_resolves_them(name, ok):
+    cfg = RunConfig.model_validate({"rewards": {"functions": [{"name": name}]}})
+    found = [f for f in make_plan(cfg, make_layout(1, 1)).findings if f.rule == "reward-name"]
+    assert not found if ok else (len(found) == 1 and found[0].level == "error" and name in found[0].message)

@@ -154,6 +154,10 @@ class RewardsConfig(_Section):
         description="CPU seconds one reward call may use in a worker (all its threads together); past it the call "
                     "fails. null: the same as timeout_s. Not applied with isolate=false (the trainer's other "
                     "threads would count).")
+    on_failure: Literal["zero", "mask"] = Field(
+        "zero", description="A sample whose reward call failed (raised, non-number, timeout, memory, CPU): 'zero' "
+                            "scores it 0 and trains on it; 'mask' leaves it out of learning (no advantage, not in "
+                            "its group's statistics, nor in the loss denominators).")
 
 
 class TrainConfig(_Section):

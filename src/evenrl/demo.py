@@ -65,17 +65,13 @@ def main(argv: list[str]) -> int:
     print(f"[demo] supervised warm start: {sft_cfg.sft.steps} steps of {sft_cfg.sft.rows_per_step} rows")
     from evenrl.train.sft import sft
 
-    sft(sft_cfg)
+    sft(sft_cfg, overwrite=True)  # the demo owns runs/demo: a second `make demo` starts afresh
     print(f"[demo] warm start done in {time.time() - t0:.0f} s")
 
     grpo_dir = out / "grpo"
     overrides = common + [f"model.path={sft_dir / 'final'}", f"log.run_dir={grpo_dir}", *args.overrides]
-    if grpo_dir.exists():
-        import shutil
-
-        shutil.rmtree(grpo_dir)
     cmd = [sys.executable, "-m", "evenrl.cli", "train", str(cfg_path), *overrides,
-           "--nproc-per-node", str(args.nproc_per_node)]
+           "--nproc-per-node", str(args.nproc_per_node), "--overwrite"]
     print("[demo] GRPO:", " ".join(cmd[2:]))
     rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")
                                    if args.nproc_per_node > 1 else os.environ.get("OMP_NUM_THREADS", "2")})

@@ -114,9 +114,24 @@ ADVANTAGES = {
 }
 
 
-def compute_advantages(name: str, rewards: torch.Tensor, groups: torch.Tensor, **kw) -> torch.Tensor:
-    """Dispatch by estimator name (a key of `ADVANTAGES`); keyword arguments go to that function."""
+def compute_advantages(name: str, rewards: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor | None = None,
+                       **kw) -> torch.Tensor:
+    """Dispatch by estimator name (a key of `ADVANTAGES`); keyword arguments go to that function.
+
+    valid [N] bool (optional): only these samples exist for the estimator. Advantages are computed over them alone
+    (group means, stds and sizes, leave-one-out baselines, batch stds) exactly as if the others had never been
+    sampled, and the others get advantage 0. None: every sample is valid.
+    """
     fn = ADVANTAGES.get(name)
     if fn is None:
         raise bad("advantage", name, f"one of {', '.join(sorted(ADVANTAGES))}")
-    return fn(rewards, groups, **kw)
+    if valid is None:
+        return fn(rewards, groups, **kw)
+    _check_rewards(rewards, groups)
+    if valid.dtype != torch.bool or valid.shape != rewards.shape:
+        raise ValueError(f"valid must be a bool tensor shaped like rewards {tuple(rewards.shape)}; "
+                         f"got {valid.dtype} {tuple(valid.shape)}")
+    kept = fn(rewards[valid], groups[valid], **kw)
+    out = kept.new_zeros(rewards.shape)
+    out[valid] = kept
+    return out

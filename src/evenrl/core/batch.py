@@ -39,6 +39,8 @@ COLUMNS: dict[str, Column] = {
     "response_len": Column("sample", torch.long, "response tokens (the last response_len of tokens)"),
     "finished": Column("sample", torch.bool, "the response ended with EOS (not cut at max_new_tokens)"),
     "reward": Column("sample", torch.float32, "summed weighted reward"),
+    "reward_failed": Column("sample", torch.bool, "a reward call on this sample failed (it counts 0 in reward); "
+                                                  "with rewards.on_failure=mask the sample is left out of learning"),
     "kl_sum": Column("sample", torch.float32, "summed per-token KL to the reference at sampling time (kl_in=reward)"),
     "advantage": Column("sample", torch.float32, "advantage, from the whole step's rewards"),
     "old_logp": Column("token", torch.float32, "response log-probs under the policy that sampled (PPO ratio)"),

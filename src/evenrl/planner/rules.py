@@ -322,5 +322,32 @@ def rule_parallel(p: Plan) -> list[Finding]:
     return out
 
 
-RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_groups, rule_minibatches, rule_min_rows,
-         rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel]
+def rule_rewards(p: Plan) -> list[Finding]:
+    """Reward names `evenrl train` would not resolve. A user function is found, not imported: its module may be
+    slow or heavy to import (the planner never imports torch), so only the top-level package must exist."""
+    import importlib.util
+
+    from evenrl.rewards import REGISTRY
+
+    out = []
+    for spec in p.config.rewards.functions:
+        module, sep, attr = spec.name.partition(":")
+        if spec.name in REGISTRY:
+            continue
+        if not (sep and module and attr):
+            why = "is neither a built-in reward nor 'package.module:function'"
+        else:
+            try:
+                found = importlib.util.find_spec(module.split(".")[0]) is not None
+            except (ImportError, ValueError):
+                found = False
+            if found:
+                continue
+            why = f"names module {module!r}, which is not importable here (not on PYTHONPATH?)"
+        out.append(Finding("error", "reward-name", f"reward {spec.name!r} {why}",
+                           f"one of {', '.join(REGISTRY)}, or 'package.module:function' importable by the trainer"))
+    return out
+
+
+RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_groups, rule_minibatches,
+         rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel]

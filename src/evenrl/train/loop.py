@@ -23,7 +23,7 @@ from evenrl.rewards import resolve
 from evenrl.train import checkpoint, rundir
 from evenrl.train.data import PromptSampler, load_data
 from evenrl.train.evaluate import evaluate
-from evenrl.train.runlog import RunLog
+from evenrl.train.runlog import RunLog, read_metrics
 from evenrl.train.step import rl_step
 
 
@@ -101,6 +101,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     restarted: this worker was started again by the elastic agent (continue from a checkpoint if there is one)."""
     run_dir = Path(cfg.log.run_dir)
     rundir.check(run_dir, resume=resume, overwrite=overwrite, restarted=restarted)
+    if resume or restarted:
+        read_metrics(run_dir)  # a broken line is one error now, not a traceback once the header is half-written
     plan = preflight(cfg)
     info = dist.init(timeout=cfg.parallel.collective_timeout_s)
     if dist.is_main():
@@ -112,7 +114,12 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     found = checkpoint.latest(ckpt_root) if resume or restarted else None
     if found is not None:
         start, state = checkpoint.load(found, run.model)
-        run.load_trainer_state(state)
+        try:
+            run.load_trainer_state(state)
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            raise UsageError(f"{found / 'trainer.pt'}: does not fit this run ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:120] if str(e) else 'missing state'}); it was saved by "
+                             "another model or optimizer, or is damaged") from None
         if dist.is_main():
             print(f"evenrl: resumed from {found} (step {start})", flush=True)
     elif restarted and dist.is_main():

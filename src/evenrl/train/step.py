@@ -55,7 +55,8 @@ def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
     with timer("exchange"):
         schedule = plan_step(run, everyone)
         batch, micro = exchange(run, local, schedule)                           # rows this rank trains on
-        denoms = [minibatch_denominators(everyone["response_len"], mb.rows) for mb in schedule.minibatches]
+        lens = counted_lengths(cfg, everyone)                                   # 0 for masked samples
+        denoms = [minibatch_denominators(lens, mb.rows) for mb in schedule.minibatches]
     with timer("logprobs"):
         if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "loss":
             add_logprobs(run, batch, "ref_logp", run.reference, flat(micro))
@@ -112,6 +113,7 @@ def add_rewards(run: "Run", batch: Batch) -> tuple[Batch, dict]:
     scores, stats = score_all(run.reward_fns, batch["completion"], rows, rc.timeout_s, isolate=rc.isolate,
                               memory_limit_mib=rc.memory_limit_mib, cpu_time_limit_s=rc.cpu_time_limit_s)
     batch["reward"] = torch.tensor(scores, dtype=torch.float32)
+    batch["reward_failed"] = torch.tensor(stats["failed"], dtype=torch.bool)
     return batch, stats
 
 
@@ -133,7 +135,7 @@ def gather_rows(local: Batch, failures: int = 0) -> tuple[Batch, int]:
     """The all-ranks view: every rank's per-sample scalars (a Batch ordered by sample_index, so a sample's
     sample_index is its row), and the step's reward failures summed over ranks (they ride along: no all-reduce of
     their own). dist.all_gather_tensors: no pickling."""
-    cols = ["sample_index", "group", "reward", "response_len", "finished"]
+    cols = ["sample_index", "group", "reward", "reward_failed", "response_len", "finished"]
     mine = {c: local[c] for c in cols}
     mine["total_len"] = local["tokens"].lengths
     if "kl_sum" in local:
@@ -151,7 +153,9 @@ def add_advantages(run: "Run", local: Batch, everyone: Batch) -> None:
     if "kl_sum" in everyone:
         rewards = rewards - algo.kl_coef * everyone["kl_sum"].double()
     kw = {"std_scale": algo.std_scale} if algo.advantage == "grpo" else {}
-    adv = compute_advantages(algo.advantage, rewards, everyone["group"], **kw).float()
+    masked = masked_rows(run.cfg, everyone)
+    adv = compute_advantages(algo.advantage, rewards, everyone["group"], None if masked is None else ~masked,
+                             **kw).float()
     everyone["advantage"] = adv
     local["advantage"] = adv[local["sample_index"]]  # sample_index is the position in `everyone`
 
@@ -166,15 +170,36 @@ def plan_step(run: "Run", everyone: Batch):
 
 
 def zero_gradient_rows(cfg: RunConfig, everyone: Batch) -> list[bool] | None:
-    """Samples whose loss gradient is exactly zero, so nobody needs to run them: with no per-token KL or entropy
-    term the policy loss is advantage x f(ratio), and the advantage is 0 (a GRPO group with equal rewards; with
-    0/1 rewards that is every all-right and all-wrong group). None when nothing may be skipped."""
+    """Samples whose loss gradient is exactly zero, so nobody needs to run them: samples masked out of learning
+    (masked_rows: their loss is dropped), and, with no per-token KL or entropy term, samples with advantage 0 (the
+    policy loss is advantage x f(ratio); a GRPO group with equal rewards, with 0/1 rewards every all-right and
+    all-wrong group). None when nothing may be skipped: min_rows > 1 (the schedule cannot drop rows; masked rows
+    then run and rl_objective zeroes their loss) or nothing to skip."""
     algo, train = cfg.algo, cfg.train
-    kl_in_loss = algo.kl_coef > 0 and algo.kl_in == "loss"
-    if (not train.skip_zero_gradient_samples or kl_in_loss or algo.entropy_coef > 0
-            or train.min_rows_per_micro_batch > 1):
+    if train.min_rows_per_micro_batch > 1:
         return None
-    return (everyone["advantage"] == 0).tolist()
+    masked = masked_rows(cfg, everyone)
+    kl_in_loss = algo.kl_coef > 0 and algo.kl_in == "loss"
+    if not train.skip_zero_gradient_samples or kl_in_loss or algo.entropy_coef > 0:
+        return None if masked is None else masked.tolist()
+    zero = everyone["advantage"] == 0
+    return (zero if masked is None else zero | masked).tolist()
+
+
+def masked_rows(cfg: RunConfig, everyone: Batch) -> torch.Tensor | None:
+    """Samples left out of learning, [N] bool, or None for none: with rewards.on_failure=mask, those on which a
+    reward call failed. They get no advantage and no place in their group's statistics (add_advantages), count in
+    no loss denominator (counted_lengths) and run nowhere (zero_gradient_rows); mini-batch membership stays that of
+    the whole step, so the update is the one a single device makes with their effect removed."""
+    if cfg.rewards.on_failure != "mask" or not bool(everyone["reward_failed"].any()):
+        return None
+    return everyone["reward_failed"]
+
+
+def counted_lengths(cfg: RunConfig, everyone: Batch) -> torch.Tensor:
+    """Response lengths as the loss denominators count them: 0 for a masked sample (no tokens, no sequence)."""
+    masked = masked_rows(cfg, everyone)
+    return everyone["response_len"] if masked is None else everyone["response_len"].masked_fill(masked, 0)
 
 
 def exchange(run: "Run", local: Batch, schedule) -> tuple[Batch, list[list[list[int]]]]:
@@ -222,6 +247,10 @@ def update(run: "Run", batch: Batch, micro: list[list[list[int]]], denoms: list)
 def rl_objective(run: "Run", logits, targets, mask, mb: Batch):
     """A micro-batch's loss: its LossInputs from the logits and its columns, then the pure objective."""
     algo = run.cfg.algo
+    keep = None
+    if run.cfg.rewards.on_failure == "mask" and bool(mb["reward_failed"].any()):  # only with min_rows > 1
+        keep = ~mb["reward_failed"].to(mask.device)[:, None]  # masked rows: no loss, not in the stats
+        mask = mask & keep
     logp = token_logprobs(logits, targets, run.temperature)
     with torch.set_grad_enabled(torch.is_grad_enabled() and algo.entropy_coef > 0):  # measured only: no graph
         entropy = entropy_from_logits(logits, run.temperature)
@@ -229,9 +258,13 @@ def rl_objective(run: "Run", logits, targets, mask, mb: Batch):
         logp=logp, mask=mask, entropy=entropy, advantages=mb["advantage"].to(logp.device),
         old_logp=ragged_to_right_aligned(mb, "old_logp", logp.device) if "old_logp" in mb else logp.detach(),
         ref_logp=ragged_to_right_aligned(mb, "ref_logp", logp.device) if "ref_logp" in mb else None)
-    return rl_loss(inputs, LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high, entropy_coef=algo.entropy_coef,
-                                        kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0,
-                                        kl_estimator=algo.kl_estimator))
+    per_token, stats = rl_loss(inputs, LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high,
+                                                    entropy_coef=algo.entropy_coef,
+                                                    kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0,
+                                                    kl_estimator=algo.kl_estimator))
+    if keep is not None:
+        per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    return per_token, stats
 
 
 def step_metrics(run: "Run", everyone: Batch, schedule, stats: dict, failures: int, timer: "Timer") -> dict:
@@ -256,6 +289,8 @@ def step_metrics(run: "Run", everyone: Batch, schedule, stats: dict, failures: i
     out.update(stats)
     out.update({f"time/{k}": v for k, v in timer.seconds.items()})
     out["reward/failures"] = int(failures)  # summed over ranks by gather_rows
+    masked = masked_rows(run.cfg, everyone)
+    out["reward/masked_samples"] = 0 if masked is None else int(masked.sum())  # left out of learning
     return out
 
 

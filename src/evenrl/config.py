@@ -4,7 +4,7 @@
 
 Names say what they count (prompts per step, samples per prompt, tokens per micro-batch); there is no
 overloaded "batch size". Numbers derived from these (samples per step, per-rank rows, micro-steps) live in
-`evenrl.plan.Plan` and are never written back here. Pure Python: must not import torch (the planner uses it).
+`evenrl.planner.plan.Plan` and are never written back here. Pure Python: must not import torch (the planner uses it).
 """
 
 from __future__ import annotations

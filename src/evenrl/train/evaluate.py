@@ -24,7 +24,9 @@ def evaluate(run, rows: list[dict], prompt_tokens: list[list[int]]) -> dict:
         completions = greedy(run.model, [prompt_tokens[i] for i in mine], max_new_tokens=cfg.rollout.max_new_tokens,
                              eos_token_ids=run.eos_ids, pad_token_id=run.pad_id)
         texts = [run.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        scores, _ = score_all(run.reward_fns, texts, [rows[i] for i in mine], cfg.rewards.timeout_s)
+        scores, _ = score_all(run.reward_fns, texts, [rows[i] for i in mine], cfg.rewards.timeout_s,
+                              isolate=cfg.rewards.isolate, memory_limit_mib=cfg.rewards.memory_limit_mib,
+                              cpu_time_limit_s=cfg.rewards.cpu_time_limit_s)
         total += torch.tensor([sum(scores), len(scores), sum(len(c.token_ids) for c in completions)],
                               dtype=torch.float64)
     dist.all_reduce_sum(total)

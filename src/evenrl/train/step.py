@@ -39,7 +39,7 @@ STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "
 
 def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
     """One RL step on this rank; returns the step's global metrics and a few of this rank's completions."""
-    cfg, timer = run.cfg, Timer()
+    cfg, timer = run.cfg, Timer(step)
     prompt_ids = run.sampler.next_prompts(cfg.data.prompts_per_step)           # same on every rank
 
     with timer("rollout"):
@@ -297,7 +297,11 @@ def step_metrics(run: "Run", everyone: Batch, schedule, stats: dict, failures: i
 # ------------------------------------------------------------------------------------------ small helpers
 
 class Timer:
-    def __init__(self):
+    """Seconds per phase; entering a phase also tells the other ranks where this one is (dist.mark), so a failed
+    collective can name the rank that stopped and the phase it stopped in."""
+
+    def __init__(self, step: int):
+        self.step = step
         self.seconds: dict[str, float] = {}
 
     def __call__(self, name: str):
@@ -305,6 +309,7 @@ class Timer:
 
         class _Ctx:
             def __enter__(self):
+                dist.mark(f"step {timer.step} {name}")
                 self.t = time.perf_counter()
 
             def __exit__(self, *exc):

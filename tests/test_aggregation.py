@@ -5,8 +5,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenrl.core.aggregation import MODES, Denominators, aggregate, local_counts
+from evenrl.core.aggregation import MODES, Denominators, aggregate
 from evenrl.errors import UsageError
+
+
+def local_counts(masks) -> Denominators:
+    """A rank's counts over its micro-batches of one mini-batch (each mask [B, T]); summed over ranks they are the
+    global denominators (the trainer instead computes them from the all-gathered lengths)."""
+    tokens = seqs = 0
+    for m in masks:
+        if m.numel():
+            per_row = m.bool().sum(-1)
+            tokens += int(per_row.sum())
+            seqs += int((per_row > 0).sum())
+    return Denominators(float(tokens), float(seqs))
 
 
 def naive(values: list[torch.Tensor], masks: list[torch.Tensor], mode: str) -> float:
@@ -63,7 +75,7 @@ def test_sum_of_shares_equals_naive_value(layout):
     values, masks, ranks, extra = layout
     micro = [[pad(rows, values, masks, extra) for rows in rank] for rank in ranks]
     per_rank = [local_counts([m for _, m in rank]) for rank in micro]
-    denom = sum(per_rank, Denominators(0.0, 0.0))  # what dist.global_denominators returns
+    denom = Denominators(sum(d.tokens for d in per_rank), sum(d.seqs for d in per_rank))  # every rank's, summed
     for mode in MODES:
         total = sum(float(aggregate(x, m, mode, denom)) for rank in micro for x, m in rank)
         want = naive(values, masks, mode)

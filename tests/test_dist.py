@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from evenrl.distributed import collectives as dist
-from evenrl.core.aggregation import MODES, aggregate, local_counts
+from evenrl.core.aggregation import MODES, aggregate
+from test_aggregation import local_counts
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.schedule import make_schedule
 

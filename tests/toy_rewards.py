@@ -6,11 +6,6 @@ def digit_fraction(completion: str, sample: dict) -> float:
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
 
-def starts_with_digit(completion: str, sample: dict) -> float:
-    """0/1: some groups of a random tiny model are all 0 or all 1 (zero advantage), others are mixed."""
-    return float(completion[:1].isdigit())
-
-
 def fails_on_some(completion: str, sample: dict) -> float:
     """Raises on about a quarter of completions (chosen by their characters, so the same ones on any layout) and
     scores the rest 0, 0.25, ..., 1: a reward failing on some samples, for rewards.on_failure."""

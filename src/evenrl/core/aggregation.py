@@ -16,8 +16,6 @@ masked-in token (rows with an all-zero mask, e.g. padding rows, are not counted)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
-
 import torch
 from torch import Tensor
 
@@ -31,19 +29,6 @@ class Denominators:
     tokens: float  # masked-in tokens
     seqs: float    # rows with at least one masked-in token
 
-    def __add__(self, other: Denominators) -> Denominators:
-        return Denominators(self.tokens + other.tokens, self.seqs + other.seqs)
-
-
-def local_counts(masks: Sequence[Tensor]) -> Denominators:
-    """Counts over this rank's micro-batches of one mini-batch; each mask is [B, T] (bool or 0/1)."""
-    tokens = seqs = 0
-    for m in masks:
-        if m.numel():
-            per_row = m.bool().sum(-1)
-            tokens += int(per_row.sum())
-            seqs += int((per_row > 0).sum())
-    return Denominators(float(tokens), float(seqs))
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, denom: Denominators) -> Tensor:

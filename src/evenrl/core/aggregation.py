@@ -30,7 +30,6 @@ class Denominators:
     seqs: float    # rows with at least one masked-in token
 
 
-
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, denom: Denominators) -> Tensor:
     """This micro-batch's share of the mode's value over the whole mini-batch.
 

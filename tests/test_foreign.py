@@ -250,3 +250,11 @@ def test_cli_from(tmp_path, capsys):
     assert "is a directory" in capsys.readouterr().err
     assert cli_main(["plan", "--from", "megatron", str(f)]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["--2", "²", "1e3x"])
+def test_a_peer_value_that_only_looks_like_an_integer_is_one_line(value):
+    from evenrl.planner.peers.reader import Source
+
+    with pytest.raises(UsageError, match="need an integer"):
+        Source("verl", {"data": {"train_batch_size": value}}).int("data.train_batch_size", 1)

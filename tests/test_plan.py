@@ -439,3 +439,17 @@ def test_reward_names_are_checked_as_the_trainer_resolves_them(name, ok):
     cfg = RunConfig.model_validate({"rewards": {"functions": [{"name": name}]}})
     found = [f for f in make_plan(cfg, make_layout(1, 1)).findings if f.rule == "reward-name"]
     assert not found if ok else (len(found) == 1 and found[0].level == "error" and name in found[0].message)
+
+
+def test_a_bad_data_path_does_not_hide_a_bad_eval_path(tmp_path):
+    cfg = RunConfig.model_validate({"data": {"path": str(tmp_path / "missing.jsonl")},
+                                    "eval": {"path": str(tmp_path / "also-missing.jsonl")}})
+    found = {f.rule for f in make_plan(cfg, make_layout(1, 1)).findings if f.level == "error"}
+    assert {"data-path", "eval-path"} <= found
+
+
+def test_fit_stays_inside_the_config_bounds():
+    cfg = RunConfig.model_validate({"data": {"max_prompt_tokens": 6_000_000},
+                                    "rollout": {"max_new_tokens": 6_000_000}})
+    new, _ = fit(make_plan(cfg, make_layout(1, 1)))
+    assert new.train.token_cap_per_micro_batch <= 10_000_000

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from evenrl.errors import UsageError
+from evenrl.errors import UsageError, first_line
 
 # Caps that catch typos (10**12 prompts) before any arithmetic is attempted.
 MAX_COUNT = 10_000_000
@@ -259,7 +259,7 @@ def parse_yaml(text: str, source: str) -> Any:
         try:
             return loader.construct_document(node)
         except (ValueError, TypeError, OverflowError) as e:  # e.g. an integer of more than 4300 digits
-            raise UsageError(f"{source}: a value cannot be read ({_first_line(e)}); fix it") from None
+            raise UsageError(f"{source}: a value cannot be read ({first_line(e)}); fix it") from None
     finally:
         loader.dispose()
 
@@ -349,11 +349,6 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.MappingNode):
         return [n for pair in node.value for n in pair]
     return []
-
-
-def _first_line(e: Exception) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 def _parse_value(text: str, source: str = "override") -> Any:

@@ -15,6 +15,12 @@ def bad(field: str, value, allowed: str) -> UsageError:
     return UsageError(f"{field}: got {shown}; {allowed}")
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's first line of text (its type's name when it has none), for one-line messages."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose mistakes are UsageErrors: one line and exit code 2 through the CLI, no usage dump."""
 

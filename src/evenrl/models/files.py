@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from evenrl.errors import UsageError, bad
+from evenrl.errors import UsageError, bad, first_line
 
 # ------------------------------------------------------------------------------------------ the model directory
 
-CONFIG_MAX_BYTES = 16 * 1024**2  # config.json, tokenizer.json and a safetensors header are read whole
+CONFIG_MAX_BYTES = 16 * 1024**2  # config.json, vocab.json and a safetensors header are read whole
+TOKENIZER_MAX_BYTES = 512 * 1024**2  # tokenizer.json too, but large vocabularies (Gemma's) run to tens of MB
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -120,7 +121,8 @@ def check_safetensors(f: Path) -> None:
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
                 and 0 <= offsets[0] <= offsets[1]):
             raise UsageError(f"{f}: tensor {name!r} has no valid data_offsets in the header; {_REDOWNLOAD}")
-        shape, width = t.get("shape"), _DTYPE_BYTES.get(t.get("dtype"))
+        dtype = t.get("dtype")
+        shape, width = t.get("shape"), _DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
         if width and isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape):
             if _product(shape) * width != offsets[1] - offsets[0]:
                 raise UsageError(f"{f}: tensor {name!r} of shape {shape} ({t['dtype']}) does not match its "
@@ -155,7 +157,7 @@ def check_tokenizer_files(path: str) -> None:
                              "again with save_pretrained")
     if "tokenizer.json" in names:
         f = d / "tokenizer.json"
-        tok = _read_json(f, "a tokenizers file (tokenizer.save_pretrained writes it)")
+        tok = _read_json(f, "a tokenizers file (tokenizer.save_pretrained writes it)", TOKENIZER_MAX_BYTES)
         model = tok.get("model") if isinstance(tok, dict) else None
         if not isinstance(model, dict):
             raise UsageError(f"{f}: no \"model\" object; expected a tokenizers file (tokenizer.save_pretrained "
@@ -180,10 +182,10 @@ def check_model_dir(path: str) -> dict:
     return cfg
 
 
-def _read_json(f: Path, what: str) -> Any:
+def _read_json(f: Path, what: str, max_bytes: int = CONFIG_MAX_BYTES) -> Any:
     try:
-        if f.stat().st_size > CONFIG_MAX_BYTES:
-            raise UsageError(f"{f}: larger than {CONFIG_MAX_BYTES:,} bytes; expected {what}")
+        if f.stat().st_size > max_bytes:
+            raise UsageError(f"{f}: larger than {max_bytes:,} bytes; expected {what}")
         return json.loads(f.read_text(encoding="utf-8"))
     except OSError as e:
         raise UsageError(f"{f}: cannot read ({e.__class__.__name__}); expected {what}") from None
@@ -341,7 +343,7 @@ def parquet_schema(path: str):
     try:
         return pq.read_schema(path)
     except Exception as e:  # pyarrow raises several unrelated types for corrupt files
-        raise UsageError(f"{path}: could not read parquet ({_first_line(e)})") from None
+        raise UsageError(f"{path}: could not read parquet ({first_line(e)})") from None
 
 
 def read_parquet(path: str, fields: Fields, max_rows: int | None = None) -> list[dict]:
@@ -358,7 +360,7 @@ def read_parquet(path: str, fields: Fields, max_rows: int | None = None) -> list
         batch = next(f.iter_batches(batch_size=max_rows, columns=fields.columns()), None)
         return batch.to_pylist() if batch is not None else []
     except Exception as e:
-        raise UsageError(f"{path}: could not read parquet ({_first_line(e)})") from None
+        raise UsageError(f"{path}: could not read parquet ({first_line(e)})") from None
 
 
 def read_arrow_dir(path: str, fields: Fields, max_rows: int | None = None) -> list[dict]:
@@ -392,7 +394,7 @@ def read_arrow_dir(path: str, fields: Fields, max_rows: int | None = None) -> li
                         return rows
     except (OSError, ValueError, pa.ArrowInvalid) as e:
         raise UsageError(f"prompts path: {path!r} is not a readable save_to_disk dataset "
-                         f"({type(e).__name__}: {_first_line(e)})") from None
+                         f"({type(e).__name__}: {first_line(e)})") from None
     return rows
 
 
@@ -447,8 +449,3 @@ def read_rows(path: str, fields: Fields, *, max_bytes: int | None = None, max_ro
 def _names(cols) -> str:
     names = ", ".join(sorted(map(str, cols)))
     return names if len(names) <= 120 else names[:117] + "..."
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__

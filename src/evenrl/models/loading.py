@@ -11,7 +11,7 @@ import string
 import torch
 from safetensors import SafetensorError
 
-from evenrl.errors import UsageError, bad
+from evenrl.errors import UsageError, bad, first_line
 from evenrl.models.files import check_model_dir
 
 # Printable ASCII plus newline: enough for arithmetic, countdown and short word prompts.
@@ -26,7 +26,7 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
-# transformers' Qwen2 pre-tokenizer split (models/qwen2/tokenization_qwen2.py); see make_tiny_model.
+# The split regex of transformers' Qwen2 pre-tokenizer; see make_tiny_model.
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -61,7 +61,7 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
-        raise UsageError(f"model path: could not load a tokenizer from {path!r}; {_first_line(e)}") from None
+        raise UsageError(f"model path: could not load a tokenizer from {path!r}; {first_line(e)}") from None
     _check_vocabulary(tokenizer, path)
     # sdpa is the fastest exact attention on CPU; flash kernels are GPU-only.
     kwargs = dict(local_files_only=True, dtype=torch_dtype, attn_implementation="sdpa")
@@ -76,7 +76,7 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
     except torch.OutOfMemoryError:
         raise
     except (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError) as e:
-        raise UsageError(f"model path: could not load a causal LM from {path!r}; {_first_line(e)}") from None
+        raise UsageError(f"model path: could not load a causal LM from {path!r}; {first_line(e)}") from None
     model.to(device)
     model.eval()
 
@@ -106,11 +106,6 @@ def is_checkpointing(model) -> bool:
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
         else "is_gradient_checkpointing"
     return bool(getattr(model, flag, False))
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def make_tiny_model(

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from evenrl.config import RunConfig, flatten, with_settings
+from evenrl.config import MAX_COUNT, MAX_TOKENS, RunConfig, flatten, with_settings
 from evenrl.planner.layout import Layout
 from evenrl.planner.memory import ModelDims, estimate_memory, memory_fixes
 from evenrl.planner.plan import Plan
@@ -49,12 +49,12 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
         even = math.ceil(need / step) * step
         need = even if even <= 2 * need else need
     if need != prompts:
-        s["data.prompts_per_step"] = need
+        s["data.prompts_per_step"] = min(need, MAX_COUNT)
     if m != cfg.algo.minibatches_per_step:
         s["algo.minibatches_per_step"] = m
     length = plan.sample_tokens
     if cfg.train.token_cap_per_micro_batch < max(length, mrows * length):
-        s["train.token_cap_per_micro_batch"] = max(length, mrows * length)
+        s["train.token_cap_per_micro_batch"] = min(max(length, mrows * length), MAX_TOKENS)
     new = with_settings(cfg, s) if s else cfg
     if plan.dims and lay.training_ranks >= 1 and lay.device_memory_gib:
         new = _fit_memory(new, lay, plan.dims)

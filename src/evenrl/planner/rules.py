@@ -69,27 +69,26 @@ def rule_data(p: Plan) -> list[Finding]:
     if not d.path:
         return [Finding("warning", "data-path", "data.path is empty: no prompts to train on",
                         "data.path=FILE.jsonl (or .parquet, or a local Hugging Face dataset directory)")]
+    out = []  # every problem at once: a bad data.path does not hide a bad eval.path
     if not Path(d.path).expanduser().exists():
-        return [Finding("error", "data-path", f"data.path {d.path!r} does not exist (evenrl never downloads)",
-                        "point data.path at a local .jsonl/.parquet file or dataset directory")]
-    if p.dataset_rows == 0:
-        return [Finding("error", "data-path", f"data.path {d.path!r} has no rows", "use a non-empty dataset")]
-    problem = dataset_problem(p.config, d.path)
-    if problem:
-        return [Finding("error", "data-file", problem, _DATA_FIX.format(key="data.path"))]
+        out.append(Finding("error", "data-path", f"data.path {d.path!r} does not exist (evenrl never downloads)",
+                           "point data.path at a local .jsonl/.parquet file or dataset directory"))
+    elif p.dataset_rows == 0:
+        out.append(Finding("error", "data-path", f"data.path {d.path!r} has no rows", "use a non-empty dataset"))
+    elif problem := dataset_problem(p.config, d.path):
+        out.append(Finding("error", "data-file", problem, _DATA_FIX.format(key="data.path")))
+    elif p.dataset_rows is not None and p.dataset_rows < d.prompts_per_step:
+        out.append(Finding("warning", "prompts-exceed-dataset",
+                           f"{plural(d.prompts_per_step, 'prompt')} per step from a dataset of "
+                           f"{plural(p.dataset_rows, 'row')}: every step repeats prompts",
+                           f"data.prompts_per_step={p.dataset_rows}"))
     e = p.config.eval.path
     if e and not Path(e).expanduser().exists():
-        return [Finding("error", "eval-path", f"eval.path {e!r} does not exist",
-                        "point eval.path at a local .jsonl/.parquet file or dataset directory, or eval.path=''")]
-    problem = dataset_problem(p.config, e) if e else None
-    if problem:
-        return [Finding("error", "eval-file", problem, _DATA_FIX.format(key="eval.path") + "; or eval.path=''")]
-    if p.dataset_rows is not None and p.dataset_rows < d.prompts_per_step:
-        return [Finding("warning", "prompts-exceed-dataset",
-                        f"{plural(d.prompts_per_step, 'prompt')} per step from a dataset of "
-                        f"{plural(p.dataset_rows, 'row')}: every step repeats prompts",
-                        f"data.prompts_per_step={p.dataset_rows}")]
-    return []
+        out.append(Finding("error", "eval-path", f"eval.path {e!r} does not exist",
+                           "point eval.path at a local .jsonl/.parquet file or dataset directory, or eval.path=''"))
+    elif e and (problem := dataset_problem(p.config, e)):
+        out.append(Finding("error", "eval-file", problem, _DATA_FIX.format(key="eval.path") + "; or eval.path=''"))
+    return out
 
 
 # How much of a dataset the plan reads: the rows evenrl train would refuse are usually near the top (a wrong

@@ -78,7 +78,8 @@ def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, tra
         os.rename(tmp, final)
     _write_text_atomic(root / "latest", name + "\n")
     _fsync_dir(root)
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.fullmatch(p.name)))
+    for _, old in steps[:-keep]:  # by number: step-1000000 is newer than step-999999
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -166,7 +167,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module) -> tuple[int, dict]:
     try:
         missing, unexpected = model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
     except RuntimeError as e:  # same names, other shapes
-        raise UsageError(f"{path}: checkpoint does not match model.path ({_first_line(e)}); resume with the same "
+        raise UsageError(f"{path}: checkpoint does not match model.path ({_last_line(e)}); resume with the same "
                          "model") from None
     # tied weights were saved once; anything else missing means a different model
     missing = [k for k in missing if not _is_tied(model, k)]
@@ -176,7 +177,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module) -> tuple[int, dict]:
     return step, trainer_state
 
 
-def _first_line(e: Exception) -> str:
+def _last_line(e: Exception) -> str:
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     return lines[-1] if lines else type(e).__name__
 

@@ -208,18 +208,19 @@ def write_run_header(run: Run, plan, *, resumed_from: int) -> None:
     (run_dir / "plan.txt").write_text(text + "\n")
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
     if resumed_from:
-        _truncate_metrics(run_dir / "metrics.jsonl", resumed_from)
+        _truncate_metrics(run_dir, resumed_from)
     if run.skipped:
         print(f"evenrl: skipped {run.skipped} prompts longer than data.max_prompt_tokens={run.cfg.data.max_prompt_tokens}")
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
+def _truncate_metrics(run_dir: Path, last_step: int) -> None:
     """After a resume, drop metric rows of steps the checkpoint does not contain (they are re-run)."""
+    path = run_dir / "metrics.jsonl"
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    keep = [row for row in read_metrics(run_dir) if row["step"] <= last_step]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))  # as RunLog writes them
     os.replace(tmp, path)
 
 

@@ -13,8 +13,8 @@ Layout: verl/EasyR1 read trainer.nnodes x trainer.n_gpus_per_node, OpenRLHF acto
 actor_num_gpus_per_node (+ vllm_num_engines x vllm_tensor_parallel_size unless colocate_all_models); --nnodes /
 --nproc-per-node replace those (OpenRLHF: the actor GPUs). TRL trains on num_processes or the layout flags,
 minus one GPU for a vLLM server (use_vllm with vllm_mode=server).
-Messages were checked against the peers' source (verl ray_trainer/_validate_config and fsdp_workers, EasyR1
-ray_trainer and fsdp_workers, TRL grpo_config/grpo_trainer, OpenRLHF train_ppo_ray, DeepSpeed runtime/config).
+Messages are the peers' own, word for word as their config checks and workers raise them (DeepSpeed's for
+OpenRLHF's batch arithmetic).
 
 One module per framework (verl, easyr1, trl, openrlhf), each a `translate(src, ns, t)` that fills a Translation;
 what they share (reading files, typed reads, the common mappings) is in peers.reader. This package only joins

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +84,7 @@ class Source:
             return None
         if isinstance(v, float) and v.is_integer():
             v = int(v)
-        if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        if isinstance(v, str) and re.fullmatch(r"-?[0-9]+", v.strip()):
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 10**9:
             raise UsageError(f"{self.fw} {key}: got {v!r}; need an integer in {lo}..10^9")

@@ -37,6 +37,10 @@ def test_a_run_directory_belongs_to_one_run(assets, tmp_path, capsys):
     assert "holds metrics.jsonl but no checkpoint" in one_line(capsys)
     assert cli.main(["train", str(assets["cfg"]), f"log.run_dir={tmp_path / 'new'}", "--resume"]) == 2
     assert "no checkpoint" in one_line(capsys)
+    half = tmp_path / "half"
+    (half / "checkpoints" / "step-000010").mkdir(parents=True)  # a step directory without its files
+    assert cli.main(["train", str(assets["cfg"]), f"log.run_dir={half}", "--resume"]) == 2
+    assert "no checkpoint" in one_line(capsys)
     assert cli.main(["train", str(assets["cfg"]), f"log.run_dir={used}", "--resume", "--overwrite"]) == 2
     assert "give one" in one_line(capsys)
     assert cli.main(["sft", str(assets["cfg"]), f"log.run_dir={used}"]) == 2

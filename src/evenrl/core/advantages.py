@@ -3,7 +3,7 @@
 Shapes: N completions in a step; every function maps rewards [N] and group ids [N] to advantages [N]. They run on
 the whole step's rewards (on every rank), so an advantage does not depend on how samples are spread over ranks.
 
-Conventions taken from verl (volcengine/verl, `verl/trainer/ppo/core_algos.py`) unless a docstring says otherwise.
+Conventions are verl's (its core algorithms' names are given where they differ) unless a docstring says otherwise.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Shapes: B, T  rows and token positions of a padded token batch; V  vocabulary si
 [B, T] tensors; reducing them to a scalar (token-mean, seq-mean, ...) is `evenrl.core.aggregation`'s job, so that
 the count used to normalise can be global.
 
-Conventions taken from verl (volcengine/verl, `verl/trainer/ppo/core_algos.py`) unless a docstring says otherwise.
+Conventions are verl's (its core algorithms' names are given where they differ) unless a docstring says otherwise.
 """
 
 from __future__ import annotations
@@ -192,8 +192,8 @@ def rl_loss(inp: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, t
         kl = kl_penalty(inp.logp, inp.ref_logp, s.kl_estimator)
         if s.kl_coef > 0:
             per_token = per_token + s.kl_coef * kl
-        stats["kl"] = ((kl.detach() * inp.mask).sum(), n)
+        stats["kl"] = (torch.where(inp.mask, kl.detach(), 0.0).sum(), n)  # where: a masked NaN stays out
     if s.entropy_coef > 0:
         per_token = per_token - s.entropy_coef * inp.entropy
-    stats["entropy"] = ((inp.entropy.detach() * inp.mask).sum(), n)
+    stats["entropy"] = (torch.where(inp.mask, inp.entropy.detach(), 0.0).sum(), n)
     return per_token, stats

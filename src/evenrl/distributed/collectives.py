@@ -118,7 +118,10 @@ def mark(phase: str) -> None:
     global _PHASE
     _PHASE = phase
     if _STORE is not None:
-        _STORE.set(f"phase/{rank()}", phase)
+        try:
+            _STORE.set(f"phase/{rank()}", phase)
+        except Exception:  # the store's host (rank 0) is gone: the next collective fails and says so in one line
+            pass
 
 
 @contextlib.contextmanager
@@ -374,7 +377,7 @@ def _exchange_all_to_all(parts: list[Batch] | None, template: Batch, problem: st
     """Two all_to_all_single calls. First 3 int64 per pair of ranks: the sender's schema fingerprint, whether its
     arguments were bad (`problem`; then parts is None and it sends nothing), and how many bytes follow. Every rank
     sees every other rank's fingerprint and flag, so a mistake anywhere raises ValueError on every rank before any
-    data moves, and this check costs no collective of its own (it used to be a separate all-reduce).
+    data moves, and this check costs no collective of its own.
     Then all rows at once, each part with its own row counts in front (see _pack)."""
     W, dev = world(), _comm_device()
     shapes, fingerprint = _schema(template)

@@ -94,11 +94,12 @@ def _die_with_parent() -> None:
     import ctypes
     import signal
 
+    parent = os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
-    if os.getppid() == 1:  # the parent was gone before prctl took effect
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect (PID 1 may be the launcher itself)
         os._exit(1)
 
 

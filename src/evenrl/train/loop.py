@@ -125,14 +125,12 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     elif restarted and dist.is_main():
         print("evenrl: restarted before the first checkpoint; starting over from step 1", flush=True)
     if dist.is_main():
-        write_run_header(run, plan, resumed_from=start)
+        write_run_header(run, plan, resumed_from=start if resume or restarted else None)
     log = RunLog(str(run_dir), enabled=dist.is_main(), tensorboard=cfg.log.tensorboard,
                  progress_total=cfg.train.steps, progress=cfg.log.progress, initial_step=start,
                  shown={"reward/mean": "reward", "kl": "kl", "perf/tokens_per_s": "tok/s"})
     # Test hook: simulate a worker killed at the start of a step (first attempt only, so an elastic restart recovers).
-    fail_at = int(os.environ.get("EVENRL_TEST_CRASH_AT_STEP", "0"))
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        fail_at = 0
+    fail_at = 0 if restarted else int(os.environ.get("EVENRL_TEST_CRASH_AT_STEP", "0"))
     phases: dict[str, float] = {}
     idle = Idle()
     if run.eval_rows and start == 0:
@@ -196,7 +194,7 @@ class Idle:
                   "the reward does not tell this model's samples apart", flush=True)
 
 
-def write_run_header(run: Run, plan, *, resumed_from: int) -> None:
+def write_run_header(run: Run, plan, *, resumed_from: int | None) -> None:
     """Print the plan and dump the resolved config and plan into the run directory (rank 0)."""
     from evenrl.planner.render import render
 
@@ -207,18 +205,19 @@ def write_run_header(run: Run, plan, *, resumed_from: int) -> None:
     (run_dir / "config.yaml").write_text(config_to_yaml(run.cfg))
     (run_dir / "plan.txt").write_text(text + "\n")
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-    if resumed_from:
+    if resumed_from is not None:  # continuing (or restarted before the first checkpoint: from 0)
         _truncate_metrics(run_dir, resumed_from)
     if run.skipped:
         print(f"evenrl: skipped {run.skipped} prompts longer than data.max_prompt_tokens={run.cfg.data.max_prompt_tokens}")
 
 
 def _truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """After a resume, drop metric rows of steps the checkpoint does not contain (they are re-run)."""
+    """After a resume, drop metric rows of steps the checkpoint does not contain (they are re-run); from step 0
+    (a restart before the first checkpoint) that is every row, the step-0 evaluation included."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return
-    keep = [row for row in read_metrics(run_dir) if row["step"] <= last_step]
+    keep = [row for row in read_metrics(run_dir) if row["step"] <= last_step] if last_step > 0 else []
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))  # as RunLog writes them
     os.replace(tmp, path)

@@ -6,7 +6,7 @@ worker (the check only reads the file system, so ranks started by torchrun or Sl
   * --resume with no checkpoint to continue from is refused (a restarted worker with none starts over instead:
     the first attempt died before its first save);
   * a directory that cannot be created or written is refused with the reason;
-  * temp directories of saves that were killed half-way are removed when the run starts.
+  * temp directories of saves that were killed half-way (.tmp-*, .old-*) are removed when the run starts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from evenrl.errors import UsageError
+from evenrl.train import checkpoint
 
 # What a run writes; --overwrite removes exactly these, never anything else a user keeps in the directory.
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "final", "tb", "plots", "config.yaml", "plan.txt",
@@ -54,7 +55,7 @@ def prepare(run_dir: str | os.PathLike, *, overwrite: bool) -> None:
             elif p.exists():
                 p.unlink()
     for parent in (d, d / "checkpoints"):
-        for tmp in parent.glob(".tmp-*") if parent.is_dir() else ():
+        for tmp in [*parent.glob(".tmp-*"), *parent.glob(".old-*")] if parent.is_dir() else ():
             if tmp.is_dir():
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
@@ -62,8 +63,8 @@ def prepare(run_dir: str | os.PathLike, *, overwrite: bool) -> None:
 
 
 def has_checkpoint(run_dir: str | os.PathLike) -> bool:
-    root = Path(run_dir) / "checkpoints"
-    return root.is_dir() and any(p.name.startswith("step-") for p in root.iterdir())
+    """A checkpoint `evenrl train --resume` would load (a complete step directory, as checkpoint.latest finds)."""
+    return checkpoint.latest(Path(run_dir) / "checkpoints") is not None
 
 
 def _check_writable(d: Path) -> None:

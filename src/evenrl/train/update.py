@@ -88,7 +88,8 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         bad = [k for i, k in enumerate(stat_names) if not torch.isfinite(flat[2 * i])]
         what = f"loss statistic {bad[0]}" if bad else "gradient norm"
         value = float(flat[2 * stat_names.index(bad[0])]) if bad else float(grad_norm)
-        raise RunStopped(f"non-finite {what} ({value}); the weights were not updated")
+        raise RunStopped(f"non-finite {what} ({value}); this optimizer step was not taken and nothing of the step "
+                         "is saved")
     optimizer.step()
     if lr_scheduler is not None:
         lr_scheduler.step()

@@ -1,0 +1,79 @@
+"""Where the trainer's weights leave it whole: the one seam between training (replicated or FSDP2-sharded) and
+whatever else needs the full model on a rank.
+
+  gathered(model)      every parameter whole on every rank for the duration of a `with` block: generation and
+                       greedy evaluation with evenrl's own sampler on the training ranks.
+  full_weights(model)  (name, full tensor) pairs in buckets of bounded size: weight pushes to a rollout engine and
+                       the final Hugging Face save. One bucket at a time is whole, never the whole model twice.
+
+On a sharded model both are collectives (all-gathers): every training rank calls them at the same point, in the
+same order. On a replicated model they gather nothing and cost nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from evenrl.distributed.collectives import _guard
+
+# 256 MiB: a 7B model's largest tensor (the embedding, 152k x 3584 in bf16: 1 GiB) goes alone; the blocks go a few
+# at a time. Smaller buckets bound the transient memory, larger ones the number of meetings.
+BUCKET_BYTES = 256 << 20
+
+
+def sharded_modules(model: torch.nn.Module) -> list:
+    """The FSDP2 units of `model` (each decoder block and the root when sharded), outermost first; [] if replicated."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module):
+    """Within the block every parameter of `model` is a whole, plain tensor on this rank (FSDP2: all units
+    unsharded, in the mixed-precision policy's compute dtype; resharded, i.e. freed, on exit). Gathering once per
+    generation beats gathering per layer per token: a decode step is a forward over every layer, so per-layer
+    gathering would be max_new_tokens x layers all-gathers, and every rank would have to decode the same number of
+    tokens to keep them matched."""
+    units = sharded_modules(model)
+    if not units:
+        yield model
+        return
+    with _guard("weight all-gather"):
+        for unit in units:
+            unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def full_weights(model: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES,
+                 dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The model's state dict, whole, as buckets of (Hugging Face name, tensor) of at most `bucket_bytes` (a larger
+    tensor goes alone), on the parameters' device, cast to `dtype` if given. Tied tensors appear under each name
+    (an engine that keeps a separate output head needs `lm_head.weight` too, or its head stays stale).
+    Every rank gets every bucket: with sharding, each tensor is all-gathered as its bucket is made, so a caller that
+    only sends from one rank must still iterate on all of them."""
+    from torch.distributed.tensor import DTensor
+
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        if isinstance(t, DTensor):
+            with _guard("weight all-gather"):
+                t = t.full_tensor()
+        if dtype is not None:
+            t = t.to(dtype)
+        if bucket and size + t.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += t.nbytes
+    if bucket:
+        yield bucket

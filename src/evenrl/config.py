@@ -182,11 +182,14 @@ class TrainConfig(_Section):
 
 class ParallelConfig(_Section):
     sharding: Literal["replicated", "fsdp"] = Field(
-        "replicated", description="Parameters and optimizer state on every rank, or sharded (FSDP2). "
-                                  "evenrl train runs 'replicated' today; 'fsdp' is planned (evenrl plan estimates it).")
-    cpu_offload: Literal["none", "optimizer", "full"] = Field(
-        "none", description="Keep optimizer state (or parameters and gradients too) in host memory. "
-                            "evenrl train runs 'none' today; offload is planned (evenrl plan estimates it).")
+        "replicated", description="'replicated': every training rank holds the whole model, its gradients and optimizer "
+                                  "state. 'fsdp': PyTorch FSDP2 shards parameters, gradients and optimizer state over the "
+                                  "training ranks (each decoder block and the root); the update stays exact.")
+    cpu_offload: Literal["none", "full"] = Field(
+        "none", description="'full' (needs sharding=fsdp and an accelerator): FSDP2's offload policy keeps the sharded "
+                            "parameters, gradients and optimizer state in host memory and runs the optimizer step "
+                            "there. There is no optimizer-only value: FSDP2 offloads the three together, and a "
+                            "replicated model's optimizer on the host would be a slow CPU AdamW over the whole model.")
     capacity_weights: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
         None, description="Relative speed of each training rank (mixed GPU models); rank i gets work ~ weight i.")
     collective_timeout_s: float = Field(

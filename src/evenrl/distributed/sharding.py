@@ -1,0 +1,60 @@
+"""FSDP2 applied to a model from outside it (parallel.sharding=fsdp): free functions, the model class untouched.
+
+Each decoder block is one FSDP unit (its parameters are gathered for its forward and again for its backward, and
+freed after), the root a last one (embeddings, final norm, output head). Gradients are reduce-scattered after every
+micro-step's backward and accumulate in the sharded .grad, so no rank ever holds a whole model's gradients (turning
+the sync off between micro-steps saves meetings but keeps unsharded gradients: W times the memory). Every rank must
+therefore run the same number of forward/backward passes per mini-batch: evenrl.train.update runs zero-weight
+filler passes on a rank with fewer micro-batches. Every unit reduces gradients by SUM, not
+the default mean: evenrl's losses are already divided by the mini-batch's global token/sequence counts, so the sum
+over ranks is the single-device gradient (as with the replicated path's all_reduce_grads).
+
+Mixed precision (model.dtype=bfloat16): parameters stay fp32 (the master weights the optimizer updates), each unit
+computes in bf16 and gradients are reduced and kept in fp32. Offload (parallel.cpu_offload=full): the sharded
+parameters, gradients and optimizer state live in host memory and the optimizer step runs there; FSDP2 copies a
+unit's shard to the accelerator to gather it, so offload needs one (it fails at the first forward on a CPU-only
+machine) and is refused before a run starts there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from evenrl.distributed import collectives as dist
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face model (the classes it names in `_no_split_modules`)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__}: no decoder blocks to shard (its _no_split_modules is "
+                         f"{sorted(names) or 'empty'})")
+    return blocks
+
+
+def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32, offload: bool = False) -> None:
+    """Shard `model` in place over all training ranks. Call after the model is on its device, before the
+    optimizer is built (the optimizer must see the sharded parameters)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    device = next(model.parameters()).device
+    if offload and device.type == "cpu":
+        raise ValueError("parallel.cpu_offload=full needs an accelerator (FSDP2 gathers offloaded shards on it)")
+    mesh = init_device_mesh(device.type, (dist.world(),))
+    mp = MixedPrecisionPolicy() if compute_dtype == torch.float32 else \
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    for unit in (m for m in model.modules() if hasattr(m, "set_gradient_divide_factor")):
+        unit.set_gradient_divide_factor(1.0)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+

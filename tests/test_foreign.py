@@ -13,7 +13,7 @@ from evenrl.config import load_config
 from evenrl.errors import UsageError
 from evenrl.planner.peers import parse_flags, read_foreign, translate
 from evenrl.planner.layout import make_layout
-from evenrl.planner.fit import fit
+from evenrl.planner.fit import fit, minimal_yaml
 from evenrl.planner.plan import make_plan, render
 
 QWEN7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -258,3 +258,50 @@ def test_a_peer_value_that_only_looks_like_an_integer_is_one_line(value):
 
     with pytest.raises(UsageError, match="need an integer"):
         Source("verl", {"data": {"train_batch_size": value}}).int("data.train_batch_size", 1)
+
+
+@pytest.mark.parametrize("framework, content, overrides, note", [
+    ("verl", LOGIC_RL, ["+actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"], "no optimizer-only mode"),
+    ("verl", LOGIC_RL, ["+actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                        "+actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"], None),
+    ("verl", LOGIC_RL, ["+actor_rollout_ref.actor.fsdp_config.offload_policy=true"], None),
+    ("easyr1", EASYR1, ["+worker.actor.offload.offload_optimizer=true"], "no optimizer-only mode"),
+    ("easyr1", EASYR1, ["+worker.actor.offload.offload_params=true"], None),
+    ("easyr1", EASYR1, ["+worker.actor.fsdp.enable_cpu_offload=true"], None),
+    ("easyr1", EASYR1, ["+worker.actor.offload.offload_params=true", "+worker.actor.fsdp.enable_full_shard=false"],
+     "needs sharding"),
+    ("openrlhf", OPENRLHF, ["--adam_offload"], "no optimizer-only mode"),
+])
+def test_peer_offload_becomes_fsdp2_offload_and_runs_as_printed(tmp_path, framework, content, overrides, note):
+    """Every peer offload flag becomes FSDP2's one offload mode (with fsdp, which it needs), the equivalent
+    config's plan on the peer's GPUs has no error, and the YAML the command prints is that config."""
+    if framework == "openrlhf":
+        content, overrides = content.replace("--zero_stage 3", "--zero_stage 2 " + overrides[0]), []
+    model = config_only_model(tmp_path / "qwen7b", QWEN7B)
+    key = {"verl": "actor_rollout_ref.model.path", "easyr1": "worker.actor.model.model_path"}.get(framework)
+    if key:
+        overrides = overrides + [f"+{key}={model}"]
+    else:
+        content = content + f" --pretrain {model}"
+    t, cfg, plan = run(tmp_path, framework, content, overrides, device_memory_gib=80)
+    assert (cfg.parallel.sharding, cfg.parallel.cpu_offload) == ("fsdp", "full")
+    assert plan.layout.device == "cuda" and plan.memory.host_gib > 0 and plan.memory.breakdown["optimizer"] == 0
+    assert not {"offload-replicated", "offload-cpu"} & {f.rule for f in plan.findings}
+    if note:
+        assert any(note in n for n in t.notes), t.notes
+    else:
+        assert not any("offload" in n for n in t.notes), t.notes
+    printed = load_config(None, [f"{sec}.{k}={json.dumps(v)}" for sec, vals in
+                                 yaml.safe_load(minimal_yaml(cfg)).items() for k, v in vals.items()])
+    assert printed == cfg
+    new, _ = fit(plan)  # the peer's batch may not fit 80 GiB; the fitted config does, offload kept
+    fitted = make_plan(new, plan.layout)
+    assert fitted.runnable and (new.parallel.sharding, new.parallel.cpu_offload) == ("fsdp", "full"), render(fitted)
+
+
+def test_peer_without_offload_keeps_the_device_state(tmp_path):
+    t, cfg, _ = run(tmp_path, "verl", LOGIC_RL)
+    assert (cfg.parallel.sharding, cfg.parallel.cpu_offload) == ("fsdp", "none")
+    one, cfg1, _ = run(tmp_path, "verl", LOGIC_RL, ["trainer.n_gpus_per_node=1",
+                                                    "+actor_rollout_ref.actor.fsdp_config.param_offload=true"])
+    assert (cfg1.parallel.sharding, cfg1.parallel.cpu_offload) == ("fsdp", "full")  # offload needs fsdp, even on 1

@@ -40,46 +40,90 @@ def test_qwen2_7b_count_matches_published_size():
 
 
 def test_every_component_by_hand():
-    """float32, replicated, no offload, 1 rank: p = 4 bytes, P = 86,848.
+    """float32, replicated, no offload, 1 rank: 16 bytes of state per parameter, P = 86,848.
     Worst case 64-token samples; 8 samples on the rank; cap 256 -> 4 rows -> t = 256 tokens; 8 samples generated.
-    activations  t * L * a * p, a = 4h + 2*q_dim + 2*kv_dim + 4i = 256 + 128 + 64 + 512 = 960
-    logits       t * V * 12;  KV cache  g * len * L * 2 * kv_dim * p;  overhead 0.3 GiB (cpu)
-    peak = params + optimizer + overhead + max(grads + activations + logits, KV)."""
+    activations  t * L * a * c, a = 4h + 2*q_dim + 2*kv_dim + 4i = 256 + 128 + 64 + 512 = 960
+    logits       t * V * 12;  log-prob logits t * V * c;  KV cache  g * len * L * 2 * kv_dim * c;  overhead 0.3 GiB
+    phases: rollout = resident + KV, log-probs = resident + log-prob logits,
+            update = resident + gradients + activations + logits; peak = the largest."""
     d = dims_from_config(TINY)
     P = 86_848
     est = estimate_memory(cfg(), make_layout(1, 1, device="cpu", device_memory_gib=8), d)
     b = {k: v * GIB for k, v in est.breakdown.items()}
     assert (est.micro_tokens, est.rollout_samples) == (256, 8)
     assert b["parameters"] == P * 4 and b["gradients"] == P * 4
-    assert b["optimizer"] == P * 8  # two fp32 moments, no master copy in fp32
+    assert b["optimizer"] == P * 8  # two fp32 moments; the parameters are the master weights
     assert b["activations"] == 256 * 2 * 960 * 4
-    assert b["logits"] == 256 * 100 * 12
+    assert b["logits"] == 256 * 100 * 12 and b["log-prob logits"] == 256 * 100 * 4
     assert b["KV cache"] == 8 * 64 * 2 * 2 * 32 * 4
-    assert b["reference model"] == b["fsdp gather"] == b["rollout reserve"] == 0
-    expect = P * 4 + P * 8 + 0.3 * GIB + (P * 4 + 256 * 2 * 960 * 4 + 256 * 100 * 12)
-    assert est.total_gib * GIB == pytest.approx(expect)
-    assert est.fits is True
+    assert all(b[k] == 0 for k in ("reference model", "fsdp units", "gathered model", "autocast copies",
+                                   "gradient buckets", "rollout reserve"))
+    resident = P * 4 + P * 8 + 0.3 * GIB
+    phases = {k: v * GIB for k, v in est.phases.items()}
+    assert phases["rollout"] == pytest.approx(resident + 8 * 64 * 2 * 2 * 32 * 4)
+    assert phases["log-probs"] == pytest.approx(resident + 256 * 100 * 4)
+    assert phases["update"] == pytest.approx(resident + P * 4 + 256 * 2 * 960 * 4 + 256 * 100 * 12)
+    assert est.total_gib == max(est.phases.values()) == est.phases["update"]
+    assert est.fits is True and est.host_gib == 0
 
 
-def test_checkpointing_bf16_fsdp_offload_reference():
+def test_unit_sizes_by_hand():
+    d = dims_from_config(TINY)
+    assert d.root_params == 2 * 100 * 64 + 64  # untied embeddings and head, final norm
+    assert d.linear_params == 86_848 - 6_400 - (2 * 2 * 64 + 64)  # no input embedding (a lookup), no norms
+    tied = dims_from_config({**TINY, "tie_word_embeddings": True})
+    assert tied.root_params == 6_400 + 64 and tied.linear_params == tied.params - 320  # the head is the embedding
+
+
+def test_mixed_precision_fsdp_offload_reference():
+    """bf16 keeps 16 bytes of fp32 state per parameter (master weights, gradients, moments): only transients,
+    activations and the KV cache shrink. fsdp divides the state by T and adds gathered units; offload moves
+    the state to the host; the phases say where each transient lives."""
     d = dims_from_config(TINY)
     P, lay = 86_848, make_layout(1, 4, device="cuda", device_memory_gib=8)
+    root, block = 12_864, 36_992
     ck = estimate_memory(cfg(model={"gradient_checkpointing": True}), make_layout(1, 1), d)
     assert ck.breakdown["activations"] * GIB == 256 * (2 * 64 + 960) * 4  # layer inputs + one layer recomputed
+
     bf = estimate_memory(cfg(model={"dtype": "bfloat16"}), make_layout(1, 1), d)
-    assert bf.breakdown["optimizer"] * GIB == P * 12  # fp32 moments + fp32 master weights
-    assert bf.breakdown["parameters"] * GIB == P * 2
+    b = {k: v * GIB for k, v in bf.breakdown.items()}
+    assert (b["parameters"], b["gradients"], b["optimizer"]) == (P * 4, P * 4, P * 8)
+    assert b["autocast copies"] == 2 * 80_128  # a bf16 copy of every weight a matmul reads
+    assert b["activations"] == 256 * 2 * 960 * 2 and b["KV cache"] == 8 * 64 * 2 * 2 * 32 * 2
+    for phase in ("rollout", "log-probs", "update"):  # autocast's cache lives through every forward
+        assert bf.phases[phase] * GIB >= 12 * P + b["autocast copies"]
+
     fs = estimate_memory(cfg(parallel={"sharding": "fsdp"}), lay, d)
-    assert fs.breakdown["parameters"] * GIB == P * 4 / 4 and fs.breakdown["optimizer"] * GIB == P * 8 / 4
-    assert fs.breakdown["fsdp gather"] * GIB == 2 * max(36_992, 6_400) * 4
-    off = estimate_memory(cfg(parallel={"cpu_offload": "optimizer"}), lay, d)
-    assert off.breakdown["optimizer"] == 0 and off.host_gib * GIB == P * 8
+    b = {k: v * GIB for k, v in fs.breakdown.items()}
+    assert (b["parameters"], b["gradients"], b["optimizer"]) == (P * 4 / 4, P * 4 / 4, P * 8 / 4)
+    assert b["fsdp units"] == 4 * (root + 2 * block) and b["gathered model"] == 4 * P
+    assert b["autocast copies"] == b["gradient buckets"] == 0
+    resident = 12 * P / 4 + GIB
+    assert fs.phases["rollout"] * GIB == pytest.approx(resident + 4 * P + b["KV cache"])  # whole model gathered
+    assert fs.phases["update"] * GIB == pytest.approx(resident + P + b["fsdp units"] + block * 4 + b["activations"]
+                                                      + b["logits"])  # + the largest unit's unsharded gradient
+    fs_bf = estimate_memory(cfg(parallel={"sharding": "fsdp"}, model={"dtype": "bfloat16"}), lay, d)
+    assert fs_bf.breakdown["fsdp units"] * GIB == 2 * (root + 2 * block)  # gathered in the compute dtype
+    assert fs_bf.breakdown["gathered model"] * GIB == 2 * P and fs_bf.breakdown["parameters"] * GIB == P
+    assert fs_bf.breakdown["autocast copies"] == 0  # FSDP's policy casts as it gathers
+
+    repl = estimate_memory(cfg(), lay, d)  # 4 replicated ranks: the gradient all-reduce's buckets
+    assert repl.breakdown["gradient buckets"] * GIB == 4 * P
+
     full = estimate_memory(cfg(parallel={"sharding": "fsdp", "cpu_offload": "full"}), lay, d)
     assert full.breakdown["parameters"] == full.breakdown["gradients"] == full.breakdown["optimizer"] == 0
-    repl = estimate_memory(cfg(parallel={"cpu_offload": "full"}), lay, d)
-    assert repl.breakdown["parameters"] > 0 and any("needs sharding=fsdp" in a for a in repl.assumptions)
-    ref = estimate_memory(cfg(algo={"kl_coef": 0.01}), make_layout(1, 1), d)
-    assert ref.breakdown["reference model"] * GIB == P * 4
+    assert full.host_gib * GIB == 16 * P / 4 and full.breakdown["fsdp units"] > 0
+    assert full.phases["rollout"] * GIB == pytest.approx(GIB + 4 * P + full.breakdown["KV cache"] * GIB)
+    for unrunnable, layout in (({"cpu_offload": "full"}, lay),  # replicated: no shards to offload
+                               ({"sharding": "fsdp", "cpu_offload": "full"}, make_layout(1, 4))):  # no accelerator
+        est = estimate_memory(cfg(parallel=unrunnable), layout, d)
+        assert est.breakdown["parameters"] > 0 and est.host_gib == 0
+        assert any("cannot run on this layout" in a for a in est.assumptions)
+
+    ref = estimate_memory(cfg(algo={"kl_coef": 0.01}, model={"dtype": "bfloat16"}), make_layout(1, 1), d)
+    assert ref.breakdown["reference model"] * GIB == P * 2  # frozen: compute dtype, no master copy
+    ref4 = estimate_memory(cfg(algo={"kl_coef": 0.01}, parallel={"sharding": "fsdp"}), lay, d)
+    assert ref4.breakdown["reference model"] * GIB == P * 4 / 4
     res = estimate_memory(cfg(rollout={"memory_fraction": 0.5}), lay, d)
     assert res.breakdown["rollout reserve"] == 4.0
 
@@ -146,6 +190,10 @@ def test_fixes_are_ranked_and_each_lowers_the_peak():
         bigger = with_settings(c, {"train.token_cap_per_micro_batch": value + 4496})
         assert estimate_memory(bigger, lay, d).total_gib > 80
     assert "->" in fixes[0].text() and "GiB" in fixes[0].text()
+    offload = next(f for f in fixes if f.settings.get("parallel.cpu_offload") == "full")
+    assert offload.settings["parallel.sharding"] == "fsdp"  # offload alone would not run on a replicated model
+    cpu = memory_fixes(c, make_layout(1, 4, device="cpu", device_memory_gib=80), d)
+    assert cpu and not any("parallel.cpu_offload" in f.settings for f in cpu)  # no accelerator: no offload
 
 
 def test_with_settings_validates_and_copies():

@@ -74,18 +74,20 @@ CASES = [
     ("model-path", "error", ["model.path=/no/such/model"], {}, None, ["not a local directory"]),
     ("memory-over", "error", ["model.dtype=bfloat16", "train.token_cap_per_micro_batch=16384"], {}, QWEN7B,
      ["> 80.0 GiB", "best first", "GiB (fits)"]),
-    ("memory-tight", "warning", ["model.dtype=bfloat16", "parallel.sharding=fsdp", "parallel.cpu_offload=optimizer"],
+    ("memory-tight", "warning", ["model.dtype=bfloat16", "parallel.sharding=fsdp", "parallel.cpu_offload=full"],
      {"device_memory_gib": 18}, QWEN7B, ["> 90%"]),
     ("memory-unknown", "note", [], {"device_memory_gib": 0}, TINY, ["device memory unknown", "--device-memory-gib"]),
     ("memory-skipped", "note", [], {}, None, ["model.path is empty"]),
     ("memory-skipped", "note", [], {}, {**QWEN7B, "num_experts": 8}, ["mixture-of-experts"]),
     ("max-positions", "warning", ["rollout.max_new_tokens=100"], {}, TINY, ["164", "128",
                                                                              "rollout.max_new_tokens=64"]),
-    ("offload-replicated", "warning", ["parallel.cpu_offload=full"], {}, None, ["parallel.sharding=fsdp"]),
+    ("offload-replicated", "error", ["parallel.cpu_offload=full"], {}, None,
+     ["no shards", "parallel.sharding=fsdp", "parallel.cpu_offload=none"]),
+    ("offload-cpu", "error", ["parallel.sharding=fsdp", "parallel.cpu_offload=full"], {"device": "cpu"}, None,
+     ["needs an accelerator", "first forward", "parallel.cpu_offload=none"]),
     ("fsdp-one-rank", "note", ["parallel.sharding=fsdp"], {"nproc_per_node": 1}, None, ["shards nothing"]),
     ("rollout-devices-unused", "warning", [], {"rollout_devices": 1}, None, ["sit idle", "--rollout-devices 0"]),
     ("rollout-reserve-unused", "warning", ["rollout.memory_fraction=0.3"], {}, None, ["rollout.memory_fraction=0"]),
-    ("fp16-cpu", "warning", ["model.dtype=float16"], {"device": "cpu"}, None, ["model.dtype=float32"]),
     ("warmup-longer-than-run", "warning", ["train.steps=10", "train.warmup_steps=50"], {}, None,
      ["10 optimizer steps", "train.warmup_steps=1"]),
 ]
@@ -220,6 +222,33 @@ def test_fit_removes_errors_and_idle_ranks(overrides):
     assert not {"idle-ranks", "token-cap-oversize", "memory-over"} & set(rules(q))
     assert changes and all(a != b for _, a, b in changes)
     assert load_config_text(minimal_yaml(new)) == new  # the printed YAML is the fitted config
+
+
+def test_fit_only_proposes_offload_that_runs():
+    """Offload needs fsdp and an accelerator: on a CPU layout --fit turns it off and never proposes it; on GPUs
+    it adds fsdp (even on one rank) rather than dropping the offload."""
+    big = ["model.dtype=bfloat16", "train.token_cap_per_micro_batch=16384"]
+    cpu = make(big + ["parallel.sharding=fsdp", "parallel.cpu_offload=full"], QWEN7B, device="cpu",
+               device_memory_gib=64)
+    assert "offload-cpu" in rules(cpu) and not cpu.runnable
+    new, changes = fit(cpu)
+    assert new.parallel.cpu_offload == "none" and ("parallel.cpu_offload", "full", "none") in changes
+    assert not {"offload-cpu", "offload-replicated"} & set(rules(make_plan(new, cpu.layout, model_config=QWEN7B)))
+    assert not any("parallel.cpu_offload" in f.settings for f in cpu.memory_fixes)
+    for n in (1, 4):
+        gpu = make(big + ["parallel.cpu_offload=full"], QWEN7B, nproc_per_node=n)
+        new, _ = fit(gpu)
+        assert (new.parallel.sharding, new.parallel.cpu_offload) == ("fsdp", "full")
+        assert make_plan(new, gpu.layout, model_config=QWEN7B).runnable
+
+
+def test_fsdp_and_offload_plans_name_no_refusal():
+    """The trainer runs fsdp and offload: a GPU plan with both has no error and says nothing of it being
+    unsupported."""
+    p = make(["parallel.sharding=fsdp", "parallel.cpu_offload=full", "model.dtype=bfloat16"], QWEN7B)
+    text = render(p).lower()
+    assert p.runnable and p.memory.host_gib > 0, render(p)
+    assert not any(w in text for w in ("planned", "not supported", "refuse", "not yet"))
 
 
 def load_config_text(text):

@@ -3,7 +3,7 @@
     evenrl plan examples/plan_512x8.yaml --nproc-per-node 6 --fit
 
 fit() changes only what a finding asks for: group size and temperature for group advantages, capacity weights
-that do not match the ranks, offload without sharding, a rollout reserve the HF sampler cannot use, then the
+that do not match the ranks, offload without sharding or on CPU, a rollout reserve the HF sampler cannot use, then the
 batch (enough prompts that every rank trains and generates, a multiple of ranks x mini-batches when the split
 is uneven) and the token cap (one sample, or min_rows samples, must fit). Memory comes last: knobs from
 memory_fixes, least intrusive first, until the estimate fits. Layout problems and missing files stay in the
@@ -36,8 +36,10 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
         s["rollout.temperature"] = 1.0
     if cfg.parallel.capacity_weights and len(cfg.parallel.capacity_weights) != t:
         s["parallel.capacity_weights"] = None
-    if cfg.parallel.cpu_offload == "full" and cfg.parallel.sharding != "fsdp":
-        s["parallel.sharding" if t > 1 else "parallel.cpu_offload"] = "fsdp" if t > 1 else "optimizer"
+    if cfg.parallel.cpu_offload == "full" and lay.device == "cpu":  # offload needs an accelerator
+        s["parallel.cpu_offload"] = "none"
+    elif cfg.parallel.cpu_offload == "full" and cfg.parallel.sharding != "fsdp":  # and fsdp (even on one rank)
+        s["parallel.sharding"] = "fsdp"
     if cfg.rollout.memory_fraction > 0 and cfg.rollout.engine == "hf":
         s["rollout.memory_fraction"] = 0.0
     k = s.get("rollout.samples_per_prompt", cfg.rollout.samples_per_prompt)

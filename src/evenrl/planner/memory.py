@@ -1,4 +1,4 @@
-"""Per-rank memory estimate from a local Hugging Face config.json, and the knobs that make a run fit.
+"""Per-rank memory estimate, phase by phase, from a local Hugging Face config.json, and the knobs that make a run fit.
 
     evenrl plan CONFIG --nproc-per-node 4 --device cuda --device-memory-gib 80   # shows the breakdown
 
@@ -6,28 +6,46 @@ Model: decoder-only Llama/Qwen2/Qwen3/Mistral-like (hidden_size, intermediate_si
 num_attention_heads, num_key_value_heads, vocab_size, tie_word_embeddings). Mixture-of-experts and
 encoder-decoder configs are refused with a message; the planner then skips the estimate.
 
-Bytes per rank, p = bytes of model.dtype, P = parameter count, T = training ranks, t = tokens of the largest
-micro-batch, S = sharding divisor (T under fsdp, else 1):
-  parameters       P*p/S                (0 with cpu_offload=full: FSDP keeps them on the host)
-  gradients        P*p/S                (0 with cpu_offload=full)
-  optimizer        P*(8 + 4*[p<4])/S    AdamW: two fp32 moments, plus an fp32 master copy when p is 16-bit
-                                        (0 with cpu_offload=optimizer|full)
-  fsdp gather      2 * max(layer, embedding) * p   unsharded units in flight (fsdp, T > 1)
-  activations      t * L * a * p        a = 4h + 2*q_dim + 2*kv_dim + 4i  elements per token per layer
-                   t * (L*h + a) * p    with gradient checkpointing: each layer's input, plus one layer recomputed
-  logits           t * V * 12           fp32 logits, their log-softmax and its gradient (the usual hidden OOM)
-  reference        P*p/S                when algo.kl_coef > 0 (frozen, no gradients or optimizer state)
-  rollout reserve  memory_fraction * device memory
-  KV cache         g * (prompt + new) * L * 2 * kv_dim * p   g = samples this rank generates (HF sampler)
-  overhead         1 GiB on cuda (context, allocator), 0.3 GiB on cpu
-peak = parameters + optimizer + gather + reference + reserve + overhead
-       + max(gradients + activations + logits, KV cache)      (training and generation do not overlap)
+Precision: the trained weights, their gradients and AdamW's two moments are fp32 whatever model.dtype says
+(model.dtype=bfloat16 is mixed precision: bf16 compute over fp32 master weights), so the state is 16 bytes per
+parameter; c, the compute dtype's bytes (4 or 2), sizes only transient copies, activations and the KV cache.
+P = parameter count, T = training ranks, S = T under sharding=fsdp (else 1), t = tokens of the largest
+micro-batch, g = samples the busiest rank generates, len = max_prompt_tokens + max_new_tokens.
+
+Resident on every phase (0 on the device with cpu_offload=full, which keeps them in host memory instead):
+  parameters       4P/S                 fp32 master weights
+  optimizer        8P/S                 AdamW's two fp32 moments (fused step: no temporaries)
+  reference model  cP/S                 when algo.kl_coef > 0: frozen, in the compute dtype, sharded like the policy
+  rollout reserve  memory_fraction * device memory;  overhead 1 GiB on cuda (context, allocator), 0.3 GiB on cpu
+rollout (generation with the HF sampler on the training ranks):
+  gathered model   cP                   fsdp: the whole model gathered once in the compute dtype, freed after
+  autocast copies  2 * linear weights   replicated bf16: torch.autocast caches a bf16 copy of every fp32 weight
+                                        that requires grad for as long as the forward runs, also under no_grad
+  KV cache         g * len * L * 2 * kv_dim * c
+log-probs (old/reference log-probs, no grad):
+  fsdp units       c * (root + 2 * block)   the root unit (embeddings, final norm, head) stays gathered through a
+                                        forward, with the block in use and the next one prefetched
+  autocast copies  as above
+  log-prob logits  t * V * c            the head's output; the log-softmax runs in fp32 over chunks of positions
+update (forward + backward + gradient reduction + optimizer step):
+  gradients        4P/S                 fp32 (0 with cpu_offload=full)
+  fsdp units       as above, plus the largest unit's unsharded gradient (c bytes, and an fp32 copy for the
+                   reduce-scatter when c = 2)
+  autocast copies  as above
+  activations      t * L * a * c        a = 4h + 2*q_dim + 2*kv_dim + 4i  elements per token per layer
+                   t * (L*h + a) * c    with gradient checkpointing: each layer's input, plus one layer recomputed
+  logits           t * V * 12           logits, their fp32 log-softmax and its gradient (the usual hidden OOM)
+  gradient buckets 4P                   replicated, T > 1: the all-reduce copies every gradient into flat buckets
+                                        before the old ones are freed (after the backward: activations are gone)
+  update = resident + gradients + max(units + copies + activations + logits, gradient buckets)
+peak = the largest phase (they never overlap).
 
 The activation count adapts Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv:2205.05198, sec. 4.1: 34*s*b*h + 5*a*s^2*b bytes per layer for GPT in 16-bit) to SwiGLU MLPs
 (gate, up, SiLU(gate), product: 4i), grouped-query attention (q, k, v, context: 2*q_dim + 2*kv_dim), RMSNorm
 inputs (2h), the inputs of the QKV and MLP projections (2h), no dropout masks, and SDPA/flash attention (no
 s^2 score matrix). Worst case: every sample is max_prompt_tokens + max_new_tokens long.
+benchmarks/memory.py measures the state and the update phase on CPU beside this estimate (docs/performance.md).
 g comes from the trainer's own rollout split (evenrl.core.schedule.rollout_shares), so the estimate follows any
 change to it; past SPLIT_MAX samples per step that split costs too much time for a preflight (the planner sizes
 fixes by bisection, re-estimating each time), and g is the bound it keeps: within one sample of the busiest
@@ -49,10 +67,15 @@ from evenrl.core.schedule import rollout_shares
 from evenrl.planner.layout import Layout
 
 GIB = 1024**3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-LOGIT_BYTES = 12  # fp32 logits + fp32 log-softmax + fp32 gradient, per token per vocab entry
+STATE_BYTES = 4 + 4 + 8  # fp32 parameters, fp32 gradients, AdamW's two fp32 moments, per parameter
+LOGIT_BYTES = 12  # logits + fp32 log-softmax + its gradient, per token per vocab entry
 OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.3}
 SPLIT_MAX = 20_000  # samples per step beyond which the rollout split is bounded, not computed (module docstring)
+# The three phases of a step and the components each holds on top of the resident ones (render shows them so).
+RESIDENT = ("parameters", "optimizer", "reference model", "rollout reserve", "overhead")
+PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache"),
+          "log-probs": ("fsdp units", "autocast copies", "log-prob logits"),
+          "update": ("gradients", "fsdp units", "autocast copies", "activations", "logits", "gradient buckets")}
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -81,6 +104,18 @@ class ModelDims:
     def params(self) -> int:
         embed = self.vocab * self.hidden
         return embed * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+
+    @property
+    def root_params(self) -> int:
+        """What FSDP's root unit holds: the embeddings, the output head when untied, the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def linear_params(self) -> int:
+        """Weights that go through a matmul (what autocast copies): all but the norms and an untied input
+        embedding (a lookup, not a matmul)."""
+        norms = self.layers * (2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)) + self.hidden
+        return self.params - norms - (0 if self.tied else self.vocab * self.hidden)
 
     @property
     def act_elems(self) -> int:
@@ -137,6 +172,7 @@ class MemoryEstimate:
     micro_tokens: int
     rollout_samples: int
     host_gib: float  # offloaded to host memory (per rank)
+    phases: dict[str, float] = field(default_factory=dict)  # GiB per phase, resident included (PHASES)
     assumptions: list[str] = field(default_factory=list)
 
     @property
@@ -148,7 +184,7 @@ class MemoryEstimate:
                 "total_gib": round(self.total_gib, 3), "capacity_gib": round(self.capacity_gib, 3),
                 "fits": self.fits, "params": self.params, "micro_tokens": self.micro_tokens,
                 "rollout_samples_per_rank": self.rollout_samples, "host_gib": round(self.host_gib, 3),
-                "assumptions": self.assumptions}
+                "phases_gib": {k: round(v, 3) for k, v in self.phases.items()}, "assumptions": self.assumptions}
 
 
 def worst_case_shape(cfg: RunConfig, layout: Layout) -> tuple[int, int]:
@@ -176,45 +212,69 @@ def _busiest_rollout(prompts: int, k: int, length: int, world: int, weights: tup
     return max(1, max(sum(count for _, _, count in mine) for mine in shares))
 
 
+def compute_bytes(dtype: str) -> int:
+    """Bytes of the compute dtype: 4 for float32, 2 for the 16-bit ones."""
+    return 4 if dtype == "float32" else 2
+
+
 def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEstimate:
-    p = DTYPE_BYTES[cfg.model.dtype]
+    c = compute_bytes(cfg.model.dtype)
     t = max(layout.training_ranks, 1)
     par = cfg.parallel
-    shard = t if par.sharding == "fsdp" else 1
-    offload = par.cpu_offload
-    notes = [f"AdamW: 2 fp32 moments{' + fp32 master weights' if p < 4 else ''} per parameter",
+    fsdp = par.sharding == "fsdp"
+    shard = t if fsdp else 1
+    # Offload needs fsdp and an accelerator (rule_parallel refuses it otherwise); such a plan is estimated as if
+    # nothing were offloaded, which is what a corrected config would hold.
+    offload = par.cpu_offload == "full" and fsdp and layout.device != "cpu"
+    notes = ["fp32 master weights, fp32 gradients, AdamW's 2 fp32 moments: 16 bytes per parameter"
+             + (f", sharded over {t} ranks" if fsdp and t > 1 else "")
+             + ("; bf16 compute" if c == 2 else ""),
              "attention via SDPA/flash (no s^2 scores); worst case: every sample at max length"]
-    if offload == "full" and par.sharding != "fsdp":
-        offload = "optimizer"
-        notes.append("cpu_offload=full needs sharding=fsdp; estimated as cpu_offload=optimizer")
+    if par.cpu_offload == "full" and not offload:
+        notes.append("cpu_offload=full cannot run on this layout (see the findings); estimated without offload")
     tokens, gen = worst_case_shape(cfg, layout)
-    P = dims.params
-    params_b = 0 if offload == "full" else P * p / shard
-    grads_b = 0 if offload == "full" else P * p / shard
-    opt_b = P * (8 + (4 if p < 4 else 0)) / shard
-    host = opt_b if offload != "none" else 0
-    if offload == "full":
-        host += 2 * P * p / shard
-    if offload != "none":
-        opt_b = 0
-    gather = 2 * max(dims.layer_params, dims.vocab * dims.hidden) * p if shard > 1 else 0
-    L = dims.layers
-    if cfg.model.gradient_checkpointing:
-        act = tokens * (L * dims.hidden + dims.act_elems) * p
-    else:
-        act = tokens * L * dims.act_elems * p
-    logits = tokens * dims.vocab * LOGIT_BYTES
-    ref = P * p / shard if cfg.algo.kl_coef > 0 else 0
+    P, L, V = dims.params, dims.layers, dims.vocab
+    device_state = 0 if offload else 1
+    params_b = 4 * P / shard * device_state
+    opt_b = 8 * P / shard * device_state
+    grads_b = 4 * P / shard * device_state
+    ref_full = c * P if cfg.algo.kl_coef > 0 else 0
+    ref = ref_full / shard * device_state
+    host = (STATE_BYTES * P / shard + ref_full / shard) if offload else 0
     reserve = cfg.rollout.memory_fraction * layout.device_memory_gib * GIB
-    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    kv = gen * length * L * 2 * dims.kv_heads * dims.head_dim * p
     overhead = OVERHEAD_GIB[layout.device] * GIB
-    parts = {"parameters": params_b, "gradients": grads_b, "optimizer": opt_b, "fsdp gather": gather,
-             "activations": act, "logits": logits, "reference model": ref, "rollout reserve": reserve,
-             "KV cache": kv, "overhead": overhead}
-    total = params_b + opt_b + gather + ref + reserve + overhead + max(grads_b + act + logits, kv)
+    copies = 2 * dims.linear_params if (c == 2 and not fsdp) else 0
+    units = c * (dims.root_params + 2 * dims.layer_params) if fsdp else 0
+    largest = max(dims.root_params, dims.layer_params)
+    unit_grads = largest * (c + (4 if c < 4 else 0)) if fsdp else 0
+    if cfg.model.gradient_checkpointing:
+        act = tokens * (L * dims.hidden + dims.act_elems) * c
+    else:
+        act = tokens * L * dims.act_elems * c
+    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    parts = {
+        "parameters": params_b, "optimizer": opt_b, "reference model": ref, "rollout reserve": reserve,
+        "overhead": overhead,
+        "gathered model": c * P if fsdp else 0,
+        "autocast copies": copies,
+        "KV cache": gen * length * L * 2 * dims.kv_heads * dims.head_dim * c,
+        "fsdp units": units,
+        "log-prob logits": tokens * V * c,
+        "gradients": grads_b,
+        "activations": act,
+        "logits": tokens * V * LOGIT_BYTES,
+        "gradient buckets": 4 * P if (not fsdp and t > 1) else 0,
+    }
+    resident = sum(parts[k] for k in RESIDENT)
+    phases = {
+        "rollout": resident + parts["gathered model"] + copies + parts["KV cache"],
+        "log-probs": resident + units + copies + parts["log-prob logits"],
+        "update": resident + grads_b + max(units + unit_grads + copies + act + parts["logits"],
+                                           parts["gradient buckets"]),
+    }
+    total = max(phases.values())
     return MemoryEstimate({k: v / GIB for k, v in parts.items()}, total / GIB, layout.device_memory_gib, P,
-                          tokens, gen, host / GIB, notes)
+                          tokens, gen, host / GIB, {k: v / GIB for k, v in phases.items()}, notes)
 
 
 # ------------------------------------------------------------------------------------------ fixes
@@ -259,13 +319,11 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[Memory
         add({"train.token_cap_per_micro_batch": r * length}, f"{r} row{'s' if r > 1 else ''} per micro-batch")
     if not cfg.model.gradient_checkpointing:
         add({"model.gradient_checkpointing": True})
-    if cfg.parallel.cpu_offload == "none":
-        add({"parallel.cpu_offload": "optimizer"})
     if cfg.parallel.sharding == "replicated" and layout.training_ranks > 1:
         add({"parallel.sharding": "fsdp"}, f"over {layout.training_ranks} ranks")
-    if cfg.parallel.cpu_offload != "full":
+    if cfg.parallel.cpu_offload != "full" and layout.device != "cpu":  # offload needs fsdp and an accelerator
         add({"parallel.sharding": "fsdp", "parallel.cpu_offload": "full"} if cfg.parallel.sharding == "replicated"
-            else {"parallel.cpu_offload": "full"})
+            else {"parallel.cpu_offload": "full"}, "state on the host")
     if cfg.algo.kl_coef > 0:
         add({"algo.kl_coef": 0.0}, "no reference model")
     if cfg.rollout.memory_fraction > 0:

@@ -14,6 +14,8 @@ import itertools
 import textwrap
 from typing import TYPE_CHECKING
 
+from evenrl.planner.memory import PHASES, RESIDENT
+
 if TYPE_CHECKING:
     from evenrl.planner.plan import Plan
 
@@ -149,29 +151,27 @@ def ranks_text(ranks: list[int], most: int = 12) -> str:
     return ",".join(spans[:most]) + (",..." if len(spans) > most else "")
 
 
-# Phases of the peak: what stays resident, and the two that never overlap (memory.py's module docstring).
-_PHASES = {"resident": ("parameters", "optimizer", "fsdp gather", "reference model", "rollout reserve", "overhead"),
-           "training": ("gradients", "activations", "logits"),
-           "generation": ("KV cache",)}
-
-
 def _memory_lines(p: Plan) -> list[str]:
     mem, c, d = p.memory, p.config, p.dims
-    off = {"none": "no offload", "optimizer": "optimizer on host", "full": "params+optimizer on host"}
-    lines = [_row("memory", f"{d.model_type} {count_unit(mem.params)} params, {c.model.dtype}, "
+    off = {"none": "no offload", "full": "state offloaded to the host"}
+    precision = "fp32" if c.model.dtype == "float32" else f"{c.model.dtype} compute over fp32 weights"
+    lines = [_row("memory", f"{d.model_type} {count_unit(mem.params)} params, {precision}, "
                             f"{c.parallel.sharding}, {off[c.parallel.cpu_offload]}, "
                             f"{'checkpointing' if c.model.gradient_checkpointing else 'no checkpointing'}"),
              _row("", f"per rank: largest micro-batch {mem.micro_tokens:,} tokens; generates "
                       f"{plural(mem.rollout_samples, 'sample')}"
                       + (f"; {mem.host_gib:.1f} GiB on the host" if mem.host_gib else ""))]
-    sums = {}
-    for phase, keys in _PHASES.items():
-        sums[phase] = sum(mem.breakdown.get(k, 0.0) for k in keys)
-        parts = " + ".join(f"{k} {mem.breakdown[k]:.2f}" for k in keys if mem.breakdown.get(k, 0.0) >= 0.005)
-        lines.append(_row("", f"  {phase:<11}{sums[phase]:>9.2f} GiB  {parts}".rstrip(), indent=LABEL + 28))
-    larger = "training" if sums["training"] >= sums["generation"] else "generation"
+    b = mem.breakdown
+    rows = [("resident", sum(b.get(k, 0.0) for k in RESIDENT), RESIDENT)]
+    rows += [(phase, mem.phases.get(phase, 0.0), keys) for phase, keys in PHASES.items()]
+    for phase, total, keys in rows:
+        parts = " + ".join(f"{k} {b[k]:.2f}" for k in keys if b.get(k, 0.0) >= 0.005)
+        if phase != "resident":
+            parts = "resident + " + parts if parts else "resident"
+        lines.append(_row("", f"  {phase:<11}{total:>9.2f} GiB  {parts}".rstrip(), indent=LABEL + 28))
+    largest = max(mem.phases, key=mem.phases.get) if mem.phases else "update"
     cap = f"; device {mem.capacity_gib:.1f} GiB" if mem.capacity_gib else "; device memory unknown"
     verdict = {True: ": fits", False: ": DOES NOT FIT", None: ""}[mem.fits]
-    lines.append(_row("", f"  {'peak':<11}{mem.total_gib:>9.2f} GiB  = resident + {larger} (the larger phase)"
+    lines.append(_row("", f"  {'peak':<11}{mem.total_gib:>9.2f} GiB  = {largest} (the largest phase)"
                           f"{cap}{verdict}"))
     return lines

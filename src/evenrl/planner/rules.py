@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 from evenrl.config import RunConfig
 from evenrl.errors import UsageError
 from evenrl.models.files import Fields, check_tokenizer_files, check_weights, read_model_config, read_rows
+from evenrl.planner.memory import PHASES, RESIDENT
 from evenrl.planner.render import plural
 
 if TYPE_CHECKING:
@@ -277,13 +278,16 @@ def rule_memory(p: Plan) -> list[Finding]:
     if mem.fits is None:
         return [Finding("note", "memory-unknown", f"estimated peak {mem.total_gib:.1f} GiB per rank; "
                         "device memory unknown", "--device-memory-gib 80 (your device's memory)")]
-    top = sorted(((v, k) for k, v in mem.breakdown.items() if v >= 0.05), reverse=True)[:4]
+    # the parts of the phase that sets the peak: what a fix has to shrink
+    phase = max(mem.phases, key=mem.phases.get) if mem.phases else ""
+    keys = set(RESIDENT) | set(PHASES.get(phase, mem.breakdown))
+    top = sorted(((v, k) for k, v in mem.breakdown.items() if v >= 0.05 and k in keys), reverse=True)[:4]
     parts = ", ".join(f"{k} {v:.1f}" for v, k in top)
     if not mem.fits:
         fixes = "; ".join(f.text() + (" (fits)" if f.fits else "") for f in p.memory_fixes)
         return [Finding("error", "memory-over",
                         f"estimated peak {mem.total_gib:.1f} GiB per rank > {lay.device_memory_gib:.1f} GiB "
-                        f"device memory ({parts} GiB)",
+                        f"device memory in {phase or 'the step'} ({parts} GiB)",
                         f"each alone, best first: {fixes}" if fixes else "use devices with more memory")]
     if mem.total_gib > 0.9 * lay.device_memory_gib:
         return [Finding("warning", "memory-tight", f"estimated peak {mem.total_gib:.1f} GiB of "
@@ -295,11 +299,17 @@ def rule_memory(p: Plan) -> list[Finding]:
 def rule_parallel(p: Plan) -> list[Finding]:
     c, lay, out = p.config, p.layout, []
     if c.parallel.cpu_offload == "full" and c.parallel.sharding != "fsdp":
-        out.append(Finding("warning", "offload-replicated", "cpu_offload=full keeps parameters on the host only "
-                           "under FSDP (CPUOffloadPolicy); with sharding=replicated only the optimizer moves",
-                           "parallel.sharding=fsdp; or parallel.cpu_offload=optimizer"))
-    if c.parallel.sharding == "fsdp" and lay.training_ranks == 1:
-        out.append(Finding("note", "fsdp-one-rank", "sharding=fsdp over 1 training rank shards nothing",
+        out.append(Finding("error", "offload-replicated", "cpu_offload=full needs sharding=fsdp: FSDP2's offload "
+                           "policy moves the sharded parameters, gradients and optimizer state to the host, and a "
+                           "replicated model has no shards", "parallel.cpu_offload=none" if lay.device == "cpu" else
+                           "parallel.sharding=fsdp; or parallel.cpu_offload=none"))
+    if c.parallel.cpu_offload == "full" and lay.device == "cpu":
+        out.append(Finding("error", "offload-cpu", "cpu_offload=full needs an accelerator: FSDP2 copies each "
+                           "offloaded shard to the device to gather it, so on a CPU-only layout the run fails at "
+                           "its first forward", "parallel.cpu_offload=none; or plan GPUs (--device cuda)"))
+    if c.parallel.sharding == "fsdp" and lay.training_ranks == 1 and c.parallel.cpu_offload == "none":
+        out.append(Finding("note", "fsdp-one-rank", "sharding=fsdp over 1 training rank shards nothing "
+                           "(it still gathers each block before use)",
                            "parallel.sharding=replicated, or more ranks"))
     if lay.rollout_devices and c.rollout.engine == "hf":
         out.append(Finding("warning", "rollout-devices-unused",
@@ -310,9 +320,6 @@ def rule_parallel(p: Plan) -> list[Finding]:
         out.append(Finding("warning", "rollout-reserve-unused",
                            f"rollout.memory_fraction={c.rollout.memory_fraction} reserves memory for a separate "
                            "engine; engine 'hf' samples with the training model", "rollout.memory_fraction=0"))
-    if c.model.dtype == "float16" and lay.device == "cpu":
-        out.append(Finding("warning", "fp16-cpu", "float16 on CPU is slow and lacks kernels for some ops",
-                           "model.dtype=float32 (or bfloat16)"))
     total = p.optimizer_steps_per_step * c.train.steps
     if c.train.warmup_steps and c.train.warmup_steps >= total:
         out.append(Finding("warning", "warmup-longer-than-run",

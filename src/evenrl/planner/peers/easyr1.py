@@ -78,9 +78,11 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     set_model(t, src.str(a + "model.model_path"), a + "model.model_path")
     t.set("model.gradient_checkpointing", src.bool(a + "model.enable_gradient_checkpointing", True),
           a + "model.enable_gradient_checkpointing")
-    set_parallel(t, world, params=src.bool(a + "offload.offload_params", False),
-              optimizer=src.bool(a + "offload.offload_optimizer", False),
-              shard=src.bool(a + "fsdp.enable_full_shard", True))
+    # fsdp.enable_cpu_offload is FSDP's own parameter offload (CPUOffload(offload_params=True))
+    params = src.bool(a + "offload.offload_params", False) or src.bool(a + "fsdp.enable_cpu_offload", False)
+    set_parallel(t, world, params=params, optimizer=src.bool(a + "offload.offload_optimizer", False),
+                 shard=src.bool(a + "fsdp.enable_full_shard", True),
+                 keys=(a + "offload.offload_params", a + "offload.offload_optimizer"))
     set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"),
           src.str("data.answer_key", "answer"))
     set_steps(src, t, "trainer.max_steps", "trainer.total_episodes", 10, rbs)

@@ -85,7 +85,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
     t.set("model.dtype", "bfloat16" if src.bool("bf16", False) else "float32", "bf16")
     zero = src.int("zero_stage", 2, lo=0)
-    set_parallel(t, aw, params=False, optimizer=src.bool("adam_offload", False), shard=zero == 3)
+    set_parallel(t, aw, params=False, optimizer=src.bool("adam_offload", False), shard=zero == 3,
+                 keys=("adam_offload", "adam_offload"))
     set_data(t, src.str("prompt_data"), "prompt_data", src.str("input_key", "input"), src.str("label_key", "answer"))
     rows = count_rows(t.settings.get("data.path", ""))
     if rows:

@@ -242,10 +242,22 @@ def set_model(t: Translation, path: str, key: str) -> None:
     t.set("model.dtype", "bfloat16", key)
 
 
-def set_parallel(t: Translation, world: int, *, params: bool, optimizer: bool, shard: bool) -> None:
-    t.set("parallel.sharding", "fsdp" if shard and world > 1 else "replicated", "fsdp")
-    t.set("parallel.cpu_offload", "full" if params and shard else "optimizer" if (optimizer or params) else "none",
-          "offload")
+def set_parallel(t: Translation, world: int, *, params: bool, optimizer: bool, shard: bool,
+                 keys: tuple[str, str] = ("param offload", "optimizer offload")) -> None:
+    """Sharding and offload. Any offload the peer asks for becomes FSDP2's one offload mode (parameters,
+    gradients and optimizer state together: there is no optimizer-only one), which needs sharding=fsdp even on
+    one rank; the translation runs on GPUs, where that offload runs."""
+    offload = params or optimizer
+    t.set("parallel.sharding", "fsdp" if offload or (shard and world > 1) else "replicated", "fsdp")
+    t.set("parallel.cpu_offload", "full" if offload else "none", keys[0] if params else keys[1])
+    if optimizer and not params:
+        t.notes.append(f"{keys[1]} moves only the optimizer state to the host; evenrl's offload is FSDP2's, which "
+                       "moves the sharded parameters, gradients and optimizer state together (it has no "
+                       "optimizer-only mode), so the plan uses parallel.sharding=fsdp parallel.cpu_offload=full: "
+                       "less device memory than the peer's, the AdamW step on the host")
+    elif offload and not shard:
+        t.notes.append(f"{keys[0]} on a model the peer does not fully shard becomes FSDP2's offload, which needs "
+                       "sharding: the plan uses parallel.sharding=fsdp parallel.cpu_offload=full")
 
 
 def set_data(t: Translation, path: str, key: str, prompt_field: str, answer_field: str | None = None) -> None:

@@ -80,8 +80,10 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     set_model(t, src.str("actor_rollout_ref.model.path"), "actor_rollout_ref.model.path")
     t.set("model.gradient_checkpointing", src.bool("actor_rollout_ref.model.enable_gradient_checkpointing", False),
           "actor_rollout_ref.model.enable_gradient_checkpointing")
-    set_parallel(t, world, params=src.bool(a + "fsdp_config.param_offload", False),
-              optimizer=src.bool(a + "fsdp_config.optimizer_offload", False), shard=True)
+    # offload_policy: verl's FSDP2 path (strategy=fsdp2), the same CPUOffloadPolicy evenrl uses
+    params = src.bool(a + "fsdp_config.param_offload", False) or src.bool(a + "fsdp_config.offload_policy", False)
+    set_parallel(t, world, params=params, optimizer=src.bool(a + "fsdp_config.optimizer_offload", False),
+                 shard=True, keys=(a + "fsdp_config.param_offload", a + "fsdp_config.optimizer_offload"))
     set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"))
     set_steps(src, t, "trainer.total_training_steps", "trainer.total_epochs", 1, tbs)
     if src.has("actor_rollout_ref.rollout.gpu_memory_utilization"):

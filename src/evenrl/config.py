@@ -74,8 +74,12 @@ def _check_leaves(ann: Any, value: Any) -> None:
 
 class ModelConfig(_Section):
     path: str = Field("", description="Local Hugging Face model directory (holds config.json). Never downloaded.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter and compute dtype of the trained model.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype of the trained model. 'bfloat16' is mixed precision: fp32 master "
+                               "weights, fp32 gradients and fp32 AdamW state, bf16 forward and backward (FSDP2's "
+                               "mixed-precision policy under sharding=fsdp, torch.autocast when replicated); "
+                               "log-probs and ratios in fp32. The frozen reference model is held in this dtype. "
+                               "No float16: it needs loss scaling, which evenrl does not do.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory, ~30% more compute.")
     use_chat_template: bool = Field(

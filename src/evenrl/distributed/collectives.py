@@ -91,6 +91,21 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> DistInf
     return _INFO
 
 
+def device_mesh(device: torch.device):
+    """The 1-D device mesh over the training ranks that FSDP2 shards on. One process has no group of its own
+    (see init), so one is made here: FSDP2 needs a group even to shard over a single rank, and the sharded code path
+    is then the same at every world size."""
+    global _OWN_GROUP
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not _active():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1,
+                                 device_id=device if backend == "nccl" else None)
+        _OWN_GROUP = True
+    return init_device_mesh(device.type, (world(),))
+
+
 def shutdown() -> None:
     """Leave the process group `init` built (an adopted one stays) and forget `init`'s answer, so the next `init`
     reads the environment again."""
@@ -125,7 +140,7 @@ def mark(phase: str) -> None:
 
 
 @contextlib.contextmanager
-def _guard(op: str):
+def guard(op: str):
     """A backend error inside a collective becomes one RunStopped line: this rank, its phase, the operation, the
     backend's reason, and where the other ranks last were."""
     t0 = time.monotonic()
@@ -162,7 +177,7 @@ def _comm_device() -> torch.device:
 
 def barrier() -> None:
     if world() > 1:
-        with _guard("barrier"):
+        with guard("barrier"):
             tdist.barrier()
 
 
@@ -170,7 +185,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """SUM over ranks, in place; returns t."""
     if world() > 1:
         x = _on_comm_device(t)
-        with _guard("all-reduce"):
+        with guard("all-reduce"):
             tdist.all_reduce(x, op=tdist.ReduceOp.SUM)
         if x is not t:
             t.copy_(x)
@@ -188,7 +203,7 @@ def all_gather_object(obj: Any) -> list:
     if world() == 1:
         return [obj]
     out: list = [None] * world()
-    with _guard("all-gather"):
+    with guard("all-gather"):
         tdist.all_gather_object(out, obj)
     return out
 
@@ -230,7 +245,7 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
             filled[k] = 0
         buckets[-1].append(p)
         filled[k] = filled.get(k, 0) + p.nbytes
-    with _guard("gradient all-reduce"):
+    with guard("gradient all-reduce"):
         pending = []
         for (device, dtype), buckets in groups.items():
             for ps in buckets:
@@ -289,7 +304,7 @@ def all_gather_tensors(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch
     rows = torch.tensor([t.shape[0] if t.dim() else 1 for t in ts], dtype=torch.long)
     blob = torch.cat([rows.view(torch.uint8)] + [t.reshape(-1).view(torch.uint8) for t in ts])
     W, dev = world(), _comm_device()
-    with _guard("all-gather of per-sample numbers"):
+    with guard("all-gather of per-sample numbers"):
         heads = torch.empty(W * 2, dtype=torch.long, device=dev)
         _all_gather_single(heads, torch.tensor([fingerprint, blob.numel()], dtype=torch.long, device=dev))
         heads = heads.view(W, 2).tolist()
@@ -447,7 +462,7 @@ def exchange(local: Batch, dest: Sequence[int], *, key: str = SAMPLE_INDEX) -> B
         if problem:
             raise ValueError(problem)
         return local.select(torch.argsort(local[key].cpu(), stable=True))
-    with _guard("exchange"):
+    with guard("exchange"):
         if any(b in str(tdist.get_backend()) for b in ("gloo", "nccl", "mpi")):
             received = Batch.concat(_exchange_all_to_all(parts, local, problem))  # agrees on arguments first
         else:  # agree first, so a mistake on one rank fails every rank instead of hanging the others

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from evenrl.distributed import collectives as dist
+from evenrl.errors import UsageError
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -28,21 +29,21 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
-        raise ValueError(f"{type(model).__name__}: no decoder blocks to shard (its _no_split_modules is "
-                         f"{sorted(names) or 'empty'})")
+        raise UsageError(f"parallel.sharding: fsdp cannot shard {type(model).__name__}: it names no decoder blocks "
+                         f"(_no_split_modules is {sorted(names) or 'empty'}); use parallel.sharding=replicated")
     return blocks
 
 
 def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32, offload: bool = False) -> None:
     """Shard `model` in place over all training ranks. Call after the model is on its device, before the
     optimizer is built (the optimizer must see the sharded parameters)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     device = next(model.parameters()).device
     if offload and device.type == "cpu":
-        raise ValueError("parallel.cpu_offload=full needs an accelerator (FSDP2 gathers offloaded shards on it)")
-    mesh = init_device_mesh(device.type, (dist.world(),))
+        raise UsageError("parallel.cpu_offload: got 'full' on a CPU-only machine; FSDP2's offload gathers the host "
+                         "shards on an accelerator (it fails at the first forward without one); use 'none' here")
+    mesh = dist.device_mesh(device)
     mp = MixedPrecisionPolicy() if compute_dtype == torch.float32 else \
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
@@ -51,10 +52,5 @@ def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
     for unit in (m for m in model.modules() if hasattr(m, "set_gradient_divide_factor")):
         unit.set_gradient_divide_factor(1.0)
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
 

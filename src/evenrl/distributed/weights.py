@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from evenrl.distributed.collectives import _guard
+from evenrl.distributed.collectives import guard
 
 # 256 MiB: a 7B model's largest tensor (the embedding, 152k x 3584 in bf16: 1 GiB) goes alone; the blocks go a few
 # at a time. Smaller buckets bound the transient memory, larger ones the number of meetings.
@@ -42,7 +42,7 @@ def gathered(model: torch.nn.Module):
     if not units:
         yield model
         return
-    with _guard("weight all-gather"):
+    with guard("weight all-gather"):
         for unit in units:
             unit.unshard()
     try:
@@ -56,20 +56,27 @@ def full_weights(model: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES,
                  dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The model's state dict, whole, as buckets of (Hugging Face name, tensor) of at most `bucket_bytes` (a larger
     tensor goes alone), on the parameters' device, cast to `dtype` if given. Tied tensors appear under each name
-    (an engine that keeps a separate output head needs `lm_head.weight` too, or its head stays stale).
+    (an engine that keeps a separate output head needs `lm_head.weight` too, or its head stays stale), as the same
+    tensor object, gathered once.
     Every rank gets every bucket: with sharding, each tensor is all-gathered as its bucket is made, so a caller that
     only sends from one rank must still iterate on all of them."""
     from torch.distributed.tensor import DTensor
 
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, t in model.state_dict().items():
+    whole: dict[int, torch.Tensor] = {}  # id of a state-dict tensor -> its whole form: a tied tensor is made once
+    for name, t in model.state_dict(keep_vars=True).items():  # the parameters themselves: tied ones are one object
+        if id(t) in whole:
+            bucket.append((name, whole[id(t)]))
+            continue
+        source = t
         t = t.detach()
         if isinstance(t, DTensor):
-            with _guard("weight all-gather"):
+            with guard("weight all-gather"):
                 t = t.full_tensor()
         if dtype is not None:
             t = t.to(dtype)
+        whole[id(source)] = t
         if bucket and size + t.nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0

@@ -17,6 +17,7 @@ import torch
 
 from evenrl.errors import bad
 from evenrl.models.decoder import LeanDecoder
+from evenrl.models.loading import autocast
 
 
 @dataclass(frozen=True)
@@ -195,11 +196,12 @@ def generate(
     model.eval()  # dropout off: a sample must not depend on anything but its key
     try:
         out: list[list[Completion]] = []
-        for s in range(0, len(prompts), chunk):
-            out.extend(
-                _generate_batch(model, prompts[s : s + chunk], keys[s : s + chunk], ranges[s : s + chunk], params,
-                                step, set(eos_token_ids), pad_token_id, lean)
-            )
+        with autocast(model):  # mixed precision of a replicated model (models.loading.set_autocast)
+            for s in range(0, len(prompts), chunk):
+                out.extend(
+                    _generate_batch(model, prompts[s : s + chunk], keys[s : s + chunk], ranges[s : s + chunk],
+                                    params, step, set(eos_token_ids), pad_token_id, lean)
+                )
         return out
     finally:
         model.train(was_training)

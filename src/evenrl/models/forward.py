@@ -14,12 +14,22 @@ from torch import Tensor
 
 from evenrl.core.batch import Batch
 from evenrl.models.decoder import LeanDecoder, rope_rotate, rope_table
-from evenrl.models.loading import is_checkpointing
+from evenrl.models.loading import autocast, is_checkpointing, is_sharded
 
 
 def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
     """Forward a micro-batch. Returns (logits [B, R, V] predicting each response token, targets [B, R],
-    mask [B, R]) where R = longest response in the micro-batch."""
+    mask [B, R]) where R = longest response in the micro-batch.
+    A sharded (FSDP2) model always takes the model's own single forward: its parameters are gathered by hooks on
+    that forward (the packed path reads them directly), and every rank must make the same number of forward calls
+    (the shared-prefix path makes two where it pays, one where it does not)."""
+    with autocast(model):
+        return _response_logits(model, batch, pad_token_id)
+
+
+def _response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    if is_sharded(model):
+        return _response_logits_model(model, batch, pad_token_id)
     shared = _shared_prefixes(model, batch)
     if shared is not None:
         return _response_logits_shared(model, batch, pad_token_id, *shared)
@@ -27,6 +37,11 @@ def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Ten
         return _response_logits_packed(model, batch)
     if LeanDecoder.supports(model):
         return _response_logits_right_padded(model, batch, pad_token_id)
+    return _response_logits_model(model, batch, pad_token_id)
+
+
+def _response_logits_model(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The model's own left-padded masked forward: any causal LM, sharded or not (the reference path)."""
     tokens, attn = batch.padded("tokens", pad_token_id, side="left")
     tokens, attn = tokens.to(model.device), attn.to(model.device)
     resp_len = batch["response_len"].to(model.device)

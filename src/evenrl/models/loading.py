@@ -5,6 +5,7 @@ Nothing here touches the network: a model is a directory written by `save_pretra
 
 from __future__ import annotations
 
+import contextlib
 import os
 import string
 
@@ -99,6 +100,27 @@ def _check_vocabulary(tokenizer, path: str) -> None:
     if not ordinary:
         raise UsageError(f"{path}: the tokenizer has {len(ids)} tokens, none of them ordinary (its vocabulary files "
                          "are missing or empty); save the model's tokenizer beside it (tokenizer.save_pretrained)")
+
+
+def set_autocast(model, dtype: torch.dtype) -> None:
+    """Mixed precision for a replicated model: its fp32 parameters stay the master weights and every forward of it
+    (response_logits, the sampler) runs under torch.autocast(dtype). FSDP2 models get it from their policy."""
+    model.evenrl_autocast = dtype
+
+
+def autocast(model):
+    """The forward-pass precision context of `model` (see set_autocast); a no-op context for fp32 models."""
+    dtype = getattr(model, "evenrl_autocast", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+
+
+def is_sharded(model) -> bool:
+    """Whether FSDP2 shards the model (its parameters are DTensors, gathered by hooks on the forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def is_checkpointing(model) -> bool:

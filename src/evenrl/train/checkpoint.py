@@ -1,13 +1,20 @@
-"""Atomic checkpoints: a kill during a save leaves the previous checkpoint intact.
+"""Atomic, sharded checkpoints that resume on any number of ranks, replicated or sharded.
 
 A checkpoint is a directory `checkpoints/step-000010/` holding
-  model.safetensors    the policy's weights (safetensors; no pickle)
-  trainer.pt           optimizer, scheduler, prompt-sampler and RNG state (read back with weights_only=True)
-  meta.json            step number and what wrote it
-It is written under `checkpoints/.tmp-step-000010-<pid>/` and renamed into place (rename is atomic on POSIX),
-then `checkpoints/latest` (a one-line text file) is replaced atomically. Under data parallelism every rank
-holds the same replicated state, so rank 0 writes it; that is also why a run can resume on a different
-number of ranks.
+  state/       model weights and optimizer moments, by parameter name, in torch.distributed.checkpoint (DCP) format:
+               each rank writes the pieces it holds (its shards under sharding=fsdp; replicated tensors are written
+               once, by one rank), and DCP reads back whatever pieces a rank needs, so a checkpoint saved on 3 ranks
+               loads on 2 or 4, and a replicated run can resume sharded and back.
+  trainer.pt   optimizer hyper-parameters (param_groups), scheduler, prompt-sampler and RNG state (no tensors of the
+               model; read back with weights_only=True)
+  meta.json    step number and what wrote it
+Every rank writes under `checkpoints/.tmp-step-000010-<id>/`; when all have finished, rank 0 renames it into place
+(rename is atomic on POSIX) and replaces `checkpoints/latest` atomically, so a kill at any point leaves the previous
+checkpoint and `latest` valid. DCP's index file is a pickle: it is read with an unpickler that builds only DCP's
+own metadata classes, torch sizes and dtypes (anything else is refused), and the tensor files with
+torch.load(weights_only=True).
+`final/` is a Hugging Face directory (safetensors, full state dict), gathered bucket by bucket
+(evenrl.distributed.weights.full_weights).
 """
 
 from __future__ import annotations
@@ -22,9 +29,14 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from evenrl.distributed import collectives as dist
+from evenrl.distributed.weights import full_weights
 from evenrl.errors import UsageError
 
 
@@ -45,43 +57,47 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, trainer_state: dict,
-         keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically and prune all but the newest `keep`. Call on rank 0 only."""
+def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         trainer_state: dict, keep: int = 2) -> Path:
+    """Write checkpoint `step` atomically and prune all but the newest `keep`. Every rank calls it (collective)."""
     root = Path(ckpt_root)
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
     final = root / name
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    # safetensors refuses shared storage (tied embeddings): save each tensor once, contiguous.
-    state = {}
-    seen = {}
-    for k, v in model.state_dict().items():
-        key = (v.data_ptr(), v.shape, v.stride())
-        if key in seen:
-            continue
-        seen[key] = k
-        state[k] = v.detach().to("cpu").contiguous()
-    save_file(state, str(tmp / "model.safetensors"))
-    torch.save(trainer_state, tmp / "trainer.pt")
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time()}))
-    _fsync_dir(tmp)
-    if final.exists():  # a re-run of the same step (after a resume) replaces it
-        old = root / f".old-{name}-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _write_text_atomic(root / "latest", name + "\n")
-    _fsync_dir(root)
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.fullmatch(p.name)))
-    for _, old in steps[:-keep]:  # by number: step-1000000 is newer than step-999999
-        shutil.rmtree(old, ignore_errors=True)
+    tmp = root / f".tmp-{name}-{_run_token()}"
+    if dist.is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with dist.guard("checkpoint save"):
+        dcp_save({"model": model_state, "optimizer": optim_state["state"]},
+                 storage_writer=FileSystemWriter(str(tmp / "state"), single_file_per_rank=True))
+    if dist.is_main():
+        torch.save({**trainer_state, "param_groups": optim_state["param_groups"]}, tmp / "trainer.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), "world": dist.world()}))
+        _fsync_dir(tmp)
+        if final.exists():  # a re-run of the same step (after a resume) replaces it
+            old = root / f".old-{name}-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _write_text_atomic(root / "latest", name + "\n")
+        _fsync_dir(root)
+        steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                       if p.is_dir() and (m := STEP_DIR.fullmatch(p.name)))
+        for _, old in steps[:-keep]:  # by number: step-1000000 is newer than step-999999
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
     return final
+
+
+def _run_token() -> str:
+    """The same temporary-directory suffix on every rank (rank 0's pid, agreed through the group)."""
+    return str(dist.all_gather_object(os.getpid())[0])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -142,59 +158,90 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def load(path: str | os.PathLike, model: torch.nn.Module) -> tuple[int, dict]:
-    """Load weights into `model` and return (step, trainer_state). The metadata is checked before anything is
-    read into the model; every problem is a one-line UsageError naming the checkpoint's file."""
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, dict]:
+    """Load weights and optimizer state into `model` and `optimizer` (any number of ranks, replicated or sharded;
+    every rank calls it) and return (step, trainer_state). The metadata is checked before anything is read into
+    the model; every problem is a one-line UsageError naming the checkpoint's file."""
     path = Path(path)
     step = read_meta(path)["step"]
-    try:
-        weights = load_file(str(path / "model.safetensors"))
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
-        raise UsageError(f"{path / 'model.safetensors'}: unreadable checkpoint ({e.__class__.__name__}); "
-                         f"{_EARLIER}") from None
     try:
         trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     except (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
         raise UsageError(f"{path / 'trainer.pt'}: unreadable checkpoint ({e.__class__.__name__}); "
                          f"{_EARLIER}") from None
-    if not isinstance(trainer_state, dict):
-        raise UsageError(f"{path / 'trainer.pt'}: holds a {type(trainer_state).__name__}; expected the trainer state "
-                         f"(a dict); {_EARLIER}")
+    if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get("param_groups"), list):
+        raise UsageError(f"{path / 'trainer.pt'}: holds a {type(trainer_state).__name__} without param_groups; "
+                         f"expected the trainer state evenrl train writes; {_EARLIER}")
     if "step" in trainer_state and trainer_state["step"] != step:
         raise UsageError(f"{path / 'trainer.pt'}: saved at step {trainer_state['step']!r} but meta.json says {step}; "
                          f"{_EARLIER}")
-    device = next(model.parameters()).device
+    # The model's own (sharded or whole) tensors are the templates DCP reads into, each rank the pieces it holds.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state["state"]}
     try:
-        missing, unexpected = model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
-    except RuntimeError as e:  # same names, other shapes
-        raise UsageError(f"{path}: checkpoint does not match model.path ({_last_line(e)}); resume with the same "
-                         "model") from None
-    # tied weights were saved once; anything else missing means a different model
-    missing = [k for k in missing if not _is_tied(model, k)]
-    if missing or unexpected:
-        raise UsageError(f"{path}: checkpoint does not match model.path (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}); resume with the same model")
+        dcp_load(state, storage_reader=_SafeReader(str(path / "state")))
+    except _Refused as e:
+        raise UsageError(f"{path / 'state'}: refused checkpoint index ({e}); {_EARLIER}") from None
+    except Exception as e:  # DCP wraps a rank's failure in its own exception types
+        text = _last_line(e)
+        if "Missing key" in text or "size" in text.lower() or "mismatch" in text.lower():
+            raise UsageError(f"{path}: checkpoint does not match model.path ({text[:160]}); resume with the same "
+                             "model") from None
+        raise UsageError(f"{path / 'state'}: unreadable checkpoint ({e.__class__.__name__}: {text[:160]}); "
+                         f"{_EARLIER}") from None
+    try:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optimizer"], "param_groups": trainer_state["param_groups"]})
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise UsageError(f"{path}: checkpoint does not match this model or optimizer ({_last_line(e)[:160]}); "
+                         "resume with the same model and settings") from None
     return step, trainer_state
 
 
-def _last_line(e: Exception) -> str:
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__
+class _Refused(Exception):
+    pass
 
 
-def _is_tied(model: torch.nn.Module, key: str) -> bool:
-    tied = getattr(model, "_tied_weights_keys", None) or []
-    if isinstance(tied, dict):
-        tied = list(tied)
-    return key in tied or (key == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata records, torch sizes, dtypes, layouts and memory formats, and nothing else: a
+    checkpoint's index cannot run code."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        raise _Refused(f"it names {module}.{name}")
+
+
+_SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                 ("torch._utils", "_rebuild_tensor_v2"), ("torch.serialization", "_get_layout")}
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def save_final(model, tokenizer, out: Path) -> None:
-    """The trained model as a Hugging Face directory (safetensors), written atomically."""
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # safetensors by default
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.rename(tmp, out)
+    """The trained model as a Hugging Face directory (safetensors, full state dict), written atomically by rank 0.
+    Every rank calls it: a sharded model's tensors are gathered bucket by bucket (only rank 0 keeps them)."""
+    full, copies = {}, {}
+    for bucket in full_weights(model):
+        if dist.is_main():  # tied names share one copy, so save_pretrained sees them tied and writes one
+            full.update((name, copies.setdefault(id(t), t.to("cpu", copy=True))) for name, t in bucket)
+    if dist.is_main():
+        tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=full)  # safetensors by default
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    dist.barrier()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.weights import gathered
 from evenrl.core.partition import balanced_partition
 from evenrl.rewards import score_all
 from evenrl.engines.hf import greedy
@@ -20,9 +21,10 @@ def evaluate(run, rows: list[dict], prompt_tokens: list[list[int]]) -> dict:
     costs = [len(t) + cfg.rollout.max_new_tokens for t in prompt_tokens]
     mine = balanced_partition(costs, dist.world(), weights=cfg.parallel.capacity_weights).parts[dist.rank()]
     total = torch.zeros(3, dtype=torch.float64)  # summed reward, prompts, summed response length
-    if mine:
+    with gathered(run.model):  # sharded: whole on every rank while generating
         completions = greedy(run.model, [prompt_tokens[i] for i in mine], max_new_tokens=cfg.rollout.max_new_tokens,
-                             eos_token_ids=run.eos_ids, pad_token_id=run.pad_id)
+                             eos_token_ids=run.eos_ids, pad_token_id=run.pad_id) if mine else []
+    if mine:
         texts = [run.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         scores, _ = score_all(run.reward_fns, texts, [rows[i] for i in mine], cfg.rewards.timeout_s,
                               isolate=cfg.rewards.isolate, memory_limit_mib=cfg.rewards.memory_limit_mib,

@@ -18,7 +18,8 @@ import torch
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
 from evenrl.errors import RunStopped, UsageError
-from evenrl.models.loading import load_policy
+from evenrl.distributed.sharding import shard
+from evenrl.models.loading import load_policy, set_autocast
 from evenrl.rewards import resolve
 from evenrl.train import checkpoint, rundir
 from evenrl.train.data import PromptSampler, load_data
@@ -34,17 +35,21 @@ class Run:
         self.cfg = cfg
         self.info = info
         torch.manual_seed(cfg.train.seed)
-        self.model, self.tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
+        # fp32 master weights whatever model.dtype says: prepare_model sets the compute precision
+        self.model, self.tokenizer = load_policy(cfg.model.path, dtype="float32", device=info.device)
         if cfg.model.gradient_checkpointing:
             # transformers 5 renamed it; the old name warns and goes in v6
             enable = getattr(self.model, "activation_checkpointing_enable", None) \
                 or self.model.gradient_checkpointing_enable
             enable()
+        prepare_model(self.model, cfg)
         self.model.train()
         self.reference = None
-        if cfg.algo.kl_coef > 0:
+        if cfg.algo.kl_coef > 0:  # frozen: held in the compute dtype, no master copy
             self.reference, _ = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
             self.reference.eval().requires_grad_(False)
+            if cfg.parallel.sharding == "fsdp":
+                shard(self.reference, offload=cfg.parallel.cpu_offload == "full")
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
@@ -64,14 +69,22 @@ class Run:
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
 
     def trainer_state(self, step: int) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
+        return {"lr_scheduler": self.lr_scheduler.state_dict(),
                 "sampler": self.sampler.state_dict(), "rng": checkpoint.rng_state(), "step": step}
 
     def load_trainer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state["rng"])
+
+
+def prepare_model(model, cfg: RunConfig) -> None:
+    """Sharding and precision of a trained model (the policy; a critic the same way), before its optimizer exists."""
+    compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    if cfg.parallel.sharding == "fsdp":
+        shard(model, compute_dtype=compute, offload=cfg.parallel.cpu_offload == "full")
+    elif compute != torch.float32:
+        set_autocast(model, compute)
 
 
 def preflight(cfg: RunConfig):
@@ -80,12 +93,6 @@ def preflight(cfg: RunConfig):
     from evenrl.planner.layout import detect_local, layout_from_env
     from evenrl.planner.plan import make_plan
 
-    # The planner can estimate FSDP and offload (to tell you what would fit); the trainer cannot run them yet.
-    for field, value, allowed in (("parallel.sharding", cfg.parallel.sharding, "replicated"),
-                                  ("parallel.cpu_offload", cfg.parallel.cpu_offload, "none")):
-        if value != allowed:
-            raise UsageError(f"{field}: got {value!r}; evenrl train supports {allowed!r} today "
-                             f"(evenrl plan estimates {value!r}; the trainer's support is on the roadmap)")
     plan = make_plan(cfg, layout_from_env(os.environ) or detect_local())
     errors = [f for f in plan.findings if f.level == "error"]
     if errors:
@@ -113,7 +120,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     start = 0
     found = checkpoint.latest(ckpt_root) if resume or restarted else None
     if found is not None:
-        start, state = checkpoint.load(found, run.model)
+        start, state = checkpoint.load(found, run.model, run.optimizer)
         try:
             run.load_trainer_state(state)
         except (KeyError, ValueError, TypeError, IndexError) as e:
@@ -158,12 +165,10 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
             log.samples(step, examples)
         if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == cfg.train.steps:
             dist.mark(f"step {step} checkpoint")
-            if dist.is_main():
-                checkpoint.save(ckpt_root, step, model=run.model, trainer_state=run.trainer_state(step),
-                                keep=cfg.checkpoint.keep)
-            dist.barrier()
-    if dist.is_main():
-        checkpoint.save_final(run.model, run.tokenizer, run_dir / "final")
+            checkpoint.save(ckpt_root, step, model=run.model, optimizer=run.optimizer,
+                            trainer_state=run.trainer_state(step), keep=cfg.checkpoint.keep)
+    dist.mark("final save")
+    checkpoint.save_final(run.model, run.tokenizer, run_dir / "final")
     log.close()
     if dist.is_main() and phases:
         print(phase_table(phases, cfg.train.steps - start), flush=True)

@@ -70,8 +70,7 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
                                  aggregation="token-mean", max_grad_norm=cfg.train.max_grad_norm,
                                  pad_token_id=tokenizer.pad_token_id)
         log.metrics(step, stats)
-    if dist.is_main():
-        save_final(model, tokenizer, run_dir / "final")
+    save_final(model, tokenizer, run_dir / "final")
     log.close()
     dist.barrier()
     return run_dir

@@ -24,8 +24,10 @@ from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import LossInputs, LossSettings, entropy_from_logits, kl_penalty, rl_loss, token_logprobs
 from evenrl.core.schedule import make_schedule, rollout_shares
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.weights import gathered
 from evenrl.engines.hf import SamplingParams, generate
 from evenrl.models.forward import ragged_to_right_aligned
+from evenrl.models.loading import is_sharded
 from evenrl.rewards import score_all
 from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update
 
@@ -81,10 +83,11 @@ def rollout(run: "Run", step: int, prompt_ids: list[int]) -> Batch:
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, samples_per_prompt=n, seed=cfg.train.seed)
     run.model.eval()
-    completions = generate(run.model, [run.prompt_tokens[prompt_ids[p]] for p, _, _ in mine],
-                           [p for p, _, _ in mine], params, step=step,  # key = position in the step: rank-free
-                           eos_token_ids=run.eos_ids, pad_token_id=run.pad_id,
-                           sample_ranges=[(first, count) for _, first, count in mine]) if mine else []
+    with gathered(run.model):  # sharded: the whole model on every rank for this generation, freed after
+        completions = generate(run.model, [run.prompt_tokens[prompt_ids[p]] for p, _, _ in mine],
+                               [p for p, _, _ in mine], params, step=step,  # key = position in the step: rank-free
+                               eos_token_ids=run.eos_ids, pad_token_id=run.pad_id,
+                               sample_ranges=[(first, count) for _, first, count in mine]) if mine else []
     run.model.train()
     tokens, resp_len, index, group, row_ids, texts, finished = [], [], [], [], [], [], []
     for (p, _, _), samples in zip(mine, completions):
@@ -124,7 +127,9 @@ def add_logprobs(run: "Run", batch: Batch, name: str, model, micro_rows: list[li
 
 def add_reward_kl(run: "Run", batch: Batch) -> None:
     """KL as a reward penalty: each sequence's summed per-token KL(policy || reference) at sampling time."""
-    micro = singles(len(batch))
+    # one sample per forward; a sharded model makes as many forwards as the rank with the most samples
+    passes = max(dist.all_gather_object(len(batch))) if is_sharded(run.model) else len(batch)
+    micro = singles(len(batch)) + [[]] * (passes - len(batch))
     logp = compute_logprobs(run.model, batch, micro, temperature=run.temperature, pad_token_id=run.pad_id)
     ref = compute_logprobs(run.reference, batch, micro, temperature=run.temperature, pad_token_id=run.pad_id)
     kl = [kl_penalty(a, b, run.cfg.algo.kl_estimator).sum() for a, b in zip(logp, ref)]

@@ -15,22 +15,27 @@ import torch
 from torch import Tensor
 
 from evenrl.core.aggregation import Denominators, aggregate
-from evenrl.core.batch import Batch
+from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import token_logprobs
 from evenrl.distributed import collectives as dist
 from evenrl.errors import RunStopped
 from evenrl.models.forward import response_logits
+from evenrl.models.loading import is_sharded
 
 
 @torch.no_grad()
 def compute_logprobs(model, batch: Batch, micro_rows: list[list[int]], *, temperature: float,
                      pad_token_id: int) -> list[Tensor]:
-    """Per-row response log-probs (1-D tensors, in batch row order) computed micro-batch by micro-batch."""
+    """Per-row response log-probs (1-D tensors, in batch row order) computed micro-batch by micro-batch.
+    A sharded model runs a filler forward for an empty micro-batch (every rank the same number of forwards)."""
     out: list[Tensor | None] = [None] * len(batch)
     was_training = model.training
     model.eval()
+    sharded = is_sharded(model)
     for rows in micro_rows:
         if not rows:
+            if sharded:
+                response_logits(model, filler_row(pad_token_id), pad_token_id)
             continue
         mb = batch.select(rows)
         logits, targets, mask = response_logits(model, mb, pad_token_id)
@@ -39,6 +44,12 @@ def compute_logprobs(model, batch: Batch, micro_rows: list[list[int]], *, temper
             out[r] = logp[j][mask[j]].float().cpu()
     model.train(was_training)
     return out  # type: ignore[return-value]
+
+
+def filler_row(pad_token_id: int) -> Batch:
+    """A one-row micro-batch (two pad tokens, one counted as response) for a sharded model's zero-weight passes."""
+    return Batch({"tokens": Ragged.of([torch.tensor([pad_token_id, pad_token_id])], torch.long),
+                  "response_len": torch.tensor([1], dtype=torch.long)})
 
 
 def minibatch_denominators(response_len, rows) -> Denominators:
@@ -60,28 +71,40 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     losses are divided by the mini-batch's GLOBAL token/sequence counts (`denom`, from minibatch_denominators)
     and gradients are SUM-reduced, so the step equals the one a single device would take on the whole mini-batch."""
     sums: dict[str, list[float]] = {}
+    sharded = is_sharded(model)
+    ran = 0
     for rows in micro_rows:
-        if not rows:  # zero-weight filler: nothing to forward; collectives happen once per mini-batch below
-            continue
+        if not rows:
+            if sharded:  # zero-weight filler: FSDP's gathers and reduce-scatters must meet on every rank
+                logits, _, _ = response_logits(model, filler_row(pad_token_id), pad_token_id)
+                (logits.sum() * 0.0).backward()
+            continue  # replicated: nothing to forward; collectives happen once per mini-batch below
         mb = batch.select(rows)
         logits, targets, mask = response_logits(model, mb, pad_token_id)
         per_token, stats = loss_fn(logits, targets, mask, mb)
         aggregate(per_token, mask, aggregation, denom).backward()
+        ran += 1
         for k, (s, c) in stats.items():
             acc = sums.setdefault(k, [0.0, 0.0])
             acc[0] += float(s)
             acc[1] += float(c)
     params = [p for p in model.parameters() if p.requires_grad]
     # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names.
-    # They are summed together with the gradients (extra=): one wait for both instead of a second meeting.
-    flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])], dtype=torch.float64)
-    dist.all_reduce_grads(params, extra=[flat])
+    flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])] + [ran], dtype=torch.float64)
+    if sharded:  # gradients were reduce-scattered (summed) in each backward; only the statistics are left
+        dist.all_reduce_sum(flat)
+        if flat[-1] == 0 and denom.seqs == 0:  # what one device has here: no gradient at all, no step
+            for p in params:
+                p.grad = None
+    else:  # summed together with the gradients (extra=): one wait for both instead of a second meeting
+        dist.all_reduce_grads(params, extra=[flat])
     if denom.seqs > 0 and all(p.grad is None for p in params):
         # Every row was skipped as zero-gradient: one device running them would step AdamW on zero gradients
         # (momentum and weight decay still move the weights), so do exactly that.
         for p in params:
             p.grad = torch.zeros_like(p)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded: a DTensor
     # Both numbers are global (summed over ranks above), so every rank stops here together, before the optimizer
     # could write a NaN into the weights.
     if not torch.isfinite(flat).all() or not torch.isfinite(grad_norm):

@@ -318,13 +318,12 @@ def test_sft_refuses_the_same_inputs(case, capsys):
 
 # ------------------------------------------------------------------------------------ 4. --resume, report
 
-def checkpoint_with(c: Case, meta: str, weights: bytes = b"") -> Path:
+def checkpoint_with(c: Case, meta: str, trainer: bytes = b"") -> Path:
     """A run directory holding a checkpoint step-000001 whose meta.json is `meta`."""
     step = c.run / "checkpoints" / "step-000001"
     step.mkdir(parents=True)
     (step / "meta.json").write_text(meta)
-    (step / "model.safetensors").write_bytes(weights)
-    (step / "trainer.pt").write_bytes(b"")
+    (step / "trainer.pt").write_bytes(trainer)
     (c.run / "checkpoints" / "latest").write_text("step-000001\n")
     (c.run / "metrics.jsonl").write_text('{"step": 1}\n')
     return step
@@ -336,7 +335,7 @@ CHECKPOINTS = [
     ('[1]', "meta.json: top level is a list"),
     ('{"step": "one"}', "meta.json: step is 'one'; expected a whole number"),
     ('{"step": 7}', "meta.json: step is 7 but the directory is step-000001"),
-    ('{"step": 1}', "model.safetensors: unreadable checkpoint"),
+    ('{"step": 1}', "trainer.pt: unreadable checkpoint"),
 ]
 
 

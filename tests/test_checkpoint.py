@@ -1,10 +1,13 @@
-"""Checkpoints are atomic: a save that dies half-way leaves the previous checkpoint and `latest` intact."""
+"""Checkpoints are atomic: a save that dies half-way leaves the previous checkpoint and `latest` intact; what they
+hold (weights and optimizer moments) comes back exactly; a damaged or foreign one is a one-line error."""
+
+import pickle
 
 import pytest
 import torch
 
 from evenrl.train import checkpoint
-from evenrl.errors import UsageError
+from evenrl.errors import RunStopped, UsageError
 
 
 def _model(seed):
@@ -12,28 +15,38 @@ def _model(seed):
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
 
 
-def test_round_trip_and_pruning(tmp_path):
-    m = _model(0)
+def _trained(seed=0):
+    m = _model(seed)
     opt = torch.optim.AdamW(m.parameters())
     m(torch.randn(2, 4)).sum().backward()
     opt.step()
+    return m, opt
+
+
+def test_round_trip_and_pruning(tmp_path):
+    m, opt = _trained()
     for step in (1, 2, 3):
-        checkpoint.save(tmp_path, step, model=m, trainer_state={"optimizer": opt.state_dict(), "n": step,
-                                                                  "rng": checkpoint.rng_state()}, keep=2)
+        checkpoint.save(tmp_path, step, model=m, optimizer=opt,
+                        trainer_state={"n": step, "rng": checkpoint.rng_state()}, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000003"]
     other = _model(1)
-    step, state = checkpoint.load(checkpoint.latest(tmp_path), other)
+    opt2 = torch.optim.AdamW(other.parameters(), lr=0.5)
+    step, state = checkpoint.load(checkpoint.latest(tmp_path), other, opt2)
     assert step == 3 and state["n"] == 3
     for a, b in zip(m.parameters(), other.parameters()):
         assert torch.equal(a, b)
-    opt2 = torch.optim.AdamW(other.parameters())
-    opt2.load_state_dict(state["optimizer"])
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]  # hyper-parameters come back too
+    for p, q in zip(m.parameters(), other.parameters()):
+        s, t = opt.state[p], opt2.state[q]
+        assert torch.equal(s["exp_avg"], t["exp_avg"]) and torch.equal(s["exp_avg_sq"], t["exp_avg_sq"])
+        assert float(s["step"]) == float(t["step"]) == 1.0
     checkpoint.set_rng_state(state["rng"])
 
 
 def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    m = _model(0)
-    checkpoint.save(tmp_path, 1, model=m, trainer_state={"n": 1})
+    m, opt = _trained()
+    checkpoint.save(tmp_path, 1, model=m, optimizer=opt, trainer_state={"n": 1})
+    want = [p.detach().clone() for p in m.parameters()]
     with torch.no_grad():
         for p in m.parameters():
             p.add_(1.0)
@@ -41,27 +54,61 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     def dies(*a, **k):
         raise KeyboardInterrupt("killed while writing")
 
-    monkeypatch.setattr(checkpoint.torch, "save", dies)
+    monkeypatch.setattr(checkpoint, "_fsync_dir", dies)  # everything written but the rename into place
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, 2, model=m, trainer_state={"n": 2})
+        checkpoint.save(tmp_path, 2, model=m, optimizer=opt, trainer_state={"n": 2})
     monkeypatch.undo()
+    assert any(p.name.startswith(".tmp-step-000002") for p in tmp_path.iterdir())  # it did die half-way
     found = checkpoint.latest(tmp_path)
     assert found.name == "step-000001"
-    fresh = _model(0)
-    step, state = checkpoint.load(found, fresh)
-    assert step == 1 and state == {"n": 1}
+    fresh, fresh_opt = _trained(5)
+    step, state = checkpoint.load(found, fresh, fresh_opt)
+    assert step == 1 and state["n"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(want, fresh.parameters()))
     assert not (tmp_path / "step-000002").exists()
 
 
+def test_a_crash_inside_the_sharded_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    m, opt = _trained()
+    checkpoint.save(tmp_path, 1, model=m, optimizer=opt, trainer_state={"n": 1})
+
+    def dies(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.torch, "save", dies)  # DCP writes each tensor with torch.save
+    with pytest.raises(RunStopped, match="step-000002.*disk full.*previous checkpoint stays"):
+        checkpoint.save(tmp_path, 2, model=m, optimizer=opt, trainer_state={"n": 2})
+    monkeypatch.undo()
+    assert checkpoint.latest(tmp_path).name == "step-000001"
+    assert checkpoint.load(checkpoint.latest(tmp_path), m, opt)[0] == 1
+
+
 def test_corrupt_checkpoint_is_a_one_line_error(tmp_path):
-    m = _model(0)
-    path = checkpoint.save(tmp_path, 1, model=m, trainer_state={})
-    (path / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(UsageError, match="unreadable checkpoint"):
-        checkpoint.load(path, m)
+    m, opt = _trained()
+    path = checkpoint.save(tmp_path, 1, model=m, optimizer=opt, trainer_state={})
+    (path / "state" / ".metadata").write_bytes(b"not a checkpoint index")
+    with pytest.raises(UsageError, match="unreadable checkpoint") as e:
+        checkpoint.load(path, m, opt)
+    assert "\n" not in str(e.value)
+
+
+def test_an_index_that_would_run_code_is_refused(tmp_path):
+    """DCP's index is a pickle; ours is read by an unpickler that builds only DCP's metadata records."""
+    m, opt = _trained()
+    path = checkpoint.save(tmp_path, 1, model=m, optimizer=opt, trainer_state={})
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (path / "state" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(UsageError, match="refused checkpoint index.*builtins.print"):
+        checkpoint.load(path, m, opt)
 
 
 def test_other_model_is_refused(tmp_path):
-    checkpoint.save(tmp_path, 1, model=_model(0), trainer_state={})
+    m, opt = _trained()
+    checkpoint.save(tmp_path, 1, model=m, optimizer=opt, trainer_state={})
+    other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
     with pytest.raises(UsageError, match="does not match"):
-        checkpoint.load(checkpoint.latest(tmp_path), torch.nn.Linear(4, 3))
+        checkpoint.load(checkpoint.latest(tmp_path), other, torch.optim.AdamW(other.parameters()))

@@ -74,7 +74,7 @@ def test_unknown_keys_list_the_allowed_ones(overrides, match):
     (["model.gradient_checkpointing=maybe"], "model.gradient_checkpointing: got 'maybe'; input should be a valid "
                                              "boolean"),
     (["data=3"], "data: got 3; input should be a valid dictionary"),
-    (["model.dtype=fp8"], "model.dtype: got 'fp8'; input should be 'float32', 'bfloat16' or 'float16'"),
+    (["model.dtype=fp8"], "model.dtype: got 'fp8'; input should be 'float32' or 'bfloat16'"),
     (["data.prompts_per_step=1.5"], "data.prompts_per_step: got 1.5"),
     (["data.prompts_per_step=-4"], "data.prompts_per_step: got -4; input should be greater than or equal to 1"),
     (["data.prompts_per_step=1000000000000"],

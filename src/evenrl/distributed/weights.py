@@ -45,10 +45,14 @@ def gathered(model: torch.nn.Module):
     with guard("weight all-gather"):
         for unit in units:
             unit.unshard()
+            # a forward inside the block (a decoder that calls the model) must not free the units it just used:
+            # the next token would gather them again, and every rank would have to decode as many tokens
+            unit.set_reshard_after_forward(False, recurse=False)
     try:
         yield model
     finally:
         for unit in units:
+            unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
 
 

@@ -34,7 +34,7 @@ class LeanDecoder:
 
     @classmethod
     def supports(cls, model) -> bool:
-        if type(model).__name__ not in cls.ARCHS:
+        if not any(c.__name__ in cls.ARCHS for c in type(model).__mro__):  # FSDP2 subclasses the model's class
             return False
         cfg, inner = model.config, getattr(model, "model", None)
         if inner is None or not hasattr(inner, "rotary_emb") or getattr(cfg, "pretraining_tp", 1) != 1:

@@ -19,6 +19,7 @@ torch.load(weights_only=True).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -26,10 +27,12 @@ import random
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.metadata import StorageMeta
@@ -37,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.weights import full_weights
-from evenrl.errors import UsageError
+from evenrl.errors import RunStopped, UsageError
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -71,9 +74,15 @@ def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, opt
         tmp.mkdir()
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    with dist.guard("checkpoint save"):
-        dcp_save({"model": model_state, "optimizer": optim_state["state"]},
-                 storage_writer=FileSystemWriter(str(tmp / "state"), single_file_per_rank=True))
+    try:
+        with dist.guard("checkpoint save"), _single_process_is_meant():
+            dcp_save({"model": model_state, "optimizer": optim_state["state"]},
+                     storage_writer=FileSystemWriter(str(tmp / "state"), single_file_per_rank=True),
+                     no_dist=dist.world() == 1)
+    except CheckpointException as e:  # a BaseException: it would pass every `except Exception` on its way out
+        reasons = sorted({_last_line(f) for f in e.failures.values()}) or [_last_line(e)]
+        raise RunStopped(f"checkpoint {name}: writing {tmp / 'state'} failed ({'; '.join(reasons)[:200]}); "
+                         f"the previous checkpoint stays the latest") from None
     if dist.is_main():
         torch.save({**trainer_state, "param_groups": optim_state["param_groups"]}, tmp / "trainer.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), "world": dist.world()}))
@@ -93,6 +102,14 @@ def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, opt
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """DCP warns at every save and load of one process without a group; that is what evenrl means by one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _run_token() -> str:
@@ -178,11 +195,17 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     # The model's own (sharded or whole) tensors are the templates DCP reads into, each rank the pieces it holds.
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state["state"]}
-    try:
-        dcp_load(state, storage_reader=_SafeReader(str(path / "state")))
+    index = path / "state" / ".metadata"
+    try:  # the index alone first: a refused or unreadable one is named here, not inside DCP's per-rank report
+        _SafeReader(str(path / "state")).read_metadata()
     except _Refused as e:
-        raise UsageError(f"{path / 'state'}: refused checkpoint index ({e}); {_EARLIER}") from None
-    except Exception as e:  # DCP wraps a rank's failure in its own exception types
+        raise UsageError(f"{index}: refused checkpoint index ({e}); {_EARLIER}") from None
+    except (OSError, EOFError, ValueError, TypeError, AttributeError, pickle.UnpicklingError) as e:
+        raise UsageError(f"{index}: unreadable checkpoint ({e.__class__.__name__}); {_EARLIER}") from None
+    try:
+        with _single_process_is_meant():
+            dcp_load(state, storage_reader=_SafeReader(str(path / "state")), no_dist=dist.world() == 1)
+    except (CheckpointException, Exception) as e:  # DCP reports a rank's failure as a CheckpointException
         text = _last_line(e)
         if "Missing key" in text or "size" in text.lower() or "mismatch" in text.lower():
             raise UsageError(f"{path}: checkpoint does not match model.path ({text[:160]}); resume with the same "
@@ -215,8 +238,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"it names {module}.{name}")
 
 
-_SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                 ("torch._utils", "_rebuild_tensor_v2"), ("torch.serialization", "_get_layout")}
+_SAFE_GLOBALS = {("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                 ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                 ("torch.serialization", "_get_layout")}  # looks a layout up by name
 
 
 class _SafeReader(FileSystemReader):
@@ -227,6 +251,11 @@ class _SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _last_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def save_final(model, tokenizer, out: Path) -> None:

@@ -19,13 +19,14 @@ from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
 from evenrl.errors import RunStopped, UsageError
 from evenrl.distributed.sharding import shard
-from evenrl.models.loading import load_policy, set_autocast
+from evenrl.models.loading import load_policy
 from evenrl.rewards import resolve
 from evenrl.train import checkpoint, rundir
 from evenrl.train.data import PromptSampler, load_data
 from evenrl.train.evaluate import evaluate
 from evenrl.train.runlog import RunLog, read_metrics
 from evenrl.train.step import rl_step
+from evenrl.train.update import prepare_model
 
 
 class Run:
@@ -37,11 +38,6 @@ class Run:
         torch.manual_seed(cfg.train.seed)
         # fp32 master weights whatever model.dtype says: prepare_model sets the compute precision
         self.model, self.tokenizer = load_policy(cfg.model.path, dtype="float32", device=info.device)
-        if cfg.model.gradient_checkpointing:
-            # transformers 5 renamed it; the old name warns and goes in v6
-            enable = getattr(self.model, "activation_checkpointing_enable", None) \
-                or self.model.gradient_checkpointing_enable
-            enable()
         prepare_model(self.model, cfg)
         self.model.train()
         self.reference = None
@@ -76,15 +72,6 @@ class Run:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state["rng"])
-
-
-def prepare_model(model, cfg: RunConfig) -> None:
-    """Sharding and precision of a trained model (the policy; a critic the same way), before its optimizer exists."""
-    compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-    if cfg.parallel.sharding == "fsdp":
-        shard(model, compute_dtype=compute, offload=cfg.parallel.cpu_offload == "full")
-    elif compute != torch.float32:
-        set_autocast(model, compute)
 
 
 def preflight(cfg: RunConfig):

@@ -23,7 +23,7 @@ from evenrl.train.data import PromptSampler, load_data
 from evenrl.train import rundir
 from evenrl.train.checkpoint import save_final
 from evenrl.train.runlog import RunLog
-from evenrl.train.update import minibatch_denominators, minibatch_update
+from evenrl.train.update import minibatch_denominators, minibatch_update, prepare_model
 
 
 def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
@@ -35,7 +35,8 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     torch.manual_seed(cfg.train.seed)
     from evenrl.models.loading import load_policy
 
-    model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
+    model, tokenizer = load_policy(cfg.model.path, dtype="float32", device=info.device)  # fp32 master weights
+    prepare_model(model, cfg)
     model.train()
     rows, prompt_tokens, _ = load_data(cfg, tokenizer)
     eos = tokenizer.eos_token_id

@@ -17,10 +17,12 @@ from torch import Tensor
 from evenrl.core.aggregation import Denominators, aggregate
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import token_logprobs
+from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.sharding import shard
 from evenrl.errors import RunStopped
 from evenrl.models.forward import response_logits
-from evenrl.models.loading import is_sharded
+from evenrl.models.loading import is_sharded, set_autocast
 
 
 @torch.no_grad()
@@ -44,6 +46,20 @@ def compute_logprobs(model, batch: Batch, micro_rows: list[list[int]], *, temper
             out[r] = logp[j][mask[j]].float().cpu()
     model.train(was_training)
     return out  # type: ignore[return-value]
+
+
+def prepare_model(model, cfg: RunConfig) -> None:
+    """Activation checkpointing, sharding and precision of a model about to be trained (by evenrl train or sft),
+    before its optimizer is built. Its parameters are fp32: they are the master weights whatever model.dtype is."""
+    if cfg.model.gradient_checkpointing:
+        # transformers 5 renamed it; the old name warns and goes in v6
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    if cfg.parallel.sharding == "fsdp":
+        shard(model, compute_dtype=compute, offload=cfg.parallel.cpu_offload == "full")
+    elif compute != torch.float32:
+        set_autocast(model, compute)
 
 
 def filler_row(pad_token_id: int) -> Batch:

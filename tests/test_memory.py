@@ -43,8 +43,8 @@ def test_every_component_by_hand():
     """float32, replicated, no offload, 1 rank: 16 bytes of state per parameter, P = 86,848.
     Worst case 64-token samples; 8 samples on the rank; cap 256 -> 4 rows -> t = 256 tokens; 8 samples generated.
     activations  t * L * a * c, a = 4h + 2*q_dim + 2*kv_dim + 4i = 256 + 128 + 64 + 512 = 960
-    logits       t * V * 12;  log-prob logits t * V * c;  KV cache  g * len * L * 2 * kv_dim * c;  overhead 0.3 GiB
-    phases: rollout = resident + KV, log-probs = resident + log-prob logits,
+    logits       t * V * 12;  log-prob logits t * V * (c + 4);  KV cache  g * len * L * 2 * kv_dim * c;
+    overhead 0.3 GiB. phases: rollout = resident + KV, log-probs = resident + one layer's activations + logits,
             update = resident + gradients + activations + logits; peak = the largest."""
     d = dims_from_config(TINY)
     P = 86_848
@@ -54,14 +54,15 @@ def test_every_component_by_hand():
     assert b["parameters"] == P * 4 and b["gradients"] == P * 4
     assert b["optimizer"] == P * 8  # two fp32 moments; the parameters are the master weights
     assert b["activations"] == 256 * 2 * 960 * 4
-    assert b["logits"] == 256 * 100 * 12 and b["log-prob logits"] == 256 * 100 * 4
+    assert b["logits"] == 256 * 100 * 12 and b["log-prob logits"] == 256 * 100 * 8
+    assert b["layer activations"] == 256 * 960 * 4
     assert b["KV cache"] == 8 * 64 * 2 * 2 * 32 * 4
     assert all(b[k] == 0 for k in ("reference model", "fsdp units", "gathered model", "autocast copies",
                                    "gradient buckets", "rollout reserve"))
     resident = P * 4 + P * 8 + 0.3 * GIB
     phases = {k: v * GIB for k, v in est.phases.items()}
     assert phases["rollout"] == pytest.approx(resident + 8 * 64 * 2 * 2 * 32 * 4)
-    assert phases["log-probs"] == pytest.approx(resident + 256 * 100 * 4)
+    assert phases["log-probs"] == pytest.approx(resident + 256 * 960 * 4 + 256 * 100 * 8)
     assert phases["update"] == pytest.approx(resident + P * 4 + 256 * 2 * 960 * 4 + 256 * 100 * 12)
     assert est.total_gib == max(est.phases.values()) == est.phases["update"]
     assert est.fits is True and est.host_gib == 0
@@ -96,15 +97,17 @@ def test_mixed_precision_fsdp_offload_reference():
     fs = estimate_memory(cfg(parallel={"sharding": "fsdp"}), lay, d)
     b = {k: v * GIB for k, v in fs.breakdown.items()}
     assert (b["parameters"], b["gradients"], b["optimizer"]) == (P * 4 / 4, P * 4 / 4, P * 8 / 4)
-    assert b["fsdp units"] == 4 * (root + 2 * block) and b["gathered model"] == 4 * P
+    assert b["fsdp units"] == 4 * (root + 2 * block) and b["gathered model"] == 4 * (P + block)  # + a buffer
     assert b["autocast copies"] == b["gradient buckets"] == 0
     resident = 12 * P / 4 + GIB
-    assert fs.phases["rollout"] * GIB == pytest.approx(resident + 4 * P + b["KV cache"])  # whole model gathered
+    assert fs.phases["rollout"] * GIB == pytest.approx(resident + 4 * (P + block) + b["KV cache"])  # whole model
     assert fs.phases["update"] * GIB == pytest.approx(resident + P + b["fsdp units"] + block * 4 + b["activations"]
                                                       + b["logits"])  # + the largest unit's unsharded gradient
     fs_bf = estimate_memory(cfg(parallel={"sharding": "fsdp"}, model={"dtype": "bfloat16"}), lay, d)
     assert fs_bf.breakdown["fsdp units"] * GIB == 2 * (root + 2 * block)  # gathered in the compute dtype
-    assert fs_bf.breakdown["gathered model"] * GIB == 2 * P and fs_bf.breakdown["parameters"] * GIB == P
+    assert fs_bf.breakdown["gathered model"] * GIB == 2 * (P + block) and fs_bf.breakdown["parameters"] * GIB == P
+    one = estimate_memory(cfg(parallel={"sharding": "fsdp"}), make_layout(1, 1, device="cuda"), d)
+    assert one.breakdown["gathered model"] * GIB == 4 * P  # one rank: the shard is the whole, nothing to copy out
     assert fs_bf.breakdown["autocast copies"] == 0  # FSDP's policy casts as it gathers
 
     repl = estimate_memory(cfg(), lay, d)  # 4 replicated ranks: the gradient all-reduce's buckets
@@ -113,7 +116,7 @@ def test_mixed_precision_fsdp_offload_reference():
     full = estimate_memory(cfg(parallel={"sharding": "fsdp", "cpu_offload": "full"}), lay, d)
     assert full.breakdown["parameters"] == full.breakdown["gradients"] == full.breakdown["optimizer"] == 0
     assert full.host_gib * GIB == 16 * P / 4 and full.breakdown["fsdp units"] > 0
-    assert full.phases["rollout"] * GIB == pytest.approx(GIB + 4 * P + full.breakdown["KV cache"] * GIB)
+    assert full.phases["rollout"] * GIB == pytest.approx(GIB + 4 * (P + block) + full.breakdown["KV cache"] * GIB)
     for unrunnable, layout in (({"cpu_offload": "full"}, lay),  # replicated: no shards to offload
                                ({"sharding": "fsdp", "cpu_offload": "full"}, make_layout(1, 4))):  # no accelerator
         est = estimate_memory(cfg(parallel=unrunnable), layout, d)

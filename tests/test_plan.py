@@ -267,7 +267,10 @@ def test_json_schema():
     assert set(d["ranks"]["per_rank"][0]) == {"rank", "samples", "tokens", "micro_steps", "idle_minibatches"}
     assert {"min", "mean", "max"} == set(d["ranks"]["samples"])
     assert set(d["optimizer_steps"]) == {"per_step", "total", "dataset_rows", "steps_per_epoch", "per_epoch"}
-    assert {"breakdown_gib", "total_gib", "capacity_gib", "fits", "fixes", "assumptions"} <= set(d["memory"])
+    assert {"breakdown_gib", "phases_gib", "total_gib", "capacity_gib", "fits", "fixes",
+            "assumptions"} <= set(d["memory"])
+    assert set(d["memory"]["phases_gib"]) == {"rollout", "log-probs", "update"}
+    assert d["memory"]["total_gib"] == max(d["memory"]["phases_gib"].values())
     assert all(set(f) == {"level", "rule", "message", "fix"} for f in d["findings"])
     json.dumps(d)
 

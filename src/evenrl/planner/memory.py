@@ -18,7 +18,8 @@ Resident on every phase (0 on the device with cpu_offload=full, which keeps them
   reference model  cP/S                 when algo.kl_coef > 0: frozen, in the compute dtype, sharded like the policy
   rollout reserve  memory_fraction * device memory;  overhead 1 GiB on cuda (context, allocator), 0.3 GiB on cpu
 rollout (generation with the HF sampler on the training ranks):
-  gathered model   cP                   fsdp: the whole model gathered once in the compute dtype, freed after
+  gathered model   cP + c*unit          fsdp: the whole model gathered once in the compute dtype, freed after;
+                                        T > 1: plus the largest unit's all-gather buffer while it is copied out
   autocast copies  2 * linear weights   replicated bf16: torch.autocast caches a bf16 copy of every fp32 weight
                                         that requires grad for as long as the forward runs, also under no_grad
   KV cache         g * len * L * 2 * kv_dim * c
@@ -26,7 +27,9 @@ log-probs (old/reference log-probs, no grad):
   fsdp units       c * (root + 2 * block)   the root unit (embeddings, final norm, head) stays gathered through a
                                         forward, with the block in use and the next one prefetched
   autocast copies  as above
-  log-prob logits  t * V * c            the head's output; the log-softmax runs in fp32 over chunks of positions
+  layer activations t * a * c         one layer's intermediates at a time (no grad: nothing is kept)
+  log-prob logits  t * V * (c + 4)      the head's output and an fp32 copy of it (the response slice, upcast) that
+                                        the log-softmax reads in chunks of positions
 update (forward + backward + gradient reduction + optimizer step):
   gradients        4P/S                 fp32 (0 with cpu_offload=full)
   fsdp units       as above, plus the largest unit's unsharded gradient (c bytes, and an fp32 copy for the
@@ -37,7 +40,7 @@ update (forward + backward + gradient reduction + optimizer step):
   logits           t * V * 12           logits, their fp32 log-softmax and its gradient (the usual hidden OOM)
   gradient buckets 4P                   replicated, T > 1: the all-reduce copies every gradient into flat buckets
                                         before the old ones are freed (after the backward: activations are gone)
-  update = resident + gradients + max(units + copies + activations + logits, gradient buckets)
+  update = resident + gradients + max(units + unit gradient + copies + activations + logits, gradient buckets)
 peak = the largest phase (they never overlap).
 
 The activation count adapts Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -45,7 +48,7 @@ Models" (arXiv:2205.05198, sec. 4.1: 34*s*b*h + 5*a*s^2*b bytes per layer for GP
 (gate, up, SiLU(gate), product: 4i), grouped-query attention (q, k, v, context: 2*q_dim + 2*kv_dim), RMSNorm
 inputs (2h), the inputs of the QKV and MLP projections (2h), no dropout masks, and SDPA/flash attention (no
 s^2 score matrix). Worst case: every sample is max_prompt_tokens + max_new_tokens long.
-benchmarks/memory.py measures the state and the update phase on CPU beside this estimate (docs/performance.md).
+benchmarks/memory.py measures the state and each phase on CPU beside this estimate (docs/performance.md).
 g comes from the trainer's own rollout split (evenrl.core.schedule.rollout_shares), so the estimate follows any
 change to it; past SPLIT_MAX samples per step that split costs too much time for a preflight (the planner sizes
 fixes by bisection, re-estimating each time), and g is the bound it keeps: within one sample of the busiest
@@ -74,7 +77,7 @@ SPLIT_MAX = 20_000  # samples per step beyond which the rollout split is bounded
 # The three phases of a step and the components each holds on top of the resident ones (render shows them so).
 RESIDENT = ("parameters", "optimizer", "reference model", "rollout reserve", "overhead")
 PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache"),
-          "log-probs": ("fsdp units", "autocast copies", "log-prob logits"),
+          "log-probs": ("fsdp units", "autocast copies", "layer activations", "log-prob logits"),
           "update": ("gradients", "fsdp units", "autocast copies", "activations", "logits", "gradient buckets")}
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
@@ -255,11 +258,12 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     parts = {
         "parameters": params_b, "optimizer": opt_b, "reference model": ref, "rollout reserve": reserve,
         "overhead": overhead,
-        "gathered model": c * P if fsdp else 0,
+        "gathered model": c * (P + (largest if t > 1 else 0)) if fsdp else 0,
         "autocast copies": copies,
         "KV cache": gen * length * L * 2 * dims.kv_heads * dims.head_dim * c,
         "fsdp units": units,
-        "log-prob logits": tokens * V * c,
+        "layer activations": tokens * dims.act_elems * c,
+        "log-prob logits": tokens * V * (c + 4),
         "gradients": grads_b,
         "activations": act,
         "logits": tokens * V * LOGIT_BYTES,
@@ -268,7 +272,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     resident = sum(parts[k] for k in RESIDENT)
     phases = {
         "rollout": resident + parts["gathered model"] + copies + parts["KV cache"],
-        "log-probs": resident + units + copies + parts["log-prob logits"],
+        "log-probs": resident + units + copies + parts["layer activations"] + parts["log-prob logits"],
         "update": resident + grads_b + max(units + unit_grads + copies + act + parts["logits"],
                                            parts["gradient buckets"]),
     }

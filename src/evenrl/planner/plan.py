@@ -22,7 +22,8 @@ Plan.to_dict(), schema "evenrl.plan/1" (what --json prints):
          tokens{min,mean,max}, micro_steps_per_minibatch[], idle[], imbalance (busiest / even split),
          bound_ratio (busiest / partition lower bound), oversize_samples},
   optimizer_steps {per_step, total, dataset_rows, steps_per_epoch, per_epoch}  (unknown: null),
-  memory null | {breakdown_gib{...}, total_gib, capacity_gib, fits, params, micro_tokens,
+  memory null | {breakdown_gib{...}, phases_gib{rollout, log-probs, update} (each with the resident part;
+                 total_gib is the largest), total_gib, capacity_gib, fits, params, micro_tokens,
                  rollout_samples_per_rank, host_gib, assumptions[], fixes[{settings, total_gib, fits, why}]},
   findings [{level, rule, message, fix}]   (errors first)
 """

@@ -112,3 +112,25 @@ def test_other_model_is_refused(tmp_path):
     other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
     with pytest.raises(UsageError, match="does not match"):
         checkpoint.load(checkpoint.latest(tmp_path), other, torch.optim.AdamW(other.parameters()))
+
+
+def test_extra_models_are_saved_and_restored_by_name(tmp_path):
+    policy, critic = _model(0), _model(1)
+    popt, copt = torch.optim.AdamW(policy.parameters()), torch.optim.AdamW(critic.parameters(), lr=0.5)
+    critic(torch.randn(2, 4)).sum().backward()
+    copt.step()
+    path = checkpoint.save(tmp_path, 3, model=policy, optimizer=popt, trainer_state={"n": 3},
+                           extra={"critic": (critic, copt)})
+    assert (tmp_path / "latest").read_text().strip() == "step-000003"
+    p2, c2 = _model(2), _model(3)
+    popt2, copt2 = torch.optim.AdamW(p2.parameters()), torch.optim.AdamW(c2.parameters())
+    step, _ = checkpoint.load(path, p2, popt2, extra={"critic": (c2, copt2)})
+    assert step == 3
+    assert all(torch.equal(a, b) for a, b in zip(c2.parameters(), critic.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(p2.parameters(), policy.parameters()))
+    assert copt2.param_groups[0]["lr"] == 0.5
+    moments = [copt.state[p]["exp_avg"] for p in critic.parameters()]
+    assert all(torch.equal(copt2.state[q]["exp_avg"], m) for q, m in zip(c2.parameters(), moments))
+    plain = checkpoint.save(tmp_path, 4, model=policy, optimizer=popt, trainer_state={"n": 4})
+    with pytest.raises(UsageError, match="holds no critic"):
+        checkpoint.load(plain, p2, popt2, extra={"critic": (c2, copt2)})

@@ -58,7 +58,7 @@ def test_override_syntax(tmp_path, overrides, match):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["nope=1"], "nope: unknown key; allowed here: algo, checkpoint, data, eval, log, model, parallel, rewards, rollout, "
+    (["nope=1"], "nope: unknown key; allowed here: algo, checkpoint, critic, data, eval, log, model, parallel, rewards, rollout, "
                  "sft, train"),
     (["data.batch_size=64"], "data.batch_size: unknown key; allowed here: answer_field, extra_fields, "
                              "max_prompt_tokens, path, prompt_field, prompts_per_step, seed"),

@@ -305,3 +305,71 @@ def test_peer_without_offload_keeps_the_device_state(tmp_path):
     one, cfg1, _ = run(tmp_path, "verl", LOGIC_RL, ["trainer.n_gpus_per_node=1",
                                                     "+actor_rollout_ref.actor.fsdp_config.param_offload=true"])
     assert (cfg1.parallel.sharding, cfg1.parallel.cpu_offload) == ("fsdp", "full")  # offload needs fsdp, even on 1
+
+
+# Logic-RL's run as its report describes it: REINFORCE++ with one sample per prompt, 2 prompts on 4 GPUs, with
+# parameters, gradients and optimizer state offloaded to the host.
+LOGIC_RL_PP = {"data": {"train_batch_size": 2, "max_prompt_length": 400, "max_response_length": 4096},
+               "actor_rollout_ref": {
+                   "model": {"enable_gradient_checkpointing": True},
+                   "actor": {"ppo_mini_batch_size": 256, "ppo_micro_batch_size": 64, "use_kl_loss": True,
+                             "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl",
+                             "fsdp_config": {"param_offload": True, "grad_offload": True, "optimizer_offload": True}},
+                   "rollout": {"n": 1}},
+               "algorithm": {"adv_estimator": "reinforce_plus_plus", "kl_ctrl": {"kl_coef": 0.001}},
+               "trainer": {"n_gpus_per_node": 4, "nnodes": 1}}
+
+
+def test_logic_rl_reinforce_pp_one_sample_translates_and_plans_without_errors(tmp_path):
+    t, cfg, plan = run(tmp_path, "verl", LOGIC_RL_PP)
+    assert "real_train_batch_size (2) must be divisible by minimal possible batch size (4)" in messages(t)
+    assert (cfg.algo.advantage, cfg.rollout.samples_per_prompt, cfg.data.prompts_per_step) == ("reinforce_pp", 1, 2)
+    assert (cfg.parallel.sharding, cfg.parallel.cpu_offload) == ("fsdp", "full")
+    assert cfg.algo.kl_coef == 0.001 and cfg.algo.kl_in == "loss"
+    assert not any("no evenrl equivalent" in n for n in t.notes)
+    assert t.layout.training_ranks == 4
+    assert [f for f in plan.findings if f.level == "error"] == [], [f.message for f in plan.findings]
+    assert plan.runnable and sum(r.samples for r in plan.ranks) == 2
+
+
+def test_verl_ppo_with_critic_dynamic_sampling_and_overlong(tmp_path):
+    critic_dir = tmp_path / "critic"
+    critic_dir.mkdir()
+    peer = {**LOGIC_RL, "algorithm": {"adv_estimator": "gae", "gamma": 0.99, "lam": 0.95,
+                                      "filter_groups": {"enable": True, "max_num_gen_batches": 6}},
+            "critic": {"model": {"path": str(critic_dir)}, "optim": {"lr": 2e-5, "lr_warmup_steps": 10},
+                       "cliprange_value": 0.3},
+            "reward_model": {"overlong_buffer": {"enable": True, "len": 512, "penalty_factor": 0.5}}}
+    t, cfg, plan = run(tmp_path, "verl", peer)
+    assert (cfg.algo.advantage, cfg.algo.gamma, cfg.algo.lam) == ("gae", 0.99, 0.95)
+    assert (cfg.critic.path, cfg.critic.lr, cfg.critic.warmup_steps, cfg.critic.value_clip) == \
+        (str(critic_dir), 2e-5, 10, 0.3)
+    assert cfg.algo.filter_groups and cfg.algo.max_generation_rounds == 6
+    assert (cfg.rewards.overlong_buffer, cfg.rewards.overlong_penalty) == (512, 0.5)
+    assert not [f for f in plan.findings if f.level == "error"]
+    # the policy's own path as critic: no separate critic.path; verl's unlimited rounds: bounded, said so
+    peer["critic"]["model"]["path"] = ""
+    peer["algorithm"]["filter_groups"]["max_num_gen_batches"] = 0
+    t2, cfg2, _ = run(tmp_path, "verl", peer)
+    assert cfg2.critic.path == "" and cfg2.algo.max_generation_rounds == 4
+    assert any("no limit on generation rounds" in n for n in t2.notes)
+
+
+def test_openrlhf_and_easyr1_map_the_new_estimators(tmp_path):
+    flags = OPENRLHF.replace("--advantage_estimator group_norm", "--advantage_estimator gae --gamma 0.9 --lambd 0.8 "
+                             "--critic_learning_rate 3e-6 --value_clip 0.2 --dynamic_filtering "
+                             "--overlong_buffer_len 256 --overlong_penalty_factor 2.0")
+    _, cfg, _ = run(tmp_path, "openrlhf", flags)
+    assert (cfg.algo.advantage, cfg.algo.gamma, cfg.algo.lam, cfg.critic.lr, cfg.critic.value_clip) == \
+        ("gae", 0.9, 0.8, 3e-6, 0.2)
+    assert cfg.algo.filter_groups and (cfg.rewards.overlong_buffer, cfg.rewards.overlong_penalty) == (256, 2.0)
+    _, cfg, _ = run(tmp_path, "openrlhf", OPENRLHF.replace("group_norm", "reinforce"))
+    assert cfg.algo.advantage == "reinforce_pp" and not cfg.algo.filter_groups
+    easy = {**EASYR1, "algorithm": {**EASYR1["algorithm"], "adv_estimator": "reinforce_plus_plus",
+                                    "gamma": 0.95, "online_filtering": True}}
+    _, cfg, _ = run(tmp_path, "easyr1", easy)
+    assert (cfg.algo.advantage, cfg.algo.gamma, cfg.algo.filter_groups) == ("reinforce_pp", 0.95, True)
+    easy["algorithm"] = {**easy["algorithm"], "adv_estimator": "gae", "lam": 0.9}
+    easy["worker"] = {**easy["worker"], "critic": {"optim": {"lr": 4e-6}, "cliprange_value": 0.4}}
+    _, cfg, _ = run(tmp_path, "easyr1", easy)
+    assert (cfg.algo.advantage, cfg.algo.lam, cfg.critic.lr, cfg.critic.value_clip) == ("gae", 0.9, 4e-6, 0.4)

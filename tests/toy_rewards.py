@@ -13,3 +13,11 @@ def fails_on_some(completion: str, sample: dict) -> float:
     if code % 4 == 0:
         raise ValueError(f"deliberate failure on {completion!r}")
     return (code % 5) / 4
+
+
+def mostly_solved(completion: str, sample: dict) -> float:
+    """1 for every completion of a prompt whose first number is below 7 (about 70% of the addition prompts: their
+    groups are all-correct and carry no group advantage), else digit_fraction: for dynamic sampling."""
+    if int(sample["prompt"].split("+")[0]) < 7:
+        return 1.0
+    return digit_fraction(completion, sample)

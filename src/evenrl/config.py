@@ -120,8 +120,24 @@ class RewardSpec(_Section):
 
 
 class AlgoConfig(_Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"] = Field(
-        "grpo", description="Advantage estimator over each prompt's group of samples.")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp", "gae"] = Field(
+        "grpo", description="Advantage estimator. Over each prompt's group of samples: grpo, dr_grpo, rloo, "
+                            "reinforce_pp_baseline. Per token, whitened over the whole step's response tokens on "
+                            "all ranks: reinforce_pp (REINFORCE++: discounted returns of the outcome reward, with "
+                            "kl_in=reward the per-token KL folded in; works with samples_per_prompt=1) and gae "
+                            "(PPO with a learned critic, section critic).")
+    gamma: float = Field(1.0, ge=0.0, le=1.0,
+                         description="Discount per response token of reinforce_pp returns and gae (verl/OpenRLHF "
+                                     "gamma); 1: every token gets the outcome reward.")
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="gae: the lambda of generalised advantage estimation "
+                                                         "(verl lam, OpenRLHF lambd).")
+    filter_groups: bool = Field(
+        False, description="Dynamic sampling (DAPO): drop prompt groups whose rewards are all equal (they have no "
+                           "group advantage) and sample more prompts, in rounds, until data.prompts_per_step groups "
+                           "are kept. Needs samples_per_prompt >= 2.")
+    max_generation_rounds: int = Field(
+        4, ge=1, le=1000, description="filter_groups: most sampling rounds per step (the first included); when they "
+                                      "run out the step trains on the groups it kept and says so.")
     std_scale: Literal["group", "batch", "none"] = Field(
         "group", description="GRPO: divide centred rewards by the group std, the batch std, or nothing.")
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
@@ -162,6 +178,29 @@ class RewardsConfig(_Section):
         "zero", description="A sample whose reward call failed (raised, non-number, timeout, memory, CPU): 'zero' "
                             "scores it 0 and trains on it; 'mask' leaves it out of learning (no advantage, not in "
                             "its group's statistics, nor in the loss denominators).")
+    overlong_buffer: int = Field(
+        0, ge=0, le=MAX_TOKENS,
+        description="DAPO's soft overlong penalty: a response longer than rollout.max_new_tokens - overlong_buffer "
+                    "tokens loses overlong_penalty x (excess / overlong_buffer) of reward, the whole "
+                    "overlong_penalty at max_new_tokens. 0: off. At most rollout.max_new_tokens.")
+    overlong_penalty: float = Field(
+        1.0, ge=0.0, le=1000.0, description="Reward lost by a response of rollout.max_new_tokens tokens when "
+                                            "overlong_buffer > 0 (verl penalty_factor).")
+    mask_truncated: bool = Field(
+        False, description="Leave samples cut at rollout.max_new_tokens (no EOS) out of learning, as rewards."
+                           "on_failure=mask does failed ones: no advantage, not in their group's statistics, not "
+                           "in the loss denominators (DAPO's overlong filtering).")
+
+
+class CriticConfig(_Section):
+    path: str = Field("", description="algo.advantage=gae: local Hugging Face directory of the value model's "
+                                      "body; empty: the policy's (model.path) weights. Its LM head is replaced by "
+                                      "a scalar value head.")
+    lr: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW learning rate of the critic.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up of the critic's learning rate, in optimizer "
+                                                   "steps.")
+    value_clip: float = Field(0.5, ge=0.0, description="Value-loss clipping: a new value counts at most this far "
+                                                       "from the value at sampling time (verl cliprange_value).")
 
 
 class TrainConfig(_Section):
@@ -236,6 +275,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling.")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Reward functions.")
     algo: AlgoConfig = Field(default_factory=AlgoConfig, description="Advantages and losses.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model of algo.advantage=gae.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation and micro-batching.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Sharding and offload.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")

@@ -1,7 +1,14 @@
-"""Advantage estimators as pure functions: one scalar reward per sample -> one advantage per sample.
+"""Advantage estimators as pure functions.
 
-Shapes: N completions in a step; every function maps rewards [N] and group ids [N] to advantages [N]. They run on
-the whole step's rewards (on every rank), so an advantage does not depend on how samples are spread over ranks.
+Per sample (GRPO family): N completions in a step; every function maps rewards [N] and group ids [N] to
+advantages [N]. They run on the whole step's rewards (on every rank), so an advantage does not depend on how
+samples are spread over ranks.
+
+Per token (REINFORCE++, GAE): [B, R] tensors, each row's response right-aligned (its last token in column R-1,
+padding on the left), `mask` [B, R] True on response tokens. Returns and GAE depend on one row's tokens only, so
+each rank computes them for its own rows; the whitening that follows needs the mean and variance over the whole
+step's response tokens, which `token_moments` (per row) and `pooled_moments` (over rows, in sample order) give
+exactly on any layout.
 
 Conventions are verl's (its core algorithms' names are given where they differ) unless a docstring says otherwise.
 """
@@ -105,6 +112,115 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, groups: torch.Tensor
     centred = r - mean
     return centred / (_batch_std(centred) + eps)
 
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per token: [B, R] right-aligned rows, mask [B, R]
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """Per-token rewards: each row's outcome score on its last response token, minus kl_coef x the per-token KL to
+    the reference on every response token (verl/OpenRLHF fold the KL into the reward this way for REINFORCE++ and
+    PPO).  scores [B], mask [B, R], kl [B, R] or None -> [B, R], 0 outside the mask."""
+    if mask.dim() != 2 or scores.shape != mask.shape[:1]:
+        raise ValueError(f"scores [B] and mask [B, R] disagree: {tuple(scores.shape)}, {tuple(mask.shape)}")
+    mask = mask.bool()
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    r = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    if mask.shape[1]:
+        r[:, -1] = scores.to(dtype)
+    if kl is not None and kl_coef:
+        r = r - kl_coef * kl.to(dtype)
+    return torch.where(mask, r, torch.zeros((), dtype=dtype, device=mask.device))
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} within each row's response (REINFORCE++'s returns; verl
+    `compute_reinforce_plus_plus_outcome_advantage` before whitening).  rewards, mask [B, R] -> [B, R]."""
+    mask = mask.bool()
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0]) if rewards.shape[1] else None
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, torch.zeros_like(running))
+        out[:, t] = running
+    return out
+
+
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                   lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. arXiv:1506.02438; verl `compute_gae_advantage_return`
+    before whitening).  rewards, values, mask [B, R] -> (advantages [B, R], returns [B, R] = advantages + values).
+
+      delta_t = r_t + gamma * V_{t+1} - V_t      (V after the last response token is 0: the episode ended)
+      A_t     = delta_t + gamma * lam * A_{t+1}
+    0 outside the mask."""
+    if values.shape != rewards.shape or mask.shape != rewards.shape:
+        raise ValueError(f"rewards, values and mask must all be [B, R]; got {tuple(rewards.shape)}, "
+                         f"{tuple(values.shape)}, {tuple(mask.shape)}")
+    mask = mask.bool()
+    values = torch.where(mask, values.to(rewards.dtype), torch.zeros((), dtype=rewards.dtype))
+    adv = torch.zeros_like(rewards)
+    if rewards.shape[1] == 0:
+        return adv, adv.clone()
+    last = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(last)
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = torch.where(mask[:, t], delta + gamma * lam * last, torch.zeros_like(last))
+        next_value = torch.where(mask[:, t], values[:, t], torch.zeros_like(last))
+        adv[:, t] = last
+    return adv, torch.where(mask, adv + values, torch.zeros_like(adv))
+
+
+def token_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: (count, mean, sum of squared deviations from the row mean) of its masked tokens, float64, each [B].
+    Rows travel with their sample, so the whole step's statistics can be pooled from these on any rank."""
+    mask = mask.bool()
+    x = torch.where(mask, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
+    count = mask.sum(-1).double()
+    mean = x.sum(-1) / count.clamp(min=1)
+    dev = torch.where(mask, x - mean[:, None], torch.zeros((), dtype=torch.float64, device=x.device))
+    return count, mean, (dev * dev).sum(-1)
+
+
+def pooled_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> tuple[float, float]:
+    """(mean, unbiased variance) over all tokens of the rows given by their token_moments, [N] each.  The
+    between-row term is added to the within-row sums of squares (no E[x^2] - E[x]^2 cancellation); summed in the
+    order given, so every rank that pools the same rows in the same order gets the same bits.  Variance 0 for
+    fewer than two tokens."""
+    n = float(count.double().sum())
+    if n == 0:
+        return 0.0, 0.0
+    mu = float((count.double() * mean.double()).sum()) / n
+    ss = float(m2.double().sum() + (count.double() * (mean.double() - mu).square()).sum())
+    return mu, ss / (n - 1) if n > 1 else 0.0
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, mean: float, var: float, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) on masked tokens, 0 elsewhere (verl `masked_whiten`: unbiased variance,
+    eps inside the root).  x, mask [B, R] -> [B, R]."""
+    out = (x.double() - mean) / (var + eps) ** 0.5
+    return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device)).to(x.dtype)
+
+
+def whiten_tokens(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Whiten over all masked tokens of x: the single-batch form of token_moments -> pooled_moments -> whiten."""
+    mean, var = pooled_moments(*token_moments(x, mask))
+    return whiten(x, mask, mean, var, eps)
+
+
+def reinforce_pp_advantages(scores: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                            kl: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
+    """REINFORCE++ (Hu et al. arXiv:2501.03262; verl `reinforce_plus_plus`, OpenRLHF `reinforce`): per-token
+    rewards (outcome score on the last token, minus kl_coef x KL per token), discounted returns, whitened over the
+    batch's response tokens.  No group, no critic: works with one sample per prompt.  scores [B], mask [B, R],
+    kl [B, R] or None -> [B, R]."""
+    returns = discounted_returns(token_rewards(scores, mask, kl, kl_coef), mask, gamma)
+    return whiten_tokens(returns, mask)
+
+
+TOKEN_ADVANTAGES = ("reinforce_pp", "gae")
 
 ADVANTAGES = {
     "grpo": grpo_advantages,

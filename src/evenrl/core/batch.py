@@ -42,7 +42,20 @@ COLUMNS: dict[str, Column] = {
     "reward_failed": Column("sample", torch.bool, "a reward call on this sample failed (it counts 0 in reward); "
                                                   "with rewards.on_failure=mask the sample is left out of learning"),
     "kl_sum": Column("sample", torch.float32, "summed per-token KL to the reference at sampling time (kl_in=reward)"),
-    "advantage": Column("sample", torch.float32, "advantage, from the whole step's rewards"),
+    "advantage": Column("sample", torch.float32, "advantage, from the whole step's rewards (reinforce_pp, gae: the "
+                                                 "mean of the sample's token advantages)"),
+    "reward_kl": Column("token", torch.float32, "per-token KL to the reference at sampling time (kl_in=reward with "
+                                                "reinforce_pp or gae: folded into each token's reward)"),
+    "old_values": Column("token", torch.float32, "the critic's value of each response token's state at sampling "
+                                                 "time (gae)"),
+    "returns": Column("token", torch.float32, "value targets: GAE advantages + old_values (gae)"),
+    "raw_advantage": Column("token", torch.float32, "per-token advantage before whitening: discounted returns "
+                                                    "(reinforce_pp) or GAE (gae)"),
+    "token_mean": Column("sample", torch.float64, "mean of the sample's raw_advantage (gathered: whitening)"),
+    "token_m2": Column("sample", torch.float64, "sum of squared deviations of the sample's raw_advantage from "
+                                                "token_mean (gathered: whitening)"),
+    "token_advantage": Column("token", torch.float32, "per-token advantage, whitened over the whole step's "
+                                                      "response tokens (reinforce_pp, gae)"),
     "old_logp": Column("token", torch.float32, "response log-probs under the policy that sampled (PPO ratio)"),
     "ref_logp": Column("token", torch.float32, "response log-probs under the frozen reference (kl_in=loss)"),
     "row_id": Column("list", None, "the prompt's dataset row"),

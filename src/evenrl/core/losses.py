@@ -159,7 +159,7 @@ class LossInputs:
     response right-aligned, float32."""
     logp: torch.Tensor            # log-probs of the sampled tokens under the policy being trained (with grad)
     old_logp: torch.Tensor        # under the policy that sampled (the ratio's denominator; no grad)
-    advantages: torch.Tensor      # [B] one per sample, broadcast over its tokens
+    advantages: torch.Tensor      # [B] one per sample, broadcast over its tokens; or [B, R] one per token
     mask: torch.Tensor            # [B, R] bool: True on response tokens
     entropy: torch.Tensor         # [B, R] entropy of the sampling distribution (with grad when entropy_coef > 0)
     ref_logp: torch.Tensor | None = None  # under the frozen reference; None when KL is not measured per token
@@ -197,3 +197,35 @@ def rl_loss(inp: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, t
         per_token = per_token - s.entropy_coef * inp.entropy
     stats["entropy"] = (torch.where(inp.mask, inp.entropy.detach(), 0.0).sum(), n)
     return per_token, stats
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The critic's objective (PPO with GAE): per-token clipped value loss
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float = 0.5) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """PPO's clipped value loss per token (verl `compute_value_loss`, OpenRLHF `ValueLoss`).
+    values [B, R] (with grad), old_values [B, R] (at sampling time), returns [B, R] (GAE targets), mask [B, R]
+    -> (loss [B, R], stats {name: (sum over masked tokens, token count)}).
+
+      clipped = old_values + clamp(values - old_values, -clip, clip)
+      loss    = 0.5 * max((values - returns)^2, (clipped - returns)^2)
+    stats: critic/loss, critic/clip_fraction (the clipped branch was larger), critic/values (mean prediction)."""
+    if not (values.shape == old_values.shape == returns.shape == mask.shape) or values.dim() != 2:
+        raise ValueError(f"values, old_values, returns and mask must all be [B, R]; got {tuple(values.shape)}, "
+                         f"{tuple(old_values.shape)}, {tuple(returns.shape)}, {tuple(mask.shape)}")
+    mask = mask.bool()
+    old_values, returns = old_values.to(values.dtype), returns.to(values.dtype)
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    plain, clipped_loss = (values - returns).square(), (clipped - returns).square()
+    loss = 0.5 * torch.maximum(plain, clipped_loss)
+    zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
+    loss = torch.where(mask, loss, zero)
+    n = mask.sum()
+    with torch.no_grad():
+        stats = {"critic/loss": (loss.detach().sum(), n),
+                 "critic/clip_fraction": (((clipped_loss > plain) & mask).sum(), n),
+                 "critic/values": (torch.where(mask, values.detach(), zero).sum(), n)}
+    return loss, stats

@@ -89,6 +89,23 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
     return model, tokenizer
 
 
+def with_value_head(model, seed: int):
+    """The model as a value model: its LM head replaced by a scalar head (hidden -> 1, with bias; weights drawn
+    N(0, initializer_range) from `seed`, bias 0), as verl's critic (a token-classification head with one label)
+    and OpenRLHF's value head are. Every forward path that ends in `lm_head` then returns values [.., 1] where it
+    returned logits, so the critic trains through the same micro-batching as the policy."""
+    inner = model.lm_head
+    hidden = model.config.hidden_size
+    head = torch.nn.Linear(hidden, 1, bias=True, dtype=inner.weight.dtype, device=inner.weight.device)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(1, hidden, generator=g) * getattr(model.config, "initializer_range", 0.02))
+        head.bias.zero_()
+    model.lm_head = head
+    model.config.tie_word_embeddings = False  # the value head is its own weight, never the embedding's
+    return model
+
+
 def _check_vocabulary(tokenizer, path: str) -> None:
     """A tokenizer with no ordinary tokens (only special ones) is what transformers builds from a directory
     whose vocabulary files are missing or empty: refuse it rather than train on token soup."""

@@ -16,6 +16,10 @@ Resident on every phase (0 on the device with cpu_offload=full, which keeps them
   parameters       4P/S                 fp32 master weights
   optimizer        8P/S                 AdamW's two fp32 moments (fused step: no temporaries)
   reference model  cP/S                 when algo.kl_coef > 0: frozen, in the compute dtype, sharded like the policy
+  critic           12P/S                when algo.advantage=gae: the value model's fp32 weights and AdamW moments,
+                                        sized as the policy, sharded and offloaded like it (its gradients and
+                                        activations exist only during its own update, after the policy's, whose
+                                        vocabulary-sized logits make the policy's update the larger)
   rollout reserve  memory_fraction * device memory;  overhead 1 GiB on cuda (context, allocator), 0.3 GiB on cpu
 rollout (generation with the HF sampler on the training ranks):
   gathered model   cP + c*unit          fsdp: the whole model gathered once in the compute dtype, freed after;
@@ -75,7 +79,7 @@ LOGIT_BYTES = 12  # logits + fp32 log-softmax + its gradient, per token per voca
 OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.3}
 SPLIT_MAX = 20_000  # samples per step beyond which the rollout split is bounded, not computed (module docstring)
 # The three phases of a step and the components each holds on top of the resident ones (render shows them so).
-RESIDENT = ("parameters", "optimizer", "reference model", "rollout reserve", "overhead")
+RESIDENT = ("parameters", "optimizer", "reference model", "critic", "rollout reserve", "overhead")
 PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache"),
           "log-probs": ("fsdp units", "autocast copies", "layer activations", "log-prob logits"),
           "update": ("gradients", "fsdp units", "autocast copies", "activations", "logits", "gradient buckets")}
@@ -244,6 +248,11 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     ref_full = c * P if cfg.algo.kl_coef > 0 else 0
     ref = ref_full / shard * device_state
     host = (STATE_BYTES * P / shard + ref_full / shard) if offload else 0
+    critic = 0
+    if cfg.algo.advantage == "gae":
+        critic = params_b + opt_b
+        host += STATE_BYTES * P / shard if offload else 0
+        notes.append("critic (algo.advantage=gae) sized as the policy, sharded and offloaded the same way")
     reserve = cfg.rollout.memory_fraction * layout.device_memory_gib * GIB
     overhead = OVERHEAD_GIB[layout.device] * GIB
     copies = 2 * dims.linear_params if (c == 2 and not fsdp) else 0
@@ -256,8 +265,8 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
         act = tokens * L * dims.act_elems * c
     length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     parts = {
-        "parameters": params_b, "optimizer": opt_b, "reference model": ref, "rollout reserve": reserve,
-        "overhead": overhead,
+        "parameters": params_b, "optimizer": opt_b, "reference model": ref, "critic": critic,
+        "rollout reserve": reserve, "overhead": overhead,
         "gathered model": c * (P + (largest if t > 1 else 0)) if fsdp else 0,
         "autocast copies": copies,
         "KV cache": gen * length * L * 2 * dims.kv_heads * dims.head_dim * c,

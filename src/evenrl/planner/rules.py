@@ -160,6 +160,33 @@ def rule_groups(p: Plan) -> list[Finding]:
     return []
 
 
+def rule_algorithms(p: Plan) -> list[Finding]:
+    """Settings of dynamic sampling, the overlong penalty and the critic that cannot work as given."""
+    c, out = p.config, []
+    k = c.rollout.samples_per_prompt
+    if c.algo.filter_groups and k == 1:
+        out.append(Finding("error", "filter-single-sample",
+                           "algo.filter_groups drops groups whose rewards are all equal, but samples_per_prompt=1: "
+                           "every group has one reward",
+                           "rollout.samples_per_prompt>=2; or algo.filter_groups=false"))
+    if c.algo.filter_groups and c.algo.advantage in ("reinforce_pp", "gae"):
+        out.append(Finding("note", "filter-per-token",
+                           f"algo.filter_groups with {c.algo.advantage}: groups are still filtered by their rewards, "
+                           "though this advantage does not compare a prompt's samples", "algo.filter_groups=false"))
+    if c.rewards.overlong_buffer > c.rollout.max_new_tokens:
+        out.append(Finding("error", "overlong-buffer",
+                           f"rewards.overlong_buffer={c.rewards.overlong_buffer} is longer than "
+                           f"rollout.max_new_tokens={c.rollout.max_new_tokens}",
+                           f"rewards.overlong_buffer<={c.rollout.max_new_tokens} (DAPO: 4096 of 20480)"))
+    if c.algo.advantage == "gae" and c.critic.path and not Path(c.critic.path).expanduser().is_dir():
+        out.append(Finding("error", "critic-path", f"critic.path {c.critic.path!r} is not a local directory "
+                           "(evenrl never downloads)", "critic.path='' (the policy's weights), or a local copy"))
+    if c.algo.advantage != "gae" and c.critic.path:
+        out.append(Finding("warning", "critic-unused", f"critic.path is set but algo.advantage={c.algo.advantage} "
+                           "trains no critic", "algo.advantage=gae; or critic.path=''"))
+    return out
+
+
 def rule_minibatches(p: Plan) -> list[Finding]:
     c, out = p.config, []
     want, got = c.algo.minibatches_per_step, len(p.minibatch_sizes)
@@ -355,5 +382,5 @@ def rule_rewards(p: Plan) -> list[Finding]:
     return out
 
 
-RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_groups, rule_minibatches,
-         rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel]
+RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_groups, rule_algorithms,
+         rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel]

@@ -1,7 +1,8 @@
 """Atomic, sharded checkpoints that resume on any number of ranks, replicated or sharded.
 
 A checkpoint is a directory `checkpoints/step-000010/` holding
-  state/       model weights and optimizer moments, by parameter name, in torch.distributed.checkpoint (DCP) format:
+  state/       model weights and optimizer moments (the critic's too, when the run trains one: algo.advantage=gae),
+               by parameter name, in torch.distributed.checkpoint (DCP) format:
                each rank writes the pieces it holds (its shards under sharding=fsdp; replicated tensors are written
                once, by one rank), and DCP reads back whatever pieces a rank needs, so a checkpoint saved on 3 ranks
                loads on 2 or 4, and a replicated run can resume sharded and back.
@@ -61,8 +62,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         trainer_state: dict, keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically and prune all but the newest `keep`. Every rank calls it (collective)."""
+         trainer_state: dict, keep: int = 2, extra: dict | None = None) -> Path:
+    """Write checkpoint `step` atomically and prune all but the newest `keep`. Every rank calls it (collective).
+    extra: more trained models by name, {name: (model, optimizer)} (the critic), saved beside the policy."""
     root = Path(ckpt_root)
     name = f"step-{step:06d}"
     final = root / name
@@ -73,10 +75,14 @@ def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, opt
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    state, groups = {}, {}
+    for prefix, (m, opt) in {"": (model, optimizer), **{f"{k}_": v for k, v in (extra or {}).items()}}.items():
+        model_state, optim_state = get_state_dict(m, opt)
+        state.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
+        groups[f"{prefix}param_groups"] = optim_state["param_groups"]
     try:
         with dist.guard("checkpoint save"), _single_process_is_meant():
-            dcp_save({"model": model_state, "optimizer": optim_state["state"]},
+            dcp_save(state,
                      storage_writer=FileSystemWriter(str(tmp / "state"), single_file_per_rank=True),
                      no_dist=dist.world() == 1)
     except CheckpointException as e:  # a BaseException: it would pass every `except Exception` on its way out
@@ -84,7 +90,7 @@ def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, opt
         raise RunStopped(f"checkpoint {name}: writing {tmp / 'state'} failed ({'; '.join(reasons)[:200]}); "
                          f"the previous checkpoint stays the latest") from None
     if dist.is_main():
-        torch.save({**trainer_state, "param_groups": optim_state["param_groups"]}, tmp / "trainer.pt")
+        torch.save({**trainer_state, **groups}, tmp / "trainer.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), "world": dist.world()}))
         _fsync_dir(tmp)
         if final.exists():  # a re-run of the same step (after a resume) replaces it
@@ -175,10 +181,12 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, dict]:
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         extra: dict | None = None) -> tuple[int, dict]:
     """Load weights and optimizer state into `model` and `optimizer` (any number of ranks, replicated or sharded;
-    every rank calls it) and return (step, trainer_state). The metadata is checked before anything is read into
-    the model; every problem is a one-line UsageError naming the checkpoint's file."""
+    every rank calls it), and those of `extra` ({name: (model, optimizer)}, as saved), and return
+    (step, trainer_state). The metadata is checked before anything is read into the model; every problem is a
+    one-line UsageError naming the checkpoint's file."""
     path = Path(path)
     step = read_meta(path)["step"]
     try:
@@ -189,12 +197,19 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get("param_groups"), list):
         raise UsageError(f"{path / 'trainer.pt'}: holds a {type(trainer_state).__name__} without param_groups; "
                          f"expected the trainer state evenrl train writes; {_EARLIER}")
+    for name in extra or {}:
+        if not isinstance(trainer_state.get(f"{name}_param_groups"), list):
+            raise UsageError(f"{path}: holds no {name} (saved by a run without one?); resume with the same "
+                             f"settings, or {_EARLIER}")
     if "step" in trainer_state and trainer_state["step"] != step:
         raise UsageError(f"{path / 'trainer.pt'}: saved at step {trainer_state['step']!r} but meta.json says {step}; "
                          f"{_EARLIER}")
     # The model's own (sharded or whole) tensors are the templates DCP reads into, each rank the pieces it holds.
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state["state"]}
+    models = {"": (model, optimizer), **{f"{k}_": v for k, v in (extra or {}).items()}}
+    state = {}
+    for prefix, (m, opt) in models.items():
+        model_state, optim_state = get_state_dict(m, opt)
+        state.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
     index = path / "state" / ".metadata"
     try:  # the index alone first: a refused or unreadable one is named here, not inside DCP's per-rank report
         _SafeReader(str(path / "state")).read_metadata()
@@ -213,8 +228,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         raise UsageError(f"{path / 'state'}: unreadable checkpoint ({e.__class__.__name__}: {text[:160]}); "
                          f"{_EARLIER}") from None
     try:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": state["optimizer"], "param_groups": trainer_state["param_groups"]})
+        for prefix, (m, opt) in models.items():
+            set_state_dict(m, opt, model_state_dict=state[f"{prefix}model"],
+                           optim_state_dict={"state": state[f"{prefix}optimizer"],
+                                             "param_groups": trainer_state[f"{prefix}param_groups"]})
     except (KeyError, ValueError, RuntimeError) as e:
         raise UsageError(f"{path}: checkpoint does not match this model or optimizer ({_last_line(e)[:160]}); "
                          "resume with the same model and settings") from None

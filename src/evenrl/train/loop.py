@@ -19,7 +19,7 @@ from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
 from evenrl.errors import RunStopped, UsageError
 from evenrl.distributed.sharding import shard
-from evenrl.models.loading import load_policy
+from evenrl.models.loading import load_policy, with_value_head
 from evenrl.rewards import resolve
 from evenrl.train import checkpoint, rundir
 from evenrl.train.data import PromptSampler, load_data
@@ -30,16 +30,17 @@ from evenrl.train.update import prepare_model
 
 
 class Run:
-    """Everything a step needs, built once: model, tokenizer, data, optimizer, sampler."""
+    """Everything a step needs, built once: model (and critic), tokenizer, data, optimizers, sampler."""
 
     def __init__(self, cfg: RunConfig, info):
         self.cfg = cfg
         self.info = info
         torch.manual_seed(cfg.train.seed)
-        # fp32 master weights whatever model.dtype says: prepare_model sets the compute precision
-        self.model, self.tokenizer = load_policy(cfg.model.path, dtype="float32", device=info.device)
-        prepare_model(self.model, cfg)
-        self.model.train()
+        self.model, self.tokenizer = trainable_model(cfg, cfg.model.path, info)
+        self.critic = None
+        if cfg.algo.advantage == "gae":  # built like the policy: whatever is applied to one applies to the other
+            self.critic, _ = trainable_model(cfg, cfg.critic.path or cfg.model.path, info,
+                                             head=lambda m: with_value_head(m, cfg.train.seed))
         self.reference = None
         if cfg.algo.kl_coef > 0:  # frozen: held in the compute dtype, no master copy
             self.reference, _ = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
@@ -56,22 +57,52 @@ class Run:
             self.eval_rows, self.eval_tokens = rows[:cfg.eval.max_prompts], tokens[:cfg.eval.max_prompts]
         self.sampler = PromptSampler(len(self.rows), cfg.data.seed)
         self.reward_fns = [(resolve(spec.name), spec.weight) for spec in cfg.rewards.functions]
-        # fused: one kernel over all parameters; the default per-tensor loop cost ~15 ms a step for 2.4 M params on CPU
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                           betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay,
-                                           fused=True)
-        warm = cfg.train.warmup_steps
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
+        self.optimizer, self.lr_scheduler = adamw(self.model, cfg, cfg.train.lr, cfg.train.warmup_steps)
+        self.critic_optimizer = self.critic_lr_scheduler = None
+        if self.critic is not None:
+            self.critic_optimizer, self.critic_lr_scheduler = adamw(self.critic, cfg, cfg.critic.lr,
+                                                                    cfg.critic.warmup_steps)
+
+    def extra_models(self) -> dict:
+        """Trained models besides the policy, with their optimizers, saved and restored with each checkpoint by
+        name."""
+        return {"critic": (self.critic, self.critic_optimizer)} if self.critic is not None else {}
 
     def trainer_state(self, step: int) -> dict:
-        return {"lr_scheduler": self.lr_scheduler.state_dict(),
-                "sampler": self.sampler.state_dict(), "rng": checkpoint.rng_state(), "step": step}
+        state = {"lr_scheduler": self.lr_scheduler.state_dict(),
+                 "sampler": self.sampler.state_dict(), "rng": checkpoint.rng_state(), "step": step}
+        if self.critic is not None:
+            state["critic_lr_scheduler"] = self.critic_lr_scheduler.state_dict()
+        return state
 
     def load_trainer_state(self, state: dict) -> None:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.critic is not None:
+            self.critic_lr_scheduler.load_state_dict(state["critic_lr_scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state["rng"])
+
+
+def trainable_model(cfg: RunConfig, path: str, info, head=None):
+    """(model, tokenizer) from `path`, ready to train: the policy, or with `head` (a function of the model) the
+    critic, so both go through the same construction."""
+    # fp32 master weights whatever model.dtype says: prepare_model sets the compute precision
+    model, tokenizer = load_policy(path, dtype="float32", device=info.device)
+    if head is not None:
+        model = head(model)
+    prepare_model(model, cfg)
+    model.train()
+    return model, tokenizer
+
+
+def adamw(model, cfg: RunConfig, lr: float, warmup_steps: int):
+    """(AdamW over the model's trainable parameters, linear warm-up over `warmup_steps` optimizer steps)."""
+    # fused: one kernel over all parameters; the default per-tensor loop cost ~15 ms a step for 2.4 M params on CPU
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                  betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
+    return optimizer, scheduler
 
 
 def preflight(cfg: RunConfig):
@@ -107,7 +138,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     start = 0
     found = checkpoint.latest(ckpt_root) if resume or restarted else None
     if found is not None:
-        start, state = checkpoint.load(found, run.model, run.optimizer)
+        start, state = checkpoint.load(found, run.model, run.optimizer, extra=run.extra_models())
         try:
             run.load_trainer_state(state)
         except (KeyError, ValueError, TypeError, IndexError) as e:
@@ -144,6 +175,11 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
                 phases[k[5:]] = phases.get(k[5:], 0.0) + v
         if dist.is_main():
             idle.see(step, metrics)
+            if metrics.get("sampling/groups_short", 0) > 0:
+                print(f"evenrl: warning: step {step}: dynamic sampling kept {metrics['samples']} samples of "
+                      f"{cfg.data.prompts_per_step - metrics['sampling/groups_short']} of {cfg.data.prompts_per_step} "
+                      f"groups after {metrics['sampling/rounds']} rounds (algo.max_generation_rounds); the step "
+                      "trains on those", flush=True)
         if run.eval_rows and (step == cfg.train.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
             dist.mark(f"step {step} evaluate")
             metrics.update(evaluate(run, run.eval_rows, run.eval_tokens))
@@ -153,7 +189,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
         if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == cfg.train.steps:
             dist.mark(f"step {step} checkpoint")
             checkpoint.save(ckpt_root, step, model=run.model, optimizer=run.optimizer,
-                            trainer_state=run.trainer_state(step), keep=cfg.checkpoint.keep)
+                            trainer_state=run.trainer_state(step), keep=cfg.checkpoint.keep,
+                            extra=run.extra_models())
     dist.mark("final save")
     checkpoint.save_final(run.model, run.tokenizer, run_dir / "final")
     log.close()
@@ -215,7 +252,7 @@ def _truncate_metrics(run_dir: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-PHASES = ["rollout", "reward", "advantage", "exchange", "logprobs", "update"]
+PHASES = ["rollout", "reward", "values", "advantage", "exchange", "logprobs", "update"]
 
 
 def phase_table(seconds: dict[str, float], steps: int) -> str:

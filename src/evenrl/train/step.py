@@ -1,11 +1,14 @@
-"""One GRPO-family RL step on this rank. It reads top to bottom in `rl_step`; each phase is a named function below.
+"""One RL step on this rank (GRPO family, REINFORCE++, PPO with a critic). It reads top to bottom in `rl_step`;
+each phase is a named function below.
 
-One step: sample prompts -> rollout -> rewards -> advantages -> exchange to the planned ranks
--> old/reference log-probs when needed -> mini-batch updates -> metrics.
+One step: sample prompts -> rollout -> rewards (in rounds with dynamic sampling) -> KL / values at sampling time
+when needed -> advantages -> exchange to the planned ranks -> old/reference log-probs when needed -> mini-batch
+updates of the policy (and the critic) -> metrics.
 
 Why the result does not depend on the number of ranks:
   * the prompt order comes from (seed, epoch) only; each sample's randomness from (seed, step, prompt id, sample);
-  * advantages are computed from the whole step's rewards on every rank;
+  * advantages are computed from the whole step's rewards on every rank; per-token ones (reinforce_pp, gae) from
+    each sample's own tokens, whitened with statistics pooled from per-sample moments in sample order;
   * mini-batch membership is fixed before ranks are considered (evenrl.core.schedule);
   * losses are divided by the mini-batch's global counts and gradients are summed (evenrl.train.update).
 """
@@ -19,9 +22,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from evenrl.config import RunConfig
-from evenrl.core.advantages import compute_advantages
+from evenrl.core.advantages import (TOKEN_ADVANTAGES, compute_advantages, discounted_returns, gae_advantages,
+                                    pooled_moments, token_moments, token_rewards, whiten)
 from evenrl.core.batch import Batch, Ragged
-from evenrl.core.losses import LossInputs, LossSettings, entropy_from_logits, kl_penalty, rl_loss, token_logprobs
+from evenrl.core.losses import (LossInputs, LossSettings, entropy_from_logits, kl_penalty, rl_loss, token_logprobs,
+                                value_loss)
 from evenrl.core.schedule import make_schedule, rollout_shares
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.weights import gathered
@@ -29,12 +34,14 @@ from evenrl.engines.hf import SamplingParams, generate
 from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.models.loading import is_sharded
 from evenrl.rewards import score_all
-from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update
+from evenrl.rewards.overlong import overlong_penalty
+from evenrl.train.update import compute_logprobs, compute_values, minibatch_denominators, minibatch_update
 
 if TYPE_CHECKING:
     from evenrl.train.loop import Run
 
 STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "entropy"]
+CRITIC_STAT_NAMES = ["critic/loss", "critic/clip_fraction", "critic/values"]
 
 
 # ------------------------------------------------------------------------------------------ the step
@@ -42,18 +49,17 @@ STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "
 def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
     """One RL step on this rank; returns the step's global metrics and a few of this rank's completions."""
     cfg, timer = run.cfg, Timer(step)
-    prompt_ids = run.sampler.next_prompts(cfg.data.prompts_per_step)           # same on every rank
-
-    with timer("rollout"):
-        local = rollout(run, step, prompt_ids)                                  # this rank's prompts x samples
-    with timer("reward"):
-        local, reward_stats = add_rewards(run, local)
+    local, failures, sampling = sample(run, step, timer)                    # rollout + rewards: this rank's rows
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "reward":
         with timer("logprobs"):
             add_reward_kl(run, local)
+    if run.critic is not None:
+        with timer("values"):
+            add_values(run, local)                                              # the critic at sampling time
     with timer("advantage"):
-        everyone, failures = gather_rows(local, reward_stats.get("failures", 0))  # per-sample numbers of all ranks
-        add_advantages(run, local, everyone)
+        add_token_returns(run, local)                                           # reinforce_pp, gae: before whitening
+        everyone, failures = gather_rows(local, failures)                       # per-sample numbers of all ranks
+        adv_stats = add_advantages(run, local, everyone)
     with timer("exchange"):
         schedule = plan_step(run, everyone)
         batch, micro = exchange(run, local, schedule)                           # rows this rank trains on
@@ -67,15 +73,68 @@ def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
     with timer("update"):
         stats = update(run, batch, micro, denoms)
 
-    metrics = step_metrics(run, everyone, schedule, stats, failures, timer)
+    metrics = step_metrics(run, everyone, schedule, {**stats, **adv_stats, **sampling}, failures, timer)
     return metrics, example_rows(local)
 
 
 # ------------------------------------------------------------------------------------------ named pieces
 
-def rollout(run: "Run", step: int, prompt_ids: list[int]) -> Batch:
-    """Generate this rank's share of the step's samples (rollout_shares): whole prompts where the ranks divide
-    them, a prompt's samples split over ranks where they do not (2 prompts x 8 samples on 4 ranks: 4 samples each)."""
+def sample(run: "Run", step: int, timer: "Timer") -> tuple[Batch, int, dict]:
+    """Rollout and rewards for the step's prompts: (this rank's rows, its reward failures, sampling metrics).
+
+    With algo.filter_groups (DAPO's dynamic sampling), groups whose rewards are all equal (no group advantage) are
+    dropped and the prompts still missing are sampled in another round, until data.prompts_per_step groups are kept
+    or algo.max_generation_rounds run out; then the step trains on what it kept. Prompts come from the rank-free
+    sampler and a round's prompts take the next positions in the step, so every sample's key (step, position,
+    sample) is unique and no rank count enters; kept groups are then renumbered in position order."""
+    algo, want = run.cfg.algo, run.cfg.data.prompts_per_step
+    parts, failures, drawn, kept, rounds = [], 0, 0, [], 0
+    while True:
+        prompt_ids = run.sampler.next_prompts(want - len(kept))                  # same on every rank
+        with timer("rollout"):
+            part = rollout(run, step, prompt_ids, first=drawn)                   # this rank's prompts x samples
+        with timer("reward"):
+            part, reward_stats = add_rewards(run, part)
+        failures += reward_stats.get("failures", 0)
+        drawn, rounds = drawn + len(prompt_ids), rounds + 1
+        if not algo.filter_groups:
+            return part, failures, {}
+        with timer("reward"):
+            part, informative = informative_groups(part)
+        kept += informative
+        parts.append(part)
+        if len(kept) >= want or rounds >= algo.max_generation_rounds:
+            break
+    local = renumber_groups(Batch.concat(parts), kept, run.cfg.rollout.samples_per_prompt)
+    return local, failures, {"sampling/rounds": rounds, "sampling/groups_drawn": drawn,
+                             "sampling/kept_fraction": len(kept) / max(drawn, 1),
+                             "sampling/groups_short": want - len(kept)}
+
+
+def informative_groups(part: Batch) -> tuple[Batch, list[int]]:
+    """(this rank's rows of the groups whose rewards are not all equal, the positions of all such groups on all
+    ranks, ascending): a group's samples may be spread over ranks, so the decision is taken on every rank's
+    rewards."""
+    parts = dist.all_gather_tensors({"group": part["group"], "reward": part["reward"]})
+    groups, rewards = torch.cat([p["group"] for p in parts]), torch.cat([p["reward"] for p in parts])
+    informative = {g for g in set(groups.tolist()) if bool((rewards[groups == g] != rewards[groups == g][0]).any())}
+    return part.select([i for i, g in enumerate(part["group"].tolist()) if g in informative]), sorted(informative)
+
+
+def renumber_groups(local: Batch, kept: list[int], n: int) -> Batch:
+    """This rank's rows with the kept groups (`kept`: their positions in the step, over all ranks, ascending)
+    numbered 0..K-1, samples as group x n + sample: the all-ranks view is indexed by sample_index, so it must run
+    without gaps, and every rank must number the same group alike."""
+    new = {g: i for i, g in enumerate(kept)}
+    local["group"] = torch.tensor([new[g] for g in local["group"].tolist()], dtype=torch.long)
+    local["sample_index"] = local["group"] * n + local["sample_index"] % n
+    return local
+
+
+def rollout(run: "Run", step: int, prompt_ids: list[int], first: int = 0) -> Batch:
+    """Generate this rank's share of the samples of `prompt_ids`, which take the step's positions first,
+    first + 1, ... (rollout_shares): whole prompts where the ranks divide them, a prompt's samples split over ranks
+    where they do not (2 prompts x 8 samples on 4 ranks: 4 samples each)."""
     cfg = run.cfg
     n = cfg.rollout.samples_per_prompt
     costs = [len(run.prompt_tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
@@ -85,7 +144,7 @@ def rollout(run: "Run", step: int, prompt_ids: list[int]) -> Batch:
     run.model.eval()
     with gathered(run.model):  # sharded: the whole model on every rank for this generation, freed after
         completions = generate(run.model, [run.prompt_tokens[prompt_ids[p]] for p, _, _ in mine],
-                               [p for p, _, _ in mine], params, step=step,  # key = position in the step: rank-free
+                               [first + p for p, _, _ in mine], params, step=step,  # key: position in the step, rank-free
                                eos_token_ids=run.eos_ids, pad_token_id=run.pad_id,
                                sample_ranges=[(first, count) for _, first, count in mine]) if mine else []
     run.model.train()
@@ -95,8 +154,8 @@ def rollout(run: "Run", step: int, prompt_ids: list[int]) -> Batch:
         for c in samples:
             tokens.append(torch.tensor(prompt + c.token_ids, dtype=torch.long))
             resp_len.append(len(c.token_ids))
-            index.append(p * n + c.sample_index)
-            group.append(p)
+            index.append((first + p) * n + c.sample_index)
+            group.append(first + p)
             row_ids.append(prompt_ids[p])
             texts.append(run.tokenizer.decode(c.token_ids, skip_special_tokens=True))
             finished.append(c.finished)
@@ -116,6 +175,9 @@ def add_rewards(run: "Run", batch: Batch) -> tuple[Batch, dict]:
     scores, stats = score_all(run.reward_fns, batch["completion"], rows, rc.timeout_s, isolate=rc.isolate,
                               memory_limit_mib=rc.memory_limit_mib, cpu_time_limit_s=rc.cpu_time_limit_s)
     batch["reward"] = torch.tensor(scores, dtype=torch.float32)
+    if rc.overlong_buffer > 0:
+        batch["reward"] = batch["reward"] + overlong_penalty(batch["response_len"], run.cfg.rollout.max_new_tokens,
+                                                             rc.overlong_buffer, rc.overlong_penalty)
     batch["reward_failed"] = torch.tensor(stats["failed"], dtype=torch.bool)
     return batch, stats
 
@@ -126,14 +188,50 @@ def add_logprobs(run: "Run", batch: Batch, name: str, model, micro_rows: list[li
 
 
 def add_reward_kl(run: "Run", batch: Batch) -> None:
-    """KL as a reward penalty: each sequence's summed per-token KL(policy || reference) at sampling time."""
+    """KL as a reward penalty, per token KL(policy || reference) at sampling time: summed per sequence for the
+    group estimators (kl_sum), kept per token for reinforce_pp and gae (reward_kl), which fold it into each
+    token's reward."""
     # one sample per forward; a sharded model makes as many forwards as the rank with the most samples
     passes = max(dist.all_gather_object(len(batch))) if is_sharded(run.model) else len(batch)
     micro = singles(len(batch)) + [[]] * (passes - len(batch))
     logp = compute_logprobs(run.model, batch, micro, temperature=run.temperature, pad_token_id=run.pad_id)
     ref = compute_logprobs(run.reference, batch, micro, temperature=run.temperature, pad_token_id=run.pad_id)
-    kl = [kl_penalty(a, b, run.cfg.algo.kl_estimator).sum() for a, b in zip(logp, ref)]
-    batch["kl_sum"] = torch.stack(kl).float() if kl else torch.zeros(0)
+    kl = [kl_penalty(a, b, run.cfg.algo.kl_estimator) for a, b in zip(logp, ref)]
+    if run.cfg.algo.advantage in TOKEN_ADVANTAGES:
+        batch["reward_kl"] = Ragged.of(kl, torch.float32)
+    else:
+        batch["kl_sum"] = torch.stack([k.sum() for k in kl]).float() if kl else torch.zeros(0)
+
+
+def add_values(run: "Run", batch: Batch) -> None:
+    """The critic's value of every response token's state at sampling time: GAE's baseline and the value loss's
+    clipping centre."""
+    micro = capped_runs(batch["tokens"].lengths.tolist(), run.cfg.train.token_cap_per_micro_batch)
+    if is_sharded(run.critic):  # every rank as many forwards as the busiest (empty ones are fillers)
+        micro += [[]] * (max(dist.all_gather_object(len(micro))) - len(micro))
+    values = compute_values(run.critic, batch, micro, pad_token_id=run.pad_id)
+    batch["old_values"] = Ragged.of(values, torch.float32)
+
+
+def add_token_returns(run: "Run", local: Batch) -> None:
+    """reinforce_pp and gae, per token on this rank's rows: the outcome reward on the last token (minus the
+    per-token KL with kl_in=reward), then discounted returns (reinforce_pp) or GAE with the critic's values and
+    its value targets (gae); the per-sample moments of these raw advantages ride along in gather_rows so that
+    add_advantages can whiten them over the whole step. Nothing to do for the group estimators."""
+    algo = run.cfg.algo
+    if algo.advantage not in TOKEN_ADVANTAGES:
+        return
+    mask = right_aligned_mask(local["response_len"])
+    kl = ragged_to_right_aligned(local, "reward_kl", "cpu").double() if "reward_kl" in local else None
+    rewards = token_rewards(local["reward"].double(), mask, kl, algo.kl_coef)
+    if algo.advantage == "reinforce_pp":
+        raw = discounted_returns(rewards, mask, algo.gamma)
+    else:
+        values = ragged_to_right_aligned(local, "old_values", "cpu").double()
+        raw, returns = gae_advantages(rewards, values, mask, algo.gamma, algo.lam)
+        local["returns"] = to_ragged(returns, local["response_len"])
+    local["raw_advantage"] = to_ragged(raw, local["response_len"])
+    _, local["token_mean"], local["token_m2"] = token_moments(raw, mask)
 
 
 def gather_rows(local: Batch, failures: int = 0) -> tuple[Batch, int]:
@@ -143,8 +241,9 @@ def gather_rows(local: Batch, failures: int = 0) -> tuple[Batch, int]:
     cols = ["sample_index", "group", "reward", "reward_failed", "response_len", "finished"]
     mine = {c: local[c] for c in cols}
     mine["total_len"] = local["tokens"].lengths
-    if "kl_sum" in local:
-        mine["kl_sum"] = local["kl_sum"]
+    for c in ("kl_sum", "token_mean", "token_m2"):
+        if c in local:
+            mine[c] = local[c]
     parts = dist.all_gather_tensors({**{k: v.cpu() for k, v in mine.items()},
                                      "failures": torch.tensor([int(failures)], dtype=torch.long)})
     total_failures = sum(int(p.pop("failures")) for p in parts)
@@ -152,8 +251,12 @@ def gather_rows(local: Batch, failures: int = 0) -> tuple[Batch, int]:
     return Batch(merged).select(torch.argsort(merged["sample_index"])), total_failures
 
 
-def add_advantages(run: "Run", local: Batch, everyone: Batch) -> None:
+def add_advantages(run: "Run", local: Batch, everyone: Batch) -> dict:
+    """Advantages of every sample (everyone, local) and, for reinforce_pp and gae, of every token of this rank's
+    rows (token_advantage); returns the whitening statistics as metrics."""
     algo = run.cfg.algo
+    if algo.advantage in TOKEN_ADVANTAGES:
+        return whiten_token_advantages(run, local, everyone)
     rewards = everyone["reward"].double()
     if "kl_sum" in everyone:
         rewards = rewards - algo.kl_coef * everyone["kl_sum"].double()
@@ -163,6 +266,27 @@ def add_advantages(run: "Run", local: Batch, everyone: Batch) -> None:
                              **kw).float()
     everyone["advantage"] = adv
     local["advantage"] = adv[local["sample_index"]]  # sample_index is the position in `everyone`
+    return {}
+
+
+def whiten_token_advantages(run: "Run", local: Batch, everyone: Batch) -> dict:
+    """Whiten the raw per-token advantages with the mean and variance over all response tokens of the step (masked
+    samples left out), pooled from every sample's moments in sample order: the same bits on every rank and any
+    layout. A sample's `advantage` is then the mean of its tokens' (for metrics and the idle-step check)."""
+    masked = masked_rows(run.cfg, everyone)
+    count = counted_lengths(run.cfg, everyone).double()
+    zero = torch.zeros((), dtype=torch.float64)
+    mean, var = pooled_moments(count, everyone["token_mean"], torch.where(count > 0, everyone["token_m2"], zero))
+    scale = (var + 1e-8) ** 0.5
+    adv = torch.where(count > 0, (everyone["token_mean"] - mean) / scale, zero)
+    everyone["advantage"] = adv.float()
+    local["advantage"] = everyone["advantage"][local["sample_index"]]
+    mask = right_aligned_mask(local["response_len"])
+    if masked is not None:
+        mask &= ~masked[local["sample_index"]][:, None]
+    token_adv = whiten(ragged_to_right_aligned(local, "raw_advantage", "cpu"), mask, mean, var)
+    local["token_advantage"] = to_ragged(token_adv.float(), local["response_len"])
+    return {"advantage/raw_token_mean": mean, "advantage/raw_token_std": var ** 0.5}
 
 
 def plan_step(run: "Run", everyone: Batch):
@@ -185,20 +309,25 @@ def zero_gradient_rows(cfg: RunConfig, everyone: Batch) -> list[bool] | None:
         return None
     masked = masked_rows(cfg, everyone)
     kl_in_loss = algo.kl_coef > 0 and algo.kl_in == "loss"
-    if not train.skip_zero_gradient_samples or kl_in_loss or algo.entropy_coef > 0:
+    per_token = algo.advantage in TOKEN_ADVANTAGES  # a sample's mean token advantage of 0 is no zero gradient
+    if not train.skip_zero_gradient_samples or kl_in_loss or algo.entropy_coef > 0 or per_token:
         return None if masked is None else masked.tolist()
     zero = everyone["advantage"] == 0
     return (zero if masked is None else zero | masked).tolist()
 
 
-def masked_rows(cfg: RunConfig, everyone: Batch) -> torch.Tensor | None:
+def masked_rows(cfg: RunConfig, rows: Batch) -> torch.Tensor | None:
     """Samples left out of learning, [N] bool, or None for none: with rewards.on_failure=mask, those on which a
-    reward call failed. They get no advantage and no place in their group's statistics (add_advantages), count in
-    no loss denominator (counted_lengths) and run nowhere (zero_gradient_rows); mini-batch membership stays that of
-    the whole step, so the update is the one a single device makes with their effect removed."""
-    if cfg.rewards.on_failure != "mask" or not bool(everyone["reward_failed"].any()):
-        return None
-    return everyone["reward_failed"]
+    reward call failed; with rewards.mask_truncated, those cut at max_new_tokens. They get no advantage and no
+    place in their group's (or the token whitening's) statistics (add_advantages), count in no loss denominator
+    (counted_lengths) and run nowhere (zero_gradient_rows); mini-batch membership stays that of the whole step,
+    so the update is the one a single device makes with their effect removed."""
+    out = None
+    if cfg.rewards.on_failure == "mask":
+        out = rows["reward_failed"]
+    if cfg.rewards.mask_truncated:
+        out = ~rows["finished"] if out is None else out | ~rows["finished"]
+    return out if out is not None and bool(out.any()) else None
 
 
 def counted_lengths(cfg: RunConfig, everyone: Batch) -> torch.Tensor:
@@ -243,6 +372,12 @@ def update(run: "Run", batch: Batch, micro: list[list[list[int]]], denoms: list)
                                      loss_fn=functools.partial(rl_objective, run),
                                      stat_names=STAT_NAMES, aggregation=algo.loss_aggregation,
                                      max_grad_norm=cfg.train.max_grad_norm, pad_token_id=run.pad_id)
+            if run.critic is not None:  # same rows, same global denominators: exact on any layout too
+                critic = minibatch_update(run.critic, run.critic_optimizer, run.critic_lr_scheduler, batch, rows,
+                                          denom, loss_fn=functools.partial(value_objective, run),
+                                          stat_names=CRITIC_STAT_NAMES, aggregation=algo.loss_aggregation,
+                                          max_grad_norm=cfg.train.max_grad_norm, pad_token_id=run.pad_id)
+                stats.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in critic.items()})
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
             updates += 1
@@ -252,15 +387,13 @@ def update(run: "Run", batch: Batch, micro: list[list[list[int]]], denoms: list)
 def rl_objective(run: "Run", logits, targets, mask, mb: Batch):
     """A micro-batch's loss: its LossInputs from the logits and its columns, then the pure objective."""
     algo = run.cfg.algo
-    keep = None
-    if run.cfg.rewards.on_failure == "mask" and bool(mb["reward_failed"].any()):  # only with min_rows > 1
-        keep = ~mb["reward_failed"].to(mask.device)[:, None]  # masked rows: no loss, not in the stats
-        mask = mask & keep
+    keep, mask = kept_rows(run, mb, mask)
     logp = token_logprobs(logits, targets, run.temperature)
     with torch.set_grad_enabled(torch.is_grad_enabled() and algo.entropy_coef > 0):  # measured only: no graph
         entropy = entropy_from_logits(logits, run.temperature)
+    adv = ragged_to_right_aligned(mb, "token_advantage", logp.device) if "token_advantage" in mb else mb["advantage"]
     inputs = LossInputs(
-        logp=logp, mask=mask, entropy=entropy, advantages=mb["advantage"].to(logp.device),
+        logp=logp, mask=mask, entropy=entropy, advantages=adv.to(logp.device),
         old_logp=ragged_to_right_aligned(mb, "old_logp", logp.device) if "old_logp" in mb else logp.detach(),
         ref_logp=ragged_to_right_aligned(mb, "ref_logp", logp.device) if "ref_logp" in mb else None)
     per_token, stats = rl_loss(inputs, LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high,
@@ -270,6 +403,29 @@ def rl_objective(run: "Run", logits, targets, mask, mb: Batch):
     if keep is not None:
         per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
     return per_token, stats
+
+
+def value_objective(run: "Run", logits, targets, mask, mb: Batch):
+    """A micro-batch's critic loss: the value head's output at each response token's state (logits [B, R, 1])
+    against the GAE targets, clipped around the values at sampling time."""
+    keep, mask = kept_rows(run, mb, mask)
+    values = logits.squeeze(-1).float()
+    per_token, stats = value_loss(values, ragged_to_right_aligned(mb, "old_values", values.device),
+                                  ragged_to_right_aligned(mb, "returns", values.device), mask,
+                                  run.cfg.critic.value_clip)
+    if keep is not None:
+        per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    return per_token, stats
+
+
+def kept_rows(run: "Run", mb: Batch, mask):
+    """(keep [B, 1] or None, mask without masked rows): masked rows run only when min_rows > 1 (else the schedule
+    leaves them out); then their loss is zeroed here and they stay out of the stats."""
+    masked = masked_rows(run.cfg, mb)
+    if masked is None:
+        return None, mask
+    keep = ~masked.to(mask.device)[:, None]
+    return keep, mask & keep
 
 
 def step_metrics(run: "Run", everyone: Batch, schedule, stats: dict, failures: int, timer: "Timer") -> dict:
@@ -291,6 +447,11 @@ def step_metrics(run: "Run", everyone: Batch, schedule, stats: dict, failures: i
         "load/skipped_samples": sum(len(mb.rows) for mb in schedule.minibatches) - sum(
             len(m.rows) for mb in schedule.minibatches for micros in mb.per_rank for m in micros),
     }
+    if run.cfg.rewards.overlong_buffer > 0:
+        rc = run.cfg.rewards
+        pen = overlong_penalty(everyone["response_len"], run.cfg.rollout.max_new_tokens, rc.overlong_buffer,
+                               rc.overlong_penalty)
+        out["reward/overlong_penalty_mean"] = float(pen.mean()) if len(pen) else 0.0
     out.update(stats)
     out.update({f"time/{k}": v for k, v in timer.seconds.items()})
     out["reward/failures"] = int(failures)  # summed over ranks by gather_rows
@@ -325,6 +486,31 @@ class Timer:
 
 def singles(n: int) -> list[list[int]]:
     return [[i] for i in range(n)]
+
+
+def capped_runs(lengths: list[int], cap: int) -> list[list[int]]:
+    """Consecutive rows in micro-batches of at most `cap` padded tokens (rows x longest), at least one row each:
+    for forwards without gradients on a rank's own rows, where no schedule exists yet."""
+    out, cur, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and (len(cur) + 1) * max(longest, n) > cap:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    return out + [cur] if cur else out
+
+
+def right_aligned_mask(response_len: torch.Tensor) -> torch.Tensor:
+    """[N, R] True on each row's response tokens, right-aligned (R = the longest response)."""
+    width = int(response_len.max()) if len(response_len) else 0
+    return torch.arange(width)[None, :] >= (width - response_len)[:, None]
+
+
+def to_ragged(x: torch.Tensor, response_len: torch.Tensor) -> Ragged:
+    """[N, R] right-aligned rows back to a pad-free token column (float32)."""
+    width = x.shape[1]
+    return Ragged.of([x[i, width - int(n):] for i, n in enumerate(response_len.tolist())], torch.float32)
 
 
 def flat(micro: list[list[list[int]]]) -> list[list[int]]:

@@ -68,6 +68,26 @@ def filler_row(pad_token_id: int) -> Batch:
                   "response_len": torch.tensor([1], dtype=torch.long)})
 
 
+@torch.no_grad()
+def compute_values(critic, batch: Batch, micro_rows: list[list[int]], *, pad_token_id: int) -> list[Tensor]:
+    """Per-row values of each response token's state under a value model (a causal LM whose head outputs one
+    number, evenrl.models.loading.with_value_head), 1-D float32 tensors in batch row order."""
+    out: list[Tensor | None] = [None] * len(batch)
+    was_training = critic.training
+    critic.eval()
+    sharded = is_sharded(critic)
+    for rows in micro_rows:
+        if not rows:
+            if sharded:  # zero-weight filler: every rank the same number of forwards
+                response_logits(critic, filler_row(pad_token_id), pad_token_id)
+            continue
+        values, _, mask = response_logits(critic, batch.select(rows), pad_token_id)
+        for j, r in enumerate(rows):
+            out[r] = values[j, :, 0][mask[j]].float().cpu()
+    critic.train(was_training)
+    return out  # type: ignore[return-value]
+
+
 def minibatch_denominators(response_len, rows) -> Denominators:
     """A mini-batch's loss denominators (response tokens, sequences with >= 1 response token) over ALL its rows,
     from the step's global per-sample lengths: every rank computes the same numbers without a collective, and

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, check_dataloader, set_advantage, set_data, set_kl, set_lengths, set_loss_agg,
-    set_model, set_parallel, set_sampling, set_steps, trainer_layout)
+    Check, Source, Translation, check_dataloader, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl,
+    set_lengths, set_loss_agg, set_model, set_overlong, set_parallel, set_sampling, set_steps, trainer_layout)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -72,7 +72,26 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
         where = "loss" if src.bool("algorithm.use_kl_loss", False) else "reward"
         set_kl(t, coef, where, src.str("algorithm.kl_penalty", "kl"), "algorithm.kl_coef")
     set_advantage(t, adv, "algorithm.adv_estimator",
-               {"grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_pp_baseline"})
+               {"grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_pp", "gae": "gae"})
+    if adv in ("gae", "reinforce_plus_plus"):
+        t.set("algo.gamma", src.float("algorithm.gamma", 1.0), "algorithm.gamma")
+    if adv == "gae":
+        t.set("algo.lam", src.float("algorithm.lam", 1.0), "algorithm.lam")
+        c = "worker.critic."
+        set_critic(t, path=src.str(c + "model.model_path", ""), policy_path=src.str(a + "model.model_path", ""),
+                   lr=src.float(c + "optim.lr", 1e-6), value_clip=src.float(c + "cliprange_value", 0.5),
+                   warmup=src.int(c + "optim.lr_warmup_steps", 0, lo=-1) or 0,
+                   keys=(c + "model.model_path", c + "optim.lr", c + "cliprange_value", c + "optim.lr_warmup_steps"))
+    if src.bool("algorithm.online_filtering", False):
+        set_dynamic_sampling(t, None, "algorithm.online_filtering", "algorithm.online_filtering",
+                             "algorithm.online_filtering keeps groups whose mean filter_key lies in (filter_low, "
+                             "filter_high); evenrl keeps groups whose rewards are not all equal (the same for 0/1 "
+                             "rewards)")
+    kw = "worker.reward.reward_function_kwargs."
+    if src.int(kw + "overlong_buffer_length", 0, lo=0):
+        set_overlong(t, src.int(kw + "overlong_buffer_length", 0, lo=0),
+                     src.float(kw + "overlong_penalty_factor", 1.0),
+                     (kw + "overlong_buffer_length", kw + "overlong_penalty_factor"))
     mode = src.str(a + "loss_avg_mode", "token")
     set_loss_agg(t, {"token": "token-mean", "seq": "seq-mean-token-mean"}.get(mode, mode), a + "loss_avg_mode")
     set_model(t, src.str(a + "model.model_path"), a + "model.model_path")

@@ -11,8 +11,8 @@ import argparse
 from evenrl.planner.layout import Layout, has_shape_flags
 from evenrl.planner.plan import count_rows
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, gpu_layout, set_advantage, set_data, set_kl, set_lengths, set_model, set_parallel,
-    set_sampling)
+    Check, Source, Translation, gpu_layout, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl,
+    set_lengths, set_model, set_overlong, set_parallel, set_sampling)
 
 
 def _split_layout(ns, nodes: int, train_per_node: int, rollout: int) -> Layout:
@@ -78,9 +78,24 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if kl > 0:
         set_kl(t, kl, "loss" if src.bool("use_kl_loss", False) else "reward", src.str("kl_estimator", "k1"),
             "init_kl_coef")
-    set_advantage(t, src.str("advantage_estimator", "gae"), "advantage_estimator",
+    adv = src.str("advantage_estimator", "gae")
+    set_advantage(t, adv, "advantage_estimator",
                {"group_norm": "grpo", "rloo": "rloo", "reinforce_baseline": "reinforce_pp_baseline",
-                "dr_grpo": "dr_grpo"})
+                "dr_grpo": "dr_grpo", "reinforce": "reinforce_pp", "gae": "gae"})
+    if adv in ("gae", "reinforce"):
+        t.set("algo.gamma", src.float("gamma", 1.0), "gamma")
+    if adv == "gae":
+        t.set("algo.lam", src.float("lambd", 1.0), "lambd")
+        set_critic(t, path=src.str("critic_pretrain", ""), policy_path=src.str("pretrain", ""),
+                   lr=src.float("critic_learning_rate", 9e-6), value_clip=src.float("value_clip", 0.5), warmup=0,
+                   keys=("critic_pretrain", "critic_learning_rate", "value_clip", "lr_warmup_ratio"))
+    if src.bool("dynamic_filtering", False):
+        set_dynamic_sampling(t, None, "dynamic_filtering", "dynamic_filtering",
+                             "dynamic_filtering keeps groups whose mean reward lies in dynamic_filtering_reward_range; "
+                             "evenrl keeps groups whose rewards are not all equal (the same for 0/1 rewards)")
+    if src.int("overlong_buffer_len", 0, lo=0):
+        set_overlong(t, src.int("overlong_buffer_len", 0, lo=0), src.float("overlong_penalty_factor", 1.0),
+                     ("overlong_buffer_len", "overlong_penalty_factor"))
     set_model(t, src.str("pretrain"), "pretrain")
     t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
     t.set("model.dtype", "bfloat16" if src.bool("bf16", False) else "float32", "bf16")

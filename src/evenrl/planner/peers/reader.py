@@ -221,7 +221,42 @@ def set_advantage(t: Translation, name: str, key: str, table: dict[str, str]) ->
         t.set("algo.advantage", table[name], key)
         return
     t.set("algo.advantage", "grpo", key)
-    t.notes.append(f"{key}={name} (e.g. PPO with a critic) has no evenrl equivalent; the plan uses grpo")
+    t.notes.append(f"{key}={name} has no evenrl equivalent; the plan uses grpo")
+
+
+def set_critic(t: Translation, *, path: str, policy_path: str, lr: float, value_clip: float, warmup: int,
+               keys: tuple[str, str, str, str]) -> None:
+    """The value model of PPO with GAE: its weights (the policy's unless another local directory), learning rate,
+    value clip and warm-up steps; keys name the peer's (path, lr, clip, warm-up) settings."""
+    path_key, lr_key, clip_key, warmup_key = keys
+    if path and path != policy_path:
+        if Path(path).expanduser().is_dir():
+            t.set("critic.path", path, path_key)
+        else:
+            t.notes.append(f"{path_key}={path!r} is not a local directory; the plan's critic starts from the "
+                           "policy's weights (critic.path='')")
+    t.set("critic.lr", lr, lr_key)
+    t.set("critic.value_clip", value_clip, clip_key)
+    if warmup > 0:
+        t.set("critic.warmup_steps", warmup, warmup_key)
+
+
+def set_dynamic_sampling(t: Translation, rounds: int | None, key: str, rounds_key: str, how: str) -> None:
+    """Dynamic sampling on, with at most `rounds` sampling rounds (None or 0: the peer's 'no limit', which evenrl
+    bounds by its default); `how` says how the peer's filter differs, when it does."""
+    t.set("algo.filter_groups", True, key)
+    if rounds:
+        t.set("algo.max_generation_rounds", min(rounds, 1000), rounds_key)
+    else:
+        t.notes.append(f"{rounds_key}: no limit on generation rounds has no evenrl equivalent; evenrl stops after "
+                       "algo.max_generation_rounds=4 and trains on the groups it kept")
+    if how:
+        t.notes.append(how)
+
+
+def set_overlong(t: Translation, buffer: int, penalty: float, keys: tuple[str, str]) -> None:
+    t.set("rewards.overlong_buffer", buffer, keys[0])
+    t.set("rewards.overlong_penalty", penalty, keys[1])
 
 
 def set_loss_agg(t: Translation, mode: str, key: str) -> None:

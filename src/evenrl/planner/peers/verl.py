@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, check_dataloader, set_advantage, set_data, set_kl, set_lengths, set_loss_agg,
-    set_model, set_parallel, set_sampling, set_steps, trainer_layout)
+    Check, Source, Translation, check_dataloader, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl,
+    set_lengths, set_loss_agg, set_model, set_overlong, set_parallel, set_sampling, set_steps, trainer_layout)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -71,9 +71,29 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     elif src.bool("algorithm.use_kl_in_reward", False):
         set_kl(t, src.float("algorithm.kl_ctrl.kl_coef", 0.001), "reward", src.str("algorithm.kl_penalty", "kl"),
             "algorithm.kl_ctrl.kl_coef")
-    set_advantage(t, src.str("algorithm.adv_estimator", "gae"), "algorithm.adv_estimator",
+    adv = src.str("algorithm.adv_estimator", "gae")
+    set_advantage(t, adv, "algorithm.adv_estimator",
                {"grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
-                "drgrpo": "dr_grpo", "dr_grpo": "dr_grpo"})
+                "drgrpo": "dr_grpo", "dr_grpo": "dr_grpo", "reinforce_plus_plus": "reinforce_pp", "gae": "gae"})
+    if adv in ("gae", "reinforce_plus_plus"):
+        t.set("algo.gamma", src.float("algorithm.gamma", 1.0), "algorithm.gamma")
+    if adv == "gae":
+        t.set("algo.lam", src.float("algorithm.lam", 1.0), "algorithm.lam")
+        c = "critic."
+        set_critic(t, path=src.str(c + "model.path", ""), policy_path=src.str("actor_rollout_ref.model.path", ""),
+                   lr=src.float(c + "optim.lr", 1e-5), value_clip=src.float(c + "cliprange_value", 0.5),
+                   warmup=src.int(c + "optim.lr_warmup_steps", -1, lo=-1),
+                   keys=(c + "model.path", c + "optim.lr", c + "cliprange_value", c + "optim.lr_warmup_steps"))
+    if src.bool("algorithm.filter_groups.enable", False):
+        metric = src.str("algorithm.filter_groups.metric", "acc")
+        set_dynamic_sampling(t, src.int("algorithm.filter_groups.max_num_gen_batches", 0, lo=0),
+                             "algorithm.filter_groups.enable", "algorithm.filter_groups.max_num_gen_batches",
+                             f"algorithm.filter_groups.metric={metric}: evenrl filters on the summed reward; verl "
+                             "samples data.gen_batch_size prompts a round, evenrl the prompts still missing")
+    if src.bool("reward_model.overlong_buffer.enable", False):
+        set_overlong(t, src.int("reward_model.overlong_buffer.len", 0, lo=0),
+                     src.float("reward_model.overlong_buffer.penalty_factor", 1.0),
+                     ("reward_model.overlong_buffer.len", "reward_model.overlong_buffer.penalty_factor"))
     if not src.bool("algorithm.norm_adv_by_std_in_grpo", True):
         t.set("algo.std_scale", "none", "algorithm.norm_adv_by_std_in_grpo")
     set_loss_agg(t, src.str(a + "loss_agg_mode", "token-mean"), a + "loss_agg_mode")
@@ -81,7 +101,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     t.set("model.gradient_checkpointing", src.bool("actor_rollout_ref.model.enable_gradient_checkpointing", False),
           "actor_rollout_ref.model.enable_gradient_checkpointing")
     # offload_policy: verl's FSDP2 path (strategy=fsdp2), the same CPUOffloadPolicy evenrl uses
-    params = src.bool(a + "fsdp_config.param_offload", False) or src.bool(a + "fsdp_config.offload_policy", False)
+    params = src.bool(a + "fsdp_config.param_offload", False) or src.bool(a + "fsdp_config.offload_policy", False) \
+        or src.bool(a + "fsdp_config.grad_offload", False)  # older verl (Logic-RL) offloads gradients separately
     set_parallel(t, world, params=params, optimizer=src.bool(a + "fsdp_config.optimizer_offload", False),
                  shard=True, keys=(a + "fsdp_config.param_offload", a + "fsdp_config.optimizer_offload"))
     set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"))

@@ -1,0 +1,125 @@
+"""End to end: REINFORCE++ (one sample per prompt), PPO with a critic (GAE) and DAPO's dynamic sampling through
+`evenrl train` on the tiny model of the assets fixture (tests/conftest.py) and on the demo task.
+
+  * the same parameters, critic included, and the same whitening statistics on 1 and 3 processes;
+  * a run with a critic killed at step 3 and resumed ends exactly where the uninterrupted one does;
+  * dynamic sampling keeps every step full when most groups are all-correct, the same on any layout, and says so
+    when its rounds run out;
+  * on the demo task (SFT warm start, then RL) both new estimators raise the reward, one sample per prompt."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from e2e import ENV, evenrl, evenrl_many, final_params, max_diff, metrics
+
+PPO = ["algo.advantage=gae", "algo.gamma=0.9", "algo.lam=0.95", "algo.kl_coef=0.05", "algo.kl_in=reward",
+       "critic.lr=1e-3", "rewards.isolate=false"]
+RPP = ["algo.advantage=reinforce_pp", "rollout.samples_per_prompt=1", "data.prompts_per_step=11",
+       "rewards.isolate=false"]
+STEPS = ["train.steps=3", "checkpoint.every_steps=2"]
+WHITENING = ("advantage/raw_token_mean", "advantage/raw_token_std")
+
+
+def critic_params(run: Path, step: int = 3) -> dict:
+    return load_file(str(run / "checkpoints" / f"step-{step:06d}" / "critic.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def layout_runs(assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ppo_family")
+    cfg = assets["cfg"]
+    runs = {"ppo3": [*PPO, "--nproc-per-node", "3"], "rpp3": [*RPP, "--nproc-per-node", "3"], "ppo1": PPO,
+            "rpp1": RPP}
+    evenrl_many({name: ["train", cfg, *STEPS, *more, f"log.run_dir={root / name}"] for name, more in runs.items()})
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ppo", "rpp"])
+def test_one_and_three_processes_give_the_same_models_and_statistics(layout_runs, assets, name):
+    one, three = layout_runs / f"{name}1", layout_runs / f"{name}3"
+    assert max_diff(final_params(one), final_params(three)) <= 1e-5
+    start = load_file(str(Path(assets["model"]) / "model.safetensors"))
+    assert max_diff(final_params(one), start) > 1e-5, "training did not move the policy: weak test"
+    m1, m3 = [r for r in metrics(one) if r["step"] > 0], [r for r in metrics(three) if r["step"] > 0]
+    # step 1 starts from the same weights: each sample's moments are its own, pooled in sample order on every rank
+    assert all(m1[0][k] == pytest.approx(m3[0][k], rel=1e-12, abs=1e-15) for k in WHITENING)
+    for a, b in zip(m1, m3):  # later steps: weights equal to fp32 rounding
+        assert all(a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6) for k in WHITENING)
+        assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-6)
+        assert a["advantage/raw_token_std"] > 0
+    if name == "ppo":
+        assert max_diff(critic_params(one), critic_params(three)) <= 1e-5
+        assert max_diff(critic_params(one, 2), critic_params(one, 3)) > 1e-5, "the critic did not learn: weak test"
+        assert all(r["critic/loss"] > 0 and "critic/grad_norm" in r for r in m1)
+    else:
+        assert all(r["samples"] == 11 for r in m1)  # one sample per prompt
+        assert not (one / "checkpoints" / "step-000003" / "critic.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_resume_with_a_critic_gives_the_same_models(layout_runs, assets, tmp_path):
+    crashed = tmp_path / "crashed"
+    args = ["train", assets["cfg"], *STEPS, *PPO, f"log.run_dir={crashed}"]
+    assert evenrl(*args, env={**ENV, "EVENRL_TEST_CRASH_AT_STEP": "3"}, check=False).returncode != 0
+    assert (crashed / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    evenrl(*args, "--resume")
+    assert max_diff(final_params(layout_runs / "ppo1"), final_params(crashed)) == 0.0
+    assert max_diff(critic_params(layout_runs / "ppo1"), critic_params(crashed)) == 0.0
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_keeps_the_step_full(assets, tmp_path):
+    """With mostly_solved ~70% of groups are all-correct: without filtering most of a step has no advantage; with
+    it every step still trains on 7 informative groups, on 1 and on 3 processes alike."""
+    common = ["train", assets["cfg"], "train.steps=3", "rewards.functions=[{name: 'toy_rewards:mostly_solved'}]",
+              "rewards.isolate=false", "algo.filter_groups=true", "algo.max_generation_rounds=10"]
+    done = evenrl_many({"three": [*common, f"log.run_dir={tmp_path / 'three'}", "--nproc-per-node", "3"],
+                        "one": [*common, f"log.run_dir={tmp_path / 'one'}"],
+                        "short": [*common, "algo.max_generation_rounds=1", f"log.run_dir={tmp_path / 'short'}"]})
+    rows = [r for r in metrics(tmp_path / "one") if r["step"] > 0]
+    assert all(r["samples"] == 21 and r["sampling/groups_short"] == 0 for r in rows)  # 7 prompts x 3 samples
+    assert all(r["sampling/rounds"] >= 2 and r["sampling/kept_fraction"] < 0.8 for r in rows), rows
+    assert all(r["advantage/abs_mean"] > 0.3 for r in rows)  # no all-equal group left: most samples have advantage
+    assert max_diff(final_params(tmp_path / "one"), final_params(tmp_path / "three")) <= 1e-5
+    assert [r["sampling/groups_drawn"] for r in metrics(tmp_path / "three") if r["step"] > 0] == \
+        [r["sampling/groups_drawn"] for r in rows]
+    short = [r for r in metrics(tmp_path / "short") if r["step"] > 0]
+    assert all(r["sampling/rounds"] == 1 and r["sampling/groups_short"] > 0 and r["samples"] < 21 for r in short)
+    assert "dynamic sampling kept" in done["short"].stdout and "trains on those" in done["short"].stdout
+
+
+@pytest.fixture(scope="module")
+def demo_warm_start(tmp_path_factory):
+    """The demo's model, data and a short SFT warm start (greedy answers mostly right, samples often wrong)."""
+    out = tmp_path_factory.mktemp("demo")
+    evenrl("demo", "--out", out, "sft.steps=150", "train.steps=1", "log.progress=false", "eval.path=''")
+    return out
+
+
+@pytest.mark.slow
+def test_ppo_and_reinforce_pp_with_one_sample_per_prompt_raise_the_demo_reward(demo_warm_start):
+    """60 steps of 64 prompts x 1 sample each; the mean reward of the last 10 steps beats the first 10 by > 0.03
+    (measured: REINFORCE++ 0.636 -> 0.725, PPO+GAE 0.638 -> 0.722)."""
+    root = Path(demo_warm_start)
+    common = ["train", Path(__file__).resolve().parents[1] / "examples" / "demo.yaml",
+              f"data.path={root / 'data' / 'addition.jsonl'}", "eval.path=''", f"model.path={root / 'sft' / 'final'}",
+              "train.steps=60", "rollout.samples_per_prompt=1", "data.prompts_per_step=64", "log.progress=false",
+              "log.tensorboard=false"]
+    t0 = time.monotonic()
+    evenrl_many({"ppo": [*common, "algo.advantage=gae", "critic.lr=1e-3", f"log.run_dir={root / 'ppo'}"],
+                 "rpp": [*common, "algo.advantage=reinforce_pp", f"log.run_dir={root / 'rpp'}"]})
+    for name in ("ppo", "rpp"):
+        rewards = [r["reward/mean"] for r in metrics(root / name) if "reward/mean" in r]
+        assert len(rewards) == 60
+        first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+        assert last > first + 0.03, (name, first, last)
+    print(f"demo PPO+GAE and REINFORCE++ runs: {time.monotonic() - t0:.0f} s side by side")
+    rows = [json.loads(x) for x in (root / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["critic/loss"] < rows[0]["critic/loss"], "the critic's loss did not fall"

@@ -1,7 +1,8 @@
 """End to end: REINFORCE++ (one sample per prompt), PPO with a critic (GAE) and DAPO's dynamic sampling through
 `evenrl train` on the tiny model of the assets fixture (tests/conftest.py) and on the demo task.
 
-  * the same parameters, critic included, and the same whitening statistics on 1 and 3 processes;
+  * the same parameters, critic included, and the same whitening statistics on 1 and 3 processes, and with policy
+    and critic sharded by FSDP2 on 2;
   * a run with a critic killed at step 3 and resumed ends exactly where the uninterrupted one does;
   * dynamic sampling keeps every step full when most groups are all-correct, the same on any layout, and says so
     when its rounds run out;
@@ -40,8 +41,8 @@ def critic_params(run: Path, step: int = 3) -> dict:
 def layout_runs(assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo_family")
     cfg = assets["cfg"]
-    runs = {"ppo3": [*PPO, "--nproc-per-node", "3"], "rpp3": [*RPP, "--nproc-per-node", "3"], "ppo1": PPO,
-            "rpp1": RPP}
+    runs = {"ppo3": [*PPO, "--nproc-per-node", "3"], "rpp3": [*RPP, "--nproc-per-node", "3"],
+            "ppo_fsdp2": [*PPO, "parallel.sharding=fsdp", "--nproc-per-node", "2"], "ppo1": PPO, "rpp1": RPP}
     evenrl_many({name: ["train", cfg, *STEPS, *more, f"log.run_dir={root / name}"] for name, more in runs.items()})
     return root
 
@@ -62,6 +63,9 @@ def test_one_and_three_processes_give_the_same_models_and_statistics(layout_runs
         assert a["advantage/raw_token_std"] > 0
     if name == "ppo":
         assert max_diff(critic_params(one), critic_params(three)) <= 1e-5
+        sharded = layout_runs / "ppo_fsdp2"  # policy and critic sharded by FSDP2 over 2 ranks: the same update
+        assert max_diff(final_params(one), final_params(sharded)) <= 1e-5
+        assert max_diff(critic_params(one), critic_params(sharded)) <= 1e-5
         assert max_diff(critic_params(one, 2), critic_params(one, 3)) > 1e-5, "the critic did not learn: weak test"
         assert all(r["critic/loss"] > 0 and "critic/grad_norm" in r for r in m1)
     else:

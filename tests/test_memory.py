@@ -205,3 +205,19 @@ def test_with_settings_validates_and_copies():
     assert new.data.prompts_per_step == 9 and c.data.prompts_per_step == 4
     with pytest.raises(ValidationError):
         with_settings(c, {"data.prompts_per_step": -1})
+
+
+def test_critic_is_resident_like_the_policy_state():
+    """algo.advantage=gae: the value model's fp32 weights and AdamW moments (12 bytes per parameter, sized as the
+    policy) stay on the device in every phase; sharded and offloaded like the policy."""
+    d = dims_from_config(TINY)
+    P, lay = 86_848, make_layout(1, 4, device="cuda", device_memory_gib=8)
+    base = estimate_memory(cfg(), make_layout(1, 1), d)
+    ppo = estimate_memory(cfg(algo={"advantage": "gae"}), make_layout(1, 1), d)
+    assert ppo.breakdown["critic"] * GIB == 12 * P and base.breakdown["critic"] == 0
+    for phase in ("rollout", "log-probs", "update"):
+        assert (ppo.phases[phase] - base.phases[phase]) * GIB == pytest.approx(12 * P)
+    fs = estimate_memory(cfg(algo={"advantage": "gae"}, parallel={"sharding": "fsdp"}), lay, d)
+    assert fs.breakdown["critic"] * GIB == 12 * P / 4
+    off = estimate_memory(cfg(algo={"advantage": "gae"}, parallel={"sharding": "fsdp", "cpu_offload": "full"}), lay, d)
+    assert off.breakdown["critic"] == 0 and off.host_gib * GIB == 2 * 16 * P / 4

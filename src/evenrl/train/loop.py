@@ -176,10 +176,11 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
         if dist.is_main():
             idle.see(step, metrics)
             if metrics.get("sampling/groups_short", 0) > 0:
-                print(f"evenrl: warning: step {step}: dynamic sampling kept {metrics['samples']} samples of "
-                      f"{cfg.data.prompts_per_step - metrics['sampling/groups_short']} of {cfg.data.prompts_per_step} "
-                      f"groups after {metrics['sampling/rounds']} rounds (algo.max_generation_rounds); the step "
-                      "trains on those", flush=True)
+                kept = cfg.data.prompts_per_step - metrics["sampling/groups_short"]
+                print(f"evenrl: warning: step {step}: dynamic sampling kept {kept} of {cfg.data.prompts_per_step} "
+                      f"groups ({metrics['samples']} samples) after {metrics['sampling/rounds']} rounds "
+                      f"(algo.max_generation_rounds); " + ("the step trains on those" if kept else
+                                                          "nothing to train on in this step"), flush=True)
         if run.eval_rows and (step == cfg.train.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
             dist.mark(f"step {step} evaluate")
             metrics.update(evaluate(run, run.eval_rows, run.eval_tokens))

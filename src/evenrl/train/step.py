@@ -144,7 +144,7 @@ def rollout(run: "Run", step: int, prompt_ids: list[int], first: int = 0) -> Bat
     run.model.eval()
     with gathered(run.model):  # sharded: the whole model on every rank for this generation, freed after
         completions = generate(run.model, [run.prompt_tokens[prompt_ids[p]] for p, _, _ in mine],
-                               [first + p for p, _, _ in mine], params, step=step,  # key: position in the step, rank-free
+                               [first + p for p, _, _ in mine], params, step=step,  # key: step position
                                eos_token_ids=run.eos_ids, pad_token_id=run.pad_id,
                                sample_ranges=[(first, count) for _, first, count in mine]) if mine else []
     run.model.train()

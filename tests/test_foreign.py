@@ -152,7 +152,12 @@ def test_open_r1_trl_4_gpus_one_for_vllm(tmp_path):
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt) == (2, 8)  # 12 samples = 1.5 prompts -> 2
     assert cfg.train.steps == 500 and cfg.model.gradient_checkpointing is False
     assert plan.runnable and sorted(r.samples for r in plan.ranks) == [5, 5, 6]
-    assert "rollout-devices-unused" in {f.rule for f in plan.findings}
+    assert "rollout-reserved" in {f.rule for f in plan.findings}  # evenrl train --rollout-devices 1 runs it
+    assert (cfg.rollout.engine, cfg.parallel.rollout_devices) == ("vllm", 1)
+    colocate, ccfg, _ = run(tmp_path, "trl", {**OPEN_R1, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.4},
+                            nproc_per_node=4)
+    assert (ccfg.rollout.engine, ccfg.rollout.memory_fraction, ccfg.parallel.rollout_devices) == ("vllm", 0.4, 0)
+    assert colocate.layout.rollout_devices == 0
     ok, _, _ = run(tmp_path, "trl", {**OPEN_R1, "per_device_train_batch_size": 8}, nproc_per_node=4)
     assert ok.checks == []  # 8 x 3 x 2 = 48 samples = 6 prompts of 8
     g1, _, _ = run(tmp_path, "trl", {**OPEN_R1, "num_generations": 1}, nproc_per_node=4)

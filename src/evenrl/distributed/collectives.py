@@ -14,6 +14,12 @@ already divided by global counts, so the sum over ranks is the single-device gra
 A collective that fails (a peer died: at once; a peer stopped: after `timeout` seconds) raises RunStopped with one
 line saying which phase this rank was in and where each other rank last said it was (`mark` leaves a rank's phase
 in the group's store), instead of a backend traceback after a fixed 10 minutes.
+
+Groups (all built here, in `init`): with `rollout_devices` R > 0 the last R ranks only generate. Every training
+collective below then runs on the trainer group (ranks 0..T-1, so a trainer's rank in it is its global rank, and
+`world()` is T), and the FSDP2 mesh is built on it (`device_mesh`). Two more meet the rollout ranks: the push group
+(trainer 0 + the rollout ranks: `push_weights`) and the whole world (`gather_rollouts`). With R = 0 the trainer
+group is the default group and nothing changes.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -51,15 +57,19 @@ _INFO: DistInfo | None = None
 _OWN_GROUP = False
 _STORE = None  # the group's store; each rank leaves its current phase there (mark)
 _PHASE = "start"
+_TRAINERS = None  # the trainer group when some ranks only generate; None: the default group
+_PUSH = None  # trainer 0 + the rollout ranks: the weight push
+_ROLLOUT = 0  # ranks that only generate (the last ones)
 
 
 def _active() -> bool:
     return tdist.is_available() and tdist.is_initialized()
 
 
-def init(backend: str | None = None, *, timeout: float | None = None) -> DistInfo:
+def init(backend: str | None = None, *, timeout: float | None = None, rollout_devices: int = 0) -> DistInfo:
     """Join the process group described by the environment (idempotent). backend None: NCCL with CUDA, else gloo.
-    timeout: seconds the rendezvous and each collective may wait before failing (default 10 minutes)."""
+    timeout: seconds the rendezvous and each collective may wait before failing (default 10 minutes).
+    rollout_devices: the last this many ranks only generate (reserved placement); the groups are built here."""
     global _INFO, _OWN_GROUP, _STORE
     if _INFO is not None:
         return _INFO
@@ -85,10 +95,39 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> DistInf
         tdist.init_process_group(backend, store=store, rank=lay.rank, world_size=lay.world, timeout=wait,
                                  device_id=device if backend == "nccl" else None)
         _OWN_GROUP, _STORE = True, store
+        if rollout_devices:
+            _reserve(lay.world, rollout_devices, wait)
     else:
         backend = None
     _INFO = DistInfo(lay.rank, lay.world, lay.local_rank, lay.local_world, lay.node_rank, device, backend)
     return _INFO
+
+
+def _reserve(world_size: int, r: int, wait: timedelta) -> None:
+    """The trainer and push groups for `r` rollout ranks (every rank builds every group: new_group is collective)."""
+    global _TRAINERS, _PUSH, _ROLLOUT
+    if not 0 < r < world_size:
+        raise RunStopped(f"--rollout-devices {r}: needs at least one training rank among the {world_size}")
+    _ROLLOUT = r
+    _TRAINERS = tdist.new_group(list(range(world_size - r)), timeout=wait)
+    _PUSH = tdist.new_group([0, *range(world_size - r, world_size)], timeout=wait)
+
+
+def trainer_group():
+    """The process group of the training ranks (None: the default group, when no rank is reserved for rollout)."""
+    return _TRAINERS
+
+
+def rollout_ranks() -> list[int]:
+    """Global ranks that only generate ([] when every rank trains)."""
+    if not _ROLLOUT:
+        return []
+    n = tdist.get_world_size()
+    return list(range(n - _ROLLOUT, n))
+
+
+def is_rollout_rank() -> bool:
+    return bool(_ROLLOUT) and tdist.get_rank() >= tdist.get_world_size() - _ROLLOUT
 
 
 def device_mesh(device: torch.device):
@@ -103,24 +142,30 @@ def device_mesh(device: torch.device):
         tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1,
                                  device_id=device if backend == "nccl" else None)
         _OWN_GROUP = True
+    if _TRAINERS is not None:  # reserved rollout ranks: shard over the trainers only
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(_TRAINERS, device.type)
     return init_device_mesh(device.type, (world(),))
 
 
 def shutdown() -> None:
     """Leave the process group `init` built (an adopted one stays) and forget `init`'s answer, so the next `init`
     reads the environment again."""
-    global _INFO, _OWN_GROUP, _STORE
+    global _INFO, _OWN_GROUP, _STORE, _TRAINERS, _PUSH, _ROLLOUT
     if _OWN_GROUP and _active():
         tdist.destroy_process_group()
-    _INFO, _OWN_GROUP, _STORE = None, False, None
+    _INFO, _OWN_GROUP, _STORE, _TRAINERS, _PUSH, _ROLLOUT = None, False, None, None, None, 0
 
 
 def rank() -> int:
+    """This rank (global; a trainer's rank in the trainer group is the same number)."""
     return tdist.get_rank() if _active() else 0
 
 
 def world() -> int:
-    return tdist.get_world_size() if _active() else 1
+    """Ranks that train: what the step's schedule, gradients and per-sample views span."""
+    return tdist.get_world_size() - _ROLLOUT if _active() else 1
 
 
 def is_main() -> bool:
@@ -147,7 +192,7 @@ def guard(op: str):
     try:
         yield
     except RuntimeError as e:
-        if world() == 1:
+        if not _active() or tdist.get_world_size() == 1:
             raise
         reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0])[:160]
         raise RunStopped(f"rank {rank()} in {_PHASE}: {op} failed after {time.monotonic() - t0:.0f} s ({reason}); "
@@ -160,7 +205,7 @@ def _whereabouts() -> str:
     try:
         _STORE.set_timeout(timedelta(seconds=5))
         seen = {r: _STORE.get(f"phase/{r}").decode() if _STORE.check([f"phase/{r}"]) else "not started"
-                for r in range(world()) if r != rank()}
+                for r in range(tdist.get_world_size()) if r != rank()}
     except Exception:  # the store's host is gone too
         return "the rendezvous store (on rank 0 or the launcher) is unreachable: rank 0 may have stopped or died"
     behind = {r: p for r, p in seen.items() if p != _PHASE}
@@ -176,9 +221,9 @@ def _comm_device() -> torch.device:
 
 
 def barrier() -> None:
-    if world() > 1:
+    if world() > 1 and not is_rollout_rank():  # the trainers' barrier; a rollout rank has no part in it
         with guard("barrier"):
-            tdist.barrier()
+            tdist.barrier(group=_TRAINERS)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -186,7 +231,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if world() > 1:
         x = _on_comm_device(t)
         with guard("all-reduce"):
-            tdist.all_reduce(x, op=tdist.ReduceOp.SUM)
+            tdist.all_reduce(x, op=tdist.ReduceOp.SUM, group=_TRAINERS)
         if x is not t:
             t.copy_(x)
     return t
@@ -204,7 +249,7 @@ def all_gather_object(obj: Any) -> list:
         return [obj]
     out: list = [None] * world()
     with guard("all-gather"):
-        tdist.all_gather_object(out, obj)
+        tdist.all_gather_object(out, obj, group=_TRAINERS)
     return out
 
 
@@ -259,9 +304,10 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
                         flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
                     at += p.numel()
                 flat[n:] = torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype)
-                pending.append((ps, flat, tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, async_op=True)))
+                pending.append((ps, flat, tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, async_op=True, group=_TRAINERS)))
         extra_comm = [_on_comm_device(t) for t in extra]
-        extra_work = [tdist.all_reduce(x, op=tdist.ReduceOp.SUM, async_op=True) for x in extra_comm]
+        extra_work = [tdist.all_reduce(x, op=tdist.ReduceOp.SUM, async_op=True, group=_TRAINERS)
+                      for x in extra_comm]
         for ps, flat, work in pending:
             work.wait()
             flags = flat[-len(ps):].tolist()
@@ -306,7 +352,8 @@ def all_gather_tensors(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch
     W, dev = world(), _comm_device()
     with guard("all-gather of per-sample numbers"):
         heads = torch.empty(W * 2, dtype=torch.long, device=dev)
-        _all_gather_single(heads, torch.tensor([fingerprint, blob.numel()], dtype=torch.long, device=dev))
+        _all_gather_single(heads, torch.tensor([fingerprint, blob.numel()], dtype=torch.long, device=dev),
+                           group=_TRAINERS)
         heads = heads.view(W, 2).tolist()
         if any(h[0] != fingerprint for h in heads):  # every rank sees every fingerprint: all raise, none hangs
             raise ValueError("all_gather_tensors: ranks passed different names, dtypes or trailing shapes")
@@ -314,7 +361,7 @@ def all_gather_tensors(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch
         send = torch.zeros(size, dtype=torch.uint8, device=dev)
         send[:blob.numel()] = blob.to(dev)
         recv = torch.empty(W * size, dtype=torch.uint8, device=dev)
-        _all_gather_single(recv, send)
+        _all_gather_single(recv, send, group=_TRAINERS)
         recv = recv.cpu()
     out = []
     for r in range(W):
@@ -400,7 +447,7 @@ def _exchange_all_to_all(parts: list[Batch] | None, template: Batch, problem: st
     sends = [_pack(p, dev) for p in parts] if parts is not None and problem is None else [empty] * W
     head = torch.tensor([[fingerprint, problem is not None, x.numel()] for x in sends], dtype=torch.long, device=dev)
     got = torch.empty_like(head)
-    tdist.all_to_all_single(got, head)
+    tdist.all_to_all_single(got, head, group=_TRAINERS)
     got = got.tolist()
     if problem:
         raise ValueError(problem)
@@ -410,7 +457,7 @@ def _exchange_all_to_all(parts: list[Batch] | None, template: Batch, problem: st
         raise ValueError(_SCHEMA_MISMATCH)
     sizes = [g[2] for g in got]
     recv = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
-    tdist.all_to_all_single(recv, torch.cat(sends), sizes, [x.numel() for x in sends])
+    tdist.all_to_all_single(recv, torch.cat(sends), sizes, [x.numel() for x in sends], group=_TRAINERS)
     return [_unpack(chunk, template, shapes) for chunk in recv.split(sizes)]
 
 
@@ -469,7 +516,7 @@ def exchange(local: Batch, dest: Sequence[int], *, key: str = SAMPLE_INDEX) -> B
             fingerprint = _schema(local)[1]
             check = torch.tensor([fingerprint, -fingerprint, problem is not None], dtype=torch.long,
                                  device=_comm_device())
-            tdist.all_reduce(check, op=tdist.ReduceOp.MAX)
+            tdist.all_reduce(check, op=tdist.ReduceOp.MAX, group=_TRAINERS)
             if problem is None and check[2]:
                 problem = "exchange: another rank passed bad arguments (see its error)"
             elif problem is None and check.tolist()[:2] != [fingerprint, -fingerprint]:
@@ -478,3 +525,36 @@ def exchange(local: Batch, dest: Sequence[int], *, key: str = SAMPLE_INDEX) -> B
                 raise ValueError(problem)
             received = Batch.concat(_exchange_objects(parts, local))
     return received.select(torch.argsort(received[key].cpu(), stable=True))
+
+
+# ---- reserved rollout ranks --------------------------------------------------------------------------------
+def push_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The weight push to the rollout ranks, bucket by bucket over the push group (gloo on CPU, NCCL on GPU), each
+    bucket one broadcast per dtype from trainer 0. Trainer 0 passes the weights to send; a rollout rank passes
+    same-shaped buffers (its own copy's full_weights, same names, order and bucket size), which are overwritten in
+    place; other trainers pass the weights and send nothing (a sharded model's gathers still need them). Yields each
+    bucket once it is complete here. A peer that stopped fails this within the collective timeout, in one line
+    naming where each rank was (RunStopped), instead of hanging a broadcast."""
+    member = rank() == 0 or is_rollout_rank()
+    for bucket in buckets:
+        if member and _PUSH is not None:
+            with guard("weight push"):
+                for dtype in dict.fromkeys(t.dtype for _, t in bucket):
+                    ts = [t for _, t in bucket if t.dtype == dtype]
+                    flat = torch.cat([t.reshape(-1) for t in ts]).to(_comm_device())
+                    tdist.broadcast(flat, src=0, group=_PUSH)
+                    if rank() != 0:
+                        at = 0
+                        for t in ts:
+                            t.copy_(flat[at:at + t.numel()].view(t.shape))
+                            at += t.numel()
+        yield bucket
+
+
+def gather_rollouts(obj: Any) -> list:
+    """Every rank's object over the whole world (trainers pass nothing, rollout ranks their completions), in rank
+    order: how a step's samples reach the trainers."""
+    out: list = [None] * tdist.get_world_size()
+    with guard("gather of rollouts"):
+        tdist.all_gather_object(out, obj)
+    return out

@@ -20,8 +20,14 @@ Resident on every phase (0 on the device with cpu_offload=full, which keeps them
                                         sized as the policy, sharded and offloaded like it (its gradients and
                                         activations exist only during its own update, after the policy's, whose
                                         vocabulary-sized logits make the policy's update the larger)
-  rollout reserve  memory_fraction * device memory;  overhead 1 GiB on cuda (context, allocator), 0.3 GiB on cpu
-rollout (generation with the HF sampler on the training ranks):
+  rollout reserve  memory_fraction * device memory (engine hf: reserved for nothing, a warning says so);
+                   engine vllm on cpu: its own weights cP + its KV cache (memory_fraction * RAM, 0: 1 GiB), held
+                   throughout (vLLM has no sleep mode on CPU)
+  overhead         1 GiB on cuda (context, allocator), 0.3 GiB on cpu
+rollout (generation with the HF sampler on the training ranks; with reserved rollout devices (--rollout-devices)
+the training ranks generate nothing and hold no engine: this phase is the resident part only):
+  rollout engine   engine vllm on cuda: memory_fraction (0: 0.3) * device memory, vLLM's gpu_memory_utilization
+                   (its weights and KV cache); asleep (freed) during the other phases
   gathered model   cP + c*unit          fsdp: the whole model gathered once in the compute dtype, freed after;
                                         T > 1: plus the largest unit's all-gather buffer while it is copied out
   autocast copies  2 * linear weights   replicated bf16: torch.autocast caches a bf16 copy of every fp32 weight
@@ -79,8 +85,11 @@ LOGIT_BYTES = 12  # logits + fp32 log-softmax + its gradient, per token per voca
 OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.3}
 SPLIT_MAX = 20_000  # samples per step beyond which the rollout split is bounded, not computed (module docstring)
 # The three phases of a step and the components each holds on top of the resident ones (render shows them so).
+# vLLM's defaults where rollout.memory_fraction is 0 (engines.vllm_engine; the planner cannot import it)
+VLLM_GPU_SHARE = 0.3
+VLLM_CPU_KV_BYTES = float(1 << 30)
 RESIDENT = ("parameters", "optimizer", "reference model", "critic", "rollout reserve", "overhead")
-PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache"),
+PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache", "rollout engine"),
           "log-probs": ("fsdp units", "autocast copies", "layer activations", "log-prob logits"),
           "update": ("gradients", "fsdp units", "autocast copies", "activations", "logits", "gradient buckets")}
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -254,6 +263,18 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
         host += STATE_BYTES * P / shard if offload else 0
         notes.append("critic (algo.advantage=gae) sized as the policy, sharded and offloaded the same way")
     reserve = cfg.rollout.memory_fraction * layout.device_memory_gib * GIB
+    engine = 0.0
+    reserved = layout.rollout_devices > 0 and layout.training_ranks >= 1
+    if reserved:  # the trainers generate nothing; the rollout devices hold the engines (a note sizes them)
+        reserve, gen = 0.0, 0
+        notes.append(f"training ranks only; each of the {layout.rollout_devices} rollout devices holds the "
+                     f"{cfg.rollout.engine} engine: the model in the compute dtype ({c * P / GIB:.2f} GiB) and its "
+                     "KV cache")
+    elif cfg.rollout.engine == "vllm" and layout.device == "cuda":
+        engine, reserve = (cfg.rollout.memory_fraction or VLLM_GPU_SHARE) * layout.device_memory_gib * GIB, 0.0
+    elif cfg.rollout.engine == "vllm":
+        reserve = c * P + (reserve or VLLM_CPU_KV_BYTES)
+    sampler = not reserved and cfg.rollout.engine == "hf"  # evenrl's sampler runs the training model here
     overhead = OVERHEAD_GIB[layout.device] * GIB
     copies = 2 * dims.linear_params if (c == 2 and not fsdp) else 0
     units = c * (dims.root_params + 2 * dims.layer_params) if fsdp else 0
@@ -267,9 +288,10 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     parts = {
         "parameters": params_b, "optimizer": opt_b, "reference model": ref, "critic": critic,
         "rollout reserve": reserve, "overhead": overhead,
-        "gathered model": c * (P + (largest if t > 1 else 0)) if fsdp else 0,
+        "gathered model": c * (P + (largest if t > 1 else 0)) if fsdp and sampler else 0,
         "autocast copies": copies,
-        "KV cache": gen * length * L * 2 * dims.kv_heads * dims.head_dim * c,
+        "KV cache": gen * length * L * 2 * dims.kv_heads * dims.head_dim * c if sampler else 0,
+        "rollout engine": engine,
         "fsdp units": units,
         "layer activations": tokens * dims.act_elems * c,
         "log-prob logits": tokens * V * (c + 4),
@@ -280,7 +302,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     }
     resident = sum(parts[k] for k in RESIDENT)
     phases = {
-        "rollout": resident + parts["gathered model"] + copies + parts["KV cache"],
+        "rollout": resident + parts["gathered model"] + (copies if sampler else 0) + parts["KV cache"] + engine,
         "log-probs": resident + units + copies + parts["layer activations"] + parts["log-prob logits"],
         "update": resident + grads_b + max(units + unit_grads + copies + act + parts["logits"],
                                            parts["gradient buckets"]),

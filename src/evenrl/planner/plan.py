@@ -31,7 +31,7 @@ Plan.to_dict(), schema "evenrl.plan/1" (what --json prints):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from evenrl.config import RunConfig
@@ -136,7 +136,10 @@ def _stats(xs: list[int]) -> dict | None:
 # ------------------------------------------------------------------------------------------ building a plan
 
 def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = None) -> Plan:
-    """Everything derived from (cfg, layout); `model_config` is a config.json dict used instead of model.path."""
+    """Everything derived from (cfg, layout); `model_config` is a config.json dict used instead of model.path.
+    parallel.rollout_devices is the layout's when no flag set it (evenrl train reads the same field)."""
+    if cfg.parallel.rollout_devices and not layout.rollout_devices:
+        layout = replace(layout, rollout_devices=cfg.parallel.rollout_devices)
     p = Plan(cfg, layout, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
     if layout.training_ranks >= 1:
         _simulate(p, _weights(cfg, layout))

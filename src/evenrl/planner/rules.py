@@ -338,11 +338,15 @@ def rule_parallel(p: Plan) -> list[Finding]:
         out.append(Finding("note", "fsdp-one-rank", "sharding=fsdp over 1 training rank shards nothing "
                            "(it still gathers each block before use)",
                            "parallel.sharding=replicated, or more ranks"))
-    if lay.rollout_devices and c.rollout.engine == "hf":
-        out.append(Finding("warning", "rollout-devices-unused",
-                           f"{plural(lay.rollout_devices, 'device')} reserved for rollout, but engine 'hf' "
-                           "generates on the training ranks: the reserved devices sit idle",
-                           f"--rollout-devices 0 (then {plural(lay.world, 'rank')} train and generate)"))
+    if lay.rollout_devices and lay.training_ranks >= 1:
+        r, t = lay.rollout_devices, lay.training_ranks
+        out.append(Finding("note", "rollout-reserved",
+                           f"reserved placement is synchronous: {plural(t, 'training rank')} wait{'s' if t == 1 else ''} while "
+                           f"{plural(r, 'rollout device')} generate{'s' if r == 1 else ''} the whole step, and "
+                           f"{'it waits' if r == 1 else 'they wait'} while they train; a step takes ~ G/{r} + U/{t} "
+                           f"against ~ G/{lay.world} + U/{lay.world} colocated (G, U: one device's generation and "
+                           f"update time). Reserved pays where G is small next to U or an engine needs its own "
+                           f"devices", f"--rollout-devices 0 (then {plural(lay.world, 'rank')} train and generate)"))
     if c.rollout.memory_fraction > 0 and c.rollout.engine == "hf":
         out.append(Finding("warning", "rollout-reserve-unused",
                            f"rollout.memory_fraction={c.rollout.memory_fraction} reserves memory for a separate "

@@ -84,7 +84,7 @@ def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, opt
         with dist.guard("checkpoint save"), _single_process_is_meant():
             dcp_save(state,
                      storage_writer=FileSystemWriter(str(tmp / "state"), single_file_per_rank=True),
-                     no_dist=dist.world() == 1)
+                     no_dist=dist.world() == 1, process_group=dist.trainer_group())  # reserved rollout ranks: not theirs
     except CheckpointException as e:  # a BaseException: it would pass every `except Exception` on its way out
         reasons = sorted({_last_line(f) for f in e.failures.values()}) or [_last_line(e)]
         raise RunStopped(f"checkpoint {name}: writing {tmp / 'state'} failed ({'; '.join(reasons)[:200]}); "
@@ -219,7 +219,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         raise UsageError(f"{index}: unreadable checkpoint ({e.__class__.__name__}); {_EARLIER}") from None
     try:
         with _single_process_is_meant():
-            dcp_load(state, storage_reader=_SafeReader(str(path / "state")), no_dist=dist.world() == 1)
+            dcp_load(state, storage_reader=_SafeReader(str(path / "state")), no_dist=dist.world() == 1,
+                     process_group=dist.trainer_group())
     except (CheckpointException, Exception) as e:  # DCP reports a rank's failure as a CheckpointException
         text = _last_line(e)
         if "Missing key" in text or "size" in text.lower() or "mismatch" in text.lower():

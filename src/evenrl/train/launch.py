@@ -37,6 +37,9 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole worker group on failure")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in log.run_dir")
+    if cmd == "train":
+        p.add_argument("--rollout-devices", type=int, default=None,
+                       help="the last N processes only generate (parallel.rollout_devices)")
     p.add_argument("--collective-timeout-s", type=float, default=None,
                    help="seconds a rank waits for a stopped peer (parallel.collective_timeout_s)")
     return p
@@ -61,6 +64,8 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--max-restarts: got {args.max_restarts}; must be >= 0")
     if args.collective_timeout_s is not None:
         args.overrides.append(f"parallel.collective_timeout_s={args.collective_timeout_s}")
+    if getattr(args, "rollout_devices", None) is not None:
+        args.overrides.append(f"parallel.rollout_devices={args.rollout_devices}")
     if cmd == "sft" and args.resume:
         raise UsageError("--resume: evenrl sft has no checkpoints to resume from; run it again (with --overwrite)")
     if _is_worker():

@@ -17,6 +17,7 @@ import torch
 
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
+from evenrl.engines import make_engine
 from evenrl.errors import RunStopped, UsageError
 from evenrl.distributed.sharding import shard
 from evenrl.models.loading import load_policy, with_value_head
@@ -25,7 +26,7 @@ from evenrl.train import checkpoint, rundir
 from evenrl.train.data import PromptSampler, load_data
 from evenrl.train.evaluate import evaluate
 from evenrl.train.runlog import RunLog, read_metrics
-from evenrl.train.step import rl_step
+from evenrl.train.step import rl_step, serve_rollout
 from evenrl.train.update import prepare_model
 
 
@@ -36,13 +37,18 @@ class Run:
         self.cfg = cfg
         self.info = info
         torch.manual_seed(cfg.train.seed)
-        self.model, self.tokenizer = trainable_model(cfg, cfg.model.path, info)
-        self.critic = None
-        if cfg.algo.advantage == "gae":  # built like the policy: whatever is applied to one applies to the other
-            self.critic, _ = trainable_model(cfg, cfg.critic.path or cfg.model.path, info,
-                                             head=lambda m: with_value_head(m, cfg.train.seed))
+        if dist.is_rollout_rank():  # generates only: one whole copy in the engine's dtype, written by each push
+            self.model, self.tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
+            self.critic = None
+        else:
+            self.model, self.tokenizer = trainable_model(cfg, cfg.model.path, info)
+            self.critic = None
+            if cfg.algo.advantage == "gae":  # built like the policy: whatever is applied to one applies to the other
+                self.critic, _ = trainable_model(cfg, cfg.critic.path or cfg.model.path, info,
+                                                 head=lambda m: with_value_head(m, cfg.train.seed))
+        self.model.train()
         self.reference = None
-        if cfg.algo.kl_coef > 0:  # frozen: held in the compute dtype, no master copy
+        if cfg.algo.kl_coef > 0 and not dist.is_rollout_rank():  # frozen: held in the compute dtype, no master copy
             self.reference, _ = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
             self.reference.eval().requires_grad_(False)
             if cfg.parallel.sharding == "fsdp":
@@ -50,6 +56,10 @@ class Run:
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.model_dtype = getattr(torch, cfg.model.dtype)
+        # with reserved rollout ranks a trainer generates nothing: no engine (no second copy of the weights)
+        self.engine = None if dist.rollout_ranks() and not dist.is_rollout_rank() else \
+            make_engine(cfg, self.model, eos_token_ids=self.eos_ids, pad_token_id=self.pad_id, device=info.device)
         self.rows, self.prompt_tokens, self.skipped = load_data(cfg, self.tokenizer)
         self.eval_rows, self.eval_tokens = [], []
         if cfg.eval.path:
@@ -111,6 +121,14 @@ def preflight(cfg: RunConfig):
     from evenrl.planner.layout import detect_local, layout_from_env
     from evenrl.planner.plan import make_plan
 
+    if cfg.parallel.rollout_devices and cfg.algo.filter_groups:
+        # a round's need for more prompts is decided from the trainers' rewards; rollout ranks do not see them yet
+        raise UsageError("parallel.rollout_devices: reserved rollout ranks run one generation round per step; "
+                         "algo.filter_groups=true needs more rounds; use --rollout-devices 0 with filter_groups")
+    if cfg.rollout.engine == "vllm":
+        from evenrl.engines.vllm_engine import require
+
+        require()
     plan = make_plan(cfg, layout_from_env(os.environ) or detect_local())
     errors = [f for f in plan.findings if f.level == "error"]
     if errors:
@@ -129,7 +147,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     if resume or restarted:
         read_metrics(run_dir)  # a broken line is one error now, not a traceback once the header is half-written
     plan = preflight(cfg)
-    info = dist.init(timeout=cfg.parallel.collective_timeout_s)
+    info = dist.init(timeout=cfg.parallel.collective_timeout_s, rollout_devices=cfg.parallel.rollout_devices)
     if dist.is_main():
         rundir.prepare(run_dir, overwrite=overwrite and not restarted)
     dist.barrier()
@@ -137,6 +155,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     run = Run(cfg, info)
     start = 0
     found = checkpoint.latest(ckpt_root) if resume or restarted else None
+    if dist.is_rollout_rank():
+        return serve_rollouts(run, found)
     if found is not None:
         start, state = checkpoint.load(found, run.model, run.optimizer, extra=run.extra_models())
         try:
@@ -202,6 +222,21 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     return run_dir
 
 
+def serve_rollouts(run: Run, found: Path | None) -> Path:
+    """A reserved rollout rank's whole run: per step, the step's prompts (the same PromptSampler as the trainers,
+    so no prompt is sent), the trainers' weights in, this replica's samples out. It saves and logs nothing."""
+    cfg, start = run.cfg, 0
+    if found is not None:  # only where the run continues and which prompts come next; the weights come pushed
+        start = checkpoint.read_meta(found)["step"]
+        run.sampler.load_state_dict(torch.load(found / "trainer.pt", map_location="cpu", weights_only=True)["sampler"])
+    stall_at = int(os.environ.get("EVENRL_TEST_ROLLOUT_STALLS_AT_STEP", "0"))  # test hook: a rollout rank hangs
+    for step in range(start + 1, cfg.train.steps + 1):
+        if step == stall_at:
+            time.sleep(3600)
+        serve_rollout(run, step, run.sampler.next_prompts(cfg.data.prompts_per_step))
+    return Path(cfg.log.run_dir)
+
+
 class Idle:
     """Steps that learn nothing: every sample's advantage is 0 (each group's rewards were all equal, e.g. a 0/1
     reward the model never or always earns), so the policy gradient is zero. Warns at the first step of each such
@@ -253,7 +288,7 @@ def _truncate_metrics(run_dir: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-PHASES = ["rollout", "reward", "values", "advantage", "exchange", "logprobs", "update"]
+PHASES = ["weights", "rollout", "reward", "values", "advantage", "exchange", "logprobs", "update"]
 
 
 def phase_table(seconds: dict[str, float], steps: int) -> str:

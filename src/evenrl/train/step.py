@@ -29,8 +29,8 @@ from evenrl.core.losses import (LossInputs, LossSettings, entropy_from_logits, k
                                 value_loss)
 from evenrl.core.schedule import make_schedule, rollout_shares
 from evenrl.distributed import collectives as dist
-from evenrl.distributed.weights import gathered
-from evenrl.engines.hf import SamplingParams, generate
+from evenrl.distributed.weights import full_weights
+from evenrl.engines import SamplingParams
 from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.models.loading import is_sharded
 from evenrl.rewards import score_all
@@ -40,7 +40,10 @@ from evenrl.train.update import compute_logprobs, compute_values, minibatch_deno
 if TYPE_CHECKING:
     from evenrl.train.loop import Run
 
-STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "entropy"]
+STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "entropy",
+              "rollout/logprob_mismatch", "rollout/mismatch_fraction"]
+# A sampled token whose engine and trainer log-probs differ by more than this counts in rollout/mismatch_fraction.
+MISMATCH_THRESHOLD = 0.1
 CRITIC_STAT_NAMES = ["critic/loss", "critic/clip_fraction", "critic/values"]
 
 
@@ -49,6 +52,9 @@ CRITIC_STAT_NAMES = ["critic/loss", "critic/clip_fraction", "critic/values"]
 def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
     """One RL step on this rank; returns the step's global metrics and a few of this rank's completions."""
     cfg, timer = run.cfg, Timer(step)
+    if dist.rollout_ranks() or run.engine.needs_weights:
+        with timer("weights"):
+            push_weights(run)                                                   # the engine samples from these
     local, failures, sampling = sample(run, step, timer)                    # rollout + rewards: this rank's rows
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "reward":
         with timer("logprobs"):
@@ -78,6 +84,50 @@ def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
 
 
 # ------------------------------------------------------------------------------------------ named pieces
+
+def push_weights(run: "Run") -> None:
+    """The trainer's current weights into an engine that keeps its own copy, bucket by bucket (full_weights
+    all-gathers a sharded model, so every rank iterates it): this rank's engine, or the reserved rollout ranks'
+    (trainer 0 broadcasts). Done before each rollout: after every optimizer step and after a resume alike."""
+    weights = full_weights(run.model, dtype=run.model_dtype)
+    if dist.rollout_ranks():
+        for _ in dist.push_weights(weights):
+            pass
+        return
+    run.engine.wake()
+    run.engine.update_weights(weights)
+
+
+def serve_rollout(run: "Run", step: int, prompt_ids: list[int]) -> None:
+    """A reserved rollout rank's step: the trainers' weights in (into its own copy of the model: the hf engine
+    samples from it, vLLM is fed them), its replica's share of the samples out, the step's prompts balanced over
+    the replicas by cost. A sample's key is what it is on any layout, so the samples equal the colocated ones."""
+    cfg = run.cfg
+    dist.mark(f"step {step} weights (rollout rank)")
+    received = dist.push_weights(full_weights(run.model, dtype=run.model_dtype))
+    if run.engine.needs_weights:
+        run.engine.wake()
+        run.engine.update_weights(received)
+    else:
+        for _ in received:  # the copy the hf engine samples from is written in place
+            pass
+    n, replicas = cfg.rollout.samples_per_prompt, dist.rollout_ranks()
+    costs = [len(run.prompt_tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
+    mine = rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())]
+    dist.mark(f"step {step} generate (rollout rank)")
+    completions = run.engine.generate([run.prompt_tokens[prompt_ids[p]] for p, _, _ in mine],
+                                      [p for p, _, _ in mine], sampling_params(cfg), step=step,
+                                      sample_ranges=[(first, count) for _, first, count in mine])
+    run.engine.sleep()
+    dist.gather_rollouts([c for samples in completions for c in samples])
+
+
+def sampling_params(cfg: RunConfig) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                          samples_per_prompt=r.samples_per_prompt, seed=cfg.train.seed)
+
+
 
 def sample(run: "Run", step: int, timer: "Timer") -> tuple[Batch, int, dict]:
     """Rollout and rewards for the step's prompts: (this rank's rows, its reward failures, sampling metrics).
@@ -139,16 +189,15 @@ def rollout(run: "Run", step: int, prompt_ids: list[int], first: int = 0) -> Bat
     n = cfg.rollout.samples_per_prompt
     costs = [len(run.prompt_tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
     mine = rollout_shares(costs, n, dist.world(), cfg.parallel.capacity_weights)[dist.rank()]
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, samples_per_prompt=n, seed=cfg.train.seed)
-    run.model.eval()
-    with gathered(run.model):  # sharded: the whole model on every rank for this generation, freed after
-        completions = generate(run.model, [run.prompt_tokens[prompt_ids[p]] for p, _, _ in mine],
-                               [first + p for p, _, _ in mine], params, step=step,  # key: step position
-                               eos_token_ids=run.eos_ids, pad_token_id=run.pad_id,
-                               sample_ranges=[(first, count) for _, first, count in mine]) if mine else []
-    run.model.train()
-    tokens, resp_len, index, group, row_ids, texts, finished = [], [], [], [], [], [], []
+    if dist.rollout_ranks():  # the rollout ranks made every sample (serve_rollout): take this rank's share
+        made = {(c.prompt_key, c.sample_index): c for part in dist.gather_rollouts([]) for c in part}
+        completions = [[made[(first + p, s)] for s in range(a, a + count)] for p, a, count in mine]
+    else:
+        completions = run.engine.generate([run.prompt_tokens[prompt_ids[p]] for p, _, _ in mine],
+                                          [first + p for p, _, _ in mine], sampling_params(cfg), step=step,
+                                          sample_ranges=[(a, count) for _, a, count in mine])  # key: step position
+        run.engine.sleep()  # vLLM on GPU: its KV cache is freed while the trainer needs the memory
+    tokens, resp_len, index, group, row_ids, texts, finished, engine_lp = [], [], [], [], [], [], [], []
     for (p, _, _), samples in zip(mine, completions):
         prompt = run.prompt_tokens[prompt_ids[p]]
         for c in samples:
@@ -159,12 +208,14 @@ def rollout(run: "Run", step: int, prompt_ids: list[int], first: int = 0) -> Bat
             row_ids.append(prompt_ids[p])
             texts.append(run.tokenizer.decode(c.token_ids, skip_special_tokens=True))
             finished.append(c.finished)
+            engine_lp.append(torch.tensor(c.logprobs, dtype=torch.float32))
     return Batch({
         "sample_index": torch.tensor(index, dtype=torch.long),
         "tokens": Ragged.of(tokens, torch.long),
         "response_len": torch.tensor(resp_len, dtype=torch.long),
         "group": torch.tensor(group, dtype=torch.long),
         "finished": torch.tensor(finished, dtype=torch.bool),
+        "engine_logp": Ragged.of(engine_lp, torch.float32),
         "row_id": row_ids,
         "completion": texts,
     })
@@ -400,6 +451,7 @@ def rl_objective(run: "Run", logits, targets, mask, mb: Batch):
                                                     entropy_coef=algo.entropy_coef,
                                                     kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0,
                                                     kl_estimator=algo.kl_estimator))
+    stats.update(logprob_mismatch(inputs.old_logp, ragged_to_right_aligned(mb, "engine_logp", logp.device), mask))
     if keep is not None:
         per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
     return per_token, stats
@@ -426,6 +478,16 @@ def kept_rows(run: "Run", mb: Batch, mask):
         return None, mask
     keep = ~masked.to(mask.device)[:, None]
     return keep, mask & keep
+
+
+def logprob_mismatch(trainer_logp, engine_logp, mask) -> dict:
+    """|engine - trainer| log-prob of the sampled tokens, as (sum, count) stats. The trainer side is old_logp: the
+    sampling policy's log-probs, computed by the update's own forward (or add_logprobs), so no extra pass; measured
+    on the samples some rank trains on (zero-gradient samples are skipped)."""
+    diff = (trainer_logp.detach().float() - engine_logp.float()).abs()[mask]
+    n = float(diff.numel())
+    return {"rollout/logprob_mismatch": (diff.sum(), n),
+            "rollout/mismatch_fraction": ((diff > MISMATCH_THRESHOLD).sum(), n)}
 
 
 def step_metrics(run: "Run", everyone: Batch, schedule, stats: dict, failures: int, timer: "Timer") -> dict:

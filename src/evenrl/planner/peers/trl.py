@@ -98,6 +98,13 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     set_model(t, src.str("model_name_or_path"), "model_name_or_path")
     t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
     t.set("model.dtype", "bfloat16" if src.bool("bf16", True) else "float32", "bf16")
+    if src.bool("use_vllm", False):
+        t.set("rollout.engine", "vllm", "use_vllm")
+        if not server:  # colocate mode: vLLM shares each training GPU
+            t.set("rollout.memory_fraction", src.float("vllm_gpu_memory_utilization", 0.3),
+                  "vllm_gpu_memory_utilization")
+    if t.layout.rollout_devices:  # `evenrl train --rollout-devices N` runs what `trl vllm-serve` did
+        t.set("parallel.rollout_devices", t.layout.rollout_devices, "vllm_mode=server")
     set_data(t, src.str("dataset_name"), "dataset_name", src.str("dataset_prompt_column", "prompt"))
     steps = src.int("max_steps", -1, lo=-1)
     if steps and steps > 0:

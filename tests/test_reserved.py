@@ -73,3 +73,12 @@ def test_rollout_devices_must_leave_a_trainer(assets, tmp_path, capsys):
 
     code, out, err = evenrl_here(capsys, "train", assets["cfg"], "--rollout-devices", 1, f"log.run_dir={tmp_path}/r")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "no-training-ranks" in err, err
+
+
+def test_reserved_ranks_refuse_dynamic_sampling(assets, tmp_path, capsys):
+    """Rounds of dynamic sampling are decided from rewards the rollout ranks never see: refused in one line."""
+    from e2e import evenrl_here
+
+    code, out, err = evenrl_here(capsys, "train", assets["cfg"], "--rollout-devices", 1, "algo.filter_groups=true",
+                                 f"log.run_dir={tmp_path}/r")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "filter_groups" in err, err

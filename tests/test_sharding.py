@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import ENV, evenrl, evenrl_many, final_params, max_diff, metrics
+from e2e import evenrl, evenrl_many, final_params, max_diff, metrics
 
 FSDP = "parallel.sharding=fsdp"
 TOL = 1e-5

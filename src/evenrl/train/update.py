@@ -25,27 +25,11 @@ from evenrl.models.forward import response_logits
 from evenrl.models.loading import is_sharded, set_autocast
 
 
-@torch.no_grad()
 def compute_logprobs(model, batch: Batch, micro_rows: list[list[int]], *, temperature: float,
                      pad_token_id: int) -> list[Tensor]:
-    """Per-row response log-probs (1-D tensors, in batch row order) computed micro-batch by micro-batch.
-    A sharded model runs a filler forward for an empty micro-batch (every rank the same number of forwards)."""
-    out: list[Tensor | None] = [None] * len(batch)
-    was_training = model.training
-    model.eval()
-    sharded = is_sharded(model)
-    for rows in micro_rows:
-        if not rows:
-            if sharded:
-                response_logits(model, filler_row(pad_token_id), pad_token_id)
-            continue
-        mb = batch.select(rows)
-        logits, targets, mask = response_logits(model, mb, pad_token_id)
-        logp = token_logprobs(logits, targets, temperature)
-        for j, r in enumerate(rows):
-            out[r] = logp[j][mask[j]].float().cpu()
-    model.train(was_training)
-    return out  # type: ignore[return-value]
+    """Per-row response log-probs (1-D tensors, in batch row order) computed micro-batch by micro-batch."""
+    return _per_response_token(model, batch, micro_rows, pad_token_id,
+                               lambda logits, targets: token_logprobs(logits, targets, temperature))
 
 
 def prepare_model(model, cfg: RunConfig) -> None:
@@ -68,23 +52,31 @@ def filler_row(pad_token_id: int) -> Batch:
                   "response_len": torch.tensor([1], dtype=torch.long)})
 
 
-@torch.no_grad()
 def compute_values(critic, batch: Batch, micro_rows: list[list[int]], *, pad_token_id: int) -> list[Tensor]:
     """Per-row values of each response token's state under a value model (a causal LM whose head outputs one
     number, evenrl.models.loading.with_value_head), 1-D float32 tensors in batch row order."""
+    return _per_response_token(critic, batch, micro_rows, pad_token_id, lambda values, _: values[..., 0])
+
+
+@torch.no_grad()
+def _per_response_token(model, batch: Batch, micro_rows: list[list[int]], pad_token_id: int, pick) -> list[Tensor]:
+    """pick(logits [B, R, V], targets [B, R]) -> [B, R] for each micro-batch, cut to each row's response tokens:
+    1-D float32 tensors in batch row order. A sharded model runs a filler forward for an empty micro-batch (every
+    rank the same number of forwards)."""
     out: list[Tensor | None] = [None] * len(batch)
-    was_training = critic.training
-    critic.eval()
-    sharded = is_sharded(critic)
+    was_training = model.training
+    model.eval()
+    sharded = is_sharded(model)
     for rows in micro_rows:
         if not rows:
-            if sharded:  # zero-weight filler: every rank the same number of forwards
-                response_logits(critic, filler_row(pad_token_id), pad_token_id)
+            if sharded:
+                response_logits(model, filler_row(pad_token_id), pad_token_id)
             continue
-        values, _, mask = response_logits(critic, batch.select(rows), pad_token_id)
+        logits, targets, mask = response_logits(model, batch.select(rows), pad_token_id)
+        per_token = pick(logits, targets)
         for j, r in enumerate(rows):
-            out[r] = values[j, :, 0][mask[j]].float().cpu()
-    critic.train(was_training)
+            out[r] = per_token[j][mask[j]].float().cpu()
+    model.train(was_training)
     return out  # type: ignore[return-value]
 
 

@@ -226,6 +226,15 @@ def barrier() -> None:
             tdist.barrier(group=_TRAINERS)
 
 
+def barrier_all() -> None:
+    """Every rank, trainers and reserved rollout ranks: the end of a run. A rollout rank that left after its last
+    rollout would tear down its end of the group while the trainers still train and save; seen as an abort
+    ("terminate called without an active exception") of that rank, which ended the whole job."""
+    if world() > 1:
+        with guard("end-of-run barrier"):
+            tdist.barrier()
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """SUM over ranks, in place; returns t."""
     if world() > 1:

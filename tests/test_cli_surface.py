@@ -16,6 +16,8 @@ PLAN = {
     # layout (evenrl.planner.layout.add_layout_args)
     "--nnodes", "--num-nodes", "--nproc-per-node", "--num-gpus", "--rollout-devices", "--device",
     "--device-memory-gib", "--capacity-weights",
+    # device rates of the step-time estimate of reserved placement (evenrl.planner.timing.add_rate_args)
+    "--device-tflops", "--device-gbps", "--link-gbps",
 }
 TRAIN = {
     "config", "overrides", "-h", "--help", "--nproc-per-node", "--num-gpus", "--nnodes", "--num-nodes",

@@ -260,7 +260,8 @@ def test_json_schema():
     d = make(["data.prompts_per_step=2"], TINY).to_dict()
     assert d["schema"] == "evenrl.plan/1" and isinstance(d["runnable"], bool)
     assert set(d) == {"schema", "runnable", "counts", "layout", "step", "ranks", "optimizer_steps", "memory",
-                      "findings"}
+                      "overlap", "findings"}
+    assert d["overlap"] is None  # no rollout device reserved (tests/test_plan_overlap.py has the section)
     assert set(d["counts"]) == {"error", "warning", "note"}
     assert {"world", "training_ranks", "device", "device_memory_gib"} <= set(d["layout"])
     assert {"prompts_per_step", "samples_per_prompt", "samples_per_step", "minibatch_sizes", "sample_tokens",

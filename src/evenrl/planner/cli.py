@@ -3,6 +3,7 @@
     evenrl plan examples/plan_512x8.yaml --nnodes 8 --nproc-per-node 8 --device cuda --device-memory-gib 80
     evenrl plan examples/plan_512x8.yaml data.prompts_per_step=2 rollout.samples_per_prompt=1 --nproc-per-node 4
     evenrl plan CONFIG --fit             # print the nearest config that runs well on this layout, and its plan
+    evenrl plan CONFIG rollout.max_staleness=1 --rollout-devices 2 --device-tflops 300   # the overlap estimate
     evenrl plan --from verl FILE [overrides] [layout flags]    # a peer's config: its failures, evenrl's equivalent
 
 Exit codes: 0 runnable (no error finding), 1 an error finding, 2 unusable input (one line on stderr). With
@@ -34,6 +35,7 @@ from evenrl.planner.layout import add_layout_args, has_shape_flags, layout_from_
 from evenrl.planner.peers import NAMES, read_foreign, translate
 from evenrl.planner.plan import Plan, make_plan
 from evenrl.planner.render import render
+from evenrl.planner.timing import add_rate_args, rate_flags
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="evenrl YAML config (or the peer's file with --from)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.prompts_per_step=64")
     add_layout_args(p)
+    add_rate_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema evenrl.plan/1)")
     p.add_argument("--fit", action="store_true", help="print the nearest config that runs well, and its plan")
     p.add_argument("--from", dest="framework", choices=["verl", "easyr1", "trl", "openrlhf"],
@@ -54,7 +57,7 @@ def main(argv: list[str]) -> int:
         return run_foreign(ns)
     cfg = load_config(ns.config, ns.overrides)
     layout = layout_from_args(ns)
-    plan = make_plan(cfg, layout)
+    plan = make_plan(cfg, layout, rates=rate_flags(ns))
     hint = ""
     if has_shape_flags(ns) and ns.device is None and layout.device == "cpu":  # e.g. planning a cluster on a laptop
         hint = "no GPU on this machine: planning CPU processes (--device cuda --device-memory-gib N plans GPUs)"
@@ -69,7 +72,7 @@ def report(plan: Plan, *, as_json: bool, with_fit: bool, title: str, head: dict 
     text = [title, head_text, render(plan)] if head_text else [title, render(plan)]
     if with_fit:
         cfg, changes = fit(plan)
-        final = make_plan(cfg, plan.layout)
+        final = make_plan(cfg, plan.layout, rates=plan.rates)
         doc["fit"] = {"changes": [{"key": k, "from": a, "to": b} for k, a, b in changes],
                       "config": cfg.model_dump(mode="json"), "plan": final.to_dict()}
         text.append("\n--fit: " + ("no change needed" if not changes else
@@ -89,7 +92,7 @@ def run_foreign(ns: argparse.Namespace) -> int:
     fw = ns.framework
     data = read_foreign(fw, ns.config, ns.overrides)
     t, cfg = translate(fw, data, ns)
-    plan = make_plan(cfg, t.layout)
+    plan = make_plan(cfg, t.layout, rates=rate_flags(ns))
     name = NAMES[fw]
     lines = [f"{name} on {t.layout.describe()}"]
     if t.checks:

@@ -5,9 +5,9 @@
 fit() changes only what a finding asks for: group size and temperature for group advantages, capacity weights
 that do not match the ranks, offload without sharding or on CPU, a rollout reserve the HF sampler cannot use, then the
 batch (enough prompts that every rank trains and generates, a multiple of ranks x mini-batches when the split
-is uneven) and the token cap (one sample, or min_rows samples, must fit). Memory comes last: knobs from
-memory_fixes, least intrusive first, until the estimate fits. Layout problems and missing files stay in the
-re-plan: no setting fixes them. The original config is never changed; the result is validated.
+is uneven) and the token cap (one sample, or min_rows samples, must fit); rollout.max_staleness=0 without reserved
+rollout devices, algo.filter_groups=false with them. Memory comes last: knobs from memory_fixes, least intrusive
+first, until the estimate fits. Layout problems and missing files stay in the re-plan: no setting fixes them. The original config is never changed; the result is validated.
 Pure Python: never imports torch.
 """
 
@@ -42,6 +42,12 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
         s["parallel.sharding"] = "fsdp"
     if cfg.rollout.memory_fraction > 0 and cfg.rollout.engine == "hf":
         s["rollout.memory_fraction"] = 0.0
+    # Overlap needs reserved rollout devices, which are the layout's to give (--rollout-devices): without them
+    # the run stays synchronous. With them, dynamic sampling's extra rounds cannot run, so it goes.
+    if cfg.rollout.max_staleness and not lay.rollout_devices:
+        s["rollout.max_staleness"] = 0
+    if cfg.algo.filter_groups and lay.rollout_devices:
+        s["algo.filter_groups"] = False
     k = s.get("rollout.samples_per_prompt", cfg.rollout.samples_per_prompt)
     prompts, m, mrows = cfg.data.prompts_per_step, cfg.algo.minibatches_per_step, cfg.train.min_rows_per_micro_batch
     m = min(m, prompts)

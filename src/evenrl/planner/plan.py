@@ -25,6 +25,12 @@ Plan.to_dict(), schema "evenrl.plan/1" (what --json prints):
   memory null | {breakdown_gib{...}, phases_gib{rollout, log-probs, update} (each with the resident part;
                  total_gib is the largest), total_gib, capacity_gib, fits, params, micro_tokens,
                  rollout_samples_per_rank, host_gib, assumptions[], fixes[{settings, total_gib, fits, why}]},
+  overlap null | (rollout devices reserved and model dimensions known; estimates, evenrl.planner.timing)
+          {estimate: true, rates{device_tflops, device_gbps, link_gbps, forward_floor_s, basis}, max_staleness,
+           passes{update, ...}, planned{split}, best_split{split}, step_s (synchronous at max_staleness 0, else
+           overlapped), weights_gib, checkpoint_extra_gib}
+          split = {rollout_devices, training_ranks, samples_per_replica, training_tokens_per_rank, generation_s,
+                   prefill_s, decode_s, training_s, push_s, sync_step_s, overlapped_step_s, saved_s},
   findings [{level, rule, message, fix}]   (errors first)
 """
 
@@ -42,6 +48,7 @@ from evenrl.planner.memory import (ModelDims, MemoryEstimate, MemoryFix, dims_fr
                                    memory_fixes, read_model_dims)
 from evenrl.planner.render import render
 from evenrl.planner.rules import RULES, Finding
+from evenrl.planner.timing import Overlap, RateFlags, assumed_rates, estimate_overlap
 
 __all__ = ["Plan", "RankRow", "Finding", "make_plan", "count_rows", "render"]
 
@@ -76,6 +83,8 @@ class Plan:
     dims_error: str | None = None
     memory: MemoryEstimate | None = None
     memory_fixes: list[MemoryFix] = field(default_factory=list)
+    rates: RateFlags | None = None  # the rates the user gave (--fit re-plans with them)
+    overlap: Overlap | None = None  # also without reserved devices when max_staleness >= 1 (its best split)
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -125,6 +134,7 @@ class Plan:
                                 "steps_per_epoch": None if spe is None else round(spe, 3),
                                 "per_epoch": None if spe is None else round(spe * self.optimizer_steps_per_step, 3)},
             "memory": mem,
+            "overlap": self.overlap.to_dict() if self.overlap and self.overlap.at else None,
             "findings": [f.to_dict() for f in self.findings],
         }
 
@@ -135,12 +145,14 @@ def _stats(xs: list[int]) -> dict | None:
 
 # ------------------------------------------------------------------------------------------ building a plan
 
-def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = None) -> Plan:
-    """Everything derived from (cfg, layout); `model_config` is a config.json dict used instead of model.path.
+def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = None,
+              rates: RateFlags | None = None) -> Plan:
+    """Everything derived from (cfg, layout); `model_config` is a config.json dict used instead of model.path,
+    `rates` the device rates the user gave for the step-time estimate (evenrl.planner.timing).
     parallel.rollout_devices is the layout's when no flag set it (evenrl train reads the same field)."""
     if cfg.parallel.rollout_devices and not layout.rollout_devices:
         layout = replace(layout, rollout_devices=cfg.parallel.rollout_devices)
-    p = Plan(cfg, layout, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    p = Plan(cfg, layout, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, rates=rates)
     if layout.training_ranks >= 1:
         _simulate(p, _weights(cfg, layout))
     p.dataset_rows = count_rows(cfg.data.path)
@@ -155,6 +167,9 @@ def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = Non
         p.memory = estimate_memory(cfg, layout, p.dims)
         if p.memory.fits is False:
             p.memory_fixes = memory_fixes(cfg, layout, p.dims)
+    if p.dims and layout.training_ranks >= 1 and (layout.rollout_devices or cfg.rollout.max_staleness):
+        p.overlap = estimate_overlap(cfg, layout, p.dims, p.minibatch_sizes,
+                                     assumed_rates(layout, cfg.model.dtype, rates))
     found = [f for rule in RULES for f in rule(p)]
     order = {"error": 0, "warning": 1, "note": 2}
     p.findings = sorted(found, key=lambda f: order[f.level])

@@ -42,6 +42,13 @@ def count_unit(n: int) -> str:
     return f"{n:,}"
 
 
+def seconds(s: float) -> str:
+    """0.0123 -> '12.3 ms'; 4.56 -> '4.56 s'; 1234 -> '1,234 s'."""
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s:,.0f} s" if s >= 1000 else f"{s:.3g} s"
+
+
 def render(p: Plan) -> str:
     c, lay = p.config, p.layout
     k, prompts = c.rollout.samples_per_prompt, c.data.prompts_per_step
@@ -62,6 +69,8 @@ def render(p: Plan) -> str:
     out += [_row("optimizer", _optimizer_text(p)), _row("", _dataset_text(p))]
     if p.memory:
         out += _memory_lines(p)
+    if p.overlap and p.overlap.at:
+        out += _overlap_lines(p)
     counts = {lv: n for lv, n in p.counts().items() if n}
     verdict = "runnable" if p.runnable else "not runnable"
     out.append(_row("findings", (", ".join(plural(n, lv) for lv, n in counts.items()) + f"; {verdict}")
@@ -174,4 +183,43 @@ def _memory_lines(p: Plan) -> list[str]:
     verdict = {True: ": fits", False: ": DOES NOT FIT", None: ""}[mem.fits]
     lines.append(_row("", f"  {'peak':<11}{mem.total_gib:>9.2f} GiB  = {largest} (the largest phase)"
                           f"{cap}{verdict}"))
+    return lines
+
+
+def size_text(gib: float) -> str:
+    """Bytes for a sentence: '1.52 GiB', '315 MiB', '0.31 MiB'."""
+    return f"{gib:.3g} GiB" if gib >= 1 else f"{gib * 1024:.3g} MiB"
+
+
+def _overlap_lines(p: Plan) -> list[str]:
+    ov, c = p.overlap, p.config
+    at, best, k = ov.at, ov.best, ov.max_staleness
+    r, t = at.rollout_devices, at.training_ranks
+    passes = ", ".join(f"{name} {v:g}" for name, v in ov.passes.items())
+    on = "on 1 rollout device" if r == 1 else f"on each of {r:,} rollout devices"
+    rows = [("generation", at.generation_s,
+             f"{on}: {plural(at.samples_per_replica, 'sample')} in one batch, prefill {seconds(at.prefill_s)} + "
+             f"{plural(c.rollout.max_new_tokens, 'decode step')} {seconds(at.decode_s)}"),
+            ("training", at.training_s,
+             f"on the busiest of {plural(t, 'training rank')}: {at.training_tokens:,} tokens x "
+             f"{sum(ov.passes.values()):g} forward passes ({passes})"),
+            ("weight push", at.push_s,
+             f"{size_text(ov.weights_gib)} in {c.model.dtype}, trainer 0 to the rollout devices, once per step")]
+    if k:
+        rows.append(("step", at.overlapped_s,
+                     f"overlapped (max_staleness={k}) = max(generation, training) + push; synchronous "
+                     f"{seconds(at.sync_s)}: {seconds(at.saved_s)} idle time removed per step "
+                     f"({100 * at.saved_s / at.sync_s:.0f}%)"))
+    else:
+        rows.append(("step", at.sync_s,
+                     f"synchronous = generation + push + training; overlapped (rollout.max_staleness=1) "
+                     f"{seconds(at.overlapped_s)}: {seconds(at.saved_s)} less"))
+    planned = ", the planned split" if best.rollout_devices == r else ""
+    rows.append(("best split", best.overlapped_s,
+                 f"overlapped, {p.layout.world:,} ranks as --rollout-devices {best.rollout_devices}{planned}: "
+                 f"generation {seconds(best.generation_s)}, training {seconds(best.training_s)} on "
+                 f"{plural(best.training_ranks, 'rank')}"))
+    lines = [_row("overlap", f"estimates at assumed rates: {ov.rates.describe()}; --device-tflops, --device-gbps, "
+                             "--link-gbps replace them")]
+    lines += [_row("", f"  {name:<12}{seconds(v):>9}  {text}", indent=LABEL + 25) for name, v, text in rows]
     return lines

@@ -18,7 +18,7 @@ from evenrl.config import RunConfig
 from evenrl.errors import UsageError
 from evenrl.models.files import Fields, check_tokenizer_files, check_weights, read_model_config, read_rows
 from evenrl.planner.memory import PHASES, RESIDENT
-from evenrl.planner.render import plural
+from evenrl.planner.render import plural, seconds, size_text
 
 if TYPE_CHECKING:
     from evenrl.planner.plan import Plan
@@ -338,7 +338,7 @@ def rule_parallel(p: Plan) -> list[Finding]:
         out.append(Finding("note", "fsdp-one-rank", "sharding=fsdp over 1 training rank shards nothing "
                            "(it still gathers each block before use)",
                            "parallel.sharding=replicated, or more ranks"))
-    if lay.rollout_devices and lay.training_ranks >= 1:
+    if lay.rollout_devices and lay.training_ranks >= 1 and not c.rollout.max_staleness:
         r, t = lay.rollout_devices, lay.training_ranks
         out.append(Finding("note", "rollout-reserved",
                            f"reserved placement is synchronous: {plural(t, 'training rank')} wait{'s' if t == 1 else ''} while "
@@ -346,7 +346,8 @@ def rule_parallel(p: Plan) -> list[Finding]:
                            f"{'it waits' if r == 1 else 'they wait'} while they train; a step takes ~ G/{r} + U/{t} "
                            f"against ~ G/{lay.world} + U/{lay.world} colocated (G, U: one device's generation and "
                            f"update time). Reserved pays where G is small next to U or an engine needs its own "
-                           f"devices", f"--rollout-devices 0 (then {plural(lay.world, 'rank')} train and generate)"))
+                           f"devices", f"--rollout-devices 0 (then {plural(lay.world, 'rank')} train and generate); "
+                           "or rollout.max_staleness=1 (the next step generates while this one trains)"))
     if c.rollout.memory_fraction > 0 and c.rollout.engine == "hf":
         out.append(Finding("warning", "rollout-reserve-unused",
                            f"rollout.memory_fraction={c.rollout.memory_fraction} reserves memory for a separate "
@@ -356,6 +357,59 @@ def rule_parallel(p: Plan) -> list[Finding]:
         out.append(Finding("warning", "warmup-longer-than-run",
                            f"warmup_steps={c.train.warmup_steps} >= {plural(total, 'optimizer step')} in the whole "
                            "run: the learning rate never reaches train.lr", f"train.warmup_steps={total // 10}"))
+    return out
+
+
+def rule_overlap(p: Plan) -> list[Finding]:
+    """Overlapping generation with training (rollout.max_staleness) needs reserved rollout devices, and pays only
+    where both sides take a similar time; the numbers are evenrl.planner.timing's estimates."""
+    c, lay, ov, out = p.config, p.layout, p.overlap, []
+    k = c.rollout.max_staleness
+    if lay.rollout_devices and c.algo.filter_groups:
+        # a round's need for more prompts is decided from the trainers' rewards; rollout ranks do not see them
+        out.append(Finding("error", "reserved-filter-groups",
+                           f"{plural(lay.rollout_devices, 'reserved rollout device')} run one generation round per "
+                           "step; algo.filter_groups=true needs more rounds (the trainers decide them from rewards "
+                           "the rollout devices never see)",
+                           "--rollout-devices 0 (parallel.rollout_devices=0); or algo.filter_groups=false"))
+    if k and not lay.rollout_devices:
+        if lay.world < 2:
+            fix = "--nproc-per-node 2 --rollout-devices 1 (parallel.rollout_devices=1)"
+        else:
+            r = ov.best.rollout_devices if ov else 1
+            why = f" (the estimated best split of {lay.world})" if ov else ""
+            fix = f"--rollout-devices {r} (parallel.rollout_devices={r}){why}"
+        out.append(Finding("error", "staleness-needs-reserved",
+                           f"rollout.max_staleness={k} overlaps generation with training, which needs devices "
+                           "that only generate; none is reserved, so every rank would train and generate in turn",
+                           f"{fix}; or rollout.max_staleness=0"))
+    if not (k and lay.rollout_devices and lay.training_ranks >= 1):
+        return out
+    at = ov.at if ov else None
+    if at and at.saved_s < 0.10 * at.sync_s:
+        best = ov.best
+        gen, train = at.generation_s, at.training_s
+        side = (f"generation dominates (the {plural(at.training_ranks, 'training rank')} wait)" if gen >= train else
+                f"training dominates (the {plural(at.rollout_devices, 'rollout device')} wait)")
+        fixes = []
+        if best.rollout_devices != at.rollout_devices and best.overlapped_s < 0.95 * at.overlapped_s:
+            fixes.append(f"--rollout-devices {best.rollout_devices} (parallel.rollout_devices="
+                         f"{best.rollout_devices}: est. {seconds(best.overlapped_s)} per step)")
+        fixes.append("rollout.max_staleness=0 (on-policy samples for about the same step time)")
+        out.append(Finding("warning", "overlap-no-gain",
+                           f"overlap saves an estimated {seconds(at.saved_s)} of a {seconds(at.sync_s)} step "
+                           f"({100 * at.saved_s / at.sync_s:.0f}% < 10%): generation {seconds(gen)} on "
+                           f"{plural(at.rollout_devices, 'rollout device')} vs training {seconds(train)} on "
+                           f"{plural(at.training_ranks, 'rank')}; {side}", "; ".join(fixes)))
+    corr, cap = c.algo.importance_correction, c.algo.importance_cap
+    how = (f"corrected by algo.importance_correction={corr} (weights capped at {cap:g})" if corr != "none" else
+           "not corrected (algo.importance_correction=none)")
+    size = f" (+{size_text(k * ov.weights_gib)} per checkpoint)" if ov else ""
+    out.append(Finding("note", "off-policy-overlap",
+                       f"rollout.max_staleness={k}: samples are up to {plural(k, 'step')} off-policy, {how}; "
+                       f"checkpoints hold {plural(k, 'earlier weight version')} in {c.model.dtype}{size}, so a "
+                       "resumed run regenerates the steps in flight exactly",
+                       "algo.importance_correction=stale" if corr == "none" else ""))
     return out
 
 
@@ -387,4 +441,5 @@ def rule_rewards(p: Plan) -> list[Finding]:
 
 
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_groups, rule_algorithms,
-         rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel]
+         rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel,
+         rule_overlap]

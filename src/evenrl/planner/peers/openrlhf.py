@@ -1,25 +1,23 @@
 """OpenRLHF: train_ppo_ray's batch checks (and DeepSpeed's, at init) and its flags as evenrl settings.
 
 OpenRLHF sizes actors (actor_num_nodes x actor_num_gpus_per_node) and vLLM engines separately; unless
-colocate_all_models, the engines' GPUs are extra devices that generate and do not train.
+colocate_all_models (without async_train), the engines' GPUs are extra devices that generate and do not train.
+Off-policy keys, classic names and the dotted ones of newer versions (--train.async_enable is async_train, see
+peers.reader): async_train + async_queue_size -> rollout.max_staleness; enable_vllm_is_correction +
+vllm_is_truncated_threshold (one number, or [low, high] in newer versions) -> algo.importance_correction=all and
+algo.importance_cap; each with a note where OpenRLHF's meaning differs.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from evenrl.planner.layout import Layout, has_shape_flags
+from evenrl.errors import UsageError
+from evenrl.planner.layout import has_shape_flags
 from evenrl.planner.plan import count_rows
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, gpu_layout, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl,
-    set_lengths, set_model, set_overlong, set_parallel, set_sampling)
-
-
-def _split_layout(ns, nodes: int, train_per_node: int, rollout: int) -> Layout:
-    """Training ranks nodes x train_per_node plus `rollout` generation devices, as nodes x processes."""
-    if rollout % nodes == 0:
-        return gpu_layout(ns, nodes, train_per_node + rollout // nodes, rollout)
-    return gpu_layout(ns, 1, nodes * train_per_node + rollout, rollout)
+    Check, Source, Translation, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl, set_lengths,
+    set_model, set_overlong, set_parallel, set_sampling, split_layout)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -29,9 +27,10 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     else:
         nodes, per = src.int("actor_num_nodes", 1), src.int("actor_num_gpus_per_node", 8)
     engines, tp = src.int("vllm_num_engines", 0, lo=0), src.int("vllm_tensor_parallel_size", 1)
-    shared = src.bool("colocate_all_models", False)
+    async_train = src.bool("async_train", False)
+    shared = src.bool("colocate_all_models", False) and not async_train  # async engines get their own GPUs
     rollout = ns.rollout_devices if ns.rollout_devices is not None else (0 if shared else engines * tp)
-    t.layout = _split_layout(argparse.Namespace(**{**vars(ns), "rollout_devices": None}), nodes, per, rollout)
+    t.layout = split_layout(ns, nodes, per, rollout)
     aw = nodes * per
     rbs, n = src.int("rollout_batch_size", 1024), src.int("n_samples_per_prompt", 1)
     tbs, micro = src.int("train_batch_size", 128), src.int("micro_train_batch_size", 8)
@@ -106,3 +105,39 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     rows = count_rows(t.settings.get("data.path", ""))
     if rows:
         t.set("train.steps", max(1, rows // rbs) * src.int("num_episodes", 1), "num_episodes")
+    if async_train:
+        _async(src, t)
+    if src.bool("enable_vllm_is_correction", False):
+        _importance(src, t)
+
+
+def _async(src: Source, t: Translation) -> None:
+    """async_train (--train.async_enable): the generator runs up to async_queue_size batches ahead of the trainer."""
+    queue = src.int("async_queue_size", 1)
+    t.set("rollout.max_staleness", min(queue, 16), "async_queue_size")
+    t.notes.append(f"async_train with async_queue_size={queue}: OpenRLHF's generator runs up to {queue} "
+                   f"batch{'es' if queue > 1 else ''} ahead and takes whichever weights are current when a batch "
+                   "starts, so a batch can be fresher; evenrl fixes every step's policy (step t samples from the "
+                   f"policy after step t-1-k): rollout.max_staleness={min(queue, 16)}")
+    if src.bool("partial_rollout", False):
+        t.notes.append("partial_rollout: an OpenRLHF response can span two weight versions; an evenrl response "
+                       "never does (each step samples from one policy)")
+
+
+def _importance(src: Source, t: Translation) -> None:
+    """enable_vllm_is_correction: truncated importance weights of the trainer's over vLLM's log-probs, every sample."""
+    raw = src.raw("vllm_is_truncated_threshold", [0.5, 5.0])
+    low, high = (raw if isinstance(raw, list) and len(raw) == 2 else (None, raw))
+    try:
+        cap = float(high)
+    except (TypeError, ValueError):
+        raise UsageError(f"OpenRLHF vllm_is_truncated_threshold: got {raw!r}; need a number or two") from None
+    t.set("algo.importance_correction", "all", "enable_vllm_is_correction")
+    t.set("algo.importance_cap", min(max(cap, 1.0), 1000.0), "vllm_is_truncated_threshold")
+    kind = src.str("vllm_is_correction_type", "tis")
+    if kind != "tis":
+        t.notes.append(f"vllm_is_correction_type={kind} filters or masks tokens by their ratio; evenrl truncates "
+                       "each token's weight at algo.importance_cap (OpenRLHF's tis)")
+    elif low is not None:
+        t.notes.append(f"vllm_is_truncated_threshold={list(raw)}: evenrl truncates above only (at {cap:g}), with "
+                       f"no lower bound of {low}")

@@ -147,7 +147,12 @@ def read_foreign(framework: str, path: str, overrides: list[str]) -> dict:
 _OPENRLHF_ALIASES = {"rollout_n_samples_per_prompt": "n_samples_per_prompt",
                      "rollout_micro_batch_size": "micro_rollout_batch_size",
                      "train_micro_batch_size": "micro_train_batch_size", "train_batch_size": "train_batch_size",
-                     "ds_zero_stage": "zero_stage", "ds_ring_attn_size": "ring_attn_size"}
+                     "ds_zero_stage": "zero_stage", "ds_ring_attn_size": "ring_attn_size",
+                     "train_colocate_all": "colocate_all_models", "train_async_enable": "async_train",
+                     "train_async_queue_size": "async_queue_size", "train_partial_rollout_enable": "partial_rollout",
+                     "algo_advantage_is_correction_enable": "enable_vllm_is_correction",
+                     "algo_advantage_is_correction_threshold": "vllm_is_truncated_threshold",
+                     "algo_advantage_is_correction_type": "vllm_is_correction_type"}
 
 
 def _openrlhf_keys(data: dict) -> dict:
@@ -170,17 +175,22 @@ def parse_flags(text: str) -> dict:
         if not tok.startswith("--"):
             continue  # the command itself (python3 -m ...)
         key, eq, value = tok[2:].partition("=")
+        values = [value]
         if not eq:
-            if i < len(tokens) and not tokens[i].startswith("--"):
-                value, i = tokens[i], i + 1
-            else:
-                value = "true"
-        try:
-            parsed = parse_yaml(value, f"--{key}") if value else True
-        except yaml.YAMLError:
-            parsed = value  # not YAML: the flag's text as is
-        out[key.replace("-", "_")] = parsed
+            values = []
+            while i < len(tokens) and not tokens[i].startswith("--"):  # nargs=2 flags take two
+                values.append(tokens[i])
+                i += 1
+        parsed = [_flag_value(v, key) for v in values]
+        out[key.replace("-", "_")] = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
     return out
+
+
+def _flag_value(text: str, key: str) -> Any:
+    try:
+        return parse_yaml(text, f"--{key}") if text else True
+    except yaml.YAMLError:
+        return text  # not YAML: the flag's text as is
 
 
 # ------------------------------------------------------------------------------------------ layouts
@@ -189,6 +199,14 @@ def gpu_layout(ns: argparse.Namespace, nnodes: int, per_node: int, rollout: int 
     base = make_layout(nnodes, per_node, device="cuda", device_memory_gib=ns.device_memory_gib or 0.0,
                        rollout_devices=rollout, source="config")
     return apply_layout_flags(base, ns)
+
+
+def split_layout(ns: argparse.Namespace, nodes: int, train_per_node: int, rollout: int) -> Layout:
+    """Training ranks nodes x train_per_node plus `rollout` generation devices, as nodes x processes."""
+    ns = argparse.Namespace(**{**vars(ns), "rollout_devices": None})  # `rollout` already is the flag's when given
+    if rollout % nodes == 0:
+        return gpu_layout(ns, nodes, train_per_node + rollout // nodes, rollout)
+    return gpu_layout(ns, 1, nodes * train_per_node + rollout, rollout)
 
 
 def trainer_layout(src: Source, ns: argparse.Namespace) -> Layout:

@@ -2,22 +2,36 @@
 
 verl counts ppo_mini_batch_size in prompts and normalises it per GPU by rollout.n and the sequence-parallel size;
 each check below reproduces that arithmetic with the message verl prints.
+
+Off-policy keys (each with a note where verl's meaning differs): a top-level rollout section (rollout.nnodes x
+rollout.n_gpus_per_node: the generation GPUs of the one_step_off_policy and fully_async_policy recipes, apart from
+trainer.nnodes x trainer.n_gpus_per_node) -> reserved rollout devices; async_training.staleness_threshold (fully
+async) -> rollout.max_staleness, else 1 for one step off; truncated importance sampling, in each of its three
+spellings (actor_rollout_ref.actor.tis_imp_ratio_cap; algorithm.rollout_is + rollout_is_threshold;
+algorithm.rollout_correction.rollout_is + rollout_is_threshold) -> algo.importance_correction=all and
+algo.importance_cap.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl,
-    set_lengths, set_loss_agg, set_model, set_overlong, set_parallel, set_sampling, set_steps, trainer_layout)
+    set_lengths, set_loss_agg, set_model, set_overlong, set_parallel, set_sampling, set_steps, split_layout,
+    trainer_layout)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     """verl's config -> t: the checks verl would fail on t.layout, and the evenrl settings."""
     a = "actor_rollout_ref.actor."
     t.layout = trainer_layout(src, ns)
-    world = t.layout.world
+    world = t.layout.world  # the trainers: verl's batch checks count them alone
+    if src.has("rollout.n_gpus_per_node"):  # the off-policy recipes' own generation GPUs
+        gen = src.int("rollout.nnodes", 1) * src.int("rollout.n_gpus_per_node", 8)
+        rollout = ns.rollout_devices if ns.rollout_devices is not None else gen
+        t.layout = split_layout(ns, t.layout.nnodes, t.layout.nproc_per_node, rollout)
     tbs, n = src.int("data.train_batch_size", 1024), src.int("actor_rollout_ref.rollout.n", 1)
     mini = src.int(a + "ppo_mini_batch_size", 256)
     micro = src.int(a + "ppo_micro_batch_size_per_gpu", None)
@@ -107,6 +121,52 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                  shard=True, keys=(a + "fsdp_config.param_offload", a + "fsdp_config.optimizer_offload"))
     set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"))
     set_steps(src, t, "trainer.total_training_steps", "trainer.total_epochs", 1, tbs)
+    if src.has("rollout.n_gpus_per_node"):
+        _staleness(src, t)
+    _importance(src, t)
     if src.has("actor_rollout_ref.rollout.gpu_memory_utilization"):
         t.notes.append("rollout.gpu_memory_utilization sizes vLLM's KV cache; evenrl's 'hf' sampler uses the "
                        "training model, so its KV cache is part of the memory estimate instead")
+
+
+def _staleness(src: Source, t: Translation) -> None:
+    """fully_async_policy (an async_training section) or one_step_off_policy: generation ahead of training."""
+    if not isinstance(src.raw("async_training"), dict):
+        t.set("rollout.max_staleness", 1, "rollout.n_gpus_per_node")
+        t.notes.append("one_step_off_policy (a rollout section with its own GPUs): each step trains on samples of "
+                       "the policy one update older, as evenrl's rollout.max_staleness=1")
+        return
+    s = src.float("async_training.staleness_threshold", 0.1)
+    k = min(math.ceil(s), 16) if s > 0 else 0
+    t.set("rollout.max_staleness", k, "async_training.staleness_threshold")
+    t.notes.append(f"async_training.staleness_threshold={s:g} is a share of samples: per weight sync verl generates up "
+                   f"to (1 + {s:g}) x the samples of one sync, so some are one sync older (1 is about one step "
+                   "off); evenrl counts whole steps, step t sampling from the policy after step t-1-k: "
+                   f"rollout.max_staleness={k}")
+    sync = src.int("async_training.trigger_parameter_sync_step", 4)
+    if sync > 1:
+        t.notes.append(f"async_training.trigger_parameter_sync_step={sync}: verl pushes weights every {sync} "
+                       "mini-batch updates; evenrl pushes once per step, after all of its mini-batches")
+    if s > 0 and src.bool("async_training.partial_rollout", True):
+        t.notes.append("async_training.partial_rollout: a verl response can span two weight versions; an evenrl "
+                       "response never does (each step samples from one policy)")
+
+
+def _importance(src: Source, t: Translation) -> None:
+    """verl's truncated importance sampling (TIS) of pi_old / pi_rollout per token, in its three spellings."""
+    cap = src.float("actor_rollout_ref.actor.tis_imp_ratio_cap", -1)
+    key, level, mode = "actor_rollout_ref.actor.tis_imp_ratio_cap", "token", "truncate"
+    if cap <= 0 and src.bool("algorithm.rollout_is", False) and src.has("algorithm.rollout_is_threshold"):
+        key = "algorithm.rollout_is_threshold"
+        cap = src.float(key, 2.0)
+        level, mode = src.str("algorithm.rollout_is_level", "token"), src.str("algorithm.rollout_is_mode", "truncate")
+    elif cap <= 0 and src.has("algorithm.rollout_correction.rollout_is"):
+        key = "algorithm.rollout_correction.rollout_is_threshold"
+        cap, level = src.float(key, 2.0), src.str("algorithm.rollout_correction.rollout_is", "token")
+    if cap <= 0:
+        return
+    t.set("algo.importance_correction", "all", key)
+    t.set("algo.importance_cap", min(max(cap, 1.0), 1000.0), key)
+    if level != "token" or mode != "truncate":
+        t.notes.append(f"{key}: verl weighs at the {level} level by {mode}; evenrl truncates each token's weight "
+                       "at algo.importance_cap")

@@ -194,6 +194,22 @@ def test_reserved_vllm_rank_draws_the_colocated_samples(vllm_runs):
 
 
 @needs_vllm
+@pytest.mark.slow
+def test_overlapped_vllm_rank_samples_from_the_versions_due(vllm_runs):
+    """rollout.max_staleness=1 with a vLLM rollout rank: pushes reach the engine between its steps (in its child
+    process). Step 1 samples from the initial weights as the synchronous run does (the same samples), later steps
+    from the policy one step back, marked and importance-weighted."""
+    root, common = vllm_runs
+    evenrl("train", *common, "rollout.engine=vllm", "rollout.max_staleness=1", f"log.run_dir={root / 'overlap'}",
+           "--nproc-per-node", 2, "--rollout-devices", 1)
+    rows, sync = metrics(root / "overlap"), metrics(root / "vllm")
+    assert rows[0]["reward/mean"] == sync[0]["reward/mean"] and rows[0]["rollout/logprob_mismatch"] < 1e-4
+    assert [r["rollout/staleness_hist"] for r in rows] == [[rows[0]["samples"], 0]] + [[0, r["samples"]]
+                                                                                        for r in rows[1:]]
+    assert all(r["rollout/logprob_mismatch"] > 1e-4 and r["policy/is_weight"] > 0 for r in rows[1:])
+
+
+@needs_vllm
 def test_a_head_size_vllm_cpu_cannot_run_is_one_line(assets, tmp_path, capsys):
     """The shared tiny model has head size 16: vLLM's CPU attention refuses it at the first request, deep in the
     engine; evenrl says so before the run starts."""

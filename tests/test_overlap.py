@@ -145,7 +145,7 @@ SHAPE = ["rollout.samples_per_prompt=3", "data.prompts_per_step=7", "train.steps
 
 
 @pytest.mark.slow
-def test_overlapped_run_is_the_same_on_any_layout(assets, tmp_path):
+def test_overlapped_run_is_the_same_on_any_layout(assets, tmp_path, capsys):
     """k = 1 with 1 rollout rank, on 1 and on 2 trainers: the same samples (rewards, lengths), staleness 0 for step
     1 and 1 after it, importance weights in use, and the same model within the rounding of a different number of
     trainers (the bound of the synchronous reserved test)."""
@@ -164,6 +164,10 @@ def test_overlapped_run_is_the_same_on_any_layout(assets, tmp_path):
     assert any(abs(r["policy/is_weight"] - 1.0) > 1e-4 for r in one[1:])
     assert min(r["rollout/logprob_mismatch"] for r in one[1:]) > 1e-4  # the policy moved between sampling and training
     assert max_diff(final_params(tmp_path / "one"), final_params(tmp_path / "two")) < 1e-5
+    from e2e import evenrl_here
+
+    assert evenrl_here(capsys, "report", tmp_path / "one")[0] == 0
+    assert (tmp_path / "one" / "plots" / "off_policy.png").exists()
 
 
 @pytest.mark.slow

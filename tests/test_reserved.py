@@ -76,9 +76,10 @@ def test_rollout_devices_must_leave_a_trainer(assets, tmp_path, capsys):
 
 
 def test_reserved_ranks_refuse_dynamic_sampling(assets, tmp_path, capsys):
-    """Rounds of dynamic sampling are decided from rewards the rollout ranks never see: refused in one line."""
+    """Rounds of dynamic sampling are decided from rewards the rollout ranks never see: the plan refuses it (and
+    `evenrl train` stops on the plan's errors before loading the model)."""
     from e2e import evenrl_here
 
-    code, out, err = evenrl_here(capsys, "train", assets["cfg"], "--rollout-devices", 1, "algo.filter_groups=true",
-                                 f"log.run_dir={tmp_path}/r")
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "filter_groups" in err, err
+    code, out, err = evenrl_here(capsys, "plan", assets["cfg"], "--nproc-per-node", 2, "--rollout-devices", 1,
+                                 "algo.filter_groups=true")
+    assert code == 1 and "reserved-filter-groups" in out and "algo.filter_groups" in out, out

@@ -21,6 +21,9 @@ PANELS = [
     ("logprob_mismatch.png", f"Rollout engine vs trainer, sampled tokens: mean |log-prob diff|\n"
                              f"and the share of tokens above {MISMATCH_THRESHOLD}", ["rollout/logprob_mismatch",
                                                                                    "rollout/mismatch_fraction"]),
+    ("off_policy.png", "Off-policy samples (rollout.max_staleness): staleness in steps,\nmean importance weight, "
+                       "share of tokens cut to the cap", ["rollout/staleness_mean", "policy/is_weight",
+                                                          "policy/is_clipped_fraction"]),
 ]
 KL_OFF_TITLE = "Policy drift (approx. KL per update)\nno KL to a reference: off (algo.kl_coef=0) or always 0"
 

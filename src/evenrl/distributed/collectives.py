@@ -64,6 +64,7 @@ _PHASE = "start"
 _TRAINERS = None  # the trainer group when some ranks only generate; None: the default group
 _PUSH = None  # trainer 0 + the rollout ranks: the weight push
 _ROLLOUT = 0  # ranks that only generate (the last ones)
+_HOST_GROUP = None  # the training ranks with gloo beside NCCL: FSDP2's mesh under CPU offload (device_mesh)
 _SAMPLES = None  # gloo group over the whole world: rollouts travel from the rollout ranks to the trainers in it
 _WAIT = timedelta(minutes=10)  # the collective timeout, for point-to-point waits
 _SENDING: list = []  # a rollout rank's sends still in flight: (work, buffer), the buffer kept alive until done
@@ -141,13 +142,26 @@ def is_rollout_rank() -> bool:
     return bool(_ROLLOUT) and tdist.get_rank() >= tdist.get_world_size() - _ROLLOUT
 
 
-def device_mesh(device: torch.device):
+def device_mesh(device: torch.device, *, host_collectives: bool = False):
     """The 1-D device mesh over the training ranks that FSDP2 shards on. One process has no group of its own
     (see init), so one is made here: FSDP2 needs a group even to shard over a single rank, and the sharded code path
-    is then the same at every world size."""
-    global _OWN_GROUP
-    from torch.distributed.device_mesh import init_device_mesh
+    is then the same at every world size.
+    host_collectives: the mesh's group reduces CPU tensors too (gloo beside NCCL). FSDP2's CPU offload needs it: its
+    sharded parameters and gradients live on the host, and the gradient norm and the whole-tensor gathers of such
+    DTensors are collectives on CPU tensors, which NCCL refuses ("No backend type associated with device type cpu",
+    pytorch#148532)."""
+    global _OWN_GROUP, _HOST_GROUP
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    if host_collectives and device.type != "cpu":
+        if _HOST_GROUP is None:
+            hybrid = f"cpu:gloo,{device.type}:nccl"
+            if not _active():  # one process: the default group itself gets both backends
+                tdist.init_process_group(hybrid, store=tdist.HashStore(), rank=0, world_size=1)
+                _OWN_GROUP, _HOST_GROUP = True, tdist.group.WORLD
+            else:  # the training ranks 0..T-1 again (new_group called by them alone)
+                _HOST_GROUP = tdist.new_group(list(range(world())), backend=hybrid, use_local_synchronization=True)
+        return DeviceMesh.from_group(_HOST_GROUP, device.type)
     if not _active():
         backend = "nccl" if device.type == "cuda" else "gloo"
         tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1,
@@ -167,6 +181,8 @@ def shutdown() -> None:
     if _OWN_GROUP and _active():
         tdist.destroy_process_group()
     _INFO, _OWN_GROUP, _STORE, _TRAINERS, _PUSH, _ROLLOUT, _SAMPLES = None, False, None, None, None, 0, None
+    global _HOST_GROUP
+    _HOST_GROUP = None
     _SENDING.clear()
 
 
@@ -575,13 +591,16 @@ class WeightReceiver:
 
     def __init__(self, layout: list[list[tuple[str, torch.Size, torch.dtype]]], count: int):
         self.layout, self.count = layout, count
+        self.device = _comm_device()  # here: the CUDA device is per thread, and the receiver's starts at cuda:0
         self.ready: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="evenrl-weight-receiver", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        dev = _comm_device()
+        dev = self.device
         try:
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)
             for _ in range(self.count):
                 buckets = []
                 for spec in self.layout:

@@ -43,7 +43,7 @@ def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     if offload and device.type == "cpu":
         raise UsageError("parallel.cpu_offload: got 'full' on a CPU-only machine; FSDP2's offload gathers the host "
                          "shards on an accelerator (it fails at the first forward without one); use 'none' here")
-    mesh = dist.device_mesh(device)
+    mesh = dist.device_mesh(device, host_collectives=offload)
     mp = MixedPrecisionPolicy() if compute_dtype == torch.float32 else \
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from evenrl.core.batch import Batch
 from evenrl.models.decoder import LeanDecoder, rope_rotate, rope_table
-from evenrl.models.loading import autocast, is_checkpointing, is_sharded
+from evenrl.models.loading import autocast, compute_device, is_checkpointing, is_sharded
 
 
 def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -43,8 +43,9 @@ def _response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Te
 def _response_logits_model(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
     """The model's own left-padded masked forward: any causal LM, sharded or not (the reference path)."""
     tokens, attn = batch.padded("tokens", pad_token_id, side="left")
-    tokens, attn = tokens.to(model.device), attn.to(model.device)
-    resp_len = batch["response_len"].to(model.device)
+    device = compute_device(model)  # not model.device: under CPU offload that is the host
+    tokens, attn = tokens.to(device), attn.to(device)
+    resp_len = batch["response_len"].to(device)
     width = int(resp_len.max())
     # Explicit positions: HF models default to 0..L-1 regardless of left padding.
     position_ids = (attn.long().cumsum(-1) - 1).clamp_(min=0)

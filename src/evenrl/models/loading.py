@@ -133,6 +133,18 @@ def autocast(model):
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
 
 
+def compute_device(model) -> torch.device:
+    """Where `model`'s forward computes: its parameters' device, except under FSDP2's CPU offload
+    (parallel.cpu_offload=full), where the sharded parameters live on the host between forwards and FSDP2 runs the
+    forward on the mesh's accelerator (moving the inputs there itself), so tensors built beside the forward's
+    output (targets, masks) must go there too."""
+    p = next(model.parameters())
+    mesh = getattr(p, "device_mesh", None)  # a DTensor: a sharded parameter
+    if mesh is not None and mesh.device_type != p.device.type:
+        return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    return p.device
+
+
 def is_sharded(model) -> bool:
     """Whether FSDP2 shards the model (its parameters are DTensors, gathered by hooks on the forward)."""
     from torch.distributed.fsdp import FSDPModule

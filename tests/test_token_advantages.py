@@ -266,7 +266,8 @@ def test_step_whitens_over_the_kept_samples_tokens_only():
     local = Batch({"sample_index": torch.tensor([2, 0, 3, 1]), "group": torch.tensor([2, 0, 3, 1]),
                    "tokens": Ragged.of([torch.arange(n + 2) for n in lengths], torch.long),
                    "response_len": torch.tensor(lengths), "reward": torch.tensor(rewards),
-                   "reward_failed": torch.zeros(4, dtype=torch.bool), "finished": torch.tensor(finished)})
+                   "reward_failed": torch.zeros(4, dtype=torch.bool), "finished": torch.tensor(finished),
+                   "version": torch.zeros(4, dtype=torch.long)})
     run = SimpleNamespace(cfg=cfg)
     add_token_returns(run, local)
     everyone, _ = gather_rows(local)

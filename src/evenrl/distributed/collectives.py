@@ -75,7 +75,8 @@ def _active() -> bool:
 
 
 def init(backend: str | None = None, *, timeout: float | None = None, rollout_devices: int = 0) -> DistInfo:
-    """Join the process group described by the environment (idempotent). backend None: NCCL with CUDA, else gloo.
+    """Join the process group described by the environment (idempotent). backend None: NCCL with CUDA (one GPU per
+    process), else gloo.
     timeout: seconds the rendezvous and each collective may wait before failing (default 10 minutes).
     rollout_devices: the last this many ranks only generate (reserved placement); the groups are built here."""
     global _INFO, _OWN_GROUP, _STORE
@@ -94,7 +95,11 @@ def init(backend: str | None = None, *, timeout: float | None = None, rollout_de
                          lay.node_rank, device, str(tdist.get_backend()))
         return _INFO
     if lay.world > 1:
-        backend = backend or ("nccl" if cuda else "gloo")
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): with more processes on a node than GPUs (a
+        # trainer and a rollout process sharing one, say) the collectives go through gloo, on host copies. CUDA
+        # only; run on one H100 by benchmarks/overlap.py --shape qwen2.5-0.5b.
+        shared = cuda and lay.local_world > torch.cuda.device_count()
+        backend = backend or ("nccl" if cuda and not shared else "gloo")
         wait = timedelta(seconds=timeout) if timeout else timedelta(minutes=10)
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
         store = tdist.TCPStore(lay.master_addr, lay.master_port, lay.world, is_master=lay.rank == 0 and not agent,
@@ -580,6 +585,50 @@ def push_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[
         yield bucket
 
 
+class WeightSender:
+    """Trainer 0's end of the push when generation runs ahead of training (rollout.max_staleness >= 1): `send`
+    copies a version's buckets to host memory, then a thread broadcasts them while the trainers go on with the
+    step. The copy fixes the version (the update that follows cannot change what is sent), so the push costs the
+    trainers a copy instead of the broadcast. At most one push is in flight (`send` waits for the one before):
+    memory for one copy of the weights in host RAM on trainer 0. A failed broadcast stops the run at the next
+    `send` or `wait`, in one line."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[list[tuple[str, torch.Tensor]]]:
+        """Start pushing `buckets` (consumed here, so a sharded model's gathers happen now, on every trainer);
+        returns the host copy."""
+        self.wait()
+        staged = [[(name, t.to("cpu", copy=True)) for name, t in bucket] for bucket in buckets]
+        self.thread = threading.Thread(target=self._run, args=(staged,), name="evenrl-weight-sender", daemon=True)
+        self.thread.start()
+        return staged
+
+    def _run(self, staged) -> None:
+        try:
+            for _ in push_weights(staged):
+                pass
+        except BaseException as e:  # raised by the main thread in wait()
+            self.error = e
+
+    def wait(self) -> None:
+        """The push in flight, if any, done (or its failure raised here)."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            if isinstance(error, RunStopped):
+                raise error
+            raise RunStopped(f"rank {rank()}: weight push failed ({_last(error)})")
+
+
+def _last(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+
+
 class WeightReceiver:
     """A rollout rank's end of `push_weights`: a thread that receives each push as soon as trainer 0 sends it, into
     fresh buffers, and queues it, while this rank keeps generating with the weights it has. So the trainer never
@@ -627,9 +676,8 @@ class WeightReceiver:
         except queue.Empty:
             got = RuntimeError("no weights arrived")
         if isinstance(got, BaseException):
-            reason = (str(got).strip().splitlines() or [type(got).__name__])[0][:160]
             raise RunStopped(f"rank {rank()} in {_PHASE}: weight push failed after {time.monotonic() - t0:.0f} s "
-                             f"({reason}); {_whereabouts()}")
+                             f"({_last(got)}); {_whereabouts()}")
         return got
 
     def join(self) -> None:

@@ -62,6 +62,9 @@ class Run:
         # with reserved rollout ranks a trainer generates nothing: no engine (no second copy of the weights)
         self.engine = None if dist.rollout_ranks() and not dist.is_rollout_rank() else \
             make_engine(cfg, self.model, eos_token_ids=self.eos_ids, pad_token_id=self.pad_id, device=info.device)
+        # generating ahead, nobody waits for a push: trainer 0 sends from a host copy in the background
+        self.sender = dist.WeightSender() if (dist.rollout_ranks() and dist.is_main()
+                                              and cfg.rollout.max_staleness > 0) else None
         self.rows, self.prompt_tokens, self.skipped = load_data(cfg, self.tokenizer)
         self.eval_rows, self.eval_tokens = [], []
         if cfg.eval.path:
@@ -225,6 +228,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
                             trainer_state=run.trainer_state(step), keep=cfg.checkpoint.keep,
                             extra=run.extra_models(), versions=versions_needed(step, cfg.rollout.max_staleness),
                             max_staleness=cfg.rollout.max_staleness)
+    if run.sender is not None:
+        run.sender.wait()
     dist.mark("final save")
     checkpoint.save_final(run.model, run.tokenizer, run_dir / "final")
     log.close()

@@ -32,6 +32,7 @@ from evenrl.core.staleness import policy_version, pushes_at
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.weights import full_weights
 from evenrl.engines import SamplingParams
+from evenrl.errors import RunStopped
 from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.models.loading import is_sharded
 from evenrl.rewards import score_all
@@ -110,8 +111,8 @@ def push_weights(run: "Run", step: int) -> None:
             buckets = checkpoint.read_version(run.resumed_from, version)
         else:
             continue
-        if version in pushed:
-            buckets = dist.push_weights(buckets)
+        if version in pushed:  # running ahead: sent in the background, from a copy (dist.WeightSender)
+            buckets = run.sender.send(buckets) if run.sender is not None else dist.push_weights(buckets)
         if dist.is_main() and version in run.versions_to_keep:
             checkpoint.save_version(run.ckpt_root, version, buckets)
         else:

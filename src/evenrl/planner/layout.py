@@ -248,14 +248,20 @@ def _count(flag: str, lo: int = 1):
     return parse
 
 
-def _gib(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; need a number of GiB, e.g. 80") from None
-    if not (0 < v <= MAX_MEMORY_GIB):
-        raise argparse.ArgumentTypeError(f"got {text}; need a number of GiB in (0, {MAX_MEMORY_GIB:g}]")
-    return v
+def positive_number(unit: str, example: str, most: float) -> Callable[[str], float]:
+    """An argparse type: a number in (0, most] of `unit`, else a message naming the value and what is allowed."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; need a number of {unit}, e.g. {example}") from None
+        if not (0 < v <= most):
+            raise argparse.ArgumentTypeError(f"got {text}; need a number of {unit} in (0, {most:g}]")
+        return v
+    return parse
+
+
+_gib = positive_number("GiB", "80", MAX_MEMORY_GIB)
 
 
 def _weights(text: str) -> tuple[float, ...]:

@@ -63,7 +63,7 @@ import os
 from dataclasses import dataclass
 
 from evenrl.config import RunConfig
-from evenrl.planner.layout import Layout
+from evenrl.planner.layout import Layout, positive_number
 from evenrl.planner.memory import GIB, ModelDims, compute_bytes
 
 # (device, model.dtype) -> (TFLOP/s, GB/s); the module docstring says where each number comes from
@@ -256,13 +256,6 @@ def rate_flags(ns: argparse.Namespace) -> RateFlags:
 
 
 def _rate(flag: str, unit: str, example: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"got {text!r}; need a number of {unit}, e.g. {example}") from None
-        if not (0 < v <= MAX_RATE):
-            raise argparse.ArgumentTypeError(f"got {text}; need a number of {unit} in (0, {MAX_RATE:g}]")
-        return v
+    parse = positive_number(unit, example, MAX_RATE)
     parse.__name__ = flag  # argparse names the flag's type in its messages
     return parse

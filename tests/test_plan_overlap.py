@@ -148,7 +148,7 @@ def test_overlap_no_gain_at_the_10_percent_boundary(gen, train, fires):
         assert f.level == "warning" and side in f.message and "9%" in f.message
         assert "rollout.max_staleness=0" in f.fix
         best = _with_times(gen, train).overlap.best
-        assert (f"--rollout-devices 2" in f.fix) == (best.overlapped_s < 0.95 * (max(gen, train)))
+        assert ("--rollout-devices 2" in f.fix) == (best.overlapped_s < 0.95 * (max(gen, train)))
 
 
 def test_overlap_no_gain_counts_the_push():

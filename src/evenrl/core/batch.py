@@ -58,7 +58,10 @@ COLUMNS: dict[str, Column] = {
                                                       "response tokens (reinforce_pp, gae)"),
     "engine_logp": Column("token", torch.float32, "response log-probs the rollout engine reported while sampling "
                                                   "(compared with the trainer's: rollout/logprob_mismatch)"),
-    "old_logp": Column("token", torch.float32, "response log-probs under the policy that sampled (PPO ratio)"),
+    "version": Column("sample", torch.long, "the policy version that sampled: the weights after this many steps "
+                                            "(rollout.max_staleness)"),
+    "old_logp": Column("token", torch.float32, "response log-probs under the policy at the start of the step (the PPO "
+                                               "ratio's denominator; the sampling policy unless max_staleness >= 1)"),
     "ref_logp": Column("token", torch.float32, "response log-probs under the frozen reference (kl_in=loss)"),
     "row_id": Column("list", None, "the prompt's dataset row"),
     "completion": Column("list", None, "decoded response text"),

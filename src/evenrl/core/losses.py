@@ -158,7 +158,7 @@ class LossInputs:
     """What the objective needs per micro-batch; per-token tensors are [B, R] (R = longest response), each row's
     response right-aligned, float32."""
     logp: torch.Tensor            # log-probs of the sampled tokens under the policy being trained (with grad)
-    old_logp: torch.Tensor        # under the policy that sampled (the ratio's denominator; no grad)
+    old_logp: torch.Tensor        # under the policy at the start of the step (the ratio's denominator; no grad)
     advantages: torch.Tensor      # [B] one per sample, broadcast over its tokens; or [B, R] one per token
     mask: torch.Tensor            # [B, R] bool: True on response tokens
     entropy: torch.Tensor         # [B, R] entropy of the sampling distribution (with grad when entropy_coef > 0)

@@ -325,7 +325,15 @@ def parse_yaml(text: str, source: str) -> Any:
     loader = _BoundedLoader(text)
     loader.source = source
     try:
-        node = loader.get_single_node()
+        try:
+            node = loader.get_single_node()
+        except yaml.YAMLError as e:
+            # libyaml >= 0.2.5 stops at its own nesting limit (1,000 levels) while it composes in C, before
+            # _DepthComposer or _measure can count: the document is then deeper than ours too
+            if "maximum nesting depth" in str(e):
+                raise UsageError(f"{source}: nested deeper than {MAX_YAML_DEPTH} levels; "
+                                 f"the limit is {MAX_YAML_DEPTH}") from None
+            raise
         if node is None:
             return None
         _measure(node, source)

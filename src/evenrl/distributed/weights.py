@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from evenrl.distributed.collectives import guard
+from evenrl.distributed.guard import guard
 
 # 256 MiB: a 7B model's largest tensor (the embedding, 152k x 3584 in bf16: 1 GiB) goes alone; the blocks go a few
 # at a time. Smaller buckets bound the transient memory, larger ones the number of meetings.

@@ -91,7 +91,7 @@ def make_model(out: Path, shape: dict) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-    from evenrl.models.loading import DEFAULT_VOCAB, _bytes_to_unicode, make_tiny_model
+    from evenrl.testing import DEFAULT_VOCAB, _bytes_to_unicode, make_tiny_model
 
     make_tiny_model(str(out))  # tokenizer files (and a tiny model, replaced below)
     path = out / "tokenizer.json"

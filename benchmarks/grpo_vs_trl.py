@@ -69,7 +69,7 @@ def starts_with_digit(completion: str, sample: dict) -> float:
 
 def make_assets(out: Path) -> tuple[Path, Path]:
     from evenrl.demo import write_addition_data
-    from evenrl.models.loading import make_tiny_model
+    from evenrl.testing import make_tiny_model
 
     model = out / "model"
     if not (model / "config.json").exists():

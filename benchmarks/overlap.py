@@ -78,7 +78,7 @@ def main() -> None:
            "PYTHONPATH": path}
 
     from evenrl.demo import write_addition_data
-    from evenrl.models.loading import make_tiny_model
+    from evenrl.testing import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)

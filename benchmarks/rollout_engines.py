@@ -21,7 +21,8 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.engines import HFEngine, SamplingParams, make_engine
-from evenrl.models.loading import load_policy, make_tiny_model
+from evenrl.models.loading import load_policy
+from evenrl.testing import make_tiny_model
 
 BATCHES = (4, 16, 64)  # prompts per call; x 8 samples
 

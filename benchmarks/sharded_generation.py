@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, model_dir: str, port: int, out):
 def main():
     from safetensors.torch import load_file
 
-    from evenrl.models.loading import make_tiny_model
+    from evenrl.testing import make_tiny_model
 
     world = 2
     with tempfile.TemporaryDirectory() as d:

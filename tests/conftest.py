@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from evenrl.demo import write_addition_data
-from evenrl.models.loading import make_tiny_model
+from evenrl.testing import make_tiny_model
 
 
 @pytest.fixture(scope="session")

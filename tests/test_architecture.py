@@ -16,7 +16,7 @@ LAYERS = {
     "config": 1,
     "core": 2, "rewards": 2,
     "distributed": 3, "models": 3,
-    "engines": 4, "planner": 4,
+    "engines": 4, "planner": 4, "testing": 4,
     "train": 5,
     "report": 6, "demo": 7, "cli": 8, "__main__": 9, "__init__": 9,
 }

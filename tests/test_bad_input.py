@@ -26,7 +26,7 @@ import pytest
 
 from e2e import ENV, evenrl_here
 from evenrl.demo import write_addition_data
-from evenrl.models.loading import make_tiny_model
+from evenrl.testing import make_tiny_model
 
 
 def lines(stderr: str) -> list[str]:

@@ -14,7 +14,8 @@ from evenrl.config import RunConfig
 from evenrl.distributed.weights import full_weights
 from evenrl.engines import HFEngine, SamplingParams, make_engine
 from evenrl.engines import vllm_engine
-from evenrl.models.loading import load_policy, make_tiny_model
+from evenrl.models.loading import load_policy
+from evenrl.testing import make_tiny_model
 from evenrl.train.step import MISMATCH_THRESHOLD, logprob_mismatch
 from evenrl.train.update import compute_logprobs
 from evenrl.core.batch import Batch

@@ -27,7 +27,7 @@ WORLDS = (1, 2)
 
 def _setup(root: Path) -> Path:
     from evenrl.demo import write_addition_data
-    from evenrl.models.loading import make_tiny_model
+    from evenrl.testing import make_tiny_model
 
     model = Path(make_tiny_model(str(root / "model"), arch="qwen2", hidden=16, layers=2, heads=4, seed=0))
     if GOLDEN.exists():  # the stored starting weights replace the freshly initialised ones

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from evenrl.errors import UsageError
-from evenrl.models.loading import DEFAULT_VOCAB, load_policy, make_tiny_model
+from evenrl.models.loading import load_policy
+from evenrl.testing import DEFAULT_VOCAB, make_tiny_model
 from evenrl.train.data import encode_prompt
 from evenrl.engines.hf import SamplingParams, generate
 

@@ -25,7 +25,8 @@ from evenrl.config import RunConfig
 from evenrl.core.aggregation import Denominators
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.staleness import policy_version, push_steps, pushes_at, versions_needed
-from evenrl.models.loading import load_policy, make_tiny_model
+from evenrl.models.loading import load_policy
+from evenrl.testing import make_tiny_model
 from evenrl.train.step import STAT_NAMES, IS_STAT_NAMES, rl_objective
 from evenrl.train.update import minibatch_update
 

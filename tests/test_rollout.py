@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from evenrl.errors import UsageError
-from evenrl.models.loading import load_policy, make_tiny_model
+from evenrl.models.loading import load_policy
+from evenrl.testing import make_tiny_model
 from evenrl.train.data import encode_prompt
 from evenrl.engines.hf import Completion, SamplingParams, generate, greedy, row_seed, sample_from_logits, uniforms
 from evenrl.models.decoder import LeanDecoder

@@ -8,7 +8,8 @@ import torch
 from evenrl.models import forward as U
 from evenrl.train.update import minibatch_denominators
 from evenrl.core.batch import Batch, Ragged
-from evenrl.models.loading import load_policy, make_tiny_model
+from evenrl.models.loading import load_policy
+from evenrl.testing import make_tiny_model
 
 
 def _batch(prompt_lens: list[int], samples: int, max_resp: int, seed: int = 0) -> Batch:

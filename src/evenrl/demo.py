@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     cfg_path = _config_path()
     t0 = time.time()
 
-    from evenrl.models.loading import make_tiny_model
+    from evenrl.testing import make_tiny_model
 
     model_dir = make_tiny_model(str(out / "model"), arch="qwen2", seed=0)
     data = out / "data" / "addition.jsonl"

@@ -2,61 +2,26 @@
 
 Every random draw is a pure function of (seed, step, prompt key, sample index, token index), so a
 completion is the same whether its prompt is generated alone, in a batch, or on another rank.
-Benchmark: `python -m evenrl.engines.hf` prints tokens/s on a tiny random model.
+Benchmark: `python benchmarks/sampler.py` prints tokens/s on a tiny random model.
 """
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from evenrl.distributed.weights import gathered
+from evenrl.engines.base import Completion, SamplingParams, row_seed
 from evenrl.errors import bad
 from evenrl.models.decoder import LeanDecoder
 from evenrl.models.loading import autocast
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    samples_per_prompt: int = 1
-    seed: int = 0
-
-    def __post_init__(self):
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
-            raise bad("max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        if not (isinstance(self.samples_per_prompt, int) and self.samples_per_prompt >= 1):
-            raise bad("samples_per_prompt", self.samples_per_prompt, "an integer >= 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise bad("temperature", self.temperature, "a number >= 0 (0 means greedy)")
-        if not (0 < self.top_p <= 1):
-            raise bad("top_p", self.top_p, "a number in (0, 1]")
-
-
-@dataclass
-class Completion:
-    prompt_key: int
-    sample_index: int
-    token_ids: list[int]  # generated tokens only; ends with the EOS token when finished
-    logprobs: list[float]  # one per token in token_ids
-    finished: bool  # stopped at EOS (False: hit max_new_tokens)
-
-
 # ---------------------------------------------------------------- keyed randomness
 
 _GOLDEN = 0x9E3779B97F4A7C15
-
-
-def row_seed(seed: int, step: int, key: int, sample_index: int) -> int:
-    """64-bit seed of one (prompt, sample) stream; stable across processes and Python versions."""
-    text = f"evenrl-rollout/{int(seed)}/{int(step)}/{int(key)}/{int(sample_index)}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
 def uniforms(seeds: np.ndarray, t: int) -> np.ndarray:
@@ -343,26 +308,33 @@ def greedy(model, prompts: list[list[int]], *, max_new_tokens: int, eos_token_id
     return [r[0] for r in res]
 
 
-def _benchmark():  # pragma: no cover - prints numbers
-    import tempfile
-    import time
+class HFEngine:
+    """evenrl's sampler on a model in this process. Colocated it is the training model itself: nothing to push and
+    nothing to free. On a reserved rollout rank it is that rank's own copy, which update_weights overwrites."""
 
-    from evenrl.models.loading import load_policy, make_tiny_model
+    name = "hf"
+    needs_weights = False
 
-    with tempfile.TemporaryDirectory() as d:
-        model, tok = load_policy(make_tiny_model(d))
-    prompts = [tok(f"{i % 50}+{(7 * i) % 50}=")["input_ids"] for i in range(32)]
-    keys = list(range(32))
-    for new in (16, 128):
-        params = SamplingParams(max_new_tokens=new, samples_per_prompt=8)
-        generate(model, prompts[:2], keys[:2], params, step=0, eos_token_ids=set(), pad_token_id=tok.pad_token_id)
-        t0 = time.perf_counter()
-        res = generate(model, prompts, keys, params, step=1, eos_token_ids=set(), pad_token_id=tok.pad_token_id)
-        dt = time.perf_counter() - t0
-        n_tok = sum(len(c.token_ids) for r in res for c in r)
-        print(f"32 prompts x 8 samples x {new} new tokens: {n_tok} tokens in {dt:.2f} s = {n_tok / dt:,.0f} tokens/s "
-              f"(torch threads: {torch.get_num_threads()})")
+    def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int):
+        self.model, self.eos_ids, self.pad_id = model, set(eos_token_ids), pad_token_id
 
+    def generate(self, prompts, keys, params, *, step, sample_ranges=None):
+        # every rank enters gathered() even with no prompts: with FSDP2 it is an all-gather all ranks must join
+        with gathered(self.model):
+            if not prompts:
+                return []
+            return generate(self.model, prompts, keys, params, step=step, eos_token_ids=self.eos_ids,
+                            pad_token_id=self.pad_id, sample_ranges=sample_ranges)
 
-if __name__ == "__main__":
-    _benchmark()
+    def update_weights(self, buckets) -> None:
+        state = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for bucket in buckets:
+                for name, t in bucket:
+                    state[name].copy_(t)
+
+    def sleep(self) -> None:
+        return None
+
+    def wake(self) -> None:
+        return None

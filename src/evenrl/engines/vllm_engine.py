@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from evenrl.engines.hf import Completion, SamplingParams, row_seed
+from evenrl.engines.base import Completion, SamplingParams, row_seed
 from evenrl.errors import UsageError
 
 # vLLM keeps seeds in int64 tensors: the 64-bit stream seed loses its top bit (still one seed per key).

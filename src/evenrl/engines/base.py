@@ -1,0 +1,79 @@
+"""What every rollout engine shares: the sampling settings, a completion, the keyed random stream of a sample and
+the `Engine` interface the trainer and the weight sync call.
+
+A sample's randomness is keyed by (train.seed, step, prompt position, sample index): `row_seed` names its stream, so
+which rank or engine replica makes a sample does not change it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import torch
+
+from evenrl.config import RunConfig
+from evenrl.errors import bad
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    samples_per_prompt: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise bad("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if not (isinstance(self.samples_per_prompt, int) and self.samples_per_prompt >= 1):
+            raise bad("samples_per_prompt", self.samples_per_prompt, "an integer >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise bad("temperature", self.temperature, "a number >= 0 (0 means greedy)")
+        if not (0 < self.top_p <= 1):
+            raise bad("top_p", self.top_p, "a number in (0, 1]")
+
+
+@dataclass
+class Completion:
+    prompt_key: int
+    sample_index: int
+    token_ids: list[int]  # generated tokens only; ends with the EOS token when finished
+    logprobs: list[float]  # one per token in token_ids
+    finished: bool  # stopped at EOS (False: hit max_new_tokens)
+
+
+def row_seed(seed: int, step: int, key: int, sample_index: int) -> int:
+    """64-bit seed of one (prompt, sample) stream; stable across processes and Python versions."""
+    text = f"evenrl-rollout/{int(seed)}/{int(step)}/{int(key)}/{int(sample_index)}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def sampling_params(cfg: RunConfig) -> SamplingParams:
+    """A step's sampling settings from the run's config."""
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                          samples_per_prompt=r.samples_per_prompt, seed=cfg.train.seed)
+
+
+class Engine(Protocol):
+    name: str
+    # True when update_weights must be fed after each optimizer step (the engine holds its own copy of the weights).
+    needs_weights: bool
+
+    def generate(self, prompts: list[list[int]], keys: list[int], params: SamplingParams, *, step: int,
+                 sample_ranges: list[tuple[int, int]] | None = None) -> list[list[Completion]]:
+        """[prompt][sample] completions: token ids, finished (stopped at EOS) and the engine's own log-prob of each
+        sampled token under softmax(logits / temperature). `sample_ranges` as in engines.hf.generate."""
+
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """Load the trainer's weights, given as buckets of (Hugging Face name, whole tensor)."""
+
+    def sleep(self) -> None:
+        """Free what the engine holds between rollouts (vLLM on GPU: its KV cache and weights); no-op elsewhere."""
+
+    def wake(self) -> None:
+        """Undo sleep before the next weight push and rollout."""

@@ -22,6 +22,35 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
 TIMEOUT_S = 600
 
 
+class Saved:
+    """The least a checkpoint saves and restores (evenrl.train.checkpoint.Checkpointed): trained models by name with
+    their optimizers, a small dict of state and the step; no weight sync."""
+
+    def __init__(self, models: dict, extra: dict | None = None, step: int = 0):
+        self.models, self.extra, self.step, self.sync = models, dict(extra or {}), step, None
+
+    def trained(self) -> dict:
+        return self.models
+
+    def state_dict(self) -> dict:
+        return {**self.extra, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.extra = {k: v for k, v in state.items() if k != "step" and not k.endswith("param_groups")}
+        self.step = state["step"]
+
+
+def fault_env(*, crash_at_step: int = 0, rollout_stalls_at_step: int = 0) -> dict:
+    """ENV with a fault injected into the evenrl processes it starts (tests/faults/sitecustomize.py): a training rank
+    that dies at the start of a step (first attempt only), or a reserved rollout rank that hangs."""
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(TESTS / "faults"), ENV["PYTHONPATH"]])}
+    if crash_at_step:
+        env["EVENRL_FAULT_CRASH_AT_STEP"] = str(crash_at_step)
+    if rollout_stalls_at_step:
+        env["EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP"] = str(rollout_stalls_at_step)
+    return env
+
+
 class Job:
     """`python -m evenrl.cli ARGS` started now, waited for later. Output goes to files, not pipes, so a job nobody
     reads yet never blocks on a full pipe. It runs in a process group of its own, so that killing it (a timeout,

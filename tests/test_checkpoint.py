@@ -6,8 +6,15 @@ import pickle
 import pytest
 import torch
 
+from e2e import Saved
 from evenrl.train import checkpoint
 from evenrl.errors import RunStopped, UsageError
+
+
+def load(path, model, optimizer, critic=None):
+    """(step, the small state) of the checkpoint at `path`, loaded into `model` and `optimizer` (and the critic)."""
+    state = Saved({"policy": (model, optimizer), **({"critic": critic} if critic else {})})
+    return checkpoint.load(path, state), state.extra
 
 
 def _model(seed):
@@ -26,12 +33,12 @@ def _trained(seed=0):
 def test_round_trip_and_pruning(tmp_path):
     m, opt = _trained()
     for step in (1, 2, 3):
-        checkpoint.save(tmp_path, step, model=m, optimizer=opt,
-                        trainer_state={"n": step, "rng": checkpoint.rng_state()}, keep=2)
+        checkpoint.save(tmp_path, Saved({"policy": (m, opt)}, {"n": step, "rng": checkpoint.rng_state()}, step=step),
+                        keep=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000003"]
     other = _model(1)
     opt2 = torch.optim.AdamW(other.parameters(), lr=0.5)
-    step, state = checkpoint.load(checkpoint.latest(tmp_path), other, opt2)
+    step, state = load(checkpoint.latest(tmp_path), other, opt2)
     assert step == 3 and state["n"] == 3
     for a, b in zip(m.parameters(), other.parameters()):
         assert torch.equal(a, b)
@@ -45,7 +52,7 @@ def test_round_trip_and_pruning(tmp_path):
 
 def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     m, opt = _trained()
-    checkpoint.save(tmp_path, 1, model=m, optimizer=opt, trainer_state={"n": 1})
+    checkpoint.save(tmp_path, Saved({"policy": (m, opt)}, {"n": 1}, step=1))
     want = [p.detach().clone() for p in m.parameters()]
     with torch.no_grad():
         for p in m.parameters():
@@ -54,15 +61,15 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     def dies(*a, **k):
         raise KeyboardInterrupt("killed while writing")
 
-    monkeypatch.setattr(checkpoint, "_fsync_dir", dies)  # everything written but the rename into place
+    monkeypatch.setattr(checkpoint, "fsync_dir", dies)  # everything written but the rename into place
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, 2, model=m, optimizer=opt, trainer_state={"n": 2})
+        checkpoint.save(tmp_path, Saved({"policy": (m, opt)}, {"n": 2}, step=2))
     monkeypatch.undo()
     assert any(p.name.startswith(".tmp-step-000002") for p in tmp_path.iterdir())  # it did die half-way
     found = checkpoint.latest(tmp_path)
     assert found.name == "step-000001"
     fresh, fresh_opt = _trained(5)
-    step, state = checkpoint.load(found, fresh, fresh_opt)
+    step, state = load(found, fresh, fresh_opt)
     assert step == 1 and state["n"] == 1
     assert all(torch.equal(a, b) for a, b in zip(want, fresh.parameters()))
     assert not (tmp_path / "step-000002").exists()
@@ -70,32 +77,32 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
 
 def test_a_crash_inside_the_sharded_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     m, opt = _trained()
-    checkpoint.save(tmp_path, 1, model=m, optimizer=opt, trainer_state={"n": 1})
+    checkpoint.save(tmp_path, Saved({"policy": (m, opt)}, {"n": 1}, step=1))
 
     def dies(*a, **k):
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint.torch, "save", dies)  # DCP writes each tensor with torch.save
     with pytest.raises(RunStopped, match="step-000002.*disk full.*previous checkpoint stays"):
-        checkpoint.save(tmp_path, 2, model=m, optimizer=opt, trainer_state={"n": 2})
+        checkpoint.save(tmp_path, Saved({"policy": (m, opt)}, {"n": 2}, step=2))
     monkeypatch.undo()
     assert checkpoint.latest(tmp_path).name == "step-000001"
-    assert checkpoint.load(checkpoint.latest(tmp_path), m, opt)[0] == 1
+    assert load(checkpoint.latest(tmp_path), m, opt)[0] == 1
 
 
 def test_corrupt_checkpoint_is_a_one_line_error(tmp_path):
     m, opt = _trained()
-    path = checkpoint.save(tmp_path, 1, model=m, optimizer=opt, trainer_state={})
+    path = checkpoint.save(tmp_path, Saved({"policy": (m, opt)}, {}, step=1))
     (path / "state" / ".metadata").write_bytes(b"not a checkpoint index")
     with pytest.raises(UsageError, match="unreadable checkpoint") as e:
-        checkpoint.load(path, m, opt)
+        load(path, m, opt)
     assert "\n" not in str(e.value)
 
 
 def test_an_index_that_would_run_code_is_refused(tmp_path):
     """DCP's index is a pickle; ours is read by an unpickler that builds only DCP's metadata records."""
     m, opt = _trained()
-    path = checkpoint.save(tmp_path, 1, model=m, optimizer=opt, trainer_state={})
+    path = checkpoint.save(tmp_path, Saved({"policy": (m, opt)}, {}, step=1))
 
     class Evil:
         def __reduce__(self):
@@ -103,15 +110,15 @@ def test_an_index_that_would_run_code_is_refused(tmp_path):
 
     (path / "state" / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(UsageError, match="refused checkpoint index.*builtins.print"):
-        checkpoint.load(path, m, opt)
+        load(path, m, opt)
 
 
 def test_other_model_is_refused(tmp_path):
     m, opt = _trained()
-    checkpoint.save(tmp_path, 1, model=m, optimizer=opt, trainer_state={})
+    checkpoint.save(tmp_path, Saved({"policy": (m, opt)}, {}, step=1))
     other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
     with pytest.raises(UsageError, match="does not match"):
-        checkpoint.load(checkpoint.latest(tmp_path), other, torch.optim.AdamW(other.parameters()))
+        load(checkpoint.latest(tmp_path), other, torch.optim.AdamW(other.parameters()))
 
 
 def test_extra_models_are_saved_and_restored_by_name(tmp_path):
@@ -119,18 +126,17 @@ def test_extra_models_are_saved_and_restored_by_name(tmp_path):
     popt, copt = torch.optim.AdamW(policy.parameters()), torch.optim.AdamW(critic.parameters(), lr=0.5)
     critic(torch.randn(2, 4)).sum().backward()
     copt.step()
-    path = checkpoint.save(tmp_path, 3, model=policy, optimizer=popt, trainer_state={"n": 3},
-                           extra={"critic": (critic, copt)})
+    path = checkpoint.save(tmp_path, Saved({"policy": (policy, popt), "critic": (critic, copt)}, {"n": 3}, step=3))
     assert (tmp_path / "latest").read_text().strip() == "step-000003"
     p2, c2 = _model(2), _model(3)
     popt2, copt2 = torch.optim.AdamW(p2.parameters()), torch.optim.AdamW(c2.parameters())
-    step, _ = checkpoint.load(path, p2, popt2, extra={"critic": (c2, copt2)})
+    step, _ = load(path, p2, popt2, critic=(c2, copt2))
     assert step == 3
     assert all(torch.equal(a, b) for a, b in zip(c2.parameters(), critic.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(p2.parameters(), policy.parameters()))
     assert copt2.param_groups[0]["lr"] == 0.5
     moments = [copt.state[p]["exp_avg"] for p in critic.parameters()]
     assert all(torch.equal(copt2.state[q]["exp_avg"], m) for q, m in zip(c2.parameters(), moments))
-    plain = checkpoint.save(tmp_path, 4, model=policy, optimizer=popt, trainer_state={"n": 4})
+    plain = checkpoint.save(tmp_path, Saved({"policy": (policy, popt)}, {"n": 4}, step=4))
     with pytest.raises(UsageError, match="holds no critic"):
-        checkpoint.load(plain, p2, popt2, extra={"critic": (c2, copt2)})
+        load(plain, p2, popt2, critic=(c2, copt2))

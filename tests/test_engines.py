@@ -16,7 +16,8 @@ from evenrl.engines import HFEngine, SamplingParams, make_engine
 from evenrl.engines import vllm_engine
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
-from evenrl.train.step import MISMATCH_THRESHOLD, logprob_mismatch
+from evenrl.train.objectives import logprob_mismatch
+from evenrl.train.runlog import MISMATCH_THRESHOLD
 from evenrl.train.update import compute_logprobs
 from evenrl.core.batch import Batch
 

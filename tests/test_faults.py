@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from e2e import ENV, evenrl
+from e2e import ENV, Saved, evenrl
 from evenrl import cli
 
 
@@ -96,7 +96,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(assets, tmp_pa
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
     assert not any(p.name.startswith("step-00000") and p.name > "step-000002" for p in (run / "checkpoints").iterdir())
     model, _ = load_policy(assets["model"])
-    step, state = checkpoint.load(run / "checkpoints" / "step-000002", model, torch.optim.AdamW(model.parameters()))
+    saved = Saved({"policy": (model, torch.optim.AdamW(model.parameters()))})
+    step = checkpoint.load(run / "checkpoints" / "step-000002", saved)
     assert step == 2 and all(bool(p.isfinite().all()) for p in model.parameters())
 
 

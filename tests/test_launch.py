@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from e2e import ENV, Job, evenrl, final_params, max_diff
+from e2e import ENV, Job, evenrl, final_params, max_diff, fault_env
 
 
 def free_port() -> int:
@@ -38,7 +38,7 @@ def test_elastic_restart_resumes_and_matches(shared_runs, tmp_path):
     step-2 checkpoint, ends with the parameters of shared_runs.one (tests/conftest.py)."""
     restarted = tmp_path / "restarted"
     proc = evenrl("train", *shared_runs.args, f"log.run_dir={restarted}", "--nproc-per-node", "2",
-                  "--max-restarts", "1", env={**ENV, "EVENRL_TEST_CRASH_AT_STEP": "3"})
+                  "--max-restarts", "1", env=fault_env(crash_at_step=3))
     assert proc.returncode == 0
     assert "resumed from" in proc.stdout and "step-000002" in proc.stdout  # the crash happened and was recovered
     steps = [json.loads(x)["step"] for x in (restarted / "metrics.jsonl").read_text().splitlines()]

@@ -1,10 +1,10 @@
-"""The per-phase CUDA memory peaks that evenrl.train.step.Timer records (metrics memory/<phase>_peak_gib), with
+"""The per-phase CUDA memory peaks that evenrl.train.metrics.Timer records (metrics memory/<phase>_peak_gib), with
 torch.cuda's allocator statistics stood in for, so the bookkeeping is checked on a CPU-only machine too. The real
 numbers were read on an H100 by benchmarks/gpu.py (docs/performance.md)."""
 
 import torch
 
-from evenrl.train import step as step_mod
+from evenrl.train.metrics import Timer
 
 
 class FakeAllocator:
@@ -32,7 +32,7 @@ def test_timer_records_each_phase_peak_and_keeps_the_larger_of_two_entries(monke
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: fake.peak)
     gib = 2**30
     fake.alloc(4 * gib)  # resident (weights, optimizer state): counted in every phase, as the planner does
-    timer = step_mod.Timer(1)
+    timer = Timer(1)
     with timer("rollout"):
         fake.alloc(2 * gib)
         fake.free(2 * gib)
@@ -50,7 +50,7 @@ def test_timer_records_each_phase_peak_and_keeps_the_larger_of_two_entries(monke
 
 def test_timer_records_no_memory_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    timer = step_mod.Timer(1)
+    timer = Timer(1)
     with timer("rollout"):
         pass
     assert timer.peak_gib == {} and "rollout" in timer.seconds

@@ -15,19 +15,19 @@ from __future__ import annotations
 import functools
 import math
 import random
-from types import SimpleNamespace
+
 
 import pytest
 import torch
 
-from e2e import ENV, evenrl, evenrl_many, final_params, max_diff, metrics
+from e2e import ENV, evenrl, evenrl_many, final_params, max_diff, metrics, fault_env
 from evenrl.config import RunConfig
 from evenrl.core.aggregation import Denominators
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.staleness import policy_version, push_steps, pushes_at, versions_needed
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
-from evenrl.train.step import STAT_NAMES, IS_STAT_NAMES, rl_objective
+from evenrl.train.objectives import STAT_NAMES, IS_STAT_NAMES, rl_objective
 from evenrl.train.update import minibatch_update
 
 
@@ -106,11 +106,11 @@ def test_importance_weighted_update_matches_naive_computation(tmp_path, cap):
                    "finished": torch.ones(4, dtype=torch.bool)})
     cfg = RunConfig.model_validate({"model": {"path": path}, "rollout": {"max_staleness": 2},
                                     "algo": {"importance_cap": cap, "clip_low": 0.2, "clip_high": 0.28}})
-    run = SimpleNamespace(cfg=cfg, temperature=1.0)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     denom = Denominators(tokens=float(resp_t.sum()), seqs=4.0)
     stats = minibatch_update(model, opt, None, batch, [[0, 1], [2, 3]], denom,
-                             loss_fn=functools.partial(rl_objective, run, 3), stat_names=STAT_NAMES + IS_STAT_NAMES,
+                             loss_fn=functools.partial(rl_objective, cfg, 1.0, 3),
+                             stat_names=STAT_NAMES + IS_STAT_NAMES,
                              aggregation="token-mean", max_grad_norm=0.0, pad_token_id=0)
 
     naive_opt = torch.optim.SGD(naive.parameters(), lr=1.0)
@@ -180,7 +180,7 @@ def test_resume_regenerates_in_flight_steps(assets, tmp_path, k):
     args = ["train", assets["cfg"], *SHAPE, f"rollout.max_staleness={k}", "--rollout-devices", 1,
             "--nproc-per-node", 2]
     evenrl_many({"whole": [*args, f"log.run_dir={tmp_path / 'whole'}"]}, parallel=1)
-    crashed = evenrl(*args, f"log.run_dir={tmp_path / 'run'}", env={**ENV, "EVENRL_TEST_CRASH_AT_STEP": "3"},
+    crashed = evenrl(*args, f"log.run_dir={tmp_path / 'run'}", env=fault_env(crash_at_step=3),
                      check=False)
     assert crashed.returncode != 0
     kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-000002" / "versions").iterdir())

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import ENV, evenrl, evenrl_many, final_params, max_diff, metrics
+from e2e import ENV, evenrl, evenrl_many, final_params, max_diff, metrics, fault_env
 
 PPO = ["algo.advantage=gae", "algo.gamma=0.9", "algo.lam=0.95", "algo.kl_coef=0.05", "algo.kl_in=reward",
        "critic.lr=1e-3", "rewards.isolate=false"]
@@ -78,7 +78,7 @@ def test_one_and_three_processes_give_the_same_models_and_statistics(layout_runs
 def test_resume_with_a_critic_gives_the_same_models(layout_runs, assets, tmp_path):
     crashed = tmp_path / "crashed"
     args = ["train", assets["cfg"], *STEPS, *PPO, f"log.run_dir={crashed}"]
-    assert evenrl(*args, env={**ENV, "EVENRL_TEST_CRASH_AT_STEP": "3"}, check=False).returncode != 0
+    assert evenrl(*args, env=fault_env(crash_at_step=3), check=False).returncode != 0
     assert (crashed / "checkpoints" / "latest").read_text().strip() == "step-000002"
     evenrl(*args, "--resume")
     assert max_diff(final_params(layout_runs / "ppo1"), final_params(crashed)) == 0.0

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from e2e import ENV, evenrl, final_params, max_diff, metrics
+from e2e import ENV, evenrl, final_params, max_diff, metrics, fault_env
 
 # 8 samples per prompt (TRL refuses num_generations=8 on 3 training GPUs; evenrl splits prompts over ranks instead)
 SHAPE = ["rollout.samples_per_prompt=8", "data.prompts_per_step=5", "train.steps=2", "rewards.isolate=false"]
@@ -53,18 +53,19 @@ def test_open_r1_shape_four_processes_one_reserved(assets, tmp_path, colocated):
 
 @pytest.mark.slow
 def test_a_stalled_rollout_rank_ends_the_job_naming_it(assets, tmp_path):
-    """The rollout rank hangs before step 2: the trainers wait --collective-timeout-s in the weight push or the
-    gather, then stop with one line naming the rollout rank and where it was, instead of hanging."""
+    """The rollout rank hangs before generating step 2 (after loading its weights): the trainers wait
+    --collective-timeout-s in the weight push or the gather, then stop with one line naming the rollout rank and
+    where it was, instead of hanging."""
     seconds = 8
     t0 = time.monotonic()
     proc = evenrl("train", assets["cfg"], *SHAPE, f"log.run_dir={tmp_path / 'run'}", "--nproc-per-node", 2,
                   "--rollout-devices", 1, "--collective-timeout-s", seconds,
-                  env={**ENV, "EVENRL_TEST_ROLLOUT_STALLS_AT_STEP": "2"}, check=False)
+                  env=fault_env(rollout_stalls_at_step=2), check=False)
     took = time.monotonic() - t0
     assert proc.returncode != 0
     lines = [x for x in proc.stderr.splitlines() if x.startswith("evenrl train: rank 0 failed: ")]
     assert len(lines) == 1, proc.stderr[-3000:]
-    assert "step 2" in lines[0] and "rank 1 was last in step 1 generate (rollout rank)" in lines[0], lines[0]
+    assert "step 2" in lines[0] and "rank 1 was last in step 2 weights (rollout rank)" in lines[0], lines[0]
     assert took < 60 + seconds + 30, f"the job took {took:.0f} s to end"
 
 

@@ -15,7 +15,8 @@ import torch
 from e2e import evenrl_many, final_params, max_diff, metrics
 from evenrl.config import load_config
 from evenrl.core.batch import Batch
-from evenrl.train.step import add_advantages, counted_lengths, plan_step, zero_gradient_rows
+from evenrl.core.masking import counted_lengths, zero_gradient_rows
+from evenrl.train.step import add_advantages, plan_step
 from evenrl.train.update import minibatch_denominators
 
 EPS = 1e-6

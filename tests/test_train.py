@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from e2e import ENV, Job, evenrl, evenrl_here, final_params, max_diff, metrics
+from e2e import ENV, Job, evenrl, evenrl_here, final_params, max_diff, metrics, fault_env
 
 
 def test_one_process_run_writes_everything(shared_runs, assets, capsys):
@@ -61,7 +61,7 @@ def test_resume_after_a_crash_gives_the_same_model(shared_runs, tmp_path):
     exactly the parameters of the uninterrupted shared_runs.one."""
     crashed = tmp_path / "crashed"
     proc = evenrl("train", *shared_runs.args, f"log.run_dir={crashed}",
-                  env={**ENV, "EVENRL_TEST_CRASH_AT_STEP": "3"}, check=False)
+                  env=fault_env(crash_at_step=3), check=False)
     assert proc.returncode != 0
     assert not (crashed / "final").exists()
     assert (crashed / "checkpoints" / "latest").read_text().strip() == "step-000002"
@@ -150,7 +150,7 @@ def test_bad_flags_are_one_line_and_exit_2(assets, capsys, args):
 
 
 def test_phase_table_sums_phases_and_names_the_rest():
-    from evenrl.train.loop import phase_table
+    from evenrl.train.metrics import phase_table
 
     text = phase_table({"rollout": 3.0, "update": 1.0, "reward": 0.5, "step": 5.0}, steps=4)
     lines = text.splitlines()

@@ -9,8 +9,7 @@ import math
 from pathlib import Path
 
 from evenrl.errors import ArgumentParser, UsageError
-from evenrl.train.runlog import read_metrics
-from evenrl.train.step import MISMATCH_THRESHOLD
+from evenrl.train.runlog import MISMATCH_THRESHOLD, read_metrics
 
 # (file name, title, metric keys plotted on one axis); the KL and phase panels are built from the rows (_panels).
 PANELS = [

@@ -110,7 +110,8 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
                         flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
                     at += p.numel()
                 flat[n:] = torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype)
-                pending.append((ps, flat, tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, async_op=True, group=G.trainers)))
+                work = tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, async_op=True, group=G.trainers)
+                pending.append((ps, flat, work))
         extra_comm = [_on_comm_device(t) for t in extra]
         extra_work = [tdist.all_reduce(x, op=tdist.ReduceOp.SUM, async_op=True, group=G.trainers)
                       for x in extra_comm]

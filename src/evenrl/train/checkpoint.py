@@ -11,8 +11,8 @@ A checkpoint is a directory `checkpoints/step-000010/` holding
   meta.json    step number and what wrote it
   versions/    with rollout.max_staleness = k >= 1: the earlier policy versions the next k steps sample from
                (evenrl.core.staleness.versions_needed), each `v<N>/` the weight push's buckets as safetensors files,
-               so a resumed run regenerates the steps that were in flight exactly. They are written when pushed
-               (`save_version`, into `checkpoints/versions/`) and linked into each checkpoint that needs them.
+               so a resumed run regenerates the steps that were in flight exactly; the weight sync puts them there
+               (evenrl.engines.sync, evenrl.engines.versions).
 Every rank writes under `checkpoints/.tmp-step-000010-<id>/`; when all have finished, rank 0 renames it into place
 (rename is atomic on POSIX) and replaces `checkpoints/latest` atomically, so a kill at any point leaves the previous
 checkpoint and `latest` valid. DCP's index file is a pickle: it is read with an unpickler that builds only DCP's
@@ -34,6 +34,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.weights import full_weights
+from evenrl.engines.versions import fsync_dir
 from evenrl.errors import RunStopped, UsageError
 
 
@@ -65,13 +67,25 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         trainer_state: dict, keep: int = 2, extra: dict | None = None, versions: list[int] = (),
-         max_staleness: int = 0) -> Path:
-    """Write checkpoint `step` atomically and prune all but the newest `keep`. Every rank calls it (collective).
-    extra: more trained models by name, {name: (model, optimizer)} (the critic), saved beside the policy.
-    versions: earlier policy versions the checkpoint must carry (save_version wrote them); afterwards those no later
-    checkpoint can need (older than step + 1 - max_staleness) are deleted from checkpoints/versions/."""
+class Checkpointed(Protocol):
+    """What a checkpoint holds of a trainer (evenrl.train.trainer.Trainer): its trained models with their
+    optimizers by name ("policy", "critic"), its small state (no tensors of the models) and its weight sync, which
+    adds the policy versions the next steps sample from."""
+
+    step: int
+    sync: Any
+
+    def trained(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def save(ckpt_root: str | os.PathLike, state: Checkpointed, *, keep: int = 2) -> Path:
+    """Write checkpoint `state.step` atomically and prune all but the newest `keep`. Every rank calls it
+    (collective)."""
+    step = state.step
     root = Path(ckpt_root)
     name = f"step-{step:06d}"
     final = root / name
@@ -82,27 +96,27 @@ def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, opt
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier()
-    state, groups = {}, {}
-    for prefix, (m, opt) in {"": (model, optimizer), **{f"{k}_": v for k, v in (extra or {}).items()}}.items():
+    tensors, groups = {}, {}
+    for prefix, (m, opt) in _prefixed(state.trained()).items():
         model_state, optim_state = get_state_dict(m, opt)
-        state.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
+        tensors.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
         groups[f"{prefix}param_groups"] = optim_state["param_groups"]
     try:
         with dist.guard("checkpoint save"), _single_process_is_meant():
-            dcp_save(state,
+            dcp_save(tensors,
                      storage_writer=FileSystemWriter(str(tmp / "state"), single_file_per_rank=True),
-                     no_dist=dist.world() == 1, process_group=dist.trainer_group())  # reserved rollout ranks: not theirs
+                     no_dist=dist.world() == 1,
+                     process_group=dist.trainer_group())  # reserved rollout ranks: not theirs
     except CheckpointException as e:  # a BaseException: it would pass every `except Exception` on its way out
         reasons = sorted({_last_line(f) for f in e.failures.values()}) or [_last_line(e)]
         raise RunStopped(f"checkpoint {name}: writing {tmp / 'state'} failed ({'; '.join(reasons)[:200]}); "
                          f"the previous checkpoint stays the latest") from None
     if dist.is_main():
-        torch.save({**trainer_state, **groups}, tmp / "trainer.pt")
-        for v in versions:
-            _link_tree(root / VERSIONS / f"v{v}", tmp / VERSIONS / f"v{v}")
+        torch.save({**state.state_dict(), **groups}, tmp / "trainer.pt")
+        versions = state.sync.keep(tmp, step) if state.sync is not None else []
         (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), "world": dist.world(),
-                                                   "versions": list(versions)}))
-        _fsync_dir(tmp)
+                                                   "versions": versions}))
+        fsync_dir(tmp)
         if final.exists():  # a re-run of the same step (after a resume) replaces it
             old = root / f".old-{name}-{os.getpid()}"
             os.rename(final, old)
@@ -111,70 +125,13 @@ def save(ckpt_root: str | os.PathLike, step: int, *, model: torch.nn.Module, opt
         else:
             os.rename(tmp, final)
         _write_text_atomic(root / "latest", name + "\n")
-        _fsync_dir(root)
+        fsync_dir(root)
         steps = sorted((int(m.group(1)), p) for p in root.iterdir()
                        if p.is_dir() and (m := STEP_DIR.fullmatch(p.name)))
         for _, old in steps[:-keep]:  # by number: step-1000000 is newer than step-999999
             shutil.rmtree(old, ignore_errors=True)
-        for v in (root / VERSIONS).glob("v*") if max_staleness else ():
-            if v.name[1:].isdigit() and int(v.name[1:]) < step + 1 - max_staleness:
-                shutil.rmtree(v, ignore_errors=True)
     dist.barrier()
     return final
-
-
-VERSIONS = "versions"
-
-
-def save_version(ckpt_root: str | os.PathLike, version: int, buckets) -> None:
-    """Rank 0 writes policy `version` as pushed (its buckets, in order, one safetensors file each) to
-    checkpoints/versions/v<version>/, atomically; a later checkpoint links it in. Other ranks pass nothing."""
-    from safetensors.torch import save_file
-
-    root = Path(ckpt_root) / VERSIONS
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"v{version}"
-    tmp = root / f".tmp-v{version}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for i, bucket in enumerate(buckets):
-        seen: set[int] = set()
-        tensors = {}
-        for name, t in bucket:  # a tied tensor appears under two names: safetensors stores shared memory once only
-            tensors[name] = t.detach().to("cpu", copy=True) if id(t) in seen else t.detach().cpu().contiguous()
-            seen.add(id(t))
-        save_file(tensors, str(tmp / f"{i:05d}.safetensors"), metadata={"names": json.dumps([n for n, _ in bucket])})
-    _fsync_dir(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-
-
-def read_version(path: str | os.PathLike, version: int):
-    """Policy `version` kept by the checkpoint at `path`: its push buckets, in order, as save_version wrote them."""
-    from safetensors import safe_open
-
-    where = Path(path) / VERSIONS / f"v{version}"
-    files = sorted(where.glob("*.safetensors"))
-    if not files:
-        raise UsageError(f"{where}: missing; this checkpoint was saved with rollout.max_staleness >= 1 and must keep "
-                         f"the policy versions its next steps sample from; {_EARLIER}")
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as reader:
-                names = json.loads(reader.metadata()["names"])
-                yield [(n, reader.get_tensor(n)) for n in names]
-        except Exception as e:  # safetensors raises its own error types for a damaged file
-            raise UsageError(f"{f}: unreadable policy version ({e.__class__.__name__}); {_EARLIER}") from None
-
-
-def _link_tree(src: Path, dst: Path) -> None:
-    """dst as a copy of the directory src, by hard links where the file system allows (no second copy on disk)."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        try:
-            os.link(f, dst / f.name)
-        except OSError:
-            shutil.copy2(f, dst / f.name)
 
 
 @contextlib.contextmanager
@@ -188,19 +145,6 @@ def _single_process_is_meant():
 def _run_token() -> str:
     """The same temporary-directory suffix on every rank (rank 0's pid, agreed through the group)."""
     return str(dist.all_gather_object(os.getpid())[0])
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -248,12 +192,9 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         extra: dict | None = None) -> tuple[int, dict]:
-    """Load weights and optimizer state into `model` and `optimizer` (any number of ranks, replicated or sharded;
-    every rank calls it), and those of `extra` ({name: (model, optimizer)}, as saved), and return
-    (step, trainer_state). The metadata is checked before anything is read into the model; every problem is a
-    one-line UsageError naming the checkpoint's file."""
+def read_state(path: str | os.PathLike) -> dict:
+    """A checkpoint's trainer.pt (the trainer's small state and the optimizers' param_groups), checked to be what
+    evenrl train writes for the step in meta.json; every problem is a one-line UsageError naming the file."""
     path = Path(path)
     step = read_meta(path)["step"]
     try:
@@ -264,19 +205,29 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get("param_groups"), list):
         raise UsageError(f"{path / 'trainer.pt'}: holds a {type(trainer_state).__name__} without param_groups; "
                          f"expected the trainer state evenrl train writes; {_EARLIER}")
-    for name in extra or {}:
-        if not isinstance(trainer_state.get(f"{name}_param_groups"), list):
-            raise UsageError(f"{path}: holds no {name} (saved by a run without one?); resume with the same "
-                             f"settings, or {_EARLIER}")
     if "step" in trainer_state and trainer_state["step"] != step:
         raise UsageError(f"{path / 'trainer.pt'}: saved at step {trainer_state['step']!r} but meta.json says {step}; "
                          f"{_EARLIER}")
+    return trainer_state
+
+
+def load(path: str | os.PathLike, state: Checkpointed) -> int:
+    """Restore `state` from the checkpoint at `path`: its models' weights and optimizer state (any number of ranks,
+    replicated or sharded; every rank calls it), then its small state. Returns the checkpoint's step. The metadata
+    is checked before anything is read into a model; every problem is a one-line UsageError naming the file."""
+    path = Path(path)
+    step = read_meta(path)["step"]
+    trainer_state = read_state(path)
+    models = _prefixed(state.trained())
+    for prefix in models:
+        if prefix and not isinstance(trainer_state.get(f"{prefix}param_groups"), list):
+            raise UsageError(f"{path}: holds no {prefix[:-1]} (saved by a run without one?); resume with the same "
+                             f"settings, or {_EARLIER}")
     # The model's own (sharded or whole) tensors are the templates DCP reads into, each rank the pieces it holds.
-    models = {"": (model, optimizer), **{f"{k}_": v for k, v in (extra or {}).items()}}
-    state = {}
+    tensors = {}
     for prefix, (m, opt) in models.items():
         model_state, optim_state = get_state_dict(m, opt)
-        state.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
+        tensors.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
     index = path / "state" / ".metadata"
     try:  # the index alone first: a refused or unreadable one is named here, not inside DCP's per-rank report
         _SafeReader(str(path / "state")).read_metadata()
@@ -286,7 +237,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         raise UsageError(f"{index}: unreadable checkpoint ({e.__class__.__name__}); {_EARLIER}") from None
     try:
         with _single_process_is_meant():
-            dcp_load(state, storage_reader=_SafeReader(str(path / "state")), no_dist=dist.world() == 1,
+            dcp_load(tensors, storage_reader=_SafeReader(str(path / "state")), no_dist=dist.world() == 1,
                      process_group=dist.trainer_group())
     except (CheckpointException, Exception) as e:  # DCP reports a rank's failure as a CheckpointException
         text = _last_line(e)
@@ -297,13 +248,25 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
                          f"{_EARLIER}") from None
     try:
         for prefix, (m, opt) in models.items():
-            set_state_dict(m, opt, model_state_dict=state[f"{prefix}model"],
-                           optim_state_dict={"state": state[f"{prefix}optimizer"],
+            set_state_dict(m, opt, model_state_dict=tensors[f"{prefix}model"],
+                           optim_state_dict={"state": tensors[f"{prefix}optimizer"],
                                              "param_groups": trainer_state[f"{prefix}param_groups"]})
     except (KeyError, ValueError, RuntimeError) as e:
         raise UsageError(f"{path}: checkpoint does not match this model or optimizer ({_last_line(e)[:160]}); "
                          "resume with the same model and settings") from None
-    return step, trainer_state
+    try:
+        state.load_state_dict(trainer_state)
+    except (KeyError, ValueError, TypeError, IndexError) as e:
+        raise UsageError(f"{path / 'trainer.pt'}: does not fit this run ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120] if str(e) else 'missing state'}); it was saved by "
+                         "another model or optimizer, or is damaged") from None
+    return step
+
+
+def _prefixed(trained: dict) -> dict:
+    """Trained models by their key prefix in a checkpoint: the policy's tensors are "model"/"optimizer", another
+    model's "<name>_model"/"<name>_optimizer"."""
+    return {("" if name == "policy" else f"{name}_"): pair for name, pair in trained.items()}
 
 
 class _Refused(Exception):

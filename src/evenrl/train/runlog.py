@@ -18,6 +18,9 @@ from pathlib import Path
 
 from evenrl.errors import UsageError
 
+# A sampled token whose engine and trainer log-probs differ by more than this counts in rollout/mismatch_fraction.
+MISMATCH_THRESHOLD = 0.1
+
 
 class RunLog:
     def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool, progress_total: int | None,

@@ -1,0 +1,50 @@
+"""Which samples learn: those left out of learning (a failed reward with rewards.on_failure=mask, a truncated
+sample with rewards.mask_truncated), the loss denominators that then count them as empty, and the samples nobody
+needs to run because their gradient is exactly zero. Pure functions of the config and the step's per-sample
+columns, the same on every rank."""
+
+from __future__ import annotations
+
+import torch
+
+from evenrl.config import RunConfig
+from evenrl.core.advantages import TOKEN_ADVANTAGES
+from evenrl.core.batch import Batch
+
+
+def zero_gradient_rows(cfg: RunConfig, everyone: Batch) -> list[bool] | None:
+    """Samples whose loss gradient is exactly zero, so nobody needs to run them: samples masked out of learning
+    (masked_rows: their loss is dropped), and, with no per-token KL or entropy term, samples with advantage 0 (the
+    policy loss is advantage x f(ratio); a GRPO group with equal rewards, with 0/1 rewards every all-right and
+    all-wrong group). None when nothing may be skipped: min_rows > 1 (the schedule cannot drop rows; masked rows
+    then run and rl_objective zeroes their loss) or nothing to skip."""
+    algo, train = cfg.algo, cfg.train
+    if train.min_rows_per_micro_batch > 1:
+        return None
+    masked = masked_rows(cfg, everyone)
+    kl_in_loss = algo.kl_coef > 0 and algo.kl_in == "loss"
+    per_token = algo.advantage in TOKEN_ADVANTAGES  # a sample's mean token advantage of 0 is no zero gradient
+    if not train.skip_zero_gradient_samples or kl_in_loss or algo.entropy_coef > 0 or per_token:
+        return None if masked is None else masked.tolist()
+    zero = everyone["advantage"] == 0
+    return (zero if masked is None else zero | masked).tolist()
+
+
+def masked_rows(cfg: RunConfig, rows: Batch) -> torch.Tensor | None:
+    """Samples left out of learning, [N] bool, or None for none: with rewards.on_failure=mask, those on which a
+    reward call failed; with rewards.mask_truncated, those cut at max_new_tokens. They get no advantage and no
+    place in their group's (or the token whitening's) statistics (add_advantages), count in no loss denominator
+    (counted_lengths) and run nowhere (zero_gradient_rows); mini-batch membership stays that of the whole step,
+    so the update is the one a single device makes with their effect removed."""
+    out = None
+    if cfg.rewards.on_failure == "mask":
+        out = rows["reward_failed"]
+    if cfg.rewards.mask_truncated:
+        out = ~rows["finished"] if out is None else out | ~rows["finished"]
+    return out if out is not None and bool(out.any()) else None
+
+
+def counted_lengths(cfg: RunConfig, everyone: Batch) -> torch.Tensor:
+    """Response lengths as the loss denominators count them: 0 for a masked sample (no tokens, no sequence)."""
+    masked = masked_rows(cfg, everyone)
+    return everyone["response_len"] if masked is None else everyone["response_len"].masked_fill(masked, 0)

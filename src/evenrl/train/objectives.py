@@ -1,0 +1,98 @@
+"""The per-micro-batch objectives the update minimises: the policy's (`rl_objective`) and the critic's
+(`value_objective`), each building the pure loss's inputs from the logits and the micro-batch's columns, plus the
+engine/trainer log-prob mismatch they report on the way. The losses themselves are evenrl.core.losses."""
+
+from __future__ import annotations
+
+import torch
+
+from evenrl.config import RunConfig
+from evenrl.core.batch import Batch
+from evenrl.core.losses import LossInputs, LossSettings, entropy_from_logits, rl_loss, token_logprobs, value_loss
+from evenrl.core.masking import masked_rows
+from evenrl.models.forward import ragged_to_right_aligned
+from evenrl.train.runlog import MISMATCH_THRESHOLD
+
+STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "entropy",
+              "rollout/logprob_mismatch", "rollout/mismatch_fraction"]
+IS_STAT_NAMES = ["policy/is_weight", "policy/is_clipped_fraction"]  # with importance weights (importance_correction)
+CRITIC_STAT_NAMES = ["critic/loss", "critic/clip_fraction", "critic/values"]
+
+
+def rl_objective(cfg: RunConfig, temperature: float, step: int, logits, targets, mask, mb: Batch):
+    """A micro-batch's policy loss at RL step `step`: its LossInputs from the logits and its columns, then the pure
+    objective (evenrl.core.losses.rl_loss). `temperature`: the sampling temperature the log-probs are taken at."""
+    algo = cfg.algo
+    keep, mask = kept_rows(cfg, mb, mask)
+    logp = token_logprobs(logits, targets, temperature)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and algo.entropy_coef > 0):  # measured only: no graph
+        entropy = entropy_from_logits(logits, temperature)
+    adv = ragged_to_right_aligned(mb, "token_advantage", logp.device) if "token_advantage" in mb else mb["advantage"]
+    old_logp = ragged_to_right_aligned(mb, "old_logp", logp.device) if "old_logp" in mb else logp.detach()
+    engine_logp = ragged_to_right_aligned(mb, "engine_logp", logp.device)
+    inputs = LossInputs(
+        logp=logp, mask=mask, entropy=entropy, advantages=adv.to(logp.device), old_logp=old_logp,
+        ref_logp=ragged_to_right_aligned(mb, "ref_logp", logp.device) if "ref_logp" in mb else None,
+        behavior_logp=behavior_logprobs(cfg, step, mb, old_logp, engine_logp))
+    per_token, stats = rl_loss(inputs, LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high,
+                                                    entropy_coef=algo.entropy_coef,
+                                                    kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0,
+                                                    kl_estimator=algo.kl_estimator,
+                                                    importance_cap=algo.importance_cap))
+    stats.update(logprob_mismatch(old_logp, engine_logp, mask))
+    if keep is not None:
+        per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    return per_token, stats
+
+
+def importance_weighted(cfg: RunConfig) -> bool:
+    """Whether the policy-gradient term carries importance weights (algo.importance_correction): 'stale' only
+    when some step can sample from an older policy (rollout.max_staleness >= 1); with max_staleness 0 the loss
+    is then exactly the synchronous one."""
+    mode = cfg.algo.importance_correction
+    return mode == "all" or (mode == "stale" and cfg.rollout.max_staleness > 0)
+
+
+def behavior_logprobs(cfg: RunConfig, step: int, mb: Batch, old_logp, engine_logp):
+    """The log-probs the importance weight divides by, [B, R], or None for no weighting: the engine's where the
+    sample is corrected, old_logp itself elsewhere (weight exp(0) = 1 exactly). 'stale' corrects the samples of
+    an older policy than the one the step trains (version < step - 1)."""
+    if not importance_weighted(cfg):
+        return None
+    if cfg.algo.importance_correction == "all":
+        return engine_logp
+    stale = (mb["version"] < step - 1).to(engine_logp.device)[:, None]
+    return torch.where(stale, engine_logp, old_logp.detach())
+
+
+def value_objective(cfg: RunConfig, logits, targets, mask, mb: Batch):
+    """A micro-batch's critic loss: the value head's output at each response token's state (logits [B, R, 1])
+    against the GAE targets, clipped around the values at sampling time."""
+    keep, mask = kept_rows(cfg, mb, mask)
+    values = logits.squeeze(-1).float()
+    per_token, stats = value_loss(values, ragged_to_right_aligned(mb, "old_values", values.device),
+                                  ragged_to_right_aligned(mb, "returns", values.device), mask,
+                                  cfg.critic.value_clip)
+    if keep is not None:
+        per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    return per_token, stats
+
+
+def kept_rows(cfg: RunConfig, mb: Batch, mask):
+    """(keep [B, 1] or None, mask without masked rows): masked rows run only when min_rows > 1 (else the schedule
+    leaves them out); then their loss is zeroed here and they stay out of the stats."""
+    masked = masked_rows(cfg, mb)
+    if masked is None:
+        return None, mask
+    keep = ~masked.to(mask.device)[:, None]
+    return keep, mask & keep
+
+
+def logprob_mismatch(trainer_logp, engine_logp, mask) -> dict:
+    """|engine - trainer| log-prob of the sampled tokens, as (sum, count) stats. The trainer side is old_logp: the
+    sampling policy's log-probs, computed by the update's own forward (or add_logprobs), so no extra pass; measured
+    on the samples some rank trains on (zero-gradient samples are skipped)."""
+    diff = (trainer_logp.detach().float() - engine_logp.float()).abs()[mask]
+    n = float(diff.numel())
+    return {"rollout/logprob_mismatch": (diff.sum(), n),
+            "rollout/mismatch_fraction": ((diff > MISMATCH_THRESHOLD).sum(), n)}

@@ -1,0 +1,71 @@
+"""A reserved rollout rank's whole run (`--rollout-devices R`: the last R processes only generate).
+
+Per step: the step's prompts (the same PromptSampler as the trainers, so no prompt is sent), the weights of the
+version that samples the step (pushed by the trainers, received in the background by the weight sync), this
+replica's samples out to the trainers, point to point. With rollout.max_staleness k it runs up to k steps ahead of
+the trainers: step t needs the version after step t-1-k, which the trainers push as soon as they have it. It saves
+and logs nothing; the trainers' checkpoints tell it where a resumed run continues.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from evenrl.config import RunConfig
+from evenrl.core.schedule import rollout_shares
+from evenrl.core.staleness import policy_version
+from evenrl.distributed import collectives as dist
+from evenrl.distributed.weights import full_weights
+from evenrl.engines import Engine, make_engine
+from evenrl.engines.base import sampling_params
+from evenrl.engines.sync import Broadcast
+from evenrl.models.loading import load_policy
+from evenrl.train import checkpoint
+from evenrl.train.data import PromptSampler, load_data
+
+
+def serve(cfg: RunConfig, info, found: Path | None) -> None:
+    """Generate every step's samples of this replica, from step 1 or after checkpoint `found`."""
+    # one whole copy in the engine's dtype: the hf engine samples from it, and it gives the push its layout
+    model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
+    eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    engine = make_engine(cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, device=info.device)
+    _, prompt_tokens, _ = load_data(cfg, tokenizer)
+    sampler = PromptSampler(len(prompt_tokens), cfg.data.seed)
+    start = 0
+    if found is not None:  # only where the run continues and which prompts come next; the weights come pushed
+        start = checkpoint.read_meta(found)["step"]
+        sampler.load_state_dict(checkpoint.read_state(found)["sampler"])
+    dtype = getattr(torch, cfg.model.dtype)
+    sync = Broadcast(cfg, engine=engine, payload=lambda: full_weights(model, dtype=dtype),
+                     ckpt_root=Path(cfg.log.run_dir) / "checkpoints")
+    sync.begin(start, found)
+    for step in range(start + 1, cfg.train.steps + 1):
+        prompts = sampler.next_prompts(cfg.data.prompts_per_step)
+        sync.weights_for(step)
+        generate_and_send(cfg, engine, prompt_tokens, step, prompts)
+    dist.finish_sends()
+    sync.finish()
+
+
+def generate_and_send(cfg: RunConfig, engine: Engine, prompt_tokens: list[list[int]], step: int,
+                      prompt_ids: list[int]) -> None:
+    """One step, with the weights of policy_version(step) loaded: this replica's share of the samples, the step's
+    prompts balanced over the replicas by cost, sent to the trainers without waiting for them (each trainer gets
+    the samples it starts from, as in a colocated step). A sample's key is what it is on any layout, so the samples
+    equal the colocated ones."""
+    n, replicas = cfg.rollout.samples_per_prompt, dist.rollout_ranks()
+    costs = [len(prompt_tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
+    mine = rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())]
+    dist.mark(f"step {step} generate (rollout rank)")
+    completions = engine.generate([prompt_tokens[prompt_ids[p]] for p, _, _ in mine], [p for p, _, _ in mine],
+                                  sampling_params(cfg), step=step,
+                                  sample_ranges=[(first, count) for _, first, count in mine])
+    engine.sleep()
+    made = {(c.prompt_key, c.sample_index): c for samples in completions for c in samples}
+    shares = rollout_shares(costs, n, dist.world(), cfg.parallel.capacity_weights)
+    dist.send_rollouts(step, policy_version(step, cfg.rollout.max_staleness),
+                       [[made[(p, i)] for p, first, count in share for i in range(first, first + count)
+                         if (p, i) in made] for share in shares])

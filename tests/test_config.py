@@ -8,9 +8,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from evenrl import config
 from evenrl.config import (MAX_COUNT, MAX_YAML_NODES, RunConfig, apply_overrides, config_to_yaml, load_config,
                            parse_yaml, validation_message)
+from evenrl.config import yaml_reader
 from evenrl.errors import UsageError
 
 
@@ -146,7 +146,7 @@ def test_bounded_yaml_reads_what_safe_load_reads():
 
 def test_bounded_yaml_limits_are_exact(monkeypatch):
     """MAX_YAML_NODES values are read; one more is refused, also when an alias brings it."""
-    monkeypatch.setattr(config, "MAX_YAML_NODES", 100)
+    monkeypatch.setattr(yaml_reader, "MAX_YAML_NODES", 100)
     items = 100 - 2  # the mapping, its key, the list: 3 values; items make it MAX_YAML_NODES + 1
     assert len(parse_yaml("x: [" + ", ".join(["1"] * (items - 1)) + "]", "t")["x"]) == items - 1
     with pytest.raises(UsageError, match="t: more than 100 values"):

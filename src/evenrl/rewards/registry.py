@@ -1,0 +1,71 @@
+"""The built-in rewards by name (REGISTRY) and `resolve`, which turns a config's reward name or a user's
+"package.module:function" into the function. Every reward is `fn(completion: str, sample: dict) -> float`; `sample`
+is the dataset row (each task module lists the fields it reads). What each built-in reads model output with:
+docs/rewards.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from evenrl.errors import bad
+from evenrl.rewards.arithmetic import exact_match_reward
+from evenrl.rewards.countdown import countdown_reward
+from evenrl.rewards.format import format_reward, strict_format_reward
+from evenrl.rewards.knights_knaves import kk_reward
+from evenrl.rewards.math import math_reward  # binds evenrl.rewards.math: never `import math` here
+
+RewardFn = Callable[[str, dict], float]
+
+REGISTRY: dict[str, RewardFn] = {
+    "math": math_reward,
+    "format": format_reward,
+    "format_strict": strict_format_reward,
+    "countdown": countdown_reward,
+    "knights_knaves": kk_reward,
+    "exact_match": exact_match_reward,
+}
+
+
+def resolve(spec: str) -> RewardFn:
+    """A built-in reward by name (a key of REGISTRY) or a user function given as "package.module:function"."""
+    allowed = f"a built-in reward ({', '.join(REGISTRY)}) or 'package.module:function'"
+    if not isinstance(spec, str):
+        raise bad("reward", spec, allowed)
+    if spec in REGISTRY:
+        return REGISTRY[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not (sep and module_name and attr):
+        raise bad("reward", spec, allowed)
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # a user module can fail to import in any way; report it on one line
+        raise bad("reward", spec, f"{allowed}; importing {module_name} failed: {describe_error(e)}") from None
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if not callable(obj):
+        raise bad("reward", spec, f"{allowed}; {module_name} has no function {attr}")
+    return obj
+
+
+def reward_name(fn) -> str:
+    """The name a reward goes by in stats: its REGISTRY key for a built-in, else its qualified name."""
+    for name, builtin in REGISTRY.items():
+        if fn is builtin:
+            return name
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def describe_error(e: BaseException) -> str:
+    """`Type: message` of an exception on one line, for reward failures and resolve's errors."""
+    try:
+        return one_line(f"{type(e).__name__}: {e}")
+    except Exception:  # a user exception whose __str__ fails
+        return type(e).__name__
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """`text` with its whitespace runs as single spaces, cut to `limit` characters."""
+    text = " ".join(text[: 2 * limit].split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

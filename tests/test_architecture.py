@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "evenrl"
 LAYERS = {
     "errors": 0,
     "config": 1,
-    "core": 2, "rewards": 2,
+    "core": 2, "data": 2, "rewards": 2,
     "distributed": 3, "models": 3,
     "engines": 4, "planner": 4, "testing": 4,
     "train": 5,

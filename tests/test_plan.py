@@ -389,7 +389,7 @@ def test_subprocess_no_torch_no_traceback(tmp_path):
     code = (
         "import importlib, pkgutil, sys\n"
         "import evenrl.planner\n"
-        "names = ['evenrl.config', 'evenrl.core.schedule', 'evenrl.core.partition']\n"
+        "names = ['evenrl.config', 'evenrl.data.readers', 'evenrl.core.schedule', 'evenrl.core.partition']\n"
         "names += [m.name for m in pkgutil.walk_packages(evenrl.planner.__path__, 'evenrl.planner.')]\n"
         "for name in names:\n"
         "    importlib.import_module(name)\n"

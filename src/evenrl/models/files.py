@@ -1,12 +1,10 @@
-"""The local files a run reads before anything is loaded, checked without torch or transformers: the model
-directory (config.json, model_type, weights, tokenizer files) and the prompt dataset (.jsonl lines, parquet
-and Arrow columns, rows).
+"""The model directory a run reads before anything is loaded, checked without torch or transformers:
+config.json, model_type, weights, tokenizer files. (The prompt dataset's readers are evenrl.data.readers.)
 
-The trainer reads through these functions (evenrl.models.loading.load_policy, evenrl.train.data) and
-`evenrl plan` runs the same checks (evenrl.planner.rules), so the plan never calls runnable what the trainer
-refuses. Every problem is a one-line UsageError that names the file and what is wrong, raised before the
-trainer writes anything. Pure Python (json, struct; pyarrow only for parquet and Arrow files): never imports
-torch.
+The trainer reads through these functions (evenrl.models.loading.load_policy) and `evenrl plan` runs the same
+checks (evenrl.planner.rules), so the plan never calls runnable what the trainer refuses. Every problem is a
+one-line UsageError that names the file and what is wrong, raised before the trainer writes anything. Pure
+Python (json, struct): never imports torch.
 """
 
 from __future__ import annotations
@@ -16,15 +14,12 @@ import importlib.util
 import json
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
 
-from evenrl.errors import UsageError, bad, first_line
+from evenrl.data.readers import JSON_MAX_BYTES, read_json
+from evenrl.errors import UsageError, bad
 
-# ------------------------------------------------------------------------------------------ the model directory
-
-CONFIG_MAX_BYTES = 16 * 1024**2  # config.json, vocab.json and a safetensors header are read whole
+CONFIG_MAX_BYTES = JSON_MAX_BYTES  # config.json, vocab.json and a safetensors header are read whole
 TOKENIZER_MAX_BYTES = 512 * 1024**2  # tokenizer.json too, but large vocabularies (Gemma's) run to tens of MB
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -55,7 +50,7 @@ def read_model_config(path: str) -> dict:
     f = d / "config.json"
     if not f.is_file():
         raise UsageError(f"{d}: no config.json; expected a Hugging Face model directory (written by save_pretrained)")
-    cfg = _read_json(f, "the model's Hugging Face config")
+    cfg = read_json(f, "the model's Hugging Face config")
     if not isinstance(cfg, dict):
         raise UsageError(f"{f}: top level is a {type(cfg).__name__}; expected a JSON object (the model's config)")
     kind = cfg.get("model_type")
@@ -78,7 +73,7 @@ def check_weights(path: str) -> None:
         check_safetensors(d / SAFE_WEIGHTS)
         return
     if (d / SAFE_INDEX).exists():
-        index = _read_json(d / SAFE_INDEX, "a safetensors index ({\"weight_map\": {tensor: file}})")
+        index = read_json(d / SAFE_INDEX, "a safetensors index ({\"weight_map\": {tensor: file}})")
         shards = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(shards, dict) or not shards or not all(isinstance(v, str) for v in shards.values()):
             raise UsageError(f"{d / SAFE_INDEX}: no \"weight_map\" of tensor names to shard files; {_REDOWNLOAD}")
@@ -151,13 +146,13 @@ def check_tokenizer_files(path: str) -> None:
         raise UsageError(f"{d}: no tokenizer files (tokenizer.json, or vocab.json and merges.txt, tokenizer.model, "
                          "vocab.txt); save the tokenizer beside the model (tokenizer.save_pretrained)")
     if "tokenizer.json" not in names and "vocab.json" in names:  # a BPE tokenizer's vocabulary: token -> id
-        vocab = _read_json(d / "vocab.json", "a tokenizer vocabulary (a JSON object of token: id)")
+        vocab = read_json(d / "vocab.json", "a tokenizer vocabulary (a JSON object of token: id)")
         if not isinstance(vocab, dict) or not vocab:
             raise UsageError(f"{d / 'vocab.json'}: the vocabulary is empty or not a JSON object; save the tokenizer "
                              "again with save_pretrained")
     if "tokenizer.json" in names:
         f = d / "tokenizer.json"
-        tok = _read_json(f, "a tokenizers file (tokenizer.save_pretrained writes it)", TOKENIZER_MAX_BYTES)
+        tok = read_json(f, "a tokenizers file (tokenizer.save_pretrained writes it)", TOKENIZER_MAX_BYTES)
         model = tok.get("model") if isinstance(tok, dict) else None
         if not isinstance(model, dict):
             raise UsageError(f"{f}: no \"model\" object; expected a tokenizers file (tokenizer.save_pretrained "
@@ -180,19 +175,6 @@ def check_model_dir(path: str) -> dict:
     check_tokenizer_files(path)
     check_weights(path)
     return cfg
-
-
-def _read_json(f: Path, what: str, max_bytes: int = CONFIG_MAX_BYTES) -> Any:
-    try:
-        if f.stat().st_size > max_bytes:
-            raise UsageError(f"{f}: larger than {max_bytes:,} bytes; expected {what}")
-        return json.loads(f.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UsageError(f"{f}: cannot read ({e.__class__.__name__}); expected {what}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{f}: not UTF-8 text; expected {what}") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{f}: not valid JSON ({e.msg} at line {e.lineno}); expected {what}") from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,230 +204,3 @@ def _version() -> str:
         return version("transformers")
     except Exception:  # metadata missing: only the message loses the number
         return "(unknown version)"
-
-
-# ------------------------------------------------------------------------------------------ the prompt dataset
-
-RESERVED = ("prompt", "answer", "id")
-DATA_SUFFIXES = (".jsonl", ".parquet")
-HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-
-
-@dataclass(frozen=True)
-class Fields:
-    """Which columns become a row: data.prompt_field, data.answer_field (None: no answers), data.extra_fields."""
-
-    prompt: str = "prompt"
-    answer: str | None = "answer"
-    extra: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        for f in self.extra:
-            if f in RESERVED:
-                raise bad("extra_fields", f, f"names other than {', '.join(RESERVED)} (those are always present)")
-
-    def columns(self) -> list[str]:
-        return [self.prompt] + ([self.answer] if self.answer is not None else []) + list(self.extra)
-
-    def role(self, column: str) -> str:
-        return ("prompt_field" if column == self.prompt else "answer_field" if column == self.answer
-                else "extra_fields")
-
-
-def dataset_sources(path: str) -> list[tuple[str, str]]:
-    """(source, kind) pairs a dataset path stands for, in reading order: kind "jsonl" or "parquet" for files,
-    "arrow" for a directory written by datasets' save_to_disk (its train split for a DatasetDict)."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise bad("prompts path", path, "expected an existing .jsonl or .parquet file or a dataset directory")
-    if not os.path.isdir(path):
-        return [(path, _file_kind(path))]
-    names = sorted(os.listdir(path))
-    if any(n in names for n in HF_MARKERS):
-        return [(_hf_split(path), "arrow")]
-    files = [os.path.join(path, n) for n in names if n.endswith(DATA_SUFFIXES) and os.path.isfile(os.path.join(path, n))]
-    if not files:
-        raise bad("prompts path", path, "a directory holding .jsonl/.parquet files or a dataset saved with save_to_disk")
-    return [(f, _file_kind(f)) for f in files]
-
-
-def _file_kind(path: str) -> str:
-    for suffix in DATA_SUFFIXES:
-        if path.endswith(suffix):
-            return suffix[1:]
-    raise bad("prompts path", path, "expected a .jsonl or .parquet file or a dataset directory")
-
-
-def _hf_split(path: str) -> str:
-    dd = os.path.join(path, "dataset_dict.json")
-    if not os.path.exists(dd):
-        return path
-    doc = _read_json(Path(dd), "a save_to_disk DatasetDict ({\"splits\": [...]})")
-    splits = doc.get("splits") if isinstance(doc, dict) else None
-    if not isinstance(splits, list):
-        raise UsageError(f"{dd}: no \"splits\" list; expected a dataset written by save_to_disk")
-    if "train" not in splits:
-        raise bad("prompts path", path, f"a dataset or a DatasetDict with a 'train' split (splits: "
-                                        f"{', '.join(map(str, splits))})")
-    return os.path.join(path, "train")
-
-
-def iter_jsonl(path: str, max_bytes: int | None = None) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line; a line that is not JSON or not a JSON object is a
-    UsageError naming the file and line. Stops after `max_bytes` (the planner's budget) when given."""
-    seen = 0
-    try:
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                seen += len(raw)
-                if max_bytes is not None and seen > max_bytes:
-                    return
-                if not raw.strip():
-                    continue
-                try:
-                    rec = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    raise UsageError(f"{path} line {n}: not UTF-8 text; expected one JSON object per line") from None
-                except json.JSONDecodeError as e:
-                    raise UsageError(f"{path} line {n}: not valid JSON ({e.msg}); expected one JSON object per "
-                                     "line") from None
-                if not isinstance(rec, dict):
-                    raise UsageError(f"{path} line {n}: a JSON {_json_kind(rec)}; expected a JSON object per line "
-                                     "(e.g. {\"prompt\": ..., \"answer\": ...})")
-                yield n, rec
-    except OSError as e:
-        raise UsageError(f"{path}: cannot read ({e.__class__.__name__}); expected a .jsonl file") from None
-
-
-def _json_kind(v: Any) -> str:
-    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(v), "null")
-
-
-def check_columns(columns: list[str], src: str, fields: Fields) -> None:
-    """A table's column names hold every field the run reads."""
-    for col in fields.columns():
-        if col not in columns:
-            raise UsageError(f"{src}: no column {col!r} (data.{fields.role(col)}); columns are {_names(columns)}")
-
-
-def check_prompt_type(arrow_type, src: str, fields: Fields) -> None:
-    """The prompt column of a parquet/Arrow table holds text."""
-    import pyarrow as pa
-
-    if not (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
-            or getattr(pa.types, "is_string_view", lambda t: False)(arrow_type)):
-        raise UsageError(f"{src}: column {fields.prompt!r} (data.prompt_field) holds {arrow_type}; expected text")
-
-
-def parquet_schema(path: str):
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_schema(path)
-    except Exception as e:  # pyarrow raises several unrelated types for corrupt files
-        raise UsageError(f"{path}: could not read parquet ({first_line(e)})") from None
-
-
-def read_parquet(path: str, fields: Fields, max_rows: int | None = None) -> list[dict]:
-    """Rows of a parquet file, its schema checked first; with max_rows, only the first ones (cheap)."""
-    import pyarrow.parquet as pq
-
-    schema = parquet_schema(path)
-    check_columns(schema.names, path, fields)
-    check_prompt_type(schema.field(fields.prompt).type, path, fields)
-    try:
-        if max_rows is None:
-            return pq.read_table(path, columns=fields.columns()).to_pylist()
-        f = pq.ParquetFile(path)
-        batch = next(f.iter_batches(batch_size=max_rows, columns=fields.columns()), None)
-        return batch.to_pylist() if batch is not None else []
-    except Exception as e:
-        raise UsageError(f"{path}: could not read parquet ({first_line(e)})") from None
-
-
-def read_arrow_dir(path: str, fields: Fields, max_rows: int | None = None) -> list[dict]:
-    """A directory written by `datasets` save_to_disk, read with pyarrow alone (no `datasets` dependency):
-    `state.json` lists the split's Arrow stream files."""
-    import pyarrow as pa
-
-    state = Path(path) / "state.json"
-    doc = _read_json(state, "a save_to_disk state ({\"_data_files\": [{\"filename\": ...}]})") \
-        if state.is_file() else None
-    try:
-        files = [d["filename"] for d in doc["_data_files"]]
-        if not all(isinstance(f, str) for f in files):
-            raise TypeError("filename is not a string")
-    except (TypeError, KeyError):
-        raise UsageError(f"prompts path: {path!r} is not a readable save_to_disk dataset (state.json lists no "
-                         "\"_data_files\")") from None
-    rows: list = []
-    try:
-        for name in files:
-            with pa.memory_map(os.path.join(path, name)) as source:
-                reader = pa.ipc.open_stream(source)
-                check_columns(reader.schema.names, os.path.join(path, name), fields)
-                check_prompt_type(reader.schema.field(fields.prompt).type, os.path.join(path, name), fields)
-                if max_rows is None:
-                    rows.extend(reader.read_all().to_pylist())
-                    continue
-                for batch in reader:
-                    rows.extend(batch.to_pylist()[: max_rows - len(rows)])
-                    if len(rows) >= max_rows:
-                        return rows
-    except (OSError, ValueError, pa.ArrowInvalid) as e:
-        raise UsageError(f"prompts path: {path!r} is not a readable save_to_disk dataset "
-                         f"({type(e).__name__}: {first_line(e)})") from None
-    return rows
-
-
-def make_row(rec: Any, where: str, row_id: int, fields: Fields) -> dict:
-    """`{"prompt": str, "answer": ..., "id": row_id, **extra}` from one record; a missing field or a prompt that
-    is not text is a UsageError naming `where` (file and line or row)."""
-    if not isinstance(rec, dict):
-        raise UsageError(f"{where}: got {type(rec).__name__}; expected an object with a {fields.prompt!r} field")
-    if fields.prompt not in rec:
-        raise UsageError(f"{where}: no field {fields.prompt!r} (prompt_field); fields are {_names(rec)}")
-    prompt = rec[fields.prompt]
-    if not isinstance(prompt, str):
-        raise UsageError(f"{where}: field {fields.prompt!r} is {type(prompt).__name__}; expected a string")
-    row = {"prompt": prompt, "answer": None, "id": row_id}
-    if fields.answer is not None:
-        if fields.answer not in rec:
-            raise UsageError(f"{where}: no field {fields.answer!r} (answer_field); fields are {_names(rec)}")
-        row["answer"] = rec[fields.answer]
-    for f in fields.extra:
-        if f not in rec:
-            raise UsageError(f"{where}: no field {f!r} (extra_fields); fields are {_names(rec)}")
-        row[f] = rec[f]
-    return row
-
-
-def read_rows(path: str, fields: Fields, *, max_bytes: int | None = None, max_rows: int | None = None
-              ) -> tuple[list[dict], bool]:
-    """Rows of a dataset path (see dataset_sources) and whether that was all of them. With max_bytes / max_rows
-    (the planner), each .jsonl file is read up to max_bytes and each table up to its first max_rows rows, every
-    one checked as the trainer checks it; without them, everything."""
-    rows: list[dict] = []
-    complete = True
-    for src, kind in dataset_sources(path):
-        if kind == "jsonl":
-            size = os.path.getsize(src)
-            complete &= max_bytes is None or size <= max_bytes
-            for n, rec in iter_jsonl(src, max_bytes):
-                rows.append(make_row(rec, f"{src} line {n}", len(rows), fields))
-            continue
-        if kind == "parquet":
-            records = read_parquet(src, fields, max_rows)
-        else:
-            records = read_arrow_dir(src, fields, max_rows)
-        complete &= max_rows is None or len(records) < max_rows
-        for i, rec in enumerate(records):
-            rows.append(make_row(rec, f"{src} row {i}", len(rows), fields))
-    if complete and not rows:
-        raise UsageError(f"prompts path: {path!r} has no rows; expected at least one prompt")
-    return rows, complete
-
-
-def _names(cols) -> str:
-    names = ", ".join(sorted(map(str, cols)))
-    return names if len(names) <= 120 else names[:117] + "..."

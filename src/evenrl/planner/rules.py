@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from evenrl.config import RunConfig
+from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError
-from evenrl.models.files import Fields, check_tokenizer_files, check_weights, read_model_config, read_rows
+from evenrl.models.files import check_tokenizer_files, check_weights, read_model_config
 from evenrl.planner.memory import PHASES, RESIDENT
 from evenrl.planner.render import plural, seconds, size_text
 

@@ -9,8 +9,8 @@ import os
 import random
 
 from evenrl.config import RunConfig
+from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError, bad
-from evenrl.models.files import Fields, read_rows
 
 
 def load_prompts(

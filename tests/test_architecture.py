@@ -1,6 +1,8 @@
 """The folders are the architecture: each package may import only packages below it, and modules never import each
 other in a cycle. Read from the source (every import, also the ones inside functions), so a lazy import cannot hide
-an upward dependency. Imports under `if TYPE_CHECKING:` are for annotations and never run, so they do not count."""
+an upward dependency. Imports under `if TYPE_CHECKING:` never run, so the layer check ignores them; the cycle check
+counts them: two modules that need each other's names, even only for annotations, are one job split in two or two
+jobs sharing a type that belongs in a third module."""
 
 from __future__ import annotations
 
@@ -21,21 +23,25 @@ LAYERS = {
     "report": 6, "demo": 7, "cli": 8, "__main__": 9, "__init__": 9,
 }
 
+# Modules whose `if TYPE_CHECKING:` imports the cycle check still ignores: train/loop.py and train/step.py name each
+# other's types. Removed when train/ is split.
+_LEAD_FIXES = {"evenrl.train.loop", "evenrl.train.step"}
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(SRC.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, pkg: str | None = None) -> set[str]:
-    """Every evenrl module `path` imports, at any depth of the file. `pkg`: the package relative imports start
-    from (default: the file's own)."""
+def _imports(path: Path, pkg: str | None = None, *, typing_too: bool = False) -> set[str]:
+    """Every evenrl module `path` imports, at any depth of the file; those under `if TYPE_CHECKING:` only with
+    `typing_too`. `pkg`: the package relative imports start from (default: the file's own)."""
     out: set[str] = set()
     if pkg is None:
         pkg = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block)
-                   for stmt in block.body for n in ast.walk(stmt)}
+    typing_only = set() if typing_too else {id(n) for block in ast.walk(tree) if _is_type_checking(block)
+                                            for stmt in block.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
@@ -68,8 +74,9 @@ def _package(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _graph() -> dict[str, set[str]]:
-    return {_module_name(p): _imports(p) for p in SRC.rglob("*.py")}
+def _graph(typing_too: bool = False) -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p, typing_too=typing_too and _module_name(p) not in _LEAD_FIXES)
+            for p in SRC.rglob("*.py")}
 
 
 def test_every_package_has_a_layer():
@@ -88,7 +95,7 @@ def test_no_package_imports_upwards():
 
 
 def test_no_import_cycles():
-    graph = _graph()
+    graph = _graph(typing_too=True)
     state: dict[str, int] = {}  # 1 on the stack, 2 done
     stack: list[str] = []
 
@@ -114,3 +121,5 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
                  "from ..core.schedule import make_schedule\n"
                  "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from evenrl.train.loop import Run\n")
     assert _imports(f, pkg="evenrl.train") == {"evenrl.train.step", "evenrl.core.batch", "evenrl.core.schedule"}
+    assert _imports(f, pkg="evenrl.train", typing_too=True) == {"evenrl.train.step", "evenrl.core.batch",
+                                                                "evenrl.core.schedule", "evenrl.train.loop"}

@@ -3,7 +3,7 @@ description (docs/config.md is generated from them: `python -m evenrl.config`).
 
 Names say what they count (prompts per step, samples per prompt, tokens per micro-batch); there is no
 overloaded "batch size". Numbers derived from these (samples per step, per-rank rows, micro-steps) live in
-`evenrl.planner.plan.Plan` and are never written back here. Pure Python: must not import torch (the planner uses it).
+`evenrl.planner.types.Plan` and are never written back here. Pure Python: must not import torch (the planner uses it).
 """
 
 from __future__ import annotations

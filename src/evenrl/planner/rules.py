@@ -10,32 +10,17 @@ Pure Python: never imports torch.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
 
 from evenrl.config import RunConfig
 from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError
 from evenrl.models.files import check_tokenizer_files, check_weights, read_model_config
 from evenrl.planner.memory import PHASES, RESIDENT
-from evenrl.planner.render import plural, seconds, size_text
-
-if TYPE_CHECKING:
-    from evenrl.planner.plan import Plan
+from evenrl.planner.text import plural, seconds, size_text
+from evenrl.planner.types import Finding, Plan
 
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-
-
-@dataclass(frozen=True)
-class Finding:
-    level: Literal["error", "warning", "note"]
-    rule: str  # stable id, e.g. "idle-ranks"
-    message: str  # what is wrong, with the numbers
-    fix: str = ""  # nearest valid settings; alternatives separated by "; "
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def rule_layout(p: Plan) -> list[Finding]:

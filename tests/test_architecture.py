@@ -24,10 +24,6 @@ LAYERS = {
     "report": 6, "demo": 7, "cli": 8, "__main__": 9, "__init__": 9,
 }
 
-# Modules whose `if TYPE_CHECKING:` imports the cycle check still ignores: train/loop.py and train/step.py name each
-# other's types. Removed when train/ is split.
-_LEAD_FIXES = {"evenrl.train.loop", "evenrl.train.step"}
-
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(SRC.parent).with_suffix("").parts
@@ -76,8 +72,7 @@ def _package(module: str) -> str:
 
 
 def _graph(typing_too: bool = False) -> dict[str, set[str]]:
-    return {_module_name(p): _imports(p, typing_too=typing_too and _module_name(p) not in _LEAD_FIXES)
-            for p in SRC.rglob("*.py")}
+    return {_module_name(p): _imports(p, typing_too=typing_too) for p in SRC.rglob("*.py")}
 
 
 def test_every_package_has_a_layer():

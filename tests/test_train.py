@@ -5,6 +5,8 @@ run serves which test)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,12 @@ def test_rollout_shares_cover_every_sample_once_and_balance(costs, n, world, wei
     for share, wr in zip(shares, weights):
         load = sum(costs[p] * count for p, _, count in share)
         assert abs(load - sum(costs) * n * wr / sum(weights)) <= max(costs) + 1e-6  # within one sample of its share
+
+
+def test_report_loads_neither_torch_nor_the_trainer():
+    """`evenrl report` draws PNGs from metrics.jsonl: it must not pay for torch or the trainer's modules."""
+    code = ("import sys, evenrl.report\n"
+            "loaded = [m for m in ('torch', 'evenrl.train.step', 'evenrl.train.trainer') if m in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

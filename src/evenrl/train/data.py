@@ -26,7 +26,7 @@ def load_prompts(
     a directory written by `datasets.Dataset.save_to_disk` (read with pyarrow; a DatasetDict must have a
     "train" split). `id` is the row's index in that order, stable across
     runs. Answers are kept as stored (a number stays a number); `answer_field=None` means no answers.
-    Reading and checking is evenrl.models.files.read_rows, which `evenrl plan` runs on the first rows too:
+    Reading and checking is evenrl.data.readers.read_rows, which `evenrl plan` runs on the first rows too:
     a line that is not a JSON object, a missing column or field is a one-line UsageError naming the file.
     """
     fields = Fields(prompt_field, answer_field, tuple(extra_fields or ()))

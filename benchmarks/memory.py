@@ -12,7 +12,8 @@ only when --bf16-worlds asks). After a first step creates AdamW's state, each ra
 the trainer's order and the profiler marks its phases:
   rollout    the weights gathered for generation (evenrl.distributed.weights.gathered); no tokens are generated,
              so the planner's KV cache and autocast copies are left out of this comparison
-  log-probs  a no-grad forward and evenrl.core.losses.token_logprobs on the micro-batch
+  log-probs  a no-grad forward of the micro-batch through evenrl.models.forward.response_logprobs (the output layer
+             computes log-probs chunk by chunk, core.fused_head), as the trainer does
   update     two micro-batches of forward, log-probs and backward (the second runs with the first's gradients
              held, as on any rank with more than one micro-batch), the gradient all-reduce (replicated, more than
              one rank), the optimizer step
@@ -133,7 +134,8 @@ def rank_main(rank: int, world: int, port: int, dtype: str, sharding: str, out_d
     from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from evenrl.core.losses import token_logprobs
+    from evenrl.core.batch import Batch, Ragged
+    from evenrl.models.forward import response_logprobs
     from evenrl.distributed import collectives
     from evenrl.distributed.sharding import shard
     from evenrl.distributed.weights import gathered
@@ -145,6 +147,7 @@ def rank_main(rank: int, world: int, port: int, dtype: str, sharding: str, out_d
     replicated_autocast = sharding == "replicated" and compute != torch.float32
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, MODEL["vocab_size"], (ROWS, LENGTH), generator=gen)
+    batch = Batch({"tokens": Ragged.of(list(tokens), torch.long), "response_len": torch.full((ROWS,), LENGTH - 1)})
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
         conf = Qwen2Config(**{k: v for k, v in MODEL.items() if k != "model_type"})
@@ -156,8 +159,8 @@ def rank_main(rank: int, world: int, port: int, dtype: str, sharding: str, out_d
 
         def forward():
             with torch.autocast("cpu", dtype=compute, enabled=replicated_autocast):
-                logits = model(input_ids=tokens).logits
-            return token_logprobs(logits[:, :-1], tokens[:, 1:])
+                out, _, _ = response_logprobs(model, batch, 0)
+            return out[..., 0]
 
         def step(micro_batches: int):
             for _ in range(micro_batches):  # gradients accumulate: from the second on, they are there throughout

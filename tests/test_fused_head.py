@@ -72,3 +72,9 @@ def test_no_vocabulary_sized_tensor_is_kept_for_backward():
             assert max(saved) == weight.numel() and n * v not in saved
         else:
             assert n * v in saved
+
+
+def test_log_probs_alone_skip_the_entropy():
+    hidden, weight, _, targets, _, _ = _case(dtype=torch.float32)
+    lp, ent = head_logprobs(hidden, weight, None, targets, entropy=False, chunk_rows=7)
+    assert ent is None and torch.equal(lp, head_logprobs(hidden, weight, None, targets, chunk_rows=7)[0])

@@ -43,7 +43,8 @@ def test_every_component_by_hand():
     """float32, replicated, no offload, 1 rank: 16 bytes of state per parameter, P = 86,848.
     Worst case 64-token samples; 8 samples on the rank; cap 256 -> 4 rows -> t = 256 tokens; 8 samples generated.
     activations  t * L * a * c, a = 4h + 2*q_dim + 2*kv_dim + 4i = 256 + 128 + 64 + 512 = 960
-    logits       t * V * 12;  log-prob logits t * V * (c + 4);  KV cache  g * len * L * 2 * kv_dim * c;
+    logits       t * V * (2c + 12);  log-prob logits t * V * (c + 8) (t * V is under one output-layer chunk);
+    KV cache  g * len * L * 2 * kv_dim * c;
     overhead 0.3 GiB. phases: rollout = resident + KV, log-probs = resident + one layer's activations + logits,
             update = resident + gradients + activations + logits; peak = the largest."""
     d = dims_from_config(TINY)
@@ -54,7 +55,7 @@ def test_every_component_by_hand():
     assert b["parameters"] == P * 4 and b["gradients"] == P * 4
     assert b["optimizer"] == P * 8  # two fp32 moments; the parameters are the master weights
     assert b["activations"] == 256 * 2 * 960 * 4
-    assert b["logits"] == 256 * 100 * 12 and b["log-prob logits"] == 256 * 100 * 8
+    assert b["logits"] == 256 * 100 * 20 and b["log-prob logits"] == 256 * 100 * 12
     assert b["layer activations"] == 256 * 960 * 4
     assert b["KV cache"] == 8 * 64 * 2 * 2 * 32 * 4
     assert all(b[k] == 0 for k in ("reference model", "fsdp units", "gathered model", "autocast copies",
@@ -62,8 +63,8 @@ def test_every_component_by_hand():
     resident = P * 4 + P * 8 + 0.3 * GIB
     phases = {k: v * GIB for k, v in est.phases.items()}
     assert phases["rollout"] == pytest.approx(resident + 8 * 64 * 2 * 2 * 32 * 4)
-    assert phases["log-probs"] == pytest.approx(resident + 256 * 960 * 4 + 256 * 100 * 8)
-    assert phases["update"] == pytest.approx(resident + P * 4 + 256 * 2 * 960 * 4 + 256 * 100 * 12)
+    assert phases["log-probs"] == pytest.approx(resident + 256 * 960 * 4 + 256 * 100 * 12)
+    assert phases["update"] == pytest.approx(resident + P * 4 + 256 * 2 * 960 * 4 + 256 * 100 * 20)
     assert est.total_gib == max(est.phases.values()) == est.phases["update"]
     assert est.fits is True and est.host_gib == 0
 
@@ -248,3 +249,19 @@ def test_engine_and_placement_by_hand():
     assert res.breakdown["KV cache"] == 0 and res.phases["rollout"] == pytest.approx(
         sum(res.breakdown[k] for k in ("parameters", "optimizer", "reference model", "rollout reserve", "overhead")))
     assert any("rollout devices holds the hf engine" in n for n in res.assumptions)
+
+
+def test_output_layer_memory_is_one_chunk_whatever_the_micro_batch():
+    """The fused output layer (core.fused_head) holds one chunk of logits, so its term stops growing with the token
+    cap: a 7B model's 16 k-token micro-batch plans ~1 GiB for it, not the ~9 GiB x 3 of full logits."""
+    from evenrl.core.fused_head import _CHUNK_ELEMENTS
+    from evenrl.planner.memory import HEAD_CHUNK
+
+    assert HEAD_CHUNK == _CHUNK_ELEMENTS
+    d = dims_from_config(QWEN7B)
+    small, large = (estimate_memory(cfg(data={"max_prompt_tokens": 1024}, rollout={"max_new_tokens": 3072},
+                                        train={"token_cap_per_micro_batch": cap}),
+                                    make_layout(1, 1, device="cuda", device_memory_gib=80), d).breakdown
+                    for cap in (4096, 16384))
+    assert small["logits"] == large["logits"] == HEAD_CHUNK * (2 * 4 + 12) / GIB
+    assert large["activations"] > small["activations"]

@@ -27,6 +27,7 @@ from evenrl.core.batch import Batch, Ragged
 from evenrl.core.staleness import policy_version, push_steps, pushes_at, versions_needed
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
+from evenrl.models.forward import response_logprobs
 from evenrl.train.objectives import STAT_NAMES, IS_STAT_NAMES, rl_objective
 from evenrl.train.update import minibatch_update
 
@@ -109,7 +110,8 @@ def test_importance_weighted_update_matches_naive_computation(tmp_path, cap):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     denom = Denominators(tokens=float(resp_t.sum()), seqs=4.0)
     stats = minibatch_update(model, opt, None, batch, [[0, 1], [2, 3]], denom,
-                             loss_fn=functools.partial(rl_objective, cfg, 1.0, 3),
+                             forward=functools.partial(response_logprobs, pad_token_id=0, entropy=True),
+                             loss_fn=functools.partial(rl_objective, cfg, 3),
                              stat_names=STAT_NAMES + IS_STAT_NAMES,
                              aggregation="token-mean", max_grad_norm=0.0, pad_token_id=0)
 

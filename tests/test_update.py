@@ -119,3 +119,47 @@ def test_minibatch_denominators_count_every_row():
     d = minibatch_denominators(torch.tensor([3, 5, 7, 11, 0]), (0, 2, 3, 4))
     assert (d.tokens, d.seqs) == (21.0, 3.0)  # a row with no response token is no sequence (as in aggregation)
     assert minibatch_denominators(torch.tensor([3]), ()).seqs == 0.0
+
+
+def _force_path(monkeypatch, path: str) -> None:
+    monkeypatch.setattr(U, "_MIN_SAVED_PER_ROW", 0 if path == "shared" else 10**9)
+    if path in ("right_padded", "model"):
+        monkeypatch.setattr(U, "_packs", lambda m: False)
+    if path == "model":
+        monkeypatch.setattr(U.LeanDecoder, "supports", classmethod(lambda cls, m: False))
+
+
+@pytest.mark.parametrize("path", ["shared", "packed", "right_padded", "model"])
+def test_fused_log_probs_equal_the_logits_path_on_every_forward(tmp_path, monkeypatch, path):
+    """response_logprobs (the output layer computes log-probs and entropies chunk by chunk) against response_logits
+    followed by core.losses on the full logits: values and gradients of a loss with an entropy bonus, per path."""
+    from evenrl.core.losses import entropy_from_logits, token_logprobs
+
+    model, _ = load_policy(make_tiny_model(str(tmp_path / "m"), arch="qwen2", seed=4))
+    model.train()
+    batch = _batch([9, 14, 9, 2], samples=3, max_resp=7, seed=5)
+    _force_path(monkeypatch, path)
+    used = []
+    monkeypatch.setattr(U, f"_response_logits_{path}",
+                        lambda *a, f=getattr(U, f"_response_logits_{path}"): used.append(path) or f(*a))
+    weights = torch.linspace(0.5, 1.5, 7)
+
+    def loss_and_grads(fused: bool):
+        model.zero_grad(set_to_none=True)
+        if fused:
+            out, _, mask = U.response_logprobs(model, batch, 0, temperature=0.8, entropy=True, entropy_grad=True)
+            logp, ent = out[..., 0], out[..., 1]
+        else:
+            logits, targets, mask = U.response_logits(model, batch, 0)
+            logp, ent = token_logprobs(logits, targets, 0.8), entropy_from_logits(logits, 0.8)
+        w = weights[-logp.shape[1]:]
+        ((logp * mask * w).sum() + 0.1 * (ent * mask * w).sum()).backward()
+        return (logp * mask).detach(), (ent * mask).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    lp, ent, grads = loss_and_grads(False)
+    lp2, ent2, grads2 = loss_and_grads(True)
+    assert used == [path, path]
+    assert float((lp - lp2).abs().max()) <= 1e-6 * float(lp.abs().max())
+    assert float((ent - ent2).abs().max()) <= 1e-6 * float(ent.abs().max())
+    for name, g in grads.items():
+        assert float((g - grads2[name]).norm() / g.norm()) <= 1e-6, name

@@ -19,6 +19,8 @@ arithmetic in torch, so it runs wherever torch does.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from evenrl.errors import bad
@@ -28,26 +30,35 @@ _CHUNK_ELEMENTS = 1 << 24
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                  temperature: float = 1.0, *, entropy_grad: bool = False,
-                  chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log softmax(z)[targets], entropy of softmax(z)) per row, z = (hidden @ weight.T + bias) / T, in float32 (or
-    float64 for float64 inputs).
+                  temperature: float = 1.0, *, entropy: bool = True, entropy_grad: bool = False,
+                  chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log softmax(z)[targets], entropy of softmax(z) or None) per row, z = (hidden @ weight.T + bias) / T, in
+    float32 (or float64 for float64 inputs).
 
     hidden [..., H], targets [...] int, weight [V, H], bias [V] or None; both outputs have targets' shape.
-    The log-probs carry gradients to hidden, weight and bias; the entropy does too only with entropy_grad (an
-    entropy bonus in the loss), else it is a measurement and costs no backward work."""
+    The log-probs carry gradients to hidden, weight and bias; the entropy (computed unless entropy=False, which
+    saves a pass over the vocabulary) does too only with entropy_grad (an entropy bonus in the loss), else it is a
+    measurement and costs no backward work."""
     if not temperature > 0:
         raise bad("temperature", temperature, "a number > 0")
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden [..., H] and targets [...] disagree: {tuple(hidden.shape)}, {tuple(targets.shape)}")
     rows = chunk_rows or max(1, _CHUNK_ELEMENTS // max(1, weight.shape[0]))
-    logp, entropy = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
-                                        1.0 / temperature, rows, entropy_grad)
-    return logp.reshape(targets.shape), entropy.reshape(targets.shape)
+    device = hidden.device.type
+    with contextlib.ExitStack() as stack:
+        if torch.is_autocast_enabled(device):  # mixed precision: cast the output matrix once, not once per chunk
+            dtype = torch.get_autocast_dtype(device)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+            stack.enter_context(torch.autocast(device, enabled=False))
+        logp, ent = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
+                                        1.0 / temperature, rows, entropy, entropy and entropy_grad)
+    return logp.reshape(targets.shape), ent.reshape(targets.shape) if entropy else None
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_t: float) -> torch.Tensor:
-    """One chunk's z, computed as the model's head computes its logits (autocast included), in float32 at least."""
+    """One chunk's z, computed in the inputs' precision as the model's head computes its logits, in float32 at
+    least."""
     z = torch.nn.functional.linear(h, weight, bias)
     z = z.to(torch.promote_types(z.dtype, torch.float32))
     return z if inv_t == 1.0 else z.mul_(inv_t)
@@ -55,7 +66,7 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_t, rows, entropy_grad):
+    def forward(ctx, hidden, weight, bias, targets, inv_t, rows, with_entropy, entropy_grad):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         entropy = torch.empty_like(logp)
@@ -64,8 +75,10 @@ class _HeadLogprobs(torch.autograd.Function):
             z = _logits(hidden[s:s + rows], weight, bias, inv_t)
             lse[s:s + rows] = torch.logsumexp(z, dim=-1)
             logp[s:s + rows] = z.gather(-1, targets[s:s + rows, None]).squeeze(-1) - lse[s:s + rows]
+            if not with_entropy:
+                continue
             z.sub_(lse[s:s + rows, None]).clamp_(min=torch.finfo(z.dtype).min)  # log p; -inf logits give 0 below
-            entropy[s:s + rows] = -(z.exp() * z).sum(-1)
+            entropy[s:s + rows] = -z.exp().mul_(z).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.inv_t, ctx.rows, ctx.entropy_grad = inv_t, rows, entropy_grad
         if not entropy_grad:
@@ -101,4 +114,4 @@ class _HeadLogprobs(torch.autograd.Function):
             if need_b:
                 d_bias.add_(grad.to(acc).sum(0))
         return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
-                None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None)
+                None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None, None)

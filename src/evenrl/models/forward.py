@@ -1,46 +1,94 @@
-"""The training forward: a micro-batch of prompt + response rows -> logits that predict each response token.
+"""The training forward: a micro-batch of prompt + response rows -> what predicts each response token.
 
 Rows are stored pad-free in a Batch: `tokens` (ragged: prompt + response ids) and `response_len` ([N]).
 `response_logits` forwards a micro-batch by the cheapest exact path the model allows (shared prompts, packed rows
 for Qwen2/Llama, right padding, or the model's own left-padded masked forward); only the positions that predict
-response tokens go through the LM head (the logits tensor, tokens x vocab, is the usual hidden memory peak).
-Per-token tensors are then [B, R], R = the longest response, with each row's response right-aligned.
+response tokens go through the output layer. `response_logprobs` takes the same paths but has the output layer
+compute log-probs and entropies straight from the hidden states (core.fused_head), so the logits tensor, tokens x
+vocabulary and the usual memory peak, never exists. Per-token tensors are then [B, R], R = the longest response,
+with each row's response right-aligned.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from evenrl.core.batch import Batch
+from evenrl.core.fused_head import head_logprobs
 from evenrl.models.decoder import LeanDecoder, rope_rotate, rope_table
 from evenrl.models.loading import autocast, compute_device, is_checkpointing, is_sharded
 
 
-def response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+# head(output layer, hidden [B, P, H], targets [B, P]) -> [B, P, k]: what the output layer computes instead of logits
+Head = Callable[[torch.nn.Module, Tensor, Tensor], Tensor]
+
+
+def response_logits(model, batch: Batch, pad_token_id: int, head: Head | None = None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
     """Forward a micro-batch. Returns (logits [B, R, V] predicting each response token, targets [B, R],
-    mask [B, R]) where R = longest response in the micro-batch.
+    mask [B, R]) where R = longest response in the micro-batch; with `head`, its output [B, R, k] in place of the
+    logits (the output layer's weights are the live ones, also under FSDP2: it runs inside the model's forward).
     A sharded (FSDP2) model always takes the model's own single forward: its parameters are gathered by hooks on
     that forward (the packed path reads them directly), and every rank must make the same number of forward calls
     (the shared-prefix path makes two where it pays, one where it does not)."""
     with autocast(model):
-        return _response_logits(model, batch, pad_token_id)
+        return _response_logits(model, batch, pad_token_id, head)
 
 
-def _response_logits(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+def response_logprobs(model, batch: Batch, pad_token_id: int, *, temperature: float = 1.0, entropy: bool = False,
+                      entropy_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-prob of each response token under softmax(logits / temperature) and, with `entropy`, the distribution's
+    entropy, as [B, R, 1 or 2]; targets; mask), computed by the output layer chunk by chunk from the hidden states
+    (core.fused_head). The entropy is a measurement unless entropy_grad (an entropy bonus in the loss)."""
+    def head(layer, hidden, targets):
+        logp, ent = head_logprobs(hidden, layer.weight, layer.bias, targets, temperature, entropy=entropy,
+                                  entropy_grad=entropy_grad)
+        return torch.stack([logp, ent] if entropy else [logp], dim=-1)  # a new tensor: FSDP2 hooks its outputs
+
+    return response_logits(model, batch, pad_token_id, head)
+
+
+def _response_logits(model, batch: Batch, pad_token_id: int, head: Head | None) -> tuple[Tensor, Tensor, Tensor]:
     if is_sharded(model):
-        return _response_logits_model(model, batch, pad_token_id)
+        return _response_logits_model(model, batch, pad_token_id, head)
     shared = _shared_prefixes(model, batch)
     if shared is not None:
-        return _response_logits_shared(model, batch, pad_token_id, *shared)
+        return _response_logits_shared(model, batch, pad_token_id, head, *shared)
     if _packs(model):
-        return _response_logits_packed(model, batch)
+        return _response_logits_packed(model, batch, head)
     if LeanDecoder.supports(model):
-        return _response_logits_right_padded(model, batch, pad_token_id)
-    return _response_logits_model(model, batch, pad_token_id)
+        return _response_logits_right_padded(model, batch, pad_token_id, head)
+    return _response_logits_model(model, batch, pad_token_id, head)
 
 
-def _response_logits_model(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+def _output(model, hidden: Tensor, targets: Tensor, head: Head | None) -> Tensor:
+    """The output layer on hidden states we hold: its logits, or `head`'s output."""
+    layer = model.get_output_embeddings()
+    return layer(hidden) if head is None else head(layer, hidden, targets)
+
+
+@contextlib.contextmanager
+def _output_layer_computes(model, head: Head | None, targets: Tensor):
+    """Within the block, the model's own forward has its output layer compute `head` on the hidden states it is
+    given (targets: one per position it will see) instead of logits. Inside the forward, so that a sharded output
+    layer is gathered by FSDP2's hooks as usual."""
+    if head is None:
+        yield
+        return
+    layer = model.get_output_embeddings()
+    layer.forward = lambda hidden: head(layer, hidden, targets)  # an instance attribute, shadowing the method
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def _response_logits_model(model, batch: Batch, pad_token_id: int, head: Head | None
+                           ) -> tuple[Tensor, Tensor, Tensor]:
     """The model's own left-padded masked forward: any causal LM, sharded or not (the reference path)."""
     tokens, attn = batch.padded("tokens", pad_token_id, side="left")
     device = compute_device(model)  # not model.device: under CPU offload that is the host
@@ -49,11 +97,17 @@ def _response_logits_model(model, batch: Batch, pad_token_id: int) -> tuple[Tens
     width = int(resp_len.max())
     # Explicit positions: HF models default to 0..L-1 regardless of left padding.
     position_ids = (attn.long().cumsum(-1) - 1).clamp_(min=0)
-    out = model(input_ids=tokens, attention_mask=attn.long(), position_ids=position_ids,
-                logits_to_keep=width + 1, use_cache=False)
-    logits = out.logits[:, :-1]
     targets = tokens[:, -width:]
+    with _output_layer_computes(model, head, _with_last(targets)):
+        out = model(input_ids=tokens, attention_mask=attn.long(), position_ids=position_ids,
+                    logits_to_keep=width + 1, use_cache=False)
+    logits = out.logits[:, :-1]
     return logits, targets, _response_mask(resp_len, width)
+
+
+def _with_last(targets: Tensor) -> Tensor:
+    """Targets for width + 1 positions: the last position predicts nothing we keep (a dummy id 0 stands in)."""
+    return torch.cat([targets, targets.new_zeros(targets.shape[0], 1)], dim=1)
 
 
 def _packs(model) -> bool:
@@ -63,7 +117,7 @@ def _packs(model) -> bool:
     return LeanDecoder.supports(model) and not is_checkpointing(model) and not dropout
 
 
-def _response_logits_packed(model, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+def _response_logits_packed(model, batch: Batch, head: Head | None) -> tuple[Tensor, Tensor, Tensor]:
     """response_logits for Qwen2/Llama without padding (_packed_forward); tests compare it with the model's own
     masked forward."""
     tok = batch["tokens"]
@@ -75,13 +129,15 @@ def _response_logits_packed(model, batch: Batch) -> tuple[Tensor, Tensor, Tensor
     # packed position of each response token, right-aligned; clamped columns (shorter responses) are masked out
     target_at = torch.maximum(ends[:, None] - width + torch.arange(width, device=device)[None, :],
                               (ends - lengths + 1)[:, None]).clamp_(max=len(ids) - 1)
-    logits = _packed_forward(model, ids, lengths, target_at - 1)
-    return logits, ids[target_at], _response_mask(resp_len, width)
+    targets = ids[target_at]
+    return _output(model, _packed_forward(model, ids, lengths, target_at - 1), targets, head), targets, \
+        _response_mask(resp_len, width)
 
 
 def _packed_forward(model, ids: Tensor, lengths: Tensor, pick: Tensor) -> Tensor:
     """A Qwen2/Llama forward over rows stored back to back (`ids` [T], row lengths [B], each row's positions from 0),
-    returning the logits at the packed positions `pick`. The model's own modules and arithmetic, in its order.
+    returning the final hidden states (normed) at the packed positions `pick`. The model's own modules and
+    arithmetic, in its order.
 
     Why: norms, projections and the MLP run on the T real tokens instead of B x longest; only attention sees the rows
     padded (on the right, so causal attention never lets a real token see a pad). Longest-first micro-batches of GRPO
@@ -112,10 +168,11 @@ def _packed_forward(model, ids: Tensor, lengths: Tensor, pick: Tensor) -> Tensor
                                            is_causal=L > 1, scale=a.scaling, enable_gqa=H != Hk)
         h = h + a.o_proj(o.transpose(1, 2).reshape(B * L, H * D).index_select(0, slot))
         h = h + mlp(layer.post_attention_layernorm(h))
-    return model.lm_head(inner.norm(h[pick]))
+    return inner.norm(h[pick])
 
 
-def _response_logits_right_padded(model, batch: Batch, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+def _response_logits_right_padded(model, batch: Batch, pad_token_id: int, head: Head | None
+                                  ) -> tuple[Tensor, Tensor, Tensor]:
     """response_logits for Qwen2/Llama without an attention mask: right padding sits after every real token, so
     plain causal attention never lets a real token see it and SDPA runs its unmasked causal kernel (~7% faster
     forward+backward than the masked one at 32 rows x 20-132 tokens on CPU). The LM head runs only on the
@@ -129,9 +186,8 @@ def _response_logits_right_padded(model, batch: Batch, pad_token_id: int) -> tup
     col = torch.arange(width, device=tokens.device)[None, :]
     target_at = (lengths[:, None] - width + col).clamp_(min=1)  # clamped columns are masked out below
     picked = hidden.gather(1, (target_at - 1)[..., None].expand(-1, -1, hidden.shape[-1]))
-    logits = model.lm_head(picked)
-    mask = _response_mask(resp_len, width)
-    return logits, tokens.gather(1, target_at), mask
+    targets = tokens.gather(1, target_at)
+    return _output(model, picked, targets, head), targets, _response_mask(resp_len, width)
 
 
 # A shared prefix pays for a second forward call and a key/value copy per row; below this many saved tokens per
@@ -161,8 +217,8 @@ def _shared_prefixes(model, batch: Batch):
     return list(prefixes), of_row, seqs
 
 
-def _response_logits_shared(model, batch: Batch, pad_token_id: int, prefixes: list[tuple], of_row: list[int],
-                            seqs: list[Tensor]):
+def _response_logits_shared(model, batch: Batch, pad_token_id: int, head: Head | None, prefixes: list[tuple],
+                            of_row: list[int], seqs: list[Tensor]):
     """response_logits with each distinct prefix run once: its keys/values (with their autograd history) are
     copied to the rows that share it, so forward and backward of the prompt cost one row per group, not one per
     sample. Same numbers as the plain path up to float rounding (tests compare both)."""
@@ -184,10 +240,11 @@ def _response_logits_shared(model, batch: Batch, pad_token_id: int, prefixes: li
                                  pad_token_id, device)
     attn = torch.cat([p_attn[row_index], t_attn], dim=1)
     position_ids = (attn.cumsum(-1) - 1).clamp_(min=0)[:, width_p:]
-    out = model(input_ids=t_ids, attention_mask=attn, position_ids=position_ids, past_key_values=cache,
-                use_cache=True, logits_to_keep=width + 1)
-    logits = out.logits[:, :-1]
     targets = t_ids[:, 1:]
+    with _output_layer_computes(model, head, _with_last(targets)):
+        out = model(input_ids=t_ids, attention_mask=attn, position_ids=position_ids, past_key_values=cache,
+                    use_cache=True, logits_to_keep=width + 1)
+    logits = out.logits[:, :-1]
     return logits, targets, _response_mask(resp_len, width)
 
 

@@ -19,7 +19,7 @@ Resident on every phase (0 on the device with cpu_offload=full, which keeps them
   critic           12P/S                when algo.advantage=gae: the value model's fp32 weights and AdamW moments,
                                         sized as the policy, sharded and offloaded like it (its gradients and
                                         activations exist only during its own update, after the policy's, whose
-                                        vocabulary-sized logits make the policy's update the larger)
+                                        output-layer chunks make the policy's update the larger)
   rollout reserve  memory_fraction * device memory (engine hf: reserved for nothing, a warning says so);
                    engine vllm on cpu: its own weights cP + its KV cache (memory_fraction * RAM, 0: 1 GiB), held
                    throughout (vLLM has no sleep mode on CPU)
@@ -38,8 +38,8 @@ log-probs (old/reference log-probs, no grad):
                                         forward, with the block in use and the next one prefetched
   autocast copies  as above
   layer activations t * a * c         one layer's intermediates at a time (no grad: nothing is kept)
-  log-prob logits  t * V * (c + 4)      the head's output and an fp32 copy of it (the response slice, upcast) that
-                                        the log-softmax reads in chunks of positions
+  log-prob logits  min(t * V, C) * (c + 8)   the output layer's chunk of logits (core.fused_head: C values at a
+                                        time, never all t * V), its fp32 form and the exp of it
 update (forward + backward + gradient reduction + optimizer step):
   gradients        4P/S                 fp32 (0 with cpu_offload=full)
   fsdp units       as above, plus the largest unit's unsharded gradient (c bytes, and an fp32 copy for the
@@ -47,7 +47,8 @@ update (forward + backward + gradient reduction + optimizer step):
   autocast copies  as above
   activations      t * L * a * c        a = 4h + 2*q_dim + 2*kv_dim + 4i  elements per token per layer
                    t * (L*h + a) * c    with gradient checkpointing: each layer's input, plus one layer recomputed
-  logits           t * V * 12           logits, their fp32 log-softmax and its gradient (the usual hidden OOM)
+  logits           min(t * V, C) * (2c + 12)   the backward's chunk: logits recomputed (and upcast), softmax,
+                                        gradient (and its compute-dtype copy); no [t, V] tensor (core.fused_head)
   gradient buckets 4P                   replicated, T > 1: the all-reduce copies every gradient into flat buckets
                                         before the old ones are freed (after the backward: activations are gone)
   update = resident + gradients + max(units + unit gradient + copies + activations + logits, gradient buckets)
@@ -81,7 +82,9 @@ from evenrl.planner.layout import Layout
 
 GIB = 1024**3
 STATE_BYTES = 4 + 4 + 8  # fp32 parameters, fp32 gradients, AdamW's two fp32 moments, per parameter
-LOGIT_BYTES = 12  # logits + fp32 log-softmax + its gradient, per token per vocab entry
+# Values per chunk of logits in core.fused_head (its _CHUNK_ELEMENTS; the planner cannot import torch, a test keeps
+# the two equal): the output layer never holds more than this many logits at once.
+HEAD_CHUNK = 1 << 24
 OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.3}
 SPLIT_MAX = 20_000  # samples per step beyond which the rollout split is bounded, not computed (module docstring)
 # The three phases of a step and the components each holds on top of the resident ones (render shows them so).
@@ -294,10 +297,10 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
         "rollout engine": engine,
         "fsdp units": units,
         "layer activations": tokens * dims.act_elems * c,
-        "log-prob logits": tokens * V * (c + 4),
+        "log-prob logits": min(tokens * V, HEAD_CHUNK) * (c + 8),
         "gradients": grads_b,
         "activations": act,
-        "logits": tokens * V * LOGIT_BYTES,
+        "logits": min(tokens * V, HEAD_CHUNK) * (2 * c + 12),
         "gradient buckets": 4 * P if (not fsdp and t > 1) else 0,
     }
     resident = sum(parts[k] for k in RESIDENT)

@@ -1,5 +1,5 @@
 """The per-micro-batch objectives the update minimises: the policy's (`rl_objective`) and the critic's
-(`value_objective`), each building the pure loss's inputs from the logits and the micro-batch's columns, plus the
+(`value_objective`), each building the pure loss's inputs from the forward's outputs and the micro-batch's columns, plus the
 engine/trainer log-prob mismatch they report on the way. The losses themselves are evenrl.core.losses."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.core.batch import Batch
-from evenrl.core.losses import LossInputs, LossSettings, entropy_from_logits, rl_loss, token_logprobs, value_loss
+from evenrl.core.losses import LossInputs, LossSettings, rl_loss, value_loss
 from evenrl.core.masking import masked_rows
 from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.train.runlog import MISMATCH_THRESHOLD
@@ -19,14 +19,13 @@ IS_STAT_NAMES = ["policy/is_weight", "policy/is_clipped_fraction"]  # with impor
 CRITIC_STAT_NAMES = ["critic/loss", "critic/clip_fraction", "critic/values"]
 
 
-def rl_objective(cfg: RunConfig, temperature: float, step: int, logits, targets, mask, mb: Batch):
-    """A micro-batch's policy loss at RL step `step`: its LossInputs from the logits and its columns, then the pure
-    objective (evenrl.core.losses.rl_loss). `temperature`: the sampling temperature the log-probs are taken at."""
+def rl_objective(cfg: RunConfig, step: int, outputs, targets, mask, mb: Batch):
+    """A micro-batch's policy loss at RL step `step`: its LossInputs from the forward's log-probs and entropies
+    (`outputs` [B, R, 2], models.forward.response_logprobs) and its columns, then the pure objective
+    (evenrl.core.losses.rl_loss)."""
     algo = cfg.algo
     keep, mask = kept_rows(cfg, mb, mask)
-    logp = token_logprobs(logits, targets, temperature)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and algo.entropy_coef > 0):  # measured only: no graph
-        entropy = entropy_from_logits(logits, temperature)
+    logp, entropy = outputs[..., 0], outputs[..., 1]
     adv = ragged_to_right_aligned(mb, "token_advantage", logp.device) if "token_advantage" in mb else mb["advantage"]
     old_logp = ragged_to_right_aligned(mb, "old_logp", logp.device) if "old_logp" in mb else logp.detach()
     engine_logp = ragged_to_right_aligned(mb, "engine_logp", logp.device)

@@ -10,15 +10,16 @@ Writes the tuned model to `log.run_dir/final` (a Hugging Face directory) and met
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.core.batch import Batch, Ragged
-from evenrl.core.losses import token_logprobs
 from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
+from evenrl.models.forward import response_logprobs
 from evenrl.train.data import PromptSampler, load_data
 from evenrl.train import rundir
 from evenrl.train.checkpoint import save_final
@@ -49,8 +50,8 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
                  progress_total=cfg.sft.steps, progress=cfg.log.progress, shown={"sft/nll": "nll"})
     log.write_text("config.yaml", config_to_yaml(cfg))
 
-    def loss_fn(logits, tgt, mask, mb):
-        nll = -token_logprobs(logits, tgt)
+    def loss_fn(outputs, tgt, mask, mb):
+        nll = -outputs[..., 0]
         return nll, {"sft/nll": ((nll.detach() * mask).sum(), mask.sum())}
 
     for step in range(1, cfg.sft.steps + 1):
@@ -68,6 +69,7 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
         micro = [[pos[r] for r in m.rows] for m in schedule.minibatches[0].per_rank[dist.rank()]]
         denom = minibatch_denominators([len(targets[i]) for i in ids], schedule.minibatches[0].rows)
         stats = minibatch_update(model, opt, None, batch, micro, denom, loss_fn=loss_fn, stat_names=["sft/nll"],
+                                 forward=functools.partial(response_logprobs, pad_token_id=tokenizer.pad_token_id),
                                  aggregation="token-mean", max_grad_norm=cfg.train.max_grad_norm,
                                  pad_token_id=tokenizer.pad_token_id)
         log.metrics(step, stats)

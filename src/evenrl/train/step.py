@@ -30,7 +30,7 @@ from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
 from evenrl.engines.base import sampling_params
 from evenrl.errors import RunStopped
-from evenrl.models.forward import ragged_to_right_aligned
+from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import is_sharded
 from evenrl.rewards import score_all
 from evenrl.rewards.overlong import overlong_penalty
@@ -343,11 +343,15 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
         for rows, denom in zip(micro, denoms):
             policy, critic = trainer.policy, trainer.critic
             stats = minibatch_update(policy.model, policy.optimizer, policy.lr_scheduler, batch, rows, denom,
-                                     loss_fn=functools.partial(rl_objective, cfg, trainer.temperature, step),
+                                     forward=functools.partial(response_logprobs, pad_token_id=trainer.pad_id,
+                                                               temperature=trainer.temperature, entropy=True,
+                                                               entropy_grad=algo.entropy_coef > 0),
+                                     loss_fn=functools.partial(rl_objective, cfg, step),
                                      stat_names=stat_names, aggregation=algo.loss_aggregation,
                                      max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id)
             if critic is not None:  # same rows, same global denominators: exact on any layout too
                 values = minibatch_update(critic.model, critic.optimizer, critic.lr_scheduler, batch, rows, denom,
+                                          forward=functools.partial(response_logits, pad_token_id=trainer.pad_id),
                                           loss_fn=functools.partial(value_objective, cfg),
                                           stat_names=CRITIC_STAT_NAMES, aggregation=algo.loss_aggregation,
                                           max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id)

@@ -1,10 +1,9 @@
 """The pieces of a gradient step shared by `evenrl train` and `evenrl sft`.
 
 Rows are stored pad-free in a Batch: `tokens` (ragged: prompt + response ids) and `response_len` ([N]).
-`response_logits` forwards a micro-batch by the cheapest exact path the model allows (shared prompts, packed rows
-for Qwen2/Llama, right padding, or the model's own left-padded masked forward); only the positions that predict
-response tokens go through the LM head (the logits tensor, tokens x vocab, is the usual hidden memory peak).
-Per-token tensors are then [B, R], R = the longest response, with each row's response right-aligned.
+A forward (evenrl.models.forward: `response_logprobs` for a policy, `response_logits` for a critic's values) runs a
+micro-batch by the cheapest exact path the model allows; per-token tensors are then [B, R], R = the longest
+response, with each row's response right-aligned.
 """
 
 from __future__ import annotations
@@ -16,20 +15,23 @@ from torch import Tensor
 
 from evenrl.core.aggregation import Denominators, aggregate
 from evenrl.core.batch import Batch, Ragged
-from evenrl.core.losses import token_logprobs
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.sharding import shard
 from evenrl.errors import RunStopped
-from evenrl.models.forward import response_logits
+from evenrl.models.forward import response_logits, response_logprobs
 from evenrl.models.loading import is_sharded, set_autocast
+
+
+# forward(model, micro_batch) -> (outputs [B, R, k], targets [B, R], mask [B, R]): response_logprobs, response_logits
+Forward = Callable[[torch.nn.Module, Batch], tuple[Tensor, Tensor, Tensor]]
 
 
 def compute_logprobs(model, batch: Batch, micro_rows: list[list[int]], *, temperature: float,
                      pad_token_id: int) -> list[Tensor]:
     """Per-row response log-probs (1-D tensors, in batch row order) computed micro-batch by micro-batch."""
     return _per_response_token(model, batch, micro_rows, pad_token_id,
-                               lambda logits, targets: token_logprobs(logits, targets, temperature))
+                               lambda m, mb: response_logprobs(m, mb, pad_token_id, temperature=temperature))
 
 
 def prepare_model(model, cfg: RunConfig) -> None:
@@ -55,14 +57,16 @@ def filler_row(pad_token_id: int) -> Batch:
 def compute_values(critic, batch: Batch, micro_rows: list[list[int]], *, pad_token_id: int) -> list[Tensor]:
     """Per-row values of each response token's state under a value model (a causal LM whose head outputs one
     number, evenrl.models.loading.with_value_head), 1-D float32 tensors in batch row order."""
-    return _per_response_token(critic, batch, micro_rows, pad_token_id, lambda values, _: values[..., 0])
+    return _per_response_token(critic, batch, micro_rows, pad_token_id,
+                               lambda m, mb: response_logits(m, mb, pad_token_id))
 
 
 @torch.no_grad()
-def _per_response_token(model, batch: Batch, micro_rows: list[list[int]], pad_token_id: int, pick) -> list[Tensor]:
-    """pick(logits [B, R, V], targets [B, R]) -> [B, R] for each micro-batch, cut to each row's response tokens:
-    1-D float32 tensors in batch row order. A sharded model runs a filler forward for an empty micro-batch (every
-    rank the same number of forwards)."""
+def _per_response_token(model, batch: Batch, micro_rows: list[list[int]], pad_token_id: int,
+                        forward: Forward) -> list[Tensor]:
+    """The first output per token (a log-prob, a value) of forward(model, micro_batch) -> (outputs [B, R, k],
+    targets, mask) for each micro-batch, cut to each row's response tokens: 1-D float32 tensors in batch row order.
+    A sharded model runs a filler forward for an empty micro-batch (every rank the same number of forwards)."""
     out: list[Tensor | None] = [None] * len(batch)
     was_training = model.training
     model.eval()
@@ -72,8 +76,8 @@ def _per_response_token(model, batch: Batch, micro_rows: list[list[int]], pad_to
             if sharded:
                 response_logits(model, filler_row(pad_token_id), pad_token_id)
             continue
-        logits, targets, mask = response_logits(model, batch.select(rows), pad_token_id)
-        per_token = pick(logits, targets)
+        outputs, _, mask = forward(model, batch.select(rows))
+        per_token = outputs[..., 0]
         for j, r in enumerate(rows):
             out[r] = per_token[j][mask[j]].float().cpu()
     model.train(was_training)
@@ -88,13 +92,13 @@ def minibatch_denominators(response_len, rows) -> Denominators:
     return Denominators(tokens=float(lens.sum()), seqs=float((lens > 0).sum()))
 
 
-# loss_fn(logits, targets, mask, micro_batch) -> (per_token_loss [B, R], stats {name: (sum, count)})
+# loss_fn(outputs, targets, mask, micro_batch) -> (per_token_loss [B, R], stats {name: (sum, count)})
 LossFn = Callable[[Tensor, Tensor, Tensor, Batch], tuple[Tensor, dict]]
 
 
 def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: list[list[int]], denom: Denominators,
-                     *, loss_fn: LossFn, stat_names: list[str], aggregation: str, max_grad_norm: float,
-                     pad_token_id: int) -> dict:
+                     *, forward: Forward, loss_fn: LossFn, stat_names: list[str], aggregation: str,
+                     max_grad_norm: float, pad_token_id: int) -> dict:
     """One optimizer step over this rank's micro-batches of one mini-batch, exact across ranks:
     losses are divided by the mini-batch's GLOBAL token/sequence counts (`denom`, from minibatch_denominators)
     and gradients are SUM-reduced, so the step equals the one a single device would take on the whole mini-batch."""
@@ -108,8 +112,8 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
                 (logits.sum() * 0.0).backward()
             continue  # replicated: nothing to forward; collectives happen once per mini-batch below
         mb = batch.select(rows)
-        logits, targets, mask = response_logits(model, mb, pad_token_id)
-        per_token, stats = loss_fn(logits, targets, mask, mb)
+        outputs, targets, mask = forward(model, mb)
+        per_token, stats = loss_fn(outputs, targets, mask, mb)
         aggregate(per_token, mask, aggregation, denom).backward()
         ran += 1
         for k, (s, c) in stats.items():

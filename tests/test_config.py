@@ -60,8 +60,9 @@ def test_override_syntax(tmp_path, overrides, match):
 @pytest.mark.parametrize("overrides, match", [
     (["nope=1"], "nope: unknown key; allowed here: algo, checkpoint, critic, data, eval, log, model, parallel, rewards, rollout, "
                  "sft, train"),
-    (["data.batch_size=64"], "data.batch_size: unknown key; allowed here: answer_field, extra_fields, "
-                             "max_prompt_tokens, path, prompt_field, prompts_per_step, seed"),
+    (["data.batch_size=64"], "data.batch_size: unknown key; allowed here: answer_field, extra_fields, image_key, "
+                             "max_images_per_prompt, max_pixels, max_prompt_tokens, min_pixels, path, prompt_field, "
+                             "prompts_per_step, seed"),
     (["rewards.functions=[{name: math, wieght: 2}]"], "rewards.functions.0.wieght: unknown key; "
                                                       "allowed here: name, weight"),
 ])

@@ -2,6 +2,7 @@
 
     from evenrl.testing import make_tiny_model
     path = make_tiny_model("/tmp/tiny", arch="qwen2", seed=0)      # config.json, safetensors, tokenizer
+    path = make_tiny_model("/tmp/vl", arch="qwen2_vl", seed=0)     # + a vision tower and preprocessor_config.json
 
 Same arguments, identical weights; nothing is downloaded.
 """
@@ -20,10 +21,22 @@ DEFAULT_VOCAB = string.digits + "+-*/=()<>.,:;!?'\"_%&#@$[]{}|\\^~`" + " \n" + s
 
 PAD, EOS, BOS, UNK = "<pad>", "<|endoftext|>", "<bos>", "<unk>"
 SPECIAL_TOKENS = [PAD, EOS, BOS, UNK]
+# Qwen2-VL's vision tokens, named as in its tokenizer: an image is <|vision_start|> <|image_pad|> x n <|vision_end|>.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+# Pixel bounds of the tiny image processor: 56x56 (4 image tokens) up to 224x224 (64 image tokens).
+TINY_MIN_PIXELS, TINY_MAX_PIXELS = 56 * 56, 224 * 224
 
 # Plain text roles so the template only needs characters the tiny vocab already has.
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+# The same for a vision-language model: content is text or a list of parts, an image part renders as Qwen2-VL's does.
+TINY_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
@@ -51,19 +64,109 @@ def make_tiny_model(
     characters in `vocab` (one per character for ASCII). Characters outside `vocab` are dropped
     when encoding. The tokenizer adds no special tokens when encoding; `chat_template=True` adds a
     plain-text "user: ...\nassistant: " template. Same arguments → identical weights.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
-    if arch not in ("qwen2", "llama"):
-        raise bad("arch", arch, "one of qwen2, llama")
+    arch "qwen2_vl" / "qwen2_5_vl": the same language model inside a Qwen2-VL / Qwen2.5-VL (the 2.5 tower has
+    RMSNorm, a gated MLP and windowed attention) with a 2-block vision tower of width 32, the four vision tokens
+    (ids 4-7: <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>) and Qwen2-VL's image processor
+    (preprocessor_config.json, patch 14, merge 2: one image token per 28x28 pixels, bounded to
+    TINY_MIN_PIXELS..TINY_MAX_PIXELS); its chat template renders image parts as Qwen2-VL's does.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    if arch not in ("qwen2", "llama", *VISION_ARCHS):
+        raise bad("arch", arch, f"one of qwen2, llama, {', '.join(VISION_ARCHS)}")
     chars = list(dict.fromkeys(vocab))  # keep order, drop duplicates
     if not chars:
         raise bad("vocab", vocab, "a non-empty string of characters")
     if hidden % heads:
         raise bad("hidden", hidden, f"a multiple of heads ({heads})")
+    vision = arch in VISION_ARCHS
+    fast, token_to_id = _tokenizer(chars, VISION_TOKENS if vision else [])
+    if chat_template:
+        fast.chat_template = TINY_VL_CHAT_TEMPLATE if vision else TINY_CHAT_TEMPLATE
 
-    token_to_id = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    common = dict(
+        vocab_size=len(token_to_id),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2 if heads % 2 == 0 else heads,  # GQA when it divides, as in real Qwen2/Llama
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=token_to_id[PAD],
+        eos_token_id=token_to_id[EOS],
+        bos_token_id=token_to_id[BOS],
+    )
+    if vision:
+        config = _vision_config(arch, common, token_to_id)
+    else:
+        config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
+    # A private RNG stream so building a model never shifts the caller's torch RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if vision:
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # tests and the demo call this often; the bar is noise
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    fast.save_pretrained(out_dir)
+    if vision:
+        # the PIL image processor: the torchvision one is the default where torchvision is installed (it is not here)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS).save_pretrained(out_dir)
+    return os.fspath(out_dir)
+
+
+# Image sizes (width, height) of write_geometry_data: 4, 16 and 48 image tokens with the tiny image processor.
+GEOMETRY_SIZES = ((56, 56), (112, 112), (224, 168))
+
+
+def write_geometry_data(path: str, rows: int = 24, *, sizes=GEOMETRY_SIZES, seed: int = 0) -> str:
+    """Geometry3K-shaped prompts for the tiny vision-language models, as EasyR1 reads them: a parquet file with a
+    "problem" column ("<image>" then a one-digit equation), an "images" column holding one image each as Hugging
+    Face datasets stores an Image ({"bytes": PNG, "path": None}), and a numeric "answer". Row i's image has size
+    sizes[i % len(sizes)] (random pixels from `seed`), so a step mixes small and large images. Returns `path`."""
+    import io
+    import random
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = random.Random(seed)
+    pixels = np.random.default_rng(seed)
+    records = []
+    for i in range(rows):
+        w, h = sizes[i % len(sizes)]
+        buf = io.BytesIO()
+        Image.fromarray(pixels.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+        a, x = rng.randint(1, 4), rng.randint(0, 5)
+        records.append({"problem": f"<image>x+{a}={a + x}, x=", "images": [{"bytes": buf.getvalue(), "path": None}],
+                        "answer": str(x)})
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return path
+
+
+def _tokenizer(chars: list[str], extra_special: list[str]):
+    """(tokenizer, token -> id): the special tokens, then `extra_special`, then one token per byte of `chars`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    token_to_id = {t: i for i, t in enumerate(SPECIAL_TOKENS + extra_special)}
     byte_char = _bytes_to_unicode()
     for c in chars:
         for b in c.encode("utf-8"):
@@ -81,40 +184,32 @@ def make_tiny_model(
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token=UNK,
+        **({"additional_special_tokens": extra_special} if extra_special else {}),
     )
-    if chat_template:
-        fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast, token_to_id
 
-    common = dict(
-        vocab_size=len(token_to_id),
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads // 2 if heads % 2 == 0 else heads,  # GQA when it divides, as in real Qwen2/Llama
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=token_to_id[PAD],
-        eos_token_id=token_to_id[EOS],
-        bos_token_id=token_to_id[BOS],
-    )
-    config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
-    # A private RNG stream so building a model never shifts the caller's torch RNG.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    os.makedirs(out_dir, exist_ok=True)
-    from transformers.utils import logging as hf_logging
 
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # tests and the demo call this often; the bar is noise
-    try:
-        model.save_pretrained(out_dir)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    fast.save_pretrained(out_dir)
-    return os.fspath(out_dir)
+def _vision_config(arch: str, text: dict, token_to_id: dict[str, int]):
+    """A Qwen2-VL / Qwen2.5-VL config around the tiny text model: M-RoPE sections for its head size, a 2-block
+    vision tower of width 32 whose merger outputs the text model's width."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    half = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary pairs per head: time, height, width
+    t = half // 4
+    sections = [t, (half - t) // 2, half - t - (half - t) // 2]
+    text_config = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                               "mrope_section": sections}}
+    width = 32
+    if arch == "qwen2_vl":
+        vision_config = dict(depth=2, embed_dim=width, hidden_size=text["hidden_size"], num_heads=2, mlp_ratio=2)
+        cls = Qwen2VLConfig
+    else:
+        vision_config = dict(depth=2, hidden_size=width, intermediate_size=2 * width, num_heads=2,
+                             out_hidden_size=text["hidden_size"], window_size=56, fullatt_block_indexes=[1])
+        cls = Qwen2_5_VLConfig
+    ids = {f"{name}_token_id": token_to_id[tok] for name, tok in
+           zip(("vision_start", "vision_end", "image", "video"), VISION_TOKENS)}
+    return cls(text_config=text_config, vision_config=vision_config, tie_word_embeddings=True, **ids)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -71,6 +71,10 @@ class ModelConfig(_Section):
         False, description="Recompute activations in the backward pass: less memory, ~30% more compute.")
     use_chat_template: bool = Field(
         False, description="Wrap each prompt with the tokenizer's chat template (when it has one).")
+    freeze_vision_tower: bool = Field(
+        False, description="Vision-language models (Qwen2-VL, Qwen2.5-VL): leave the vision encoder and its merger "
+                           "untrained (EasyR1's name). They get no gradients or optimizer state, and weight pushes "
+                           "to an engine leave them out.")
 
 
 class DataConfig(_Section):
@@ -85,6 +89,25 @@ class DataConfig(_Section):
         256, ge=1, le=MAX_TOKENS, description="Prompts longer than this are skipped and counted, never truncated.")
     seed: int = Field(0, ge=-MAX_SEED - 1, le=MAX_SEED,
                       description="Seed of the prompt order; the order does not depend on the number of ranks.")
+    image_key: str = Field(
+        "", description="Column holding each prompt's images (EasyR1's image_key): image bytes, {bytes, path} dicts "
+                        "as Hugging Face datasets stores them, or file paths relative to the data file; they fill "
+                        "the prompt's <image> placeholders in order (a prompt without any shows them first) or its "
+                        "bare image parts when the prompt is chat messages. Empty: no image column (image parts of "
+                        "chat messages may still carry their own). Needs a vision-language model.")
+    min_pixels: int | None = Field(
+        None, ge=1, le=MAX_TOKENS * 1024,
+        description="Images with fewer pixels are scaled up to about this many, in steps of the processor's patch "
+                    "grid (its min_pixels; EasyR1 262144). null: the model's preprocessor_config.json.")
+    max_pixels: int | None = Field(
+        None, ge=1, le=MAX_TOKENS * 1024,
+        description="Images with more pixels are scaled down to at most this many (the processor's max_pixels; "
+                    "EasyR1 4194304). Bounds each image's vision tokens: pixels / 784 for Qwen2-VL. null: the "
+                    "model's preprocessor_config.json.")
+    max_images_per_prompt: int = Field(
+        0, ge=0, le=1024, description="Refuse prompts with more images than this when reading the data (EasyR1's "
+                                      "rollout.limit_images, vLLM's limit_mm_per_prompt); the planner sizes the "
+                                      "vision encoder's memory by it. 0: no limit.")
 
 
 class RolloutConfig(_Section):

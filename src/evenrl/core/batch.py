@@ -63,6 +63,15 @@ COLUMNS: dict[str, Column] = {
     "old_logp": Column("token", torch.float32, "response log-probs under the policy at the start of the step (the PPO "
                                                "ratio's denominator; the sampling policy unless max_staleness >= 1)"),
     "ref_logp": Column("token", torch.float32, "response log-probs under the frozen reference (kl_in=loss)"),
+    "pixel_values": Column("token", torch.float32, "the prompt's images as its image processor's patches, one row "
+                                                   "of channels x temporal_patch x patch^2 values per patch "
+                                                   "(vision-language models; every sample carries its prompt's)"),
+    "image_grid_thw": Column("token", torch.long, "(t, h, w) patch grid of each of the prompt's images, one row of "
+                                                  "3 per image, in the order its tokens show them"),
+    "vision_tokens": Column("sample", torch.long, "the vision encoder's work on the sample's images in language-model "
+                                                  "tokens: patches x the encoder's compute per patch over the "
+                                                  "model's per token; added to the sample's cost and micro-batch "
+                                                  "tokens by the schedule (0 without images)"),
     "row_id": Column("list", None, "the prompt's dataset row"),
     "completion": Column("list", None, "decoded response text"),
 }

@@ -10,7 +10,11 @@ make_schedule() turns one step's sample lengths into a StepSchedule such that
   - with `min_rows` (BatchNorm needs >= 2 rows in training mode), every non-empty micro-batch has >= min_rows rows;
   - `inert` rows (whose gradient is exactly zero, e.g. a GRPO group whose rewards are all equal) stay members of
     their mini-batch, so they count in its loss denominators, but no rank runs them: balancing and packing see
-    only the rows that carry gradient.
+    only the rows that carry gradient;
+  - `extra` is work a row brings beyond its padded tokens, in token equivalents, that is never padded: a
+    vision-language sample's images through the vision encoder (evenrl.train.step: patches x the encoder's
+    compute per patch relative to the language model's per token). It adds to the row's cost in the balance and
+    to its micro-batch's tokens under the cap: a micro-batch holds rows x longest + the sum of its rows' extra.
 
 Decisions:
   - Mini-batches are contiguous runs of rows (sizes differ by at most one). With `groups`, each group is a unit
@@ -50,7 +54,7 @@ class ScheduleError(UsageError, ValueError):
 @dataclass(frozen=True)
 class MicroBatch:
     rows: tuple[int, ...]  # global sample indices, ascending; empty tuple = zero-weight filler step
-    tokens: int  # padded token count = len(rows) * max(lengths of rows)
+    tokens: int  # padded token count = len(rows) * max(lengths of rows), plus the rows' extra
 
 
 FILLER = MicroBatch((), 0)
@@ -192,9 +196,13 @@ def make_schedule(
     min_rows: int = 1,
     quadratic_cost: float = 0.0,
     inert: Sequence[bool] | None = None,
+    extra: Sequence[int] | None = None,
 ) -> StepSchedule:
     """Plan one training step: rows -> mini-batches -> ranks -> micro-batches (see the module docstring)."""
     lengths = [_check_int(f"lengths[{i}]", x, 0, "an integer token count") for i, x in enumerate(lengths)]
+    if extra is not None and len(extra) != len(lengths):
+        raise _err("extra", f"{len(extra)} numbers", f"need one per row ({len(lengths)})")
+    add = [0] * len(lengths) if extra is None else [_check_int(f"extra[{i}]", x, 0) for i, x in enumerate(extra)]
     world = _check_int("world", world, 1)
     minibatches = _check_int("minibatches", minibatches, 1)
     if token_cap is not None:
@@ -224,7 +232,7 @@ def make_schedule(
                 f"or min_rows=1 (no BatchNorm)"
             )
 
-    cost = [sample_cost(length, 1.0, quadratic_cost) for length in lengths]
+    cost = [sample_cost(length, 1.0, quadratic_cost) + a for length, a in zip(lengths, add)]
     # Ranks that may get rows when min_rows > 1: the highest-weight ones, ties to the lower rank.
     by_weight = sorted(range(world), key=lambda r: (-w[r], r))
     out = []
@@ -238,21 +246,21 @@ def make_schedule(
                 rank_rows[active[p]] = [work[i] for i in items]
         if min_rows > 1:
             _fill_short_ranks(rank_rows, cost, w, min_rows)
-        chunks = [_pack(rr, lengths, token_cap, min_rows) for rr in rank_rows]
+        chunks = [_pack(rr, lengths, token_cap, min_rows, add) for rr in rank_rows]
         steps = max(1, max(len(c) for c in chunks))
         per_rank = []
         for c in chunks:
             if len(c) < steps:
-                c = _split_to(c, steps, lengths, min_rows)
+                c = _split_to(c, steps, lengths, min_rows, add)
             micros = sorted(
-                (MicroBatch(tuple(sorted(ch)), len(ch) * lengths[ch[0]]) for ch in c),
+                (MicroBatch(tuple(sorted(ch)), len(ch) * lengths[ch[0]] + sum(add[i] for i in ch)) for ch in c),
                 key=lambda m: (-m.tokens, m.rows),
             )
             micros.extend([FILLER] * (steps - len(micros)))
             per_rank.append(tuple(micros))
         out.append(MiniBatch(rows=rows, per_rank=tuple(per_rank)))
 
-    oversize = () if token_cap is None else tuple(i for i, length in enumerate(lengths) if length > token_cap)
+    oversize = () if token_cap is None else tuple(i for i, length in enumerate(lengths) if length + add[i] > token_cap)
     return StepSchedule(world=world, minibatches=tuple(out), oversize=oversize, token_cap=token_cap, min_rows=min_rows)
 
 
@@ -278,8 +286,9 @@ def _fill_short_ranks(rank_rows: list[list[int]], cost: list[float], w: list[flo
         rr.sort()
 
 
-def _pack(rows: list[int], lengths: list[int], cap: int | None, m: int) -> list[list[int]]:
-    """Rows longest first into consecutive chunks: each takes as many rows as fit its longest row under the cap.
+def _pack(rows: list[int], lengths: list[int], cap: int | None, m: int, add: list[int]) -> list[list[int]]:
+    """Rows longest first into consecutive chunks: each takes as many rows as fit its longest row under the cap
+    (with `add`, as many as keep rows x longest + their extra within it).
 
     Taking consecutive rows in length order minimises padding, and filling greedily from the longest gives the
     fewest chunks. The look-ahead keeps the last chunk at >= m rows by leaving exactly m rows for it.
@@ -291,6 +300,11 @@ def _pack(rows: list[int], lengths: list[int], cap: int | None, m: int) -> list[
     while i < n:
         longest = lengths[order[i]]
         fit = n if cap is None or longest == 0 else cap // longest
+        if cap is not None and any(add[j] for j in order[i:]):
+            fit, extra = 0, 0
+            while i + fit < n and (fit + 1) * longest + extra + add[order[i + fit]] <= cap:
+                extra += add[order[i + fit]]
+                fit += 1
         left = n - i
         take = min(max(fit, m), left)
         if 0 < left - take < m:
@@ -300,7 +314,7 @@ def _pack(rows: list[int], lengths: list[int], cap: int | None, m: int) -> list[
     return chunks
 
 
-def _split_to(chunks: list[list[int]], steps: int, lengths: list[int], m: int) -> list[list[int]]:
+def _split_to(chunks: list[list[int]], steps: int, lengths: list[int], m: int, add: list[int]) -> list[list[int]]:
     """Split chunks (pieces of >= m rows) until there are `steps` of them or none can be split further.
 
     Extra pieces go one at a time to the chunk whose largest piece has the most padded tokens; a chunk cut into p
@@ -309,7 +323,8 @@ def _split_to(chunks: list[list[int]], steps: int, lengths: list[int], m: int) -
     """
 
     def worst(c: list[int], p: int) -> int:
-        return max(size * lengths[c[start]] for start, size in _pieces(len(c), p))
+        return max(size * lengths[c[start]] + sum(add[i] for i in c[start:start + size])
+                   for start, size in _pieces(len(c), p))
 
     pieces = [1] * len(chunks)
     heap = [(-worst(c, 1), c[0], i) for i, c in enumerate(chunks) if len(c) >= 2 * m]

@@ -16,21 +16,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from evenrl.data.images import IMAGE_PLACEHOLDER, check_image, image_sources, message_images
 from evenrl.errors import UsageError, bad, first_line
 
 JSON_MAX_BYTES = 16 * 1024**2  # a JSON file read whole (a dataset's state.json, a model's config.json)
-RESERVED = ("prompt", "answer", "id")
+RESERVED = ("prompt", "answer", "id", "images")
 DATA_SUFFIXES = (".jsonl", ".parquet")
 HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
 @dataclass(frozen=True)
 class Fields:
-    """Which columns become a row: data.prompt_field, data.answer_field (None: no answers), data.extra_fields."""
+    """Which columns become a row: data.prompt_field, data.answer_field (None: no answers), data.extra_fields,
+    data.image_key (None: no image column)."""
 
     prompt: str = "prompt"
     answer: str | None = "answer"
     extra: tuple[str, ...] = ()
+    image: str | None = None
+    max_images: int = 0  # data.max_images_per_prompt; 0: no limit
 
     def __post_init__(self):
         for f in self.extra:
@@ -38,11 +42,12 @@ class Fields:
                 raise bad("extra_fields", f, f"names other than {', '.join(RESERVED)} (those are always present)")
 
     def columns(self) -> list[str]:
-        return [self.prompt] + ([self.answer] if self.answer is not None else []) + list(self.extra)
+        return ([self.prompt] + ([self.answer] if self.answer is not None else []) + list(self.extra)
+                + ([self.image] if self.image else []))
 
     def role(self, column: str) -> str:
         return ("prompt_field" if column == self.prompt else "answer_field" if column == self.answer
-                else "extra_fields")
+                else "image_key" if column == self.image else "extra_fields")
 
 
 def dataset_sources(path: str) -> list[tuple[str, str]]:
@@ -122,12 +127,14 @@ def check_columns(columns: list[str], src: str, fields: Fields) -> None:
 
 
 def check_prompt_type(arrow_type, src: str, fields: Fields) -> None:
-    """The prompt column of a parquet/Arrow table holds text."""
+    """The prompt column of a parquet/Arrow table holds text (or lists: chat messages, checked row by row)."""
     import pyarrow as pa
 
     if not (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
-            or getattr(pa.types, "is_string_view", lambda t: False)(arrow_type)):
-        raise UsageError(f"{src}: column {fields.prompt!r} (data.prompt_field) holds {arrow_type}; expected text")
+            or getattr(pa.types, "is_string_view", lambda t: False)(arrow_type)
+            or pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)):
+        raise UsageError(f"{src}: column {fields.prompt!r} (data.prompt_field) holds {arrow_type}; expected text "
+                         "or chat messages")
 
 
 def parquet_schema(path: str):
@@ -191,16 +198,22 @@ def read_arrow_dir(path: str, fields: Fields, max_rows: int | None = None) -> li
     return rows
 
 
-def make_row(rec: Any, where: str, row_id: int, fields: Fields) -> dict:
-    """`{"prompt": str, "answer": ..., "id": row_id, **extra}` from one record; a missing field or a prompt that
-    is not text is a UsageError naming `where` (file and line or row)."""
+def make_row(rec: Any, where: str, row_id: int, fields: Fields, base_dir: str = ".") -> dict:
+    """`{"prompt": str or messages, "answer": ..., "id": row_id, **extra}` from one record, plus "images" (encoded
+    bytes or absolute paths, in the order the prompt shows them) when the row has any; a missing field, a prompt
+    that is neither text nor chat messages, or images that do not match the prompt's image slots is a
+    UsageError naming `where` (file and line or row)."""
     if not isinstance(rec, dict):
         raise UsageError(f"{where}: got {type(rec).__name__}; expected an object with a {fields.prompt!r} field")
     if fields.prompt not in rec:
         raise UsageError(f"{where}: no field {fields.prompt!r} (prompt_field); fields are {_names(rec)}")
     prompt = rec[fields.prompt]
-    if not isinstance(prompt, str):
-        raise UsageError(f"{where}: field {fields.prompt!r} is {type(prompt).__name__}; expected a string")
+    carried: list = []
+    if isinstance(prompt, list):  # chat messages, whose image parts may carry their images
+        prompt, carried = message_images(prompt, where, base_dir)
+    elif not isinstance(prompt, str):
+        raise UsageError(f"{where}: field {fields.prompt!r} is {type(prompt).__name__}; expected a string or a "
+                         "list of chat messages")
     row = {"prompt": prompt, "answer": None, "id": row_id}
     if fields.answer is not None:
         if fields.answer not in rec:
@@ -210,22 +223,62 @@ def make_row(rec: Any, where: str, row_id: int, fields: Fields) -> dict:
         if f not in rec:
             raise UsageError(f"{where}: no field {f!r} (extra_fields); fields are {_names(rec)}")
         row[f] = rec[f]
+    column: list = []
+    if fields.image:
+        if fields.image not in rec:
+            raise UsageError(f"{where}: no field {fields.image!r} (data.image_key); fields are {_names(rec)}")
+        if rec[fields.image] is not None:
+            column = image_sources(rec[fields.image], where, base_dir)
+    images = _placed(prompt, carried, column, where, fields)
+    if fields.max_images and len(images) > fields.max_images:
+        raise UsageError(f"{where}: {len(images)} images, more than data.max_images_per_prompt="
+                         f"{fields.max_images}; raise it or drop the row")
+    if images:
+        row["images"] = images
     return row
 
 
-def read_rows(path: str, fields: Fields, *, max_bytes: int | None = None, max_rows: int | None = None
-              ) -> tuple[list[dict], bool]:
+def _placed(prompt, carried: list, column: list, where: str, fields: Fields) -> list:
+    """The row's images in prompt order: image parts that carry their own, bare ones filled from the image column
+    in order; a text prompt takes the column at its <image> placeholders, or all first when it has none."""
+    slots = len(carried) if isinstance(prompt, list) else prompt.count(IMAGE_PLACEHOLDER)
+    bare = sum(1 for c in carried if c is None) if isinstance(prompt, list) else slots
+    if column and bare != len(column) and not (slots == 0 and not isinstance(prompt, list)):
+        what = "bare image parts" if isinstance(prompt, list) else f"{IMAGE_PLACEHOLDER} placeholders"
+        raise UsageError(f"{where}: the prompt has {bare} {what} but {fields.image!r} (data.image_key) holds "
+                         f"{len(column)} images; give one image per slot")
+    if bare and not column and (fields.image or isinstance(prompt, list)):
+        raise UsageError(f"{where}: the prompt has {bare} image slot(s) without an image; "
+                         + ("set data.image_key to the image column" if not fields.image
+                            else f"{fields.image!r} (data.image_key) is empty"))
+    if not isinstance(prompt, list):
+        return list(column)
+    fill = iter(column)
+    return [c if c is not None else next(fill) for c in carried]
+
+
+def read_rows(path: str, fields: Fields, *, max_bytes: int | None = None, max_rows: int | None = None,
+              image_rows: int | None = None) -> tuple[list[dict], bool]:
     """Rows of a dataset path (see dataset_sources) and whether that was all of them. With max_bytes / max_rows
     (the planner), each .jsonl file is read up to max_bytes and each table up to its first max_rows rows, every
-    one checked as the trainer checks it; without them, everything."""
+    one checked as the trainer checks it; without them, everything. Every image of the first `image_rows` rows
+    (None: of all) is decoded once (evenrl.data.images.check_image)."""
     rows: list[dict] = []
     complete = True
+
+    def add(rec: Any, where: str, src: str) -> None:
+        row = make_row(rec, where, len(rows), fields, os.path.dirname(os.path.abspath(src)))
+        if image_rows is None or len(rows) < image_rows:
+            for image in row.get("images", ()):
+                check_image(image, where)
+        rows.append(row)
+
     for src, kind in dataset_sources(path):
         if kind == "jsonl":
             size = os.path.getsize(src)
             complete &= max_bytes is None or size <= max_bytes
             for n, rec in iter_jsonl(src, max_bytes):
-                rows.append(make_row(rec, f"{src} line {n}", len(rows), fields))
+                add(rec, f"{src} line {n}", src)
             continue
         if kind == "parquet":
             records = read_parquet(src, fields, max_rows)
@@ -233,7 +286,7 @@ def read_rows(path: str, fields: Fields, *, max_bytes: int | None = None, max_ro
             records = read_arrow_dir(src, fields, max_rows)
         complete &= max_rows is None or len(records) < max_rows
         for i, rec in enumerate(records):
-            rows.append(make_row(rec, f"{src} row {i}", len(rows), fields))
+            add(rec, f"{src} row {i}", src)
     if complete and not rows:
         raise UsageError(f"prompts path: {path!r} has no rows; expected at least one prompt")
     return rows, complete

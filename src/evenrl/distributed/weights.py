@@ -56,20 +56,23 @@ def gathered(model: torch.nn.Module):
             unit.reshard()
 
 
-def full_weights(model: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES,
-                 dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def full_weights(model: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES, dtype: torch.dtype | None = None,
+                 skip: frozenset[str] = frozenset()) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The model's state dict, whole, as buckets of (Hugging Face name, tensor) of at most `bucket_bytes` (a larger
     tensor goes alone), on the parameters' device, cast to `dtype` if given. Tied tensors appear under each name
     (an engine that keeps a separate output head needs `lm_head.weight` too, or its head stays stale), as the same
     tensor object, gathered once.
     Every rank gets every bucket: with sharding, each tensor is all-gathered as its bucket is made, so a caller that
-    only sends from one rank must still iterate on all of them."""
+    only sends from one rank must still iterate on all of them. Names in `skip` are left out, ungathered (a frozen
+    vision tower: evenrl.models.vision.frozen_names)."""
     from torch.distributed.tensor import DTensor
 
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     whole: dict[int, torch.Tensor] = {}  # id of a state-dict tensor -> its whole form: a tied tensor is made once
     for name, t in model.state_dict(keep_vars=True).items():  # the parameters themselves: tied ones are one object
+        if name in skip:
+            continue
         if id(t) in whole:
             bucket.append((name, whole[id(t)]))
             continue

@@ -65,9 +65,11 @@ class Engine(Protocol):
     needs_weights: bool
 
     def generate(self, prompts: list[list[int]], keys: list[int], params: SamplingParams, *, step: int,
-                 sample_ranges: list[tuple[int, int]] | None = None) -> list[list[Completion]]:
+                 sample_ranges: list[tuple[int, int]] | None = None,
+                 images: list | None = None) -> list[list[Completion]]:
         """[prompt][sample] completions: token ids, finished (stopped at EOS) and the engine's own log-prob of each
-        sampled token under softmax(logits / temperature). `sample_ranges` as in engines.hf.generate."""
+        sampled token under softmax(logits / temperature). `sample_ranges` as in engines.hf.generate; `images`,
+        per prompt, its evenrl.models.vision.ImageInputs or None (a vision-language model's prompts)."""
 
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         """Load the trainer's weights, given as buckets of (Hugging Face name, whole tensor)."""

@@ -123,6 +123,7 @@ def generate(
     max_batch_prompts: int | None = None,
     decoder: str = "auto",
     sample_ranges: list[tuple[int, int]] | None = None,
+    images: list | None = None,
 ) -> list[list[Completion]]:
     """Sample `params.samples_per_prompt` completions per prompt; returns [prompt][sample].
     `sample_ranges` [(first, count)] per prompt samples only those indices of the prompt's streams (a rank's part of
@@ -135,6 +136,8 @@ def generate(
     `decoder` changes speed, not samples: "lean" (Qwen2/Llama-style models: their own modules on a KV cache
     allocated once, see LeanDecoder), "forward" (the model's Hugging Face forward with a DynamicCache: any causal
     LM), or "auto" (lean when the model supports it).
+    `images`: per prompt, its evenrl.models.vision.ImageInputs or None; prompts with images prefill with their
+    pixels and the model's multimodal positions (the forward decoder).
     """
     if len(keys) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(keys)} keys")
@@ -153,9 +156,12 @@ def generate(
     if decoder == "lean" and not LeanDecoder.supports(model):
         raise bad("decoder", decoder, f"forward or auto for {type(model).__name__} "
                                       f"(lean covers {', '.join(LeanDecoder.ARCHS)})")
+    if images is not None and len(images) != len(prompts):
+        raise ValueError(f"generate: {len(prompts)} prompts but {len(images)} image inputs")
     if not prompts:
         return []
-    lean = decoder == "lean" or (decoder == "auto" and LeanDecoder.supports(model))
+    images = images if images is not None and any(x is not None for x in images) else None
+    lean = images is None and (decoder == "lean" or (decoder == "auto" and LeanDecoder.supports(model)))
     chunk = max_batch_prompts or len(prompts)
     was_training = model.training
     model.eval()  # dropout off: a sample must not depend on anything but its key
@@ -165,14 +171,16 @@ def generate(
             for s in range(0, len(prompts), chunk):
                 out.extend(
                     _generate_batch(model, prompts[s : s + chunk], keys[s : s + chunk], ranges[s : s + chunk],
-                                    params, step, set(eos_token_ids), pad_token_id, lean)
+                                    params, step, set(eos_token_ids), pad_token_id, lean,
+                                    None if images is None else images[s : s + chunk])
                 )
         return out
     finally:
         model.train(was_training)
 
 
-def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, eos_ids, pad_token_id, lean: bool):
+def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, eos_ids, pad_token_id, lean: bool,
+                    images=None):
     device = next(model.parameters()).device
     n_prompts = len(prompts)
     lens = [len(p) for p in prompts]
@@ -189,7 +197,11 @@ def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, 
 
     max_new = params.max_new_tokens
     dec = LeanDecoder(model, width + max_new) if lean else _ForwardDecoder(model)
-    logits = dec.prefill(input_ids, attn, position_ids)
+    shift = [0] * n_prompts  # multimodal positions: a next token's position beyond the prompt's length
+    if images is None or all(x is None for x in images):
+        logits = dec.prefill(input_ids, attn, position_ids)
+    else:
+        logits, shift = dec.prefill_images(input_ids, attn, images)
     # batch row -> (prompt, sample index)
     row_of = [(i, a + j) for i, (a, c) in enumerate(ranges) for j in range(c)]
     n_rows = len(row_of)
@@ -198,7 +210,7 @@ def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, 
         dec.repeat_rows(index)
         logits = logits.index_select(0, index)
     seeds = np.array([row_seed(params.seed, step, keys[i], s) for i, s in row_of], dtype=np.uint64)
-    next_pos = torch.tensor([lens[i] for i, _ in row_of], device=device)
+    next_pos = torch.tensor([lens[i] + shift[i] for i, _ in row_of], device=device)
     # EOS test as one lookup in a vocabulary-sized table (ids outside the vocabulary are never sampled).
     vocab = logits.shape[-1]
     eos_in_vocab = sorted(e for e in eos_ids if 0 <= e < vocab)
@@ -283,6 +295,22 @@ class _ForwardDecoder:
         self.cache, self.attn = out.past_key_values, attn
         return out.logits[:, -1, :]
 
+    def prefill_images(self, input_ids, attn, images):
+        """prefill for prompts with images (ImageInputs or None per prompt): their pixels through the vision tower
+        and the model's multimodal positions; returns (logits, per prompt the shift of its next positions)."""
+        from evenrl.models.vision import mrope_positions
+
+        present = [x for x in images if x is not None]
+        device = input_ids.device
+        pixels = torch.cat([x.pixel_values for x in present]).to(device)
+        grid = torch.cat([x.grid for x in present]).to(device)
+        positions, shift = mrope_positions(self.model, input_ids, attn, grid)
+        extra = {"logits_to_keep": 1} if _supports_logits_to_keep(self.model) else {}
+        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions, pixel_values=pixels,
+                         image_grid_thw=grid, past_key_values=self.cache, use_cache=True, **extra)
+        self.cache, self.attn = out.past_key_values, attn
+        return out.logits[:, -1, :], shift.tolist()
+
     def repeat_rows(self, index):
         self.cache.batch_select_indices(index)
         self.attn = self.attn[index]
@@ -300,11 +328,11 @@ class _ForwardDecoder:
 
 
 def greedy(model, prompts: list[list[int]], *, max_new_tokens: int, eos_token_ids: set[int], pad_token_id: int,
-           max_batch_prompts: int | None = None) -> list[Completion]:
+           max_batch_prompts: int | None = None, images: list | None = None) -> list[Completion]:
     """Greedy decoding for evaluation: one completion per prompt, in prompt order."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     res = generate(model, prompts, list(range(len(prompts))), params, step=0, eos_token_ids=eos_token_ids,
-                   pad_token_id=pad_token_id, max_batch_prompts=max_batch_prompts)
+                   pad_token_id=pad_token_id, max_batch_prompts=max_batch_prompts, images=images)
     return [r[0] for r in res]
 
 
@@ -318,13 +346,13 @@ class HFEngine:
     def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int):
         self.model, self.eos_ids, self.pad_id = model, set(eos_token_ids), pad_token_id
 
-    def generate(self, prompts, keys, params, *, step, sample_ranges=None):
+    def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None):
         # every rank enters gathered() even with no prompts: with FSDP2 it is an all-gather all ranks must join
         with gathered(self.model):
             if not prompts:
                 return []
             return generate(self.model, prompts, keys, params, step=step, eos_token_ids=self.eos_ids,
-                            pad_token_id=self.pad_id, sample_ranges=sample_ranges)
+                            pad_token_id=self.pad_id, sample_ranges=sample_ranges, images=images)
 
     def update_weights(self, buckets) -> None:
         state = self.model.state_dict(keep_vars=True)

@@ -8,6 +8,11 @@ One request per (prompt, sample), each with its own seed from engines.hf.row_see
 sample): a sample depends on its key, not on which rank or replica asked for it, nor on what it was batched with
 (up to the float rounding a different batch gives the logits, which tests/test_engines.py bounds).
 
+Vision-language models (Qwen2-VL, Qwen2.5-VL) take their prompts' images as vLLM multimodal data, processed by
+vLLM with the run's pixel bounds; vLLM's own Qwen2-VL code imports torchvision, which the CPU build's torch 2.13
+wheels cannot use, so on a machine without torchvision (this project's CPU set-up) the engine refuses such a model
+before it starts (tests ran it nowhere: docs/vision.md says what runs where).
+
 The weight push goes through vLLM's own loader (`reload_weights`, run in the engine's worker by collective_rpc),
 its buckets pulled one at a time: the CPU backend repacks linear weights after loading, so writing into its parameters directly
 does not work there. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a push hands over
@@ -25,6 +30,7 @@ import torch
 
 from evenrl.engines.base import Completion, SamplingParams, row_seed
 from evenrl.errors import UsageError
+from evenrl.models.files import VISION_TYPES
 
 # vLLM keeps seeds in int64 tensors: the 64-bit stream seed loses its top bit (still one seed per key).
 _SEED_MASK = (1 << 63) - 1
@@ -32,6 +38,8 @@ _SEED_MASK = (1 << 63) - 1
 _CPU_KV_DEFAULT_BYTES = 1 << 30
 # GPU share when rollout.memory_fraction is 0 and the engine shares the device with the trainer.
 _GPU_DEFAULT_FRACTION = 0.3
+# Images per prompt vLLM accepts when data.max_images_per_prompt is 0 (no limit): it sizes its encoder budget by it.
+_IMAGES_DEFAULT = 8
 
 
 def available() -> bool:
@@ -85,9 +93,17 @@ class VLLMEngine:
             max_len = min(max_len, hf_cfg["max_position_embeddings"])
         if not self.gpu:
             _check_cpu_head_size(hf_cfg, cfg.model.path)
+        vision = hf_cfg.get("model_type") in VISION_TYPES
+        if vision:
+            require_vision()
         frac = cfg.rollout.memory_fraction
         kw: dict = dict(model=str(path), tokenizer=str(path), dtype=cfg.model.dtype, seed=cfg.train.seed,
                         max_model_len=max_len, logprobs_mode="processed_logprobs")
+        if vision:  # the processor vLLM runs must give each image the tokens evenrl's prompt ids hold
+            pixels = {k: v for k, v in (("min_pixels", cfg.data.min_pixels), ("max_pixels", cfg.data.max_pixels))
+                      if v is not None}
+            kw.update(mm_processor_kwargs=pixels or None,
+                      limit_mm_per_prompt={"image": cfg.data.max_images_per_prompt or _IMAGES_DEFAULT, "video": 0})
         if self.gpu:
             kw.update(gpu_memory_utilization=frac or _GPU_DEFAULT_FRACTION, enable_sleep_mode=True)
         else:
@@ -105,7 +121,7 @@ class VLLMEngine:
         self.asleep = False
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts, keys, params: SamplingParams, *, step: int, sample_ranges=None):
+    def generate(self, prompts, keys, params: SamplingParams, *, step: int, sample_ranges=None, images=None):
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
 
@@ -117,8 +133,11 @@ class VLLMEngine:
             return []
         requests, sps, where = [], [], []
         for i, (p, k, (a, c)) in enumerate(zip(prompts, keys, ranges)):
+            request = TokensPrompt(prompt_token_ids=list(p))
+            if images is not None and images[i] is not None:  # placeholders already expanded in the ids
+                request["multi_modal_data"] = {"image": images[i].images}
             for s in range(a, a + c):
-                requests.append(TokensPrompt(prompt_token_ids=list(p)))
+                requests.append(request)
                 sps.append(VParams(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
                                    top_p=params.top_p, seed=row_seed(params.seed, step, k, s) & _SEED_MASK,
                                    logprobs=0, stop_token_ids=self.eos_ids, detokenize=False))
@@ -178,6 +197,16 @@ class VLLMEngine:
     def close(self) -> None:
         """Stop the engine and drop the 1-process torch.distributed group vLLM made in this process."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def require_vision() -> None:
+    """vLLM's Qwen2-VL code imports torchvision: one line instead of its ImportError at engine start."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        raise UsageError("rollout.engine: vLLM runs Qwen2-VL / Qwen2.5-VL through torchvision, which is not installed "
+                         "here (the CPU build's torchvision wheels break torch 2.13); use rollout.engine=hf, or a "
+                         "GPU machine with vllm and torchvision")
 
 
 def _check_cpu_head_size(hf_cfg: dict, path: str) -> None:

@@ -32,6 +32,9 @@ VOCAB_SUFFIXES = (".tiktoken", ".spm")
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
                 "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 _REDOWNLOAD = "re-download the model or save it again with save_pretrained"
+# Vision-language models evenrl trains (evenrl.models.vision): their processor and forward follow Qwen2-VL's
+# conventions (image grids, M-RoPE positions, <|image_pad|> placeholders).
+VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def model_dir(path: str) -> Path:
@@ -58,10 +61,19 @@ def read_model_config(path: str) -> dict:
         raise UsageError(f"{f}: no \"model_type\"; expected a Hugging Face config with one, e.g. \"qwen2\" or "
                          "\"llama\"")
     known = causal_lm_types()
-    if known is not None and kind not in known:
+    if known is not None and kind not in known and kind not in VISION_TYPES:
         raise UsageError(f"{f}: model_type {kind!r} is not a causal LM that transformers {_version()} can load; "
-                         "use a decoder-only model (e.g. qwen2, llama) or a transformers that knows it")
+                         f"use a decoder-only model (e.g. qwen2, llama), a vision-language one of "
+                         f"{', '.join(VISION_TYPES)}, or a transformers that knows it")
+    if kind in VISION_TYPES and not (d / "preprocessor_config.json").is_file():
+        raise UsageError(f"{d}: no preprocessor_config.json; a {kind} model needs its image processor beside it "
+                         "(save the processor with save_pretrained)")
     return cfg
+
+
+def is_vision_config(cfg: dict) -> bool:
+    """Whether a config.json (dict) is one of the vision-language models evenrl trains."""
+    return cfg.get("model_type") in VISION_TYPES
 
 
 def check_weights(path: str) -> None:

@@ -21,6 +21,7 @@ from evenrl.core.batch import Batch
 from evenrl.core.fused_head import head_logprobs
 from evenrl.models.decoder import LeanDecoder, rope_rotate, rope_table
 from evenrl.models.loading import autocast, compute_device, is_checkpointing, is_sharded
+from evenrl.models.vision import is_vision_model, mrope_positions, with_blank_image
 
 
 # head(output layer, hidden [B, P, H], targets [B, P]) -> [B, P, k]: what the output layer computes instead of logits
@@ -53,6 +54,8 @@ def response_logprobs(model, batch: Batch, pad_token_id: int, *, temperature: fl
 
 
 def _response_logits(model, batch: Batch, pad_token_id: int, head: Head | None) -> tuple[Tensor, Tensor, Tensor]:
+    if is_vision_model(model):
+        return _response_logits_vision(model, batch, pad_token_id, head)
     if is_sharded(model):
         return _response_logits_model(model, batch, pad_token_id, head)
     shared = _shared_prefixes(model, batch)
@@ -108,6 +111,29 @@ def _response_logits_model(model, batch: Batch, pad_token_id: int, head: Head | 
 def _with_last(targets: Tensor) -> Tensor:
     """Targets for width + 1 positions: the last position predicts nothing we keep (a dummy id 0 stands in)."""
     return torch.cat([targets, targets.new_zeros(targets.shape[0], 1)], dim=1)
+
+
+def _response_logits_vision(model, batch: Batch, pad_token_id: int, head: Head | None
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """A vision-language model's own left-padded forward: the micro-batch's images (the pixel_values and
+    image_grid_thw columns, rows in order) through its vision tower, and its multimodal (M-RoPE) positions."""
+    tokens, attn = batch.padded("tokens", pad_token_id, side="left")
+    device = compute_device(model)
+    tokens, attn = tokens.to(device), attn.to(device).long()
+    resp_len = batch["response_len"].to(device)
+    width = int(resp_len.max())
+    rows, targets = len(tokens), tokens[:, -width:]
+    pixels = grid = None
+    if "image_grid_thw" in batch and batch["image_grid_thw"].values.shape[0]:
+        pixels, grid = batch["pixel_values"].values.to(device), batch["image_grid_thw"].values.to(device)
+    elif is_sharded(model):
+        tokens, attn, pixels, grid = with_blank_image(model, tokens, attn)
+    positions, _ = mrope_positions(model, tokens, attn, grid)
+    every = _with_last(torch.cat([targets, targets.new_zeros(len(tokens) - rows, width)]))  # the blank row's too
+    with _output_layer_computes(model, head, every):
+        out = model(input_ids=tokens, attention_mask=attn, position_ids=positions, pixel_values=pixels,
+                    image_grid_thw=grid, logits_to_keep=width + 1, use_cache=False)
+    return out.logits[:rows, :-1], targets, _response_mask(resp_len, width)
 
 
 def _packs(model) -> bool:

@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 
 from evenrl.errors import UsageError, bad, first_line
-from evenrl.models.files import check_model_dir
+from evenrl.models.files import check_model_dir, is_vision_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -26,12 +26,13 @@ def _resolve_dtype(dtype) -> torch.dtype:
 
 
 def load_policy(path: str, *, dtype="float32", device="cpu"):
-    """Load `(model, tokenizer)` from a local directory written by `save_pretrained`.
+    """Load `(model, tokenizer)` from a local directory written by `save_pretrained`: a causal LM, or a
+    vision-language model of evenrl.models.files.VISION_TYPES (its image processor: evenrl.models.vision).
 
     The tokenizer always has a pad token afterwards (its EOS when it had none), and
     `model.config.pad_token_id` agrees with it.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-load weights bar on every rank is noise in a training log
@@ -39,7 +40,7 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
     torch_dtype = _resolve_dtype(dtype)
     # The torch-free checks `evenrl plan` runs too: config.json and its model_type, tokenizer files, complete
     # weights. What they catch would otherwise surface half-way through transformers as a traceback.
-    check_model_dir(path)
+    auto = AutoModelForImageTextToText if is_vision_config(check_model_dir(path)) else AutoModelForCausalLM
     device = torch.device(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -50,12 +51,12 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
     kwargs = dict(local_files_only=True, dtype=torch_dtype, attn_implementation="sdpa")
     try:
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            model = auto.from_pretrained(path, **kwargs)
         except ValueError as e:
             if "sdpa" not in str(e).lower():
                 raise
             kwargs["attn_implementation"] = "eager"
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            model = auto.from_pretrained(path, **kwargs)
     except torch.OutOfMemoryError:
         raise
     except (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError) as e:

@@ -95,6 +95,8 @@ RESIDENT = ("parameters", "optimizer", "reference model", "critic", "rollout res
 PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache", "rollout engine"),
           "log-probs": ("fsdp units", "autocast copies", "layer activations", "log-prob logits"),
           "update": ("gradients", "fsdp units", "autocast copies", "activations", "logits", "gradient buckets")}
+# Model types whose attention projections have biases when config.json does not say (Qwen2 and its VL text models).
+QKV_BIAS_TYPES = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -147,6 +149,7 @@ def dims_from_config(hf: dict) -> ModelDims:
     """ModelDims from a config.json dict; ValueError names what is missing or unsupported."""
     if not isinstance(hf, dict):
         raise ValueError("config.json is not a JSON object")
+    tied = hf.get("tie_word_embeddings", False)  # a vision-language config says it at the top
     hf = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     kind = str(hf.get("model_type", "unknown"))
     moe = [k for k in _MOE_KEYS if hf.get(k)]
@@ -162,9 +165,77 @@ def dims_from_config(hf: dict) -> ModelDims:
     kv = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     return ModelDims(kind, hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], heads, int(kv),
-                     int(head_dim), hf["vocab_size"], bool(hf.get("tie_word_embeddings", False)),
-                     bool(hf.get("attention_bias", kind == "qwen2")), kind in ("qwen3",),
+                     int(head_dim), hf["vocab_size"], bool(hf.get("tie_word_embeddings", tied)),
+                     bool(hf.get("attention_bias", kind in QKV_BIAS_TYPES)), kind in ("qwen3",),
                      hf.get("max_position_embeddings"))
+
+
+@dataclass(frozen=True)
+class VisionDims:
+    """A Qwen2-VL / Qwen2.5-VL vision encoder from config.json's vision_config: `width`-wide blocks (LayerNorm and
+    a plain MLP in Qwen2-VL; RMSNorm and a gated MLP in Qwen2.5-VL), a patch embedding of
+    in_channels x temporal_patch x patch^2 values per patch, and a merger that turns merge^2 patches into one
+    image token of the language model's width."""
+
+    depth: int
+    width: int
+    mlp: int
+    gated: bool
+    patch: int
+    temporal_patch: int
+    merge: int
+    in_channels: int
+    out: int
+
+    @property
+    def block_params(self) -> int:
+        w, i = self.width, self.mlp
+        mlp = 3 * w * i + 2 * i + w if self.gated else 2 * w * i + i + w
+        return 4 * w * w + 4 * w + mlp + (2 if self.gated else 4) * w
+
+    @property
+    def params(self) -> int:
+        embed = self.in_channels * self.temporal_patch * self.patch ** 2 * self.width
+        merged = self.width * self.merge ** 2
+        merger = (1 if self.gated else 2) * self.width + merged * merged + merged + merged * self.out + self.out
+        return self.depth * self.block_params + embed + merger
+
+    @property
+    def act_elems(self) -> int:
+        """Saved activation elements per patch per block, counted as ModelDims.act_elems counts a layer's (plain
+        MLP: its input and activation, 2i; gated: 4i)."""
+        return 8 * self.width + (4 if self.gated else 2) * self.mlp
+
+    def image_tokens(self, pixels: int) -> int:
+        """Image tokens of an image of `pixels` pixels after the processor's resize (patch^2 merge^2 each)."""
+        return max(1, pixels // (self.patch * self.merge) ** 2)
+
+
+def vision_dims_from_config(hf: dict) -> VisionDims | None:
+    """VisionDims of a config.json dict with a vision_config (None without one)."""
+    v = hf.get("vision_config") if isinstance(hf, dict) else None
+    if not isinstance(v, dict):
+        return None
+    gated = "intermediate_size" in v
+    width = v.get("hidden_size") if gated else v.get("embed_dim")
+    if not isinstance(width, int) or width <= 0:
+        raise ValueError(f"model_type {hf.get('model_type')!r}: vision_config lacks its width "
+                         f"({'hidden_size' if gated else 'embed_dim'})")
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    return VisionDims(int(v.get("depth", 32)), width,
+                      int(v["intermediate_size"]) if gated else int(width * v.get("mlp_ratio", 4)), gated,
+                      int(v.get("patch_size", 14)), int(v.get("temporal_patch_size", 2)),
+                      int(v.get("spatial_merge_size", 2)), int(v.get("in_chans", v.get("in_channels", 3))),
+                      int(v.get("out_hidden_size", text.get("hidden_size", width)) if gated
+                          else v.get("hidden_size", text.get("hidden_size", width))))
+
+
+def vision_token_weight(dims: ModelDims, vision: VisionDims) -> float:
+    """What one patch through the vision encoder costs, in language-model tokens: the encoder's block parameters
+    over the language model's layer parameters (each a multiply-add per token or patch; attention over the
+    sequence and the merger left out). Qwen2.5-VL-7B: ~0.1, so an image of n image tokens (4n patches) adds ~0.4n
+    to the n its placeholders already count."""
+    return vision.depth * vision.block_params / (dims.layers * dims.layer_params)
 
 
 def read_model_dims(model_path: str) -> ModelDims:

@@ -306,8 +306,9 @@ def _last_line(e: BaseException) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
-def save_final(model, tokenizer, out: Path) -> None:
-    """The trained model as a Hugging Face directory (safetensors, full state dict), written atomically by rank 0.
+def save_final(model, tokenizer, out: Path, image_processor=None) -> None:
+    """The trained model as a Hugging Face directory (safetensors, full state dict), written atomically by rank 0,
+    with its tokenizer and a vision-language model's image processor (with the run's pixel bounds).
     Every rank calls it: a sharded model's tensors are gathered bucket by bucket (only rank 0 keeps them)."""
     full, copies = {}, {}
     for bucket in full_weights(model):
@@ -318,6 +319,8 @@ def save_final(model, tokenizer, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, state_dict=full)  # safetensors by default
         tokenizer.save_pretrained(tmp)
+        if image_processor is not None:
+            image_processor.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)

@@ -9,6 +9,7 @@ import os
 import random
 
 from evenrl.config import RunConfig
+from evenrl.data.images import image_size
 from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError, bad
 
@@ -19,8 +20,12 @@ def load_prompts(
     prompt_field: str = "prompt",
     answer_field: str | None = "answer",
     extra_fields: list[str] | None = None,
+    image_key: str | None = None,
+    max_images: int = 0,
 ) -> list[dict]:
-    """Rows `{"prompt": str, "answer": ..., "id": int, **extra}` from a local dataset.
+    """Rows `{"prompt": str, "answer": ..., "id": int, **extra}` from a local dataset; a row with images also
+    holds "images" (encoded bytes or absolute paths, evenrl.data.images), and a chat-message prompt is a list of
+    messages.
 
     `path` is a .jsonl or .parquet file, a directory of such files (read in sorted name order), or
     a directory written by `datasets.Dataset.save_to_disk` (read with pyarrow; a DatasetDict must have a
@@ -29,7 +34,7 @@ def load_prompts(
     Reading and checking is evenrl.data.readers.read_rows, which `evenrl plan` runs on the first rows too:
     a line that is not a JSON object, a missing column or field is a one-line UsageError naming the file.
     """
-    fields = Fields(prompt_field, answer_field, tuple(extra_fields or ()))
+    fields = Fields(prompt_field, answer_field, tuple(extra_fields or ()), image_key or None, max_images)
     rows, _ = read_rows(os.fspath(path), fields)
     return rows
 
@@ -99,14 +104,22 @@ class PromptSampler:
         self.epoch, self.position = epoch, position
 
 
-def load_data(cfg: RunConfig, tokenizer, path: str | None = None) -> tuple[list[dict], list[list[int]], int]:
-    """Prompt rows of `path` (default data.path), their token ids, and how many were skipped as too long."""
+def load_data(cfg: RunConfig, tokenizer, path: str | None = None, vision=None
+              ) -> tuple[list[dict], list[list[int]], int]:
+    """Prompt rows of `path` (default data.path), their token ids, and how many were skipped as too long.
+    `vision`: (image processor, model config) of a vision-language model (evenrl.models.vision), which prompts
+    with images need; their token ids hold each image's tokens."""
     path = cfg.data.path if path is None else path
     if not path:
         raise UsageError("data.path: empty; give a .jsonl/.parquet file or a dataset directory")
     rows = load_prompts(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field,
-                        extra_fields=cfg.data.extra_fields)
-    tokens = [encode_prompt(tokenizer, r["prompt"], cfg.model.use_chat_template) for r in rows]
+                        extra_fields=cfg.data.extra_fields, image_key=cfg.data.image_key,
+                        max_images=cfg.data.max_images_per_prompt)
+    with_images = next((r for r in rows if r.get("images")), None)
+    if with_images is not None and vision is None:
+        raise UsageError(f"data: {path} row {with_images['id']} has images, but model.path {cfg.model.path!r} is not "
+                         "a vision-language model (qwen2_vl, qwen2_5_vl); use one, or data without images")
+    tokens = [encode_row(tokenizer, r, cfg.model.use_chat_template, vision) for r in rows]
     kept, skipped = filter_by_length(list(range(len(rows))), [len(t) for t in tokens], cfg.data.max_prompt_tokens)
     if not kept:
         raise UsageError(f"data.max_prompt_tokens: got {cfg.data.max_prompt_tokens}; all {len(rows)} prompts "
@@ -114,14 +127,36 @@ def load_data(cfg: RunConfig, tokenizer, path: str | None = None) -> tuple[list[
     return [rows[i] for i in kept], [tokens[i] for i in kept], skipped
 
 
-def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:
+def take_images(rows: list[dict]) -> list[list]:
+    """Each row's images (its "images" entry, removed from the row: reward functions get the row without them)."""
+    return [r.pop("images", []) for r in rows]
+
+
+def encode_row(tokenizer, row: dict, use_chat_template: bool, vision=None) -> list[int]:
+    """Token ids of a row's prompt: text (encode_prompt), chat messages (the chat template), or a prompt with
+    images (evenrl.models.vision.encode_vision_prompt, each image's placeholder expanded to its tokens)."""
+    if row.get("images"):
+        from evenrl.models.vision import encode_vision_prompt
+
+        processor, config = vision
+        sizes = [image_size(src) for src in row["images"]]
+        return encode_vision_prompt(tokenizer, processor, config, row["prompt"], sizes, use_chat_template)
+    return encode_prompt(tokenizer, row["prompt"], use_chat_template)
+
+
+def encode_prompt(tokenizer, text, use_chat_template: bool) -> list[int]:
     """Token ids for one prompt.
 
     With `use_chat_template` and a tokenizer that has a template, the text becomes a single user
     turn followed by the generation prompt; the template supplies any BOS, so none is added again.
     Otherwise (or when the tokenizer has no template) the text is encoded as is, with the
-    tokenizer's usual special tokens.
+    tokenizer's usual special tokens. Chat messages (a list) always go through the template.
     """
+    if isinstance(text, list):
+        if not getattr(tokenizer, "chat_template", None):
+            raise UsageError("data: chat-message prompts need a chat template; the model's tokenizer has none")
+        rendered = tokenizer.apply_chat_template(text, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True

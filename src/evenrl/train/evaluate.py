@@ -14,16 +14,20 @@ from evenrl.distributed.weights import gathered
 from evenrl.core.partition import balanced_partition
 from evenrl.rewards import score_all
 from evenrl.engines.hf import greedy
+from evenrl.models.vision import prompt_image_inputs
 
 
-def evaluate(run, rows: list[dict], prompt_tokens: list[list[int]]) -> dict:
+def evaluate(run, rows: list[dict], prompt_tokens: list[list[int]], images: list[list] | None = None) -> dict:
+    """`images`: each prompt's images (a vision-language model's), as Prompts.images."""
     cfg = run.cfg
     costs = [len(t) + cfg.rollout.max_new_tokens for t in prompt_tokens]
     mine = balanced_partition(costs, dist.world(), weights=cfg.parallel.capacity_weights).parts[dist.rank()]
     total = torch.zeros(3, dtype=torch.float64)  # summed reward, prompts, summed response length
     with gathered(run.model):  # sharded: whole on every rank while generating
         completions = greedy(run.model, [prompt_tokens[i] for i in mine], max_new_tokens=cfg.rollout.max_new_tokens,
-                             eos_token_ids=run.eos_ids, pad_token_id=run.pad_id) if mine else []
+                             eos_token_ids=run.eos_ids, pad_token_id=run.pad_id,
+                             images=prompt_image_inputs(run.image_processor, images, mine) if images else None
+                             ) if mine else []
     if mine:
         texts = [run.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         scores, _ = score_all(run.reward_fns, texts, [rows[i] for i in mine], cfg.rewards.timeout_s,

@@ -65,8 +65,9 @@ def run_steps(trainer: Trainer) -> None:
                  shown={"reward/mean": "reward", "kl": "kl", "perf/tokens_per_s": "tok/s"})
     phases: dict[str, float] = {}
     idle = Idle()
+    eval_set = (trainer.eval_prompts.rows, trainer.eval_prompts.tokens, trainer.eval_prompts.images)
     if trainer.eval_prompts.rows and start == 0:
-        log.metrics(0, evaluate(trainer, trainer.eval_prompts.rows, trainer.eval_prompts.tokens), advance=False)
+        log.metrics(0, evaluate(trainer, *eval_set), advance=False)
     for step in range(start + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
         try:
@@ -85,7 +86,7 @@ def run_steps(trainer: Trainer) -> None:
         if trainer.eval_prompts.rows and (step == cfg.train.steps or
                                           (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
             dist.mark(f"step {step} evaluate")
-            metrics.update(evaluate(trainer, trainer.eval_prompts.rows, trainer.eval_prompts.tokens))
+            metrics.update(evaluate(trainer, *eval_set))
         log.metrics(step, metrics)
         if cfg.log.samples_every_steps and step % cfg.log.samples_every_steps == 0:
             log.samples(step, examples)
@@ -95,7 +96,7 @@ def run_steps(trainer: Trainer) -> None:
     if trainer.sync is not None:
         trainer.sync.finish()
     dist.mark("final save")
-    checkpoint.save_final(trainer.model, trainer.tokenizer, run_dir / "final")
+    checkpoint.save_final(trainer.model, trainer.tokenizer, run_dir / "final", trainer.image_processor)
     log.close()
     if dist.is_main() and phases:
         print(phase_table(phases, cfg.train.steps - start), flush=True)

@@ -22,8 +22,10 @@ from evenrl.engines import Engine, make_engine
 from evenrl.engines.base import sampling_params
 from evenrl.engines.sync import Broadcast
 from evenrl.models.loading import load_policy
+from evenrl.models.vision import frozen_names, prompt_image_inputs
 from evenrl.train import checkpoint
-from evenrl.train.data import PromptSampler, load_data
+from evenrl.train.data import PromptSampler, load_data, take_images
+from evenrl.train.trainer import vision_setup
 
 
 def serve(cfg: RunConfig, info, found: Path | None) -> None:
@@ -32,37 +34,42 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
     model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     engine = make_engine(cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, device=info.device)
-    _, prompt_tokens, _ = load_data(cfg, tokenizer)
+    processor, _ = vision_setup(cfg, model)
+    rows, prompt_tokens, _ = load_data(cfg, tokenizer, vision=(processor, model.config) if processor else None)
+    images = take_images(rows)
     sampler = PromptSampler(len(prompt_tokens), cfg.data.seed)
     start = 0
     if found is not None:  # only where the run continues and which prompts come next; the weights come pushed
         start = checkpoint.read_meta(found)["step"]
         sampler.load_state_dict(checkpoint.read_state(found)["sampler"])
     dtype = getattr(torch, cfg.model.dtype)
-    sync = Broadcast(cfg, engine=engine, payload=lambda: full_weights(model, dtype=dtype),
+    skip = frozen_names(model, cfg.model.freeze_vision_tower)  # what the trainers leave out of a push
+    sync = Broadcast(cfg, engine=engine, payload=lambda: full_weights(model, dtype=dtype, skip=skip),
                      ckpt_root=Path(cfg.log.run_dir) / "checkpoints")
     sync.begin(start, found)
     for step in range(start + 1, cfg.train.steps + 1):
         prompts = sampler.next_prompts(cfg.data.prompts_per_step)
         sync.weights_for(step)
-        generate_and_send(cfg, engine, prompt_tokens, step, prompts)
+        generate_and_send(cfg, engine, prompt_tokens, step, prompts, lambda rows: prompt_image_inputs(
+            processor, images, rows))
     dist.finish_sends()
     sync.finish()
 
 
 def generate_and_send(cfg: RunConfig, engine: Engine, prompt_tokens: list[list[int]], step: int,
-                      prompt_ids: list[int]) -> None:
+                      prompt_ids: list[int], image_inputs=lambda rows: None) -> None:
     """One step, with the weights of policy_version(step) loaded: this replica's share of the samples, the step's
     prompts balanced over the replicas by cost, sent to the trainers without waiting for them (each trainer gets
     the samples it starts from, as in a colocated step). A sample's key is what it is on any layout, so the samples
-    equal the colocated ones."""
+    equal the colocated ones. `image_inputs(rows)`: the prompts' ImageInputs (a vision-language model's)."""
     n, replicas = cfg.rollout.samples_per_prompt, dist.rollout_ranks()
     costs = [len(prompt_tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
     mine = rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())]
     dist.mark(f"step {step} generate (rollout rank)")
     completions = engine.generate([prompt_tokens[prompt_ids[p]] for p, _, _ in mine], [p for p, _, _ in mine],
                                   sampling_params(cfg), step=step,
-                                  sample_ranges=[(first, count) for _, first, count in mine])
+                                  sample_ranges=[(first, count) for _, first, count in mine],
+                                  images=image_inputs([prompt_ids[p] for p, _, _ in mine]))
     engine.sleep()
     made = {(c.prompt_key, c.sample_index): c for samples in completions for c in samples}
     shares = rollout_shares(costs, n, dist.world(), cfg.parallel.capacity_weights)

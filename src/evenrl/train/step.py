@@ -32,6 +32,7 @@ from evenrl.engines.base import sampling_params
 from evenrl.errors import RunStopped
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import is_sharded
+from evenrl.models.vision import pixel_dim, prompt_image_inputs
 from evenrl.rewards import score_all
 from evenrl.rewards.overlong import overlong_penalty
 from evenrl.train.metrics import Timer, step_metrics
@@ -140,6 +141,7 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
     n = cfg.rollout.samples_per_prompt
     costs = [len(trainer.prompts.tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
     mine = rollout_shares(costs, n, dist.world(), cfg.parallel.capacity_weights)[dist.rank()]
+    images = prompt_image_inputs(trainer.image_processor, trainer.prompts.images, [prompt_ids[p] for p, _, _ in mine])
     version = step - 1  # the policy being trained sampled: colocated, or reserved with max_staleness 0
     if dist.rollout_ranks():  # the rollout ranks made every sample (rollout_rank): this rank's share comes in
         version = policy_version(step, cfg.rollout.max_staleness)
@@ -152,11 +154,14 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
     else:
         completions = trainer.engine.generate([trainer.prompts.tokens[prompt_ids[p]] for p, _, _ in mine],
                                               [first + p for p, _, _ in mine], sampling_params(cfg), step=step,
-                                              sample_ranges=[(a, count) for _, a, count in mine])  # key: position
+                                              sample_ranges=[(a, count) for _, a, count in mine],  # key: position
+                                              images=images)
         trainer.engine.sleep()  # vLLM on GPU: its KV cache is freed while the trainer needs the memory
     tokens, resp_len, index, group, row_ids, texts, finished, engine_lp = [], [], [], [], [], [], [], []
-    for (p, _, _), samples in zip(mine, completions):
+    image_rows = []  # per sample, its prompt's ImageInputs (None: a text prompt)
+    for i, ((p, _, _), samples) in enumerate(zip(mine, completions)):
         prompt = trainer.prompts.tokens[prompt_ids[p]]
+        image_rows += [images[i] if images is not None else None] * len(samples)
         for c in samples:
             tokens.append(torch.tensor(prompt + c.token_ids, dtype=torch.long))
             resp_len.append(len(c.token_ids))
@@ -166,7 +171,7 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
             texts.append(trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True))
             finished.append(c.finished)
             engine_lp.append(torch.tensor(c.logprobs, dtype=torch.float32))
-    return Batch({
+    batch = Batch({
         "sample_index": torch.tensor(index, dtype=torch.long),
         "tokens": Ragged.of(tokens, torch.long),
         "response_len": torch.tensor(resp_len, dtype=torch.long),
@@ -177,6 +182,24 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
         "row_id": row_ids,
         "completion": texts,
     })
+    if images is not None:  # a vision-language model: every rank carries the image columns, some rows empty
+        add_image_columns(batch, image_rows, trainer.vision_weight, pixel_dim(trainer.image_processor))
+    return batch
+
+
+def add_image_columns(batch: Batch, inputs: list, weight: float, dim: int) -> None:
+    """Each sample's prompt images (`inputs`: ImageInputs or None per row) as its pixel_values (`dim` values per
+    patch) and image_grid_thw, and the vision encoder's work on them in language-model tokens (vision_tokens:
+    patches x weight). A rank without images has the same columns, empty, as exchange needs."""
+    def column(parts: list[torch.Tensor], width: int, dtype: torch.dtype) -> Ragged:
+        values = torch.cat(parts) if parts else torch.zeros(0, width)
+        return Ragged(values.to(dtype), torch.tensor([len(x) for x in parts], dtype=torch.long))
+
+    grids = [x.grid if x is not None else torch.zeros(0, 3, dtype=torch.long) for x in inputs]
+    batch["pixel_values"] = column([x.pixel_values if x is not None else torch.zeros(0, dim) for x in inputs], dim,
+                                   torch.float32)
+    batch["image_grid_thw"] = column(grids, 3, torch.long)
+    batch["vision_tokens"] = torch.tensor([round(int(g.prod(-1).sum()) * weight) for g in grids], dtype=torch.long)
 
 
 def add_rewards(trainer: Trainer, batch: Batch) -> tuple[Batch, dict]:
@@ -251,7 +274,7 @@ def gather_rows(local: Batch, failures: int = 0) -> tuple[Batch, int]:
     cols = ["sample_index", "group", "reward", "reward_failed", "response_len", "finished", "version"]
     mine = {c: local[c] for c in cols}
     mine["total_len"] = local["tokens"].lengths
-    for c in ("kl_sum", "token_mean", "token_m2"):
+    for c in ("kl_sum", "token_mean", "token_m2", "vision_tokens"):
         if c in local:
             mine[c] = local[c]
     parts = dist.all_gather_tensors({**{k: v.cpu() for k, v in mine.items()},
@@ -305,7 +328,8 @@ def plan_step(trainer: Trainer, everyone: Batch):
     return make_schedule(everyone["total_len"].tolist(), world=dist.world(),
                          minibatches=cfg.algo.minibatches_per_step, token_cap=cfg.train.token_cap_per_micro_batch,
                          groups=everyone["group"].tolist(), weights=cfg.parallel.capacity_weights,
-                         min_rows=cfg.train.min_rows_per_micro_batch, inert=zero_gradient_rows(cfg, everyone))
+                         min_rows=cfg.train.min_rows_per_micro_batch, inert=zero_gradient_rows(cfg, everyone),
+                         extra=everyone["vision_tokens"].tolist() if "vision_tokens" in everyone else None)
 
 
 def exchange(trainer: Trainer, local: Batch, schedule) -> tuple[Batch, list[list[list[int]]]]:

@@ -19,10 +19,13 @@ from evenrl.distributed.sharding import shard
 from evenrl.distributed.weights import full_weights
 from evenrl.engines import Engine, make_engine
 from evenrl.engines.sync import WeightSync, make_weight_sync
+from evenrl.models.files import read_model_config
 from evenrl.models.loading import load_policy, with_value_head
+from evenrl.models.vision import frozen_names, is_vision_model, load_image_processor
+from evenrl.planner.memory import dims_from_config, vision_dims_from_config, vision_token_weight
 from evenrl.rewards import RewardFn, resolve
 from evenrl.train import checkpoint
-from evenrl.train.data import PromptSampler, load_data
+from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.update import prepare_model
 
 
@@ -37,10 +40,12 @@ class Trained:
 
 @dataclass
 class Prompts:
-    """A prompt dataset as the step reads it: the rows (for rewards) and their tokens, in the same order."""
+    """A prompt dataset as the step reads it: the rows (for rewards) and their tokens, in the same order, and each
+    row's images (encoded bytes or paths; [] for a text prompt)."""
 
     rows: list[dict]
     tokens: list[list[int]]
+    images: list[list] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +64,8 @@ class Trainer:
     step: int = 0  # RL steps done
     skipped_prompts: int = 0  # longer than data.max_prompt_tokens, left out of `prompts`
     eos_ids: set[int] = field(default_factory=set)
+    image_processor: Any = None  # a vision-language model's (evenrl.models.vision)
+    vision_weight: float = 0.0  # a patch through its vision encoder, in language-model tokens (vision_token_weight)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -124,18 +131,33 @@ def build_trainer(cfg: RunConfig, info) -> Trainer:
         engine = make_engine(cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
                              device=info.device)
     dtype = getattr(torch, cfg.model.dtype)
-    sync = make_weight_sync(cfg, engine=engine, payload=lambda: full_weights(model, dtype=dtype),
+    skip = frozen_names(model, cfg.model.freeze_vision_tower)
+    sync = make_weight_sync(cfg, engine=engine, payload=lambda: full_weights(model, dtype=dtype, skip=skip),
                             ckpt_root=Path(cfg.log.run_dir) / "checkpoints")
-    rows, tokens, skipped = load_data(cfg, tokenizer)
+    processor, weight = vision_setup(cfg, model)
+    vision = (processor, model.config) if processor is not None else None
+    rows, tokens, skipped = load_data(cfg, tokenizer, vision=vision)
+    prompts = Prompts(rows, tokens, take_images(rows))
     eval_prompts = Prompts([], [])
     if cfg.eval.path:
-        eval_rows, eval_tokens, _ = load_data(cfg, tokenizer, cfg.eval.path)
-        eval_prompts = Prompts(eval_rows[:cfg.eval.max_prompts], eval_tokens[:cfg.eval.max_prompts])
+        eval_rows, eval_tokens, _ = load_data(cfg, tokenizer, cfg.eval.path, vision=vision)
+        eval_rows, eval_tokens = eval_rows[:cfg.eval.max_prompts], eval_tokens[:cfg.eval.max_prompts]
+        eval_prompts = Prompts(eval_rows, eval_tokens, take_images(eval_rows))
     return Trainer(cfg=cfg, policy=Trained(model, *adamw(model, cfg, cfg.train.lr, cfg.train.warmup_steps)),
-                   critic=critic, reference=reference, tokenizer=tokenizer, prompts=Prompts(rows, tokens),
+                   critic=critic, reference=reference, tokenizer=tokenizer, prompts=prompts,
                    eval_prompts=eval_prompts, sampler=PromptSampler(len(rows), cfg.data.seed),
                    reward_fns=[(resolve(spec.name), spec.weight) for spec in cfg.rewards.functions],
-                   engine=engine, sync=sync, skipped_prompts=skipped, eos_ids=eos_ids)
+                   engine=engine, sync=sync, skipped_prompts=skipped, eos_ids=eos_ids, image_processor=processor,
+                   vision_weight=weight)
+
+
+def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:
+    """(image processor, vision_token_weight) of a vision-language policy; (None, 0.0) for a text model."""
+    if not is_vision_model(model):
+        return None, 0.0
+    hf = read_model_config(cfg.model.path)
+    processor = load_image_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    return processor, vision_token_weight(dims_from_config(hf), vision_dims_from_config(hf))
 
 
 def trainable_model(cfg: RunConfig, path: str, info, head=None):

@@ -21,6 +21,7 @@ from evenrl.distributed.sharding import shard
 from evenrl.errors import RunStopped
 from evenrl.models.forward import response_logits, response_logprobs
 from evenrl.models.loading import is_sharded, set_autocast
+from evenrl.models.vision import freeze_tower, is_vision_model
 
 
 # forward(model, micro_batch) -> (outputs [B, R, k], targets [B, R], mask [B, R]): response_logprobs, response_logits
@@ -35,8 +36,12 @@ def compute_logprobs(model, batch: Batch, micro_rows: list[list[int]], *, temper
 
 
 def prepare_model(model, cfg: RunConfig) -> None:
-    """Activation checkpointing, sharding and precision of a model about to be trained (by evenrl train or sft),
-    before its optimizer is built. Its parameters are fp32: they are the master weights whatever model.dtype is."""
+    """A frozen vision tower, activation checkpointing, sharding and precision of a model about to be trained (by
+    evenrl train or sft), before its optimizer is built. Its parameters are fp32: they are the master weights
+    whatever model.dtype is. FSDP2 wraps a vision-language model's vision blocks as units too (they are among
+    the blocks its _no_split_modules names)."""
+    if cfg.model.freeze_vision_tower and is_vision_model(model):
+        freeze_tower(model)
     if cfg.model.gradient_checkpointing:
         # transformers 5 renamed it; the old name warns and goes in v6
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable

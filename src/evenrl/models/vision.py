@@ -1,0 +1,168 @@
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL; evenrl.models.files.VISION_TYPES): their image processor, prompts
+with images as token ids and pixel inputs, the vision tower, and the multimodal (M-RoPE) positions of a forward.
+
+    processor = load_image_processor(path, min_pixels=262144, max_pixels=4194304)
+    ids = encode_vision_prompt(tokenizer, processor, model.config, "<image>Find x.", [(640, 480)], True)
+    inputs = image_inputs(processor, sources)        # ImageInputs(pixel_values [patches, D], grid [images, 3])
+
+A prompt's token ids hold each image's placeholder expanded to its image tokens (grid t*h*w / merge^2), as the model
+reads them, so every token count (length filter, partition, token cap, planner) already includes image tokens.
+The image processor is always the PIL one: the torchvision one is not installed here (its CPU wheels break torch
+2.13's), and picking it elsewhere would change the pixels. transformers' Qwen2VLProcessor is not used because it
+cannot be built without torchvision (its video processor); what it does for images is the placeholder expansion
+in encode_vision_prompt, a few lines.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from evenrl.data.images import IMAGE_PLACEHOLDER, Source, open_image
+from evenrl.errors import UsageError, first_line
+from evenrl.models.files import VISION_TYPES
+
+TOWER_PREFIX = "model.visual."  # the vision encoder and its merger, by state-dict name
+
+
+class ImageInputs(NamedTuple):
+    """One prompt's processed images: what the model's forward takes, and the images themselves (vLLM processes
+    them on its own)."""
+
+    pixel_values: Tensor  # [patches, channels x temporal_patch x patch x patch] float32
+    grid: Tensor  # [images, 3] int64: (t, h, w) patches of each image
+    images: list  # PIL images, RGB
+
+
+def is_vision_model(model) -> bool:
+    return getattr(model.config, "model_type", None) in VISION_TYPES
+
+
+def load_image_processor(path: str, *, min_pixels: int | None, max_pixels: int | None):
+    """The model directory's image processor (PIL backend), its pixel bounds set from data.min_pixels /
+    data.max_pixels where given."""
+    from transformers import AutoImageProcessor
+
+    size = {}
+    try:
+        processor = AutoImageProcessor.from_pretrained(path, local_files_only=True, backend="pil")
+        if min_pixels is not None or max_pixels is not None:
+            size = {"shortest_edge": min_pixels or processor.size["shortest_edge"],
+                    "longest_edge": max_pixels or processor.size["longest_edge"]}
+            processor = AutoImageProcessor.from_pretrained(path, local_files_only=True, backend="pil", size=size)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"model path: could not load an image processor from {path!r}; {first_line(e)}") from None
+    return processor
+
+
+def image_tokens(processor, width: int, height: int) -> int:
+    """Image tokens of a width x height image after the processor's resize: patches / merge^2."""
+    return processor.get_number_of_image_patches(height, width, {}) // processor.merge_size ** 2
+
+
+def pixel_dim(processor) -> int:
+    """Values per patch in pixel_values: RGB x temporal_patch x patch^2."""
+    return 3 * processor.temporal_patch_size * processor.patch_size ** 2
+
+
+def image_inputs(processor, sources: Sequence[Source]) -> ImageInputs:
+    """A prompt's images through the processor (resize, normalise, patchify)."""
+    images = [open_image(s) for s in sources]
+    out = processor(images=images, return_tensors="pt")
+    return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(), images)
+
+
+def prompt_image_inputs(processor, images: list[list[Source]], rows: Sequence[int]) -> list[ImageInputs | None] | None:
+    """ImageInputs of the prompts at `rows` (None for one without images); None when there is no processor (a
+    text model): what the engines' generate takes as `images`."""
+    if processor is None:
+        return None
+    return [image_inputs(processor, images[r]) if images[r] else None for r in rows]
+
+
+def as_messages(prompt, n_images: int) -> list:
+    """A prompt as chat messages with image parts: messages as they are; text split at its <image> placeholders
+    (EasyR1's layout), or with all images first when it has none."""
+    if isinstance(prompt, list):
+        return prompt
+    pieces = prompt.split(IMAGE_PLACEHOLDER)
+    if len(pieces) == 1:
+        pieces = [""] * n_images + pieces
+    parts: list[dict] = []
+    for i, text in enumerate(pieces):
+        if i:
+            parts.append({"type": "image"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}]
+
+
+def encode_vision_prompt(tokenizer, processor, config, prompt, sizes: list[tuple[int, int]],
+                         use_chat_template: bool) -> list[int]:
+    """Token ids of a prompt with images (`sizes`: (width, height) of each, in order), every image's placeholder
+    expanded to its image tokens. With the chat template (always for chat messages) the image parts render as the
+    template writes them; without it, text placeholders become <|vision_start|><|image_pad|><|vision_end|>."""
+    start, pad, end = tokenizer.convert_ids_to_tokens([config.vision_start_token_id, config.image_token_id,
+                                                       config.vision_end_token_id])
+    messages = as_messages(prompt, len(sizes))
+    if (use_chat_template or isinstance(prompt, list)) and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        special = False
+    elif isinstance(prompt, list):
+        raise UsageError("data: chat-message prompts need a chat template; the model's tokenizer has none")
+    else:
+        text = "".join(f"{start}{pad}{end}" if p["type"] == "image" else p["text"] for p in messages[0]["content"])
+        special = True
+    ids = list(tokenizer(text, add_special_tokens=special)["input_ids"])
+    slots = [i for i, t in enumerate(ids) if t == config.image_token_id]
+    if len(slots) != len(sizes):
+        raise UsageError(f"data: the prompt renders {len(slots)} image placeholders for {len(sizes)} images "
+                         "(the chat template drops or repeats image parts)")
+    out: list[int] = []
+    last = 0
+    for slot, (w, h) in zip(slots, sizes):
+        out += ids[last:slot] + [config.image_token_id] * image_tokens(processor, w, h)
+        last = slot + 1
+    return out + ids[last:]
+
+
+def freeze_tower(model) -> None:
+    """model.freeze_vision_tower: no gradients for the vision encoder and its merger."""
+    model.model.visual.requires_grad_(False)
+
+
+def frozen_names(model, frozen: bool) -> frozenset[str]:
+    """State-dict names a weight push leaves out: the tower's under model.freeze_vision_tower (`frozen`), none
+    otherwise. An engine's copy of a frozen tower stays what it loaded, which is what the trainer holds."""
+    if not (frozen and is_vision_model(model)):
+        return frozenset()
+    return frozenset(name for name in model.state_dict() if name.startswith(TOWER_PREFIX))
+
+
+def mrope_positions(model, tokens: Tensor, attention_mask: Tensor, grid: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(positions [3, B, L], delta [B]): the model's own multimodal rotary positions of left-padded rows (text
+    tokens count up, an image's tokens take (time, row, column) of its grid) and, per row, what a next token's
+    position is beyond its length (0 for text-only rows)."""
+    types = (tokens == model.config.image_token_id).int()
+    pos, delta = model.model.get_rope_index(input_ids=tokens, mm_token_type_ids=types, image_grid_thw=grid,
+                                            attention_mask=attention_mask)
+    return pos, delta.reshape(-1)
+
+
+def with_blank_image(model, tokens: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(tokens, attention mask, pixel values, grid) with one more row: a single image token of a blank image of the
+    smallest grid. A sharded (FSDP2) forward without images runs the vision tower on it, so that every rank gathers
+    the tower's units and, in backward, reduces their gradients at the same point as a forward with images (the
+    ranks' collectives must match in number and order); the caller drops the row's logits."""
+    cfg = model.config.vision_config
+    m = cfg.spatial_merge_size
+    dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    row = torch.zeros_like(tokens[:1])
+    row[0, -1] = model.config.image_token_id
+    mask = torch.zeros_like(attention_mask[:1])
+    mask[0, -1] = 1
+    pixels = torch.zeros(m * m, dim, device=tokens.device)
+    grid = torch.tensor([[1, m, m]], device=tokens.device)
+    return torch.cat([tokens, row]), torch.cat([attention_mask, mask]), pixels, grid

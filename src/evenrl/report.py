@@ -102,8 +102,17 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         world = len(loads[-1])
         same = [step_loads for step_loads in loads if len(step_loads) == world]
         totals = [sum(step_loads[i] for step_loads in same) for i in range(world)]
+        # a vision-language run: the vision encoder's share of each rank's load, stacked on the text part
+        vision = [v for v in (r.get("load/rank_vision_tokens") for r in rows)
+                  if isinstance(v, list) and len(v) == world and all(_number(x) for x in v)]
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(range(world), totals, color="#4c72b0")
+        if vision:
+            v = [sum(step[i] for step in vision) for i in range(world)]
+            ax.bar(range(world), [t - x for t, x in zip(totals, v)], color="#4c72b0", label="text and image tokens")
+            ax.bar(range(world), v, bottom=[t - x for t, x in zip(totals, v)], color="#dd8452",
+                   label="vision encoder (token equivalents)")
+        else:
+            ax.bar(range(world), totals, color="#4c72b0")
         mean = sum(totals) / world
         ax.axhline(mean, color="k", ls="--", lw=1, label=f"mean {mean:,.0f}")
         ax.set_title(f"Training tokens per rank, summed over {len(same)} steps")

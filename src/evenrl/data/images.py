@@ -76,8 +76,9 @@ def check_image(src: Source, where: str) -> tuple[int, int]:
     except _TooLarge as e:
         raise UsageError(f"{what} is {e.w:,} x {e.h:,} pixels, more than {MAX_IMAGE_PIXELS:,}; shrink it "
                          "(the processor resizes to data.max_pixels anyway)") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise UsageError(f"{what} is larger than {MAX_IMAGE_PIXELS:,} pixels; shrink it") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise UsageError(f"{what} is larger than {MAX_IMAGE_PIXELS:,} pixels ({first_line(e)}); shrink it "
+                         "(the processor resizes to data.max_pixels anyway)") from None
     except UnidentifiedImageError:
         raise UsageError(f"{what} is not an image Pillow can read; expected PNG, JPEG or another image file") from None
     except (OSError, SyntaxError, ValueError) as e:  # Pillow's words for a truncated or corrupt file

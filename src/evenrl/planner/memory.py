@@ -79,6 +79,7 @@ from typing import Any
 from evenrl.config import RunConfig, with_settings
 from evenrl.core.schedule import rollout_shares
 from evenrl.planner.layout import Layout
+from evenrl.models.vision_config import VisionDims, vision_dims_from_config, worst_image_tokens, worst_vision_tokens
 
 GIB = 1024**3
 STATE_BYTES = 4 + 4 + 8  # fp32 parameters, fp32 gradients, AdamW's two fp32 moments, per parameter
@@ -93,8 +94,10 @@ VLLM_GPU_SHARE = 0.3
 VLLM_CPU_KV_BYTES = float(1 << 30)
 RESIDENT = ("parameters", "optimizer", "reference model", "critic", "rollout reserve", "overhead")
 PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache", "rollout engine"),
-          "log-probs": ("fsdp units", "autocast copies", "layer activations", "log-prob logits"),
-          "update": ("gradients", "fsdp units", "autocast copies", "activations", "logits", "gradient buckets")}
+          "log-probs": ("fsdp units", "autocast copies", "layer activations", "vision layer activations",
+                        "log-prob logits"),
+          "update": ("gradients", "fsdp units", "autocast copies", "activations", "vision activations", "logits",
+                     "gradient buckets")}
 # Model types whose attention projections have biases when config.json does not say (Qwen2 and its VL text models).
 QKV_BIAS_TYPES = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -114,6 +117,7 @@ class ModelDims:
     qkv_bias: bool
     qk_norm: bool
     max_positions: int | None
+    vision: VisionDims | None = None  # a vision-language model's encoder (evenrl.planner.vision)
 
     @property
     def layer_params(self) -> int:
@@ -145,10 +149,12 @@ class ModelDims:
         return 4 * h + 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim + 4 * self.intermediate
 
 
-def dims_from_config(hf: dict) -> ModelDims:
-    """ModelDims from a config.json dict; ValueError names what is missing or unsupported."""
+def dims_from_config(hf: dict, preprocessor: dict | None = None) -> ModelDims:
+    """ModelDims from a config.json dict (and a vision-language model's preprocessor_config.json); ValueError
+    names what is missing or unsupported."""
     if not isinstance(hf, dict):
         raise ValueError("config.json is not a JSON object")
+    vision = vision_dims_from_config(hf, preprocessor)
     tied = hf.get("tie_word_embeddings", False)  # a vision-language config says it at the top
     hf = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     kind = str(hf.get("model_type", "unknown"))
@@ -167,75 +173,7 @@ def dims_from_config(hf: dict) -> ModelDims:
     return ModelDims(kind, hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], heads, int(kv),
                      int(head_dim), hf["vocab_size"], bool(hf.get("tie_word_embeddings", tied)),
                      bool(hf.get("attention_bias", kind in QKV_BIAS_TYPES)), kind in ("qwen3",),
-                     hf.get("max_position_embeddings"))
-
-
-@dataclass(frozen=True)
-class VisionDims:
-    """A Qwen2-VL / Qwen2.5-VL vision encoder from config.json's vision_config: `width`-wide blocks (LayerNorm and
-    a plain MLP in Qwen2-VL; RMSNorm and a gated MLP in Qwen2.5-VL), a patch embedding of
-    in_channels x temporal_patch x patch^2 values per patch, and a merger that turns merge^2 patches into one
-    image token of the language model's width."""
-
-    depth: int
-    width: int
-    mlp: int
-    gated: bool
-    patch: int
-    temporal_patch: int
-    merge: int
-    in_channels: int
-    out: int
-
-    @property
-    def block_params(self) -> int:
-        w, i = self.width, self.mlp
-        mlp = 3 * w * i + 2 * i + w if self.gated else 2 * w * i + i + w
-        return 4 * w * w + 4 * w + mlp + (2 if self.gated else 4) * w
-
-    @property
-    def params(self) -> int:
-        embed = self.in_channels * self.temporal_patch * self.patch ** 2 * self.width
-        merged = self.width * self.merge ** 2
-        merger = (1 if self.gated else 2) * self.width + merged * merged + merged + merged * self.out + self.out
-        return self.depth * self.block_params + embed + merger
-
-    @property
-    def act_elems(self) -> int:
-        """Saved activation elements per patch per block, counted as ModelDims.act_elems counts a layer's (plain
-        MLP: its input and activation, 2i; gated: 4i)."""
-        return 8 * self.width + (4 if self.gated else 2) * self.mlp
-
-    def image_tokens(self, pixels: int) -> int:
-        """Image tokens of an image of `pixels` pixels after the processor's resize (patch^2 merge^2 each)."""
-        return max(1, pixels // (self.patch * self.merge) ** 2)
-
-
-def vision_dims_from_config(hf: dict) -> VisionDims | None:
-    """VisionDims of a config.json dict with a vision_config (None without one)."""
-    v = hf.get("vision_config") if isinstance(hf, dict) else None
-    if not isinstance(v, dict):
-        return None
-    gated = "intermediate_size" in v
-    width = v.get("hidden_size") if gated else v.get("embed_dim")
-    if not isinstance(width, int) or width <= 0:
-        raise ValueError(f"model_type {hf.get('model_type')!r}: vision_config lacks its width "
-                         f"({'hidden_size' if gated else 'embed_dim'})")
-    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
-    return VisionDims(int(v.get("depth", 32)), width,
-                      int(v["intermediate_size"]) if gated else int(width * v.get("mlp_ratio", 4)), gated,
-                      int(v.get("patch_size", 14)), int(v.get("temporal_patch_size", 2)),
-                      int(v.get("spatial_merge_size", 2)), int(v.get("in_chans", v.get("in_channels", 3))),
-                      int(v.get("out_hidden_size", text.get("hidden_size", width)) if gated
-                          else v.get("hidden_size", text.get("hidden_size", width))))
-
-
-def vision_token_weight(dims: ModelDims, vision: VisionDims) -> float:
-    """What one patch through the vision encoder costs, in language-model tokens: the encoder's block parameters
-    over the language model's layer parameters (each a multiply-add per token or patch; attention over the
-    sequence and the merger left out). Qwen2.5-VL-7B: ~0.1, so an image of n image tokens (4n patches) adds ~0.4n
-    to the n its placeholders already count."""
-    return vision.depth * vision.block_params / (dims.layers * dims.layer_params)
+                     hf.get("max_position_embeddings"), vision)
 
 
 def read_model_dims(model_path: str) -> ModelDims:
@@ -246,9 +184,11 @@ def read_model_dims(model_path: str) -> ModelDims:
         raise ValueError(f"{cfg}: no such file")
     try:
         data = json.loads(cfg.read_text(encoding="utf-8"))
+        pre = cfg.with_name("preprocessor_config.json")
+        preprocessor = json.loads(pre.read_text(encoding="utf-8")) if pre.is_file() else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{cfg}: unreadable JSON ({e.__class__.__name__})") from None
-    return dims_from_config(data)
+    return dims_from_config(data, preprocessor if isinstance(preprocessor, dict) else None)
 
 
 # ------------------------------------------------------------------------------------------ estimate
@@ -277,8 +217,9 @@ class MemoryEstimate:
                 "phases_gib": {k: round(v, 3) for k, v in self.phases.items()}, "assumptions": self.assumptions}
 
 
-def worst_case_shape(cfg: RunConfig, layout: Layout) -> tuple[int, int]:
-    """(tokens of the largest micro-batch, samples the busiest rank generates), all samples at max length."""
+def worst_case_shape(cfg: RunConfig, layout: Layout, extra: int = 0) -> tuple[int, int]:
+    """(tokens of the largest micro-batch, samples the busiest rank generates), all samples at max length.
+    `extra`: each sample's vision-encoder tokens (planner.vision.worst_vision_tokens), which share the token cap."""
     t = max(layout.training_ranks, 1)
     w = layout.capacity_weights or cfg.parallel.capacity_weights
     weights = tuple(w) if w and len(w) == t else None
@@ -286,7 +227,8 @@ def worst_case_shape(cfg: RunConfig, layout: Layout) -> tuple[int, int]:
     length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     per_mb = math.ceil(cfg.samples_per_step() / cfg.algo.minibatches_per_step)
     rows_rank = max(1, math.ceil(per_mb * share - 1e-9))
-    rows = min(rows_rank, max(1, cfg.train.token_cap_per_micro_batch // length, cfg.train.min_rows_per_micro_batch))
+    rows = min(rows_rank, max(1, cfg.train.token_cap_per_micro_batch // (length + extra),
+                              cfg.train.min_rows_per_micro_batch))
     gen = _busiest_rollout(cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, length, t, weights)
     return rows * length, gen
 
@@ -322,15 +264,20 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
              "attention via SDPA/flash (no s^2 scores); worst case: every sample at max length"]
     if par.cpu_offload == "full" and not offload:
         notes.append("cpu_offload=full cannot run on this layout (see the findings); estimated without offload")
-    tokens, gen = worst_case_shape(cfg, layout)
+    vision = dims.vision
+    extra = worst_vision_tokens(cfg, dims.layers, dims.layer_params, vision)
+    tokens, gen = worst_case_shape(cfg, layout, extra)
     P, L, V = dims.params, dims.layers, dims.vocab
+    # a vision encoder's weights are held like the rest; a frozen one has no gradients or optimizer moments
+    Pv = vision.params if vision else 0
+    trained = P + (0 if cfg.model.freeze_vision_tower else Pv)
     device_state = 0 if offload else 1
-    params_b = 4 * P / shard * device_state
-    opt_b = 8 * P / shard * device_state
-    grads_b = 4 * P / shard * device_state
-    ref_full = c * P if cfg.algo.kl_coef > 0 else 0
+    params_b = 4 * (P + Pv) / shard * device_state
+    opt_b = 8 * trained / shard * device_state
+    grads_b = 4 * trained / shard * device_state
+    ref_full = c * (P + Pv) if cfg.algo.kl_coef > 0 else 0
     ref = ref_full / shard * device_state
-    host = (STATE_BYTES * P / shard + ref_full / shard) if offload else 0
+    host = ((4 * (P + Pv) + 12 * trained) / shard + ref_full / shard) if offload else 0
     critic = 0
     if cfg.algo.advantage == "gae":
         critic = params_b + opt_b
@@ -347,7 +294,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     elif cfg.rollout.engine == "vllm" and layout.device == "cuda":
         engine, reserve = (cfg.rollout.memory_fraction or VLLM_GPU_SHARE) * layout.device_memory_gib * GIB, 0.0
     elif cfg.rollout.engine == "vllm":
-        reserve = c * P + (reserve or VLLM_CPU_KV_BYTES)
+        reserve = c * (P + Pv) + (reserve or VLLM_CPU_KV_BYTES)
     sampler = not reserved and cfg.rollout.engine == "hf"  # evenrl's sampler runs the training model here
     overhead = OVERHEAD_GIB[layout.device] * GIB
     copies = 2 * dims.linear_params if (c == 2 and not fsdp) else 0
@@ -359,30 +306,45 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     else:
         act = tokens * L * dims.act_elems * c
     length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    per_sample = worst_image_tokens(cfg, vision) * vision.merge ** 2 if vision else 0  # patches
+    patches = tokens // length * per_sample
+    if vision:
+        notes.append(f"vision encoder {Pv / 1e6:.1f} M params"
+                     f"{', frozen (no gradients or AdamW moments)' if cfg.model.freeze_vision_tower else ''}; worst "
+                     f"case {per_sample // vision.merge ** 2:,} image tokens per sample ({patches:,} patches per "
+                     f"micro-batch), each patch ~{extra / per_sample:.2f} tokens of compute in the balance and the "
+                     "token cap")
+    if vision and cfg.model.gradient_checkpointing:
+        vision_act = patches * (vision.depth * vision.width + vision.act_elems) * c
+    else:
+        vision_act = patches * vision.depth * vision.act_elems * c if vision else 0
     parts = {
         "parameters": params_b, "optimizer": opt_b, "reference model": ref, "critic": critic,
         "rollout reserve": reserve, "overhead": overhead,
-        "gathered model": c * (P + (largest if t > 1 else 0)) if fsdp and sampler else 0,
+        "gathered model": c * (P + Pv + (largest if t > 1 else 0)) if fsdp and sampler else 0,
         "autocast copies": copies,
         "KV cache": gen * length * L * 2 * dims.kv_heads * dims.head_dim * c if sampler else 0,
         "rollout engine": engine,
         "fsdp units": units,
         "layer activations": tokens * dims.act_elems * c,
+        "vision layer activations": patches * vision.act_elems * c if vision else 0,
         "log-prob logits": min(tokens * V, HEAD_CHUNK) * (c + 8),
         "gradients": grads_b,
         "activations": act,
+        "vision activations": vision_act,
         "logits": min(tokens * V, HEAD_CHUNK) * (2 * c + 12),
-        "gradient buckets": 4 * P if (not fsdp and t > 1) else 0,
+        "gradient buckets": 4 * trained if (not fsdp and t > 1) else 0,
     }
     resident = sum(parts[k] for k in RESIDENT)
     phases = {
         "rollout": resident + parts["gathered model"] + (copies if sampler else 0) + parts["KV cache"] + engine,
-        "log-probs": resident + units + copies + parts["layer activations"] + parts["log-prob logits"],
-        "update": resident + grads_b + max(units + unit_grads + copies + act + parts["logits"],
+        "log-probs": resident + units + copies + parts["layer activations"] + parts["vision layer activations"]
+        + parts["log-prob logits"],
+        "update": resident + grads_b + max(units + unit_grads + copies + act + vision_act + parts["logits"],
                                            parts["gradient buckets"]),
     }
     total = max(phases.values())
-    return MemoryEstimate({k: v / GIB for k, v in parts.items()}, total / GIB, layout.device_memory_gib, P,
+    return MemoryEstimate({k: v / GIB for k, v in parts.items()}, total / GIB, layout.device_memory_gib, P + Pv,
                           tokens, gen, host / GIB, {k: v / GIB for k, v in phases.items()}, notes)
 
 

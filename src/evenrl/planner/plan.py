@@ -24,6 +24,7 @@ from evenrl.core.partition import lower_bound
 from evenrl.core.schedule import ScheduleError, make_schedule
 from evenrl.planner.layout import Layout
 from evenrl.planner.memory import dims_from_config, estimate_memory, memory_fixes, read_model_dims
+from evenrl.models.vision_config import worst_vision_tokens
 from evenrl.planner.render import render
 from evenrl.planner.rules import RULES
 from evenrl.planner.timing import RateFlags, assumed_rates, estimate_overlap
@@ -43,9 +44,6 @@ def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = Non
     if cfg.parallel.rollout_devices and not layout.rollout_devices:
         layout = replace(layout, rollout_devices=cfg.parallel.rollout_devices)
     p = Plan(cfg, layout, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, rates=rates)
-    if layout.training_ranks >= 1:
-        _simulate(p, _weights(cfg, layout))
-    p.dataset_rows = count_rows(cfg.data.path)
     try:
         if model_config is not None:
             p.dims = dims_from_config(model_config)
@@ -53,6 +51,11 @@ def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = Non
             p.dims = read_model_dims(cfg.model.path)
     except ValueError as e:
         p.dims_error = str(e)
+    if p.dims:  # a vision-language model's encoder work per sample, which the schedule counts (planner.vision)
+        p.vision_tokens = worst_vision_tokens(cfg, p.dims.layers, p.dims.layer_params, p.dims.vision)
+    if layout.training_ranks >= 1:
+        _simulate(p, _weights(cfg, layout))
+    p.dataset_rows = count_rows(cfg.data.path)
     if p.dims and layout.training_ranks >= 1:
         p.memory = estimate_memory(cfg, layout, p.dims)
         if p.memory.fits is False:
@@ -76,11 +79,11 @@ def _weights(cfg: RunConfig, layout: Layout) -> list[float] | None:
 def _simulate(p: Plan, weights: list[float] | None) -> None:
     c, t, length = p.config, p.layout.training_ranks, p.sample_tokens
     n, k, cap = c.samples_per_step(), c.rollout.samples_per_prompt, c.train.token_cap_per_micro_batch
-    p.oversize = n if length > cap else 0
+    p.oversize = n if length + p.vision_tokens > cap else 0
     if n > SIMULATE_MAX or min(c.algo.minibatches_per_step, n) * t > SIMULATE_MAX:
         return _analytic(p)
     args = dict(world=t, minibatches=c.algo.minibatches_per_step, token_cap=cap,
-                groups=[i // k for i in range(n)], weights=weights)
+                groups=[i // k for i in range(n)], weights=weights, extra=[p.vision_tokens] * n)
     try:
         sch = make_schedule([length] * n, min_rows=c.train.min_rows_per_micro_batch, **args)
     except ScheduleError as e:
@@ -95,8 +98,9 @@ def _simulate(p: Plan, weights: list[float] | None) -> None:
         p.ranks.append(RankRow(r, sum(len(m.rows) for m in micros), loads[r], len(micros), idle))
     w = weights or [1.0] * t
     busiest = sum(max(sum(m.tokens for m in mb.per_rank[r]) / w[r] for r in range(t)) for mb in sch.minibatches)
-    even = sum(len(mb.rows) * length for mb in sch.minibatches) / sum(w)
-    bound = sum(lower_bound([length] * len(mb.rows), t, weights) for mb in sch.minibatches)
+    cost = length + p.vision_tokens
+    even = sum(len(mb.rows) * cost for mb in sch.minibatches) / sum(w)
+    bound = sum(lower_bound([cost] * len(mb.rows), t, weights) for mb in sch.minibatches)
     p.imbalance = busiest / even if even else None
     p.bound_ratio = busiest / bound if bound else None
 
@@ -110,7 +114,7 @@ def _analytic(p: Plan) -> None:
     q, extra = divmod(n, m)
     p.simulated = False
     p.minibatch_sizes = [q + 1] * extra + [q] * (m - extra)
-    per_micro = max(1, c.train.token_cap_per_micro_batch // length)
+    per_micro = max(1, c.train.token_cap_per_micro_batch // (length + p.vision_tokens))
     kinds = [(q + 1, extra), (q, m - extra)]  # (mini-batch size, how many)
     micro = [max(1, math.ceil(math.ceil(s / t) / per_micro)) for s, _ in kinds]
     p.micro_steps = [micro[0]] * extra + [micro[1]] * (m - extra)
@@ -119,7 +123,7 @@ def _analytic(p: Plan) -> None:
         rows = [(s // t + (r < s % t), count) for s, count in kinds if count]
         samples = sum(x * count for x, count in rows)
         idle = sum(count for x, count in rows if x == 0)
-        p.ranks.append(RankRow(r, samples, samples * length, steps, idle))
+        p.ranks.append(RankRow(r, samples, samples * (length + p.vision_tokens), steps, idle))
     busiest = sum(math.ceil(s / t) * count for s, count in kinds)
     p.imbalance = busiest / sum(s / t * count for s, count in kinds)
     p.bound_ratio = 1.0  # equal lengths: the ceiling is the lower bound

@@ -28,13 +28,15 @@ def render(p: Plan) -> str:
     sizes = p.minibatch_sizes
     mbs = f"{plural(len(sizes), 'mini-batch')} of {_range(sizes)}" if sizes else "no mini-batches"
     cap, length = c.train.token_cap_per_micro_batch, p.sample_tokens
-    fits = f" ({plural(cap // length, 'sample')})" if cap >= length else " (below one sample)"
+    cost = length + p.vision_tokens
+    fits = f" ({plural(cap // cost, 'sample')})" if cap >= cost else " (below one sample)"
+    vision = f" + {p.vision_tokens:,} of the vision encoder's" if p.vision_tokens else ""
     out = [_row("layout", lay.describe()),
            _row("step", f"{plural(prompts, 'prompt')} × {plural(k, 'sample')} = "
                         f"{plural(c.samples_per_step(), 'sample')}; {mbs}; "
                         f"{plural(c.algo.epochs_per_step, 'epoch')} over them"),
            _row("samples", f"worst case {length:,} tokens each (prompt {c.data.max_prompt_tokens:,} + new "
-                           f"{c.rollout.max_new_tokens:,}); token cap {cap:,} per micro-batch{fits}"
+                           f"{c.rollout.max_new_tokens:,}){vision}; token cap {cap:,} per micro-batch{fits}"
                            + (f"; min {c.train.min_rows_per_micro_batch} rows"
                               if c.train.min_rows_per_micro_batch > 1 else ""))]
     if p.ranks:

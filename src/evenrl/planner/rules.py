@@ -19,6 +19,7 @@ from evenrl.models.files import check_tokenizer_files, check_weights, read_model
 from evenrl.planner.memory import PHASES, RESIDENT
 from evenrl.planner.text import plural, seconds, size_text
 from evenrl.planner.types import Finding, Plan
+from evenrl.planner.vision import rule_vision
 
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
@@ -82,6 +83,7 @@ def rule_data(p: Plan) -> list[Finding]:
 # field name, a header line); the trainer reads the rest, before it writes anything.
 PLAN_DATA_BYTES = 16 * 1024**2  # of each .jsonl file
 PLAN_DATA_ROWS = 1000  # of each parquet / Arrow table, after its schema
+PLAN_IMAGE_ROWS = 64  # rows whose images are decoded (a Geometry3K image takes milliseconds)
 _DATA_FIX = ("fix the file (evenrl train reads it the same way); or point {key} at another .jsonl/.parquet file "
              "or dataset directory, or set data.prompt_field / data.answer_field to its columns")
 
@@ -89,8 +91,10 @@ _DATA_FIX = ("fix the file (evenrl train reads it the same way); or point {key} 
 def dataset_problem(cfg: RunConfig, path: str) -> str | None:
     """What evenrl train would refuse in the dataset at `path` (its first rows, every table's columns), or None."""
     try:
-        fields = Fields(cfg.data.prompt_field, cfg.data.answer_field, tuple(cfg.data.extra_fields))
-        read_rows(str(Path(path).expanduser()), fields, max_bytes=PLAN_DATA_BYTES, max_rows=PLAN_DATA_ROWS)
+        fields = Fields(cfg.data.prompt_field, cfg.data.answer_field, tuple(cfg.data.extra_fields),
+                        cfg.data.image_key or None, cfg.data.max_images_per_prompt)
+        read_rows(str(Path(path).expanduser()), fields, max_bytes=PLAN_DATA_BYTES, max_rows=PLAN_DATA_ROWS,
+                  image_rows=PLAN_IMAGE_ROWS)
     except UsageError as e:
         return str(e)
     return None
@@ -248,15 +252,16 @@ def rule_min_rows(p: Plan) -> list[Finding]:
 
 
 def rule_token_cap(p: Plan) -> list[Finding]:
-    c, length = p.config, p.sample_tokens
+    c, length, v = p.config, p.sample_tokens, p.vision_tokens
     cap = c.train.token_cap_per_micro_batch
-    if length <= cap:
+    if length + v <= cap:
         return []
     return [Finding("warning", "token-cap-oversize",
-                    f"token_cap_per_micro_batch={cap:,} is below max_prompt_tokens + max_new_tokens = {length:,}: "
-                    "such samples run alone as oversize micro-batches (memory follows them, not the cap)",
-                    f"train.token_cap_per_micro_batch={length}; or rollout.max_new_tokens="
-                    f"{max(1, cap - c.data.max_prompt_tokens)}")]
+                    f"token_cap_per_micro_batch={cap:,} is below max_prompt_tokens + max_new_tokens = {length:,}"
+                    + (f" + {v:,} vision-encoder tokens" if v else "") + ": such samples run alone as oversize "
+                    "micro-batches (memory follows them, not the cap)",
+                    f"train.token_cap_per_micro_batch={length + v}; or rollout.max_new_tokens="
+                    f"{max(1, cap - v - c.data.max_prompt_tokens)}")]
 
 
 def rule_imbalance(p: Plan) -> list[Finding]:
@@ -428,4 +433,4 @@ def rule_rewards(p: Plan) -> list[Finding]:
 
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_groups, rule_algorithms,
          rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel,
-         rule_overlap]
+         rule_overlap, rule_vision]

@@ -71,6 +71,7 @@ class Plan:
     dataset_rows: int | None = None
     dims: ModelDims | None = None
     dims_error: str | None = None
+    vision_tokens: int = 0  # a vision-language sample's encoder work in tokens, worst case (planner.vision)
     memory: MemoryEstimate | None = None
     memory_fixes: list[MemoryFix] = field(default_factory=list)
     rates: RateFlags | None = None  # the rates the user gave (--fit re-plans with them)

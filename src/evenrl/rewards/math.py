@@ -1,7 +1,10 @@
 """Math answer reward: extract the final answer, compare it with sample["answer"] using math-verify.
 
 sample fields: "answer" (str or number; the gold final answer, LaTeX allowed, e.g. "\\frac{1}{2}" or "42";
-a gold string containing \\boxed{...} is reduced to its last boxed content).
+a gold string containing \\boxed{...} is reduced to its last boxed content). Geometry3K-style answers work as
+EasyR1's math score (mathruler) grades them: numbers and LaTeX values (2\\sqrt{3}, \\frac{40}{3}, 60^\\circ) by
+equivalence, and a multiple-choice letter ("B", "(B)") against the choice a completion names first
+("\\boxed{B}", "\\boxed{(B) 12}", "\\boxed{B: 12}").
 
 What reads the completion: `extract_answer` (linear scans, no regex backtracking), then, for an answer of at most
 MAX_ANSWER_CHARS, math-verify. Its `parse` reads LaTeX with latex2sympy2_extended (an ANTLR grammar building sympy
@@ -30,6 +33,8 @@ MATH_VERIFY_TIMEOUT_S = 5
 MAX_ANSWER_CHARS = 512
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+# A multiple-choice letter, alone or leading its choice's text: "B", "(B)", "\text{B}", "B. 12", "(B) 12", "B: 12".
+_CHOICE = re.compile(r"\(?([A-Z])\)?(?:[.:)]|\s|$)")
 
 
 def last_boxed(text: str) -> str | None:
@@ -137,8 +142,21 @@ def _parse_gold(gold: str, timeout: int | None):
     return parse("\\boxed{" + gold + "}", parsing_timeout=timeout)
 
 
+def _choice(s: str) -> str | None:
+    """The choice letter an answer names first, or None."""
+    s = s.strip().strip("$").strip()
+    if s.startswith("\\text{") and s.endswith("}"):
+        s = s[len("\\text{"):-1].strip()
+    m = _CHOICE.match(s)
+    return m.group(1) if m else None
+
+
 def answers_match(pred: str, gold: str) -> bool:
-    """math-verify equivalence (symbolic/numeric), falling back to `_same` if math-verify is missing or fails."""
+    """math-verify equivalence (symbolic/numeric), falling back to `_same` if math-verify is missing or fails; a
+    gold choice letter matches the choice the prediction names first."""
+    letter = _choice(gold)
+    if letter is not None and len(_normalise(gold).strip("()")) == 1:
+        return _choice(pred) == letter
     mv = _math_verify()
     if mv is not None and len(pred) <= MAX_ANSWER_CHARS:
         parse, verify = mv

@@ -66,6 +66,10 @@ def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: di
         "load/skipped_samples": sum(len(mb.rows) for mb in schedule.minibatches) - sum(
             len(m.rows) for mb in schedule.minibatches for micros in mb.per_rank for m in micros),
     }
+    if "vision_tokens" in everyone:  # the part of load/rank_tokens that is the vision encoder's (its images)
+        vision = everyone["vision_tokens"].tolist()
+        out["load/rank_vision_tokens"] = [sum(vision[i] for mb in schedule.minibatches for m in mb.per_rank[r]
+                                              for i in m.rows) for r in range(schedule.world)]
     if cfg.rollout.max_staleness > 0:  # steps between the sampling policy and the one trained
         staleness = (timer.step - 1 - everyone["version"]).tolist()
         out["rollout/staleness_mean"] = sum(staleness) / max(len(staleness), 1)

@@ -22,7 +22,8 @@ from evenrl.engines.sync import WeightSync, make_weight_sync
 from evenrl.models.files import read_model_config
 from evenrl.models.loading import load_policy, with_value_head
 from evenrl.models.vision import frozen_names, is_vision_model, load_image_processor
-from evenrl.planner.memory import dims_from_config, vision_dims_from_config, vision_token_weight
+from evenrl.models.vision_config import vision_dims_from_config, vision_token_weight
+from evenrl.planner.memory import dims_from_config
 from evenrl.rewards import RewardFn, resolve
 from evenrl.train import checkpoint
 from evenrl.train.data import PromptSampler, load_data, take_images
@@ -157,7 +158,8 @@ def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:
         return None, 0.0
     hf = read_model_config(cfg.model.path)
     processor = load_image_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
-    return processor, vision_token_weight(dims_from_config(hf), vision_dims_from_config(hf))
+    text = dims_from_config(hf)
+    return processor, vision_token_weight(text.layers, text.layer_params, vision_dims_from_config(hf))
 
 
 def trainable_model(cfg: RunConfig, path: str, info, head=None):

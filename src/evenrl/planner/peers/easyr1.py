@@ -1,12 +1,18 @@
 """EasyR1: its batch checks (ray_trainer, fsdp_workers) and its config as evenrl settings.
 
 EasyR1 counts rollout_batch_size and global_batch_size in prompts and the micro-batch sizes per device in samples.
+Its vision-language runs (the geometry example: Qwen2.5-VL on Geometry3K) map image_key, min/max_pixels,
+freeze_vision_tower and rollout.limit_images; rollout.tensor_parallel_size has no evenrl equivalent (a note says
+why).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
+from evenrl.models.files import is_vision_config, read_model_config
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl,
     set_lengths, set_loss_agg, set_model, set_overlong, set_parallel, set_sampling, set_steps, trainer_layout)
@@ -105,3 +111,36 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"),
           src.str("data.answer_key", "answer"))
     set_steps(src, t, "trainer.max_steps", "trainer.total_episodes", 10, rbs)
+    set_vision(src, t)
+
+
+def set_vision(src: Source, t: Translation) -> None:
+    """The image settings of a vision-language run. EasyR1 reads data.image_key (default "images") only when a
+    row has that column; here it maps when the model is a vision-language one: a local directory whose config says
+    so, or a hub name with "VL" in it (Qwen/Qwen2.5-VL-7B-Instruct)."""
+    a, path = "worker.actor.", src.str("worker.actor.model.model_path")
+    local = Path(path).expanduser() / "config.json"
+    if local.is_file():
+        vision = is_vision_config(read_model_config(str(local.parent)))
+    else:
+        vision = bool(re.search(r"(?i)(^|[-_/])vl([-_/]|$)", path))
+    if not vision:
+        return
+    t.set("data.image_key", src.str("data.image_key", "images"), "data.image_key")
+    for key in ("min_pixels", "max_pixels"):
+        if src.has(f"data.{key}"):
+            t.set(f"data.{key}", src.int(f"data.{key}", None), f"data.{key}")
+    t.set("model.freeze_vision_tower", src.bool(a + "model.freeze_vision_tower", False),
+          a + "model.freeze_vision_tower")
+    limit = src.int("worker.rollout.limit_images", 0, lo=0)
+    if limit:
+        t.set("data.max_images_per_prompt", limit, "worker.rollout.limit_images")
+    tp = src.int("worker.rollout.tensor_parallel_size", 1)
+    if tp > 1:
+        t.notes.append(f"worker.rollout.tensor_parallel_size={tp} splits each vLLM engine over {tp} GPUs; evenrl "
+                       "runs one whole engine per rank (or per reserved rollout device) and no tensor parallelism, "
+                       "so every rank holds the whole model in the compute dtype while it generates")
+    t.notes.append("images: EasyR1 resizes each image to min/max_pixels itself, then its processor rounds it to "
+                   "28-pixel multiples; evenrl gives the bounds to the processor (one resize, the same bounds). "
+                   "EasyR1 samples with vLLM; evenrl's vLLM engine takes images only where torchvision is "
+                   "installed (GPU set-ups), else rollout.engine=hf samples them")

@@ -57,6 +57,7 @@ def make_tiny_model(
     seed: int = 0,
     chat_template: bool = False,
     max_positions: int = 512,
+    vision_width: int = 32,
 ) -> str:
     """Write a random tiny causal LM with a character-level tokenizer to `out_dir`; return the path.
 
@@ -66,7 +67,7 @@ def make_tiny_model(
     plain-text "user: ...\nassistant: " template. Same arguments → identical weights.
 
     arch "qwen2_vl" / "qwen2_5_vl": the same language model inside a Qwen2-VL / Qwen2.5-VL (the 2.5 tower has
-    RMSNorm, a gated MLP and windowed attention) with a 2-block vision tower of width 32, the four vision tokens
+    RMSNorm, a gated MLP and windowed attention) with a 2-block vision tower `vision_width` wide, the four vision tokens
     (ids 4-7: <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>) and Qwen2-VL's image processor
     (preprocessor_config.json, patch 14, merge 2: one image token per 28x28 pixels, bounded to
     TINY_MIN_PIXELS..TINY_MAX_PIXELS); its chat template renders image parts as Qwen2-VL's does.
@@ -99,7 +100,7 @@ def make_tiny_model(
         bos_token_id=token_to_id[BOS],
     )
     if vision:
-        config = _vision_config(arch, common, token_to_id)
+        config = _vision_config(arch, common, token_to_id, vision_width)
     else:
         config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
     # A private RNG stream so building a model never shifts the caller's torch RNG.
@@ -189,9 +190,9 @@ def _tokenizer(chars: list[str], extra_special: list[str]):
     return fast, token_to_id
 
 
-def _vision_config(arch: str, text: dict, token_to_id: dict[str, int]):
+def _vision_config(arch: str, text: dict, token_to_id: dict[str, int], width: int):
     """A Qwen2-VL / Qwen2.5-VL config around the tiny text model: M-RoPE sections for its head size, a 2-block
-    vision tower of width 32 whose merger outputs the text model's width."""
+    vision tower `width` wide whose merger outputs the text model's width."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
     half = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary pairs per head: time, height, width
@@ -199,7 +200,6 @@ def _vision_config(arch: str, text: dict, token_to_id: dict[str, int]):
     sections = [t, (half - t) // 2, half - t - (half - t) // 2]
     text_config = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                "mrope_section": sections}}
-    width = 32
     if arch == "qwen2_vl":
         vision_config = dict(depth=2, embed_dim=width, hidden_size=text["hidden_size"], num_heads=2, mlp_ratio=2)
         cls = Qwen2VLConfig

@@ -4,8 +4,8 @@ In this process: loading and prompt encoding, the image column's layouts and eve
 plan), the schedule with the vision encoder's work, the sampler's log-probs against the training forward, the
 planner (memory, findings, EasyR1's geometry config), Geometry3K answers. Real processes (gloo, `vl_runs`): the same
 model on 1 and 3 processes replicated and sharded (activation checkpointing on), a frozen vision tower bit-unchanged
-(bf16), resume 3 -> 2 processes, a vision-language model on text under FSDP (every forward runs the tower, so the
-ranks' collectives meet).
+(bf16, a reserved rollout rank), resume 3 -> 2 processes, a vision-language model on text under FSDP (every forward
+runs the tower, so the ranks' collectives meet).
 vLLM is not tested with images: its Qwen2-VL code needs torchvision, which this CPU set-up cannot install (the
 engine and the plan refuse it here, tested below).
 """
@@ -181,6 +181,10 @@ def test_image_settings_the_run_cannot_take(vl, capsys):
     code, out, _ = evenrl_here(capsys, "plan", vl["cfg"], "data.min_pixels=5000", "data.max_pixels=4000",
                                "rollout.engine=vllm", "algo.advantage=gae")
     assert code == 1 and all(f"ERROR   {r}" in out for r in ("pixel-bounds", "vllm-vision", "critic-vision")), out
+    from evenrl.engines.vllm_engine import require_vision
+
+    with pytest.raises(UsageError, match="torchvision, which is not installed here"):  # the engine's own refusal
+        require_vision()
 
 
 # ------------------------------------------------------------------------------------ the schedule's balance
@@ -271,8 +275,8 @@ def vl_runs(vl, tmp_path_factory):
                "{name: 'toy_rewards:digit_fraction', weight: 0.5}]"]
     runs = {"three": [*base, "--nproc-per-node", "3"],
             "fsdp3": [*base, "--nproc-per-node", "3", "parallel.sharding=fsdp", "model.gradient_checkpointing=true"],
-            "frozen2": ["train", vl["cfg"], "--nproc-per-node", "2", "model.freeze_vision_tower=true",
-                        "model.dtype=bfloat16"],
+            "frozen_reserved": ["train", vl["cfg"], "--nproc-per-node", "3", "--rollout-devices", "1",
+                                "model.freeze_vision_tower=true", "model.dtype=bfloat16"],
             "text_fsdp2": [*on_text, "--nproc-per-node", "2", "parallel.sharding=fsdp"],
             "one": base, "text_one": on_text}
     done = evenrl_many({name: [*args, f"log.run_dir={root / name}"] for name, args in runs.items()})
@@ -296,8 +300,9 @@ def test_geometry_on_one_and_three_processes_replicated_and_sharded(vl_runs):
 
 @pytest.mark.slow
 def test_a_frozen_vision_tower_is_bit_unchanged(vl, vl_runs):
-    """model.freeze_vision_tower on 2 processes in bf16 mixed precision: the tower's fp32 weights stay as loaded."""
-    start, end = load_file(str(Path(vl["model"]) / "model.safetensors")), final_params(vl_runs["frozen2"])
+    """model.freeze_vision_tower in bf16 mixed precision, 2 trainers and 1 reserved rollout rank (its hf engine
+    samples the images; pushes leave the tower out at both ends): the tower's fp32 weights stay as loaded."""
+    start, end = load_file(str(Path(vl["model"]) / "model.safetensors")), final_params(vl_runs["frozen_reserved"])
     tower = [k for k in start if k.startswith("visual.")]
     assert tower and all(torch.equal(start[k], end[k]) for k in tower)
     assert max(float((start[k] - end[k]).abs().max()) for k in start if k not in tower) > 1e-4

@@ -271,7 +271,7 @@ def vl_runs(vl, tmp_path_factory):
     write_addition_data(text)
     base = ["train", vl["cfg"], f"eval.path={vl['data']}", "eval.max_prompts=6"]
     on_text = ["train", vl["cfg"], f"data.path={text}", "data.prompt_field=prompt", "data.image_key=''",
-               "data.max_prompt_tokens=16", "rewards.functions=[{name: exact_match}, "
+               "data.max_prompt_tokens=16", "train.steps=1", "rewards.functions=[{name: exact_match}, "
                "{name: 'toy_rewards:digit_fraction', weight: 0.5}]"]
     runs = {"three": [*base, "--nproc-per-node", "3"],
             "fsdp3": [*base, "--nproc-per-node", "3", "parallel.sharding=fsdp", "model.gradient_checkpointing=true"],

@@ -71,9 +71,9 @@ def read_model_config(path: str) -> dict:
     return cfg
 
 
-def is_vision_config(cfg: dict) -> bool:
+def is_vision_config(cfg: dict | None) -> bool:
     """Whether a config.json (dict) is one of the vision-language models evenrl trains."""
-    return cfg.get("model_type") in VISION_TYPES
+    return isinstance(cfg, dict) and cfg.get("model_type") in VISION_TYPES
 
 
 def check_weights(path: str) -> None:

@@ -31,7 +31,7 @@ def _logp_and_grads(model, batch, shared: bool, monkeypatch):
     logits, targets, mask = U.response_logits(model, batch, pad_token_id=0)
     logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
     (logp * mask * torch.linspace(0.5, 1.5, logp.shape[1])).sum().backward()
-    return (logp * mask).detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (logp * mask).detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -50,13 +50,23 @@ def test_shared_prefix_forward_matches_plain(tmp_path, monkeypatch, arch):
 
 def _masked_path(monkeypatch):
     monkeypatch.setattr(U, "_packs", lambda m: False)
-    monkeypatch.setattr(U.LeanDecoder, "supports", classmethod(lambda cls, m: False))
+    monkeypatch.setattr(U.LeanDecoder, "plain", classmethod(lambda cls, m: False))
 
 
 @pytest.mark.parametrize("path", ["packed", "right_padded"])
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2+lora"])
 def test_lean_forwards_match_the_models_masked_one(tmp_path, monkeypatch, arch, path):
-    model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch, seed=2))
+    """Also with LoRA adapters in the projections: both paths call the model's own modules, adapters included."""
+    model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch.split("+")[0], seed=2))
+    if arch.endswith("+lora"):
+        from evenrl.config import RunConfig
+        from evenrl.models.lora import add_adapters
+
+        add_adapters(model, RunConfig().model.lora.model_copy(update={"rank": 4}))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.3)
     model.train()
     batch = _batch([9, 3, 14, 1], samples=2, max_resp=7, seed=3)  # unequal prompts and responses
     assert U._packs(model)

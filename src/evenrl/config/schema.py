@@ -59,6 +59,26 @@ def _check_leaves(ann: Any, value: Any) -> None:
                 _check_leaves(args[0], item)
 
 
+class LoraConfig(_Section):
+    rank: int = Field(
+        0, ge=0, le=1024,
+        description="LoRA rank r (peft): train low-rank adapters on the frozen base instead of every weight; 0: off, "
+                    "full fine-tuning. Only the adapters are trained, reduced and saved (with their AdamW state); the "
+                    "base stays in model.dtype, the adapters in fp32, and the KL reference is the base with the "
+                    "adapters disabled (no reference copy). docs/lora.md.")
+    alpha: float = Field(16.0, gt=0.0, le=1e6, description="LoRA alpha: the adapters' update is scaled by "
+                                                            "alpha / rank (peft lora_alpha).")
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="Dropout on the adapters' input while training (peft lora_dropout). Above 0 the masks are "
+                    "drawn per micro-batch on each rank, so the update is no longer the same on every layout.")
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        default_factory=list, max_length=64,
+        description="Names of the linear layers that get adapters (peft target_modules: a module matches when its "
+                    "name ends with one). Empty: every linear layer inside the model's decoder blocks, found from "
+                    "the model (attention and MLP projections: q/k/v/o_proj, gate/up/down_proj for Qwen2/Llama).")
+
+
 class ModelConfig(_Section):
     path: str = Field("", description="Local Hugging Face model directory (holds config.json). Never downloaded.")
     dtype: Literal["float32", "bfloat16"] = Field(
@@ -75,6 +95,7 @@ class ModelConfig(_Section):
         False, description="Vision-language models (Qwen2-VL, Qwen2.5-VL): leave the vision encoder and its merger "
                            "untrained (EasyR1's name). They get no gradients or optimizer state, and weight pushes "
                            "to an engine leave them out.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft); rank 0: off.")
 
 
 class DataConfig(_Section):
@@ -289,6 +310,9 @@ class LogConfig(_Section):
     samples_every_steps: int = Field(10, ge=0, description="Log a few completions every this many steps (0: never).")
     tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
+    save_merged: bool = Field(
+        False, description="model.lora.rank > 0: besides the adapter in final/ (PEFT's format), write the base with "
+                           "the adapter merged into final/merged/, a plain Hugging Face model.")
 
 
 class EvalConfig(_Section):

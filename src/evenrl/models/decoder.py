@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from evenrl.models.lora import has_adapters
+
 
 # Below this many keys, LeanDecoder.step computes the softmax as exp(s - max) / sum: torch.softmax's CPU kernel takes
 # 90-440 us on [1024, 2, L<16] float32 rows against 25-90 us for the four ops (2 cores, AVX-512), 31 us at L = 16.
@@ -34,6 +36,13 @@ class LeanDecoder:
 
     @classmethod
     def supports(cls, model) -> bool:
+        # LoRA adapters (peft) sit inside the projections whose weights this class reads directly
+        return cls.plain(model) and not has_adapters(model)
+
+    @classmethod
+    def plain(cls, model) -> bool:
+        """A plain Qwen2/Llama on whole parameters: what this class's arithmetic and the packed training forward,
+        which calls the model's own modules (adapters included), cover."""
         if not any(c.__name__ in cls.ARCHS for c in type(model).__mro__):  # FSDP2 subclasses the model's class
             return False
         cfg, inner = model.config, getattr(model, "model", None)

@@ -1,0 +1,109 @@
+"""LoRA adapters on a loaded causal LM, through peft (model.lora): added in place, so the model stays its own
+Hugging Face class (transformers' adapter support: `add_adapter`, `disable_adapters`, `save_pretrained` in PEFT's
+format) and every forward path, sharding and the sampler take it as they take any model.
+
+    model, tok = load_policy(path, dtype="bfloat16")     # the frozen base, in model.dtype
+    add_adapters(model, cfg.model.lora)                   # fp32 adapters, the only trainable parameters
+    with adapters_disabled(model): ...                    # the base model: the KL reference, on the same weights
+
+An adapter tensor keeps its state-dict name (`...q_proj.lora_A.default.weight`): what the trainer pushes to an
+engine's own copy and what checkpoints hold. `merged(model, name, weight)` is a base weight with its adapter's
+update added by peft (`get_delta_weight`), for engines that cannot load adapters and for final/merged/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from evenrl.config.schema import LoraConfig
+from evenrl.errors import UsageError, first_line
+
+ADAPTER = "default"  # peft's name for a model's single adapter
+
+
+def default_targets(model) -> list[str]:
+    """The names of the linear layers inside the model's decoder (its attention and MLP projections), as peft's
+    target_modules: every leaf name of an nn.Linear under `get_decoder()`, so the output head and the embeddings
+    are never adapted."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    names = sorted({name.rsplit(".", 1)[-1] for name, m in (decoder.named_modules() if decoder is not None else [])
+                    if isinstance(m, torch.nn.Linear)})
+    if not names:
+        raise UsageError(f"model.lora.target_modules: {type(model).__name__} has no linear layers inside a decoder "
+                         "to find; name them, e.g. model.lora.target_modules=[q_proj,v_proj]")
+    return names
+
+
+def add_adapters(model, lora: LoraConfig) -> None:
+    """Add LoRA adapters (model.lora) to `model` in place: the base parameters are frozen, the adapters are drawn from
+    the torch RNG (lora_A; lora_B starts at zero, so the model starts as the base) and held in fp32 whatever the
+    base's dtype."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+
+    targets = list(lora.target_modules) or default_targets(model)
+    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                            task_type="CAUSAL_LM")
+    try:
+        model.add_adapter(config, adapter_name=ADAPTER)
+    except ValueError as e:  # peft: a target module the model does not have
+        raise UsageError(f"model.lora.target_modules: got {targets}; {first_line(e)}") from None
+    cast_adapter_dtype(model, ADAPTER)  # fp32, as peft's get_peft_model does
+
+
+def has_adapters(model) -> bool:
+    return bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+def adapter_config(model):
+    """The peft LoraConfig of the model's adapter (what PEFT's adapter_config.json holds), None without adapters."""
+    return model.peft_config[ADAPTER] if has_adapters(model) else None
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a state-dict name is an adapter tensor."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def peft_name(name: str) -> str:
+    """An adapter tensor's name in PEFT's files (`base_model.model.` + the name without the adapter's own), as
+    transformers' save_pretrained writes it and vLLM reads it."""
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Within the block `model` computes as its base: the adapters are skipped by every adapted layer."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model.disable_adapters()
+    # peft also freezes the adapters it disables; they stay trainable here: FSDP2 fixes a unit's gradient dtypes from
+    # the parameters that require grad at its first forward, which may be this one (then bf16 gradients for fp32
+    # adapters, refused at the reduce-scatter)
+    for p in trainable:
+        p.requires_grad_(True)
+    try:
+        yield model
+    finally:
+        model.enable_adapters()
+
+
+def adapted_layers(model) -> dict[str, torch.nn.Module]:
+    """Each adapted layer by the state-dict name of its base weight (`...q_proj.base_layer.weight`)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {f"{name}.base_layer.weight": m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merged_name(name: str) -> str:
+    """The Hugging Face name of a state-dict name once the adapters are merged (`q_proj.base_layer.weight` ->
+    `q_proj.weight`)."""
+    return name.replace(".base_layer.", ".")
+
+
+def merged(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (the layer's base weight, whole) plus the update its adapter makes (peft's get_delta_weight, on the
+    layer's adapter tensors, which must be whole too), in the weight's dtype; a new tensor, the base is untouched."""
+    with torch.no_grad():
+        return (weight + layer.get_delta_weight(ADAPTER).to(weight.device)).to(weight.dtype)

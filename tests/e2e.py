@@ -159,3 +159,18 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def engine_gap(engine, model, prompts: list, params, pad_token_id: int) -> float:
+    """Largest |engine log-prob - trainer log-prob| over the tokens `engine` samples for `prompts` (keys 0..n-1,
+    step 1), the trainer's from `model`'s forward on the same tokens."""
+    from evenrl.core.batch import Batch
+    from evenrl.train.update import compute_logprobs
+
+    res = engine.generate(prompts, list(range(len(prompts))), params, step=1)
+    rows = [(p, c) for p, r in zip(prompts, res) for c in r]
+    batch = Batch({"tokens": [torch.tensor(p + c.token_ids) for p, c in rows],
+                   "response_len": torch.tensor([len(c.token_ids) for _, c in rows])})
+    trainer = compute_logprobs(model, batch, [[i] for i in range(len(rows))], temperature=params.temperature,
+                               pad_token_id=pad_token_id)
+    return max(float((t - torch.tensor(c.logprobs)).abs().max()) for t, (_, c) in zip(trainer, rows))

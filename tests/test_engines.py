@@ -9,17 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from e2e import evenrl, evenrl_here, evenrl_many, final_params, max_diff, metrics
+from e2e import engine_gap, evenrl, evenrl_here, evenrl_many, final_params, max_diff, metrics
 from evenrl.config import RunConfig
 from evenrl.distributed.weights import full_weights
 from evenrl.engines import HFEngine, SamplingParams, make_engine
 from evenrl.engines import vllm_engine
+from evenrl.engines.payload import merged_weights
 from evenrl.models.loading import load_policy
+from evenrl.models.lora import add_adapters
 from evenrl.testing import make_tiny_model
 from evenrl.train.objectives import logprob_mismatch
 from evenrl.train.runlog import MISMATCH_THRESHOLD
-from evenrl.train.update import compute_logprobs
-from evenrl.core.batch import Batch
 
 @pytest.fixture
 def vllm_installed():
@@ -85,17 +85,11 @@ def test_vllm_logprobs_match_the_trainer_after_a_weight_push(vllm_setup):
     engine's per-token log-probs equal the trainer's forward on the same tokens: fp32, |diff| < 2e-4 (measured
     ~1e-6). Before the push they differ by far more, so the check can fail."""
     engine, model, tok = vllm_setup
-    prompts, keys = prompts_of(tok, 4), [0, 1, 2, 3]
+    prompts = prompts_of(tok, 4)
     params = SamplingParams(max_new_tokens=12, temperature=TEMPERATURE, samples_per_prompt=2, seed=1)
 
     def worst_gap():
-        res = engine.generate(prompts, keys, params, step=1)
-        rows = [(p, c) for p, r in zip(prompts, res) for c in r]
-        batch = Batch({"tokens": [torch.tensor(p + c.token_ids) for p, c in rows],
-                       "response_len": torch.tensor([len(c.token_ids) for _, c in rows])})
-        trainer = compute_logprobs(model, batch, [[i] for i in range(len(rows))], temperature=TEMPERATURE,
-                                   pad_token_id=tok.pad_token_id)
-        return max(float((t - torch.tensor(c.logprobs)).abs().max()) for t, (_, c) in zip(trainer, rows))
+        return engine_gap(engine, model, prompts, params, tok.pad_token_id)
 
     engine.update_weights(full_weights(model))
     assert worst_gap() < 2e-4
@@ -107,6 +101,27 @@ def test_vllm_logprobs_match_the_trainer_after_a_weight_push(vllm_setup):
     engine.update_weights(full_weights(model, bucket_bytes=20_000))  # several buckets
     fresh = worst_gap()
     assert stale > 0.01 and fresh < 2e-4, (stale, fresh)
+
+
+@needs_vllm
+def test_vllm_without_adapters_takes_a_lora_policy_merged(vllm_setup):
+    """Where vLLM cannot load a LoRA policy's adapters, a push is its weights with the adapters merged by peft
+    (engines.payload.merged_weights, plain Hugging Face names): the engine's log-probs are then the LoRA model's."""
+    engine, model, tok = vllm_setup
+    policy, _ = load_policy(model.name_or_path)
+    add_adapters(policy, RunConfig().model.lora.model_copy(update={"rank": 8}))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.1, generator=g)
+    params = SamplingParams(max_new_tokens=12, temperature=TEMPERATURE, samples_per_prompt=2, seed=1)
+    try:
+        engine.update_weights(merged_weights(policy, dtype=torch.float32, bucket_bytes=20_000))
+        assert engine_gap(engine, policy, prompts_of(tok, 4), params, tok.pad_token_id) < 2e-4
+        assert engine_gap(engine, model, prompts_of(tok, 4), params, tok.pad_token_id) > 0.01  # not the base
+    finally:
+        engine.update_weights(full_weights(model))
 
 
 @needs_vllm

@@ -13,7 +13,7 @@ same order. On a replicated model they gather nothing and cost nothing.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -64,30 +64,39 @@ def full_weights(model: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES, dt
     tensor object, gathered once.
     Every rank gets every bucket: with sharding, each tensor is all-gathered as its bucket is made, so a caller that
     only sends from one rank must still iterate on all of them. Names in `skip` are left out, ungathered (a frozen
-    vision tower: evenrl.models.vision.frozen_names)."""
+    vision tower: evenrl.models.vision.frozen_names; all but a LoRA policy's adapters: engines.payload)."""
     from torch.distributed.tensor import DTensor
 
+    def whole_tensors():
+        whole: dict[int, torch.Tensor] = {}  # id of a state-dict tensor -> its whole form: a tied tensor is made once
+        for name, t in model.state_dict(keep_vars=True).items():  # the parameters themselves: tied ones are one object
+            if name in skip:
+                continue
+            if id(t) not in whole:
+                source, t = t, t.detach()
+                if isinstance(t, DTensor):
+                    with guard("weight all-gather"):
+                        t = t.full_tensor()
+                whole[id(source)] = t if dtype is None else t.to(dtype)
+                t = source
+            yield name, whole[id(t)]
+
+    return buckets(whole_tensors(), bucket_bytes)
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(name, tensor) pairs in buckets of at most `bucket_bytes` (a larger tensor goes alone; a tensor under several
+    names counts once per bucket)."""
     bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    whole: dict[int, torch.Tensor] = {}  # id of a state-dict tensor -> its whole form: a tied tensor is made once
-    for name, t in model.state_dict(keep_vars=True).items():  # the parameters themselves: tied ones are one object
-        if name in skip:
-            continue
-        if id(t) in whole:
-            bucket.append((name, whole[id(t)]))
-            continue
-        source = t
-        t = t.detach()
-        if isinstance(t, DTensor):
-            with guard("weight all-gather"):
-                t = t.full_tensor()
-        if dtype is not None:
-            t = t.to(dtype)
-        whole[id(source)] = t
-        if bucket and size + t.nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
+    size, seen = 0, set()
+    for name, t in named:
+        if id(t) not in seen:
+            if bucket and size + t.nbytes > bucket_bytes:
+                yield bucket
+                bucket, size, seen = [], 0, set()
+            size += t.nbytes
+            seen.add(id(t))
         bucket.append((name, t))
-        size += t.nbytes
     if bucket:
         yield bucket

@@ -22,9 +22,10 @@ __all__ = ["Engine", "Completion", "HFEngine", "SamplingParams", "make_engine"]
 def make_engine(cfg, model, *, eos_token_ids: set[int], pad_token_id: int, device: torch.device) -> Engine:
     """The engine `cfg.rollout.engine` names, for this rank. `model` is the one the hf engine samples from (the
     trainer's, or a rollout rank's own copy); vLLM loads its own copy from cfg.model.path and is fed weights by the
-    weight sync."""
+    weight sync (with model.lora: only the adapters of `model`, where vLLM can load them)."""
     if cfg.rollout.engine == "vllm":
         from evenrl.engines.vllm_engine import VLLMEngine
+        from evenrl.models.lora import adapter_config
 
-        return VLLMEngine(cfg, eos_token_ids=eos_token_ids, device=device)
+        return VLLMEngine(cfg, eos_token_ids=eos_token_ids, device=device, adapter=adapter_config(model))
     return HFEngine(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)

@@ -18,6 +18,8 @@ its buckets pulled one at a time: the CPU backend repacks linear weights after l
 does not work there. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a push hands over
 tensors without copying them through a pipe. On GPU, sleep() frees the KV cache and offloads the weights while the
 trainer updates (vLLM sleep mode level 1); on CPU vLLM has no sleep mode and sleep()/wake() do nothing.
+With model.lora the engine keeps the base it loaded and takes each push as a LoRA adapter (engines.vllm_lora; the CPU
+build supports it), or, where this vLLM cannot load the policy's adapters, the merged weights by the reload above.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from evenrl.engines import payload as engines_payload
+from evenrl.engines import vllm_lora
 from evenrl.engines.base import Completion, SamplingParams, row_seed
 from evenrl.errors import UsageError
 from evenrl.models.files import VISION_TYPES
@@ -66,7 +70,7 @@ class VLLMEngine:
     name = "vllm"
     needs_weights = True
 
-    def __init__(self, cfg, *, eos_token_ids: set[int], device: torch.device):
+    def __init__(self, cfg, *, eos_token_ids: set[int], device: torch.device, adapter=None):
         require()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only; never the hub
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
@@ -111,6 +115,10 @@ class VLLMEngine:
             # an explicit KV size is what VLLM_CPU_KVCACHE_SPACE sets, in bytes instead of whole GiB.
             kw.update(enforce_eager=True, kv_cache_memory_bytes=int(frac * _total_ram()) if frac else
                       _CPU_KV_DEFAULT_BYTES)
+        # model.lora: the engine loads each pushed adapter version (`adapter`: the policy's peft config), where it can
+        self.slots = None
+        if adapter is not None and engines_payload.takes_adapters(cfg)[0]:
+            kw.update(vllm_lora.engine_kwargs(cfg.model.lora.rank, cfg.rollout.max_staleness + 1))
         # vLLM seeds the global torch RNG and caps torch.set_num_threads when its worker starts: keep the trainer's.
         threads = torch.get_num_threads()
         set_threads = torch.set_num_threads
@@ -118,6 +126,8 @@ class VLLMEngine:
             self.llm = LLM(**kw)
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
+        if kw.get("enable_lora"):
+            self.slots = vllm_lora.AdapterSlots(self.llm, adapter, keep=cfg.rollout.max_staleness + 1)
         self.asleep = False
 
     # ------------------------------------------------------------------ generate
@@ -142,7 +152,8 @@ class VLLMEngine:
                                    top_p=params.top_p, seed=row_seed(params.seed, step, k, s) & _SEED_MASK,
                                    logprobs=0, stop_token_ids=self.eos_ids, detokenize=False))
                 where.append((i, s))
-        outs = self.llm.generate(requests, sps, use_tqdm=False)
+        outs = self.llm.generate(requests, sps, use_tqdm=False,
+                                 lora_request=self.slots.current if self.slots is not None else None)
         eos = set(self.eos_ids)
         result: list[list[Completion]] = [[] for _ in prompts]
         for (i, s), out in zip(where, outs):
@@ -156,6 +167,9 @@ class VLLMEngine:
     def update_weights(self, buckets) -> None:
         """Load the trainer's weights bucket by bucket (tied names included: vLLM keeps the output head apart), then
         drop the prefix cache: its KV blocks were computed with the old weights."""
+        if self.slots is not None:  # a LoRA policy's adapters: the base never changes
+            self.slots.load(buckets)
+            return
         # One reload for all buckets, pulled lazily: vLLM's reload re-initialises every layer first and finishes
         # each one when its last tensor arrives, so a reload per bucket would leave the others empty (NaN). Only
         # one bucket is whole at a time; the engine runs in this process, so the generator is handed over as is.

@@ -1,0 +1,83 @@
+"""LoRA adapters in a vLLM engine: each pushed adapter version becomes one vLLM LoRA (PEFT's format, written to shared
+memory), the newest is the one generation samples from, and older ones are released so they never pile up.
+
+    slots = AdapterSlots(llm, peft_config, keep=max_staleness + 1)
+    slots.load(buckets)                 # the trainer's adapter tensors (state-dict names), one version
+    llm.generate(..., lora_request=slots.current)
+
+vLLM is started with `max_loras = max_cpu_loras = keep`: the version being sampled and the ones pushed ahead of it
+under rollout.max_staleness; a load beyond that removes the oldest (vLLM would otherwise evict by its own LRU).
+Whether the engine takes adapters at all is `supports_adapters` (else the trainer pushes merged weights).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import typing
+from pathlib import Path
+
+from evenrl.models.lora import peft_name
+
+
+def supports_adapters(rank: int, hf_config: dict) -> str | None:
+    """None when this vLLM build loads adapters of `rank` for this model; else why not (the trainer then pushes
+    merged weights)."""
+    from vllm.config.lora import MaxLoRARanks
+
+    largest = max(typing.get_args(MaxLoRARanks))
+    if rank > largest:
+        return f"vLLM's LoRA takes ranks up to {largest}, model.lora.rank is {rank}"
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_lora
+
+        for arch in hf_config.get("architectures") or []:
+            cls = ModelRegistry._try_load_model_cls(arch)  # no public lookup of a class by architecture name
+            if cls is not None and not supports_lora(cls):
+                return f"vLLM's {arch} has no LoRA support"
+    except (ImportError, AttributeError):  # another vLLM layout: its engine start says so if the model has none
+        pass
+    return None
+
+
+def engine_kwargs(rank: int, keep: int) -> dict:
+    """LLM(...) arguments for `keep` adapter slots of `rank`."""
+    from vllm.config.lora import MaxLoRARanks
+
+    return dict(enable_lora=True, max_loras=keep, max_cpu_loras=keep,
+                max_lora_rank=min(r for r in typing.get_args(MaxLoRARanks) if r >= rank))
+
+
+class AdapterSlots:
+    def __init__(self, llm, peft_config, keep: int):
+        self.llm, self.config, self.keep = llm, peft_config, keep
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.dir = tempfile.TemporaryDirectory(prefix="evenrl-lora-", dir=root)
+        self.loaded: list = []  # LoRARequests, oldest first
+        self.pushes = 0
+
+    @property
+    def current(self):
+        """The adapter generation samples from: the last one loaded (None before the first load: the base model)."""
+        return self.loaded[-1] if self.loaded else None
+
+    def load(self, buckets) -> None:
+        """One adapter version as PEFT's files, added to the engine; the oldest beyond `keep` is removed."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self.pushes += 1
+        where = Path(self.dir.name) / f"v{self.pushes}"
+        where.mkdir()
+        tensors = {peft_name(n): t.detach().to("cpu", copy=True).contiguous() for b in buckets for n, t in b}
+        save_file(tensors, str(where / "adapter_model.safetensors"))
+        self.config.save_pretrained(str(where))  # adapter_config.json, as peft writes it
+        request = LoRARequest(f"evenrl-{self.pushes}", self.pushes, str(where))
+        self.llm.llm_engine.add_lora(request)
+        self.loaded.append(request)
+        while len(self.loaded) > self.keep:
+            old = self.loaded.pop(0)
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)

@@ -2,7 +2,8 @@
 
 A checkpoint is a directory `checkpoints/step-000010/` holding
   state/       model weights and optimizer moments (the critic's too, when the run trains one: algo.advantage=gae),
-               by parameter name, in torch.distributed.checkpoint (DCP) format:
+               by parameter name, in torch.distributed.checkpoint (DCP) format; only what trains (with
+               model.lora the adapters and their moments: the frozen base is model.path's):
                each rank writes the pieces it holds (its shards under sharding=fsdp; replicated tensors are written
                once, by one rank), and DCP reads back whatever pieces a rank needs, so a checkpoint saved on 3 ranks
                loads on 2 or 4, and a replicated run can resume sharded and back.
@@ -19,7 +20,8 @@ checkpoint and `latest` valid. DCP's index file is a pickle: it is read with an 
 own metadata classes, torch sizes and dtypes (anything else is refused), and the tensor files with
 torch.load(weights_only=True).
 `final/` is a Hugging Face directory (safetensors, full state dict), gathered bucket by bucket
-(evenrl.distributed.weights.full_weights).
+(evenrl.distributed.weights.full_weights); with model.lora the adapter in PEFT's format (loaded onto model.path by
+peft or vLLM as is), and with log.save_merged the base with the adapter merged by peft in `final/merged/`.
 """
 
 from __future__ import annotations
@@ -42,12 +44,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.weights import full_weights
 from evenrl.engines.versions import fsync_dir
 from evenrl.errors import RunStopped, UsageError
+from evenrl.models.lora import has_adapters, is_adapter
+
+# Loading checks that every tensor of the template (_trained_state) is in the checkpoint (DCP) before set_state_dict,
+# which may then leave the frozen ones out.
+_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -98,7 +105,7 @@ def save(ckpt_root: str | os.PathLike, state: Checkpointed, *, keep: int = 2) ->
     dist.barrier()
     tensors, groups = {}, {}
     for prefix, (m, opt) in _prefixed(state.trained()).items():
-        model_state, optim_state = get_state_dict(m, opt)
+        model_state, optim_state = _trained_state(m, opt)
         tensors.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
         groups[f"{prefix}param_groups"] = optim_state["param_groups"]
     try:
@@ -226,7 +233,7 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
     # The model's own (sharded or whole) tensors are the templates DCP reads into, each rank the pieces it holds.
     tensors = {}
     for prefix, (m, opt) in models.items():
-        model_state, optim_state = get_state_dict(m, opt)
+        model_state, optim_state = _trained_state(m, opt)
         tensors.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
     index = path / "state" / ".metadata"
     try:  # the index alone first: a refused or unreadable one is named here, not inside DCP's per-rank report
@@ -250,7 +257,8 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
         for prefix, (m, opt) in models.items():
             set_state_dict(m, opt, model_state_dict=tensors[f"{prefix}model"],
                            optim_state_dict={"state": tensors[f"{prefix}optimizer"],
-                                             "param_groups": trainer_state[f"{prefix}param_groups"]})
+                                             "param_groups": trainer_state[f"{prefix}param_groups"]},
+                           options=_TRAINED)
     except (KeyError, ValueError, RuntimeError) as e:
         raise UsageError(f"{path}: checkpoint does not match this model or optimizer ({_last_line(e)[:160]}); "
                          "resume with the same model and settings") from None
@@ -261,6 +269,14 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
                          f"{str(e).splitlines()[0][:120] if str(e) else 'missing state'}); it was saved by "
                          "another model or optimizer, or is damaged") from None
     return step
+
+
+def _trained_state(model, optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts of what trains: a LoRA policy's frozen base is model.path's, not saved (also
+    under a tied name, which DCP's ignore_frozen_params keeps: it looks the frozen tensors up by their first name)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_state.items() if k not in frozen}, optim_state
 
 
 def _prefixed(trained: dict) -> dict:
@@ -306,22 +322,41 @@ def _last_line(e: BaseException) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
-def save_final(model, tokenizer, out: Path, image_processor=None) -> None:
+def save_final(model, tokenizer, out: Path, image_processor=None, *, merged: bool = False) -> None:
     """The trained model as a Hugging Face directory (safetensors, full state dict), written atomically by rank 0,
-    with its tokenizer and a vision-language model's image processor (with the run's pixel bounds).
+    with its tokenizer and a vision-language model's image processor (with the run's pixel bounds). With LoRA
+    adapters: the adapter alone in PEFT's format, and with `merged` the base with the adapter merged in out/merged/.
     Every rank calls it: a sharded model's tensors are gathered bucket by bucket (only rank 0 keeps them)."""
+    lora = has_adapters(model)
+    skip = frozenset(name for name in model.state_dict() if not is_adapter(name)) if lora else frozenset()
     full, copies = {}, {}
-    for bucket in full_weights(model):
+    for bucket in full_weights(model, skip=skip):
         if dist.is_main():  # tied names share one copy, so save_pretrained sees them tied and writes one
             full.update((name, copies.setdefault(id(t), t.to("cpu", copy=True))) for name, t in bucket)
     if dist.is_main():
         tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, state_dict=full)  # safetensors by default
+        model.save_pretrained(tmp, state_dict=full)  # safetensors by default; with adapters, PEFT's files
         tokenizer.save_pretrained(tmp)
         if image_processor is not None:
             image_processor.save_pretrained(tmp)
+        if lora and merged:
+            _save_merged(tmp, [tokenizer, image_processor], model.dtype)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)
     dist.barrier()
+
+
+def _save_merged(adapter_dir: Path, processors: list, dtype: torch.dtype) -> None:
+    """The base (model.path, as the adapter names it) with the adapter in `adapter_dir` merged by peft, as a plain
+    Hugging Face model in adapter_dir/merged/, with the tokenizer (and image processor) beside it."""
+    from peft import PeftConfig, PeftModel
+
+    from evenrl.models.loading import load_policy
+
+    base, _ = load_policy(PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path, dtype=dtype)
+    PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload().save_pretrained(adapter_dir / "merged")
+    for processor in processors:
+        if processor is not None:
+            processor.save_pretrained(adapter_dir / "merged")

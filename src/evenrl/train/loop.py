@@ -96,7 +96,8 @@ def run_steps(trainer: Trainer) -> None:
     if trainer.sync is not None:
         trainer.sync.finish()
     dist.mark("final save")
-    checkpoint.save_final(trainer.model, trainer.tokenizer, run_dir / "final", trainer.image_processor)
+    checkpoint.save_final(trainer.model, trainer.tokenizer, run_dir / "final", trainer.image_processor,
+                          merged=cfg.log.save_merged)
     log.close()
     if dist.is_main() and phases:
         print(phase_table(phases, cfg.train.steps - start), flush=True)

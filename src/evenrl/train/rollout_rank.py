@@ -11,18 +11,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from evenrl.config import RunConfig
 from evenrl.core.schedule import rollout_shares
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
-from evenrl.distributed.weights import full_weights
 from evenrl.engines import Engine, make_engine
 from evenrl.engines.base import sampling_params
+from evenrl.engines.payload import make_payload
 from evenrl.engines.sync import Broadcast
 from evenrl.models.loading import load_policy
-from evenrl.models.vision import frozen_names, prompt_image_inputs
+from evenrl.models.lora import add_adapters
+from evenrl.models.vision import prompt_image_inputs
 from evenrl.train import checkpoint
 from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.trainer import vision_setup
@@ -32,6 +31,8 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
     """Generate every step's samples of this replica, from step 1 or after checkpoint `found`."""
     # one whole copy in the engine's dtype: the hf engine samples from it, and it gives the push its layout
     model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
+    if cfg.model.lora.rank:  # the trainers' adapters, overwritten by every push; the base is the trainers' already
+        add_adapters(model, cfg.model.lora)
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     engine = make_engine(cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, device=info.device)
     processor, _ = vision_setup(cfg, model)
@@ -42,9 +43,7 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
     if found is not None:  # only where the run continues and which prompts come next; the weights come pushed
         start = checkpoint.read_meta(found)["step"]
         sampler.load_state_dict(checkpoint.read_state(found)["sampler"])
-    dtype = getattr(torch, cfg.model.dtype)
-    skip = frozen_names(model, cfg.model.freeze_vision_tower)  # what the trainers leave out of a push
-    sync = Broadcast(cfg, engine=engine, payload=lambda: full_weights(model, dtype=dtype, skip=skip),
+    sync = Broadcast(cfg, engine=engine, payload=make_payload(cfg, model),
                      ckpt_root=Path(cfg.log.run_dir) / "checkpoints")
     sync.begin(start, found)
     for step in range(start + 1, cfg.train.steps + 1):

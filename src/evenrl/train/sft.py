@@ -5,7 +5,8 @@
 
 Each row's target is its answer followed by EOS, after the (templated) prompt; the loss is the token-mean
 negative log-likelihood of the target tokens over the whole step, exact on any number of ranks.
-Writes the tuned model to `log.run_dir/final` (a Hugging Face directory) and metrics to `log.run_dir`.
+Writes the tuned model to `log.run_dir/final` (a Hugging Face directory; with model.lora the adapter in PEFT's
+format, and with log.save_merged the merged model in final/merged/) and metrics to `log.run_dir`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from evenrl.train.data import PromptSampler, load_data
 from evenrl.train import rundir
 from evenrl.train.checkpoint import save_final
 from evenrl.train.runlog import RunLog
-from evenrl.train.update import minibatch_denominators, minibatch_update, prepare_model
+from evenrl.train.trainer import trainable_model
+from evenrl.train.update import minibatch_denominators, minibatch_update
 
 
 def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
@@ -34,17 +36,14 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
         rundir.prepare(cfg.log.run_dir, overwrite=overwrite)
     dist.barrier()
     torch.manual_seed(cfg.train.seed)
-    from evenrl.models.loading import load_policy
-
-    model, tokenizer = load_policy(cfg.model.path, dtype="float32", device=info.device)  # fp32 master weights
-    prepare_model(model, cfg)
-    model.train()
+    model, tokenizer = trainable_model(cfg, cfg.model.path, info)  # the whole model, or with model.lora its adapters
     rows, prompt_tokens, _ = load_data(cfg, tokenizer)
     eos = tokenizer.eos_token_id
     targets = [tokenizer.encode(str(r["answer"]), add_special_tokens=False) + ([eos] if eos is not None else [])
                for r in rows]
     sampler = PromptSampler(len(rows), cfg.data.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=cfg.train.weight_decay)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr,
+                            weight_decay=cfg.train.weight_decay)
     run_dir = Path(cfg.log.run_dir)
     log = RunLog(str(run_dir), enabled=dist.is_main(), tensorboard=cfg.log.tensorboard,
                  progress_total=cfg.sft.steps, progress=cfg.log.progress, shown={"sft/nll": "nll"})
@@ -73,7 +72,7 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
                                  aggregation="token-mean", max_grad_norm=cfg.train.max_grad_norm,
                                  pad_token_id=tokenizer.pad_token_id)
         log.metrics(step, stats)
-    save_final(model, tokenizer, run_dir / "final")
+    save_final(model, tokenizer, run_dir / "final", merged=cfg.log.save_merged)
     log.close()
     dist.barrier()
     return run_dir

@@ -68,7 +68,8 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
         denoms = [minibatch_denominators(lens, mb.rows) for mb in schedule.minibatches]
     with timer("logprobs"):
         if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "loss":
-            add_logprobs(trainer, batch, "ref_logp", trainer.reference, flat(micro))
+            with trainer.reference_policy() as reference:                       # with LoRA: the adapters disabled
+                add_logprobs(trainer, batch, "ref_logp", reference, flat(micro))
         if needs_old_logprobs(cfg):
             add_logprobs(trainer, batch, "old_logp", trainer.model, flat(micro))
     with timer("update"):
@@ -227,8 +228,8 @@ def add_reward_kl(trainer: Trainer, batch: Batch) -> None:
     passes = max(dist.all_gather_object(len(batch))) if is_sharded(trainer.model) else len(batch)
     micro = singles(len(batch)) + [[]] * (passes - len(batch))
     logp = compute_logprobs(trainer.model, batch, micro, temperature=trainer.temperature, pad_token_id=trainer.pad_id)
-    ref = compute_logprobs(trainer.reference, batch, micro, temperature=trainer.temperature,
-                           pad_token_id=trainer.pad_id)
+    with trainer.reference_policy() as reference:
+        ref = compute_logprobs(reference, batch, micro, temperature=trainer.temperature, pad_token_id=trainer.pad_id)
     kl = [kl_penalty(a, b, trainer.cfg.algo.kl_estimator) for a, b in zip(logp, ref)]
     if trainer.cfg.algo.advantage in TOKEN_ADVANTAGES:
         batch["reward_kl"] = Ragged.of(kl, torch.float32)

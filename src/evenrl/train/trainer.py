@@ -7,6 +7,7 @@ Reserved rollout ranks have no Trainer: they run evenrl.train.rollout_rank.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,13 @@ import torch
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.sharding import shard
-from evenrl.distributed.weights import full_weights
 from evenrl.engines import Engine, make_engine
+from evenrl.engines.payload import make_payload
 from evenrl.engines.sync import WeightSync, make_weight_sync
 from evenrl.models.files import read_model_config
 from evenrl.models.loading import load_policy, with_value_head
-from evenrl.models.vision import frozen_names, is_vision_model, load_image_processor
+from evenrl.models.lora import adapters_disabled, add_adapters
+from evenrl.models.vision import is_vision_model, load_image_processor
 from evenrl.models.vision_config import vision_dims_from_config, vision_token_weight
 from evenrl.planner.memory import dims_from_config
 from evenrl.rewards import RewardFn, resolve
@@ -54,7 +56,7 @@ class Trainer:
     cfg: RunConfig
     policy: Trained
     critic: Trained | None  # algo.advantage=gae
-    reference: torch.nn.Module | None  # frozen, in the compute dtype; algo.kl_coef > 0
+    reference: torch.nn.Module | None  # frozen, in the compute dtype; algo.kl_coef > 0 without model.lora
     tokenizer: Any
     prompts: Prompts
     eval_prompts: Prompts  # empty without eval.path
@@ -80,6 +82,16 @@ class Trainer:
     def temperature(self) -> float:
         """The temperature log-probs are taken at: the sampling one, or 1 for greedy sampling."""
         return self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
+
+    @contextlib.contextmanager
+    def reference_policy(self):
+        """The KL reference for the duration of a `with` block: the frozen copy, or with model.lora the policy itself
+        with its adapters disabled (the base, on the same weights)."""
+        if self.reference is not None:
+            yield self.reference
+            return
+        with adapters_disabled(self.model) as base:
+            yield base
 
     def trained(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
         out = {"policy": (self.policy.model, self.policy.optimizer)}
@@ -121,7 +133,7 @@ def build_trainer(cfg: RunConfig, info) -> Trainer:
                                           head=lambda m: with_value_head(m, cfg.train.seed))
         critic = Trained(critic_model, *adamw(critic_model, cfg, cfg.critic.lr, cfg.critic.warmup_steps))
     reference = None
-    if cfg.algo.kl_coef > 0:  # frozen: held in the compute dtype, no master copy
+    if cfg.algo.kl_coef > 0 and not cfg.model.lora.rank:  # frozen: held in the compute dtype, no master copy
         reference, _ = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
         reference.eval().requires_grad_(False)
         if cfg.parallel.sharding == "fsdp":
@@ -131,9 +143,7 @@ def build_trainer(cfg: RunConfig, info) -> Trainer:
     if not dist.rollout_ranks():  # reserved rollout ranks generate everything: no second copy of the weights here
         engine = make_engine(cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
                              device=info.device)
-    dtype = getattr(torch, cfg.model.dtype)
-    skip = frozen_names(model, cfg.model.freeze_vision_tower)
-    sync = make_weight_sync(cfg, engine=engine, payload=lambda: full_weights(model, dtype=dtype, skip=skip),
+    sync = make_weight_sync(cfg, engine=engine, payload=make_payload(cfg, model),
                             ckpt_root=Path(cfg.log.run_dir) / "checkpoints")
     processor, weight = vision_setup(cfg, model)
     vision = (processor, model.config) if processor is not None else None
@@ -164,11 +174,16 @@ def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:
 
 def trainable_model(cfg: RunConfig, path: str, info, head=None):
     """(model, tokenizer) from `path`, ready to train: the policy, or with `head` (a function of the model) the
-    critic, so both go through the same construction."""
-    # fp32 master weights whatever model.dtype says: prepare_model sets the compute precision
-    model, tokenizer = load_policy(path, dtype="float32", device=info.device)
+    critic, so both go through the same construction. With model.lora the policy trains adapters only; the critic
+    trains whole."""
+    lora = head is None and cfg.model.lora.rank > 0
+    # fp32 master weights whatever model.dtype says (prepare_model sets the compute precision); a LoRA base is
+    # frozen, so it has no master copy: it is held in model.dtype, under fp32 adapters
+    model, tokenizer = load_policy(path, dtype=cfg.model.dtype if lora else "float32", device=info.device)
     if head is not None:
         model = head(model)
+    if lora:
+        add_adapters(model, cfg.model.lora)
     prepare_model(model, cfg)
     model.train()
     return model, tokenizer

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from evenrl.cli import main as cli_main
-from evenrl.config import load_config
+from evenrl.config import RunConfig, load_config
 from evenrl.errors import UsageError
 from evenrl.planner.peers import parse_flags, read_foreign, translate
 from evenrl.planner.layout import make_layout
@@ -378,3 +378,21 @@ def test_openrlhf_and_easyr1_map_the_new_estimators(tmp_path):
     easy["worker"] = {**easy["worker"], "critic": {"optim": {"lr": 4e-6}, "cliprange_value": 0.4}}
     _, cfg, _ = run(tmp_path, "easyr1", easy)
     assert (cfg.algo.advantage, cfg.algo.lam, cfg.critic.lr, cfg.critic.value_clip) == ("gae", 0.9, 4e-6, 0.4)
+
+
+@pytest.mark.parametrize("framework, content, want", [
+    ("verl", {"actor_rollout_ref": {"model": {"lora_rank": 32, "lora_alpha": 64, "target_modules": "all-linear"}}},
+     {"rank": 32, "alpha": 64.0}),
+    ("trl", {"use_peft": True, "lora_target_modules": ["q_proj", "v_proj"]},  # TRL's ModelConfig defaults
+     {"rank": 16, "alpha": 32.0, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}),
+    ("trl", {"peft_config": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}},
+     {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj"]}),
+    ("openrlhf", "--lora_rank 8 --lora_alpha 16 --target_modules q_proj k_proj",
+     {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "k_proj"]}),
+    ("openrlhf", "--lora_rank 0", {}),
+])
+def test_peer_lora_settings_become_model_lora(tmp_path, framework, content, want):
+    t, cfg, _ = run(tmp_path, framework, content)
+    assert cfg.model.lora.model_dump() == {**RunConfig().model.lora.model_dump(), **want}
+    if want.get("dropout"):
+        assert any("dropout masks are drawn per rank" in n for n in t.notes)

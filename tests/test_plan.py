@@ -91,6 +91,10 @@ CASES = [
     ("rollout-reserve-unused", "warning", ["rollout.memory_fraction=0.3"], {}, None, ["rollout.memory_fraction=0"]),
     ("warmup-longer-than-run", "warning", ["train.steps=10", "train.warmup_steps=50"], {}, None,
      ["10 optimizer steps", "train.warmup_steps=1"]),
+    ("lora-dropout", "warning", ["model.lora.rank=8", "model.lora.dropout=0.05"], {}, None,
+     ["dropout=0.05", "differs from one layout", "model.lora.dropout=0"]),
+    ("save-merged-without-lora", "warning", ["log.save_merged=true"], {}, None,
+     ["model.lora.rank is 0", "log.save_merged=false"]),
 ]
 
 

@@ -46,13 +46,21 @@ def model_dir(path: str) -> Path:
     return p
 
 
+def no_config_fix(d: Path) -> str:
+    """What to point model.path at instead of a directory without config.json."""
+    if (d / "adapter_config.json").is_file():
+        return ("it holds a LoRA adapter (PEFT's files), not a model: point model.path at a merged model "
+                "(log.save_merged=true writes final/merged/) or at the adapter's base")
+    return "expected a Hugging Face model directory (written by save_pretrained)"
+
+
 def read_model_config(path: str) -> dict:
     """config.json of the model directory, checked: a JSON object whose model_type is a causal LM this
     transformers can build (when its table of them can be read)."""
     d = model_dir(path)
     f = d / "config.json"
     if not f.is_file():
-        raise UsageError(f"{d}: no config.json; expected a Hugging Face model directory (written by save_pretrained)")
+        raise UsageError(f"{d}: no config.json; {no_config_fix(d)}")
     cfg = read_json(f, "the model's Hugging Face config")
     if not isinstance(cfg, dict):
         raise UsageError(f"{f}: top level is a {type(cfg).__name__}; expected a JSON object (the model's config)")
@@ -103,23 +111,22 @@ def check_weights(path: str) -> None:
     raise UsageError(f"{d}: no weights ({SAFE_WEIGHTS}, {SAFE_INDEX} or {PICKLE_WEIGHTS[0]}); {_REDOWNLOAD}")
 
 
+def weight_names(path: str) -> list[str]:
+    """The tensor names of the model's safetensors weights (from the index or the file's header); [] for other
+    formats."""
+    d = model_dir(path)
+    if (d / SAFE_WEIGHTS).exists():
+        return [name for name in _header(d / SAFE_WEIGHTS)[0] if name != "__metadata__"]
+    if (d / SAFE_INDEX).exists():
+        index = read_json(d / SAFE_INDEX, "a safetensors index ({\"weight_map\": {tensor: file}})")
+        shards = index.get("weight_map") if isinstance(index, dict) else None
+        return list(shards) if isinstance(shards, dict) else []
+    return []
+
+
 def check_safetensors(f: Path) -> None:
     """A safetensors file whose header (8-byte length, then JSON) describes exactly the bytes that follow."""
-    try:
-        size = f.stat().st_size
-        with f.open("rb") as fh:
-            head = fh.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-            if n is None or n > min(size - 8, CONFIG_MAX_BYTES):
-                what = "empty (0 bytes)" if size == 0 else f"not a safetensors file or truncated ({size:,} bytes)"
-                raise UsageError(f"{f}: {what}; {_REDOWNLOAD}")
-            header = json.loads(fh.read(n).decode("utf-8"))
-    except OSError as e:
-        raise UsageError(f"{f}: cannot read ({e.__class__.__name__}); {_REDOWNLOAD}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise UsageError(f"{f}: header is not JSON, not a safetensors file; {_REDOWNLOAD}") from None
-    if not isinstance(header, dict):
-        raise UsageError(f"{f}: header is not a JSON object, not a safetensors file; {_REDOWNLOAD}")
+    header, n, size = _header(f)
     end = 0
     for name, t in header.items():
         if name == "__metadata__":
@@ -139,6 +146,26 @@ def check_safetensors(f: Path) -> None:
     if size != expected:
         what = "truncated" if size < expected else "longer than its tensors"
         raise UsageError(f"{f}: {what}: {size:,} bytes, its header describes {expected:,}; {_REDOWNLOAD}")
+
+
+def _header(f: Path) -> tuple[dict, int, int]:
+    """(a safetensors file's JSON header, its length, the file's size)."""
+    try:
+        size = f.stat().st_size
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if n is None or n > min(size - 8, CONFIG_MAX_BYTES):
+                what = "empty (0 bytes)" if size == 0 else f"not a safetensors file or truncated ({size:,} bytes)"
+                raise UsageError(f"{f}: {what}; {_REDOWNLOAD}")
+            header = json.loads(fh.read(n).decode("utf-8"))
+    except OSError as e:
+        raise UsageError(f"{f}: cannot read ({e.__class__.__name__}); {_REDOWNLOAD}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UsageError(f"{f}: header is not JSON, not a safetensors file; {_REDOWNLOAD}") from None
+    if not isinstance(header, dict):
+        raise UsageError(f"{f}: header is not a JSON object, not a safetensors file; {_REDOWNLOAD}")
+    return header, n, size
 
 
 def _product(xs: list[int]) -> int:

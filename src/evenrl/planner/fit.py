@@ -7,7 +7,9 @@ that do not match the ranks, offload without sharding or on CPU, a rollout reser
 batch (enough prompts that every rank trains and generates, a multiple of ranks x mini-batches when the split
 is uneven) and the token cap (one sample, or min_rows samples, must fit); rollout.max_staleness=0 without reserved
 rollout devices, algo.filter_groups=false with them. Memory comes last: knobs from memory_fixes, least intrusive
-first, until the estimate fits. Layout problems and missing files stay in the re-plan: no setting fixes them. The original config is never changed; the result is validated.
+first, until the estimate fits (LoRA, model.lora.rank=16, only when full fine-tuning fits no other way). Layout
+problems and missing files stay in the re-plan: no setting fixes them. The original config is never changed; the
+result is validated.
 Pure Python: never imports torch.
 """
 
@@ -74,9 +76,10 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
     return new, changes
 
 
-# Least intrusive first; algorithm-changing knobs (kl, prompts) only when nothing else fits.
+# Least intrusive first; what trains (LoRA) and algorithm-changing knobs (kl, prompts) only when nothing else fits.
 _PREFERENCE = ["model.gradient_checkpointing", "parallel.sharding", "train.token_cap_per_micro_batch", "model.dtype",
-               "parallel.cpu_offload", "rollout.memory_fraction", "algo.kl_coef", "data.prompts_per_step"]
+               "parallel.cpu_offload", "rollout.memory_fraction", "model.lora.rank", "algo.kl_coef",
+               "data.prompts_per_step"]
 
 
 def _fit_memory(cfg: RunConfig, lay: Layout, dims: ModelDims) -> RunConfig:
@@ -89,8 +92,8 @@ def _fit_memory(cfg: RunConfig, lay: Layout, dims: ModelDims) -> RunConfig:
         fitting = [f for f in fixes if f.fits]
         rank = {key: i for i, key in enumerate(_PREFERENCE)}
         pick = (min(fitting, key=lambda f: (max(rank.get(k, 99) for k in f.settings), len(f.settings))) if fitting
-                else next((f for f in fixes if not {"algo.kl_coef", "data.prompts_per_step"} & set(f.settings)),
-                          fixes[0]))
+                else next((f for f in fixes if not {"model.lora.rank", "algo.kl_coef", "data.prompts_per_step"}
+                           & set(f.settings)), fixes[0]))
         cfg = with_settings(cfg, pick.settings)
     return cfg
 

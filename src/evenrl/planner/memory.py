@@ -53,6 +53,12 @@ update (forward + backward + gradient reduction + optimizer step):
                                         before the old ones are freed (after the backward: activations are gone)
   update = resident + gradients + max(units + unit gradient + copies + activations + logits, gradient buckets)
 peak = the largest phase (they never overlap).
+With model.lora (rank r; A = r x (in + out) summed over the adapted projections of all layers, ModelDims.
+adapter_params): the base is frozen in the compute dtype and only the adapters train, so parameters are cP/S + 4A/S,
+optimizer 8A/S, gradients 4A/S, no reference model (the base with the adapters off, on the same weights), autocast
+copies 2A, gradient buckets 4A; the fsdp units and the gathered model hold the adapters too, a unit's gradient is
+its adapters'; activations add the r-wide middle of every adapted projection (and a copy of its input with
+lora.dropout > 0).
 
 The activation count adapts Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv:2205.05198, sec. 4.1: 34*s*b*h + 5*a*s^2*b bytes per layer for GPT in 16-bit) to SwiGLU MLPs
@@ -100,6 +106,7 @@ PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache", "rollout 
                      "gradient buckets")}
 # Model types whose attention projections have biases when config.json does not say (Qwen2 and its VL text models).
 QKV_BIAS_TYPES = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
+LORA_RANK = 16  # what memory_fixes proposes (TRL's default lora_r)
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -141,6 +148,21 @@ class ModelDims:
         embedding (a lookup, not a matmul)."""
         norms = self.layers * (2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)) + self.hidden
         return self.params - norms - (0 if self.tied else self.vocab * self.hidden)
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of a decoder block, by its Llama/Qwen2 name."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+                "up_proj": (h, i), "down_proj": (i, h)}
+
+    def adapted(self, targets: list[str]) -> dict[str, tuple[int, int]]:
+        """The projections LoRA adapts: model.lora.target_modules (empty: all of them); other names are not
+        sized."""
+        return {k: v for k, v in self.projections().items() if not targets or k in targets}
+
+    def adapter_params(self, rank: int, targets: list[str]) -> int:
+        """LoRA's parameters: rank x (in + out) per adapted projection per layer."""
+        return self.layers * sum(rank * (a + b) for a, b in self.adapted(targets).values())
 
     @property
     def act_elems(self) -> int:
@@ -271,13 +293,22 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     # a vision encoder's weights are held like the rest; a frozen one has no gradients or optimizer moments
     Pv = vision.params if vision else 0
     trained = P + (0 if cfg.model.freeze_vision_tower else Pv)
+    held = 4 * (P + Pv)  # bytes of the parameters
+    lora = cfg.model.lora
+    A = dims.adapter_params(lora.rank, lora.target_modules) if lora.rank else 0
+    if lora.rank:  # the adapters train, over the whole base frozen in the compute dtype
+        trained, held = A, 4 * A + c * (P + Pv)
+        notes[0] = (f"LoRA rank {lora.rank}: {A / 1e6:,.2f} M adapter parameters at 16 bytes each (fp32 weights, "
+                    f"gradients, AdamW's 2 moments) over the frozen base in {cfg.model.dtype}"
+                    + (f", sharded over {t} ranks" if fsdp and t > 1 else "")
+                    + "; the KL reference is the base with the adapters off: no copy")
     device_state = 0 if offload else 1
-    params_b = 4 * (P + Pv) / shard * device_state
+    params_b = held / shard * device_state
     opt_b = 8 * trained / shard * device_state
     grads_b = 4 * trained / shard * device_state
-    ref_full = c * (P + Pv) if cfg.algo.kl_coef > 0 else 0
+    ref_full = c * (P + Pv) if cfg.algo.kl_coef > 0 and not lora.rank else 0
     ref = ref_full / shard * device_state
-    host = ((4 * (P + Pv) + 12 * trained) / shard + ref_full / shard) if offload else 0
+    host = ((held + 12 * trained) / shard + ref_full / shard) if offload else 0
     critic = 0
     if cfg.algo.advantage == "gae":
         critic = params_b + opt_b
@@ -297,14 +328,20 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
         reserve = c * (P + Pv) + (reserve or VLLM_CPU_KV_BYTES)
     sampler = not reserved and cfg.rollout.engine == "hf"  # evenrl's sampler runs the training model here
     overhead = OVERHEAD_GIB[layout.device] * GIB
-    copies = 2 * dims.linear_params if (c == 2 and not fsdp) else 0
-    units = c * (dims.root_params + 2 * dims.layer_params) if fsdp else 0
-    largest = max(dims.root_params, dims.layer_params)
-    unit_grads = largest * (c + (4 if c < 4 else 0)) if fsdp else 0
+    block_adapters = A // L
+    copies = 2 * (A if lora.rank else dims.linear_params) if (c == 2 and not fsdp) else 0
+    units = c * (dims.root_params + 2 * (dims.layer_params + block_adapters)) if fsdp else 0
+    largest = max(dims.root_params, dims.layer_params + block_adapters)
+    trained_unit = block_adapters if lora.rank else largest  # the largest unit's parameters that get gradients
+    unit_grads = trained_unit * (c + (4 if c < 4 else 0)) if fsdp else 0
+    act_elems = dims.act_elems
+    if lora.rank:  # each adapter's rank-wide middle, and with dropout its own copy of the layer's input
+        adapted = dims.adapted(lora.target_modules).values()
+        act_elems += lora.rank * len(adapted) + (sum(a for a, _ in adapted) if lora.dropout > 0 else 0)
     if cfg.model.gradient_checkpointing:
-        act = tokens * (L * dims.hidden + dims.act_elems) * c
+        act = tokens * (L * dims.hidden + act_elems) * c
     else:
-        act = tokens * L * dims.act_elems * c
+        act = tokens * L * act_elems * c
     length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     per_sample = worst_image_tokens(cfg, vision) * vision.merge ** 2 if vision else 0  # patches
     patches = tokens // length * per_sample
@@ -321,7 +358,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     parts = {
         "parameters": params_b, "optimizer": opt_b, "reference model": ref, "critic": critic,
         "rollout reserve": reserve, "overhead": overhead,
-        "gathered model": c * (P + Pv + (largest if t > 1 else 0)) if fsdp and sampler else 0,
+        "gathered model": c * (P + Pv + A + (largest if t > 1 else 0)) if fsdp and sampler else 0,
         "autocast copies": copies,
         "KV cache": gen * length * L * 2 * dims.kv_heads * dims.head_dim * c if sampler else 0,
         "rollout engine": engine,
@@ -401,6 +438,8 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[Memory
         add({"rollout.memory_fraction": 0.0})
     if cfg.model.dtype == "float32" and layout.device == "cuda":
         add({"model.dtype": "bfloat16"})
+    if not cfg.model.lora.rank:  # LoRA trains adapters only: no full-size gradients, moments or reference
+        add({"model.lora.rank": LORA_RANK}, "adapters on a frozen base")
     prompts = cfg.data.prompts_per_step
     if prompts > 1:
         best = _largest(1, prompts - 1, lambda n: _fits(cfg, layout, dims, {"data.prompts_per_step": n}))

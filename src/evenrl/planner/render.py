@@ -129,6 +129,8 @@ def _memory_lines(p: Plan) -> list[str]:
     mem, c, d = p.memory, p.config, p.dims
     off = {"none": "no offload", "full": "state offloaded to the host"}
     precision = "fp32" if c.model.dtype == "float32" else f"{c.model.dtype} compute over fp32 weights"
+    if c.model.lora.rank:
+        precision = f"LoRA rank {c.model.lora.rank} (fp32 adapters) on a frozen {c.model.dtype} base"
     lines = [_row("memory", f"{d.model_type} {count_unit(mem.params)} params, {precision}, "
                             f"{c.parallel.sharding}, {off[c.parallel.cpu_offload]}, "
                             f"{'checkpointing' if c.model.gradient_checkpointing else 'no checkpointing'}"),
@@ -157,6 +159,7 @@ def _overlap_lines(p: Plan) -> list[str]:
     r, t = at.rollout_devices, at.training_ranks
     passes = ", ".join(f"{name} {v:g}" for name, v in ov.passes.items())
     on = "on 1 rollout device" if r == 1 else f"on each of {r:,} rollout devices"
+    pushed = "of LoRA adapters" if c.model.lora.rank else f"in {c.model.dtype}"
     rows = [("generation", at.generation_s,
              f"{on}: {plural(at.samples_per_replica, 'sample')} in one batch, prefill {seconds(at.prefill_s)} + "
              f"{plural(c.rollout.max_new_tokens, 'decode step')} {seconds(at.decode_s)}"),
@@ -164,7 +167,7 @@ def _overlap_lines(p: Plan) -> list[str]:
              f"on the busiest of {plural(t, 'training rank')}: {at.training_tokens:,} tokens x "
              f"{sum(ov.passes.values()):g} forward passes ({passes})"),
             ("weight push", at.push_s,
-             f"{size_text(ov.weights_gib)} in {c.model.dtype}, trainer 0 to the rollout devices, once per step")]
+             f"{size_text(ov.weights_gib)} {pushed}, trainer 0 to the rollout devices, once per step")]
     if k:
         rows.append(("step", at.overlapped_s,
                      f"overlapped (max_staleness={k}) = max(generation, training) + push; synchronous "

@@ -15,7 +15,8 @@ from pathlib import Path
 from evenrl.config import RunConfig
 from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError
-from evenrl.models.files import check_tokenizer_files, check_weights, read_model_config
+from evenrl.models.files import check_tokenizer_files, check_weights, no_config_fix, read_model_config
+from evenrl.planner.lora import rule_lora
 from evenrl.planner.memory import PHASES, RESIDENT
 from evenrl.planner.text import plural, seconds, size_text
 from evenrl.planner.types import Finding, Plan
@@ -107,7 +108,7 @@ def rule_model(p: Plan) -> list[Finding]:
         return [Finding("error", "model-path", f"model.path {m.path!r} is not a local directory "
                         "(evenrl never downloads)", "download the model, then model.path=/local/dir")]
     if path is not None and not (path / "config.json").is_file():
-        return [Finding("error", "model-path", f"model.path {m.path!r} has no config.json",
+        return [Finding("error", "model-path", f"model.path {m.path!r} has no config.json; {no_config_fix(path)}",
                         "point model.path at a Hugging Face model directory (config.json, weights, tokenizer)")]
     out = []
     if path is not None:  # what load_policy checks before transformers sees the directory
@@ -433,4 +434,4 @@ def rule_rewards(p: Plan) -> list[Finding]:
 
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_groups, rule_algorithms,
          rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel,
-         rule_overlap, rule_vision]
+         rule_overlap, rule_vision, rule_lora]

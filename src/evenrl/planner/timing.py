@@ -30,7 +30,7 @@ Training, on the busiest of the T ranks: each mini-batch of m samples gives it c
             (the policy's count again per epoch)
   training  max(2N * t * passes / F,  u * passes * f)
 Weight push: one broadcast of the model in model.dtype, trainer 0 to the rollout ranks, after each update:
-  push      cP / link
+  push      cP / link            (model.lora: its fp32 adapters, 4A / link)
 Step: synchronous (max_staleness=0)  generation + push + training: each side waits for the other;
       overlapped (max_staleness >= 1)  max(generation, training) + push: the rollout devices generate the next step
       while this one trains, so the shorter side's time is no longer waited for (min(generation, training) saved).
@@ -216,8 +216,16 @@ def step_time(cfg: RunConfig, dims: ModelDims, minibatch_sizes: list[int], world
     tokens = sum(rows) * length
     passes = sum(training_passes(cfg).values())
     train = max(2 * N * tokens * passes / F, micro * passes * f)
-    push = c * dims.params / (rates.link_gbps * 1e9)
+    push = push_bytes(cfg, dims) / (rates.link_gbps * 1e9)
     return StepTime(rollout, t, b, prefill, decode, tokens, train, push)
+
+
+def push_bytes(cfg: RunConfig, dims: ModelDims) -> float:
+    """One policy version as pushed: the model in model.dtype, or with model.lora its fp32 adapters."""
+    lora = cfg.model.lora
+    if lora.rank:
+        return 4 * dims.adapter_params(lora.rank, lora.target_modules)
+    return compute_bytes(cfg.model.dtype) * dims.params
 
 
 def estimate_overlap(cfg: RunConfig, layout: Layout, dims: ModelDims, minibatch_sizes: list[int],
@@ -234,7 +242,7 @@ def estimate_overlap(cfg: RunConfig, layout: Layout, dims: ModelDims, minibatch_
     at = None
     if 1 <= layout.rollout_devices < world:
         at = step_time(cfg, dims, minibatch_sizes, world, layout.rollout_devices, rates)
-    weights_gib = compute_bytes(cfg.model.dtype) * dims.params / GIB
+    weights_gib = push_bytes(cfg, dims) / GIB
     return Overlap(rates, training_passes(cfg), at, best, cfg.rollout.max_staleness, weights_gib)
 
 

@@ -17,7 +17,7 @@ from evenrl.planner.layout import has_shape_flags
 from evenrl.planner.plan import count_rows
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl, set_lengths,
-    set_model, set_overlong, set_parallel, set_sampling, split_layout)
+    set_lora, set_model, set_overlong, set_parallel, set_sampling, split_layout)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -97,6 +97,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                      ("overlong_buffer_len", "overlong_penalty_factor"))
     set_model(t, src.str("pretrain"), "pretrain")
     t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
+    set_lora(src, t, rank="lora_rank", alpha="lora_alpha", targets="target_modules", dropout="lora_dropout")
     t.set("model.dtype", "bfloat16" if src.bool("bf16", False) else "float32", "bf16")
     zero = src.int("zero_stage", 2, lo=0)
     set_parallel(t, aw, params=False, optimizer=src.bool("adam_offload", False), shard=zero == 3,

@@ -295,6 +295,29 @@ def set_model(t: Translation, path: str, key: str) -> None:
     t.set("model.dtype", "bfloat16", key)
 
 
+def set_lora(src: Source, t: Translation, *, rank: str, alpha: str, targets: str, dropout: str | None = None,
+             rank_default: int = 0, alpha_default: float = 16.0, dropout_default: float = 0.0) -> None:
+    """LoRA from the peer's keys (a rank of 0: full fine-tuning). peft's "all-linear" and an absent target list
+    become evenrl's default, every linear layer of the decoder blocks."""
+    r = src.int(rank, rank_default, lo=0)
+    if not r:
+        return
+    t.set("model.lora.rank", r, rank)
+    t.set("model.lora.alpha", src.float(alpha, alpha_default), alpha)
+    names = src.raw(targets)
+    if isinstance(names, str):
+        names = [] if names == "all-linear" else [n.strip() for n in names.strip("[]").split(",") if n.strip()]
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise UsageError(f"{src.fw} {targets}: got {names!r}; need a list of module names or 'all-linear'")
+    t.set("model.lora.target_modules", names or [], targets)
+    if dropout is not None:
+        p = src.float(dropout, dropout_default)
+        t.set("model.lora.dropout", p, dropout)
+        if p > 0:
+            t.notes.append(f"{dropout}={p:g}: dropout masks are drawn per rank, so the update depends on the layout; "
+                           "model.lora.dropout=0 keeps it the same on any number of ranks")
+
+
 def set_parallel(t: Translation, world: int, *, params: bool, optimizer: bool, shard: bool,
                  keys: tuple[str, str] = ("param offload", "optimizer offload")) -> None:
     """Sharding and offload. Any offload the peer asks for becomes FSDP2's one offload mode (parameters,

@@ -11,7 +11,8 @@ import math
 
 from evenrl.planner.layout import apply_layout_flags, has_shape_flags, layout_from_args
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_loss_agg, set_model, set_sampling)
+    Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_loss_agg, set_model,
+    set_sampling)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -98,6 +99,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     set_model(t, src.str("model_name_or_path"), "model_name_or_path")
     t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
     t.set("model.dtype", "bfloat16" if src.bool("bf16", True) else "float32", "bf16")
+    _lora(src, t)
     if src.bool("use_vllm", False):
         t.set("rollout.engine", "vllm", "use_vllm")
         if not server:  # colocate mode: vLLM shares each training GPU
@@ -109,3 +111,21 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     steps = src.int("max_steps", -1, lo=-1)
     if steps and steps > 0:
         t.set("train.steps", max(1, math.ceil(steps / (m * mu))), "max_steps")
+
+
+def _lora(src: Source, t: Translation) -> None:
+    """TRL's LoRA: use_peft with its ModelConfig fields (lora_r, ...), or a peft_config mapping of LoraConfig's."""
+    if isinstance(src.raw("peft_config"), dict):
+        set_lora(src, t, rank="peft_config.r", alpha="peft_config.lora_alpha", targets="peft_config.target_modules",
+                 dropout="peft_config.lora_dropout", rank_default=8, alpha_default=8.0)  # peft's defaults
+        named = src.has("peft_config.target_modules")
+    elif src.bool("use_peft", False):  # TRL's ModelConfig defaults
+        set_lora(src, t, rank="lora_r", alpha="lora_alpha", targets="lora_target_modules", dropout="lora_dropout",
+                 rank_default=16, alpha_default=32.0, dropout_default=0.05)
+        named = src.has("lora_target_modules")
+    else:
+        return
+    if not named and t.settings.get("model.lora.rank"):
+        t.notes.append("no target modules named: peft's own default for the model type (q_proj and v_proj for "
+                       "Llama and Qwen2); evenrl adapts every linear layer of the decoder blocks "
+                       "(model.lora.target_modules=[q_proj,v_proj] for peft's)")

@@ -19,7 +19,7 @@ import math
 
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl,
-    set_lengths, set_loss_agg, set_model, set_overlong, set_parallel, set_sampling, set_steps, split_layout,
+    set_lengths, set_lora, set_loss_agg, set_model, set_overlong, set_parallel, set_sampling, set_steps, split_layout,
     trainer_layout)
 
 
@@ -114,6 +114,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     set_model(t, src.str("actor_rollout_ref.model.path"), "actor_rollout_ref.model.path")
     t.set("model.gradient_checkpointing", src.bool("actor_rollout_ref.model.enable_gradient_checkpointing", False),
           "actor_rollout_ref.model.enable_gradient_checkpointing")
+    m = "actor_rollout_ref.model."
+    set_lora(src, t, rank=m + "lora_rank", alpha=m + "lora_alpha", targets=m + "target_modules")
     # offload_policy: verl's FSDP2 path (strategy=fsdp2), the same CPUOffloadPolicy evenrl uses
     params = src.bool(a + "fsdp_config.param_offload", False) or src.bool(a + "fsdp_config.offload_policy", False) \
         or src.bool(a + "fsdp_config.grad_offload", False)  # older verl (Logic-RL) offloads gradients separately

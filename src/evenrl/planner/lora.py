@@ -1,0 +1,49 @@
+"""model.lora in the plan: its findings (`rule_lora`, one of planner.rules.RULES); the memory it saves is
+planner.memory's.
+
+    evenrl plan examples/demo.yaml model.lora.rank=16 model.lora.target_modules=[q_proj,v_proj]
+
+Target modules are checked against the tensor names of the model's safetensors weights (their headers, no torch), so
+a name that matches no module fails here, as peft would refuse it once the model had loaded.
+Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+from evenrl.errors import UsageError
+from evenrl.models.files import weight_names
+from evenrl.planner.types import Finding, Plan
+
+
+def rule_lora(p: Plan) -> list[Finding]:
+    c, out = p.config, []
+    lora = c.model.lora
+    if c.log.save_merged and not lora.rank:
+        out.append(Finding("warning", "save-merged-without-lora", "log.save_merged=true merges LoRA adapters into "
+                           "final/merged/, but model.lora.rank is 0: final/ is the whole trained model already",
+                           "log.save_merged=false, or model.lora.rank=16"))
+    if not lora.rank:
+        return out
+    if lora.dropout > 0:
+        out.append(Finding("warning", "lora-dropout",
+                           f"model.lora.dropout={lora.dropout:g} draws dropout masks per micro-batch on each rank: "
+                           "the update then differs from one layout to another (everything else stays exact)",
+                           "model.lora.dropout=0"))
+    modules = _modules(c.model.path)
+    missing = [t for t in lora.target_modules if modules and not any(m == t or m.endswith("." + t) for m in modules)]
+    if missing:
+        blocks = sorted({m.rsplit(".", 1)[-1] for m in modules if ".layers." in m and "norm" not in m})
+        out.append(Finding("error", "lora-targets",
+                           f"model.lora.target_modules: {', '.join(missing)} name{'s' if len(missing) == 1 else ''} "
+                           f"no module of {c.model.path} (its decoder blocks have {', '.join(blocks) or 'none'})",
+                           "model.lora.target_modules=[] (every linear layer of the decoder blocks), or names from "
+                           "that list"))
+    return out
+
+
+def _modules(path: str) -> set[str]:
+    """The names of the model's modules that hold weights; empty when they cannot be read (rule_model says why)."""
+    try:
+        return {name.rsplit(".", 1)[0] for name in weight_names(path) if "." in name} if path else set()
+    except UsageError:
+        return set()

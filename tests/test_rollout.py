@@ -149,11 +149,21 @@ def test_llama_matches_uncached_forward(tmp_path):
             assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2+lora"])
 def test_lean_decoder_gives_the_forward_decoders_samples(tmp_path, arch):
     """The pre-allocated-cache decoder against the model's own forward: left padding, GQA, finished rows dropped
-    mid-generation (the eos set is ~11% of the vocab), top-p; same tokens, log-probs equal to float rounding."""
-    model, tok = load_policy(make_tiny_model(str(tmp_path), arch=arch, seed=5))
+    mid-generation (the eos set is ~11% of the vocab), top-p; same tokens, log-probs equal to float rounding. With
+    LoRA adapters (model.lora) the lean decoder applies each adapter merged into its base weight."""
+    model, tok = load_policy(make_tiny_model(str(tmp_path), arch=arch.split("+")[0], seed=5))
+    if arch.endswith("+lora"):
+        from evenrl.config import RunConfig
+        from evenrl.models.lora import add_adapters
+
+        add_adapters(model, RunConfig().model.lora.model_copy(update={"rank": 4}))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.3)
     assert LeanDecoder.supports(model) and model.config.num_key_value_heads < model.config.num_attention_heads
     prompts = [encode_prompt(tok, t, False) for t in ("7+8=", "countdown 3 5 7 to 15:", "12*3=", "x")]
     eos = {1} | set(encode_prompt(tok, "0123456789", False))

@@ -50,7 +50,7 @@ def test_shared_prefix_forward_matches_plain(tmp_path, monkeypatch, arch):
 
 def _masked_path(monkeypatch):
     monkeypatch.setattr(U, "_packs", lambda m: False)
-    monkeypatch.setattr(U.LeanDecoder, "plain", classmethod(lambda cls, m: False))
+    monkeypatch.setattr(U.LeanDecoder, "supports", classmethod(lambda cls, m: False))
 
 
 @pytest.mark.parametrize("path", ["packed", "right_padded"])

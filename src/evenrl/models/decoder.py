@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from evenrl.models.lora import has_adapters
+from evenrl.models.lora import effective_weight
 
 
 # Below this many keys, LeanDecoder.step computes the softmax as exp(s - max) / sum: torch.softmax's CPU kernel takes
@@ -36,13 +36,6 @@ class LeanDecoder:
 
     @classmethod
     def supports(cls, model) -> bool:
-        # LoRA adapters (peft) sit inside the projections whose weights this class reads directly
-        return cls.plain(model) and not has_adapters(model)
-
-    @classmethod
-    def plain(cls, model) -> bool:
-        """A plain Qwen2/Llama on whole parameters: what this class's arithmetic and the packed training forward,
-        which calls the model's own modules (adapters included), cover."""
         if not any(c.__name__ in cls.ARCHS for c in type(model).__mro__):  # FSDP2 subclasses the model's class
             return False
         cfg, inner = model.config, getattr(model, "model", None)
@@ -206,7 +199,7 @@ def _norm(mod):
 def _weight(*linears):
     """The (fused) weight of nn.Linear layers as the right operand of x @ w. On CPU it is copied out contiguous,
     [in, out]: MKL's sgemm runs ~20% faster at 32 rows than on the [out, in] weight read transposed."""
-    ws = [lin.weight for lin in linears]
+    ws = [effective_weight(lin) for lin in linears]  # a LoRA adapter's update merged in: once per generate call
     if ws[0].device.type == "cpu":
         return torch.cat([w.t() for w in ws], dim=1) if len(ws) > 1 else ws[0].t().contiguous()
     return (torch.cat(ws) if len(ws) > 1 else ws[0]).t()

@@ -102,6 +102,15 @@ def merged_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+def effective_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """The weight a linear layer applies: its own, or an adapted layer's base weight with the adapter's update added
+    (while its adapter is enabled)."""
+    base = getattr(linear, "base_layer", None)
+    if base is None:
+        return linear.weight
+    return base.weight if linear.disable_adapters else merged(linear, base.weight)
+
+
 def merged(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """`weight` (the layer's base weight, whole) plus the update its adapter makes (peft's get_delta_weight, on the
     layer's adapter tensors, which must be whole too), in the weight's dtype; a new tensor, the base is untouched."""

@@ -250,7 +250,7 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
         text = _last_line(e)
         if "Missing key" in text or "size" in text.lower() or "mismatch" in text.lower():
             raise UsageError(f"{path}: checkpoint does not match model.path ({text[:160]}); resume with the same "
-                             "model") from None
+                             "model and model.lora") from None
         raise UsageError(f"{path / 'state'}: unreadable checkpoint ({e.__class__.__name__}: {text[:160]}); "
                          f"{_EARLIER}") from None
     try:

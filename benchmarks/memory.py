@@ -1,15 +1,18 @@
 """Per-rank memory of a training step, measured, beside `evenrl plan`'s estimate for the same config and layout.
 
-Run: .venv/bin/python benchmarks/memory.py [--worlds 1,2,3] [--bf16-worlds 1] [--quick]
-(the default, float32 on 1-3 processes: 5 min 21 s wall, 2 min 15 s of CPU, on the shared 2-core project
-machine; --bf16-worlds 1 adds ~2 min of CPU)
+Run: .venv/bin/python benchmarks/memory.py [--worlds 1,2,3] [--bf16-worlds 1] [--lora 16] [--quick]
+(float32 on 1-3 processes, full fine-tuning only (--lora 0): 5 min 21 s wall, 2 min 15 s of CPU, on the shared
+2-core project machine; the LoRA rows, on by default, about as much again; --bf16-worlds 1 adds ~2 min of CPU)
 
 A Qwen2-shaped model with random weights (MODEL below: ~31 M parameters, tied embeddings) on 1, 2 and 3 CPU
 processes (gloo), replicated and FSDP2-sharded (evenrl.distributed.sharding.shard, no offload: offload needs an
 accelerator), with fused AdamW, in float32 and in bfloat16 mixed precision (fp32 state, bf16 compute: autocast
 when replicated, FSDP2's policy when sharded; bf16 matmuls are ~10x slower than fp32 on this CPU, so bf16 runs
 only when --bf16-worlds asks). After a first step creates AdamW's state, each rank runs one step in
-the trainer's order and the profiler marks its phases:
+the trainer's order and the profiler marks its phases. Every configuration runs twice: training every weight
+("full"), and as a LoRA policy ("lora16": model.lora.rank=16 through evenrl.models.lora, the frozen base in the
+compute dtype, fp32 adapters the only trainable parameters, AdamW over them alone). "step s" is the update phase's
+wall time, the two modes side by side:
   rollout    the weights gathered for generation (evenrl.distributed.weights.gathered); no tokens are generated,
              so the planner's KV cache and autocast copies are left out of this comparison
   log-probs  a no-grad forward of the micro-batch through evenrl.models.forward.response_logprobs (the output layer
@@ -54,22 +57,22 @@ ROWS, LENGTH = 4, 64  # one micro-batch per rank: 4 samples of 32 prompt + 32 ne
 MIB = 2**20
 
 
-def run_config(dtype: str, sharding: str):
+def run_config(dtype: str, sharding: str, lora: int = 0):
     """The evenrl config whose worst-case micro-batch is the benchmark's: ROWS rows of LENGTH tokens on any W <= 3."""
     from evenrl.config import RunConfig
 
     return RunConfig.model_validate({
-        "model": {"dtype": dtype}, "parallel": {"sharding": sharding},
+        "model": {"dtype": dtype, "lora": {"rank": lora}}, "parallel": {"sharding": sharding},
         "data": {"prompts_per_step": 6, "max_prompt_tokens": LENGTH // 2},
         "rollout": {"samples_per_prompt": 2, "max_new_tokens": LENGTH // 2},
         "train": {"token_cap_per_micro_batch": ROWS * LENGTH}})
 
 
-def planned(dtype: str, sharding: str, world: int) -> dict:
+def planned(dtype: str, sharding: str, world: int, lora: int = 0) -> dict:
     from evenrl.planner.layout import make_layout
     from evenrl.planner.memory import GIB, OVERHEAD_GIB, dims_from_config, estimate_memory, worst_case_shape
 
-    cfg, lay = run_config(dtype, sharding), make_layout(1, world, device="cpu")
+    cfg, lay = run_config(dtype, sharding, lora), make_layout(1, world, device="cpu")
     assert worst_case_shape(cfg, lay)[0] == ROWS * LENGTH, "the planned micro-batch must be the measured one"
     est = estimate_memory(cfg, lay, dims_from_config(MODEL))
     b, over = est.breakdown, OVERHEAD_GIB["cpu"]
@@ -126,7 +129,7 @@ def phase_peaks(prof, phases: list[str]) -> dict[str, int]:
     return peaks
 
 
-def rank_main(rank: int, world: int, port: int, dtype: str, sharding: str, out_dir: str) -> None:
+def rank_main(rank: int, world: int, port: int, dtype: str, sharding: str, lora: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     import torch
@@ -139,6 +142,7 @@ def rank_main(rank: int, world: int, port: int, dtype: str, sharding: str, out_d
     from evenrl.distributed import collectives
     from evenrl.distributed.sharding import shard
     from evenrl.distributed.weights import gathered
+    from evenrl.models.lora import add_adapters
 
     torch.set_num_threads(1)  # ranks share the cores; one thread each keeps them from fighting
     tdist.init_process_group("gloo", rank=rank, world_size=world)
@@ -151,11 +155,15 @@ def rank_main(rank: int, world: int, port: int, dtype: str, sharding: str, out_d
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
         conf = Qwen2Config(**{k: v for k, v in MODEL.items() if k != "model_type"})
-        model = AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa", dtype=torch.float32)
+        # as the trainer holds them: fp32 master weights, or with LoRA a frozen base in the compute dtype
+        model = AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa",
+                                                 dtype=compute if lora else torch.float32)
+        if lora:
+            add_adapters(model, run_config(dtype, sharding, lora).model.lora)
         if sharding == "fsdp":
             shard(model, compute_dtype=compute, offload=False)
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
 
         def forward():
             with torch.autocast("cpu", dtype=compute, enabled=replicated_autocast):
@@ -202,11 +210,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(world: int, dtype: str, sharding: str) -> list[dict]:
+def measure(world: int, dtype: str, sharding: str, lora: int) -> list[dict]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(rank_main, args=(world, free_port(), dtype, sharding, d), nprocs=world, join=True)
+        mp.spawn(rank_main, args=(world, free_port(), dtype, sharding, lora, d), nprocs=world, join=True)
         return [json.loads(Path(d, f"{r}.json").read_text()) for r in range(world)]
 
 
@@ -231,37 +239,42 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="1,2,3", help="float32 process counts (default 1,2,3)")
     ap.add_argument("--bf16-worlds", default="", help="bfloat16 process counts, e.g. 1 (default: none; slow)")
+    ap.add_argument("--lora", type=int, default=16, help="LoRA rank of the rows beside full fine-tuning (default "
+                                                            "16; 0: full fine-tuning only)")
     ap.add_argument("--quick", action="store_true", help="float32 on 1 and 2 processes only")
     ns = ap.parse_args(argv)
     runs = {"float32": [1, 2] if ns.quick else counts(ap, "--worlds", ns.worlds),
             "bfloat16": [] if ns.quick else counts(ap, "--bf16-worlds", ns.bf16_worlds)}
+    modes = [0, ns.lora] if ns.lora > 0 else [0]
     params = planned("float32", "replicated", 1)["params"]
     print(f"model: Qwen2-shaped, {params / 1e6:.1f} M parameters (tied), random weights; micro-batch {ROWS} x "
           f"{LENGTH} tokens; fused AdamW; gloo on {os.cpu_count()} CPU cores")
     print("MiB per rank (the largest rank); plan = evenrl's estimate less its fixed 0.3 GiB per-process overhead; "
           "diff = (plan - measured) / measured")
-    head = (f"{'dtype':<8} {'sharding':<10} {'W':>1} | {'state':>6} {'plan':>6} {'xW/rep':>6} | "
+    head = (f"{'dtype':<8} {'trains':<7} {'sharding':<10} {'W':>1} | {'state':>6} {'plan':>6} {'xW/rep':>6} | "
             + " | ".join(f"{name:>9} {'plan':>6} {'diff':>5}" for name, _ in PHASE_COLUMNS)
             + f" | {'drift':>5} {'rss':>5} {'step s':>6}")
     print(head)
     print("-" * len(head))
     t_all = time.perf_counter()
     for dtype, worlds in runs.items():
-        replicated_state = {}
-        for sharding in ("replicated", "fsdp"):
-            for w in worlds:
-                ranks = measure(w, dtype, sharding)
-                top = {k: max(r[k] for r in ranks) for k in ranks[0] if k != "rank"}
-                plan = planned(dtype, sharding, w)
-                if sharding == "replicated":
-                    replicated_state[w] = top["state"]
-                ref = replicated_state.get(w) if sharding == "fsdp" else None
-                ratio = f"{top['state'] * w / ref:.3f}" if ref else "-"
-                phases = " | ".join(f"{top[key] / MIB:9.1f} {plan[key] / MIB:6.1f} {pct(top[key], plan[key]):>5}"
-                                    for _, key in PHASE_COLUMNS)
-                print(f"{dtype:<8} {sharding:<10} {w:>1} | {top['state'] / MIB:6.1f} {plan['state'] / MIB:6.1f} "
-                      f"{ratio:>6} | {phases} | {top['drift'] / MIB:5.1f} {top['rss'] / MIB:5.0f} "
-                      f"{top['seconds']:6.2f}", flush=True)
+        for lora in modes:
+            replicated_state = {}
+            trains = f"lora{lora}" if lora else "full"
+            for sharding in ("replicated", "fsdp"):
+                for w in worlds:
+                    ranks = measure(w, dtype, sharding, lora)
+                    top = {k: max(r[k] for r in ranks) for k in ranks[0] if k != "rank"}
+                    plan = planned(dtype, sharding, w, lora)
+                    if sharding == "replicated":
+                        replicated_state[w] = top["state"]
+                    ref = replicated_state.get(w) if sharding == "fsdp" else None
+                    ratio = f"{top['state'] * w / ref:.3f}" if ref else "-"
+                    phases = " | ".join(f"{top[key] / MIB:9.1f} {plan[key] / MIB:6.1f} {pct(top[key], plan[key]):>5}"
+                                        for _, key in PHASE_COLUMNS)
+                    print(f"{dtype:<8} {trains:<7} {sharding:<10} {w:>1} | {top['state'] / MIB:6.1f} "
+                          f"{plan['state'] / MIB:6.1f} {ratio:>6} | {phases} | {top['drift'] / MIB:5.1f} "
+                          f"{top['rss'] / MIB:5.0f} {top['seconds']:6.2f}", flush=True)
     print(f"xW/rep: sharded state per rank x W / replicated state per rank (1.000: exactly 1/W). drift: frees the "
           f"profiler missed (each phase may read that much high). Whole run {time.perf_counter() - t_all:.0f} s.")
     return 0

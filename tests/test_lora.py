@@ -70,15 +70,20 @@ def test_adapters_are_the_only_trainable_parameters_in_fp32_over_a_bf16_base(ass
 
 
 def test_a_target_module_the_model_lacks_is_one_line(assets, tmp_path, capsys):
-    """peft's refusal once the model has loaded is one line; before that, the plan finds it in the weights' names
+    """A name peft cannot find, or a layer outside the decoder blocks (the output layer computes its log-probs from
+    its plain weight), is one line once the model has loaded; before that, the plan finds it in the weights' names
     (no torch), so `evenrl plan` reports it and `evenrl train` stops before writing anything."""
     model, _ = load_policy(assets["model"])
     with pytest.raises(UsageError, match=r"^model.lora.target_modules: got \['qkv'\]; .*qkv"):
         add_adapters(model, RunConfig().model.lora.model_copy(update={"rank": 4, "target_modules": ["qkv"]}))
+    with pytest.raises(UsageError, match=r"lm_head: not a linear layer of the decoder blocks"):
+        add_adapters(load_policy(assets["model"])[0],
+                     RunConfig().model.lora.model_copy(update={"rank": 4, "target_modules": ["q_proj", "lm_head"]}))
     args = [assets["cfg"], "model.lora.rank=4", "model.lora.target_modules=[q_proj,qkv]", f"log.run_dir={tmp_path}/r"]
     code, out, _ = evenrl_here(capsys, "plan", *args)
-    assert code == 1 and "lora-targets: model.lora.target_modules: qkv names no module" in out
-    assert "q_proj, up_proj, v_proj" in out  # what the decoder blocks have
+    out = " ".join(out.split())  # the plan wraps its lines
+    assert code == 1 and "lora-targets: model.lora.target_modules: qkv names no layer of the decoder blocks" in out
+    assert "q_proj, up_proj, v_proj)" in out  # what the decoder blocks have
     code, _, err = evenrl_here(capsys, "train", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "plan lora-targets" in err, err
     assert not (tmp_path / "r").exists()

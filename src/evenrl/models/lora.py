@@ -50,6 +50,18 @@ def add_adapters(model, lora: LoraConfig) -> None:
         model.add_adapter(config, adapter_name=ADAPTER)
     except ValueError as e:  # peft: a target module the model does not have
         raise UsageError(f"model.lora.target_modules: got {targets}; {first_line(e)}") from None
+    # the output layer computes log-probs from its plain weight, chunk by chunk (core.fused_head), and the lean
+    # sampler merges linear adapters only: adapters elsewhere would be skipped there
+    from peft.tuners.lora import Linear, LoraLayer
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    blocks = {id(m) for m in getattr(decoder, "layers", decoder).modules()} if decoder is not None else set()
+    outside = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+               if isinstance(m, LoraLayer) and (id(m) not in blocks or not isinstance(m, Linear))}
+    if outside:
+        raise UsageError(f"model.lora.target_modules: got {targets}; {', '.join(sorted(outside))}: not a linear "
+                         "layer of the decoder blocks, the only layers evenrl adapts; name those (e.g. q_proj, "
+                         "v_proj) or leave the list empty for all of them")
     cast_adapter_dtype(model, ADAPTER)  # fp32, as peft's get_peft_model does
 
 

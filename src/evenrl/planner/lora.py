@@ -4,7 +4,8 @@ planner.memory's.
     evenrl plan examples/demo.yaml model.lora.rank=16 model.lora.target_modules=[q_proj,v_proj]
 
 Target modules are checked against the tensor names of the model's safetensors weights (their headers, no torch), so
-a name that matches no module fails here, as peft would refuse it once the model had loaded.
+a name that matches no layer of the decoder blocks fails here, as evenrl.models.lora.add_adapters would refuse it once
+the model had loaded.
 Pure Python: never imports torch.
 """
 
@@ -29,13 +30,14 @@ def rule_lora(p: Plan) -> list[Finding]:
                            f"model.lora.dropout={lora.dropout:g} draws dropout masks per micro-batch on each rank: "
                            "the update then differs from one layout to another (everything else stays exact)",
                            "model.lora.dropout=0"))
-    modules = _modules(c.model.path)
-    missing = [t for t in lora.target_modules if modules and not any(m == t or m.endswith("." + t) for m in modules)]
+    # adapters go on the decoder blocks' linear layers only (models.lora.add_adapters says why)
+    blocks = {m for m in _modules(c.model.path) if ".layers." in m}
+    missing = [t for t in lora.target_modules if blocks and not any(m.endswith("." + t) for m in blocks)]
     if missing:
-        blocks = sorted({m.rsplit(".", 1)[-1] for m in modules if ".layers." in m and "norm" not in m})
+        names = sorted({m.rsplit(".", 1)[-1] for m in blocks if "norm" not in m})
         out.append(Finding("error", "lora-targets",
                            f"model.lora.target_modules: {', '.join(missing)} name{'s' if len(missing) == 1 else ''} "
-                           f"no module of {c.model.path} (its decoder blocks have {', '.join(blocks) or 'none'})",
+                           f"no layer of the decoder blocks of {c.model.path} (they have {', '.join(names)})",
                            "model.lora.target_modules=[] (every linear layer of the decoder blocks), or names from "
                            "that list"))
     return out

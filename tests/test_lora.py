@@ -145,6 +145,32 @@ def test_two_steps_in_one_process_base_reference_and_final(assets, tmp_path):
     assert all(torch.equal(made[k], saved[k]) for k in saved) and set(made) >= set(saved)
 
 
+def test_merged_push_of_a_sharded_policy_equals_the_replicated_one(assets):
+    """The merged payload gathers a sharded model while it makes the buckets; what it yields stays valid after (the
+    gathered storage is freed) and equals the replicated model's, tied names included."""
+    import torch.distributed as tdist
+
+    from evenrl.distributed import collectives as dist
+    from evenrl.distributed.sharding import shard
+    from evenrl.engines.payload import merged_weights
+
+    model, _ = load_policy(assets["model"])
+    add_adapters(model, RunConfig().model.lora.model_copy(update={"rank": 4}))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.3)
+    want = dict(kv for b in merged_weights(model, dtype=torch.float32) for kv in b)
+    try:
+        shard(model)
+        got = dict(kv for b in merged_weights(model, dtype=torch.float32, bucket_bytes=20_000) for kv in b)
+        assert got.keys() == want.keys() and "lm_head.weight" in got and not any("lora" in k for k in got)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        if tdist.is_initialized():
+            dist.shutdown()
+
+
 # ----------------------------------------------------------------------------------------- layouts and resume
 
 @pytest.fixture(scope="module")

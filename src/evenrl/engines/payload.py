@@ -80,7 +80,8 @@ def merged_weights(model: torch.nn.Module, *, dtype: torch.dtype,
             for name, t in zip(names, found):
                 out = made.get(id(t))
                 if out is None:
-                    out = (merged(layers[name], t) if name in layers else t.detach()).to(dtype)
+                    # a copy: a gathered parameter's storage is freed when the block ends, and buckets may outlive it
+                    out = merged(layers[name], t).to(dtype) if name in layers else t.detach().to(dtype, copy=True)
                     if id(t) in tied:
                         made[id(t)] = out
                 yield merged_name(name), out

@@ -6,9 +6,11 @@ format) and every forward path, sharding and the sampler take it as they take an
     add_adapters(model, cfg.model.lora)                   # fp32 adapters, the only trainable parameters
     with adapters_disabled(model): ...                    # the base model: the KL reference, on the same weights
 
-An adapter tensor keeps its state-dict name (`...q_proj.lora_A.default.weight`): what the trainer pushes to an
-engine's own copy and what checkpoints hold. `merged(model, name, weight)` is a base weight with its adapter's
-update added by peft (`get_delta_weight`), for engines that cannot load adapters and for final/merged/.
+Adapters go on the linear layers of the decoder blocks only (the output layer computes log-probs from its plain
+weight, chunk by chunk: core.fused_head). An adapter tensor keeps its state-dict name
+(`...q_proj.lora_A.default.weight`): what the trainer pushes to an engine's own copy and what checkpoints hold.
+`merged(layer, weight)` is a base weight with its adapter's update added by peft (`get_delta_weight`), for engines
+that cannot load adapters and for evenrl's lean sampler (`effective_weight`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,18 @@ from evenrl.errors import UsageError, first_line
 ADAPTER = "default"  # peft's name for a model's single adapter
 
 
-def default_targets(model) -> list[str]:
-    """The names of the linear layers inside the model's decoder (its attention and MLP projections), as peft's
-    target_modules: every leaf name of an nn.Linear under `get_decoder()`, so the output head and the embeddings
-    are never adapted."""
+def _blocks(model) -> torch.nn.Module | None:
+    """The decoder blocks (`get_decoder().layers`), None for a model without a decoder to find."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    names = sorted({name.rsplit(".", 1)[-1] for name, m in (decoder.named_modules() if decoder is not None else [])
+    return getattr(decoder, "layers", decoder)
+
+
+def default_targets(model) -> list[str]:
+    """The names of the linear layers inside the decoder blocks (the attention and MLP projections), as peft's
+    target_modules: every leaf name of an nn.Linear there, so the output head and the embeddings are never
+    adapted."""
+    blocks = _blocks(model)
+    names = sorted({name.rsplit(".", 1)[-1] for name, m in (blocks.named_modules() if blocks is not None else [])
                     if isinstance(m, torch.nn.Linear)})
     if not names:
         raise UsageError(f"model.lora.target_modules: {type(model).__name__} has no linear layers inside a decoder "
@@ -41,6 +49,7 @@ def add_adapters(model, lora: LoraConfig) -> None:
     the torch RNG (lora_A; lora_B starts at zero, so the model starts as the base) and held in fp32 whatever the
     base's dtype."""
     from peft import LoraConfig as PeftLoraConfig
+    from peft.tuners.lora import Linear, LoraLayer
     from peft.tuners.tuners_utils import cast_adapter_dtype
 
     targets = list(lora.target_modules) or default_targets(model)
@@ -52,12 +61,10 @@ def add_adapters(model, lora: LoraConfig) -> None:
         raise UsageError(f"model.lora.target_modules: got {targets}; {first_line(e)}") from None
     # the output layer computes log-probs from its plain weight, chunk by chunk (core.fused_head), and the lean
     # sampler merges linear adapters only: adapters elsewhere would be skipped there
-    from peft.tuners.lora import Linear, LoraLayer
-
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    blocks = {id(m) for m in getattr(decoder, "layers", decoder).modules()} if decoder is not None else set()
+    blocks = _blocks(model)
+    inside = {id(m) for m in blocks.modules()} if blocks is not None else set()
     outside = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-               if isinstance(m, LoraLayer) and (id(m) not in blocks or not isinstance(m, Linear))}
+               if isinstance(m, LoraLayer) and (id(m) not in inside or not isinstance(m, Linear))}
     if outside:
         raise UsageError(f"model.lora.target_modules: got {targets}; {', '.join(sorted(outside))}: not a linear "
                          "layer of the decoder blocks, the only layers evenrl adapts; name those (e.g. q_proj, "

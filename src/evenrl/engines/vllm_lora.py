@@ -51,6 +51,8 @@ def engine_kwargs(rank: int, keep: int) -> dict:
 
 
 class AdapterSlots:
+    """The adapter versions a vLLM engine holds, oldest first, at most `keep`."""
+
     def __init__(self, llm, peft_config, keep: int):
         self.llm, self.config, self.keep = llm, peft_config, keep
         root = "/dev/shm" if os.path.isdir("/dev/shm") else None

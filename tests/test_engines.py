@@ -213,17 +213,20 @@ def test_reserved_vllm_rank_draws_the_colocated_samples(vllm_runs):
 @needs_vllm
 @pytest.mark.slow
 def test_overlapped_vllm_rank_samples_from_the_versions_due(vllm_runs):
-    """rollout.max_staleness=1 with a vLLM rollout rank: pushes reach the engine between its steps (in its child
-    process). Step 1 samples from the initial weights as the synchronous run does (the same samples), later steps
-    from the policy one step back, marked and importance-weighted."""
+    """rollout.max_staleness=1 with a vLLM rollout rank and a LoRA policy (model.lora): each pushed adapter version
+    reaches the engine between its steps (in its child process) as a vLLM LoRA. Step 1 samples from the initial
+    version (the base: LoRA starts as it) as the synchronous full-weight run does (the same samples), later steps
+    from the policy one step back, marked and importance-weighted. (Full-weight pushes to a reserved vLLM rank:
+    test_reserved_vllm_rank_draws_the_colocated_samples; the version schedule is the same for every payload.)"""
     root, common = vllm_runs
-    evenrl("train", *common, "rollout.engine=vllm", "rollout.max_staleness=1", f"log.run_dir={root / 'overlap'}",
-           "--nproc-per-node", 2, "--rollout-devices", 1)
+    evenrl("train", *common, "rollout.engine=vllm", "rollout.max_staleness=1", "model.lora.rank=8", "train.lr=1e-2",
+           f"log.run_dir={root / 'overlap'}", "--nproc-per-node", 2, "--rollout-devices", 1)
     rows, sync = metrics(root / "overlap"), metrics(root / "vllm")
     assert rows[0]["reward/mean"] == sync[0]["reward/mean"] and rows[0]["rollout/logprob_mismatch"] < 1e-4
     assert [r["rollout/staleness_hist"] for r in rows] == [[rows[0]["samples"], 0]] + [[0, r["samples"]]
                                                                                         for r in rows[1:]]
     assert all(r["rollout/logprob_mismatch"] > 1e-4 and r["policy/is_weight"] > 0 for r in rows[1:])
+    assert (root / "overlap" / "final" / "adapter_model.safetensors").is_file()
 
 
 @needs_vllm

@@ -171,6 +171,34 @@ def test_merged_push_of_a_sharded_policy_equals_the_replicated_one(assets):
             dist.shutdown()
 
 
+def test_a_sharded_bf16_policy_whose_first_forward_is_the_reference_still_trains(assets):
+    """FSDP2 fixes a unit's gradient dtype at its first forward from the parameters that require grad then; peft's
+    own disable would freeze the adapters, so a first forward as the reference (vLLM colocated: no gather before)
+    would leave bf16 gradients for the fp32 adapters, refused at the reduce-scatter. adapters_disabled keeps them
+    trainable."""
+    import torch.distributed as tdist
+
+    from evenrl.distributed import collectives as dist
+    from evenrl.distributed.sharding import shard
+    from evenrl.models.forward import response_logprobs
+
+    model, tok = load_policy(assets["model"], dtype="bfloat16")
+    add_adapters(model, RunConfig().model.lora.model_copy(update={"rank": 4}))
+    batch = Batch({"tokens": [torch.tensor(r) for r in ROWS], "response_len": torch.tensor([4] * len(ROWS))})
+    try:
+        shard(model, compute_dtype=torch.bfloat16)
+        with torch.no_grad(), adapters_disabled(model):
+            response_logprobs(model, batch, tok.pad_token_id)
+        logp, _, mask = response_logprobs(model, batch, tok.pad_token_id)
+        (logp[..., 0] * mask).sum().backward()
+        grads = [p.grad for n, p in model.named_parameters() if is_adapter(n)]
+        assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
+        assert all(torch.isfinite(g.full_tensor()).all() for g in grads)
+    finally:
+        if tdist.is_initialized():
+            dist.shutdown()
+
+
 # ----------------------------------------------------------------------------------------- layouts and resume
 
 @pytest.fixture(scope="module")

@@ -293,13 +293,14 @@ QWEN_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864
 
 def test_memory_with_adapters_by_hand():
     from evenrl.planner.layout import make_layout
+    from evenrl.planner.adapters import adapter_params
     from evenrl.planner.memory import GIB, RESIDENT, dims_from_config, estimate_memory
 
     d = dims_from_config(QWEN_05B)
     h, kv, i, L = 896, 128, 4864, 24
     A = L * 16 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))  # r x (in + out), 7 projections
-    assert d.adapter_params(16, []) == A
-    assert d.adapter_params(16, ["q_proj", "v_proj"]) == L * 16 * ((h + h) + (h + kv))
+    assert adapter_params(d, 16, []) == A
+    assert adapter_params(d, 16, ["q_proj", "v_proj"]) == L * 16 * ((h + h) + (h + kv))
     base = ["data.max_prompt_tokens=64", "rollout.max_new_tokens=64", "algo.kl_coef=0.1", "model.dtype=bfloat16"]
     lay = make_layout(1, 2, device="cuda", device_memory_gib=80)
     full = estimate_memory(load_config(None, base), lay, d)

@@ -1,5 +1,5 @@
-"""model.lora in the plan: its findings (`rule_lora`, one of planner.rules.RULES); the memory it saves is
-planner.memory's.
+"""model.lora in the plan: its findings (`rule_lora`, one of planner.rules.RULES); the adapters' size for the memory
+and push estimates is planner.adapters'.
 
     evenrl plan examples/demo.yaml model.lora.rank=16 model.lora.target_modules=[q_proj,v_proj]
 

@@ -53,12 +53,9 @@ update (forward + backward + gradient reduction + optimizer step):
                                         before the old ones are freed (after the backward: activations are gone)
   update = resident + gradients + max(units + unit gradient + copies + activations + logits, gradient buckets)
 peak = the largest phase (they never overlap).
-With model.lora (rank r; A = r x (in + out) summed over the adapted projections of all layers, ModelDims.
-adapter_params): the base is frozen in the compute dtype and only the adapters train, so parameters are cP/S + 4A/S,
-optimizer 8A/S, gradients 4A/S, no reference model (the base with the adapters off, on the same weights), autocast
-copies 2A, gradient buckets 4A; the fsdp units and the gathered model hold the adapters too, a unit's gradient is
-its adapters'; activations add the r-wide middle of every adapted projection (and a copy of its input with
-lora.dropout > 0).
+With model.lora (A adapter parameters: planner.adapters) the base is frozen in the compute dtype and only the
+adapters train: parameters cP/S + 4A/S, optimizer 8A/S, gradients 4A/S, autocast copies 2A, gradient buckets 4A, no
+reference model; units and the gathered model hold the adapters too; activations add their rank-wide middles.
 
 The activation count adapts Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv:2205.05198, sec. 4.1: 34*s*b*h + 5*a*s^2*b bytes per layer for GPT in 16-bit) to SwiGLU MLPs
@@ -85,6 +82,7 @@ from typing import Any
 from evenrl.config import RunConfig, with_settings
 from evenrl.core.schedule import rollout_shares
 from evenrl.planner.layout import Layout
+from evenrl.planner.adapters import adapted_projections, adapter_params, lora_note
 from evenrl.models.vision_config import VisionDims, vision_dims_from_config, worst_image_tokens, worst_vision_tokens
 
 GIB = 1024**3
@@ -148,21 +146,6 @@ class ModelDims:
         embedding (a lookup, not a matmul)."""
         norms = self.layers * (2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)) + self.hidden
         return self.params - norms - (0 if self.tied else self.vocab * self.hidden)
-
-    def projections(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each linear layer of a decoder block, by its Llama/Qwen2 name."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
-                "up_proj": (h, i), "down_proj": (i, h)}
-
-    def adapted(self, targets: list[str]) -> dict[str, tuple[int, int]]:
-        """The projections LoRA adapts: model.lora.target_modules (empty: all of them); other names are not
-        sized."""
-        return {k: v for k, v in self.projections().items() if not targets or k in targets}
-
-    def adapter_params(self, rank: int, targets: list[str]) -> int:
-        """LoRA's parameters: rank x (in + out) per adapted projection per layer."""
-        return self.layers * sum(rank * (a + b) for a, b in self.adapted(targets).values())
 
     @property
     def act_elems(self) -> int:
@@ -295,13 +278,10 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     trained = P + (0 if cfg.model.freeze_vision_tower else Pv)
     held = 4 * (P + Pv)  # bytes of the parameters
     lora = cfg.model.lora
-    A = dims.adapter_params(lora.rank, lora.target_modules) if lora.rank else 0
+    A = adapter_params(dims, lora.rank, lora.target_modules) if lora.rank else 0
     if lora.rank:  # the adapters train, over the whole base frozen in the compute dtype
         trained, held = A, 4 * A + c * (P + Pv)
-        notes[0] = (f"LoRA rank {lora.rank}: {A / 1e6:,.2f} M adapter parameters at 16 bytes each (fp32 weights, "
-                    f"gradients, AdamW's 2 moments) over the frozen base in {cfg.model.dtype}"
-                    + (f", sharded over {t} ranks" if fsdp and t > 1 else "")
-                    + "; the KL reference is the base with the adapters off: no copy")
+        notes[0] = lora_note(cfg, A, t if fsdp else 1)
     device_state = 0 if offload else 1
     params_b = held / shard * device_state
     opt_b = 8 * trained / shard * device_state
@@ -336,7 +316,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
     unit_grads = trained_unit * (c + (4 if c < 4 else 0)) if fsdp else 0
     act_elems = dims.act_elems
     if lora.rank:  # each adapter's rank-wide middle, and with dropout its own copy of the layer's input
-        adapted = dims.adapted(lora.target_modules).values()
+        adapted = adapted_projections(dims, lora.target_modules).values()
         act_elems += lora.rank * len(adapted) + (sum(a for a, _ in adapted) if lora.dropout > 0 else 0)
     if cfg.model.gradient_checkpointing:
         act = tokens * (L * dims.hidden + act_elems) * c

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 from evenrl.config import RunConfig
 from evenrl.planner.layout import Layout, positive_number
+from evenrl.planner.adapters import adapter_params
 from evenrl.planner.memory import GIB, ModelDims, compute_bytes
 
 # (device, model.dtype) -> (TFLOP/s, GB/s); the module docstring says where each number comes from
@@ -224,7 +225,7 @@ def push_bytes(cfg: RunConfig, dims: ModelDims) -> float:
     """One policy version as pushed: the model in model.dtype, or with model.lora its fp32 adapters."""
     lora = cfg.model.lora
     if lora.rank:
-        return 4 * dims.adapter_params(lora.rank, lora.target_modules)
+        return 4 * adapter_params(dims, lora.rank, lora.target_modules)
     return compute_bytes(cfg.model.dtype) * dims.params
 
 

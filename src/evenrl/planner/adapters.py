@@ -1,0 +1,30 @@
+"""The size of LoRA adapters (model.lora) for the plan's estimates: the memory they hold (planner.memory) and what a
+push sends (planner.timing). From a config.json's dims (planner.memory.ModelDims), by the Llama/Qwen2 projection
+names. Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+from evenrl.config import RunConfig
+
+
+def adapted_projections(dims, targets: list[str]) -> dict[str, tuple[int, int]]:
+    """(in, out) features of the decoder-block projections LoRA adapts (dims: a planner.memory.ModelDims), by their
+    Llama/Qwen2 names: model.lora.target_modules, or all seven when it is empty; other names are not sized."""
+    h, q, kv, i = dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate
+    every = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+             "up_proj": (h, i), "down_proj": (i, h)}
+    return {k: v for k, v in every.items() if not targets or k in targets}
+
+
+def adapter_params(dims, rank: int, targets: list[str]) -> int:
+    """LoRA's parameters: rank x (in + out) per adapted projection per layer."""
+    return dims.layers * sum(rank * (a + b) for a, b in adapted_projections(dims, targets).values())
+
+
+def lora_note(cfg: RunConfig, adapters: int, shards: int) -> str:
+    """The memory estimate's first assumption with model.lora."""
+    return (f"LoRA rank {cfg.model.lora.rank}: {adapters / 1e6:,.2f} M adapter parameters at 16 bytes each (fp32 "
+            f"weights, gradients, AdamW's 2 moments) over the frozen base in {cfg.model.dtype}"
+            + (f", sharded over {shards} ranks" if shards > 1 else "")
+            + "; the KL reference is the base with the adapters off: no copy")

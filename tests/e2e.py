@@ -40,14 +40,17 @@ class Saved:
         self.step = state["step"]
 
 
-def fault_env(*, crash_at_step: int = 0, rollout_stalls_at_step: int = 0) -> dict:
+def fault_env(*, crash_at_step: int = 0, rollout_stalls_at_step: int = 0, tracker_fails_at_step: int = 0) -> dict:
     """ENV with a fault injected into the evenrl processes it starts (tests/faults/sitecustomize.py): a training rank
-    that dies at the start of a step (first attempt only), or a reserved rollout rank that hangs."""
+    that dies at the start of a step (first attempt only), a reserved rollout rank that hangs, or experiment
+    trackers that raise from a step on."""
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(TESTS / "faults"), ENV["PYTHONPATH"]])}
     if crash_at_step:
         env["EVENRL_FAULT_CRASH_AT_STEP"] = str(crash_at_step)
     if rollout_stalls_at_step:
         env["EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP"] = str(rollout_stalls_at_step)
+    if tracker_fails_at_step:
+        env["EVENRL_FAULT_TRACKER_FAILS_AT_STEP"] = str(tracker_fails_at_step)
     return env
 
 

@@ -177,4 +177,4 @@ def test_values_that_would_poison_a_run(overrides, match):
 def test_booleans_stay_booleans_and_numbers_numbers():
     cfg = load_config(None, ["log.tensorboard=false", "train.betas=[0, 0.5]", "rewards.functions=[{name: a, weight: 2}]",
                              "train.seed=-1"])
-    assert cfg.log.tensorboard is False and cfg.train.betas == (0.0, 0.5) and cfg.rewards.functions[0].weight == 2.0
+    assert cfg.log.trackers == [] and cfg.train.betas == (0.0, 0.5) and cfg.rewards.functions[0].weight == 2.0

@@ -1,133 +1,14 @@
-"""Plot a run directory's metrics to PNG files.
+"""Plot a run directory's metrics to PNG files (the plots themselves: evenrl.train.plots).
 
     evenrl report runs/demo/grpo      # writes runs/demo/grpo/plots/*.png and prints their paths
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from evenrl.errors import ArgumentParser, UsageError
-from evenrl.train.runlog import MISMATCH_THRESHOLD, read_metrics
-
-# (file name, title, metric keys plotted on one axis); the KL and phase panels are built from the rows (_panels).
-PANELS = [
-    ("reward.png", "Reward: sampled (mean over the step's samples) and greedy eval", ["reward/mean", "eval/reward"]),
-    ("kl.png", "KL to the reference / policy drift", ["kl", "policy/approx_kl"]),
-    ("response_length.png", "Response length (tokens)", ["response/length_mean"]),
-    ("phases.png", "Seconds per step by phase", []),
-    ("logprob_mismatch.png", f"Rollout engine vs trainer, sampled tokens: mean |log-prob diff|\n"
-                             f"and the share of tokens above {MISMATCH_THRESHOLD}", ["rollout/logprob_mismatch",
-                                                                                   "rollout/mismatch_fraction"]),
-    ("off_policy.png", "Off-policy samples (rollout.max_staleness): staleness in steps,\nmean importance weight, "
-                       "share of tokens cut to the cap", ["rollout/staleness_mean", "policy/is_weight",
-                                                          "policy/is_clipped_fraction"]),
-]
-KL_OFF_TITLE = "Policy drift (approx. KL per update)\nno KL to a reference: off (algo.kl_coef=0) or always 0"
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _smooth(ys: list[float], k: int) -> list[float]:
-    out, acc = [], []
-    for y in ys:
-        acc.append(y)
-        if len(acc) > k:
-            acc.pop(0)
-        out.append(sum(acc) / len(acc))
-    return out
-
-
-def _panels(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
-    """PANELS with what the rows hold: every `time/*` phase found (in order of appearance, the whole step last),
-    and no reference KL line when KL is off (the key is absent or always 0), then only the policy drift."""
-    out = []
-    for fname, title, keys in PANELS:
-        if fname == "phases.png":
-            found = list(dict.fromkeys(k for r in rows for k in r if k.startswith("time/") and k != "time/step"))
-            keys = found + (["time/step"] if any("time/step" in r for r in rows) else [])
-        if fname == "kl.png" and not any(_number(r.get("kl")) and r["kl"] != 0 for r in rows):
-            keys, title = [k for k in keys if k != "kl"], KL_OFF_TITLE
-        out.append((fname, title, keys))
-    return out
-
-
-def write_plots(run_dir: str | Path) -> list[Path]:
-    run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)  # a bad line is a UsageError here, before anything is written
-    if not rows:
-        raise UsageError(f"{run_dir}: no metrics.jsonl with rows; give a run directory written by evenrl train")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    out_dir = run_dir / "plots"
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"{out_dir}: a file where the plots directory goes; move it away")
-    out_dir.mkdir(exist_ok=True)
-    written = []
-    for fname, title, keys in _panels(rows):
-        present = [k for k in keys if any(_number(r.get(k)) for r in rows)]
-        if not present:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for k in present:
-            xs = [r["step"] for r in rows if _number(r.get(k))]
-            ys = [r[k] for r in rows if _number(r.get(k))]
-            style = dict(color="k", ls="--") if k == "time/step" else {}
-            label = "whole step" if k == "time/step" else k.removeprefix("time/") if fname == "phases.png" else k
-            if len(ys) < 20:  # sparse series (evaluations): points, no smoothing
-                ax.plot(xs, ys, "o-", lw=1.5, ms=5, label=label, **style)
-                continue
-            line, = ax.plot(xs, ys, alpha=0.35, lw=1, **style)
-            ax.plot(xs, _smooth(ys, max(1, len(ys) // 20)), color=line.get_color(), lw=2, label=label,
-                    ls=style.get("ls", "-"))
-        ax.set_title(title, fontsize=10 if "\n" in title else None)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, ncol=2 if len(present) > 4 else 1)
-        fig.tight_layout()
-        fig.savefig(out_dir / fname, dpi=100)
-        plt.close(fig)
-        written.append(out_dir / fname)
-    loads = [r["load/rank_tokens"] for r in rows if isinstance(r.get("load/rank_tokens"), list)
-             and r["load/rank_tokens"] and all(_number(x) for x in r["load/rank_tokens"])]
-    if loads:
-        world = len(loads[-1])
-        same = [step_loads for step_loads in loads if len(step_loads) == world]
-        totals = [sum(step_loads[i] for step_loads in same) for i in range(world)]
-        # a vision-language run: the vision encoder's share of each rank's load, stacked on the text part
-        vision = [v for v in (r.get("load/rank_vision_tokens") for r in rows)
-                  if isinstance(v, list) and len(v) == world and all(_number(x) for x in v)]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        if vision:
-            v = [sum(step[i] for step in vision) for i in range(world)]
-            ax.bar(range(world), [t - x for t, x in zip(totals, v)], color="#4c72b0", label="text and image tokens")
-            ax.bar(range(world), v, bottom=[t - x for t, x in zip(totals, v)], color="#dd8452",
-                   label="vision encoder (token equivalents)")
-        else:
-            ax.bar(range(world), totals, color="#4c72b0")
-        mean = sum(totals) / world
-        ax.axhline(mean, color="k", ls="--", lw=1, label=f"mean {mean:,.0f}")
-        ax.set_title(f"Training tokens per rank, summed over {len(same)} steps")
-        ax.set_xlabel("rank")
-        if world <= 32:
-            ax.set_xticks(range(world))
-        else:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("tokens")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "rank_load.png", dpi=100)
-        plt.close(fig)
-        written.append(out_dir / "rank_load.png")
-    return written
+from evenrl.train.plots import write_plots
 
 
 def main(argv: list[str]) -> int:

@@ -4,6 +4,7 @@ that wants one runs evenrl with this directory on PYTHONPATH (tests/e2e.py: `fau
   EVENRL_FAULT_CRASH_AT_STEP=N           a training rank exits (code 17) at the start of RL step N, on a worker's
                                          first attempt only, so that an elastic restart recovers
   EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP=N  a reserved rollout rank hangs before generating step N
+  EVENRL_FAULT_TRACKER_FAILS_AT_STEP=N   every experiment tracker raises when it is given step N's metrics
 
 Python imports `sitecustomize` at start-up; this one installs an import hook that wraps the named function of the
 evenrl module when that module is first imported (the loop's step, the rollout rank's generation).
@@ -36,6 +37,22 @@ def _stall_at(n):
     return wrap
 
 
+def _tracker_fails_at(n):
+    def wrap(start_tracker):
+        def start_failing(name, *args, **kwargs):
+            tracker = start_tracker(name, *args, **kwargs)
+            log = tracker.log
+
+            def log_or_fail(step, values):
+                if step >= n:
+                    raise ConnectionError(f"tracker server went away at step {step} (injected)")
+                return log(step, values)
+            tracker.log = log_or_fail
+            return tracker
+        return start_failing
+    return wrap
+
+
 _PATCHES = {}  # module -> (attribute, wrapper)
 if os.environ.get("EVENRL_FAULT_CRASH_AT_STEP"):
     _PATCHES["evenrl.train.loop"] = ("rl_step", _crash_at(int(os.environ["EVENRL_FAULT_CRASH_AT_STEP"])))
@@ -64,6 +81,11 @@ class _Patcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.real.exec_module(module)
         attr, wrap = _PATCHES[module.__name__]
         setattr(module, attr, wrap(getattr(module, attr)))
+
+
+if os.environ.get("EVENRL_FAULT_TRACKER_FAILS_AT_STEP"):
+    _PATCHES["evenrl.train.trackers"] = ("start_tracker",
+                                         _tracker_fails_at(int(os.environ["EVENRL_FAULT_TRACKER_FAILS_AT_STEP"])))
 
 
 if _PATCHES:

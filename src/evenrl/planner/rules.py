@@ -9,6 +9,7 @@ Pure Python: never imports torch.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -432,6 +433,20 @@ def rule_rewards(p: Plan) -> list[Finding]:
     return out
 
 
+def rule_trackers(p: Plan) -> list[Finding]:
+    """Trackers whose client is not installed: the run would stop at its start (evenrl.train.trackers)."""
+    log, out = p.config.log, []
+    need = {"wandb": ["wandb"], "mlflow": ["mlflow"] + ([] if log.mlflow.tracking_uri else ["sqlalchemy", "alembic"])}
+    for name in log.trackers:
+        missing = [m for m in need.get(name, []) if importlib.util.find_spec(m) is None]
+        if missing:
+            why = " (the local SQLite store of an empty log.mlflow.tracking_uri)" if "mlflow" not in missing else ""
+            out.append(Finding("error", "tracker-missing", f"log.trackers names {name}, but {', '.join(missing)} "
+                               f"{'is' if len(missing) == 1 else 'are'} not installed here{why}",
+                               f"pip install -e '.[trackers]'; or leave {name} out of log.trackers"))
+    return out
+
+
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_groups, rule_algorithms,
          rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel,
-         rule_overlap, rule_vision, rule_lora]
+         rule_overlap, rule_vision, rule_lora, rule_trackers]

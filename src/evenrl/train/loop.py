@@ -20,9 +20,11 @@ from evenrl.errors import RunStopped, UsageError
 from evenrl.train import checkpoint, rundir
 from evenrl.train.evaluate import evaluate
 from evenrl.train.metrics import Idle, phase_table
+from evenrl.train.plots import plots_for_trackers
 from evenrl.train.rollout_rank import serve
 from evenrl.train.runlog import RunLog, read_metrics
 from evenrl.train.step import rl_step
+from evenrl.train.trackers import Trackers
 from evenrl.train.trainer import Trainer, build_trainer
 
 
@@ -31,8 +33,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     restarted: this worker was started again by the elastic agent (continue from a checkpoint if there is one)."""
     run_dir = Path(cfg.log.run_dir)
     rundir.check(run_dir, resume=resume, overwrite=overwrite, restarted=restarted)
-    if resume or restarted:
-        read_metrics(run_dir)  # a broken line is one error now, not a traceback once the header is half-written
+    # read now: a broken line is one error, not a traceback once the header is half-written; trackers skip these
+    earlier = read_metrics(run_dir) if resume or restarted else []
     plan = preflight(cfg)
     info = dist.init(timeout=cfg.parallel.collective_timeout_s, rollout_devices=cfg.parallel.rollout_devices)
     if dist.is_main():
@@ -44,23 +46,31 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     else:
         trainer = build_trainer(cfg, info)
         trainer.resume(found)
+        # once the checkpoint has loaded, before the run writes anything: one that cannot start stops the run here
+        trackers = Trackers(cfg, run_dir, earlier) if dist.is_main() else None
         if dist.is_main():
             if found is not None:
                 print(f"evenrl: resumed from {found} (step {trainer.step})", flush=True)
             elif restarted:
                 print("evenrl: restarted before the first checkpoint; starting over from step 1", flush=True)
             write_run_header(trainer, plan, resumed_from=trainer.step if resume or restarted else None)
-        run_steps(trainer)
+        try:
+            run_steps(trainer, trackers)
+        except BaseException:
+            if trackers is not None:
+                trackers.close(ok=False)
+            raise
     dist.barrier_all()  # a rollout rank waits for the trainers to finish and save before leaving the group
     return run_dir
 
 
-def run_steps(trainer: Trainer) -> None:
-    """The RL steps after trainer.step up to train.steps, each followed by its metrics, samples, evaluation and
-    checkpoint; then the final model and the run's phase breakdown."""
+def run_steps(trainer: Trainer, trackers: Trackers | None) -> None:
+    """The RL steps after trainer.step up to train.steps, each followed by its metrics (to metrics.jsonl and rank 0's
+    `trackers`), samples, evaluation and checkpoint; then the final model, the trackers' plots and the run's phase
+    breakdown."""
     cfg, start = trainer.cfg, trainer.step
     run_dir = Path(cfg.log.run_dir)
-    log = RunLog(str(run_dir), enabled=dist.is_main(), tensorboard=cfg.log.tensorboard,
+    log = RunLog(str(run_dir), enabled=dist.is_main(), trackers=trackers,
                  progress_total=cfg.train.steps, progress=cfg.log.progress, initial_step=start,
                  shown={"reward/mean": "reward", "kl": "kl", "perf/tokens_per_s": "tok/s"})
     phases: dict[str, float] = {}
@@ -98,6 +108,8 @@ def run_steps(trainer: Trainer) -> None:
     dist.mark("final save")
     checkpoint.save_final(trainer.model, trainer.tokenizer, run_dir / "final", trainer.image_processor,
                           merged=cfg.log.save_merged)
+    if trackers is not None and trackers.wants_images:
+        trackers.images(plots_for_trackers(run_dir), cfg.train.steps)
     log.close()
     if dist.is_main() and phases:
         print(phase_table(phases, cfg.train.steps - start), flush=True)

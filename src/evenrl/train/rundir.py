@@ -20,7 +20,7 @@ from evenrl.train import checkpoint
 
 # What a run writes; --overwrite removes exactly these, never anything else a user keeps in the directory.
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "final", "tb", "plots", "config.yaml", "plan.txt",
-             "plan.json")
+             "plan.json", "wandb", "mlflow", "trackers.json")
 # What shows that a run has already trained here (a plan alone does not).
 TRAINED = ("metrics.jsonl", "checkpoints", "final")
 

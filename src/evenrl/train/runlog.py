@@ -4,7 +4,9 @@
     RUN_DIR/plan.txt|json    the preflight plan for the layout the run had
     RUN_DIR/metrics.jsonl    one JSON object per step
     RUN_DIR/samples.jsonl    a few completions every `log.samples_every_steps` steps
-    RUN_DIR/tb/              TensorBoard event files
+    RUN_DIR/tb/              TensorBoard event files (log.trackers: tensorboard)
+    RUN_DIR/wandb/, mlflow/  W&B offline runs, the local MLflow store (log.trackers: wandb, mlflow)
+    RUN_DIR/trackers.json    the trackers' run ids, for a resume (evenrl.train.trackers)
     RUN_DIR/checkpoints/     see evenrl.train.checkpoint
     RUN_DIR/final/           the trained model as a Hugging Face directory
 """
@@ -15,32 +17,30 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from evenrl.errors import UsageError
+
+if TYPE_CHECKING:
+    from evenrl.train.trackers import Trackers
 
 # A sampled token whose engine and trainer log-probs differ by more than this counts in rollout/mismatch_fraction.
 MISMATCH_THRESHOLD = 0.1
 
 
 class RunLog:
-    def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool, progress_total: int | None,
+    def __init__(self, run_dir: str, *, enabled: bool, trackers: Trackers | None, progress_total: int | None,
                  progress: bool, initial_step: int = 0, shown: dict[str, str] | None = None):
-        """`shown` maps metric names to the short labels the progress bar shows after each step."""
+        """`trackers` (rank 0's, evenrl.train.trackers) get every row metrics.jsonl gets; `shown` maps metric names
+        to the short labels the progress bar shows after each step."""
         self.dir = Path(run_dir)
         self.shown = shown or {}
         self.enabled = enabled
-        self._tb = None
+        self.trackers = trackers if enabled else None
         self._bar = None
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.dir / "tb"))
-            except ImportError:  # tensorboard is a declared dependency; tolerate its absence anyway
-                self._tb = None
         if progress and progress_total:
             from tqdm import tqdm
 
@@ -59,10 +59,8 @@ class RunLog:
         row = {"step": step, **{k: _jsonable(v) for k, v in values.items()}}
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+        if self.trackers is not None:
+            self.trackers.log(step, values)
         if self._bar is not None and advance:
             self._bar.update(1)
             self._bar.set_postfix_str(" ".join(f"{label} {values[k]:.4g}" for k, label in self.shown.items()
@@ -78,8 +76,8 @@ class RunLog:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def _jsonable(v):

@@ -25,6 +25,7 @@ from evenrl.train.data import PromptSampler, load_data
 from evenrl.train import rundir
 from evenrl.train.checkpoint import save_final
 from evenrl.train.runlog import RunLog
+from evenrl.train.trackers import Trackers
 from evenrl.train.trainer import trainable_model
 from evenrl.train.update import minibatch_denominators, minibatch_update
 
@@ -45,7 +46,7 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr,
                             weight_decay=cfg.train.weight_decay)
     run_dir = Path(cfg.log.run_dir)
-    log = RunLog(str(run_dir), enabled=dist.is_main(), tensorboard=cfg.log.tensorboard,
+    log = RunLog(str(run_dir), enabled=dist.is_main(), trackers=Trackers(cfg, run_dir) if dist.is_main() else None,
                  progress_total=cfg.sft.steps, progress=cfg.log.progress, shown={"sft/nll": "nll"})
     log.write_text("config.yaml", config_to_yaml(cfg))
 

@@ -64,7 +64,7 @@ def test_override_syntax(tmp_path, overrides, match):
                              "max_images_per_prompt, max_pixels, max_prompt_tokens, min_pixels, path, prompt_field, "
                              "prompts_per_step, seed"),
     (["rewards.functions=[{name: math, wieght: 2}]"], "rewards.functions.0.wieght: unknown key; "
-                                                      "allowed here: name, weight"),
+                                                      "allowed here: judge, model, name, weight"),
 ])
 def test_unknown_keys_list_the_allowed_ones(overrides, match):
     fails(None, overrides, match=match)

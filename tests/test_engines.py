@@ -235,3 +235,25 @@ def test_a_head_size_vllm_cpu_cannot_run_is_one_line(assets, tmp_path, capsys):
     engine; evenrl says so before the run starts."""
     code, out, err = evenrl_here(capsys, "train", assets["cfg"], "rollout.engine=vllm", f"log.run_dir={tmp_path}/r")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "head size 16" in err, err
+
+
+@needs_vllm
+def test_a_judge_run_by_vllm_gives_the_hf_judges_verdicts(vllm_setup):
+    """rollout.engine=vllm runs a judge reward on vLLM (train.reward_models): greedy, its outputs are the hf
+    engine's on the same weights, in any order of the samples (a verdict is keyed by its sample)."""
+    from evenrl.config.schema import JudgeSpec
+    from evenrl.rewards.judge import last_number
+    from evenrl.train.reward_models import Judge, judge_outputs
+
+    engine, model, tok = vllm_setup
+    engine.update_weights(full_weights(model))
+    spec = JudgeSpec(template="{question}{completion}=", max_new_tokens=6)
+    rows, completions = [{"prompt": f"{i}+{i}", "answer": 2 * i} for i in range(4)], ["1", "22", "3+4", ""]
+
+    def verdicts(eng, order):
+        judge = Judge("judge:tiny", 1.0, spec, eng, None, tok, last_number, 7, 512, torch.device("cpu"))
+        out, _ = judge_outputs(judge, [rows[i] for i in order], [completions[i] for i in order], order, step=2)
+        return dict(zip(order, out))
+
+    hf = HFEngine(model, eos_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id)
+    assert verdicts(engine, [0, 1, 2, 3]) == verdicts(engine, [3, 1, 0, 2]) == verdicts(hf, [0, 1, 2, 3])

@@ -1,8 +1,9 @@
 """Tiny random models for tests, benchmarks and the demo, written to a directory like any local model.
 
-    from evenrl.testing import make_tiny_model
+    from evenrl.testing import make_tiny_model, make_tiny_reward_model
     path = make_tiny_model("/tmp/tiny", arch="qwen2", seed=0)      # config.json, safetensors, tokenizer
     path = make_tiny_model("/tmp/vl", arch="qwen2_vl", seed=0)     # + a vision tower and preprocessor_config.json
+    rm = make_tiny_reward_model("/tmp/tiny-rm", seed=0)            # the same, with a one-label score head
 
 Same arguments, identical weights; nothing is downloaded.
 """
@@ -223,3 +224,28 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
+
+
+def make_tiny_reward_model(out_dir: str, *, seed: int = 0, **kwargs) -> str:
+    """Write a random tiny reward model to `out_dir`: the body of `make_tiny_model(out_dir, seed=seed, **kwargs)`
+    under a sequence-classification head with one label (`AutoModelForSequenceClassification`), its score weights
+    drawn N(0, 1/hidden) from `seed` so that scores spread over about +-1; the same tokenizer. Returns the path."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    make_tiny_model(out_dir, seed=seed, **kwargs)
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # "score.weight newly initialized", "lm_head unused": both intended here
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(out_dir, num_labels=1, local_files_only=True)
+        hidden = model.config.hidden_size
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed + 1)
+            model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g) / hidden**0.5)
+        model.save_pretrained(out_dir)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    return os.fspath(out_dir)

@@ -12,7 +12,8 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 # Caps that catch typos (10**12 prompts) before any arithmetic is attempted.
@@ -155,10 +156,60 @@ class RolloutConfig(_Section):
                     "RAM for its KV cache (0: 1 GiB). Unused by 'hf'.")
 
 
+class JudgeSpec(_Section):
+    model: str = Field("", description="Local Hugging Face causal LM directory of the judge; empty: the policy's "
+                                        "base (model.path as it was loaded, frozen; not the policy being trained).")
+    template: str = Field(
+        ..., min_length=1, max_length=20_000,
+        description="The judge's prompt. {question} becomes the dataset row's prompt, {completion} the policy's "
+                    "completion (required), {answer} the row's reference answer; no other text is replaced.")
+    parser: str = Field(
+        "last_number", description="How the judge's output becomes a score: last_number, first_number, yes_no "
+                                   "(yes 1, no 0: the first of the two words), or a user function "
+                                   "'package.module:function' taking (judge_output, sample) as a reward does. An "
+                                   "output it cannot read is a failed reward call (rewards.on_failure).")
+    max_new_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="Most tokens the judge generates per sample.")
+    temperature: float = Field(0.0, ge=0.0, le=100.0,
+                               description="The judge's sampling temperature; 0 is greedy. Its samples are keyed "
+                                           "like the policy's (step, sample), so any layout gets the same verdicts.")
+    use_chat_template: bool = Field(
+        True, description="Wrap the judge prompt as one user turn with the judge tokenizer's chat template (when "
+                          "it has one).")
+
+    @field_validator("template")
+    @classmethod
+    def _has_completion(cls, value: str) -> str:
+        if "{completion}" not in value:
+            raise PydanticCustomError("judge_template", "the template must hold {completion}, where the policy's "
+                                                        "completion goes")
+        return value
+
+
 class RewardSpec(_Section):
-    name: str = Field(..., description="Built-in reward (math, format, countdown, knights_knaves, exact_match) "
-                                       "or a user function 'package.module:function'.")
+    name: str = Field("", description="Built-in reward (math, format, countdown, knights_knaves, exact_match) "
+                                      "or a user function 'package.module:function'.")
+    model: str = Field("", description="Local Hugging Face reward model directory: a sequence-classification "
+                                       "model with one label (AutoModelForSequenceClassification), scoring "
+                                       "(prompt, completion) as its tokenizer's chat template renders them "
+                                       "(prompt + completion without one). Frozen, in model.dtype, on the "
+                                       "training ranks (sharded like the policy under parallel.sharding=fsdp).")
+    judge: JudgeSpec | None = Field(None, description="An LLM judge: a causal LM prompted with `template`, run by "
+                                                      "rollout.engine; its output read by `parser`.")
     weight: float = Field(1.0, description="Weight of this reward in the summed score.")
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler):
+        """The entry as one writes it: its kind and its weight, not the other kinds' empty values."""
+        return {k: v for k, v in handler(self).items() if k == "weight" or v}
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        given = [k for k in ("name", "model", "judge") if getattr(self, k)]
+        if len(given) != 1:
+            raise PydanticCustomError("reward_kind", "each entry has one of name (a reward function), model (a "
+                                                     "reward model directory) or judge (a judge section); got "
+                                                     "{got}", {"got": " and ".join(given) or "none of them"})
+        return self
 
 
 class AlgoConfig(_Section):
@@ -207,7 +258,8 @@ class AlgoConfig(_Section):
 class RewardsConfig(_Section):
     functions: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="exact_match")],
-        description="Reward functions summed with their weights.")
+        description="Rewards summed with their weights, each entry one of: a function {name: ...}, a reward model "
+                    "{model: PATH} or an LLM judge {judge: {template: ..., ...}} (docs/reward-models.md).")
     timeout_s: float = Field(5.0, gt=0.0, le=3600.0,
                              description="A reward call slower than this scores 0 and is counted.")
     isolate: bool = Field(

@@ -70,7 +70,10 @@ class VLLMEngine:
     name = "vllm"
     needs_weights = True
 
-    def __init__(self, cfg, *, eos_token_ids: set[int], device: torch.device, adapter=None):
+    def __init__(self, cfg, *, eos_token_ids: set[int], device: torch.device, adapter=None, path: str | None = None,
+                 max_len: int | None = None):
+        """The engine of cfg.model.path, or of `path` (a judge reward's model), for sequences of at most
+        `max_len` tokens (default: data.max_prompt_tokens + rollout.max_new_tokens), capped by the model's."""
         require()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only; never the hub
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
@@ -87,16 +90,16 @@ class VLLMEngine:
 
         self.eos_ids = sorted(eos_token_ids)
         self.gpu = device.type == "cuda"
-        path = Path(cfg.model.path)
+        path = Path(path or cfg.model.path)
         try:
             hf_cfg = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             hf_cfg = {}
-        max_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+        max_len = max_len or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
         if isinstance(hf_cfg.get("max_position_embeddings"), int):
             max_len = min(max_len, hf_cfg["max_position_embeddings"])
         if not self.gpu:
-            _check_cpu_head_size(hf_cfg, cfg.model.path)
+            _check_cpu_head_size(hf_cfg, str(path))
         vision = hf_cfg.get("model_type") in VISION_TYPES
         if vision:
             require_vision()

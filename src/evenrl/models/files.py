@@ -243,3 +243,28 @@ def _version() -> str:
         return version("transformers")
     except Exception:  # metadata missing: only the message loses the number
         return "(unknown version)"
+
+
+def check_reward_model_dir(path: str, field: str) -> dict:
+    """A reward model's directory (a rewards.functions entry's `model`): a config.json whose architecture is a
+    sequence classifier with one label (what AutoModelForSequenceClassification saves for a reward model), tokenizer
+    files, complete weights; `field` names the entry in the one-line errors. Returns config.json."""
+    d = Path(path).expanduser()
+    if not path or not d.is_dir():
+        raise bad(field, path, "a local directory holding a reward model saved with save_pretrained; evenrl never "
+                               "downloads")
+    f = d / "config.json"
+    cfg = read_json(f, "the reward model's Hugging Face config") if f.is_file() else None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{field}: {f} is missing or not a JSON object; expected a Hugging Face model directory")
+    arch = cfg.get("architectures") or []
+    if not any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in arch):
+        raise UsageError(f"{field}: {f} names architectures {arch}, no *ForSequenceClassification; a reward model "
+                         "is a sequence classifier with one label (AutoModelForSequenceClassification, num_labels=1)")
+    labels = cfg.get("id2label")
+    n = len(labels) if isinstance(labels, dict) else cfg.get("num_labels", 2)  # transformers' default is 2
+    if n != 1:
+        raise UsageError(f"{field}: {f} has {n} labels; a reward model scores with one (num_labels=1)")
+    check_tokenizer_files(str(d))
+    check_weights(str(d))
+    return cfg

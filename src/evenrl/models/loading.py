@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 
 from evenrl.errors import UsageError, bad, first_line
-from evenrl.models.files import check_model_dir, is_vision_config
+from evenrl.models.files import check_model_dir, check_reward_model_dir, is_vision_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -69,6 +69,31 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
             raise UsageError(f"model path: tokenizer in {path!r} has neither a pad nor an EOS token; add one to it")
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def load_reward_model(path: str, field: str, *, dtype="float32", device="cpu"):
+    """`(model, tokenizer)` of a reward model (a sequence classifier with one label, checked first without torch:
+    models.files.check_reward_model_dir), frozen, in eval mode. The tokenizer has a pad token afterwards (its EOS
+    when it had none) and the model's config agrees, which the classifier needs to find each row's last token."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = os.fspath(path)
+    check_reward_model_dir(path, field)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True,
+                                                                   dtype=_resolve_dtype(dtype))
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError) as e:
+        raise UsageError(f"{field}: could not load a reward model from {path!r}; {first_line(e)}") from None
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise UsageError(f"{field}: the tokenizer in {path!r} has neither a pad nor an EOS token; add one to it")
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.to(torch.device(device)).eval().requires_grad_(False)
     return model, tokenizer
 
 

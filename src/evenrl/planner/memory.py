@@ -20,6 +20,10 @@ Resident on every phase (0 on the device with cpu_offload=full, which keeps them
                                         sized as the policy, sharded and offloaded like it (its gradients and
                                         activations exist only during its own update, after the policy's, whose
                                         output-layer chunks make the policy's update the larger)
+  reward models    cP'/S for each reward model and judge (rewards.functions {model: ...} / {judge: ...}, P' its
+                   parameters): frozen, in the compute dtype, sharded like the policy; 0 when replicated on cuda
+                   (host memory outside the reward phase) or with cpu_offload=full; a judge under engine vllm on
+                   cpu: its own weights cP' + KV cache (as the rollout reserve below), on cuda: see reward
   rollout reserve  memory_fraction * device memory (engine hf: reserved for nothing, a warning says so);
                    engine vllm on cpu: its own weights cP + its KV cache (memory_fraction * RAM, 0: 1 GiB), held
                    throughout (vLLM has no sleep mode on CPU)
@@ -33,6 +37,13 @@ the training ranks generate nothing and hold no engine: this phase is the reside
   autocast copies  2 * linear weights   replicated bf16: torch.autocast caches a bf16 copy of every fp32 weight
                                         that requires grad for as long as the forward runs, also under no_grad
   KV cache         g * len * L * 2 * kv_dim * c
+reward (only with reward models or judges; they run one after the other: the one needing most is counted):
+  reward models in use   cP' replicated on cuda (brought in); fsdp: c * (root + 2 * block) of a reward model, cP' of
+                         a judge (its generation gathers it whole); a vllm judge on cuda: its engine's share,
+                         memory_fraction (0: 0.3) * device memory, asleep outside the phase
+  reward activations     reward model: t * (a' + h') * c, one layer at a time (no grad); judge: its KV cache,
+                         s * len' * L' * 2 * kv_dim' * c, s = the busiest rank's samples (one generate batch),
+                         len' = template characters + max_prompt_tokens + max_new_tokens + the judge's max_new_tokens
 log-probs (old/reference log-probs, no grad):
   fsdp units       c * (root + 2 * block)   the root unit (embeddings, final norm, head) stays gathered through a
                                         forward, with the block in use and the next one prefetched
@@ -96,8 +107,9 @@ SPLIT_MAX = 20_000  # samples per step beyond which the rollout split is bounded
 # vLLM's defaults where rollout.memory_fraction is 0 (engines.vllm_engine; the planner cannot import it)
 VLLM_GPU_SHARE = 0.3
 VLLM_CPU_KV_BYTES = float(1 << 30)
-RESIDENT = ("parameters", "optimizer", "reference model", "critic", "rollout reserve", "overhead")
+RESIDENT = ("parameters", "optimizer", "reference model", "critic", "reward models", "rollout reserve", "overhead")
 PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache", "rollout engine"),
+          "reward": ("reward models in use", "reward activations"),  # only with reward models or judges
           "log-probs": ("fsdp units", "autocast copies", "layer activations", "vision layer activations",
                         "log-prob logits"),
           "update": ("gradients", "fsdp units", "autocast copies", "activations", "vision activations", "logits",
@@ -222,13 +234,20 @@ class MemoryEstimate:
                 "phases_gib": {k: round(v, 3) for k, v in self.phases.items()}, "assumptions": self.assumptions}
 
 
+def share_of(cfg: RunConfig, layout: Layout) -> float:
+    """The busiest training rank's share of a step's samples (its capacity weight's share, else 1 / T)."""
+    t = max(layout.training_ranks, 1)
+    w = layout.capacity_weights or cfg.parallel.capacity_weights
+    return max(w) / sum(w) if w and len(w) == t else 1 / t
+
+
 def worst_case_shape(cfg: RunConfig, layout: Layout, extra: int = 0) -> tuple[int, int]:
     """(tokens of the largest micro-batch, samples the busiest rank generates), all samples at max length.
     `extra`: each sample's vision-encoder tokens (planner.vision.worst_vision_tokens), which share the token cap."""
     t = max(layout.training_ranks, 1)
     w = layout.capacity_weights or cfg.parallel.capacity_weights
     weights = tuple(w) if w and len(w) == t else None
-    share = max(weights) / sum(weights) if weights else 1 / t
+    share = share_of(cfg, layout)
     length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     per_mb = math.ceil(cfg.samples_per_step() / cfg.algo.minibatches_per_step)
     rows_rank = max(1, math.ceil(per_mb * share - 1e-9))
@@ -352,6 +371,9 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
         "logits": min(tokens * V, HEAD_CHUNK) * (2 * c + 12),
         "gradient buckets": 4 * trained if (not fsdp and t > 1) else 0,
     }
+    scorers = scorer_memory(cfg, layout, dims, tokens, samples_rank=math.ceil(cfg.samples_per_step() * share_of(
+        cfg, layout)))
+    parts["reward models"], parts["reward models in use"], parts["reward activations"] = scorers
     resident = sum(parts[k] for k in RESIDENT)
     phases = {
         "rollout": resident + parts["gathered model"] + (copies if sampler else 0) + parts["KV cache"] + engine,
@@ -360,9 +382,72 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
         "update": resident + grads_b + max(units + unit_grads + copies + act + vision_act + parts["logits"],
                                            parts["gradient buckets"]),
     }
+    if any(spec.model or spec.judge for spec in cfg.rewards.functions):
+        phases["reward"] = resident + scorers[1] + scorers[2]
     total = max(phases.values())
     return MemoryEstimate({k: v / GIB for k, v in parts.items()}, total / GIB, layout.device_memory_gib, P + Pv,
                           tokens, gen, host / GIB, {k: v / GIB for k, v in phases.items()}, notes)
+
+
+@functools.lru_cache(maxsize=64)
+def _dims_at(path: str) -> ModelDims:
+    return read_model_dims(path)
+
+
+def scorer_dims(cfg: RunConfig, dims: ModelDims) -> list[tuple[Any, str, ModelDims]]:
+    """(rewards.functions entry, model path, dims) of each reward model and judge whose config.json reads (the
+    others are the rules' errors); a judge without a model of its own is the policy's base (`dims`)."""
+    out = []
+    for spec in cfg.rewards.functions:
+        if spec.model or spec.judge:
+            path = spec.model or spec.judge.model
+            try:
+                out.append((spec, path or cfg.model.path, _dims_at(path) if path else dims))
+            except ValueError:
+                continue
+    return out
+
+
+def scorer_params(spec, d: ModelDims) -> tuple[int, int, int]:
+    """(parameters, matmul weights, FSDP root unit) of a rewards.functions entry's model: a reward model scores
+    with one number where a causal LM projects onto the vocabulary, so it has no LM head."""
+    head = d.vocab * d.hidden if spec.model else 0
+    untied = 0 if d.tied else head
+    return d.params - untied, d.linear_params - head, d.root_params - untied
+
+
+def scorer_memory(cfg: RunConfig, layout: Layout, dims: ModelDims, tokens: int,
+                  samples_rank: int) -> tuple[float, float, float]:
+    """Bytes of the reward models and judges (module docstring): resident, and the weights the reward phase brings
+    in or gathers and its activations (a reward model's one layer, a judge's KV cache) for the one that needs the
+    most: the phase runs them one after the other."""
+    c = compute_bytes(cfg.model.dtype)
+    fsdp = cfg.parallel.sharding == "fsdp"
+    t = max(layout.training_ranks, 1) if fsdp else 1
+    offload = cfg.parallel.cpu_offload == "full" and fsdp and layout.device != "cpu"
+    on_host = not fsdp and layout.device == "cuda"  # replicated: in host memory outside the reward phase
+    resident, busiest = 0.0, (0.0, 0.0)
+    for spec, _, d in scorer_dims(cfg, dims):
+        params, _, root = scorer_params(spec, d)
+        weights, act = 0.0, 0.0
+        if spec.judge and cfg.rollout.engine == "vllm":  # an engine of its own, like the policy's
+            if layout.device == "cuda":  # asleep outside the phase
+                weights = (cfg.rollout.memory_fraction or VLLM_GPU_SHARE) * layout.device_memory_gib * GIB
+            else:
+                resident += c * params + (cfg.rollout.memory_fraction * layout.device_memory_gib * GIB
+                                          or VLLM_CPU_KV_BYTES)
+        elif spec.judge:
+            resident += 0 if on_host or offload else c * params / t
+            weights = c * params if on_host or fsdp else 0  # fsdp: generation gathers the whole judge
+            length = len(spec.judge.template) + cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens \
+                + spec.judge.max_new_tokens  # a template character is at most one token
+            act = samples_rank * length * d.layers * 2 * d.kv_heads * d.head_dim * c
+        else:
+            resident += 0 if on_host or offload else c * params / t
+            weights = c * params if on_host else c * (root + 2 * d.layer_params) if fsdp else 0
+            act = tokens * (d.act_elems + d.hidden) * c
+        busiest = max(busiest, (weights, act), key=sum)
+    return resident, *busiest
 
 
 # ------------------------------------------------------------------------------------------ fixes

@@ -139,7 +139,7 @@ def _memory_lines(p: Plan) -> list[str]:
                       + (f"; {mem.host_gib:.1f} GiB on the host" if mem.host_gib else ""))]
     b = mem.breakdown
     rows = [("resident", sum(b.get(k, 0.0) for k in RESIDENT), RESIDENT)]
-    rows += [(phase, mem.phases.get(phase, 0.0), keys) for phase, keys in PHASES.items()]
+    rows += [(phase, mem.phases[phase], keys) for phase, keys in PHASES.items() if phase in mem.phases]
     for phase, total, keys in rows:
         parts = " + ".join(f"{k} {b[k]:.2f}" for k in keys if b.get(k, 0.0) >= 0.005)
         if phase != "resident":

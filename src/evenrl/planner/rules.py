@@ -19,6 +19,7 @@ from evenrl.errors import UsageError
 from evenrl.models.files import check_tokenizer_files, check_weights, no_config_fix, read_model_config
 from evenrl.planner.lora import rule_lora
 from evenrl.planner.memory import PHASES, RESIDENT
+from evenrl.planner.rewards import rule_reward_models, rule_rewards
 from evenrl.planner.text import plural, seconds, size_text
 from evenrl.planner.types import Finding, Plan
 from evenrl.planner.vision import rule_vision
@@ -406,33 +407,6 @@ def rule_overlap(p: Plan) -> list[Finding]:
     return out
 
 
-def rule_rewards(p: Plan) -> list[Finding]:
-    """Reward names `evenrl train` would not resolve. A user function is found, not imported: its module may be
-    slow or heavy to import (the planner never imports torch), so only the top-level package must exist."""
-    import importlib.util
-
-    from evenrl.rewards import REGISTRY
-
-    out = []
-    for spec in p.config.rewards.functions:
-        module, sep, attr = spec.name.partition(":")
-        if spec.name in REGISTRY:
-            continue
-        if not (sep and module and attr):
-            why = "is neither a built-in reward nor 'package.module:function'"
-        else:
-            try:
-                found = importlib.util.find_spec(module.split(".")[0]) is not None
-            except (ImportError, ValueError):
-                found = False
-            if found:
-                continue
-            why = f"names module {module!r}, which is not importable here (not on PYTHONPATH?)"
-        out.append(Finding("error", "reward-name", f"reward {spec.name!r} {why}",
-                           f"one of {', '.join(REGISTRY)}, or 'package.module:function' importable by the trainer"))
-    return out
-
-
 def rule_trackers(p: Plan) -> list[Finding]:
     """Trackers whose client is not installed: the run would stop at its start (evenrl.train.trackers)."""
     log, out = p.config.log, []
@@ -447,6 +421,6 @@ def rule_trackers(p: Plan) -> list[Finding]:
     return out
 
 
-RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_groups, rule_algorithms,
-         rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory, rule_parallel,
-         rule_overlap, rule_vision, rule_lora, rule_trackers]
+RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_reward_models, rule_groups,
+         rule_algorithms, rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory,
+         rule_parallel, rule_overlap, rule_vision, rule_lora, rule_trackers]

@@ -15,6 +15,7 @@ from evenrl.core.partition import balanced_partition
 from evenrl.rewards import score_all
 from evenrl.engines.hf import greedy
 from evenrl.models.vision import prompt_image_inputs
+from evenrl.train.reward_models import add_model_rewards
 
 
 def evaluate(run, rows: list[dict], prompt_tokens: list[list[int]], images: list[list] | None = None) -> dict:
@@ -28,13 +29,14 @@ def evaluate(run, rows: list[dict], prompt_tokens: list[list[int]], images: list
                              eos_token_ids=run.eos_ids, pad_token_id=run.pad_id,
                              images=prompt_image_inputs(run.image_processor, images, mine) if images else None
                              ) if mine else []
-    if mine:
-        texts = [run.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        scores, _ = score_all(run.reward_fns, texts, [rows[i] for i in mine], cfg.rewards.timeout_s,
+    texts = [run.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    scores, stats = score_all(run.reward_fns, texts, [rows[i] for i in mine], cfg.rewards.timeout_s,
                               isolate=cfg.rewards.isolate, memory_limit_mib=cfg.rewards.memory_limit_mib,
                               cpu_time_limit_s=cfg.rewards.cpu_time_limit_s)
-        total += torch.tensor([sum(scores), len(scores), sum(len(c.token_ids) for c in completions)],
-                              dtype=torch.float64)
+    if run.scorers:  # every rank, prompts or not: the models' forwards are collectives when sharded
+        scores, _ = add_model_rewards(run.scorers, cfg, texts, [rows[i] for i in mine], mine, 0, scores, stats)
+    total += torch.tensor([sum(scores), len(scores), sum(len(c.token_ids) for c in completions)],
+                          dtype=torch.float64)
     dist.all_reduce_sum(total)
     n = max(float(total[1]), 1.0)
     return {"eval/reward": float(total[0]) / n, "eval/response_length": float(total[2]) / n,

@@ -36,6 +36,7 @@ from evenrl.models.vision import pixel_dim, prompt_image_inputs
 from evenrl.rewards import score_all
 from evenrl.rewards.overlong import overlong_penalty
 from evenrl.train.metrics import Timer, step_metrics
+from evenrl.train.reward_models import add_model_rewards
 from evenrl.train.objectives import (CRITIC_STAT_NAMES, IS_STAT_NAMES, STAT_NAMES, importance_weighted, rl_objective,
                                      value_objective)
 from evenrl.train.trainer import Trainer
@@ -97,7 +98,7 @@ def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, int, dict]
         with timer("rollout"):
             part = rollout(trainer, step, prompt_ids, first=drawn)                   # this rank's prompts x samples
         with timer("reward"):
-            part, reward_stats = add_rewards(trainer, part)
+            part, reward_stats = add_rewards(trainer, part, step)
         failures += reward_stats.get("failures", 0)
         drawn, rounds = drawn + len(prompt_ids), rounds + 1
         if not algo.filter_groups:
@@ -203,10 +204,13 @@ def add_image_columns(batch: Batch, inputs: list, weight: float, dim: int) -> No
     batch["vision_tokens"] = torch.tensor([round(int(g.prod(-1).sum()) * weight) for g in grids], dtype=torch.long)
 
 
-def add_rewards(trainer: Trainer, batch: Batch) -> tuple[Batch, dict]:
+def add_rewards(trainer: Trainer, batch: Batch, step: int) -> tuple[Batch, dict]:
     rows, rc = [trainer.prompts.rows[r] for r in batch["row_id"]], trainer.cfg.rewards
     scores, stats = score_all(trainer.reward_fns, batch["completion"], rows, rc.timeout_s, isolate=rc.isolate,
                               memory_limit_mib=rc.memory_limit_mib, cpu_time_limit_s=rc.cpu_time_limit_s)
+    if trainer.scorers:  # reward models and judges: every training rank, rows or not (collectives when sharded)
+        scores, stats = add_model_rewards(trainer.scorers, trainer.cfg, batch["completion"], rows,
+                                          batch["sample_index"].tolist(), step, scores, stats)
     batch["reward"] = torch.tensor(scores, dtype=torch.float32)
     if rc.overlong_buffer > 0:
         batch["reward"] = batch["reward"] + overlong_penalty(batch["response_len"], trainer.cfg.rollout.max_new_tokens,

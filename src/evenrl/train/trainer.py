@@ -29,6 +29,7 @@ from evenrl.planner.memory import dims_from_config
 from evenrl.rewards import RewardFn, resolve
 from evenrl.train import checkpoint
 from evenrl.train.data import PromptSampler, load_data, take_images
+from evenrl.train.reward_models import Scorer, load_scorers
 from evenrl.train.update import prepare_model
 
 
@@ -69,6 +70,7 @@ class Trainer:
     eos_ids: set[int] = field(default_factory=set)
     image_processor: Any = None  # a vision-language model's (evenrl.models.vision)
     vision_weight: float = 0.0  # a patch through its vision encoder, in language-model tokens (vision_token_weight)
+    scorers: list[Scorer] = field(default_factory=list)  # reward models and judges (train.reward_models)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -157,9 +159,9 @@ def build_trainer(cfg: RunConfig, info) -> Trainer:
     return Trainer(cfg=cfg, policy=Trained(model, *adamw(model, cfg, cfg.train.lr, cfg.train.warmup_steps)),
                    critic=critic, reference=reference, tokenizer=tokenizer, prompts=prompts,
                    eval_prompts=eval_prompts, sampler=PromptSampler(len(rows), cfg.data.seed),
-                   reward_fns=[(resolve(spec.name), spec.weight) for spec in cfg.rewards.functions],
+                   reward_fns=[(resolve(spec.name), spec.weight) for spec in cfg.rewards.functions if spec.name],
                    engine=engine, sync=sync, skipped_prompts=skipped, eos_ids=eos_ids, image_processor=processor,
-                   vision_weight=weight)
+                   vision_weight=weight, scorers=load_scorers(cfg, info))
 
 
 def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:

@@ -17,7 +17,7 @@ from evenrl.planner.layout import has_shape_flags
 from evenrl.planner.plan import count_rows
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl, set_lengths,
-    set_lora, set_model, set_overlong, set_parallel, set_sampling, split_layout)
+    set_lora, set_model, set_overlong, set_parallel, set_reward_models, set_sampling, split_layout)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -95,6 +95,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if src.int("overlong_buffer_len", 0, lo=0):
         set_overlong(t, src.int("overlong_buffer_len", 0, lo=0), src.float("overlong_penalty_factor", 1.0),
                      ("overlong_buffer_len", "overlong_penalty_factor"))
+    _rewards(src, t)
     set_model(t, src.str("pretrain"), "pretrain")
     t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
     set_lora(src, t, rank="lora_rank", alpha="lora_alpha", targets="target_modules", dropout="lora_dropout")
@@ -110,6 +111,19 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
         _async(src, t)
     if src.bool("enable_vllm_is_correction", False):
         _importance(src, t)
+
+
+def _rewards(src: Source, t: Translation) -> None:
+    """reward_pretrain (one path, or several separated by commas) -> reward models; remote_rm_url -> a note."""
+    paths = [p.strip() for p in src.str("reward_pretrain", "").split(",") if p.strip()]
+    set_reward_models(t, [(p, 1.0) for p in paths], "reward_pretrain")
+    if src.has("remote_rm_url"):
+        t.notes.append(f"remote_rm_url={src.str('remote_rm_url')!r}: a reward served over HTTP (or a Python file's "
+                       "reward_func) has no evenrl equivalent; write it as a 'package.module:function' reward, or "
+                       "give the reward model's directory as rewards.functions=[{model: /local/dir}]")
+    if paths and src.bool("normalize_reward", False):
+        t.notes.append("normalize_reward: OpenRLHF whitens reward-model scores with statistics from its training; "
+                       "evenrl uses the raw score (the group advantage centres it)")
 
 
 def _async(src: Source, t: Translation) -> None:

@@ -277,6 +277,20 @@ def set_overlong(t: Translation, buffer: int, penalty: float, keys: tuple[str, s
     t.set("rewards.overlong_penalty", penalty, keys[1])
 
 
+def set_reward_models(t: Translation, models: list[tuple[str, float]], key: str, others: list[dict] = ()) -> None:
+    """rewards.functions from the peer's reward models ((path, weight) pairs) and any function entries it maps
+    (`others`); a model that is not a local directory becomes a note (evenrl never downloads)."""
+    entries = list(others)
+    for path, weight in models:
+        if path and Path(path).expanduser().is_dir():
+            entries.append({"model": path, "weight": weight})
+        elif path:
+            t.notes.append(f"{key}={path!r} is not a local directory; download the reward model, then "
+                           "rewards.functions=[{model: /local/dir}]")
+    if entries:
+        t.set("rewards.functions", entries, key)
+
+
 def set_loss_agg(t: Translation, mode: str, key: str) -> None:
     if mode.startswith("seq-mean-token-sum"):
         mode = "seq-mean-token-sum"

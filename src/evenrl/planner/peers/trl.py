@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
+from evenrl.errors import UsageError
 from evenrl.planner.layout import apply_layout_flags, has_shape_flags, layout_from_args
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_loss_agg, set_model,
+    set_reward_models,
     set_sampling)
 
 
@@ -108,6 +111,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if t.layout.rollout_devices:  # `evenrl train --rollout-devices N` runs what `trl vllm-serve` did
         t.set("parallel.rollout_devices", t.layout.rollout_devices, "vllm_mode=server")
     set_data(t, src.str("dataset_name"), "dataset_name", src.str("dataset_prompt_column", "prompt"))
+    _rewards(src, t)
     steps = src.int("max_steps", -1, lo=-1)
     if steps and steps > 0:
         t.set("train.steps", max(1, math.ceil(steps / (m * mu))), "max_steps")
@@ -129,3 +133,29 @@ def _lora(src: Source, t: Translation) -> None:
         t.notes.append("no target modules named: peft's own default for the model type (q_proj and v_proj for "
                        "Llama and Qwen2); evenrl adapts every linear layer of the decoder blocks "
                        "(model.lora.target_modules=[q_proj,v_proj] for peft's)")
+
+
+def _rewards(src: Source, t: Translation) -> None:
+    """reward_funcs (a model path or id, a trl.rewards name, a dotted function; one or a list) with reward_weights,
+    or the older script's reward_model_name_or_path: reward models become {model: PATH} entries."""
+    funcs = src.raw("reward_funcs") or src.raw("reward_model_name_or_path") or []
+    funcs = [funcs] if isinstance(funcs, str) else list(funcs)
+    weights = src.raw("reward_weights") or [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        raise UsageError(f"TRL reward_weights: {len(weights)} weights for {len(funcs)} reward_funcs; need one each")
+    models, others = [], []
+    for f, w in zip(map(str, funcs), weights):
+        if Path(f).expanduser().is_dir() or "/" in f:  # a directory, or a hub id (which the helper notes)
+            models.append((f, float(w)))
+        elif f == "accuracy_reward":
+            others.append({"name": "math", "weight": float(w)})
+            t.notes.append("reward_funcs accuracy_reward (math-verify against the solution column) is evenrl's math")
+        elif "." in f:
+            module, _, func = f.rpartition(".")
+            others.append({"name": f"{module}:{func}", "weight": float(w)})
+            t.notes.append(f"reward_funcs {f}: evenrl calls {module}:{func}(completion, sample_row) -> float, one "
+                           "sample at a time, where TRL passes lists: wrap it")
+        else:
+            t.notes.append(f"reward_funcs {f} has no evenrl equivalent; write it as a 'package.module:function' reward")
+    key = "reward_funcs" if src.has("reward_funcs") else "reward_model_name_or_path"
+    set_reward_models(t, models, key, others)

@@ -19,8 +19,8 @@ import math
 
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl,
-    set_lengths, set_lora, set_loss_agg, set_model, set_overlong, set_parallel, set_sampling, set_steps, split_layout,
-    trainer_layout)
+    set_lengths, set_lora, set_loss_agg, set_model, set_overlong, set_parallel, set_reward_models, set_sampling,
+    set_steps, split_layout, trainer_layout)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -123,12 +123,26 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                  shard=True, keys=(a + "fsdp_config.param_offload", a + "fsdp_config.optimizer_offload"))
     set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"))
     set_steps(src, t, "trainer.total_training_steps", "trainer.total_epochs", 1, tbs)
+    _rewards(src, t)
     if src.has("rollout.n_gpus_per_node"):
         _staleness(src, t)
     _importance(src, t)
     if src.has("actor_rollout_ref.rollout.gpu_memory_utilization"):
         t.notes.append("rollout.gpu_memory_utilization sizes vLLM's KV cache; evenrl's 'hf' sampler uses the "
                        "training model, so its KV cache is part of the memory estimate instead")
+
+
+def _rewards(src: Source, t: Translation) -> None:
+    """reward_model.enable + reward_model.model.path -> a reward model entry (verl then rewards with its score);
+    custom_reward_function.path -> a note."""
+    if src.bool("reward_model.enable", False):
+        set_reward_models(t, [(src.str("reward_model.model.path", ""), 1.0)], "reward_model.model.path")
+        if src.has("reward_model.micro_batch_size_per_gpu"):
+            t.notes.append("reward_model.micro_batch_size_per_gpu: evenrl batches the reward model by tokens, at "
+                           "most train.token_cap_per_micro_batch per forward")
+    if src.has("custom_reward_function.path"):
+        t.notes.append(f"custom_reward_function.path={src.str('custom_reward_function.path')!r}: give the function "
+                       "as a reward 'package.module:function' taking (completion, sample_row) -> float")
 
 
 def _staleness(src: Source, t: Translation) -> None:

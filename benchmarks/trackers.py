@@ -32,7 +32,8 @@ print(f"{{t2 - t1:.2f}} {{(t3 - t2) / {rows} * 1e3:.3f}} {{t4 - t3:.2f}}")
 
 
 def main() -> None:
-    print(f"{'trackers':<14} {'start s':>8} {'ms / row':>9} {'close s':>8}   ({ROWS} rows of 40 numbers, fresh process each)")
+    print(f"{'trackers':<14} {'start s':>8} {'ms / row':>9} {'close s':>8}   ({ROWS} rows of 40 numbers, "
+          "fresh process each)")
     for trackers in ("[]", "[tensorboard]", "[wandb]", "[mlflow]"):
         with tempfile.TemporaryDirectory() as d:
             out = subprocess.run([sys.executable, "-c", CODE.format(trackers=trackers, run_dir=d, rows=ROWS)],

@@ -109,7 +109,7 @@ def run_steps(trainer: Trainer, trackers: Trackers | None) -> None:
     checkpoint.save_final(trainer.model, trainer.tokenizer, run_dir / "final", trainer.image_processor,
                           merged=cfg.log.save_merged)
     if trackers is not None and trackers.wants_images:
-        trackers.images(plots_for_trackers(run_dir), cfg.train.steps)
+        trackers.images(plots_for_trackers(run_dir))
     log.close()
     if dist.is_main() and phases:
         print(phase_table(phases, cfg.train.steps - start), flush=True)

@@ -11,10 +11,11 @@ Why the scores do not depend on the layout:
     same batch-mates in the same shapes on any layout: the same score, bit for bit (reward_model_scores);
   * a judge's sample is keyed by (judge seed, step, the policy sample's index in the step), as the policy's own
     samples are: the same verdict on any rank, any number of ranks, and again after a resume.
+    A judge's prompts are batched per rank, as the policy's rollout is: its logits, and so a greedy near-tie or a
+    sampling boundary, can differ in the last float bit between layouts, as the policy's own samples can.
 Under parallel.sharding=fsdp both models are sharded over the training ranks like the policy: every rank runs as
 many reward-model forwards as the busiest one (empty ones are fillers), and the judge generates inside
-distributed.weights.gathered. A judge's prompts are batched per rank, as the policy's rollout is: its logits, and
-so a greedy tie or a sampling boundary, can differ in the last float bit between layouts, as the policy's can. Replicated on a GPU, their weights stay in host memory outside the reward phase and
+distributed.weights.gathered. Replicated on a GPU, their weights stay in host memory outside the reward phase and
 move to the device for it (a GPU-only path: on CPU nothing moves; it has not run on a GPU).
 """
 

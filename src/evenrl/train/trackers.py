@@ -63,7 +63,7 @@ class TensorBoard:
         for k, v in values.items():
             self.writer.add_scalar(k, v, step)
 
-    def images(self, paths: list[Path], step: int) -> None:
+    def images(self, paths: list[Path]) -> None:
         return None  # TensorBoard draws its own curves from the scalars
 
     def close(self, ok: bool) -> None:
@@ -90,7 +90,7 @@ class Wandb:
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step, commit=True)  # without commit W&B holds a step open until the next one
 
-    def images(self, paths: list[Path], step: int) -> None:
+    def images(self, paths: list[Path]) -> None:
         # the run's summary, not its history: the last step is committed, and a later one would be a step that is not
         self.run.summary.update({f"plots/{p.stem}": self.wandb.Image(str(p)) for p in paths})
 
@@ -105,7 +105,7 @@ class Mlflow:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines (creating tables) bury the run's
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines on a new store would bury the run's
         m = cfg.log.mlflow
         local = run_dir.resolve() / "mlflow"
         uri = state.get("tracking_uri") or m.tracking_uri or f"sqlite:///{local / 'mlflow.db'}"
@@ -120,7 +120,7 @@ class Mlflow:
             experiment = found.experiment_id if found else self.client.create_experiment(
                 m.experiment, artifact_location=None if m.tracking_uri else (local / "artifacts").as_uri())
             self.run_id = self.client.create_run(experiment, run_name=cfg.log.run_name or run_dir.name).info.run_id
-            params = [Param(k, json.dumps(v)[:MLFLOW_PARAM_CHARS] if not isinstance(v, str) else v[:MLFLOW_PARAM_CHARS])
+            params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:MLFLOW_PARAM_CHARS])
                       for k, v in flatten(cfg.model_dump(mode="json")).items()]
             for i in range(0, len(params), MLFLOW_PARAMS_PER_BATCH):
                 self.client.log_batch(self.run_id, params=params[i:i + MLFLOW_PARAMS_PER_BATCH])
@@ -134,7 +134,7 @@ class Mlflow:
         for i in range(0, len(metrics), MLFLOW_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + MLFLOW_METRICS_PER_BATCH])
 
-    def images(self, paths: list[Path], step: int) -> None:
+    def images(self, paths: list[Path]) -> None:
         for p in paths:
             self.client.log_artifact(self.run_id, str(p), "plots")
 
@@ -185,9 +185,9 @@ class Trackers:
             for t in list(self.live):
                 self._call(t, "log", step, row)
 
-    def images(self, paths: list[Path], step: int) -> None:
+    def images(self, paths: list[Path]) -> None:
         for t in list(self.live):
-            self._call(t, "images", paths, step)
+            self._call(t, "images", paths)
 
     def close(self, ok: bool = True) -> None:
         for t in list(self.live):

@@ -70,7 +70,8 @@ def run_config(dtype: str, sharding: str, lora: int = 0):
 
 def planned(dtype: str, sharding: str, world: int, lora: int = 0) -> dict:
     from evenrl.planner.layout import make_layout
-    from evenrl.planner.memory import GIB, OVERHEAD_GIB, dims_from_config, estimate_memory, worst_case_shape
+    from evenrl.planner.dims import dims_from_config
+    from evenrl.planner.memory import GIB, OVERHEAD_GIB, estimate_memory, worst_case_shape
 
     cfg, lay = run_config(dtype, sharding, lora), make_layout(1, world, device="cpu")
     assert worst_case_shape(cfg, lay)[0] == ROWS * LENGTH, "the planned micro-batch must be the measured one"

@@ -62,7 +62,7 @@ def _worker(rank: int, model_dir: str, port: int, out):
     from evenrl.models.loading import load_policy
     from evenrl.models.vision import load_image_processor
     from evenrl.models.vision_config import vision_token_weight
-    from evenrl.planner.memory import read_model_dims
+    from evenrl.planner.dims import read_model_dims
 
     dist.init()
     model, tok = load_policy(model_dir)

@@ -294,7 +294,8 @@ QWEN_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864
 def test_memory_with_adapters_by_hand():
     from evenrl.planner.layout import make_layout
     from evenrl.planner.adapters import adapter_params
-    from evenrl.planner.memory import GIB, RESIDENT, dims_from_config, estimate_memory
+    from evenrl.planner.dims import dims_from_config
+    from evenrl.planner.memory import GIB, RESIDENT, estimate_memory
 
     d = dims_from_config(QWEN_05B)
     h, kv, i, L = 896, 128, 4864, 24

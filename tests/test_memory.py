@@ -7,7 +7,8 @@ from pydantic import ValidationError
 
 from evenrl.config import RunConfig, with_settings
 from evenrl.planner.layout import make_layout
-from evenrl.planner.memory import GIB, dims_from_config, estimate_memory, memory_fixes, read_model_dims, worst_case_shape
+from evenrl.planner.dims import dims_from_config, read_model_dims
+from evenrl.planner.memory import GIB, estimate_memory, memory_fixes, worst_case_shape
 
 # A tiny Llama-like model: every number below is computed by hand from these.
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -11,7 +11,7 @@ from evenrl.cli import main as cli_main
 from evenrl.config import load_config
 from evenrl.planner.fit import fit
 from evenrl.planner.layout import make_layout
-from evenrl.planner.memory import dims_from_config
+from evenrl.planner.dims import dims_from_config
 from evenrl.planner.plan import make_plan, render
 from evenrl.planner.rules import rule_overlap
 from evenrl.planner.timing import (Overlap, RateFlags, Rates, StepTime, assumed_rates, estimate_overlap,

@@ -15,7 +15,8 @@ from evenrl.config.schema import JudgeSpec
 from evenrl.engines import HFEngine
 from evenrl.models.loading import load_policy, load_reward_model
 from evenrl.planner.layout import make_layout
-from evenrl.planner.memory import GIB, dims_from_config, estimate_memory
+from evenrl.planner.dims import dims_from_config
+from evenrl.planner.memory import GIB, estimate_memory
 from evenrl.rewards.judge import fill_template, first_number, last_number, resolve_parser, yes_no
 from evenrl.testing import make_tiny_reward_model
 from evenrl.train.reward_models import (Judge, RewardModel, add_model_rewards, judge_outputs, reward_model_input,

@@ -1,5 +1,5 @@
 """The size of LoRA adapters (model.lora) for the plan's estimates: the memory they hold (planner.memory) and what a
-push sends (planner.timing). From a config.json's dims (planner.memory.ModelDims), by the Llama/Qwen2 projection
+push sends (planner.timing). From a config.json's dims (planner.dims.ModelDims), by the Llama/Qwen2 projection
 names. Pure Python: never imports torch.
 """
 
@@ -9,7 +9,7 @@ from evenrl.config import RunConfig
 
 
 def adapted_projections(dims, targets: list[str]) -> dict[str, tuple[int, int]]:
-    """(in, out) features of the decoder-block projections LoRA adapts (dims: a planner.memory.ModelDims), by their
+    """(in, out) features of the decoder-block projections LoRA adapts (dims: a planner.dims.ModelDims), by their
     Llama/Qwen2 names: model.lora.target_modules, or all seven when it is empty; other names are not sized."""
     h, q, kv, i = dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate
     every = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),

@@ -22,7 +22,8 @@ import yaml
 
 from evenrl.config import MAX_COUNT, MAX_TOKENS, RunConfig, flatten, with_settings
 from evenrl.planner.layout import Layout
-from evenrl.planner.memory import ModelDims, estimate_memory, memory_fixes
+from evenrl.planner.dims import ModelDims
+from evenrl.planner.memory import estimate_memory, memory_fixes
 from evenrl.planner.plan import Plan
 from evenrl.planner.rules import GROUP_ADVANTAGES
 

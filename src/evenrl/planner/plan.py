@@ -23,7 +23,8 @@ from evenrl.config import RunConfig
 from evenrl.core.partition import lower_bound
 from evenrl.core.schedule import ScheduleError, make_schedule
 from evenrl.planner.layout import Layout
-from evenrl.planner.memory import dims_from_config, estimate_memory, memory_fixes, read_model_dims
+from evenrl.planner.dims import dims_from_config, read_model_dims
+from evenrl.planner.memory import estimate_memory, memory_fixes
 from evenrl.models.vision_config import worst_vision_tokens
 from evenrl.planner.render import render
 from evenrl.planner.rules import RULES

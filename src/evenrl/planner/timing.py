@@ -65,7 +65,8 @@ from dataclasses import dataclass
 from evenrl.config import RunConfig
 from evenrl.planner.layout import Layout, positive_number
 from evenrl.planner.adapters import adapter_params
-from evenrl.planner.memory import GIB, ModelDims, compute_bytes
+from evenrl.planner.dims import ModelDims
+from evenrl.planner.memory import GIB, compute_bytes
 
 # (device, model.dtype) -> (TFLOP/s, GB/s); the module docstring says where each number comes from
 DEVICE_RATES = {("cuda", "bfloat16"): (396.0, 2010.0), ("cuda", "float32"): (27.0, 2010.0),

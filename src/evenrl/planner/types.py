@@ -31,7 +31,8 @@ from typing import Literal
 
 from evenrl.config import RunConfig
 from evenrl.planner.layout import Layout
-from evenrl.planner.memory import MemoryEstimate, MemoryFix, ModelDims
+from evenrl.planner.dims import ModelDims
+from evenrl.planner.memory import MemoryEstimate, MemoryFix
 from evenrl.planner.timing import Overlap, RateFlags
 
 

@@ -25,7 +25,7 @@ from evenrl.models.loading import load_policy, with_value_head
 from evenrl.models.lora import adapters_disabled, add_adapters
 from evenrl.models.vision import is_vision_model, load_image_processor
 from evenrl.models.vision_config import vision_dims_from_config, vision_token_weight
-from evenrl.planner.memory import dims_from_config
+from evenrl.planner.dims import dims_from_config
 from evenrl.rewards import RewardFn, resolve
 from evenrl.train import checkpoint
 from evenrl.train.data import PromptSampler, load_data, take_images

@@ -12,9 +12,10 @@ Plan.to_dict(), schema "evenrl.plan/1" (what --json prints):
          tokens{min,mean,max}, micro_steps_per_minibatch[], idle[], imbalance (busiest / even split),
          bound_ratio (busiest / partition lower bound), oversize_samples},
   optimizer_steps {per_step, total, dataset_rows, steps_per_epoch, per_epoch}  (unknown: null),
-  memory null | {breakdown_gib{...}, phases_gib{rollout, log-probs, update} (each with the resident part;
-                 total_gib is the largest), total_gib, capacity_gib, fits, params, micro_tokens,
-                 rollout_samples_per_rank, host_gib, assumptions[], fixes[{settings, total_gib, fits, why}]},
+  memory null | {breakdown_gib{...}, phases_gib{rollout, reward (with reward models or judges), log-probs, update}
+                 (each with the resident part; total_gib is the largest), total_gib, capacity_gib, fits, params,
+                 micro_tokens, rollout_samples_per_rank, host_gib, assumptions[], fixes[{settings, total_gib, fits,
+                 why}]},
   overlap null | (rollout devices reserved and model dimensions known; estimates, evenrl.planner.timing)
           {estimate: true, rates{device_tflops, device_gbps, link_gbps, forward_floor_s, basis}, max_staleness,
            passes{update, ...}, planned{split}, best_split{split}, step_s (synchronous at max_staleness 0, else

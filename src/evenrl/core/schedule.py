@@ -26,7 +26,11 @@ Decisions:
     active rank to hold >= m; after balancing, a rank with 1..m-1 rows takes the shortest row of the most loaded
     rank that has more than m (such a rank always exists). A non-empty mini-batch with fewer than m rows cannot be
     scheduled and raises ScheduleError.
-  - token_cap: a row longer than the cap is listed in `oversize` and runs alone (with m-1 companions when m > 1).
+  - token_cap: one cap for every rank, or one per rank (devices with less memory): the partition then gives a
+    rank no more than its cap's share of the micro-steps the others need (`core.capacity.cap_limited_weights`),
+    so a small-memory rank runs fewer tokens per micro-step in the same number of micro-steps.
+    A row longer than the cap (the largest, with per-rank caps) is listed in `oversize` and runs alone (with
+    m-1 companions when m > 1); with per-rank caps a row may also exceed the cap of a rank it lands on.
     When m*len > cap, or when a rank's last rows cannot be split into pieces of >= m rows within the cap, the
     schedule exceeds the cap rather than failing mid-run: such a micro-batch holds at most 2m-1 rows, and either
     its longest row cannot share a micro-batch of m rows within the cap or its tokens are <= (2m-1)/m * cap.
@@ -42,6 +46,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from evenrl.errors import UsageError, bad
+from evenrl.core.capacity import cap_limited_weights
 from evenrl.core.partition import balanced_partition, sample_cost
 
 __all__ = ["MicroBatch", "MiniBatch", "StepSchedule", "ScheduleError", "make_schedule", "split_minibatches"]
@@ -70,9 +75,13 @@ class MiniBatch:
 class StepSchedule:
     world: int
     minibatches: tuple[MiniBatch, ...]
-    oversize: tuple[int, ...]  # rows whose own length exceeds token_cap, ascending
-    token_cap: int | None = None
+    oversize: tuple[int, ...]  # rows whose own length exceeds token_cap (the largest cap), ascending
+    token_cap: int | tuple[int, ...] | None = None  # one per rank where ranks differ
     min_rows: int = 1
+
+    def cap(self, rank: int) -> int | None:
+        """The token cap of `rank`'s micro-batches."""
+        return self.token_cap[rank] if isinstance(self.token_cap, tuple) else self.token_cap
 
     def rank_rows(self, rank: int) -> list[int]:
         """All rows `rank` needs this step, in schedule order (each row is scheduled once, so no duplicates)."""
@@ -97,7 +106,7 @@ class StepSchedule:
             for b, mb in enumerate(self.minibatches)
             for r, micros in enumerate(mb.per_rank)
             for s, m in enumerate(micros)
-            if m.tokens > self.token_cap
+            if m.tokens > self.cap(r)
         ]
 
     def to_dict(self) -> dict:
@@ -105,7 +114,7 @@ class StepSchedule:
         return {
             "world": self.world,
             "rows": sum(len(mb.rows) for mb in self.minibatches),
-            "token_cap": self.token_cap,
+            "token_cap": list(self.token_cap) if isinstance(self.token_cap, tuple) else self.token_cap,
             "min_rows": self.min_rows,
             "micro_steps": self.micro_steps(),
             "rank_loads": self.rank_loads(),
@@ -190,7 +199,7 @@ def make_schedule(
     *,
     world: int,
     minibatches: int = 1,
-    token_cap: int | None = None,
+    token_cap: int | Sequence[int] | None = None,
     groups: Sequence[Hashable] | None = None,
     weights: Sequence[float] | None = None,
     min_rows: int = 1,
@@ -205,8 +214,15 @@ def make_schedule(
     add = [0] * len(lengths) if extra is None else [_check_int(f"extra[{i}]", x, 0) for i, x in enumerate(extra)]
     world = _check_int("world", world, 1)
     minibatches = _check_int("minibatches", minibatches, 1)
-    if token_cap is not None:
-        token_cap = _check_int("token_cap", token_cap, 1)
+    caps: list[int | None]
+    if not isinstance(token_cap, (list, tuple)):
+        token_cap = None if token_cap is None else _check_int("token_cap", token_cap, 1)
+        caps = [token_cap] * world
+    else:
+        caps = [_check_int(f"token_cap[{r}]", x, 1) for r, x in enumerate(token_cap)]
+        if len(caps) != world:
+            raise _err("token_cap", caps, f"need one token cap per rank ({world}), or one for all")
+        token_cap = caps[0] if len(set(caps)) == 1 else tuple(caps)
     min_rows = _check_int("min_rows", min_rows, 1)
     quadratic_cost = _check_float("quadratic_cost", quadratic_cost, positive=False)
     if weights is None:
@@ -241,12 +257,15 @@ def make_schedule(
         active = sorted(by_weight[: min(world, len(work) // min_rows)])
         rank_rows: list[list[int]] = [[] for _ in range(world)]
         if active:
-            part = balanced_partition([cost[i] for i in work], len(active), weights=[w[r] for r in active])
+            aw = [w[r] for r in active]
+            if isinstance(token_cap, tuple):
+                aw = cap_limited_weights(sum(lengths[i] + add[i] for i in work), aw, [caps[r] for r in active])
+            part = balanced_partition([cost[i] for i in work], len(active), weights=aw)
             for p, items in enumerate(part.parts):
                 rank_rows[active[p]] = [work[i] for i in items]
         if min_rows > 1:
             _fill_short_ranks(rank_rows, cost, w, min_rows)
-        chunks = [_pack(rr, lengths, token_cap, min_rows, add) for rr in rank_rows]
+        chunks = [_pack(rr, lengths, cap, min_rows, add) for rr, cap in zip(rank_rows, caps)]
         steps = max(1, max(len(c) for c in chunks))
         per_rank = []
         for c in chunks:
@@ -260,7 +279,8 @@ def make_schedule(
             per_rank.append(tuple(micros))
         out.append(MiniBatch(rows=rows, per_rank=tuple(per_rank)))
 
-    oversize = () if token_cap is None else tuple(i for i, length in enumerate(lengths) if length + add[i] > token_cap)
+    largest = None if token_cap is None else max(caps)
+    oversize = () if largest is None else tuple(i for i, length in enumerate(lengths) if length + add[i] > largest)
     return StepSchedule(world=world, minibatches=tuple(out), oversize=oversize, token_cap=token_cap, min_rows=min_rows)
 
 

@@ -16,6 +16,8 @@ PLAN = {
     # layout (evenrl.planner.layout.add_layout_args)
     "--nnodes", "--num-nodes", "--nproc-per-node", "--num-gpus", "--rollout-devices", "--device",
     "--device-memory-gib", "--capacity-weights",
+    # every node's devices, for a cluster of mixed devices the planner cannot see (evenrl.planner.cluster)
+    "--nodes",
     # device rates of the step-time estimate of reserved placement (evenrl.planner.timing.add_rate_args)
     "--device-tflops", "--device-gbps", "--link-gbps",
 }

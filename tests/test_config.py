@@ -80,10 +80,11 @@ def test_unknown_keys_list_the_allowed_ones(overrides, match):
     (["data.prompts_per_step=-4"], "data.prompts_per_step: got -4; input should be greater than or equal to 1"),
     (["data.prompts_per_step=1000000000000"],
      f"data.prompts_per_step: got 1000000000000; input should be less than or equal to {MAX_COUNT}"),
-    (["parallel.capacity_weights=[1, 0, 2]"], "parallel.capacity_weights.1: got 0; input should be greater than 0"),
-    (["parallel.capacity_weights=[1, -2]"], "parallel.capacity_weights.1: got -2; input should be greater than 0"),
-    (["parallel.capacity_weights=[1, .nan]"], "parallel.capacity_weights.1: got nan; input should be a finite number"),
-    (["parallel.capacity_weights=1,2"], "parallel.capacity_weights: got '1,2'; input should be a valid list"),
+    (["parallel.capacity_weights=[1, 0, 2]"], "parallel.capacity_weights: got [1, 0, 2]; item 1 is 0; expected 'auto'"),
+    (["parallel.capacity_weights=[1, -2]"], "parallel.capacity_weights: got [1, -2]; item 1 is -2; expected 'auto'"),
+    (["parallel.capacity_weights=[1, .nan]"], "parallel.capacity_weights: got [1, nan]; item 1 is nan; expected"),
+    (["parallel.capacity_weights=1,2"], "parallel.capacity_weights: got '1,2'; expected 'auto' or a list of positive"),
+    (["parallel.capacity_weights=fast"], "parallel.capacity_weights: got 'fast'; expected 'auto' or a list of"),
 ])
 def test_bad_values(overrides, match):
     assert fails(None, overrides, match=match).startswith("config: ")

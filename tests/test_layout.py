@@ -205,8 +205,9 @@ def test_detect_local_gpu_and_cpu():
 def test_host_memory(tmp_path):
     f = tmp_path / "meminfo"
     f.write_text("MemTotal:       16777216 kB\nMemFree: 1 kB\n")
-    assert host_memory_gib(str(f)) == 16.0
-    assert host_memory_gib(str(tmp_path / "missing")) == 0.0
+    no_limit = str(tmp_path / "no-cgroup")  # this machine's container limit would count otherwise
+    assert host_memory_gib(str(f), no_limit) == 16.0
+    assert host_memory_gib(str(tmp_path / "missing"), no_limit) == 0.0
 
 
 def test_layout_from_env_torchrun_and_slurm_gpus():

@@ -316,7 +316,10 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, ge=0.0, description="Global gradient-norm clip; 0 disables.")
     token_cap_per_micro_batch: int = Field(
         4096, ge=1, le=MAX_TOKENS,
-        description="Most padded tokens (rows x longest row) in one forward/backward; bounds activation memory.")
+        description="Most padded tokens (rows x longest row) in one forward/backward; bounds activation memory. "
+                    "On mixed devices this is the cap of those with the most memory; ranks with less get the "
+                    "largest cap that evenrl plan's memory estimate fits into theirs, and fewer rows, so that "
+                    "every rank runs the same number of micro-steps.")
     min_rows_per_micro_batch: int = Field(
         1, ge=1, le=1024, description="Smallest non-empty micro-batch (2 for models with BatchNorm in training mode).")
     skip_zero_gradient_samples: bool = Field(
@@ -336,8 +339,12 @@ class ParallelConfig(_Section):
                             "parameters, gradients and optimizer state in host memory and runs the optimizer step "
                             "there. There is no optimizer-only value: FSDP2 offloads the three together, and a "
                             "replicated model's optimizer on the host would be a slow CPU AdamW over the whole model.")
-    capacity_weights: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
-        None, description="Relative speed of each training rank (mixed GPU models); rank i gets work ~ weight i.")
+    capacity_weights: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] | Literal["auto"] | None = Field(
+        None, description="Relative speed of each training rank (mixed GPU models); rank i gets work ~ weight i. "
+                          "'auto': measured on every step (tokens per busy second of each rank's update, and of its "
+                          "generation where the trainers generate), smoothed, and balanced by from the next step "
+                          "(docs/heterogeneous.md); starts from the devices' datasheet speeds where evenrl knows "
+                          "them, else equal. Either way only where rows run changes, not the update.")
     rollout_devices: int = Field(
         0, ge=0, le=MAX_COUNT,
         description="Reserved placement: the last this many processes only generate (each one engine replica, the "
@@ -350,6 +357,24 @@ class ParallelConfig(_Section):
                     "naming the phase and the ranks that did not arrive (a dead peer ends it at once). Also the "
                     "flag --collective-timeout-s of evenrl train/sft. Raise it when one step's generation can take "
                     "longer on some rank than on others.")
+
+
+    @field_validator("capacity_weights", mode="before")
+    @classmethod
+    def _weights_or_auto(cls, value: Any) -> Any:
+        # checked here: pydantic would name each member of the union in its message
+        allowed = "expected 'auto' or a list of positive numbers, one per training rank"
+        if isinstance(value, str) and value != "auto":
+            raise PydanticCustomError("capacity_weights", allowed)
+        if isinstance(value, (list, tuple)):
+            for i, x in enumerate(value):
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < float("inf"):
+                    raise PydanticCustomError("capacity_weights", f"item {i} is {x!r}; {allowed}")
+        return value
+
+    def fixed_capacity_weights(self) -> list[float] | None:
+        """capacity_weights when they are given as numbers (None: equal, or 'auto', which the run measures)."""
+        return None if self.capacity_weights == "auto" else self.capacity_weights
 
 
 class CheckpointConfig(_Section):

@@ -3,7 +3,7 @@ collectives as dist`). The work is done by one module per job:
 
   groups        who this process is and its process groups (init, rank, world, roles, the FSDP2 mesh)
   guard         a failed collective as one line naming every rank's phase (mark, guard)
-  ops           barriers, sums, gathers and the gradient all-reduce of the trainers
+  ops           barriers, sums, gathers and the gradient all-reduce of the trainers; every rank's device
   exchange      a step's rows moved to the ranks that train them
   rollout_link  weights to and samples from reserved rollout ranks
 
@@ -16,11 +16,11 @@ from evenrl.distributed.groups import (DistInfo, device_mesh, init, is_main, is_
                                        shutdown, trainer_group, world)
 from evenrl.distributed.guard import guard, mark
 from evenrl.distributed.ops import (all_gather_object, all_gather_tensors, all_reduce_grads, all_reduce_sum, barrier,
-                                    barrier_all)
+                                    barrier_all, gather_devices)
 from evenrl.distributed.rollout_link import (WeightReceiver, WeightSender, finish_sends, push_weights,
                                              receive_rollouts, send_rollouts)
 
 __all__ = ["DistInfo", "WeightReceiver", "WeightSender", "all_gather_object", "all_gather_tensors", "all_reduce_grads",
-           "all_reduce_sum", "barrier", "barrier_all", "device_mesh", "exchange", "finish_sends", "guard", "init",
-           "is_main", "is_rollout_rank", "mark", "push_weights", "rank", "receive_rollouts", "rollout_ranks",
-           "send_rollouts", "shutdown", "trainer_group", "world"]
+           "all_reduce_sum", "barrier", "barrier_all", "device_mesh", "exchange", "finish_sends", "gather_devices",
+           "guard", "init", "is_main", "is_rollout_rank", "mark", "push_weights", "rank", "receive_rollouts",
+           "rollout_ranks", "send_rollouts", "shutdown", "trainer_group", "world"]

@@ -1,6 +1,7 @@
-"""The trainers' collectives: barriers, sums, gathers and the gradient all-reduce. One code path for 1 and N ranks:
-with one process there is no process group and every function here is the identity, so callers never branch on the
-world size. Each runs on the trainer group (evenrl.distributed.groups) inside `guard`, so a failure is one line.
+"""The trainers' collectives: barriers, sums, gathers and the gradient all-reduce; and, once at start, every rank's
+device (`gather_devices`, over the whole job). One code path for 1 and N ranks: with one process there is no process
+group and every function here is the identity, so callers never branch on the world size. Each runs on the trainer
+group (evenrl.distributed.groups) inside `guard`, so a failure is one line.
 
 Gradients are SUM-reduced (`all_reduce_grads`), never averaged: the loss shares of `evenrl.core.aggregation` are
 already divided by global counts, so the sum over ranks is the single-device gradient.
@@ -14,7 +15,8 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as tdist
 
-from evenrl.distributed.groups import G, comm_device, is_rollout_rank, world
+from evenrl.distributed.devices import Device, cpu_share, host_memory_gib, model_of
+from evenrl.distributed.groups import G, active, comm_device, is_rollout_rank, world
 from evenrl.distributed.guard import guard
 
 def barrier() -> None:
@@ -133,6 +135,28 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
             work.wait()
             if x is not t:
                 t.copy_(x)
+
+
+def probe_device(device: torch.device, local_world: int) -> Device:
+    """This rank's device: a GPU's model and memory (shared evenly when the node runs more processes than it has
+    GPUs), or a CPU process's share of the host's memory and the threads torch computes on."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        sharing = -(-local_world // torch.cuda.device_count())
+        return Device("cuda", model_of(props.name), props.total_memory / 2**30 / sharing)
+    return Device("cpu", "cpu", cpu_share(host_memory_gib(), local_world), torch.get_num_threads())
+
+
+def gather_devices(device: torch.device, local_world: int) -> tuple[Device, ...]:
+    """Every rank's device in rank order, the reserved rollout ranks' too: one all-gather over the whole job, at
+    start (every rank calls it)."""
+    mine = probe_device(device, local_world)
+    if not active() or tdist.get_world_size() == 1:
+        return (mine,)
+    out: list = [None] * tdist.get_world_size()
+    with guard("gather of every rank's device"):
+        tdist.all_gather_object(out, mine)
+    return tuple(out)
 
 
 # torch >= 2.13 renames all_gather_into_tensor (and warns on the old name); torch >= 2.4 is supported

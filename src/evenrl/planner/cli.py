@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     layout = layout_from_args(ns)
     plan = make_plan(cfg, layout, rates=rate_flags(ns))
     hint = ""
-    if has_shape_flags(ns) and ns.device is None and layout.device == "cpu":  # e.g. planning a cluster on a laptop
+    if has_shape_flags(ns) and ns.device is None and not ns.nodes and layout.device == "cpu":  # e.g. planning a cluster on a laptop
         hint = "no GPU on this machine: planning CPU processes (--device cuda --device-memory-gib N plans GPUs)"
     return report(plan, as_json=ns.json, with_fit=ns.fit, title=f"evenrl plan: {ns.config}", head_text=hint)
 

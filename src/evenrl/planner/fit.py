@@ -7,15 +7,16 @@ that do not match the ranks, offload without sharding or on CPU, a rollout reser
 batch (enough prompts that every rank trains and generates, a multiple of ranks x mini-batches when the split
 is uneven) and the token cap (one sample, or min_rows samples, must fit); rollout.max_staleness=0 without reserved
 rollout devices, algo.filter_groups=false with them. Memory comes last: knobs from memory_fixes, least intrusive
-first, until the estimate fits (LoRA, model.lora.rank=16, only when full fine-tuning fits no other way). Layout
-problems and missing files stay in the re-plan: no setting fixes them. The original config is never changed; the
-result is validated.
+first, until the estimate fits every device group (a smaller device at its own, lower, token cap; LoRA,
+model.lora.rank=16, only when full fine-tuning fits no other way). Layout problems and missing files stay in the
+re-plan: no setting fixes them. The original config is never changed; the result is validated.
 Pure Python: never imports torch.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import yaml
@@ -23,6 +24,7 @@ import yaml
 from evenrl.config import MAX_COUNT, MAX_TOKENS, RunConfig, flatten, with_settings
 from evenrl.planner.layout import Layout
 from evenrl.planner.dims import ModelDims
+from evenrl.planner.groups import plan_groups
 from evenrl.planner.memory import estimate_memory, memory_fixes
 from evenrl.planner.plan import Plan
 from evenrl.planner.rules import GROUP_ADVANTAGES
@@ -37,7 +39,8 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
         s["rollout.samples_per_prompt"] = 4
     if cfg.rollout.temperature == 0 and cfg.algo.advantage in GROUP_ADVANTAGES:
         s["rollout.temperature"] = 1.0
-    if cfg.parallel.capacity_weights and len(cfg.parallel.capacity_weights) != t:
+    fixed = cfg.parallel.fixed_capacity_weights()
+    if fixed and len(fixed) != t:
         s["parallel.capacity_weights"] = None
     if cfg.parallel.cpu_offload == "full" and lay.device == "cpu":  # offload needs an accelerator
         s["parallel.cpu_offload"] = "none"
@@ -68,7 +71,7 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
         s["train.token_cap_per_micro_batch"] = min(max(length, mrows * length), MAX_TOKENS)
     new = with_settings(cfg, s) if s else cfg
     if plan.dims and lay.training_ranks >= 1 and lay.device_memory_gib:
-        new = _fit_memory(new, lay, plan.dims)
+        new = _fit_memory(new, replace(lay, capacity_weights=plan.weights and tuple(plan.weights)), plan.dims)
     changes = []
     old_d, new_d = flatten(cfg.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
     for key, value in new_d.items():
@@ -84,10 +87,13 @@ _PREFERENCE = ["model.gradient_checkpointing", "parallel.sharding", "train.token
 
 
 def _fit_memory(cfg: RunConfig, lay: Layout, dims: ModelDims) -> RunConfig:
+    """Fixes until every device group fits (a smaller device at its lowered token cap: evenrl.planner.groups),
+    the first group that does not fit choosing each."""
     for _ in range(len(_PREFERENCE)):
-        if estimate_memory(cfg, lay, dims).total_gib <= lay.device_memory_gib:
+        over = [g for g in plan_groups(cfg, lay, dims) if g.fits is False]
+        if not over:
             return cfg
-        fixes = memory_fixes(cfg, lay, dims)
+        fixes = list(over[0].fixes)
         if not fixes:
             return cfg
         fitting = [f for f in fixes if f.fits]

@@ -11,6 +11,8 @@ Where the layout comes from, first match wins:
      (the task runs torchrun over the node's GPUs);
   3. this machine: CUDA_VISIBLE_DEVICES and `nvidia-smi` (2 s timeout), else one CPU process with the host's memory.
 --device, --device-memory-gib, --capacity-weights and --rollout-devices then override single fields.
+--nodes "8xH100-80,8xA10-24" instead describes every node's devices by hand (evenrl.planner.cluster): a cluster
+of mixed devices, each rank with its own memory (`Layout.devices`, what evenrl train gathers from its ranks).
 Pure Python: never imports torch (`evenrl plan` must not).
 """
 
@@ -25,15 +27,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
+from evenrl.distributed.devices import Device, DeviceGroup, cpu_share, device_groups, gib_text, host_memory_gib
 from evenrl.distributed.env import read_env, read_int
-from evenrl.errors import bad
+from evenrl.errors import UsageError, bad
+from evenrl.planner.cluster import parse_nodes
 
 MAX_NODES = 100_000
 MAX_PROCS_PER_NODE = 1024
 MAX_WORLD = 131_072  # more ranks than any cluster has: a typo, refused before any arithmetic
 MAX_MEMORY_GIB = 1_000_000.0
-# CPU ranks on one host share its memory; this much is left for the OS and other processes.
-HOST_RESERVE_GIB = 1.0
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,10 @@ class Layout:
     device_memory_gib: float = 0.0  # per rank; 0 = unknown (the memory check then only reports)
     capacity_weights: tuple[float, ...] | None = None  # one per training rank, relative speed
     rollout_devices: int = 0  # ranks that only generate (e.g. a vLLM server): they do not train
-    source: str = "flags"  # flags | torchrun | slurm | local
+    source: str = "flags"  # flags | torchrun | slurm | local | --nodes
+    # Every rank's device, in rank order, where known: gathered by evenrl train, or described by --nodes. None:
+    # every rank is a `device` with `device_memory_gib` (which is then the smallest rank's memory).
+    devices: tuple[Device, ...] | None = None
 
     @property
     def world(self) -> int:
@@ -54,11 +59,35 @@ class Layout:
     def training_ranks(self) -> int:
         return self.world - self.rollout_devices
 
+    def rank_devices(self) -> tuple[Device, ...]:
+        """Every rank's device, in rank order."""
+        if self.devices is not None:
+            return self.devices
+        return (Device(self.device, "cpu" if self.device == "cpu" else "gpu", self.device_memory_gib),) * self.world
+
+    def training_groups(self) -> list[DeviceGroup]:
+        """The training ranks by device (one group when all are alike)."""
+        return device_groups(self.rank_devices(), range(max(self.training_ranks, 0)))
+
+    def rollout_groups(self) -> list[DeviceGroup]:
+        """The reserved rollout ranks (the last ones) by device."""
+        return device_groups(self.rank_devices(), range(max(self.training_ranks, 0), self.world))
+
+    def with_devices(self, devices: tuple[Device, ...]) -> Layout:
+        """This layout with every rank's device as evenrl train gathered them (the world it joined may differ from
+        what the environment suggested: then one node of them all)."""
+        per_node = self.nproc_per_node if self.world == len(devices) else len(devices)
+        return replace(self, nnodes=len(devices) // per_node, nproc_per_node=per_node, device=devices[0].kind,
+                       device_memory_gib=min(d.memory_gib for d in devices), devices=tuple(devices))
+
     def describe(self) -> str:
         """'2 nodes x 4 cuda, 80 GiB each = 8 ranks: 7 training, 1 reserved for rollout  [flags]'."""
         m = self.device_memory_gib
         mem = (f", {m:.0f} GiB" if m >= 10 else f", {m:.1f} GiB") if m else ", memory unknown"
         mem += " each" if m and self.world > 1 else ""
+        sizes = {d.memory_gib for d in self.rank_devices()}
+        if len(sizes) > 1:  # the device groups are listed beside it (evenrl.planner.render)
+            mem = f", {gib_text(min(sizes))}-{gib_text(max(sizes))} GiB"
         node = "node" if self.nnodes == 1 else "nodes"
         text = f"{self.nnodes} {node} x {self.nproc_per_node} {self.device}{mem} = "
         if self.rollout_devices:
@@ -73,6 +102,11 @@ class Layout:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["capacity_weights"] = list(self.capacity_weights) if self.capacity_weights else None
+        d["devices"] = None if self.devices is None else [
+            {"ranks": list(g.ranks), "kind": g.device.kind, "model": g.device.model,
+             "memory_gib": round(g.device.memory_gib, 3), "threads": g.device.threads,
+             "role": "train" if g.ranks[0] < self.training_ranks else "rollout"}
+            for g in self.training_groups() + self.rollout_groups()]
         d.update(world=self.world, training_ranks=self.training_ranks)
         return d
 
@@ -138,27 +172,12 @@ def local_gpus(env: Mapping[str, str] | None = None, run: Callable = subprocess.
     return mems[: len(ids)] if mems else [0.0] * len(ids)
 
 
-def host_memory_gib(path: str = "/proc/meminfo") -> float:
-    try:
-        with open(path, encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 1024**2
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0.0
-
-
 def detect_local(env: Mapping[str, str] | None = None, run: Callable = subprocess.run) -> Layout:
     gpus = local_gpus(env, run)
     if gpus:
-        # Mixed models: plan for the smallest memory; speed differences are --capacity-weights' job.
+        # Mixed models: the smallest memory here; evenrl train plans again on every rank's own device
         return make_layout(1, len(gpus), device="cuda", device_memory_gib=min(gpus), source="local")
-    return make_layout(1, 1, device="cpu", device_memory_gib=_cpu_share(host_memory_gib(), 1), source="local")
-
-
-def _cpu_share(host_gib: float, procs: int) -> float:
-    return max(0.0, (host_gib - HOST_RESERVE_GIB) / procs) if host_gib else 0.0
+    return make_layout(1, 1, device="cpu", device_memory_gib=cpu_share(host_memory_gib(), 1), source="local")
 
 
 def layout_from_env(env: Mapping[str, str] | None = None, run: Callable = subprocess.run) -> Layout | None:
@@ -175,7 +194,7 @@ def layout_from_env(env: Mapping[str, str] | None = None, run: Callable = subpro
         per_node = read_int(env, "SLURM_GPUS_ON_NODE", 0) or per_node  # one task per node runs torchrun
     if gpus:
         return make_layout(nnodes, per_node, device="cuda", device_memory_gib=min(gpus), source=d.source)
-    return make_layout(nnodes, per_node, device="cpu", device_memory_gib=_cpu_share(host_memory_gib(), per_node),
+    return make_layout(nnodes, per_node, device="cpu", device_memory_gib=cpu_share(host_memory_gib(), per_node),
                        source=d.source)
 
 
@@ -191,11 +210,15 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["cpu", "cuda"], help="device kind")
     g.add_argument("--device-memory-gib", type=_gib, help="memory per device (GiB)")
     g.add_argument("--capacity-weights", type=_weights, help="relative speed per training rank, e.g. 1,1,2,2")
+    g.add_argument("--nodes", help="every node's devices, in rank order, e.g. 8xH100-80,8xA10-24 (replaces the "
+                                   "four flags above; grammar: evenrl.planner.cluster)")
 
 
 def layout_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None,
                      run: Callable = subprocess.run) -> Layout:
-    if has_shape_flags(ns):
+    if getattr(ns, "nodes", None):
+        base = Layout()  # apply_layout_flags puts the described nodes in
+    elif has_shape_flags(ns):
         base = _shape_on_this_machine(ns, env, run)
     else:
         base = layout_from_env(env, run) or detect_local(env, run)
@@ -211,20 +234,31 @@ def _shape_on_this_machine(ns: argparse.Namespace, env: Mapping[str, str] | None
     gpus = [] if told else local_gpus(env, run)
     if gpus or ns.device == "cuda":
         return make_layout(nnodes, per_node, device="cuda", device_memory_gib=min(gpus, default=0.0))
-    return make_layout(nnodes, per_node, device="cpu", device_memory_gib=_cpu_share(host_memory_gib(), per_node))
+    return make_layout(nnodes, per_node, device="cpu", device_memory_gib=cpu_share(host_memory_gib(), per_node))
 
 
 def has_shape_flags(ns: argparse.Namespace) -> bool:
-    return ns.nnodes is not None or ns.nproc_per_node is not None
+    return ns.nnodes is not None or ns.nproc_per_node is not None or bool(getattr(ns, "nodes", None))
 
 
 def apply_layout_flags(base: Layout, ns: argparse.Namespace) -> Layout:
-    """--device, --device-memory-gib, --capacity-weights and --rollout-devices override single fields."""
+    """--nodes replaces the shape and devices (a peer's config keeps its count of reserved rollout devices);
+    --device, --device-memory-gib, --capacity-weights and --rollout-devices override single fields."""
+    if getattr(ns, "nodes", None):
+        given = [f for f, v in (("--nnodes", ns.nnodes), ("--nproc-per-node", ns.nproc_per_node),
+                                ("--device", ns.device), ("--device-memory-gib", ns.device_memory_gib)) if v is not None]
+        if given:
+            raise UsageError(f"--nodes describes every node's devices; drop {' and '.join(given)}")
+        nodes = parse_nodes(ns.nodes)
+        shape = make_layout(nodes.nnodes, nodes.per_node, device=nodes.kind,  # checks the world's size too
+                            device_memory_gib=min(d.memory_gib for d in nodes.devices))
+        base = replace(base, nnodes=shape.nnodes, nproc_per_node=shape.nproc_per_node, device=shape.device,
+                       device_memory_gib=shape.device_memory_gib, source="--nodes", devices=nodes.devices)
     changes = {}
     if ns.device is not None and ns.device != base.device:
         changes["device"] = ns.device
         if ns.device_memory_gib is None:  # the detected memory belonged to the other kind of device
-            cpu = _cpu_share(host_memory_gib(), base.nproc_per_node) if ns.device == "cpu" else 0.0
+            cpu = cpu_share(host_memory_gib(), base.nproc_per_node) if ns.device == "cpu" else 0.0
             changes["device_memory_gib"] = cpu
     if ns.device_memory_gib is not None:
         changes["device_memory_gib"] = ns.device_memory_gib

@@ -141,38 +141,46 @@ class MemoryEstimate:
                 "phases_gib": {k: round(v, 3) for k, v in self.phases.items()}, "assumptions": self.assumptions}
 
 
-def share_of(cfg: RunConfig, layout: Layout) -> float:
-    """The busiest training rank's share of a step's samples (its capacity weight's share, else 1 / T)."""
+def share_of(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...] | None = None) -> float:
+    """The busiest of `ranks`' (default all training ranks') share of a step's samples: its capacity weight's
+    share, else 1 / T."""
     t = max(layout.training_ranks, 1)
-    w = layout.capacity_weights or cfg.parallel.capacity_weights
-    return max(w) / sum(w) if w and len(w) == t else 1 / t
+    w = layout.capacity_weights or cfg.parallel.fixed_capacity_weights()
+    if not w or len(w) != t:
+        return 1 / t
+    return max(w[r] for r in (ranks or range(t))) / sum(w)
 
 
-def worst_case_shape(cfg: RunConfig, layout: Layout, extra: int = 0) -> tuple[int, int]:
+def worst_case_shape(cfg: RunConfig, layout: Layout, extra: int = 0,
+                     ranks: tuple[int, ...] | None = None) -> tuple[int, int]:
     """(tokens of the largest micro-batch, samples the busiest rank generates), all samples at max length.
-    `extra`: each sample's vision-encoder tokens (planner.vision.worst_vision_tokens), which share the token cap."""
+    `extra`: each sample's vision-encoder tokens (planner.vision.worst_vision_tokens), which share the token cap;
+    `ranks`: the busiest of these training ranks (default all)."""
     t = max(layout.training_ranks, 1)
-    w = layout.capacity_weights or cfg.parallel.capacity_weights
+    w = layout.capacity_weights or cfg.parallel.fixed_capacity_weights()
     weights = tuple(w) if w and len(w) == t else None
-    share = share_of(cfg, layout)
+    ranks = ranks or tuple(range(t))
+    share = share_of(cfg, layout, ranks)
     length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     per_mb = math.ceil(cfg.samples_per_step() / cfg.algo.minibatches_per_step)
     rows_rank = max(1, math.ceil(per_mb * share - 1e-9))
     rows = min(rows_rank, max(1, cfg.train.token_cap_per_micro_batch // (length + extra),
                               cfg.train.min_rows_per_micro_batch))
-    gen = _busiest_rollout(cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, length, t, weights)
+    gen = _busiest_rollout(cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, length, t, weights, ranks)
     return rows * length, gen
 
 
 @functools.lru_cache(maxsize=256)
-def _busiest_rollout(prompts: int, k: int, length: int, world: int, weights: tuple[float, ...] | None) -> int:
-    """Samples the busiest rank generates: the trainer's own split (rollout_shares) with every prompt at `length`.
-    Past SPLIT_MAX samples, the bound that split keeps instead (within one sample of the rank's weighted share)."""
+def _busiest_rollout(prompts: int, k: int, length: int, world: int, weights: tuple[float, ...] | None,
+                     ranks: tuple[int, ...]) -> int:
+    """Samples the busiest of `ranks` generates: the trainer's own split (rollout_shares) with every prompt at
+    `length`. Past SPLIT_MAX samples, the bound that split keeps instead (within one sample of the rank's weighted
+    share)."""
     if prompts * k > SPLIT_MAX:
-        share = max(weights) / sum(weights) if weights else 1 / world
+        share = max(weights[r] for r in ranks) / sum(weights) if weights else 1 / world
         return max(1, math.ceil(prompts * k * share - 1e-9))
     shares = rollout_shares([float(length)] * prompts, k, world, weights)
-    return max(1, max(sum(count for _, _, count in mine) for mine in shares))
+    return max(1, max(sum(count for _, _, count in shares[r]) for r in ranks))
 
 
 def compute_bytes(dtype: str) -> int:
@@ -180,7 +188,9 @@ def compute_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
-def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEstimate:
+def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
+                    ranks: tuple[int, ...] | None = None) -> MemoryEstimate:
+    """The peak of the busiest of `ranks` (default: every training rank) on layout.device_memory_gib."""
     c = compute_bytes(cfg.model.dtype)
     t = max(layout.training_ranks, 1)
     par = cfg.parallel
@@ -197,7 +207,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims) -> MemoryEs
         notes.append("cpu_offload=full cannot run on this layout (see the findings); estimated without offload")
     vision = dims.vision
     extra = worst_vision_tokens(cfg, dims.layers, dims.layer_params, vision)
-    tokens, gen = worst_case_shape(cfg, layout, extra)
+    tokens, gen = worst_case_shape(cfg, layout, extra, ranks)
     P, L, V = dims.params, dims.layers, dims.vocab
     # a vision encoder's weights are held like the rest; a frozen one has no gradients or optimizer moments
     Pv = vision.params if vision else 0
@@ -375,28 +385,29 @@ def _show(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[MemoryFix]:
+def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
+                 ranks: tuple[int, ...] | None = None) -> list[MemoryFix]:
     """Each knob applied alone, with the estimated peak after it; best first. Knobs that do not lower the
-    estimate are left out. Needs a known device memory to size the token cap and prompt count."""
+    estimate are left out. Needs a known device memory to size the token cap and prompt count. `ranks`: the
+    training ranks whose peak counts (a device group's; default all)."""
     cap = layout.device_memory_gib
-    base = estimate_memory(cfg, layout, dims).total_gib
+    base = estimate_memory(cfg, layout, dims, ranks).total_gib
     fixes: list[MemoryFix] = []
 
     def add(settings: dict, why: str = "") -> None:
         try:
-            total = estimate_memory(with_settings(cfg, settings), layout, dims).total_gib
+            total = estimate_memory(with_settings(cfg, settings), layout, dims, ranks).total_gib
         except ValueError:  # a setting the config refuses (pydantic's ValidationError is a ValueError)
             return
         if total < base - 1e-6:
             fixes.append(MemoryFix(settings, total, bool(cap) and total <= cap, why))
 
     length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    rows = estimate_memory(cfg, layout, dims).micro_tokens // length
+    rows = estimate_memory(cfg, layout, dims, ranks).micro_tokens // length
     if rows > 1:
-        key = "train.token_cap_per_micro_batch"
-        best = _largest(1, rows - 1, lambda r: _fits(cfg, layout, dims, {key: r * length}))
-        r = best or 1
-        add({"train.token_cap_per_micro_batch": r * length}, f"{r} row{'s' if r > 1 else ''} per micro-batch")
+        r = rows_that_fit(cfg, layout, dims, rows - 1, ranks) or 1
+        add({"train.token_cap_per_micro_batch": r * row_tokens(cfg, dims)},
+            f"{r} row{'s' if r > 1 else ''} per micro-batch")
     if not cfg.model.gradient_checkpointing:
         add({"model.gradient_checkpointing": True})
     if cfg.parallel.sharding == "replicated" and layout.training_ranks > 1:
@@ -414,16 +425,30 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[Memory
         add({"model.lora.rank": LORA_RANK}, "adapters on a frozen base")
     prompts = cfg.data.prompts_per_step
     if prompts > 1:
-        best = _largest(1, prompts - 1, lambda n: _fits(cfg, layout, dims, {"data.prompts_per_step": n}))
+        best = _largest(1, prompts - 1, lambda n: _fits(cfg, layout, dims, {"data.prompts_per_step": n}, ranks))
         add({"data.prompts_per_step": best or 1}, "fewer samples per rank")
     fixes.sort(key=lambda f: f.total_gib)
     return fixes
 
 
-def _fits(cfg: RunConfig, layout: Layout, dims: ModelDims, settings: dict) -> bool:
+def row_tokens(cfg: RunConfig, dims: ModelDims) -> int:
+    """What a worst-case sample takes of the token cap: its length, and a vision-language sample's encoder work."""
+    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    return length + worst_vision_tokens(cfg, dims.layers, dims.layer_params, dims.vision)
+
+
+def rows_that_fit(cfg: RunConfig, layout: Layout, dims: ModelDims, most: int,
+                  ranks: tuple[int, ...] | None = None) -> int | None:
+    """The most samples of max length (1..most) whose token cap per micro-batch fits the device's memory; None
+    when not even one does."""
+    key, unit = "train.token_cap_per_micro_batch", row_tokens(cfg, dims)
+    return _largest(1, most, lambda r: _fits(cfg, layout, dims, {key: r * unit}, ranks))
+
+
+def _fits(cfg: RunConfig, layout: Layout, dims: ModelDims, settings: dict, ranks=None) -> bool:
     if not layout.device_memory_gib:
         return False
-    return estimate_memory(with_settings(cfg, settings), layout, dims).total_gib <= layout.device_memory_gib
+    return estimate_memory(with_settings(cfg, settings), layout, dims, ranks).total_gib <= layout.device_memory_gib
 
 
 def _largest(lo: int, hi: int, ok) -> int | None:

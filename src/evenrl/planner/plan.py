@@ -20,8 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from evenrl.config import RunConfig
+from evenrl.core.capacity import cap_limited_weights
 from evenrl.core.partition import lower_bound
 from evenrl.core.schedule import ScheduleError, make_schedule
+from evenrl.planner.cluster import datasheet_weights
+from evenrl.planner.groups import plan_groups
 from evenrl.planner.layout import Layout
 from evenrl.planner.dims import dims_from_config, read_model_dims
 from evenrl.planner.memory import estimate_memory, memory_fixes
@@ -45,6 +48,7 @@ def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = Non
     if cfg.parallel.rollout_devices and not layout.rollout_devices:
         layout = replace(layout, rollout_devices=cfg.parallel.rollout_devices)
     p = Plan(cfg, layout, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, rates=rates)
+    p.dataset_rows = count_rows(cfg.data.path)
     try:
         if model_config is not None:
             p.dims = dims_from_config(model_config)
@@ -55,15 +59,16 @@ def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = Non
     if p.dims:  # a vision-language model's encoder work per sample, which the schedule counts (planner.vision)
         p.vision_tokens = worst_vision_tokens(cfg, p.dims.layers, p.dims.layer_params, p.dims.vision)
     if layout.training_ranks >= 1:
-        _simulate(p, _weights(cfg, layout))
-    p.dataset_rows = count_rows(cfg.data.path)
-    if p.dims and layout.training_ranks >= 1:
-        p.memory = estimate_memory(cfg, layout, p.dims)
-        if p.memory.fits is False:
-            p.memory_fixes = memory_fixes(cfg, layout, p.dims)
+        p.weights = _weights(cfg, layout)
+        # each device group's token cap and memory; the memory shown is the group with the least (one group:
+        # every rank's)
+        p.groups = plan_groups(cfg, replace(layout, capacity_weights=p.weights and tuple(p.weights)), p.dims)
+        tightest = min(p.groups, key=lambda g: g.group.device.memory_gib)
+        p.memory, p.memory_fixes = tightest.memory, list(tightest.fixes)
+        _simulate(p, p.weights)
     if p.dims and layout.training_ranks >= 1 and (layout.rollout_devices or cfg.rollout.max_staleness):
         p.overlap = estimate_overlap(cfg, layout, p.dims, p.minibatch_sizes,
-                                     assumed_rates(layout, cfg.model.dtype, rates))
+                                     assumed_rates(layout, cfg.model.dtype, rates), rates)
     found = [f for rule in RULES for f in rule(p)]
     order = {"error": 0, "warning": 1, "note": 2}
     p.findings = sorted(found, key=lambda f: order[f.level])
@@ -71,7 +76,11 @@ def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = Non
 
 
 def _weights(cfg: RunConfig, layout: Layout) -> list[float] | None:
-    w = layout.capacity_weights or cfg.parallel.capacity_weights
+    """The capacity weights given (--capacity-weights, or the config's numbers); with 'auto', where evenrl train
+    starts: the devices' datasheet ratios, or None (equal) where they are unknown or alike."""
+    w = layout.capacity_weights or cfg.parallel.fixed_capacity_weights()
+    if not w and cfg.parallel.capacity_weights == "auto":
+        w = datasheet_weights(layout.rank_devices()[:layout.training_ranks], cfg.model.dtype)
     if not w or len(w) != layout.training_ranks or not all(x > 0 and math.isfinite(x) for x in w):
         return None
     return list(w)
@@ -83,7 +92,7 @@ def _simulate(p: Plan, weights: list[float] | None) -> None:
     p.oversize = n if length + p.vision_tokens > cap else 0
     if n > SIMULATE_MAX or min(c.algo.minibatches_per_step, n) * t > SIMULATE_MAX:
         return _analytic(p)
-    args = dict(world=t, minibatches=c.algo.minibatches_per_step, token_cap=cap,
+    args = dict(world=t, minibatches=c.algo.minibatches_per_step, token_cap=p.token_caps or cap,
                 groups=[i // k for i in range(n)], weights=weights, extra=[p.vision_tokens] * n)
     try:
         sch = make_schedule([length] * n, min_rows=c.train.min_rows_per_micro_batch, **args)
@@ -97,18 +106,22 @@ def _simulate(p: Plan, weights: list[float] | None) -> None:
         micros = [m for mb in sch.minibatches for m in mb.per_rank[r]]
         idle = sum(1 for mb in sch.minibatches if not any(m.rows for m in mb.per_rank[r]))
         p.ranks.append(RankRow(r, sum(len(m.rows) for m in micros), loads[r], len(micros), idle))
-    w = weights or [1.0] * t
-    busiest = sum(max(sum(m.tokens for m in mb.per_rank[r]) / w[r] for r in range(t)) for mb in sch.minibatches)
     cost = length + p.vision_tokens
-    even = sum(len(mb.rows) * cost for mb in sch.minibatches) / sum(w)
-    bound = sum(lower_bound([cost] * len(mb.rows), t, weights) for mb in sch.minibatches)
+    busiest = even = bound = 0.0
+    for mb in sch.minibatches:  # against what the schedule aims at: the weights, limited by per-device caps
+        w = weights or [1.0] * t
+        if p.token_caps:
+            w = cap_limited_weights(len(mb.rows) * cost, w, p.token_caps)
+        busiest += max(sum(m.tokens for m in mb.per_rank[r]) / w[r] for r in range(t))
+        even += len(mb.rows) * cost / sum(w)
+        bound += lower_bound([cost] * len(mb.rows), t, w)
     p.imbalance = busiest / even if even else None
     p.bound_ratio = busiest / bound if bound else None
 
 
 def _analytic(p: Plan) -> None:
-    """Equal-length samples, no weights or groups: the schedule's result in closed form, O(M + T), for steps
-    too large to simulate in well under a second."""
+    """Equal-length samples, no weights, groups or per-device token caps: the schedule's result in closed form,
+    O(M + T), for steps too large to simulate in well under a second."""
     c, t, length = p.config, p.layout.training_ranks, p.sample_tokens
     n = c.samples_per_step()
     m = min(c.algo.minibatches_per_step, n)

@@ -32,6 +32,7 @@ def render(p: Plan) -> str:
     fits = f" ({plural(cap // cost, 'sample')})" if cap >= cost else " (below one sample)"
     vision = f" + {p.vision_tokens:,} of the vision encoder's" if p.vision_tokens else ""
     out = [_row("layout", lay.describe()),
+           *([_row("devices", _devices_text(p))] if lay.devices is not None else []),
            _row("step", f"{plural(prompts, 'prompt')} × {plural(k, 'sample')} = "
                         f"{plural(c.samples_per_step(), 'sample')}; {mbs}; "
                         f"{plural(c.algo.epochs_per_step, 'epoch')} over them"),
@@ -89,20 +90,42 @@ def _dataset_text(p: Plan) -> str:
             f"({p.steps_per_epoch * p.optimizer_steps_per_step:,.1f} optimizer steps) per epoch")
 
 
+def _devices_text(p: Plan) -> str:
+    """Every rank's device by group: 'ranks 0-7 H100-80 (cuda); ranks 8-15 A10-24 (cuda), token cap 4,096'."""
+    lay, caps = p.layout, {r: g.token_cap for g in p.groups for r in g.group.ranks}
+    parts = []
+    for g in lay.training_groups() + lay.rollout_groups():
+        which = f"rank{'s' if len(g.ranks) > 1 else ''} {ranks_text(list(g.ranks))}"
+        text = f"{which} {g.device.describe()}"
+        if g.ranks[0] >= lay.training_ranks:
+            text += ", rollout"
+        elif p.token_caps:
+            text += f", token cap {caps[g.ranks[0]]:,}"
+        parts.append(text)
+    return "; ".join(parts)
+
+
 def _rank_lines(p: Plan) -> list[str]:
     rows, nmb = p.ranks, len(p.minibatch_sizes)
+    mixed = len(p.groups) > 1
+    device = {r: g.group.device.label for g in p.groups for r in g.group.ranks}
     # Consecutive ranks with the same numbers share a row: 64 equal ranks are one line.
-    groups = [list(g) for _, g in itertools.groupby(rows, key=lambda r: (r.samples, r.tokens, r.idle_minibatches))]
+    groups = [list(g) for _, g in itertools.groupby(
+        rows, key=lambda r: (r.samples, r.tokens, r.idle_minibatches, device.get(r.rank) if mixed else None))]
     computed = "" if p.simulated else "   (computed, not simulated: too many samples)"
     lines = []
     if len(groups) <= MAX_ROWS:
         labels = [f"{g[0].rank}-{g[-1].rank}" if len(g) > 1 else str(g[0].rank) for g in groups]
         w = max(5, *map(len, labels))
-        lines.append(_row("per rank", f"{'ranks':<{w}} {'samples':>9} {'est. tokens':>13}{computed}"))
-        for label, (r, *_) in zip(labels, groups):
+        names = [device.get(g[0].rank, "") for g in groups] if mixed else []
+        dw = max(map(len, names), default=0)
+        head = f"{'device':<{dw}} " if mixed else ""
+        lines.append(_row("per rank", f"{'ranks':<{w}} {head}{'samples':>9} {'est. tokens':>13}{computed}"))
+        for i, (label, (r, *_)) in enumerate(zip(labels, groups)):
             idle = "" if not r.idle_minibatches else (
                 "  idle" if r.idle_minibatches == nmb else f"  idle in {r.idle_minibatches} of {nmb} mini-batches")
-            lines.append(_row("", f"{label:<{w}} {r.samples:>9,} {r.tokens:>13,}{idle}"))
+            name = f"{names[i]:<{dw}} " if mixed else ""
+            lines.append(_row("", f"{label:<{w}} {name}{r.samples:>9,} {r.tokens:>13,}{idle}"))
     else:
         s, t = [r.samples for r in rows], [r.tokens for r in rows]
         lines.append(_row("per rank", f"samples {min(s):,}..{max(s):,} (mean {sum(s) / len(s):,.1f}), est. tokens "
@@ -134,6 +157,7 @@ def _memory_lines(p: Plan) -> list[str]:
     lines = [_row("memory", f"{d.model_type} {count_unit(mem.params)} params, {precision}, "
                             f"{c.parallel.sharding}, {off[c.parallel.cpu_offload]}, "
                             f"{'checkpointing' if c.model.gradient_checkpointing else 'no checkpointing'}"),
+             *(_group_lines(p) if len(p.groups) > 1 else []),
              _row("", f"per rank: largest micro-batch {mem.micro_tokens:,} tokens; generates "
                       f"{plural(mem.rollout_samples, 'sample')}"
                       + (f"; {mem.host_gib:.1f} GiB on the host" if mem.host_gib else ""))]
@@ -150,6 +174,23 @@ def _memory_lines(p: Plan) -> list[str]:
     verdict = {True: ": fits", False: ": DOES NOT FIT", None: ""}[mem.fits]
     lines.append(_row("", f"  {'peak':<11}{mem.total_gib:>9.2f} GiB  = {largest} (the largest phase)"
                           f"{cap}{verdict}"))
+    return lines
+
+
+def _group_lines(p: Plan) -> list[str]:
+    """One row per device group: its memory, token cap and estimated peak; the breakdown below is the tightest's."""
+    names = [f"{g.group.label} ({ranks_text(list(g.group.ranks))})" for g in p.groups]
+    w = max(map(len, names))
+    lines = [_row("", f"  {'group':<{w}} {'device':>9} {'token cap':>10} {'est. peak':>10}")]
+    for name, g in zip(names, p.groups):
+        peak = f"{g.memory.total_gib:>6.2f} GiB" if g.memory else f"{'?':>10}"
+        verdict = {True: "fits", False: "DOES NOT FIT", None: ""}[g.fits]
+        if g.lowered and g.fits:
+            verdict += " (token cap lowered to fit)"
+        lines.append(_row("", f"  {name:<{w}} {g.group.device.memory_gib:>5.1f} GiB {g.token_cap:>10,} "
+                              f"{peak}  {verdict}".rstrip()))
+    tightest = min(p.groups, key=lambda g: g.group.device.memory_gib)
+    lines.append(_row("", f"  below: {tightest.group.label}, the group with the least memory"))
     return lines
 
 
@@ -182,7 +223,9 @@ def _overlap_lines(p: Plan) -> list[str]:
                  f"overlapped, {p.layout.world:,} ranks as --rollout-devices {best.rollout_devices}{planned}: "
                  f"generation {seconds(best.generation_s)}, training {seconds(best.training_s)} on "
                  f"{plural(best.training_ranks, 'rank')}"))
+    mixed = len(set(p.layout.rank_devices())) > 1
     lines = [_row("overlap", f"estimates at assumed rates: {ov.rates.describe()}; --device-tflops, --device-gbps, "
-                             "--link-gbps replace them")]
+                             "--link-gbps replace them" + ("; mixed devices: each side at its own devices' rates "
+                                                           "(datasheets, or as --nodes gives them)" if mixed else ""))]
     lines += [_row("", f"  {name:<12}{seconds(v):>9}  {text}", indent=LABEL + 25) for name, v, text in rows]
     return lines

@@ -17,6 +17,7 @@ from evenrl.config import RunConfig
 from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError
 from evenrl.models.files import check_tokenizer_files, check_weights, no_config_fix, read_model_config
+from evenrl.planner.groups import rule_group_memory, rule_mixed_speeds
 from evenrl.planner.lora import rule_lora
 from evenrl.planner.memory import PHASES, RESIDENT
 from evenrl.planner.rewards import rule_reward_models, rule_rewards
@@ -38,7 +39,7 @@ def rule_layout(p: Plan) -> list[Finding]:
 
 def rule_capacity_weights(p: Plan) -> list[Finding]:
     t = p.layout.training_ranks
-    w = p.layout.capacity_weights or p.config.parallel.capacity_weights
+    w = p.layout.capacity_weights or p.config.parallel.fixed_capacity_weights()
     where = "--capacity-weights" if p.layout.capacity_weights else "parallel.capacity_weights"
     if not w or t < 1:
         return []
@@ -268,7 +269,7 @@ def rule_token_cap(p: Plan) -> list[Finding]:
 
 
 def rule_imbalance(p: Plan) -> list[Finding]:
-    if p.imbalance is None or p.idle:
+    if p.imbalance is None or p.idle or p.token_caps:  # per-device caps: uneven on purpose (rule_group_memory)
         return []
     c, t = p.config, p.layout.training_ranks
     k, m = c.rollout.samples_per_prompt, len(p.minibatch_sizes) or 1
@@ -289,6 +290,8 @@ def rule_imbalance(p: Plan) -> list[Finding]:
 
 def rule_memory(p: Plan) -> list[Finding]:
     c, lay, mem = p.config, p.layout, p.memory
+    if len(p.groups) > 1:
+        return []  # each device group has its own: evenrl.planner.groups.rule_group_memory
     if mem is None:
         if p.dims_error:
             return [Finding("note", "memory-skipped", f"no memory estimate: {p.dims_error}", "")]
@@ -423,4 +426,4 @@ def rule_trackers(p: Plan) -> list[Finding]:
 
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_reward_models, rule_groups,
          rule_algorithms, rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory,
-         rule_parallel, rule_overlap, rule_vision, rule_lora, rule_trackers]
+         rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_vision, rule_lora, rule_trackers]

@@ -37,6 +37,11 @@ Step: synchronous (max_staleness=0)  generation + push + training: each side wai
 Best split: the R in 1..world-1 whose overlapped step is shortest (the smallest such R on a tie).
 Not counted: rewards, the optimizer step, gradient all-reduce / FSDP gathers, attention's s^2 FLOPs, the
 gather of a sharded model before the push, stragglers. Capacity weights are ignored (the split changes T).
+Mixed devices (`evenrl plan --nodes`, or what evenrl train gathered): each side of a split has its own devices'
+rates (evenrl.planner.cluster: 40% of the datasheet's TFLOP/s and 60% of its bandwidth, or as given), the
+assumed ones for a model without any. Generation is split evenly over the replicas, so the slowest one sets it;
+training takes the slowest training device's rate, or their mean with capacity weights (then the work follows the
+speeds). So "engines on the H100s, training on the A10s" and the reverse are each estimated at their own rates.
 
 Assumed rates (per device; --device-tflops, --device-gbps, --link-gbps replace them):
   cuda  bfloat16  396 TFLOP/s (40% of an H100's 989 dense bf16; what tuned LLM training achieves), 2,010 GB/s
@@ -60,9 +65,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from evenrl.config import RunConfig
+from evenrl.planner.cluster import achieved_rates
 from evenrl.planner.layout import Layout, positive_number
 from evenrl.planner.adapters import adapter_params
 from evenrl.planner.dims import ModelDims
@@ -200,8 +206,9 @@ def training_passes(cfg: RunConfig) -> dict[str, float]:
 
 
 def step_time(cfg: RunConfig, dims: ModelDims, minibatch_sizes: list[int], world: int, rollout: int,
-              rates: Rates) -> StepTime:
-    """The estimate for `rollout` reserved devices out of `world` (module docstring)."""
+              rates: Rates, train_rates: Rates | None = None) -> StepTime:
+    """The estimate for `rollout` reserved devices out of `world` (module docstring); `rates` are the generating
+    side's (and the push's), `train_rates` the training side's when they differ (mixed devices)."""
     c = compute_bytes(cfg.model.dtype)
     N, F, B, f = dims.linear_params, rates.tflops * 1e12, rates.gbps * 1e9, rates.floor_s
     p, g, n = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens, cfg.rollout.samples_per_prompt
@@ -217,7 +224,8 @@ def step_time(cfg: RunConfig, dims: ModelDims, minibatch_sizes: list[int], world
     micro = sum(max(1, math.ceil(r / per_micro)) for r in rows)
     tokens = sum(rows) * length
     passes = sum(training_passes(cfg).values())
-    train = max(2 * N * tokens * passes / F, micro * passes * f)
+    tr = train_rates or rates
+    train = max(2 * N * tokens * passes / (tr.tflops * 1e12), micro * passes * tr.floor_s)
     push = push_bytes(cfg, dims) / (rates.link_gbps * 1e9)
     return StepTime(rollout, t, b, prefill, decode, tokens, train, push)
 
@@ -231,21 +239,41 @@ def push_bytes(cfg: RunConfig, dims: ModelDims) -> float:
 
 
 def estimate_overlap(cfg: RunConfig, layout: Layout, dims: ModelDims, minibatch_sizes: list[int],
-                     rates: Rates) -> Overlap | None:
+                     rates: Rates, told: RateFlags | None = None) -> Overlap | None:
     """The planned split's estimate (when rollout devices are reserved) and the best split of the same world;
     None when the world cannot be split (one device) or the step has no mini-batches."""
     world = layout.world
     if world < 2 or not minibatch_sizes:
         return None
+
+    def split(r: int) -> StepTime:
+        if layout.devices is None:
+            return step_time(cfg, dims, minibatch_sizes, world, r, rates)
+        devices, dtype = layout.devices, cfg.model.dtype
+        balanced = cfg.parallel.capacity_weights is not None or layout.capacity_weights is not None
+        gen = side_rates(rates, told, devices[world - r:], dtype, False)
+        return step_time(cfg, dims, minibatch_sizes, world, r, gen, side_rates(rates, told, devices[:world - r], dtype,
+                                                                              balanced))
+
     # more replicas than samples generate nothing more: the search stops there
-    candidates = [step_time(cfg, dims, minibatch_sizes, world, r, rates)
-                  for r in range(1, min(world - 1, cfg.samples_per_step()) + 1)]
+    candidates = [split(r) for r in range(1, min(world - 1, cfg.samples_per_step()) + 1)]
     best = min(candidates, key=lambda s: (s.overlapped_s, s.rollout_devices))
     at = None
     if 1 <= layout.rollout_devices < world:
-        at = step_time(cfg, dims, minibatch_sizes, world, layout.rollout_devices, rates)
+        at = split(layout.rollout_devices)
     weights_gib = push_bytes(cfg, dims) / GIB
     return Overlap(rates, training_passes(cfg), at, best, cfg.rollout.max_staleness, weights_gib)
+
+
+def side_rates(base: Rates, told: RateFlags | None, devices, dtype: str, balanced: bool) -> Rates:
+    """The rates of one side of a split on mixed devices: each device's own (evenrl.planner.cluster: as given in
+    --nodes, or its datasheet's), `base` for a device without any and for what the flags gave; the slowest device's,
+    or with `balanced` (capacity weights: the work follows the speeds) their mean TFLOP/s."""
+    told = told or RateFlags()
+    own = [achieved_rates(d, dtype) or (base.tflops, base.gbps) for d in devices]
+    tflops = [base.tflops if told.tflops else t for t, _ in own]  # a flag replaces every device's rate
+    gbps = [base.gbps if told.gbps else g for _, g in own]
+    return replace(base, tflops=sum(tflops) / len(tflops) if balanced else min(tflops), gbps=min(gbps))
 
 
 # ------------------------------------------------------------------------------------------ flags

@@ -5,12 +5,15 @@ imports none of them. Never imports torch.
 Plan.to_dict(), schema "evenrl.plan/1" (what --json prints):
   schema, runnable (bool), counts {error, warning, note},
   layout {nnodes, nproc_per_node, device, device_memory_gib, capacity_weights, rollout_devices, source,
-          world, training_ranks},
+          world, training_ranks, devices null | [{ranks[], kind, model, memory_gib, threads, role}]},
   step {prompts_per_step, samples_per_prompt, samples_per_step, minibatches_per_step, minibatch_sizes[],
         epochs_per_step, sample_tokens, token_cap, min_rows, simulated},
   ranks {training, per_rank[{rank, samples, tokens, micro_steps, idle_minibatches}], samples{min,mean,max},
          tokens{min,mean,max}, micro_steps_per_minibatch[], idle[], imbalance (busiest / even split),
-         bound_ratio (busiest / partition lower bound), oversize_samples},
+         bound_ratio (busiest / partition lower bound), oversize_samples,
+         capacity_weights null | [per training rank] (simulated with: given, or where auto starts),
+         device_groups [{label, ranks[], model, memory_gib, threads, token_cap, lowered, peak_gib, fits, fixes[]}]
+           (the training ranks by device: one group unless devices differ, each with its token cap)},
   optimizer_steps {per_step, total, dataset_rows, steps_per_epoch, per_epoch}  (unknown: null),
   memory null | {breakdown_gib{...}, phases_gib{rollout, reward (with reward models or judges), log-probs, update}
                  (each with the resident part; total_gib is the largest), total_gib, capacity_gib, fits, params,
@@ -31,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from evenrl.config import RunConfig
+from evenrl.distributed.devices import DeviceGroup
 from evenrl.planner.layout import Layout
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.memory import MemoryEstimate, MemoryFix
@@ -57,6 +61,27 @@ class RankRow:
     idle_minibatches: int  # mini-batches in which this rank has no rows
 
 
+@dataclass(frozen=True)
+class GroupPlan:
+    """One device group of the training ranks: its memory estimate at its own token cap per micro-batch."""
+    group: DeviceGroup
+    token_cap: int  # train.token_cap_per_micro_batch, or lower on a device with less memory than the others'
+    memory: MemoryEstimate | None  # at token_cap; None when the model's dimensions are unknown
+    lowered: bool = False  # token_cap was lowered to fit this group's memory
+    fixes: tuple[MemoryFix, ...] = ()  # when it does not fit
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.memory is None else self.memory.fits
+
+    def to_dict(self) -> dict:
+        d = self.group.device
+        return {"label": self.group.label, "ranks": list(self.group.ranks), "model": d.model,
+                "memory_gib": round(d.memory_gib, 3), "threads": d.threads, "token_cap": self.token_cap,
+                "lowered": self.lowered, "peak_gib": None if self.memory is None else round(self.memory.total_gib, 3),
+                "fits": self.fits, "fixes": [asdict(f) for f in self.fixes]}
+
+
 @dataclass
 class Plan:
     config: RunConfig
@@ -77,12 +102,22 @@ class Plan:
     memory: MemoryEstimate | None = None
     memory_fixes: list[MemoryFix] = field(default_factory=list)
     rates: RateFlags | None = None  # the rates the user gave (--fit re-plans with them)
+    weights: list[float] | None = None  # capacity weights the step was simulated with (None: equal)
+    groups: list[GroupPlan] = field(default_factory=list)  # the training ranks by device, each with its token cap
     overlap: Overlap | None = None  # also without reserved devices when max_staleness >= 1 (its best split)
     findings: list[Finding] = field(default_factory=list)
 
     @property
     def runnable(self) -> bool:
         return not any(f.level == "error" for f in self.findings)
+
+    @property
+    def token_caps(self) -> list[int] | None:
+        """Each training rank's token cap per micro-batch where device groups differ in it (None: one for all)."""
+        caps = {r: g.token_cap for g in self.groups for r in g.group.ranks}
+        if len(set(caps.values())) <= 1:
+            return None
+        return [caps[r] for r in range(len(caps))]
 
     @property
     def idle(self) -> list[int]:
@@ -120,7 +155,8 @@ class Plan:
                       "micro_steps_per_minibatch": self.micro_steps, "idle": self.idle,
                       "imbalance": None if self.imbalance is None else round(self.imbalance, 4),
                       "bound_ratio": None if self.bound_ratio is None else round(self.bound_ratio, 4),
-                      "oversize_samples": self.oversize},
+                      "oversize_samples": self.oversize, "capacity_weights": self.weights,
+                      "device_groups": [g.to_dict() for g in self.groups]},
             "optimizer_steps": {"per_step": self.optimizer_steps_per_step,
                                 "total": self.optimizer_steps_per_step * c.train.steps,
                                 "dataset_rows": self.dataset_rows,

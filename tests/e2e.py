@@ -40,10 +40,12 @@ class Saved:
         self.step = state["step"]
 
 
-def fault_env(*, crash_at_step: int = 0, rollout_stalls_at_step: int = 0, tracker_fails_at_step: int = 0) -> dict:
+def fault_env(*, crash_at_step: int = 0, rollout_stalls_at_step: int = 0, tracker_fails_at_step: int = 0,
+              small_rank: tuple[int, float] | None = None, slow_rank: tuple[int, float] | None = None) -> dict:
     """ENV with a fault injected into the evenrl processes it starts (tests/faults/sitecustomize.py): a training rank
-    that dies at the start of a step (first attempt only), a reserved rollout rank that hangs, or experiment
-    trackers that raise from a step on."""
+    that dies at the start of a step (first attempt only), a reserved rollout rank that hangs, experiment trackers
+    that raise from a step on, a rank whose device has less memory (rank, GiB), or one that computes slower (rank,
+    factor)."""
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(TESTS / "faults"), ENV["PYTHONPATH"]])}
     if crash_at_step:
         env["EVENRL_FAULT_CRASH_AT_STEP"] = str(crash_at_step)
@@ -51,6 +53,10 @@ def fault_env(*, crash_at_step: int = 0, rollout_stalls_at_step: int = 0, tracke
         env["EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP"] = str(rollout_stalls_at_step)
     if tracker_fails_at_step:
         env["EVENRL_FAULT_TRACKER_FAILS_AT_STEP"] = str(tracker_fails_at_step)
+    if small_rank:
+        env["EVENRL_FAULT_DEVICE_MEMORY_GIB"] = f"{small_rank[0]}:{small_rank[1]!r}"
+    if slow_rank:
+        env["EVENRL_FAULT_SLOW_RANK"] = f"{slow_rank[0]}:{slow_rank[1]!r}"
     return env
 
 

@@ -5,6 +5,11 @@ that wants one runs evenrl with this directory on PYTHONPATH (tests/e2e.py: `fau
                                          first attempt only, so that an elastic restart recovers
   EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP=N  a reserved rollout rank hangs before generating step N
   EVENRL_FAULT_TRACKER_FAILS_AT_STEP=N   every experiment tracker raises when it is given step N's metrics
+  EVENRL_FAULT_DEVICE_MEMORY_GIB=R:G     rank R reports a device of G GiB at start (a card with less memory)
+  EVENRL_FAULT_SLOW_RANK=R:F             rank R computes F times slower: each training forward and each
+                                         generation call sleeps (F - 1) times its own duration afterwards (a slower
+                                         card; on a shared 2-core machine, where every process already runs on one
+                                         thread, fewer threads cannot make one rank reliably slower)
 
 Python imports `sitecustomize` at start-up; this one installs an import hook that wraps the named function of the
 evenrl module when that module is first imported (the loop's step, the rollout rank's generation).
@@ -53,12 +58,54 @@ def _tracker_fails_at(n):
     return wrap
 
 
+def _rank_spec(name):
+    """(value, for this process) of an R:V variable: V when this process is rank R, else None."""
+    rank, _, value = os.environ.get(name, "").partition(":")
+    return float(value) if rank and int(rank) == int(os.environ.get("RANK", "0")) else None
+
+
+def _reports_memory(gib):
+    def wrap(probe_device):
+        def smaller(*args, **kwargs):
+            import dataclasses
+
+            return dataclasses.replace(probe_device(*args, **kwargs), memory_gib=gib)
+        return smaller
+    return wrap
+
+
+def _slowed(factor):
+    def slow(fn):
+        def slower(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            time.sleep((factor - 1) * (time.perf_counter() - t0))
+            return out
+        return slower
+    return slow
+
+
+def _slow_generation(factor):
+    def wrap(engine_class):
+        engine_class.generate = _slowed(factor)(engine_class.generate)
+        return engine_class
+    return wrap
+
+
 _PATCHES = {}  # module -> (attribute, wrapper)
 if os.environ.get("EVENRL_FAULT_CRASH_AT_STEP"):
     _PATCHES["evenrl.train.loop"] = ("rl_step", _crash_at(int(os.environ["EVENRL_FAULT_CRASH_AT_STEP"])))
 if os.environ.get("EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP"):
     _PATCHES["evenrl.train.rollout_rank"] = ("generate_and_send",
                                              _stall_at(int(os.environ["EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP"])))
+if os.environ.get("EVENRL_FAULT_TRACKER_FAILS_AT_STEP"):
+    _PATCHES["evenrl.train.trackers"] = ("start_tracker",
+                                         _tracker_fails_at(int(os.environ["EVENRL_FAULT_TRACKER_FAILS_AT_STEP"])))
+if _rank_spec("EVENRL_FAULT_DEVICE_MEMORY_GIB") is not None:
+    _PATCHES["evenrl.distributed.ops"] = ("probe_device", _reports_memory(_rank_spec("EVENRL_FAULT_DEVICE_MEMORY_GIB")))
+if _rank_spec("EVENRL_FAULT_SLOW_RANK") is not None:
+    _PATCHES["evenrl.models.forward"] = ("response_logits", _slowed(_rank_spec("EVENRL_FAULT_SLOW_RANK")))
+    _PATCHES["evenrl.engines.hf"] = ("HFEngine", _slow_generation(_rank_spec("EVENRL_FAULT_SLOW_RANK")))
 
 
 class _Patcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -81,11 +128,6 @@ class _Patcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.real.exec_module(module)
         attr, wrap = _PATCHES[module.__name__]
         setattr(module, attr, wrap(getattr(module, attr)))
-
-
-if os.environ.get("EVENRL_FAULT_TRACKER_FAILS_AT_STEP"):
-    _PATCHES["evenrl.train.trackers"] = ("start_tracker",
-                                         _tracker_fails_at(int(os.environ["EVENRL_FAULT_TRACKER_FAILS_AT_STEP"])))
 
 
 if _PATCHES:

@@ -22,7 +22,7 @@ def evaluate(run, rows: list[dict], prompt_tokens: list[list[int]], images: list
     """`images`: each prompt's images (a vision-language model's), as Prompts.images."""
     cfg = run.cfg
     costs = [len(t) + cfg.rollout.max_new_tokens for t in prompt_tokens]
-    mine = balanced_partition(costs, dist.world(), weights=cfg.parallel.capacity_weights).parts[dist.rank()]
+    mine = balanced_partition(costs, dist.world(), weights=run.balance.rollout).parts[dist.rank()]
     total = torch.zeros(3, dtype=torch.float64)  # summed reward, prompts, summed response length
     with gathered(run.model):  # sharded: whole on every rank while generating
         completions = greedy(run.model, [prompt_tokens[i] for i in mine], max_new_tokens=cfg.rollout.max_new_tokens,

@@ -18,6 +18,7 @@ from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
 from evenrl.errors import RunStopped, UsageError
 from evenrl.train import checkpoint, rundir
+from evenrl.train.balance import make_balance
 from evenrl.train.evaluate import evaluate
 from evenrl.train.metrics import Idle, phase_table
 from evenrl.train.plots import plots_for_trackers
@@ -37,6 +38,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     earlier = read_metrics(run_dir) if resume or restarted else []
     plan = preflight(cfg)
     info = dist.init(timeout=cfg.parallel.collective_timeout_s, rollout_devices=cfg.parallel.rollout_devices)
+    # the same plan on every rank's real device (one gather): per-device token caps, auto's starting weights
+    plan = preflight(cfg, plan.layout.with_devices(dist.gather_devices(info.device, info.local_world)))
     if dist.is_main():
         rundir.prepare(run_dir, overwrite=overwrite and not restarted)
     dist.barrier()
@@ -44,7 +47,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     if dist.is_rollout_rank():
         serve(cfg, info, found)
     else:
-        trainer = build_trainer(cfg, info)
+        trainer = build_trainer(cfg, info, make_balance(cfg, plan, colocated=not dist.rollout_ranks()))
         trainer.resume(found)
         # once the checkpoint has loaded, before the run writes anything: one that cannot start stops the run here
         trackers = Trackers(cfg, run_dir, earlier) if dist.is_main() else None
@@ -55,7 +58,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
                 print("evenrl: restarted before the first checkpoint; starting over from step 1", flush=True)
             write_run_header(trainer, plan, resumed_from=trainer.step if resume or restarted else None)
         try:
-            run_steps(trainer, trackers)
+            run_steps(trainer, trackers, first_row=device_row(plan))
         except BaseException:
             if trackers is not None:
                 trackers.close(ok=False)
@@ -64,10 +67,10 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     return run_dir
 
 
-def run_steps(trainer: Trainer, trackers: Trackers | None) -> None:
+def run_steps(trainer: Trainer, trackers: Trackers | None, first_row: dict | None = None) -> None:
     """The RL steps after trainer.step up to train.steps, each followed by its metrics (to metrics.jsonl and rank 0's
     `trackers`), samples, evaluation and checkpoint; then the final model, the trackers' plots and the run's phase
-    breakdown."""
+    breakdown. `first_row`: more entries of the first step's metrics row (the devices the run has)."""
     cfg, start = trainer.cfg, trainer.step
     run_dir = Path(cfg.log.run_dir)
     log = RunLog(str(run_dir), enabled=dist.is_main(), trackers=trackers,
@@ -87,6 +90,8 @@ def run_steps(trainer: Trainer, trackers: Trackers | None) -> None:
             raise RunStopped(f"step {step}: {e}; last good checkpoint: {last or 'none yet'}") from None
         trainer.step = step
         metrics["time/step"] = time.perf_counter() - t0  # wall time of the whole step, phases and the rest
+        if step == start + 1:
+            metrics.update(first_row or {})
         for k, v in metrics.items():
             if k.startswith("time/"):
                 phases[k[5:]] = phases.get(k[5:], 0.0) + v
@@ -126,17 +131,18 @@ def warn_short_sampling(cfg: RunConfig, step: int, metrics: dict) -> None:
                                                   "nothing to train on in this step"), flush=True)
 
 
-def preflight(cfg: RunConfig):
-    """The plan of `evenrl plan` for the layout this process runs in; an error finding stops the run
-    before the model loads, as one line."""
+def preflight(cfg: RunConfig, layout=None):
+    """The plan of `evenrl plan` for the layout this process runs in (default: what the launch environment and
+    this machine say); an error finding stops the run before the model loads, as one line (on every rank: each
+    makes the same plan)."""
     from evenrl.planner.layout import detect_local, layout_from_env
     from evenrl.planner.plan import make_plan
 
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm" and layout is None:
         from evenrl.engines.vllm_engine import require
 
         require()
-    plan = make_plan(cfg, layout_from_env(os.environ) or detect_local())
+    plan = make_plan(cfg, layout or layout_from_env(os.environ) or detect_local())
     errors = [f for f in plan.findings if f.level == "error"]
     if errors:
         e = errors[0]
@@ -144,6 +150,15 @@ def preflight(cfg: RunConfig):
         more = f" (+{len(errors) - 1} more: run evenrl plan)" if len(errors) > 1 else ""
         raise UsageError(f"plan {e.rule}: {e.message}; fix: {fix}{more}")
     return plan
+
+
+def device_row(plan) -> dict:
+    """The run's devices by group, for its first metrics row: ranks, device, role and (training) token cap."""
+    caps = {r: g.token_cap for g in plan.groups for r in g.group.ranks}
+    lay = plan.layout
+    return {"devices": [{"ranks": list(g.ranks), "device": g.device.describe(),
+                         "role": "rollout" if g.ranks[0] >= lay.training_ranks else "train",
+                         "token_cap": caps.get(g.ranks[0])} for g in lay.training_groups() + lay.rollout_groups()]}
 
 
 def write_run_header(trainer: Trainer, plan, *, resumed_from: int | None) -> None:

@@ -71,7 +71,7 @@ def generate_and_send(cfg: RunConfig, engine: Engine, prompt_tokens: list[list[i
                                   images=image_inputs([prompt_ids[p] for p, _, _ in mine]))
     engine.sleep()
     made = {(c.prompt_key, c.sample_index): c for samples in completions for c in samples}
-    shares = rollout_shares(costs, n, dist.world(), cfg.parallel.capacity_weights)
+    shares = rollout_shares(costs, n, dist.world(), cfg.parallel.fixed_capacity_weights())  # as the trainers split
     dist.send_rollouts(step, policy_version(step, cfg.rollout.max_staleness),
                        [[made[(p, i)] for p, first, count in share for i in range(first, first + count)
                          if (p, i) in made] for share in shares])

@@ -35,6 +35,7 @@ from evenrl.models.loading import is_sharded
 from evenrl.models.vision import pixel_dim, prompt_image_inputs
 from evenrl.rewards import score_all
 from evenrl.rewards.overlong import overlong_penalty
+from evenrl.train.balance import rebalance
 from evenrl.train.metrics import Timer, step_metrics
 from evenrl.train.reward_models import add_model_rewards
 from evenrl.train.objectives import (CRITIC_STAT_NAMES, IS_STAT_NAMES, STAT_NAMES, importance_weighted, rl_objective,
@@ -75,9 +76,10 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
             add_logprobs(trainer, batch, "old_logp", trainer.model, flat(micro))
     with timer("update"):
         stats = update(trainer, step, batch, micro, denoms)
+    load = rebalance(trainer.balance, timer, local)                             # busy times; auto: next weights
 
     lr = trainer.policy.optimizer.param_groups[0]["lr"]
-    metrics = step_metrics(cfg, lr, everyone, schedule, {**stats, **adv_stats, **sampling}, failures, timer)
+    metrics = step_metrics(cfg, lr, everyone, schedule, {**stats, **adv_stats, **sampling, **load}, failures, timer)
     return metrics, example_rows(local)
 
 
@@ -142,7 +144,7 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
     cfg = trainer.cfg
     n = cfg.rollout.samples_per_prompt
     costs = [len(trainer.prompts.tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
-    mine = rollout_shares(costs, n, dist.world(), cfg.parallel.capacity_weights)[dist.rank()]
+    mine = rollout_shares(costs, n, dist.world(), trainer.balance.rollout)[dist.rank()]
     images = prompt_image_inputs(trainer.image_processor, trainer.prompts.images, [prompt_ids[p] for p, _, _ in mine])
     version = step - 1  # the policy being trained sampled: colocated, or reserved with max_staleness 0
     if dist.rollout_ranks():  # the rollout ranks made every sample (rollout_rank): this rank's share comes in
@@ -244,7 +246,7 @@ def add_reward_kl(trainer: Trainer, batch: Batch) -> None:
 def add_values(trainer: Trainer, batch: Batch) -> None:
     """The critic's value of every response token's state at sampling time: GAE's baseline and the value loss's
     clipping centre."""
-    micro = capped_runs(batch["tokens"].lengths.tolist(), trainer.cfg.train.token_cap_per_micro_batch)
+    micro = capped_runs(batch["tokens"].lengths.tolist(), trainer.balance.token_cap(trainer.cfg, dist.rank()))
     if is_sharded(trainer.critic.model):  # every rank as many forwards as the busiest (empty ones are fillers)
         micro += [[]] * (max(dist.all_gather_object(len(micro))) - len(micro))
     values = compute_values(trainer.critic.model, batch, micro, pad_token_id=trainer.pad_id)
@@ -331,8 +333,8 @@ def plan_step(trainer: Trainer, everyone: Batch):
     """The step schedule from all-gathered lengths: every rank computes the same one, no coordinator."""
     cfg = trainer.cfg
     return make_schedule(everyone["total_len"].tolist(), world=dist.world(),
-                         minibatches=cfg.algo.minibatches_per_step, token_cap=cfg.train.token_cap_per_micro_batch,
-                         groups=everyone["group"].tolist(), weights=cfg.parallel.capacity_weights,
+                         minibatches=cfg.algo.minibatches_per_step, token_cap=trainer.balance.schedule_caps(cfg),
+                         groups=everyone["group"].tolist(), weights=trainer.balance.update,
                          min_rows=cfg.train.min_rows_per_micro_batch, inert=zero_gradient_rows(cfg, everyone),
                          extra=everyone["vision_tokens"].tolist() if "vision_tokens" in everyone else None)
 
@@ -365,6 +367,7 @@ def needs_old_logprobs(cfg: RunConfig) -> bool:
 def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]]], denoms: list) -> dict:
     cfg, algo = trainer.cfg, trainer.cfg.algo
     stat_names = STAT_NAMES + (IS_STAT_NAMES if importance_weighted(cfg) else [])
+    busy = trainer.balance.busy if trainer.balance.measured else None  # parallel.capacity_weights set: timed
 
     totals: dict[str, float] = {}
     updates = 0
@@ -377,13 +380,14 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
                                                                entropy_grad=algo.entropy_coef > 0),
                                      loss_fn=functools.partial(rl_objective, cfg, step),
                                      stat_names=stat_names, aggregation=algo.loss_aggregation,
-                                     max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id)
+                                     max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id, busy=busy)
             if critic is not None:  # same rows, same global denominators: exact on any layout too
                 values = minibatch_update(critic.model, critic.optimizer, critic.lr_scheduler, batch, rows, denom,
                                           forward=functools.partial(response_logits, pad_token_id=trainer.pad_id),
                                           loss_fn=functools.partial(value_objective, cfg),
                                           stat_names=CRITIC_STAT_NAMES, aggregation=algo.loss_aggregation,
-                                          max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id)
+                                          max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id,
+                                          busy=busy)
                 stats.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in values.items()})
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v

@@ -28,6 +28,7 @@ from evenrl.models.vision_config import vision_dims_from_config, vision_token_we
 from evenrl.planner.dims import dims_from_config
 from evenrl.rewards import RewardFn, resolve
 from evenrl.train import checkpoint
+from evenrl.train.balance import Balance
 from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.reward_models import Scorer, load_scorers
 from evenrl.train.update import prepare_model
@@ -71,6 +72,7 @@ class Trainer:
     image_processor: Any = None  # a vision-language model's (evenrl.models.vision)
     vision_weight: float = 0.0  # a patch through its vision encoder, in language-model tokens (vision_token_weight)
     scorers: list[Scorer] = field(default_factory=list)  # reward models and judges (train.reward_models)
+    balance: Balance = field(default_factory=Balance)  # token caps and capacity weights (mixed devices)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -103,7 +105,7 @@ class Trainer:
 
     def state_dict(self) -> dict:
         state = {"lr_scheduler": self.policy.lr_scheduler.state_dict(), "sampler": self.sampler.state_dict(),
-                 "rng": checkpoint.rng_state(), "step": self.step}
+                 "rng": checkpoint.rng_state(), "step": self.step, "balance": self.balance.state_dict()}
         if self.critic is not None:
             state["critic_lr_scheduler"] = self.critic.lr_scheduler.state_dict()
         return state
@@ -114,6 +116,7 @@ class Trainer:
             self.critic.lr_scheduler.load_state_dict(state["critic_lr_scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state["rng"])
+        self.balance.load_state_dict(state.get("balance"))  # absent from checkpoints of older runs
         self.step = state["step"]
 
     def resume(self, found: Path | None) -> None:
@@ -125,8 +128,9 @@ class Trainer:
             self.sync.begin(self.step, found)
 
 
-def build_trainer(cfg: RunConfig, info) -> Trainer:
-    """A training rank's Trainer at step 0: policy (and critic) ready to train, reference, data, engine, sync."""
+def build_trainer(cfg: RunConfig, info, balance: Balance) -> Trainer:
+    """A training rank's Trainer at step 0: policy (and critic) ready to train, reference, data, engine, sync;
+    `balance`: the token caps and capacity weights of the plan (evenrl.train.balance.make_balance)."""
     torch.manual_seed(cfg.train.seed)
     model, tokenizer = trainable_model(cfg, cfg.model.path, info)
     critic = None
@@ -161,7 +165,7 @@ def build_trainer(cfg: RunConfig, info) -> Trainer:
                    eval_prompts=eval_prompts, sampler=PromptSampler(len(rows), cfg.data.seed),
                    reward_fns=[(resolve(spec.name), spec.weight) for spec in cfg.rewards.functions if spec.name],
                    engine=engine, sync=sync, skipped_prompts=skipped, eos_ids=eos_ids, image_processor=processor,
-                   vision_weight=weight, scorers=load_scorers(cfg, info))
+                   vision_weight=weight, scorers=load_scorers(cfg, info), balance=balance)
 
 
 def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:

@@ -8,6 +8,7 @@ response, with each row's response right-aligned.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -103,10 +104,13 @@ LossFn = Callable[[Tensor, Tensor, Tensor, Batch], tuple[Tensor, dict]]
 
 def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: list[list[int]], denom: Denominators,
                      *, forward: Forward, loss_fn: LossFn, stat_names: list[str], aggregation: str,
-                     max_grad_norm: float, pad_token_id: int) -> dict:
+                     max_grad_norm: float, pad_token_id: int, busy=None) -> dict:
     """One optimizer step over this rank's micro-batches of one mini-batch, exact across ranks:
     losses are divided by the mini-batch's GLOBAL token/sequence counts (`denom`, from minibatch_denominators)
-    and gradients are SUM-reduced, so the step equals the one a single device would take on the whole mini-batch."""
+    and gradients are SUM-reduced, so the step equals the one a single device would take on the whole mini-batch.
+    busy: an evenrl.train.balance.Busy that gets the time and tokens of the forward and backward passes (the
+    rank's own work, before it waits for the others in the gradient reduction)."""
+    started = time.perf_counter()
     sums: dict[str, list[float]] = {}
     sharded = is_sharded(model)
     ran = 0
@@ -125,6 +129,8 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
             acc = sums.setdefault(k, [0.0, 0.0])
             acc[0] += float(s)
             acc[1] += float(c)
+    if busy is not None:
+        busy.add(started, int(sum(batch["tokens"].lengths[rows].sum() for rows in micro_rows if rows)))
     params = [p for p in model.parameters() if p.requires_grad]
     # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names.
     flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])] + [ran], dtype=torch.float64)

@@ -1,0 +1,32 @@
+"""Where rows run on mixed devices, at run time (evenrl.train.balance): the plan's token caps and weights, and what a
+checkpoint keeps of auto's measured weights. The measuring itself runs in tests/test_heterogeneous.py."""
+
+from __future__ import annotations
+
+from evenrl.config import load_config
+
+
+def test_balance_state_follows_the_ranks(monkeypatch):
+    from evenrl.distributed import collectives as dist
+    from evenrl.train.balance import Balance, make_balance
+
+    class P:
+        weights, token_caps = [1.0, 0.5], [80, 40]
+
+    cfg = load_config(None, ["parallel.capacity_weights=auto"])
+    monkeypatch.setattr(dist, "world", lambda: 2)
+    b = make_balance(cfg, P, colocated=True)
+    assert (b.auto, b.measured, b.update, b.rollout, b.token_cap(cfg, 1), b.schedule_caps(cfg)) == (
+        True, True, [1.0, 0.5], [1.0, 0.5], 40, [80, 40])
+    fresh = make_balance(cfg, P, colocated=True)
+    fresh.load_state_dict({"update": [0.25, 1.0], "rollout": [1.0, 0.75]})
+    assert (fresh.update, fresh.rollout) == ([0.25, 1.0], [1.0, 0.75])
+    fresh.load_state_dict({"update": [1.0, 1.0, 1.0], "rollout": None})  # saved on 3 ranks: the plan's stay
+    assert fresh.update == [0.25, 1.0]
+    reserved = make_balance(cfg, P, colocated=False)
+    assert reserved.rollout is None  # the rollout ranks split by the configured weights alone
+    fixed = make_balance(load_config(None, ["parallel.capacity_weights=[1, 2]"]), P, colocated=True)
+    assert (fixed.auto, fixed.measured) == (False, True)
+    fixed.load_state_dict({"update": [9.0, 9.0]})
+    assert fixed.update == [1.0, 0.5]  # only auto restores measured weights
+    assert Balance().schedule_caps(cfg) == cfg.train.token_cap_per_micro_batch

@@ -30,3 +30,15 @@ def test_balance_state_follows_the_ranks(monkeypatch):
     fixed.load_state_dict({"update": [9.0, 9.0]})
     assert fixed.update == [1.0, 0.5]  # only auto restores measured weights
     assert Balance().schedule_caps(cfg) == cfg.train.token_cap_per_micro_batch
+
+
+def test_report_plots_the_weights(tmp_path):
+    import json
+
+    from evenrl.report import write_plots
+
+    rows = [{"step": s, "reward/mean": 0.5, "load/rank_tokens": [10, 5], "load/capacity_weight/0": 1.0,
+             "load/capacity_weight/1": w, **({"devices": [{"ranks": [0, 1], "device": "cpu-8 (1 thread)"}]}
+                                              if s == 1 else {})} for s, w in ((1, 1.0), (2, 0.6), (3, 0.5))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert {p.name for p in write_plots(tmp_path)} >= {"capacity.png", "reward.png", "rank_load.png"}

@@ -65,11 +65,10 @@ def plan_groups(cfg: RunConfig, layout: Layout, dims: ModelDims | None) -> list[
     return out
 
 
-def group_name(g: GroupPlan | DeviceGroup) -> str:
+def group_name(g: GroupPlan) -> str:
     """'8xA10-24 (ranks 8-15)'."""
-    group = g.group if isinstance(g, GroupPlan) else g
-    which = "rank" if len(group.ranks) == 1 else "ranks"
-    return f"{group.label} ({which} {ranks_text(list(group.ranks))})"
+    which = "rank" if len(g.group.ranks) == 1 else "ranks"
+    return f"{g.group.label} ({which} {ranks_text(list(g.group.ranks))})"
 
 
 def rule_group_memory(p: Plan) -> list[Finding]:

@@ -10,7 +10,8 @@ from evenrl.errors import UsageError
 from evenrl.rewards.registry import describe_error
 from evenrl.train.runlog import MISMATCH_THRESHOLD, read_metrics
 
-# (file name, title, metric keys plotted on one axis); the KL and phase panels are built from the rows (_panels).
+# (file name, title, metric keys plotted on one axis); the KL, phase and capacity panels are built from the rows
+# (_panels).
 PANELS = [
     ("reward.png", "Reward: sampled (mean over the step's samples) and greedy eval", ["reward/mean", "eval/reward"]),
     ("kl.png", "KL to the reference / policy drift", ["kl", "policy/approx_kl"]),
@@ -22,6 +23,7 @@ PANELS = [
     ("off_policy.png", "Off-policy samples (rollout.max_staleness): staleness in steps,\nmean importance weight, "
                        "share of tokens cut to the cap", ["rollout/staleness_mean", "policy/is_weight",
                                                           "policy/is_clipped_fraction"]),
+    ("capacity.png", "Capacity weight per rank (parallel.capacity_weights: auto)", []),
 ]
 KL_OFF_TITLE = "Policy drift (approx. KL per update)\nno KL to a reference: off (algo.kl_coef=0) or always 0"
 
@@ -42,12 +44,15 @@ def _smooth(ys: list[float], k: int) -> list[float]:
 
 def _panels(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
     """PANELS with what the rows hold: every `time/*` phase found (in order of appearance, the whole step last),
-    and no reference KL line when KL is off (the key is absent or always 0), then only the policy drift."""
+    every rank's capacity weight, and no reference KL line when KL is off (the key is absent or always 0), then only
+    the policy drift."""
     out = []
     for fname, title, keys in PANELS:
         if fname == "phases.png":
             found = list(dict.fromkeys(k for r in rows for k in r if k.startswith("time/") and k != "time/step"))
             keys = found + (["time/step"] if any("time/step" in r for r in rows) else [])
+        if fname == "capacity.png":
+            keys = list(dict.fromkeys(k for r in rows for k in r if k.startswith("load/capacity_weight/")))
         if fname == "kl.png" and not any(_number(r.get("kl")) and r["kl"] != 0 for r in rows):
             keys, title = [k for k in keys if k != "kl"], KL_OFF_TITLE
         out.append((fname, title, keys))
@@ -79,7 +84,8 @@ def write_plots(run_dir: str | Path) -> list[Path]:
             xs = [r["step"] for r in rows if _number(r.get(k))]
             ys = [r[k] for r in rows if _number(r.get(k))]
             style = dict(color="k", ls="--") if k == "time/step" else {}
-            label = "whole step" if k == "time/step" else k.removeprefix("time/") if fname == "phases.png" else k
+            label = ("whole step" if k == "time/step" else k.removeprefix("time/") if fname == "phases.png"
+                     else f"rank {k.rpartition('/')[2]}" if fname == "capacity.png" else k)
             if len(ys) < 20:  # sparse series (evaluations): points, no smoothing
                 ax.plot(xs, ys, marker="o", lw=1.5, ms=5, label=label, **{"ls": "-", **style})
                 continue

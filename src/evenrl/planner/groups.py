@@ -92,7 +92,7 @@ def rule_group_memory(p: Plan) -> list[Finding]:
                                f"devices with more memory, or --rollout-devices for {group_name(g)}"))
         elif g.lowered:
             keep = [f for f in memory_fixes(p.config, group_layout(p.layout, g.group), p.dims, g.group.ranks)
-                    if f.fits and "train.token_cap_per_micro_batch" not in f.settings]
+                    if f.fits and not {"train.token_cap_per_micro_batch", "data.prompts_per_step"} & set(f.settings)]
             out.append(Finding("note", "token-cap-lowered",
                                f"{group_name(g)} with {g.group.device.memory_gib:.1f} GiB runs at most "
                                f"{g.token_cap:,} tokens per micro-batch ({_samples(p, g.token_cap)}; estimated peak "

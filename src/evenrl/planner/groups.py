@@ -107,7 +107,7 @@ def rule_group_memory(p: Plan) -> list[Finding]:
 
 
 def _samples(p: Plan, tokens: int) -> str:
-    return plural(max(tokens // p.sample_tokens, 1), "sample")
+    return plural(max(tokens // (p.sample_tokens + p.vision_tokens), 1), "sample")
 
 
 def rule_mixed_speeds(p: Plan) -> list[Finding]:

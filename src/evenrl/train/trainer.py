@@ -128,9 +128,10 @@ class Trainer:
             self.sync.begin(self.step, found)
 
 
-def build_trainer(cfg: RunConfig, info, balance: Balance) -> Trainer:
+def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Trainer:
     """A training rank's Trainer at step 0: policy (and critic) ready to train, reference, data, engine, sync;
-    `balance`: the token caps and capacity weights of the plan (evenrl.train.balance.make_balance)."""
+    `balance`: the token caps and capacity weights of the plan (evenrl.train.balance.make_balance; None: the
+    config's one cap, equal weights)."""
     torch.manual_seed(cfg.train.seed)
     model, tokenizer = trainable_model(cfg, cfg.model.path, info)
     critic = None
@@ -165,7 +166,7 @@ def build_trainer(cfg: RunConfig, info, balance: Balance) -> Trainer:
                    eval_prompts=eval_prompts, sampler=PromptSampler(len(rows), cfg.data.seed),
                    reward_fns=[(resolve(spec.name), spec.weight) for spec in cfg.rewards.functions if spec.name],
                    engine=engine, sync=sync, skipped_prompts=skipped, eos_ids=eos_ids, image_processor=processor,
-                   vision_weight=weight, scorers=load_scorers(cfg, info), balance=balance)
+                   vision_weight=weight, scorers=load_scorers(cfg, info), balance=balance or Balance())
 
 
 def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:

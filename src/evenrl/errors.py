@@ -21,6 +21,20 @@ def first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
+def describe_error(e: BaseException) -> str:
+    """`Type: message` of an exception on one line, for failures of contained calls and of imports."""
+    try:
+        return one_line(f"{type(e).__name__}: {e}")
+    except Exception:  # a user exception whose __str__ fails
+        return type(e).__name__
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """`text` with its whitespace runs as single spaces, cut to `limit` characters."""
+    text = " ".join(text[: 2 * limit].split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose mistakes are UsageErrors: one line and exit code 2 through the CLI, no usage dump."""
 

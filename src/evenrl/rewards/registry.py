@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from evenrl.errors import bad
+from evenrl.errors import bad, describe_error
 from evenrl.rewards.arithmetic import exact_match_reward
 from evenrl.rewards.countdown import countdown_reward
 from evenrl.rewards.format import format_reward, strict_format_reward
@@ -49,23 +49,20 @@ def resolve(spec: str) -> RewardFn:
     return obj
 
 
+def findable(module: str) -> bool:
+    """Whether `module`'s top-level package can be found, without importing anything of it (`evenrl plan`: user code
+    may be slow or heavy to import)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def reward_name(fn) -> str:
     """The name a reward goes by in stats: its REGISTRY key for a built-in, else its qualified name."""
     for name, builtin in REGISTRY.items():
         if fn is builtin:
             return name
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def describe_error(e: BaseException) -> str:
-    """`Type: message` of an exception on one line, for reward failures and resolve's errors."""
-    try:
-        return one_line(f"{type(e).__name__}: {e}")
-    except Exception:  # a user exception whose __str__ fails
-        return type(e).__name__
-
-
-def one_line(text: str, limit: int = 200) -> str:
-    """`text` with its whitespace runs as single spaces, cut to `limit` characters."""
-    text = " ".join(text[: 2 * limit].split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,8 +1,9 @@
 """What every rollout engine shares: the sampling settings, a completion, the keyed random stream of a sample and
 the `Engine` interface the trainer and the weight sync call.
 
-A sample's randomness is keyed by (train.seed, step, prompt position, sample index): `row_seed` names its stream, so
-which rank or engine replica makes a sample does not change it.
+A sample's randomness is keyed by (train.seed, step, prompt position, sample index[, turn]): `row_seed` names its
+stream, so which rank or engine replica makes a sample does not change it. A multi-turn trajectory's later turns
+(turn >= 1, evenrl.train.trajectories) draw from streams of their own; turn 0 is the single-turn stream.
 """
 
 from __future__ import annotations
@@ -46,9 +47,16 @@ class Completion:
     finished: bool  # stopped at EOS (False: hit max_new_tokens)
 
 
-def row_seed(seed: int, step: int, key: int, sample_index: int) -> int:
-    """64-bit seed of one (prompt, sample) stream; stable across processes and Python versions."""
-    text = f"evenrl-rollout/{int(seed)}/{int(step)}/{int(key)}/{int(sample_index)}".encode()
+def row_seed(seed: int, step: int, key: int, sample_index: int, turn: int = 0) -> int:
+    """64-bit seed of one (prompt, sample, turn) stream; stable across processes and Python versions. Turn 0 is the
+    stream a single-turn sample has always had."""
+    parts = (seed, step, key, sample_index) + ((turn,) if turn else ())
+    return keyed_seed("evenrl-rollout", *parts)
+
+
+def keyed_seed(domain: str, *parts: int) -> int:
+    """64-bit seed named by a domain and integers (blake2b): the same on every process, rank and run."""
+    text = "/".join([domain, *(str(int(p)) for p in parts)]).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
@@ -65,11 +73,11 @@ class Engine(Protocol):
     needs_weights: bool
 
     def generate(self, prompts: list[list[int]], keys: list[int], params: SamplingParams, *, step: int,
-                 sample_ranges: list[tuple[int, int]] | None = None,
-                 images: list | None = None) -> list[list[Completion]]:
+                 sample_ranges: list[tuple[int, int]] | None = None, images: list | None = None,
+                 turn: int = 0) -> list[list[Completion]]:
         """[prompt][sample] completions: token ids, finished (stopped at EOS) and the engine's own log-prob of each
-        sampled token under softmax(logits / temperature). `sample_ranges` as in engines.hf.generate; `images`,
-        per prompt, its evenrl.models.vision.ImageInputs or None (a vision-language model's prompts)."""
+        sampled token under softmax(logits / temperature). `sample_ranges` and `turn` as in engines.hf.generate;
+        `images`, per prompt, its evenrl.models.vision.ImageInputs or None (a vision-language model's prompts)."""
 
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         """Load the trainer's weights, given as buckets of (Hugging Face name, whole tensor)."""

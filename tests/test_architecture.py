@@ -16,9 +16,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "evenrl"
 # in another package. The planner is torch-free (tests/test_plan.py checks that separately).
 LAYERS = {
     "errors": 0,
-    "config": 1,
+    "config": 1, "isolation": 1,
     "core": 2, "data": 2, "rewards": 2,
-    "distributed": 3, "models": 3,
+    "distributed": 3, "models": 3, "envs": 3,
     "engines": 4, "planner": 4, "testing": 4,
     "train": 5,
     "report": 6, "demo": 7, "cli": 8, "__main__": 9, "__init__": 9,

@@ -46,6 +46,21 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# What a tool-calling demo needs with the tiny vocabulary (chat_template="tools"): the tools' names and parameters in a
+# system line (the template's tools= rendering), Hermes tool calls and tool responses, and the EOS token after each
+# assistant turn, so the rendered history is what the model sampled (evenrl.envs.template's prefix check holds).
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TINY_TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}system: tools: {% for t in tools %}{{ t.function.name }}("
+    "{{ t.function.parameters.properties | join(',') }}){% if not loop.last %} {% endif %}{% endfor %}"
+    "{{ '\\n' }}{% endif %}"  # an expression: the renderer's trim_blocks drops a newline right after a block tag
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>\n"
+    "{% elif m.role == 'assistant' %}assistant: {{ m.content }}" + EOS + "\n"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
 
 def make_tiny_model(
     out_dir: str,
@@ -56,7 +71,7 @@ def make_tiny_model(
     layers: int = 2,
     heads: int = 4,
     seed: int = 0,
-    chat_template: bool = False,
+    chat_template: bool | str = False,
     max_positions: int = 512,
     vision_width: int = 32,
 ) -> str:
@@ -65,7 +80,8 @@ def make_tiny_model(
     Token ids: 0 <pad>, 1 <|endoftext|> (EOS), 2 <bos>, 3 <unk>, then one id per byte of the
     characters in `vocab` (one per character for ASCII). Characters outside `vocab` are dropped
     when encoding. The tokenizer adds no special tokens when encoding; `chat_template=True` adds a
-    plain-text "user: ...\nassistant: " template. Same arguments → identical weights.
+    plain-text "user: ...\nassistant: " template; `chat_template="tools"` the tool-calling one
+    (TINY_TOOL_CHAT_TEMPLATE), with one token each for TOOL_TOKENS. Same arguments → identical weights.
 
     arch "qwen2_vl" / "qwen2_5_vl": the same language model inside a Qwen2-VL / Qwen2.5-VL (the 2.5 tower has
     RMSNorm, a gated MLP and windowed attention) with a 2-block vision tower `vision_width` wide, the four vision tokens
@@ -82,10 +98,14 @@ def make_tiny_model(
         raise bad("vocab", vocab, "a non-empty string of characters")
     if hidden % heads:
         raise bad("hidden", hidden, f"a multiple of heads ({heads})")
+    if chat_template not in (False, True, "tools"):
+        raise bad("chat_template", chat_template, "false, true (plain) or 'tools'")
     vision = arch in VISION_ARCHS
-    fast, token_to_id = _tokenizer(chars, VISION_TOKENS if vision else [])
+    fast, token_to_id = _tokenizer(chars, VISION_TOKENS if vision else [],
+                                   TOOL_TOKENS if chat_template == "tools" else [])
     if chat_template:
-        fast.chat_template = TINY_VL_CHAT_TEMPLATE if vision else TINY_CHAT_TEMPLATE
+        fast.chat_template = (TINY_TOOL_CHAT_TEMPLATE if chat_template == "tools" else
+                              TINY_VL_CHAT_TEMPLATE if vision else TINY_CHAT_TEMPLATE)
 
     common = dict(
         vocab_size=len(token_to_id),
@@ -163,8 +183,9 @@ def write_geometry_data(path: str, rows: int = 24, *, sizes=GEOMETRY_SIZES, seed
     return path
 
 
-def _tokenizer(chars: list[str], extra_special: list[str]):
-    """(tokenizer, token -> id): the special tokens, then `extra_special`, then one token per byte of `chars`."""
+def _tokenizer(chars: list[str], extra_special: list[str], added: list[str]):
+    """(tokenizer, token -> id): the special tokens, then `extra_special`, then one token per byte of `chars`, then
+    `added` (plain tokens matched whole, kept when decoding)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -173,6 +194,8 @@ def _tokenizer(chars: list[str], extra_special: list[str]):
     for c in chars:
         for b in c.encode("utf-8"):
             token_to_id.setdefault(byte_char[b], len(token_to_id))
+    for t in added:
+        token_to_id[t] = len(token_to_id)
     # Byte-level BPE without merges = one token per byte. It is built exactly like transformers'
     # Qwen2Tokenizer builds its pipeline, because AutoTokenizer swaps that class in for any qwen2
     # checkpoint; both load paths then tokenize identically (a char-level WordLevel tokenizer would
@@ -188,6 +211,8 @@ def _tokenizer(chars: list[str], extra_special: list[str]):
         tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token=UNK,
         **({"additional_special_tokens": extra_special} if extra_special else {}),
     )
+    if added:
+        fast.add_tokens(added)  # matched whole before the byte-level split; kept when decoding
     return fast, token_to_id
 
 

@@ -135,7 +135,8 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     samples_per_prompt: int = Field(
         8, ge=1, le=MAX_COUNT, description="Completions sampled per prompt (a GRPO group).")
-    max_new_tokens: int = Field(64, ge=1, le=MAX_TOKENS, description="Generation stops after this many tokens.")
+    max_new_tokens: int = Field(64, ge=1, le=MAX_TOKENS, description="Generation stops after this many tokens (with "
+                                                                      "env: in each assistant turn).")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     engine: Literal["hf", "vllm"] = Field(
@@ -150,6 +151,20 @@ class RolloutConfig(_Section):
                     "overlaps this one's update; weights are picked up between steps, so every sample's policy "
                     "version is fixed by its step and a resumed run equals an uninterrupted one. Off-policy samples "
                     "are corrected by algo.importance_correction.")
+    env: str = Field(
+        "", description="Multi-turn rollouts: a built-in environment (calculator: arithmetic word problems with a "
+                        "calculator tool; feedback: the model answers, is told whether it is right and tries again) "
+                        "or a user class 'package.module:Name' (docs/multiturn.md). A trajectory (the model's turns "
+                        "and the environment's, as tokens) is one sample, scored by the environment; only sampled "
+                        "tokens are trained. Empty: one completion per prompt.")
+    max_turns: int = Field(
+        4, ge=1, le=1000, description="With env: most assistant turns in a trajectory; it ends earlier when the "
+                                      "environment says done.")
+    max_trajectory_tokens: int = Field(
+        1024, ge=1, le=MAX_TOKENS,
+        description="With env: most tokens after the prompt in a trajectory, the model's and the environment's "
+                    "together (verl data.max_response_length, TRL max_completion_length); a turn is cut to what is "
+                    "left, and an environment turn that does not fit ends the trajectory unfinished.")
     memory_fraction: float = Field(
         0.0, ge=0.0, lt=1.0,
         description="vllm: the engine's memory share: gpu_memory_utilization on GPU (0: 0.3), on CPU this share of "
@@ -250,6 +265,11 @@ class AlgoConfig(_Section):
                              "the engine's log-probs of the sampled tokens (AReaL's decoupled PPO, verl's TIS). "
                              "'stale': only samples from an older policy (rollout.max_staleness >= 1); 'all': every "
                              "sample, which also corrects engine/trainer mismatch (e.g. vLLM in bf16); 'none': off.")
+    turn_discount: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="With rollout.env: a trajectory's reward is the sum over its turns t = 0, 1, ... of "
+                    "turn_discount^t x the reward of the environment's answer to turn t, so an outcome reached in "
+                    "fewer turns is worth more; 1: the plain sum.")
     importance_cap: float = Field(
         2.0, ge=1.0, le=1000.0, description="Upper bound of the truncated importance weight (verl/AReaL cap); "
                                             "the share of tokens cut to it is logged as policy/is_clipped_fraction.")
@@ -259,9 +279,11 @@ class RewardsConfig(_Section):
     functions: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="exact_match")],
         description="Rewards summed with their weights, each entry one of: a function {name: ...}, a reward model "
-                    "{model: PATH} or an LLM judge {judge: {template: ..., ...}} (docs/reward-models.md).")
+                    "{model: PATH} or an LLM judge {judge: {template: ..., ...}} (docs/reward-models.md). Not used "
+                    "with rollout.env: the environment scores its trajectories (under the limits below).")
     timeout_s: float = Field(5.0, gt=0.0, le=3600.0,
-                             description="A reward call slower than this scores 0 and is counted.")
+                             description="A reward call slower than this scores 0 and is counted (with rollout.env: "
+                                         "an environment step, which then ends its trajectory as failed).")
     isolate: bool = Field(
         True, description="Score in worker processes, so a reward that crashes or hangs cannot take the trainer "
                           "down (costs ~5-10 ms a step on CPU); false scores in the trainer process, as TRL does, "
@@ -469,3 +491,12 @@ class RunConfig(_Section):
 
     def samples_per_step(self) -> int:
         return self.data.prompts_per_step * self.rollout.samples_per_prompt
+
+    def response_tokens(self) -> int:
+        """Most tokens a sample holds after its prompt: one completion, or with rollout.env a whole trajectory."""
+        return self.rollout.max_trajectory_tokens if self.rollout.env else self.rollout.max_new_tokens
+
+    def sampled_tokens(self) -> int:
+        """Most tokens the engine samples for one sample: one completion, or with rollout.env all its turns."""
+        r = self.rollout
+        return min(r.max_turns * r.max_new_tokens, r.max_trajectory_tokens) if r.env else r.max_new_tokens

@@ -33,7 +33,8 @@ COLUMNS: dict[str, Column] = {
     "sample_index": Column("sample", torch.long, "position in the step: prompt position x samples_per_prompt + "
                                                  "sample; the same on any layout, so exchange() orders rows by it"),
     "group": Column("sample", torch.long, "the prompt's position in the step; samples of one prompt form a group"),
-    "tokens": Column("token", torch.long, "prompt + response token ids"),
+    "tokens": Column("token", torch.long, "prompt + response token ids (a trajectory's response: every token after "
+                                          "the prompt, sampled and environment turns in order)"),
     "total_len": Column("sample", torch.long, "prompt + response tokens (the all-ranks view; a rank's own rows "
                                               "read it from tokens)"),
     "response_len": Column("sample", torch.long, "response tokens (the last response_len of tokens)"),
@@ -57,7 +58,15 @@ COLUMNS: dict[str, Column] = {
     "token_advantage": Column("token", torch.float32, "per-token advantage, whitened over the whole step's "
                                                       "response tokens (reinforce_pp, gae)"),
     "engine_logp": Column("token", torch.float32, "response log-probs the rollout engine reported while sampling "
-                                                  "(compared with the trainer's: rollout/logprob_mismatch)"),
+                                                  "(compared with the trainer's: rollout/logprob_mismatch; 0 on a "
+                                                  "trajectory's environment tokens)"),
+    "loss_mask": Column("token", torch.bool, "rollout.env: True on the response tokens the engine sampled, False on "
+                                             "the environment's (no loss, not counted); absent: all were sampled"),
+    "sampled_len": Column("sample", torch.long, "rollout.env: the trajectory's sampled tokens (what the loss "
+                                                "denominators count)"),
+    "turns": Column("sample", torch.long, "rollout.env: the trajectory's assistant turns"),
+    "tool_calls": Column("sample", torch.long, "rollout.env: tool calls the trajectory made"),
+    "tool_errors": Column("sample", torch.long, "rollout.env: of those, the ones that could not be read or run"),
     "version": Column("sample", torch.long, "the policy version that sampled: the weights after this many steps "
                                             "(rollout.max_staleness)"),
     "old_logp": Column("token", torch.float32, "response log-probs under the policy at the start of the step (the PPO "

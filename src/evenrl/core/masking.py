@@ -1,7 +1,8 @@
-"""Which samples learn: those left out of learning (a failed reward with rewards.on_failure=mask, a truncated
-sample with rewards.mask_truncated), the loss denominators that then count them as empty, and the samples nobody
-needs to run because their gradient is exactly zero. Pure functions of the config and the step's per-sample
-columns, the same on every rank."""
+"""Which samples and tokens learn: samples left out of learning (a failed reward with rewards.on_failure=mask, a
+truncated sample with rewards.mask_truncated), the loss denominators that then count them as empty, the samples
+nobody needs to run because their gradient is exactly zero, and within a multi-turn trajectory the sampled tokens
+(`loss_mask`: environment tokens never learn or count). Pure functions of the config and the step's columns, the
+same on every rank."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.core.advantages import TOKEN_ADVANTAGES
-from evenrl.core.batch import Batch
+from evenrl.core.batch import Batch, Ragged
 
 
 def zero_gradient_rows(cfg: RunConfig, everyone: Batch) -> list[bool] | None:
@@ -45,6 +46,24 @@ def masked_rows(cfg: RunConfig, rows: Batch) -> torch.Tensor | None:
 
 
 def counted_lengths(cfg: RunConfig, everyone: Batch) -> torch.Tensor:
-    """Response lengths as the loss denominators count them: 0 for a masked sample (no tokens, no sequence)."""
+    """Response lengths as the loss denominators count them: the sampled tokens of a trajectory (sampled_len), 0
+    for a masked sample (no tokens, no sequence)."""
+    lens = everyone["sampled_len"] if "sampled_len" in everyone else everyone["response_len"]
     masked = masked_rows(cfg, everyone)
-    return everyone["response_len"] if masked is None else everyone["response_len"].masked_fill(masked, 0)
+    return lens if masked is None else lens.masked_fill(masked, 0)
+
+
+def sampled_view(batch: Batch, names: tuple[str, ...]) -> Batch:
+    """Trajectories seen as their sampled tokens alone: `response_len` = sampled_len and each of the per-response-
+    token columns `names` (those present) cut to its sampled tokens. Per-token returns and GAE run on this view,
+    so an environment turn is no step of the discounting; `spread_sampled` puts the results back."""
+    keep = batch["loss_mask"].values
+    cols = {name: Ragged(batch[name].values[keep], batch["sampled_len"]) for name in names if name in batch}
+    return Batch({"response_len": batch["sampled_len"], **cols})
+
+
+def spread_sampled(values: Ragged, loss_mask: Ragged) -> Ragged:
+    """A per-sampled-token column back onto every response token: 0 on environment tokens."""
+    out = values.values.new_zeros(loss_mask.values.shape[0])
+    out[loss_mask.values] = values.values
+    return Ragged(out, loss_mask.lengths)

@@ -9,7 +9,8 @@ Precision: the trained weights, their gradients and AdamW's two moments are fp32
 (model.dtype=bfloat16 is mixed precision: bf16 compute over fp32 master weights), so the state is 16 bytes per
 parameter; c, the compute dtype's bytes (4 or 2), sizes only transient copies, activations and the KV cache.
 P = parameter count, T = training ranks, S = T under sharding=fsdp (else 1), t = tokens of the largest
-micro-batch, g = samples the busiest rank generates, len = max_prompt_tokens + max_new_tokens.
+micro-batch, g = samples the busiest rank generates, len = max_prompt_tokens + max_new_tokens (with
+rollout.env: + max_trajectory_tokens).
 
 Resident on every phase (0 on the device with cpu_offload=full, which keeps them in host memory instead):
   parameters       4P/S                 fp32 master weights
@@ -161,7 +162,7 @@ def worst_case_shape(cfg: RunConfig, layout: Layout, extra: int = 0,
     weights = tuple(w) if w and len(w) == t else None
     ranks = ranks or tuple(range(t))
     share = share_of(cfg, layout, ranks)
-    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    length = cfg.data.max_prompt_tokens + cfg.response_tokens()
     per_mb = math.ceil(cfg.samples_per_step() / cfg.algo.minibatches_per_step)
     rows_rank = max(1, math.ceil(per_mb * share - 1e-9))
     rows = min(rows_rank, max(1, cfg.train.token_cap_per_micro_batch // (length + extra),
@@ -258,7 +259,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         act = tokens * (L * dims.hidden + act_elems) * c
     else:
         act = tokens * L * act_elems * c
-    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    length = cfg.data.max_prompt_tokens + cfg.response_tokens()
     per_sample = worst_image_tokens(cfg, vision) * vision.merge ** 2 if vision else 0  # patches
     patches = tokens // length * per_sample
     if vision:
@@ -402,7 +403,7 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
         if total < base - 1e-6:
             fixes.append(MemoryFix(settings, total, bool(cap) and total <= cap, why))
 
-    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    length = cfg.data.max_prompt_tokens + cfg.response_tokens()
     rows = estimate_memory(cfg, layout, dims, ranks).micro_tokens // length
     if rows > 1:
         r = rows_that_fit(cfg, layout, dims, rows - 1, ranks) or 1

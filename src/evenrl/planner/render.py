@@ -36,8 +36,11 @@ def render(p: Plan) -> str:
            _row("step", f"{plural(prompts, 'prompt')} × {plural(k, 'sample')} = "
                         f"{plural(c.samples_per_step(), 'sample')}; {mbs}; "
                         f"{plural(c.algo.epochs_per_step, 'epoch')} over them"),
-           _row("samples", f"worst case {length:,} tokens each (prompt {c.data.max_prompt_tokens:,} + new "
-                           f"{c.rollout.max_new_tokens:,}){vision}; token cap {cap:,} per micro-batch{fits}"
+           _row("samples", f"worst case {length:,} tokens each (prompt {c.data.max_prompt_tokens:,} + "
+                           + (f"trajectory {c.rollout.max_trajectory_tokens:,}: up to "
+                              f"{plural(c.rollout.max_turns, 'turn')} of {c.rollout.max_new_tokens:,} new tokens"
+                              if c.rollout.env else f"new {c.rollout.max_new_tokens:,}")
+                           + f"){vision}; token cap {cap:,} per micro-batch{fits}"
                            + (f"; min {c.train.min_rows_per_micro_batch} rows"
                               if c.train.min_rows_per_micro_batch > 1 else ""))]
     if p.ranks:

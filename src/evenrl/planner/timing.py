@@ -10,9 +10,11 @@ compare splits of one world and to see which side of a step dominates, not to pr
 Symbols: N = the model's matmul weights (ModelDims.linear_params: every weight a token multiplies, the LM head
 included, an untied input embedding not), P = all parameters, c = bytes of model.dtype (4 or 2), L = layers,
 kv = 2 * kv_heads * head_dim (keys and values per layer and token); p = data.max_prompt_tokens,
-g = rollout.max_new_tokens, n = rollout.samples_per_prompt, S = samples per step, R = rollout devices,
-T = training ranks. Rates per device: F FLOP/s, B bytes/s, f the shortest forward pass, link bytes/s for the push.
-Lengths are the worst case the memory estimate uses: every prompt p tokens, every response g.
+g = tokens sampled per sample (rollout.max_new_tokens; with rollout.env the most its turns sample),
+n = rollout.samples_per_prompt, S = samples per step, R = rollout devices, T = training ranks. Rates per device:
+F FLOP/s, B bytes/s, f the shortest forward pass, link bytes/s for the push.
+Lengths are the worst case the memory estimate uses: every prompt p tokens, every response g (a trajectory's
+environment turns are prefilled, not decoded: they count in the training length, not in g).
 
 Generation, on each of the R engine replicas (the step's samples spread evenly; the busiest holds b = ceil(S / R),
 all in one batch; a prompt's samples share one prefill):
@@ -211,14 +213,14 @@ def step_time(cfg: RunConfig, dims: ModelDims, minibatch_sizes: list[int], world
     side's (and the push's), `train_rates` the training side's when they differ (mixed devices)."""
     c = compute_bytes(cfg.model.dtype)
     N, F, B, f = dims.linear_params, rates.tflops * 1e12, rates.gbps * 1e9, rates.floor_s
-    p, g, n = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens, cfg.rollout.samples_per_prompt
+    p, g, n = cfg.data.max_prompt_tokens, cfg.sampled_tokens(), cfg.rollout.samples_per_prompt
     b = math.ceil(cfg.samples_per_step() / rollout)
     weights = c * N
     prefill = max(2 * N * math.ceil(b / n) * p / F, weights / B, f)
     kv = b * (p + g / 2) * dims.layers * 2 * dims.kv_heads * dims.head_dim * c
     decode = g * max(2 * N * b / F, (weights + kv) / B, f)
     t = world - rollout
-    length = p + g
+    length = p + cfg.response_tokens()
     per_micro = max(1, cfg.train.token_cap_per_micro_batch // length)
     rows = [math.ceil(m / t) for m in minibatch_sizes]
     micro = sum(max(1, math.ceil(r / per_micro)) for r in rows)

@@ -78,9 +78,8 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, first_row: dict | Non
                  shown={"reward/mean": "reward", "kl": "kl", "perf/tokens_per_s": "tok/s"})
     phases: dict[str, float] = {}
     idle = Idle()
-    eval_set = (trainer.eval_prompts.rows, trainer.eval_prompts.tokens, trainer.eval_prompts.images)
     if trainer.eval_prompts.rows and start == 0:
-        log.metrics(0, evaluate(trainer, *eval_set), advance=False)
+        log.metrics(0, evaluate(trainer, trainer.eval_prompts), advance=False)
     for step in range(start + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
         try:
@@ -101,7 +100,7 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, first_row: dict | Non
         if trainer.eval_prompts.rows and (step == cfg.train.steps or
                                           (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
             dist.mark(f"step {step} evaluate")
-            metrics.update(evaluate(trainer, *eval_set))
+            metrics.update(evaluate(trainer, trainer.eval_prompts))
         log.metrics(step, metrics)
         if cfg.log.samples_every_steps and step % cfg.log.samples_every_steps == 0:
             log.samples(step, examples)

@@ -12,6 +12,7 @@ from evenrl.core.batch import Batch
 from evenrl.core.masking import masked_rows
 from evenrl.distributed import collectives as dist
 from evenrl.rewards.overlong import overlong_penalty
+from evenrl.train.trajectories import overlong_lengths
 
 
 class Timer:
@@ -76,15 +77,28 @@ def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: di
         out["rollout/staleness_hist"] = [staleness.count(d) for d in range(cfg.rollout.max_staleness + 1)]
     if cfg.rewards.overlong_buffer > 0:
         rc = cfg.rewards
-        pen = overlong_penalty(everyone["response_len"], cfg.rollout.max_new_tokens, rc.overlong_buffer,
-                               rc.overlong_penalty)
+        pen = overlong_penalty(*overlong_lengths(cfg, everyone), rc.overlong_buffer, rc.overlong_penalty)
         out["reward/overlong_penalty_mean"] = float(pen.mean()) if len(pen) else 0.0
     out.update(stats)
     out.update({f"time/{k}": v for k, v in timer.seconds.items()})
     out.update({f"memory/{k}_peak_gib": v for k, v in timer.peak_gib.items()})  # empty without CUDA
+    if "turns" in everyone:  # rollout.env: trajectories
+        out.update(trajectory_metrics(everyone))
     out["reward/failures"] = int(failures)  # summed over ranks by gather_rows
     masked = masked_rows(cfg, everyone)
     out["reward/masked_samples"] = 0 if masked is None else int(masked.sum())  # left out of learning
+    return out
+
+
+def trajectory_metrics(everyone: Batch) -> dict:
+    """Turns per trajectory, sampled tokens, and the share of tool calls that could be read and run."""
+    calls, errors = int(everyone["tool_calls"].sum()), int(everyone["tool_errors"].sum())
+    n = max(len(everyone), 1)
+    out = {"rollout/turns_mean": float(everyone["turns"].sum()) / n,
+           "response/sampled_length_mean": float(everyone["sampled_len"].sum()) / n,
+           "tools/calls_per_trajectory": calls / n}
+    if calls:
+        out["tools/success_rate"] = (calls - errors) / calls
     return out
 
 

@@ -23,12 +23,14 @@ from evenrl.models.loading import load_policy
 from evenrl.models.lora import add_adapters
 from evenrl.models.vision import prompt_image_inputs
 from evenrl.train import checkpoint
-from evenrl.train.data import PromptSampler, load_data, take_images
-from evenrl.train.trainer import vision_setup
+from evenrl.train.data import PromptSampler
+from evenrl.train.trainer import Prompts, load_prompt_set, vision_setup
+from evenrl.train.trajectories import Turns
 
 
 def serve(cfg: RunConfig, info, found: Path | None) -> None:
     """Generate every step's samples of this replica, from step 1 or after checkpoint `found`."""
+    turns = Turns(cfg) if cfg.rollout.env else None  # checks the chat template before any weights load
     # one whole copy in the engine's dtype: the hf engine samples from it, and it gives the push its layout
     model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
     if cfg.model.lora.rank:  # the trainers' adapters, overwritten by every push; the base is the trainers' already
@@ -36,9 +38,8 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     engine = make_engine(cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, device=info.device)
     processor, _ = vision_setup(cfg, model)
-    rows, prompt_tokens, _ = load_data(cfg, tokenizer, vision=(processor, model.config) if processor else None)
-    images = take_images(rows)
-    sampler = PromptSampler(len(prompt_tokens), cfg.data.seed)
+    prompts, _ = load_prompt_set(cfg, tokenizer, turns, vision=(processor, model.config) if processor else None)
+    sampler = PromptSampler(len(prompts.rows), cfg.data.seed)
     start = 0
     if found is not None:  # only where the run continues and which prompts come next; the weights come pushed
         start = checkpoint.read_meta(found)["step"]
@@ -47,28 +48,32 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
                      ckpt_root=Path(cfg.log.run_dir) / "checkpoints")
     sync.begin(start, found)
     for step in range(start + 1, cfg.train.steps + 1):
-        prompts = sampler.next_prompts(cfg.data.prompts_per_step)
+        prompt_ids = sampler.next_prompts(cfg.data.prompts_per_step)
         sync.weights_for(step)
-        generate_and_send(cfg, engine, prompt_tokens, step, prompts, lambda rows: prompt_image_inputs(
-            processor, images, rows))
+        generate_and_send(cfg, engine, prompts, step, prompt_ids, turns, processor)
     dist.finish_sends()
     sync.finish()
 
 
-def generate_and_send(cfg: RunConfig, engine: Engine, prompt_tokens: list[list[int]], step: int,
-                      prompt_ids: list[int], image_inputs=lambda rows: None) -> None:
+def generate_and_send(cfg: RunConfig, engine: Engine, prompts: Prompts, step: int, prompt_ids: list[int],
+                      turns: Turns | None, processor=None) -> None:
     """One step, with the weights of policy_version(step) loaded: this replica's share of the samples, the step's
     prompts balanced over the replicas by cost, sent to the trainers without waiting for them (each trainer gets
     the samples it starts from, as in a colocated step). A sample's key is what it is on any layout, so the samples
-    equal the colocated ones. `image_inputs(rows)`: the prompts' ImageInputs (a vision-language model's)."""
+    equal the colocated ones; with rollout.env they are whole trajectories, the environments stepped here.
+    `processor`: a vision-language model's image processor (the prompts' images go to the engine)."""
     n, replicas = cfg.rollout.samples_per_prompt, dist.rollout_ranks()
-    costs = [len(prompt_tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
+    costs = [len(prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
     mine = rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())]
     dist.mark(f"step {step} generate (rollout rank)")
-    completions = engine.generate([prompt_tokens[prompt_ids[p]] for p, _, _ in mine], [p for p, _, _ in mine],
-                                  sampling_params(cfg), step=step,
-                                  sample_ranges=[(first, count) for _, first, count in mine],
-                                  images=image_inputs([prompt_ids[p] for p, _, _ in mine]))
+    ids = [prompt_ids[p] for p, _, _ in mine]
+    args = ([prompts.tokens[i] for i in ids], [p for p, _, _ in mine], sampling_params(cfg))
+    kw = dict(step=step, sample_ranges=[(first, count) for _, first, count in mine])
+    if turns is None:
+        completions = engine.generate(*args, **kw, images=prompt_image_inputs(processor, prompts.images, ids))
+    else:
+        completions = turns.generate(engine, *args, **kw, rows=[prompts.rows[i] for i in ids],
+                                     openings=[prompts.openings[i] for i in ids])
     engine.sleep()
     made = {(c.prompt_key, c.sample_index): c for samples in completions for c in samples}
     shares = rollout_shares(costs, n, dist.world(), cfg.parallel.fixed_capacity_weights())  # as the trainers split

@@ -24,7 +24,7 @@ from evenrl.core.advantages import (TOKEN_ADVANTAGES, compute_advantages, discou
                                     pooled_moments, token_moments, token_rewards, whiten)
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import kl_penalty
-from evenrl.core.masking import counted_lengths, masked_rows, zero_gradient_rows
+from evenrl.core.masking import counted_lengths, masked_rows, sampled_view, spread_sampled, zero_gradient_rows
 from evenrl.core.schedule import make_schedule, rollout_shares
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
@@ -41,6 +41,7 @@ from evenrl.train.reward_models import add_model_rewards
 from evenrl.train.objectives import (CRITIC_STAT_NAMES, IS_STAT_NAMES, STAT_NAMES, importance_weighted, rl_objective,
                                      value_objective)
 from evenrl.train.trainer import Trainer
+from evenrl.train.trajectories import overlong_lengths, trajectory_columns
 from evenrl.train.update import compute_logprobs, compute_values, minibatch_denominators, minibatch_update
 
 
@@ -143,7 +144,7 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
     where they do not (2 prompts x 8 samples on 4 ranks: 4 samples each)."""
     cfg = trainer.cfg
     n = cfg.rollout.samples_per_prompt
-    costs = [len(trainer.prompts.tokens[i]) + cfg.rollout.max_new_tokens for i in prompt_ids]
+    costs = [len(trainer.prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
     mine = rollout_shares(costs, n, dist.world(), trainer.balance.rollout)[dist.rank()]
     images = prompt_image_inputs(trainer.image_processor, trainer.prompts.images, [prompt_ids[p] for p, _, _ in mine])
     version = step - 1  # the policy being trained sampled: colocated, or reserved with max_staleness 0
@@ -156,10 +157,15 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
         made = {(c.prompt_key, c.sample_index): c for _, part in parts for c in part}
         completions = [[made[(first + p, s)] for s in range(a, a + count)] for p, a, count in mine]
     else:
-        completions = trainer.engine.generate([trainer.prompts.tokens[prompt_ids[p]] for p, _, _ in mine],
-                                              [first + p for p, _, _ in mine], sampling_params(cfg), step=step,
-                                              sample_ranges=[(a, count) for _, a, count in mine],  # key: position
-                                              images=images)
+        ids = [prompt_ids[p] for p, _, _ in mine]
+        args = ([trainer.prompts.tokens[i] for i in ids], [first + p for p, _, _ in mine], sampling_params(cfg))
+        kw = dict(step=step, sample_ranges=[(a, count) for _, a, count in mine])  # key: the prompt's position
+        if trainer.turns is None:
+            completions = trainer.engine.generate(*args, **kw, images=images)
+        else:  # whole trajectories, the environments stepped in between
+            completions = trainer.turns.generate(trainer.engine, *args, **kw,
+                                                 rows=[trainer.prompts.rows[i] for i in ids],
+                                                 openings=[trainer.prompts.openings[i] for i in ids])
         trainer.engine.sleep()  # vLLM on GPU: its KV cache is freed while the trainer needs the memory
     tokens, resp_len, index, group, row_ids, texts, finished, engine_lp = [], [], [], [], [], [], [], []
     image_rows = []  # per sample, its prompt's ImageInputs (None: a text prompt)
@@ -172,7 +178,8 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
             index.append((first + p) * n + c.sample_index)
             group.append(first + p)
             row_ids.append(prompt_ids[p])
-            texts.append(trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True))
+            # a trajectory's text keeps its turn markers (samples.jsonl shows the whole conversation)
+            texts.append(trainer.tokenizer.decode(c.token_ids, skip_special_tokens=trainer.turns is None))
             finished.append(c.finished)
             engine_lp.append(torch.tensor(c.logprobs, dtype=torch.float32))
     batch = Batch({
@@ -188,6 +195,9 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
     })
     if images is not None:  # a vision-language model: every rank carries the image columns, some rows empty
         add_image_columns(batch, image_rows, trainer.vision_weight, pixel_dim(trainer.image_processor))
+    if trainer.turns is not None:
+        for name, col in trajectory_columns([c for samples in completions for c in samples]).items():
+            batch[name] = col
     return batch
 
 
@@ -207,17 +217,23 @@ def add_image_columns(batch: Batch, inputs: list, weight: float, dim: int) -> No
 
 
 def add_rewards(trainer: Trainer, batch: Batch, step: int) -> tuple[Batch, dict]:
+    """Rewards of this rank's samples (functions, then reward models and judges); trajectories come scored by their
+    environment (rollout), and DAPO's overlong penalty weighs their sampled tokens against the most they could
+    sample."""
     rows, rc = [trainer.prompts.rows[r] for r in batch["row_id"]], trainer.cfg.rewards
-    scores, stats = score_all(trainer.reward_fns, batch["completion"], rows, rc.timeout_s, isolate=rc.isolate,
-                              memory_limit_mib=rc.memory_limit_mib, cpu_time_limit_s=rc.cpu_time_limit_s)
-    if trainer.scorers:  # reward models and judges: every training rank, rows or not (collectives when sharded)
-        scores, stats = add_model_rewards(trainer.scorers, trainer.cfg, batch["completion"], rows,
-                                          batch["sample_index"].tolist(), step, scores, stats)
-    batch["reward"] = torch.tensor(scores, dtype=torch.float32)
+    if trainer.turns is None:
+        scores, stats = score_all(trainer.reward_fns, batch["completion"], rows, rc.timeout_s, isolate=rc.isolate,
+                                  memory_limit_mib=rc.memory_limit_mib, cpu_time_limit_s=rc.cpu_time_limit_s)
+        if trainer.scorers:  # reward models and judges: every training rank, rows or not (collectives when sharded)
+            scores, stats = add_model_rewards(trainer.scorers, trainer.cfg, batch["completion"], rows,
+                                              batch["sample_index"].tolist(), step, scores, stats)
+        batch["reward"] = torch.tensor(scores, dtype=torch.float32)
+        batch["reward_failed"] = torch.tensor(stats["failed"], dtype=torch.bool)
+    else:
+        stats = {"failures": int(batch["reward_failed"].sum())}
     if rc.overlong_buffer > 0:
-        batch["reward"] = batch["reward"] + overlong_penalty(batch["response_len"], trainer.cfg.rollout.max_new_tokens,
-                                                             rc.overlong_buffer, rc.overlong_penalty)
-    batch["reward_failed"] = torch.tensor(stats["failed"], dtype=torch.bool)
+        length, most = overlong_lengths(trainer.cfg, batch)
+        batch["reward"] = batch["reward"] + overlong_penalty(length, most, rc.overlong_buffer, rc.overlong_penalty)
     return batch, stats
 
 
@@ -237,6 +253,8 @@ def add_reward_kl(trainer: Trainer, batch: Batch) -> None:
     with trainer.reference_policy() as reference:
         ref = compute_logprobs(reference, batch, micro, temperature=trainer.temperature, pad_token_id=trainer.pad_id)
     kl = [kl_penalty(a, b, trainer.cfg.algo.kl_estimator) for a, b in zip(logp, ref)]
+    if "loss_mask" in batch:  # a trajectory's environment tokens were not sampled: no KL of the policy's there
+        kl = [k * m for k, m in zip(kl, torch.split(batch["loss_mask"].values, batch["loss_mask"].lengths.tolist()))]
     if trainer.cfg.algo.advantage in TOKEN_ADVANTAGES:
         batch["reward_kl"] = Ragged.of(kl, torch.float32)
     else:
@@ -261,16 +279,20 @@ def add_token_returns(trainer: Trainer, local: Batch) -> None:
     algo = trainer.cfg.algo
     if algo.advantage not in TOKEN_ADVANTAGES:
         return
-    mask = right_aligned_mask(local["response_len"])
-    kl = ragged_to_right_aligned(local, "reward_kl", "cpu").double() if "reward_kl" in local else None
+    # trajectories: the steps are the sampled tokens alone (an environment turn is no step of the discounting)
+    view = sampled_view(local, ("reward_kl", "old_values")) if "loss_mask" in local else local
+    widen = (lambda col: spread_sampled(col, local["loss_mask"])) if "loss_mask" in local else (lambda col: col)
+    lens = view["response_len"]
+    mask = right_aligned_mask(lens)
+    kl = ragged_to_right_aligned(view, "reward_kl", "cpu").double() if "reward_kl" in view else None
     rewards = token_rewards(local["reward"].double(), mask, kl, algo.kl_coef)
     if algo.advantage == "reinforce_pp":
         raw = discounted_returns(rewards, mask, algo.gamma)
     else:
-        values = ragged_to_right_aligned(local, "old_values", "cpu").double()
+        values = ragged_to_right_aligned(view, "old_values", "cpu").double()
         raw, returns = gae_advantages(rewards, values, mask, algo.gamma, algo.lam)
-        local["returns"] = to_ragged(returns, local["response_len"])
-    local["raw_advantage"] = to_ragged(raw, local["response_len"])
+        local["returns"] = widen(to_ragged(returns, lens))
+    local["raw_advantage"] = widen(to_ragged(raw, lens))
     _, local["token_mean"], local["token_m2"] = token_moments(raw, mask)
 
 
@@ -281,7 +303,7 @@ def gather_rows(local: Batch, failures: int = 0) -> tuple[Batch, int]:
     cols = ["sample_index", "group", "reward", "reward_failed", "response_len", "finished", "version"]
     mine = {c: local[c] for c in cols}
     mine["total_len"] = local["tokens"].lengths
-    for c in ("kl_sum", "token_mean", "token_m2", "vision_tokens"):
+    for c in ("kl_sum", "token_mean", "token_m2", "vision_tokens", "sampled_len", "turns", "tool_calls", "tool_errors"):
         if c in local:
             mine[c] = local[c]
     parts = dist.all_gather_tensors({**{k: v.cpu() for k, v in mine.items()},
@@ -322,6 +344,8 @@ def whiten_token_advantages(trainer: Trainer, local: Batch, everyone: Batch) -> 
     everyone["advantage"] = adv.float()
     local["advantage"] = everyone["advantage"][local["sample_index"]]
     mask = right_aligned_mask(local["response_len"])
+    if "loss_mask" in local:
+        mask &= ragged_to_right_aligned(local, "loss_mask", "cpu")
     if masked is not None:
         mask &= ~masked[local["sample_index"]][:, None]
     token_adv = whiten(ragged_to_right_aligned(local, "raw_advantage", "cpu"), mask, mean, var)

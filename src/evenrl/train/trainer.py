@@ -31,6 +31,7 @@ from evenrl.train import checkpoint
 from evenrl.train.balance import Balance
 from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.reward_models import Scorer, load_scorers
+from evenrl.train.trajectories import Turns
 from evenrl.train.update import prepare_model
 
 
@@ -45,12 +46,14 @@ class Trained:
 
 @dataclass
 class Prompts:
-    """A prompt dataset as the step reads it: the rows (for rewards) and their tokens, in the same order, and each
-    row's images (encoded bytes or paths; [] for a text prompt)."""
+    """A prompt dataset as the step reads it: the rows (for rewards) and their tokens, in the same order, each
+    row's images (encoded bytes or paths; [] for a text prompt), and with rollout.env the environment's opening
+    messages the tokens render."""
 
     rows: list[dict]
     tokens: list[list[int]]
     images: list[list] = field(default_factory=list)
+    openings: list[list[dict]] | None = None
 
 
 @dataclass
@@ -73,6 +76,7 @@ class Trainer:
     vision_weight: float = 0.0  # a patch through its vision encoder, in language-model tokens (vision_token_weight)
     scorers: list[Scorer] = field(default_factory=list)  # reward models and judges (train.reward_models)
     balance: Balance = field(default_factory=Balance)  # token caps and capacity weights (mixed devices)
+    turns: Turns | None = None  # rollout.env: the multi-turn loop (evenrl.train.trajectories)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -133,6 +137,7 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
     `balance`: the token caps and capacity weights of the plan (evenrl.train.balance.make_balance; None: the
     config's one cap, equal weights)."""
     torch.manual_seed(cfg.train.seed)
+    turns = Turns(cfg) if cfg.rollout.env else None  # checks the chat template before any weights load
     model, tokenizer = trainable_model(cfg, cfg.model.path, info)
     critic = None
     if cfg.algo.advantage == "gae":  # built like the policy: whatever is applied to one applies to the other
@@ -154,19 +159,21 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
                             ckpt_root=Path(cfg.log.run_dir) / "checkpoints")
     processor, weight = vision_setup(cfg, model)
     vision = (processor, model.config) if processor is not None else None
-    rows, tokens, skipped = load_data(cfg, tokenizer, vision=vision)
-    prompts = Prompts(rows, tokens, take_images(rows))
+    prompts, skipped = load_prompt_set(cfg, tokenizer, turns, vision=vision)
     eval_prompts = Prompts([], [])
     if cfg.eval.path:
-        eval_rows, eval_tokens, _ = load_data(cfg, tokenizer, cfg.eval.path, vision=vision)
-        eval_rows, eval_tokens = eval_rows[:cfg.eval.max_prompts], eval_tokens[:cfg.eval.max_prompts]
-        eval_prompts = Prompts(eval_rows, eval_tokens, take_images(eval_rows))
+        evals, _ = load_prompt_set(cfg, tokenizer, turns, cfg.eval.path, vision=vision)
+        n = cfg.eval.max_prompts
+        eval_prompts = Prompts(evals.rows[:n], evals.tokens[:n], evals.images[:n],
+                               None if evals.openings is None else evals.openings[:n])
     return Trainer(cfg=cfg, policy=Trained(model, *adamw(model, cfg, cfg.train.lr, cfg.train.warmup_steps)),
                    critic=critic, reference=reference, tokenizer=tokenizer, prompts=prompts,
-                   eval_prompts=eval_prompts, sampler=PromptSampler(len(rows), cfg.data.seed),
-                   reward_fns=[(resolve(spec.name), spec.weight) for spec in cfg.rewards.functions if spec.name],
+                   eval_prompts=eval_prompts, sampler=PromptSampler(len(prompts.rows), cfg.data.seed),
+                   reward_fns=[] if turns else [(resolve(spec.name), spec.weight) for spec in cfg.rewards.functions
+                                                if spec.name],
                    engine=engine, sync=sync, skipped_prompts=skipped, eos_ids=eos_ids, image_processor=processor,
-                   vision_weight=weight, scorers=load_scorers(cfg, info), balance=balance or Balance())
+                   vision_weight=weight, scorers=[] if turns else load_scorers(cfg, info),
+                   balance=balance or Balance(), turns=turns)
 
 
 def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:
@@ -177,6 +184,18 @@ def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:
     processor = load_image_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     text = dims_from_config(hf)
     return processor, vision_token_weight(text.layers, text.layer_params, vision_dims_from_config(hf))
+
+
+def load_prompt_set(cfg: RunConfig, tokenizer, turns: Turns | None, path: str | None = None,
+                    vision=None) -> tuple[Prompts, int]:
+    """The prompts of data.path (or `path`) and how many were skipped as too long: with rollout.env, the
+    environment's openings rendered by the chat template; `vision`: (image processor, model config) of a
+    vision-language policy."""
+    if turns is None:
+        rows, tokens, skipped = load_data(cfg, tokenizer, path, vision=vision)
+        return Prompts(rows, tokens, take_images(rows)), skipped
+    rows, tokens, openings, skipped = turns.load(tokenizer, path)
+    return Prompts(rows, tokens, openings=openings), skipped
 
 
 def trainable_model(cfg: RunConfig, path: str, info, head=None):

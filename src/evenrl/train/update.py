@@ -20,7 +20,7 @@ from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.sharding import shard
 from evenrl.errors import RunStopped
-from evenrl.models.forward import response_logits, response_logprobs
+from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import is_sharded, set_autocast
 from evenrl.models.vision import freeze_tower, is_vision_model
 
@@ -122,6 +122,8 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
             continue  # replicated: nothing to forward; collectives happen once per mini-batch below
         mb = batch.select(rows)
         outputs, targets, mask = forward(model, mb)
+        if "loss_mask" in mb:  # a trajectory's environment tokens: no loss, no statistic, no count
+            mask = mask & ragged_to_right_aligned(mb, "loss_mask", mask.device)
         per_token, stats = loss_fn(outputs, targets, mask, mb)
         aggregate(per_token, mask, aggregation, denom).backward()
         ran += 1

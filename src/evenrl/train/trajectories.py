@@ -1,0 +1,207 @@
+"""Multi-turn rollouts (rollout.env): the turn loop that runs an engine and an environment in turns, token in, token
+out, and the step's columns of the trajectories it makes.
+
+A trajectory is one sample: its tokens are the prompt, then each assistant turn's tokens exactly as the engine
+sampled them, then each environment turn's text (what the chat template appends: evenrl.envs.template) tokenized
+alone, in order; `loss_mask` is True on the sampled tokens only and the engine's log-probs are kept for them (0 on
+environment tokens). Sampled text is decoded only to hand it to the environment and to the template, never
+re-tokenized.
+
+Turns run in lockstep: turn k of every live trajectory is one engine call (one per distinct token budget), then
+their environment steps run at once in the reward workers. Turn k of sample s of the prompt at position p draws
+from the stream (seed, step, p, s, k) (engines.base.row_seed; turn 0 is the single-turn stream) and the environment
+gets the seed keyed_seed("evenrl-env", seed, step, p, s): a trajectory is the same on any layout and placement,
+and a resumed run regenerates it exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from evenrl.config import RunConfig
+from evenrl.core.batch import Ragged
+from evenrl.engines.base import Completion, Engine, SamplingParams, keyed_seed
+from evenrl.envs.registry import resolve
+from evenrl.envs.session import EnvSession
+from evenrl.envs.template import (PREFIX_FIX, TemplateDrift, check_template, env_turn_text, file_render,
+                                  tokenizer_render)
+from evenrl.envs.toolcalls import tool_schemas
+from evenrl.errors import RunStopped, UsageError
+from evenrl.train.data import filter_by_length, load_prompts
+
+
+@dataclass
+class Trajectory(Completion):
+    """A Completion whose token_ids hold every token after the prompt (sampled and environment turns); logprobs
+    hold the engine's log-prob of each sampled token and 0 for environment tokens."""
+
+    loss_mask: list[bool] = field(default_factory=list)
+    reward: float = 0.0  # the turns' rewards, discounted by algo.turn_discount
+    failed: bool = False  # an environment step failed (rewards.on_failure decides what that costs)
+    error: str | None = None  # how, in one line
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+@dataclass
+class _Live:
+    traj: Trajectory
+    row: dict
+    prompt: list[int]
+    messages: list[dict]
+    history: str  # the conversation so far as the template renders it, with the generation prompt
+    seed: int
+    state: bytes | None = None
+
+
+class Turns:
+    """rollout.env's turn loop for one process: its environment, the tools' schemas and the template checked."""
+
+    def __init__(self, cfg: RunConfig, tokenizer=None):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        env = resolve(cfg.rollout.env)
+        self.roles, self.tools = env.roles, tool_schemas(env.tools)
+        # before any weights load: the template as saved in model.path, rendered without the tokenizer
+        check_template(file_render(cfg.model.path), self.tools, self.roles, f"model.path {cfg.model.path}")
+        self.session = EnvSession(cfg.rollout.env, cfg.rewards)
+
+    def load(self, tokenizer, path: str | None = None) -> tuple[list[dict], list[list[int]], list[list[dict]], int]:
+        """(rows, prompt tokens, opening messages, rows skipped as longer than data.max_prompt_tokens) of data.path
+        (or `path`), as evenrl.train.data.load_data reads them, the prompt being the environment's opening rendered
+        with the tools and the generation prompt."""
+        cfg, self.tokenizer = self.cfg, tokenizer
+        path = path or cfg.data.path
+        if not path:
+            raise UsageError("data.path: empty; give a .jsonl/.parquet file or a dataset directory")
+        rows = load_prompts(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field,
+                            extra_fields=cfg.data.extra_fields)
+        openings = self.session.openings(rows)
+        render = tokenizer_render(tokenizer)
+        tokens = [self._encode(render(m, self.tools, True)) for m in openings]
+        kept, skipped = filter_by_length(list(range(len(rows))), [len(t) for t in tokens], cfg.data.max_prompt_tokens)
+        if not kept:
+            raise UsageError(f"data.max_prompt_tokens: got {cfg.data.max_prompt_tokens}; the openings of all "
+                             f"{len(rows)} prompts of {path} are longer (rendered with the chat template) — raise it")
+        return [rows[i] for i in kept], [tokens[i] for i in kept], [openings[i] for i in kept], skipped
+
+    def generate(self, engine: Engine, prompts: list[list[int]], keys: list[int], params: SamplingParams, *,
+                 step: int, sample_ranges: list[tuple[int, int]], rows: list[dict],
+                 openings: list[list[dict]]) -> list[list[Trajectory]]:
+        """Engine.generate's [prompt][sample] result, as whole trajectories."""
+        r, algo = self.cfg.rollout, self.cfg.algo
+        render = tokenizer_render(self.tokenizer)
+        eos = self._eos_ids()
+        out: list[list[Trajectory]] = []
+        live: list[_Live] = []
+        for prompt, key, (first, count), row, opening in zip(prompts, keys, sample_ranges, rows, openings):
+            history = render(opening, self.tools, True)
+            out.append([])
+            for s in range(first, first + count):
+                t = Trajectory(key, s, [], [], True)
+                out[-1].append(t)
+                live.append(_Live(t, row, prompt, list(opening), history,
+                                  keyed_seed("evenrl-env", params.seed, step, key, s)))
+        for turn in range(r.max_turns):  # every turn on every rank, live trajectories or not: see _sample
+            replies = self._sample(engine, live, params, step, turn)
+            results = self.session.steps([(x.state, x.row, x.seed, text) for x, (_, text) in zip(live, replies)])
+            still = []
+            for x, (ids, text), (kind, value) in zip(live, replies, results):
+                t = x.traj
+                t.turns += 1
+                ended_with_eos = bool(ids) and ids[-1] in eos
+                if kind != "ok":
+                    t.failed, t.error, t.finished = True, f"{kind}: {value}", ended_with_eos
+                    continue
+                x.state, (messages, done, reward, calls, errors) = value
+                t.reward += algo.turn_discount ** turn * reward
+                t.tool_calls, t.tool_errors = t.tool_calls + calls, t.tool_errors + errors
+                t.finished = ended_with_eos
+                if done or turn + 1 == r.max_turns:
+                    continue
+                # a reply cut at max_new_tokens goes on like one that ended: the template closes it
+                eos_text = self._decode(ids[-1:]) if ended_with_eos else None
+                if self._append_env_turn(x, render, text, messages, eos_text):
+                    still.append(x)
+            live = still
+        return out
+
+    def _sample(self, engine: Engine, live: list[_Live], params: SamplingParams, step: int, turn: int):
+        """Turn `turn` of every live trajectory: (sampled ids, reply text) each, appended to its trajectory. One
+        engine call per turn on every rank, even with nothing to sample: the hf engine's call gathers a sharded
+        model, a collective every rank must join as often. A trajectory whose budget (what is left of
+        max_trajectory_tokens) is below the call's keeps the start of its sample: a sample's first tokens do not
+        depend on how many follow."""
+        r = self.cfg.rollout
+        budget = [min(r.max_new_tokens, r.max_trajectory_tokens - len(x.traj.token_ids)) for x in live]
+        call = replace(params, max_new_tokens=max(budget, default=r.max_new_tokens))
+        if turn == 0:  # each prompt once, its samples sharing the prefill, as in a single-turn rollout
+            groups: dict[int, list[int]] = {}
+            for i, x in enumerate(live):
+                groups.setdefault(x.traj.prompt_key, []).append(i)
+            rows = list(groups.values())
+            res = engine.generate([live[g[0]].prompt for g in rows], [live[g[0]].traj.prompt_key for g in rows], call,
+                                  step=step, sample_ranges=[(live[g[0]].traj.sample_index, len(g)) for g in rows])
+            got = {i: c for g, cs in zip(rows, res) for i, c in zip(g, cs)}
+        else:
+            res = engine.generate([x.prompt + x.traj.token_ids for x in live], [x.traj.prompt_key for x in live],
+                                  call, step=step, sample_ranges=[(x.traj.sample_index, 1) for x in live], turn=turn)
+            got = {i: cs[0] for i, cs in enumerate(res)}
+        eos = self._eos_ids()
+        out = []
+        for i, x in enumerate(live):
+            ids, logprobs = got[i].token_ids[:budget[i]], got[i].logprobs[:budget[i]]
+            x.traj.token_ids += ids
+            x.traj.logprobs += logprobs
+            x.traj.loss_mask += [True] * len(ids)
+            out.append((ids, self._decode(ids[:-1] if ids and ids[-1] in eos else ids)))
+        return out
+
+    def _append_env_turn(self, x: _Live, render, reply: str, messages: list[dict], eos_text: str | None) -> bool:
+        """Append the environment's messages as the template renders them; False (the trajectory ends,
+        unfinished) when they do not fit in rollout.max_trajectory_tokens with a token to spare."""
+        x.messages += [{"role": "assistant", "content": reply}, *messages]
+        try:
+            text, x.history = env_turn_text(render, x.messages, self.tools, x.history, reply, eos_text)
+        except TemplateDrift as e:
+            raise RunStopped(f"rollout.env: {e}; use {PREFIX_FIX}") from None
+        ids = self._encode(text)
+        t = x.traj
+        if len(t.token_ids) + len(ids) >= self.cfg.rollout.max_trajectory_tokens:
+            t.finished = False
+            return False
+        t.token_ids += ids
+        t.logprobs += [0.0] * len(ids)
+        t.loss_mask += [False] * len(ids)
+        return True
+
+    def _eos_ids(self) -> set[int]:
+        return {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def trajectory_columns(samples: list[Trajectory]) -> dict:
+    """The step's columns that only trajectories carry: which tokens were sampled, their count, the environment's
+    reward and failures, turns and tool calls."""
+    return {
+        "loss_mask": Ragged.of([torch.tensor(t.loss_mask, dtype=torch.bool) for t in samples], torch.bool),
+        "sampled_len": torch.tensor([sum(t.loss_mask) for t in samples], dtype=torch.long),
+        "reward": torch.tensor([t.reward for t in samples], dtype=torch.float32),
+        "reward_failed": torch.tensor([t.failed for t in samples], dtype=torch.bool),
+        "turns": torch.tensor([t.turns for t in samples], dtype=torch.long),
+        "tool_calls": torch.tensor([t.tool_calls for t in samples], dtype=torch.long),
+        "tool_errors": torch.tensor([t.tool_errors for t in samples], dtype=torch.long),
+    }
+
+
+def overlong_lengths(cfg: RunConfig, rows) -> tuple[torch.Tensor, int]:
+    """(each sample's length, the most it can be) as DAPO's overlong penalty weighs them: response tokens against
+    rollout.max_new_tokens, or a trajectory's sampled tokens against the most its turns can sample."""
+    return rows["sampled_len" if "sampled_len" in rows else "response_len"], cfg.sampled_tokens()

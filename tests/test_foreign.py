@@ -396,3 +396,23 @@ def test_peer_lora_settings_become_model_lora(tmp_path, framework, content, want
     assert cfg.model.lora.model_dump() == {**RunConfig().model.lora.model_dump(), **want}
     if want.get("dropout"):
         assert any("dropout masks are drawn per rank" in n for n in t.notes)
+
+
+def test_verl_multi_turn_and_trl_tools_map_to_trajectory_caps(tmp_path):
+    """verl's agent loop: its response length is the whole trajectory (rollout.max_trajectory_tokens), a turn may use
+    all of it, max_assistant_turns is rollout.max_turns, and its tool classes are a note (they become an evenrl
+    environment); TRL's max_tool_calling_iterations n is n + 1 turns, its tools= a note."""
+    multi = {"enable": True, "max_assistant_turns": 5, "max_user_turns": 3, "tool_config_path": "./tools.yaml",
+             "format": "hermes", "max_tool_response_length": 256}
+    peer = {**LOGIC_RL, "actor_rollout_ref": {**LOGIC_RL["actor_rollout_ref"],
+                                              "rollout": {**LOGIC_RL["actor_rollout_ref"]["rollout"],
+                                                          "multi_turn": multi}}}
+    t, cfg, _ = run(tmp_path, "verl", peer)
+    assert (cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens, cfg.rollout.max_new_tokens) == (5, 4096, 4096)
+    notes = " ".join(t.notes)
+    assert "./tools.yaml" in notes and "rollout.env=package.module:Name" in notes and "max_user_turns" in notes
+    assert "max_tool_output_chars" in notes
+    t, cfg, _ = run(tmp_path, "trl", {"num_generations": 8, "max_tool_calling_iterations": 2,
+                                      "max_completion_length": 1024})
+    assert (cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens) == (3, 1024)
+    assert any("tools=" in n and "3 assistant turns" in n for n in t.notes)

@@ -112,6 +112,14 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
         t.set("parallel.rollout_devices", t.layout.rollout_devices, "vllm_mode=server")
     set_data(t, src.str("dataset_name"), "dataset_name", src.str("dataset_prompt_column", "prompt"))
     _rewards(src, t)
+    if src.has("max_tool_calling_iterations"):  # GRPOTrainer(tools=[...]) runs them; the config counts rounds
+        rounds = src.int("max_tool_calling_iterations", 1, lo=0)
+        t.set("rollout.max_turns", min(rounds + 1, 1000), "max_tool_calling_iterations")
+        t.set("rollout.max_trajectory_tokens", clen, "max_completion_length")
+        t.notes.append(f"max_tool_calling_iterations={rounds}: {rounds} tool rounds are {rounds + 1} assistant turns; "
+                       "GRPOTrainer's tools= (and environment_factory) are Python in your script, not in this file: "
+                       "evenrl runs them as an environment (docs/multiturn.md: a ToolEnv with those functions as "
+                       "tools), rollout.env=package.module:Name, its score in place of reward_funcs")
     steps = src.int("max_steps", -1, lo=-1)
     if steps and steps > 0:
         t.set("train.steps", max(1, math.ceil(steps / (m * mu))), "max_steps")

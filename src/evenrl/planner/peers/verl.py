@@ -127,6 +127,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if src.has("rollout.n_gpus_per_node"):
         _staleness(src, t)
     _importance(src, t)
+    if src.bool("actor_rollout_ref.rollout.multi_turn.enable", False):
+        _multi_turn(src, t, rlen)
     if src.has("actor_rollout_ref.rollout.gpu_memory_utilization"):
         t.notes.append("rollout.gpu_memory_utilization sizes vLLM's KV cache; evenrl's 'hf' sampler uses the "
                        "training model, so its KV cache is part of the memory estimate instead")
@@ -166,6 +168,33 @@ def _staleness(src: Source, t: Translation) -> None:
     if s > 0 and src.bool("async_training.partial_rollout", True):
         t.notes.append("async_training.partial_rollout: a verl response can span two weight versions; an evenrl "
                        "response never does (each step samples from one policy)")
+
+
+def _multi_turn(src: Source, t: Translation, response: int) -> None:
+    """verl's agent loop (rollout.multi_turn): its response length is the whole trajectory after the prompt, tool
+    responses included, and a turn may use all that is left of it, as evenrl's max_trajectory_tokens and a per-turn
+    cap of the same size."""
+    m = "actor_rollout_ref.rollout.multi_turn."
+    t.set("rollout.max_trajectory_tokens", response, "data.max_response_length")
+    turns = src.int(m + "max_assistant_turns", None)
+    if turns is not None:
+        t.set("rollout.max_turns", min(turns, 1000), m + "max_assistant_turns")
+    tools, talk = src.str(m + "tool_config_path"), src.str(m + "interaction_config_path")
+    t.notes.append(f"multi_turn: verl's {'tools (' + tools + ')' if tools else ''}"
+                   f"{' and ' if tools and talk else ''}{'interaction (' + talk + ')' if talk else ''} are its own "
+                   "classes; evenrl runs them as an environment you write (docs/multiturn.md: a ToolEnv whose tools "
+                   "are Python functions, an Env whose step gives the feedback), then rollout.env=package.module:Name; "
+                   "its reward is the environment's score instead of custom_reward_function")
+    if src.has(m + "max_user_turns"):
+        t.notes.append(f"{m}max_user_turns: evenrl counts assistant turns (rollout.max_turns); an environment ends "
+                       "a trajectory itself by returning done")
+    fmt = src.str(m + "format", "hermes")
+    if fmt != "hermes":
+        t.notes.append(f"{m}format={fmt}: evenrl reads Hermes tool calls (<tool_call>{{json}}</tool_call>) only")
+    for key, field in (("max_tool_response_length", "max_tool_output_chars"), ("max_parallel_calls",
+                                                                              "max_calls_per_reply")):
+        if src.has(m + key):
+            t.notes.append(f"{m}{key}={src.raw(m + key)}: an evenrl ToolEnv's {field} (a class attribute)")
 
 
 def _importance(src: Source, t: Translation) -> None:

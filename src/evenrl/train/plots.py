@@ -15,7 +15,12 @@ from evenrl.train.runlog import MISMATCH_THRESHOLD, read_metrics
 PANELS = [
     ("reward.png", "Reward: sampled (mean over the step's samples) and greedy eval", ["reward/mean", "eval/reward"]),
     ("kl.png", "KL to the reference / policy drift", ["kl", "policy/approx_kl"]),
-    ("response_length.png", "Response length (tokens)", ["response/length_mean"]),
+    ("response_length.png", "Response length (tokens; with rollout.env the sampled ones too)",
+     ["response/length_mean", "response/sampled_length_mean"]),
+    ("turns.png", "Multi-turn (rollout.env): assistant turns and tool calls per trajectory,\n"
+                  "and the share of tool calls that could be read and run", ["rollout/turns_mean",
+                                                                           "tools/calls_per_trajectory",
+                                                                           "tools/success_rate"]),
     ("phases.png", "Seconds per step by phase", []),
     ("logprob_mismatch.png", f"Rollout engine vs trainer, sampled tokens: mean |log-prob diff|\n"
                              f"and the share of tokens above {MISMATCH_THRESHOLD}", ["rollout/logprob_mismatch",

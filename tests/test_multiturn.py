@@ -88,7 +88,8 @@ def run_turns(model, reply, rows, **rollout):
 def test_tool_calls_are_read_in_hermes_format():
     text = ('I will compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
             '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
-    assert parse_tool_calls(text) == [ToolCall("calculator", {"expression": "1+2"}, None), ToolCall("f", {"x": 1}, None)]
+    assert parse_tool_calls(text) == [ToolCall("calculator", {"expression": "1+2"}, None),
+                                      ToolCall("f", {"x": 1}, None)]
     assert parse_tool_calls("no calls here") == []
     bad = parse_tool_calls('<tool_call>{"name": 1}</tool_call><tool_call>{oops</tool_call>'
                            '<tool_call>{"name": "f", "arguments": [1]}</tool_call><tool_call>{"name": "g"')
@@ -145,7 +146,8 @@ def test_misbehaving_tools_and_environments_are_contained(capfd):
     assert hang[0] == "timeout"
     err = capfd.readouterr().err
     assert "output of this call cut at 16,384 characters" in err and len(err) < 100_000
-    for spec, needle in (("toy_envs:Unpicklable", "cannot be pickled"), ("toy_envs:Broken", "expected evenrl.envs.Step")):
+    for spec, needle in (("toy_envs:Unpicklable", "cannot be pickled"),
+                         ("toy_envs:Broken", "expected evenrl.envs.Step")):
         (kind, message), = EnvSession(spec, RunConfig().rewards).steps([(None, row, 0, "hi")])
         assert kind == "raised" and needle in message
 
@@ -317,7 +319,8 @@ def test_loss_on_trajectories_is_zero_on_environment_tokens_and_matches_a_naive_
     (total / sampled).backward()
     opt.step()
     with torch.no_grad():
-        moved = max(float((a - b).abs().max()) for a, b in zip(naive.parameters(), load_policy(tools_model)[0].parameters()))
+        start = load_policy(tools_model)[0].parameters()
+        moved = max(float((a - b).abs().max()) for a, b in zip(naive.parameters(), start))
         diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), naive.parameters()))
     assert moved > 1e-3 and diff <= 1e-6 * moved, (moved, diff)
 
@@ -378,3 +381,25 @@ print(json.dumps([p.sample_tokens, sorted(f.rule for f in p.findings), sorted(f.
     assert {"env-tokens", "rewards-unused"} <= set(rules) and not {"env-template", "trajectory-cap"} & set(rules)
     assert "trajectory-cap" in short and "env-tokens" not in short
     assert errors == ["env-name"] and not torch_loaded
+
+
+def test_tools_demo_warm_start_teaches_the_tokens_a_trajectory_holds(tools_model, tmp_path):
+    """evenrl demo --task tools: the warm start's two rows per problem (the prompt -> the tool call; the conversation
+    up to the tool's answer -> the answer) are, token for token, the trajectory the turn loop builds when the model
+    follows them."""
+    from evenrl.demo import write_tool_data
+    from evenrl.envs.builtin import addition_rows
+
+    _, tok = load_policy(tools_model)
+    files = write_tool_data(tmp_path, tok, n_train=2, n_eval=1)
+    sft = [json.loads(line) for line in files["sft"].read_text().splitlines()]
+    rows = addition_rows(2, seed=1)
+    script = {(k, t): (sft[2 * k]["answer"] if t == 0 else rows[k]["answer"]) for k in range(2) for t in range(2)}
+    trajs, prompts, _, _ = run_turns(tools_model, lambda k, s, t: script[(k, t)], rows)
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for k in range(2):
+        t = trajs[k][0]
+        assert t.reward == 1.0 and t.turns == 2
+        assert prompts[k] == enc(sft[2 * k]["prompt"])
+        answer = enc(sft[2 * k + 1]["answer"]) + [tok.eos_token_id]
+        assert prompts[k] + t.token_ids == enc(sft[2 * k + 1]["prompt"]) + answer

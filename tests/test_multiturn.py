@@ -403,3 +403,12 @@ def test_tools_demo_warm_start_teaches_the_tokens_a_trajectory_holds(tools_model
         assert prompts[k] == enc(sft[2 * k]["prompt"])
         answer = enc(sft[2 * k + 1]["answer"]) + [tok.eos_token_id]
         assert prompts[k] + t.token_ids == enc(sft[2 * k + 1]["prompt"]) + answer
+
+
+def test_a_bad_environment_is_one_line_before_anything_runs(tools_model, tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{path: {tools_model}}}\n")
+    for env, needle in (("nosuch.module:Env", "not importable"), ("calc", "neither a built-in")):
+        code, _, err = evenrl_here(capsys, "train", cfg, f"rollout.env={env}", f"log.run_dir={tmp_path / 'r'}")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err and "Traceback" not in err, err
+        assert not (tmp_path / "r").exists()

@@ -91,7 +91,8 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory, ~30% more compute.")
     use_chat_template: bool = Field(
-        False, description="Wrap each prompt with the tokenizer's chat template (when it has one).")
+        False, description="Wrap each prompt with the tokenizer's chat template (when it has one). With rollout.env "
+                           "the conversation is always rendered with it.")
     freeze_vision_tower: bool = Field(
         False, description="Vision-language models (Qwen2-VL, Qwen2.5-VL): leave the vision encoder and its merger "
                            "untrained (EasyR1's name). They get no gradients or optimizer state, and weight pushes "

@@ -4,12 +4,10 @@ module up (`unresolvable`), never imports user code."""
 
 from __future__ import annotations
 
-import importlib
-
 from evenrl.envs.base import Env
 from evenrl.envs.builtin import CalculatorEnv, FeedbackEnv
-from evenrl.errors import bad, describe_error
-from evenrl.rewards.registry import findable
+from evenrl.errors import bad
+from evenrl.rewards.registry import findable, load_named
 
 ENVS: dict[str, type[Env]] = {"calculator": CalculatorEnv, "feedback": FeedbackEnv}
 
@@ -20,17 +18,9 @@ def resolve(spec: str) -> type[Env]:
     """The environment class rollout.env names."""
     if spec in ENVS:
         return ENVS[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not (sep and module_name and attr):
-        raise bad("rollout.env", spec, ALLOWED)
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # a user module can fail to import in any way; report it on one line
-        raise bad("rollout.env", spec, f"{ALLOWED}; importing {module_name} failed: {describe_error(e)}") from None
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
+    obj = load_named("rollout.env", spec, ALLOWED)
     if not (isinstance(obj, type) and issubclass(obj, Env)):
-        raise bad("rollout.env", spec, f"{ALLOWED}; {module_name}.{attr} is not one")
+        raise bad("rollout.env", spec, f"{ALLOWED}; {spec.replace(':', '.')} is not one")
     return obj
 
 

@@ -62,7 +62,8 @@ def _show(value: Fraction) -> str:
 
 
 def python(code: str) -> str:
-    """Run Python code and return what it prints (stdout and stderr); no network, 2 s of CPU, 256 MiB, 16 KiB out.
+    """Run Python code and return what it prints (stdout and stderr); no network, 2 s of CPU (3 s of wall time),
+    256 MiB of memory, 16 KiB of output.
 
     Args:
         code: a Python program; print the results you need

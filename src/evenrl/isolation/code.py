@@ -74,7 +74,7 @@ class CodeResult(NamedTuple):
     network: str   # what kept the code off the network: "namespace" or "audit-hook" ("" if it never started)
 
 
-def run_code(code: str, *, timeout_s: float = 5.0, cpu_s: int = 2, memory_mib: int = 256,
+def run_code(code: str, *, timeout_s: float = 3.0, cpu_s: int = 2, memory_mib: int = 256,
              output_bytes: int = 16_384, file_bytes: int = 1 << 24) -> CodeResult:
     """Run `code` in a new interpreter under the limits; never raises for anything the code does."""
     with tempfile.TemporaryDirectory(prefix="evenrl-code-") as cwd:
@@ -84,11 +84,15 @@ def run_code(code: str, *, timeout_s: float = 5.0, cpu_s: int = 2, memory_mib: i
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
             start_new_session=True)
         try:
-            proc.stdin.write(code.encode("utf-8", "replace"))
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        out, network, status = _read(proc, time.monotonic() + timeout_s, output_bytes)
+            try:
+                proc.stdin.write(code.encode("utf-8", "replace"))
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            out, network, status = _read(proc, time.monotonic() + timeout_s, output_bytes)
+        except BaseException:  # e.g. the caller's own time limit: never leave the child running
+            _kill(proc)
+            raise
         if status is None:
             code_ = proc.wait()
             status = ("ok" if code_ == 0 else "memory" if code_ == _EXIT_MEMORY else

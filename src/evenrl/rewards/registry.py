@@ -35,17 +35,26 @@ def resolve(spec: str) -> RewardFn:
         raise bad("reward", spec, allowed)
     if spec in REGISTRY:
         return REGISTRY[spec]
+    obj = load_named("reward", spec, allowed)
+    if not callable(obj):
+        module_name, _, attr = spec.partition(":")
+        raise bad("reward", spec, f"{allowed}; {module_name} has no function {attr}")
+    return obj
+
+
+def load_named(field: str, spec: str, allowed: str):
+    """What "package.module:name" names (None when the module has none): the module imported, `name` looked up in
+    it (dots for nested names). Another form of spec, or a module that fails to import, is a one-line UsageError
+    about `field`: rewards and environments are resolved by this one rule."""
     module_name, sep, attr = spec.partition(":")
     if not (sep and module_name and attr):
-        raise bad("reward", spec, allowed)
+        raise bad(field, spec, allowed)
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # a user module can fail to import in any way; report it on one line
-        raise bad("reward", spec, f"{allowed}; importing {module_name} failed: {describe_error(e)}") from None
+        raise bad(field, spec, f"{allowed}; importing {module_name} failed: {describe_error(e)}") from None
     for part in attr.split("."):
         obj = getattr(obj, part, None)
-    if not callable(obj):
-        raise bad("reward", spec, f"{allowed}; {module_name} has no function {attr}")
     return obj
 
 

@@ -220,8 +220,9 @@ def add_rewards(trainer: Trainer, batch: Batch, step: int) -> tuple[Batch, dict]
     """Rewards of this rank's samples (functions, then reward models and judges); trajectories come scored by their
     environment (rollout), and DAPO's overlong penalty weighs their sampled tokens against the most they could
     sample."""
-    rows, rc = [trainer.prompts.rows[r] for r in batch["row_id"]], trainer.cfg.rewards
+    rc = trainer.cfg.rewards
     if trainer.turns is None:
+        rows = [trainer.prompts.rows[r] for r in batch["row_id"]]
         scores, stats = score_all(trainer.reward_fns, batch["completion"], rows, rc.timeout_s, isolate=rc.isolate,
                                   memory_limit_mib=rc.memory_limit_mib, cpu_time_limit_s=rc.cpu_time_limit_s)
         if trainer.scorers:  # reward models and judges: every training rank, rows or not (collectives when sharded)

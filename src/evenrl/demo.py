@@ -137,15 +137,18 @@ def main(argv: list[str]) -> int:
     plots = write_plots(grpo_dir)
     shown = [("reward/mean", "mean reward"), ("tools/success_rate", "tool-call success rate"),
              ("rollout/turns_mean", "turns per trajectory")]
-    for key, name in shown:
+    for i, (key, name) in enumerate(shown):
         series = [r[key] for r in rows if key in r]
         if series:
             first, last = series[:10], series[-10:]
-            print(f"[demo] {len(rows)} GRPO steps; {name} first 10 steps {sum(first) / len(first):.3f} "
+            head = f"{len(rows)} GRPO steps; " if i == 0 else ""
+            print(f"[demo] {head}{name} first 10 steps {sum(first) / len(first):.3f} "
                   f"-> last 10 steps {sum(last) / len(last):.3f}")
     if len(evals) >= 2:
-        what = "greedy exact-match" if args.task == "addition" else "greedy trajectories right"
-        print(f"[demo] {what} on all {n} held-out prompts: before GRPO {evals[0]:.3f} -> after {evals[-1]:.3f}")
+        n = next((r["eval/prompts"] for r in read_metrics(grpo_dir) if "eval/prompts" in r), n)
+        what = (f"greedy exact-match on all {n} prompts" if args.task == "addition" else
+                f"greedy trajectories right on {n} held-out prompts")
+        print(f"[demo] {what}: before GRPO {evals[0]:.3f} -> after {evals[-1]:.3f}")
     print(f"[demo] run directory: {grpo_dir}  (config.yaml, plan.txt, metrics.jsonl, samples.jsonl, tb/, final/)")
     print(f"[demo] plots: {', '.join(str(p) for p in plots)}")
     print(f"[demo] total {time.time() - t0:.0f} s")

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from evenrl.config.schema import JudgeSpec
+from evenrl.config.rewards import JudgeSpec
 from evenrl.engines import HFEngine
 from evenrl.models.loading import load_policy, load_reward_model
 from evenrl.rewards.judge import last_number

@@ -241,7 +241,7 @@ def test_a_head_size_vllm_cpu_cannot_run_is_one_line(assets, tmp_path, capsys):
 def test_a_judge_run_by_vllm_gives_the_hf_judges_verdicts(vllm_setup):
     """rollout.engine=vllm runs a judge reward on vLLM (train.reward_models): greedy, its outputs are the hf
     engine's on the same weights, in any order of the samples (a verdict is keyed by its sample)."""
-    from evenrl.config.schema import JudgeSpec
+    from evenrl.config.rewards import JudgeSpec
     from evenrl.rewards.judge import last_number
     from evenrl.train.reward_models import Judge, judge_outputs
 

@@ -12,7 +12,8 @@ import torch
 from e2e import ENV, Job, fault_env, final_params, max_diff, metrics
 from evenrl.config import load_config
 from evenrl.planner.layout import make_layout
-from evenrl.planner.memory import estimate_memory, read_model_dims
+from evenrl.planner.dims import read_model_dims
+from evenrl.planner.memory import estimate_memory
 
 pytestmark = pytest.mark.slow
 

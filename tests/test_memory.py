@@ -8,7 +8,8 @@ from pydantic import ValidationError
 from evenrl.config import RunConfig, with_settings
 from evenrl.planner.layout import make_layout
 from evenrl.planner.dims import dims_from_config, read_model_dims
-from evenrl.planner.memory import GIB, estimate_memory, memory_fixes, worst_case_shape
+from evenrl.planner.memory import GIB, estimate_memory, worst_case_shape
+from evenrl.planner.memory_fixes import memory_fixes
 
 # A tiny Llama-like model: every number below is computed by hand from these.
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

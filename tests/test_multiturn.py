@@ -25,6 +25,7 @@ from evenrl.envs.tools import calculator
 from evenrl.errors import UsageError
 from evenrl.isolation import pool
 from evenrl.isolation.code import run_code
+from evenrl.models.forward import response_logprobs
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
 from evenrl.train.objectives import STAT_NAMES, rl_objective
@@ -278,7 +279,7 @@ def trajectory_batch(seed=0):
 
 def test_loss_on_trajectories_is_zero_on_environment_tokens_and_matches_a_naive_loop(tools_model):
     """One optimizer step (SGD, lr 1) through rl_objective and minibatch_update on trajectories: the gradient of
-    the loss with respect to the logits of environment tokens is exactly 0, and the parameters move as a naive
+    the loss with respect to the log-probs of environment tokens is exactly 0, and the parameters move as a naive
     loop over the sampled tokens alone moves them: per token -A x exp(logp - logp.detach()), token-mean over the
     sampled tokens of all rows."""
     model, _ = load_policy(tools_model)
@@ -293,21 +294,22 @@ def test_loss_on_trajectories_is_zero_on_environment_tokens_and_matches_a_naive_
     sampled = float(sum(int(m.sum()) for m in masks))
     seen = []
 
-    def loss_fn(logits, targets, mask, mb):
-        logits.retain_grad()
-        seen.append((logits, mask))
-        return rl_objective(cfg, 1.0, 1, logits, targets, mask, mb)
+    def loss_fn(outputs, targets, mask, mb):
+        outputs.retain_grad()
+        seen.append((outputs, mask))
+        return rl_objective(cfg, 1, outputs, targets, mask, mb)
 
     minibatch_update(model, torch.optim.SGD(model.parameters(), lr=1.0), None, batch, [[0, 1], [2, 3]],
-                     Denominators(tokens=sampled, seqs=4.0), loss_fn=loss_fn, stat_names=STAT_NAMES,
-                     aggregation="token-mean", max_grad_norm=0.0, pad_token_id=0)
-    for (logits, mask), rows in zip(seen, ([0, 1], [2, 3])):
+                     Denominators(tokens=sampled, seqs=4.0),
+                     forward=functools.partial(response_logprobs, pad_token_id=0, entropy=True), loss_fn=loss_fn,
+                     stat_names=STAT_NAMES, aggregation="token-mean", max_grad_norm=0.0, pad_token_id=0)
+    for (outputs, mask), rows in zip(seen, ([0, 1], [2, 3])):
         width = mask.shape[1]
         for j, r in enumerate(rows):
             env = torch.zeros(width, dtype=torch.bool)
             env[width - resp[r]:] = ~masks[r]
-            assert bool(env.any()) and float(logits.grad[j][env].abs().max()) == 0.0
-            assert float(logits.grad[j][width - resp[r]:][masks[r]].abs().max()) > 0
+            assert bool(env.any()) and float(outputs.grad[j][env].abs().max()) == 0.0
+            assert float(outputs.grad[j][width - resp[r]:][masks[r]].abs().max()) > 0
 
     opt = torch.optim.SGD(naive.parameters(), lr=1.0)
     total = 0.0
@@ -382,6 +384,20 @@ print(json.dumps([p.sample_tokens, sorted(f.rule for f in p.findings), sorted(f.
     assert "trajectory-cap" in short and "env-tokens" not in short
     assert errors == ["env-name"] and not torch_loaded
 
+
+
+def test_an_environment_with_a_vision_language_model_is_refused_before_training(tmp_path):
+    """The turn loop carries text only: rollout.env with a Qwen2-VL model is the plan's error (evenrl train runs the
+    same plan before loading weights)."""
+    from evenrl.config import load_config
+    from evenrl.planner.layout import make_layout
+    from evenrl.planner.plan import make_plan
+
+    model = make_tiny_model(str(tmp_path / "vl"), arch="qwen2_vl", chat_template=True)
+    plan = make_plan(load_config(None, [f"model.path={model}", "rollout.env=calculator"]), make_layout(1, 1))
+    assert [f.rule for f in plan.findings if f.level == "error"] == ["env-vision"]
+    text = make_plan(load_config(None, [f"model.path={model}"]), make_layout(1, 1))
+    assert not [f for f in text.findings if f.level == "error"]
 
 def test_tools_demo_warm_start_teaches_the_tokens_a_trajectory_holds(tools_model, tmp_path):
     """evenrl demo --task tools: the warm start's two rows per problem (the prompt -> the tool call; the conversation

@@ -11,7 +11,7 @@ import torch
 
 from e2e import evenrl_here, evenrl_many, final_params, max_diff, metrics
 from evenrl.config import RunConfig, with_settings
-from evenrl.config.schema import JudgeSpec
+from evenrl.config.rewards import JudgeSpec
 from evenrl.engines import HFEngine
 from evenrl.models.loading import load_policy, load_reward_model
 from evenrl.planner.layout import make_layout

@@ -12,7 +12,8 @@ from evenrl.core.advantages import (discounted_returns, gae_advantages, pooled_m
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import LossInputs, LossSettings, rl_loss, value_loss
 from evenrl.rewards.overlong import overlong_penalty
-from evenrl.train.step import capped_runs, renumber_groups, right_aligned_mask, to_ragged
+from evenrl.train.sampling import renumber_groups
+from evenrl.train.step import capped_runs, right_aligned_mask, to_ragged
 
 
 # ----------------------------------------------------------------------------------------------- naive references

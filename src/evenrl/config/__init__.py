@@ -10,6 +10,7 @@ never imports torch (the planner uses it).
 from evenrl.config.load import config_to_yaml, load_config, validation_message
 from evenrl.config.overrides import apply_overrides, flatten, set_dotted, with_settings
 from evenrl.config.reference import describe
-from evenrl.config.schema import MAX_COUNT, MAX_SEED, MAX_TOKENS, RunConfig
+from evenrl.config.schema import RunConfig
+from evenrl.config.section import MAX_COUNT, MAX_SEED, MAX_TOKENS
 from evenrl.config.yaml_reader import (MAX_YAML_BYTES, MAX_YAML_CHARS, MAX_YAML_DEPTH, MAX_YAML_NODES, parse_yaml,
                                        read_text_file, read_yaml, yaml_error_line)

@@ -8,59 +8,16 @@ overloaded "batch size". Numbers derived from these (samples per step, per-rank 
 
 from __future__ import annotations
 
-import types
-import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
-                      model_validator)
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-# Caps that catch typos (10**12 prompts) before any arithmetic is attempted.
-MAX_COUNT = 10_000_000
-MAX_TOKENS = 10_000_000
-MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit integer
+from evenrl.config.rewards import RewardsConfig
+from evenrl.config.section import MAX_COUNT, MAX_SEED, MAX_TOKENS, Section
 
 
-class _Section(BaseModel):
-    # allow_inf_nan=False: NaN or inf in any float field (a reward weight, a coefficient) would poison the run.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _strict_values(cls, value: Any, info: ValidationInfo) -> Any:
-        """Every int and float field, also inside lists and tuples, refuses true/false (pydantic's lax mode would
-        read them as 1 and 0); every text field refuses a NUL character (no path or name can hold one)."""
-        field = cls.model_fields.get(info.field_name or "")
-        if field is not None:
-            _check_leaves(field.annotation, value)
-        return value
-
-
-def _check_leaves(ann: Any, value: Any) -> None:
-    """Raise pydantic's error for a bool where `ann` wants a number, or a NUL in text, at any depth of `value`."""
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if origin is Annotated:
-        return _check_leaves(args[0], value)
-    if origin in (typing.Union, types.UnionType):
-        for arg in args:
-            if arg is not type(None):
-                _check_leaves(arg, value)
-        return
-    if ann in (int, float) and isinstance(value, bool):
-        raise PydanticCustomError("number_not_bool", "expected a number, not true/false")
-    if ann is str and isinstance(value, str) and "\0" in value:
-        raise PydanticCustomError("text_nul", "expected text without a zero (\\x00) character")
-    if origin in (list, tuple) and isinstance(value, (list, tuple)):
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            for arg, item in zip(args, value):
-                _check_leaves(arg, item)
-        elif args:
-            for item in value:
-                _check_leaves(args[0], item)
-
-
-class LoraConfig(_Section):
+class LoraConfig(Section):
     rank: int = Field(
         0, ge=0, le=1024,
         description="LoRA rank r (peft): train low-rank adapters on the frozen base instead of every weight; 0: off, "
@@ -80,7 +37,7 @@ class LoraConfig(_Section):
                     "the model (attention and MLP projections: q/k/v/o_proj, gate/up/down_proj for Qwen2/Llama).")
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field("", description="Local Hugging Face model directory (holds config.json). Never downloaded.")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype of the trained model. 'bfloat16' is mixed precision: fp32 master "
@@ -100,7 +57,7 @@ class ModelConfig(_Section):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft); rank 0: off.")
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     path: str = Field("", description="Prompt dataset: a .jsonl or .parquet file, or a local HF dataset directory.")
     prompt_field: str = Field("prompt", description="Column holding the prompt text.")
     answer_field: str = Field("answer", description="Column holding the reference answer given to rewards.")
@@ -133,7 +90,7 @@ class DataConfig(_Section):
                                       "vision encoder's memory by it. 0: no limit.")
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     samples_per_prompt: int = Field(
         8, ge=1, le=MAX_COUNT, description="Completions sampled per prompt (a GRPO group).")
     max_new_tokens: int = Field(64, ge=1, le=MAX_TOKENS, description="Generation stops after this many tokens (with "
@@ -172,63 +129,7 @@ class RolloutConfig(_Section):
                     "RAM for its KV cache (0: 1 GiB). Unused by 'hf'.")
 
 
-class JudgeSpec(_Section):
-    model: str = Field("", description="Local Hugging Face causal LM directory of the judge; empty: the policy's "
-                                        "base (model.path as it was loaded, frozen; not the policy being trained).")
-    template: str = Field(
-        ..., min_length=1, max_length=20_000,
-        description="The judge's prompt. {question} becomes the dataset row's prompt, {completion} the policy's "
-                    "completion (required), {answer} the row's reference answer; no other text is replaced.")
-    parser: str = Field(
-        "last_number", description="How the judge's output becomes a score: last_number, first_number, yes_no "
-                                   "(yes 1, no 0: the first of the two words), or a user function "
-                                   "'package.module:function' taking (judge_output, sample) as a reward does. An "
-                                   "output it cannot read is a failed reward call (rewards.on_failure).")
-    max_new_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="Most tokens the judge generates per sample.")
-    temperature: float = Field(0.0, ge=0.0, le=100.0,
-                               description="The judge's sampling temperature; 0 is greedy. Its samples are keyed "
-                                           "like the policy's (step, sample), so any layout gets the same verdicts.")
-    use_chat_template: bool = Field(
-        True, description="Wrap the judge prompt as one user turn with the judge tokenizer's chat template (when "
-                          "it has one).")
-
-    @field_validator("template")
-    @classmethod
-    def _has_completion(cls, value: str) -> str:
-        if "{completion}" not in value:
-            raise PydanticCustomError("judge_template", "the template must hold {completion}, where the policy's "
-                                                        "completion goes")
-        return value
-
-
-class RewardSpec(_Section):
-    name: str = Field("", description="Built-in reward (math, format, countdown, knights_knaves, exact_match) "
-                                      "or a user function 'package.module:function'.")
-    model: str = Field("", description="Local Hugging Face reward model directory: a sequence-classification "
-                                       "model with one label (AutoModelForSequenceClassification), scoring "
-                                       "(prompt, completion) as its tokenizer's chat template renders them "
-                                       "(prompt + completion without one). Frozen, in model.dtype, on the "
-                                       "training ranks (sharded like the policy under parallel.sharding=fsdp).")
-    judge: JudgeSpec | None = Field(None, description="An LLM judge: a causal LM prompted with `template`, run by "
-                                                      "rollout.engine; its output read by `parser`.")
-    weight: float = Field(1.0, description="Weight of this reward in the summed score.")
-
-    @model_serializer(mode="wrap")
-    def _as_written(self, handler):
-        """The entry as one writes it: its kind and its weight, not the other kinds' empty values."""
-        return {k: v for k, v in handler(self).items() if k == "weight" or v}
-
-    @model_validator(mode="after")
-    def _one_kind(self):
-        given = [k for k in ("name", "model", "judge") if getattr(self, k)]
-        if len(given) != 1:
-            raise PydanticCustomError("reward_kind", "each entry has one of name (a reward function), model (a "
-                                                     "reward model directory) or judge (a judge section); got "
-                                                     "{got}", {"got": " and ".join(given) or "none of them"})
-        return self
-
-
-class AlgoConfig(_Section):
+class AlgoConfig(Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp", "gae"] = Field(
         "grpo", description="Advantage estimator. Over each prompt's group of samples: grpo, dr_grpo, rloo, "
                             "reinforce_pp_baseline. Per token, whitened over the whole step's response tokens on "
@@ -276,49 +177,7 @@ class AlgoConfig(_Section):
                                             "the share of tokens cut to it is logged as policy/is_clipped_fraction.")
 
 
-class RewardsConfig(_Section):
-    functions: list[RewardSpec] = Field(
-        default_factory=lambda: [RewardSpec(name="exact_match")],
-        description="Rewards summed with their weights, each entry one of: a function {name: ...}, a reward model "
-                    "{model: PATH} or an LLM judge {judge: {template: ..., ...}} (docs/reward-models.md). Not used "
-                    "with rollout.env: the environment scores its trajectories (under the limits below).")
-    timeout_s: float = Field(5.0, gt=0.0, le=3600.0,
-                             description="A reward call slower than this scores 0 and is counted (with rollout.env: "
-                                         "an environment step, which then ends its trajectory as failed).")
-    isolate: bool = Field(
-        True, description="Score in worker processes, so a reward that crashes or hangs cannot take the trainer "
-                          "down (costs ~5-10 ms a step on CPU); false scores in the trainer process, as TRL does, "
-                          "with the same time limit (a timer signal) but no memory or CPU-time cap: for cheap, "
-                          "trusted reward functions.")
-    memory_limit_mib: int = Field(
-        2048, ge=0, le=1024**2,
-        description="Memory cap of each reward worker process, in MiB (RLIMIT_DATA: its heap and private memory); "
-                    "a call that allocates past it fails. 0: no cap. Not applied with isolate=false: it would cap "
-                    "the trainer itself.")
-    cpu_time_limit_s: float | None = Field(
-        None, gt=0.0, le=3600.0,
-        description="CPU seconds one reward call may use in a worker (all its threads together); past it the call "
-                    "fails. null: the same as timeout_s. Not applied with isolate=false (the trainer's other "
-                    "threads would count).")
-    on_failure: Literal["zero", "mask"] = Field(
-        "zero", description="A sample whose reward call failed (raised, non-number, timeout, memory, CPU): 'zero' "
-                            "scores it 0 and trains on it; 'mask' leaves it out of learning (no advantage, not in "
-                            "its group's statistics, nor in the loss denominators).")
-    overlong_buffer: int = Field(
-        0, ge=0, le=MAX_TOKENS,
-        description="DAPO's soft overlong penalty: a response longer than rollout.max_new_tokens - overlong_buffer "
-                    "tokens loses overlong_penalty x (excess / overlong_buffer) of reward, the whole "
-                    "overlong_penalty at max_new_tokens. 0: off. At most rollout.max_new_tokens.")
-    overlong_penalty: float = Field(
-        1.0, ge=0.0, le=1000.0, description="Reward lost by a response of rollout.max_new_tokens tokens when "
-                                            "overlong_buffer > 0 (verl penalty_factor).")
-    mask_truncated: bool = Field(
-        False, description="Leave samples cut at rollout.max_new_tokens (no EOS) out of learning, as rewards."
-                           "on_failure=mask does failed ones: no advantage, not in their group's statistics, not "
-                           "in the loss denominators (DAPO's overlong filtering).")
-
-
-class CriticConfig(_Section):
+class CriticConfig(Section):
     path: str = Field("", description="algo.advantage=gae: local Hugging Face directory of the value model's "
                                       "body; empty: the policy's (model.path) weights. Its LM head is replaced by "
                                       "a scalar value head.")
@@ -329,7 +188,7 @@ class CriticConfig(_Section):
                                                        "from the value at sampling time (verl cliprange_value).")
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = Field(100, ge=0, le=MAX_COUNT, description="RL steps (rollout + updates) to run.")
     lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
@@ -352,7 +211,7 @@ class TrainConfig(_Section):
     seed: int = Field(0, ge=-MAX_SEED - 1, le=MAX_SEED, description="Seed for sampling and initialisation.")
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     sharding: Literal["replicated", "fsdp"] = Field(
         "replicated", description="'replicated': every training rank holds the whole model, its gradients and optimizer "
                                   "state. 'fsdp': PyTorch FSDP2 shards parameters, gradients and optimizer state over the "
@@ -400,12 +259,12 @@ class ParallelConfig(_Section):
         return None if self.capacity_weights == "auto" else self.capacity_weights
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0, description="Save every this many steps (0: only at the end).")
     keep: int = Field(2, ge=1, description="Most recent checkpoints kept.")
 
 
-class WandbConfig(_Section):
+class WandbConfig(Section):
     project: str = Field("evenrl", min_length=1, description="W&B project.")
     entity: str = Field("", description="W&B entity (user or team); empty: the account's default.")
     mode: Literal["offline", "online"] = Field(
@@ -414,7 +273,7 @@ class WandbConfig(_Section):
                                "as it runs (needs network and `wandb login` or WANDB_API_KEY).")
 
 
-class MlflowConfig(_Section):
+class MlflowConfig(Section):
     tracking_uri: str = Field(
         "", description="MLflow tracking URI (http://host:5000, sqlite:///path.db, databricks, ...); empty: a local "
                         "SQLite store in RUN_DIR/mlflow (no server; `mlflow ui --backend-store-uri "
@@ -422,7 +281,7 @@ class MlflowConfig(_Section):
     experiment: str = Field("evenrl", min_length=1, description="MLflow experiment the run is logged under.")
 
 
-class LogConfig(_Section):
+class LogConfig(Section):
     run_dir: str = Field("runs/run", description="Directory for config, plan, metrics, checkpoints and plots.")
     samples_every_steps: int = Field(10, ge=0, description="Log a few completions every this many steps (0: never).")
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
@@ -462,7 +321,7 @@ class LogConfig(_Section):
         return value
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     path: str = Field("", description="Held-out prompts (same format and fields as data.path) scored with greedy "
                                       "decoding; empty: no evaluation.")
     every_steps: int = Field(0, ge=0, description="Evaluate every this many steps, besides before the first and after "
@@ -470,13 +329,13 @@ class EvalConfig(_Section):
     max_prompts: int = Field(256, ge=1, le=MAX_COUNT, description="Evaluate on the first this many prompts.")
 
 
-class SftConfig(_Section):
+class SftConfig(Section):
     steps: int = Field(200, ge=0, le=MAX_COUNT, description="Supervised optimizer steps.")
     rows_per_step: int = Field(32, ge=1, le=MAX_COUNT, description="Prompt/answer rows per optimizer step.")
     lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate for the warm start.")
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompts.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling.")

@@ -13,7 +13,7 @@ import math
 import numbers
 import pickle
 
-from evenrl.config.schema import RewardsConfig
+from evenrl.config.rewards import RewardsConfig
 from evenrl.envs.base import Step
 from evenrl.envs.registry import resolve
 from evenrl.errors import UsageError

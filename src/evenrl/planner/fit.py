@@ -25,7 +25,8 @@ from evenrl.config import MAX_COUNT, MAX_TOKENS, RunConfig, flatten, with_settin
 from evenrl.planner.layout import Layout
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.groups import plan_groups
-from evenrl.planner.memory import estimate_memory, memory_fixes
+from evenrl.planner.memory import estimate_memory
+from evenrl.planner.memory_fixes import memory_fixes
 from evenrl.planner.plan import Plan
 from evenrl.planner.rules import GROUP_ADVANTAGES
 

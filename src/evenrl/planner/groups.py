@@ -7,7 +7,7 @@ train.token_cap_per_micro_batch is the cap of the devices with the most memory. 
 largest cap (a whole number of worst-case samples) that its estimate fits into its memory; the schedule then
 gives its ranks fewer tokens per micro-step and as many micro-steps as the others (evenrl.core.capacity). A group
 that does not fit even one sample per micro-batch is an error naming the group, with the settings that make it fit
-(evenrl.planner.memory.memory_fixes on that group's memory); so is the largest group when it does not fit at the
+(evenrl.planner.memory_fixes.memory_fixes on that group's memory); so is the largest group when it does not fit at the
 configured cap. With one kind of device there is one group and the plan is what it always was.
 
 Speeds: where the training groups' datasheet speeds differ (evenrl.planner.cluster) and the work is split equally,
@@ -24,7 +24,9 @@ from evenrl.config import RunConfig, with_settings
 from evenrl.distributed.devices import DeviceGroup
 from evenrl.planner.cluster import achieved_rates
 from evenrl.planner.layout import Layout
-from evenrl.planner.memory import ModelDims, estimate_memory, memory_fixes, row_tokens, rows_that_fit
+from evenrl.planner.dims import ModelDims
+from evenrl.planner.memory import estimate_memory
+from evenrl.planner.memory_fixes import memory_fixes, row_tokens, rows_that_fit
 from evenrl.planner.text import plural, ranks_text
 from evenrl.planner.types import Finding, GroupPlan, Plan
 

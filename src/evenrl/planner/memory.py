@@ -88,7 +88,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from evenrl.config import RunConfig, with_settings
+from evenrl.config import RunConfig
 from evenrl.core.schedule import rollout_shares
 from evenrl.models.vision_config import worst_image_tokens, worst_vision_tokens
 from evenrl.planner.dims import ModelDims, read_model_dims
@@ -113,7 +113,6 @@ PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache", "rollout 
                         "log-prob logits"),
           "update": ("gradients", "fsdp units", "autocast copies", "activations", "vision activations", "logits",
                      "gradient buckets")}
-LORA_RANK = 16  # what memory_fixes proposes (TRL's default lora_r)
 
 
 # ------------------------------------------------------------------------------------------ estimate
@@ -366,97 +365,3 @@ def scorer_memory(cfg: RunConfig, layout: Layout, dims: ModelDims, tokens: int,
             act = tokens * (d.act_elems + d.hidden) * c
         busiest = max(busiest, (weights, act), key=sum)
     return resident, *busiest
-
-
-# ------------------------------------------------------------------------------------------ fixes
-
-@dataclass(frozen=True)
-class MemoryFix:
-    settings: dict[str, Any]  # dotted key -> value
-    total_gib: float  # estimated peak after applying this fix alone
-    fits: bool
-    why: str = ""
-
-    def text(self) -> str:
-        s = " ".join(f"{k}={_show(v)}" for k, v in self.settings.items())
-        return f"{s}{f' ({self.why})' if self.why else ''} -> {self.total_gib:.1f} GiB"
-
-
-def _show(v: Any) -> str:
-    return str(v).lower() if isinstance(v, bool) else str(v)
-
-
-def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
-                 ranks: tuple[int, ...] | None = None) -> list[MemoryFix]:
-    """Each knob applied alone, with the estimated peak after it; best first. Knobs that do not lower the
-    estimate are left out. Needs a known device memory to size the token cap and prompt count. `ranks`: the
-    training ranks whose peak counts (a device group's; default all)."""
-    cap = layout.device_memory_gib
-    base = estimate_memory(cfg, layout, dims, ranks).total_gib
-    fixes: list[MemoryFix] = []
-
-    def add(settings: dict, why: str = "") -> None:
-        try:
-            total = estimate_memory(with_settings(cfg, settings), layout, dims, ranks).total_gib
-        except ValueError:  # a setting the config refuses (pydantic's ValidationError is a ValueError)
-            return
-        if total < base - 1e-6:
-            fixes.append(MemoryFix(settings, total, bool(cap) and total <= cap, why))
-
-    length = cfg.data.max_prompt_tokens + cfg.response_tokens()
-    rows = estimate_memory(cfg, layout, dims, ranks).micro_tokens // length
-    if rows > 1:
-        r = rows_that_fit(cfg, layout, dims, rows - 1, ranks) or 1
-        add({"train.token_cap_per_micro_batch": r * row_tokens(cfg, dims)},
-            f"{r} row{'s' if r > 1 else ''} per micro-batch")
-    if not cfg.model.gradient_checkpointing:
-        add({"model.gradient_checkpointing": True})
-    if cfg.parallel.sharding == "replicated" and layout.training_ranks > 1:
-        add({"parallel.sharding": "fsdp"}, f"over {layout.training_ranks} ranks")
-    if cfg.parallel.cpu_offload != "full" and layout.device != "cpu":  # offload needs fsdp and an accelerator
-        add({"parallel.sharding": "fsdp", "parallel.cpu_offload": "full"} if cfg.parallel.sharding == "replicated"
-            else {"parallel.cpu_offload": "full"}, "state on the host")
-    if cfg.algo.kl_coef > 0:
-        add({"algo.kl_coef": 0.0}, "no reference model")
-    if cfg.rollout.memory_fraction > 0:
-        add({"rollout.memory_fraction": 0.0})
-    if cfg.model.dtype == "float32" and layout.device == "cuda":
-        add({"model.dtype": "bfloat16"})
-    if not cfg.model.lora.rank:  # LoRA trains adapters only: no full-size gradients, moments or reference
-        add({"model.lora.rank": LORA_RANK}, "adapters on a frozen base")
-    prompts = cfg.data.prompts_per_step
-    if prompts > 1:
-        best = _largest(1, prompts - 1, lambda n: _fits(cfg, layout, dims, {"data.prompts_per_step": n}, ranks))
-        add({"data.prompts_per_step": best or 1}, "fewer samples per rank")
-    fixes.sort(key=lambda f: f.total_gib)
-    return fixes
-
-
-def row_tokens(cfg: RunConfig, dims: ModelDims) -> int:
-    """What a worst-case sample takes of the token cap: its length, and a vision-language sample's encoder work."""
-    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    return length + worst_vision_tokens(cfg, dims.layers, dims.layer_params, dims.vision)
-
-
-def rows_that_fit(cfg: RunConfig, layout: Layout, dims: ModelDims, most: int,
-                  ranks: tuple[int, ...] | None = None) -> int | None:
-    """The most samples of max length (1..most) whose token cap per micro-batch fits the device's memory; None
-    when not even one does."""
-    key, unit = "train.token_cap_per_micro_batch", row_tokens(cfg, dims)
-    return _largest(1, most, lambda r: _fits(cfg, layout, dims, {key: r * unit}, ranks))
-
-
-def _fits(cfg: RunConfig, layout: Layout, dims: ModelDims, settings: dict, ranks=None) -> bool:
-    if not layout.device_memory_gib:
-        return False
-    return estimate_memory(with_settings(cfg, settings), layout, dims, ranks).total_gib <= layout.device_memory_gib
-
-
-def _largest(lo: int, hi: int, ok) -> int | None:
-    """Largest n in [lo, hi] with ok(n), for ok monotone (true up to some n); None when ok(lo) is false."""
-    if not ok(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-    return lo

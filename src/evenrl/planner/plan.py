@@ -27,7 +27,8 @@ from evenrl.planner.cluster import datasheet_weights
 from evenrl.planner.groups import plan_groups
 from evenrl.planner.layout import Layout
 from evenrl.planner.dims import dims_from_config, read_model_dims
-from evenrl.planner.memory import estimate_memory, memory_fixes
+from evenrl.planner.memory import estimate_memory
+from evenrl.planner.memory_fixes import memory_fixes
 from evenrl.models.vision_config import worst_vision_tokens
 from evenrl.planner.render import render
 from evenrl.planner.rules import RULES

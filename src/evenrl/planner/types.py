@@ -37,7 +37,8 @@ from evenrl.config import RunConfig
 from evenrl.distributed.devices import DeviceGroup
 from evenrl.planner.layout import Layout
 from evenrl.planner.dims import ModelDims
-from evenrl.planner.memory import MemoryEstimate, MemoryFix
+from evenrl.planner.memory import MemoryEstimate
+from evenrl.planner.memory_fixes import MemoryFix
 from evenrl.planner.timing import Overlap, RateFlags
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 
 from evenrl.errors import UsageError, bad
-from evenrl.rewards.registry import RewardFn, one_line, resolve
+from evenrl.errors import one_line
+from evenrl.rewards.registry import RewardFn, resolve
 
 # Longest judge output a parser reads: a verdict is short; a judge that rambles is cut, not scanned whole.
 MAX_OUTPUT_CHARS = 4096

@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from evenrl.errors import UsageError
-from evenrl.rewards.registry import describe_error
+from evenrl.errors import UsageError, describe_error
 from evenrl.train.runlog import MISMATCH_THRESHOLD, read_metrics
 
 # (file name, title, metric keys plotted on one axis); the KL, phase and capacity panels are built from the rows

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from evenrl.config import RunConfig
-from evenrl.config.schema import JudgeSpec
+from evenrl.config.rewards import JudgeSpec
 from evenrl.core.partition import balanced_partition
 from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist

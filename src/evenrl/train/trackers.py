@@ -31,8 +31,7 @@ import time
 from pathlib import Path
 
 from evenrl.config import RunConfig, config_to_yaml, flatten
-from evenrl.errors import UsageError
-from evenrl.rewards.registry import describe_error
+from evenrl.errors import UsageError, describe_error
 
 STATE_FILE = "trackers.json"
 # TensorBoard and W&B buffer what they are given and write it to disk this often (their defaults: 120 s and 15 s),

@@ -1,0 +1,108 @@
+"""The `rewards` section: reward functions, reward models and LLM judges (RewardSpec, JudgeSpec) and the limits and
+policies their calls run under. Pure Python."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
+
+from evenrl.config.section import MAX_TOKENS, Section
+
+class JudgeSpec(Section):
+    model: str = Field("", description="Local Hugging Face causal LM directory of the judge; empty: the policy's "
+                                        "base (model.path as it was loaded, frozen; not the policy being trained).")
+    template: str = Field(
+        ..., min_length=1, max_length=20_000,
+        description="The judge's prompt. {question} becomes the dataset row's prompt, {completion} the policy's "
+                    "completion (required), {answer} the row's reference answer; no other text is replaced.")
+    parser: str = Field(
+        "last_number", description="How the judge's output becomes a score: last_number, first_number, yes_no "
+                                   "(yes 1, no 0: the first of the two words), or a user function "
+                                   "'package.module:function' taking (judge_output, sample) as a reward does. An "
+                                   "output it cannot read is a failed reward call (rewards.on_failure).")
+    max_new_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="Most tokens the judge generates per sample.")
+    temperature: float = Field(0.0, ge=0.0, le=100.0,
+                               description="The judge's sampling temperature; 0 is greedy. Its samples are keyed "
+                                           "like the policy's (step, sample), so any layout gets the same verdicts.")
+    use_chat_template: bool = Field(
+        True, description="Wrap the judge prompt as one user turn with the judge tokenizer's chat template (when "
+                          "it has one).")
+
+    @field_validator("template")
+    @classmethod
+    def _has_completion(cls, value: str) -> str:
+        if "{completion}" not in value:
+            raise PydanticCustomError("judge_template", "the template must hold {completion}, where the policy's "
+                                                        "completion goes")
+        return value
+
+
+class RewardSpec(Section):
+    name: str = Field("", description="Built-in reward (math, format, countdown, knights_knaves, exact_match) "
+                                      "or a user function 'package.module:function'.")
+    model: str = Field("", description="Local Hugging Face reward model directory: a sequence-classification "
+                                       "model with one label (AutoModelForSequenceClassification), scoring "
+                                       "(prompt, completion) as its tokenizer's chat template renders them "
+                                       "(prompt + completion without one). Frozen, in model.dtype, on the "
+                                       "training ranks (sharded like the policy under parallel.sharding=fsdp).")
+    judge: JudgeSpec | None = Field(None, description="An LLM judge: a causal LM prompted with `template`, run by "
+                                                      "rollout.engine; its output read by `parser`.")
+    weight: float = Field(1.0, description="Weight of this reward in the summed score.")
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler):
+        """The entry as one writes it: its kind and its weight, not the other kinds' empty values."""
+        return {k: v for k, v in handler(self).items() if k == "weight" or v}
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        given = [k for k in ("name", "model", "judge") if getattr(self, k)]
+        if len(given) != 1:
+            raise PydanticCustomError("reward_kind", "each entry has one of name (a reward function), model (a "
+                                                     "reward model directory) or judge (a judge section); got "
+                                                     "{got}", {"got": " and ".join(given) or "none of them"})
+        return self
+
+
+class RewardsConfig(Section):
+    functions: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="exact_match")],
+        description="Rewards summed with their weights, each entry one of: a function {name: ...}, a reward model "
+                    "{model: PATH} or an LLM judge {judge: {template: ..., ...}} (docs/reward-models.md). Not used "
+                    "with rollout.env: the environment scores its trajectories (under the limits below).")
+    timeout_s: float = Field(5.0, gt=0.0, le=3600.0,
+                             description="A reward call slower than this scores 0 and is counted (with rollout.env: "
+                                         "an environment step, which then ends its trajectory as failed).")
+    isolate: bool = Field(
+        True, description="Score in worker processes, so a reward that crashes or hangs cannot take the trainer "
+                          "down (costs ~5-10 ms a step on CPU); false scores in the trainer process, as TRL does, "
+                          "with the same time limit (a timer signal) but no memory or CPU-time cap: for cheap, "
+                          "trusted reward functions.")
+    memory_limit_mib: int = Field(
+        2048, ge=0, le=1024**2,
+        description="Memory cap of each reward worker process, in MiB (RLIMIT_DATA: its heap and private memory); "
+                    "a call that allocates past it fails. 0: no cap. Not applied with isolate=false: it would cap "
+                    "the trainer itself.")
+    cpu_time_limit_s: float | None = Field(
+        None, gt=0.0, le=3600.0,
+        description="CPU seconds one reward call may use in a worker (all its threads together); past it the call "
+                    "fails. null: the same as timeout_s. Not applied with isolate=false (the trainer's other "
+                    "threads would count).")
+    on_failure: Literal["zero", "mask"] = Field(
+        "zero", description="A sample whose reward call failed (raised, non-number, timeout, memory, CPU): 'zero' "
+                            "scores it 0 and trains on it; 'mask' leaves it out of learning (no advantage, not in "
+                            "its group's statistics, nor in the loss denominators).")
+    overlong_buffer: int = Field(
+        0, ge=0, le=MAX_TOKENS,
+        description="DAPO's soft overlong penalty: a response longer than rollout.max_new_tokens - overlong_buffer "
+                    "tokens loses overlong_penalty x (excess / overlong_buffer) of reward, the whole "
+                    "overlong_penalty at max_new_tokens. 0: off. At most rollout.max_new_tokens.")
+    overlong_penalty: float = Field(
+        1.0, ge=0.0, le=1000.0, description="Reward lost by a response of rollout.max_new_tokens tokens when "
+                                            "overlong_buffer > 0 (verl penalty_factor).")
+    mask_truncated: bool = Field(
+        False, description="Leave samples cut at rollout.max_new_tokens (no EOS) out of learning, as rewards."
+                           "on_failure=mask does failed ones: no advantage, not in their group's statistics, not "
+                           "in the loss denominators (DAPO's overlong filtering).")

@@ -1,0 +1,173 @@
+"""The step's sampling phase on this rank: its share of the prompts' samples (generated here, received from reserved
+rollout ranks, or whole multi-turn trajectories), with a vision-language model's image columns, and their rewards;
+with algo.filter_groups in rounds until enough informative groups are kept (DAPO's dynamic sampling)."""
+
+from __future__ import annotations
+
+import torch
+
+from evenrl.core.batch import Batch, Ragged
+from evenrl.core.schedule import rollout_shares
+from evenrl.core.staleness import policy_version
+from evenrl.distributed import collectives as dist
+from evenrl.engines.base import sampling_params
+from evenrl.errors import RunStopped
+from evenrl.models.vision import pixel_dim, prompt_image_inputs
+from evenrl.rewards import score_all
+from evenrl.rewards.overlong import overlong_penalty
+from evenrl.train.metrics import Timer
+from evenrl.train.reward_models import add_model_rewards
+from evenrl.train.trainer import Trainer
+from evenrl.train.trajectories import overlong_lengths, trajectory_columns
+
+
+def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, int, dict]:
+    """Rollout and rewards for the step's prompts: (this rank's rows, its reward failures, sampling metrics).
+
+    With algo.filter_groups (DAPO's dynamic sampling), groups whose rewards are all equal (no group advantage) are
+    dropped and the prompts still missing are sampled in another round, until data.prompts_per_step groups are kept
+    or algo.max_generation_rounds run out; then the step trains on what it kept. Prompts come from the rank-free
+    sampler and a round's prompts take the next positions in the step, so every sample's key (step, position,
+    sample) is unique and no rank count enters; kept groups are then renumbered in position order."""
+    algo, want = trainer.cfg.algo, trainer.cfg.data.prompts_per_step
+    parts, failures, drawn, kept, rounds = [], 0, 0, [], 0
+    while True:
+        prompt_ids = trainer.sampler.next_prompts(want - len(kept))                  # same on every rank
+        with timer("rollout"):
+            part = rollout(trainer, step, prompt_ids, first=drawn)                   # this rank's prompts x samples
+        with timer("reward"):
+            part, reward_stats = add_rewards(trainer, part, step)
+        failures += reward_stats.get("failures", 0)
+        drawn, rounds = drawn + len(prompt_ids), rounds + 1
+        if not algo.filter_groups:
+            return part, failures, {}
+        with timer("reward"):
+            part, informative = informative_groups(part)
+        kept += informative
+        parts.append(part)
+        if len(kept) >= want or rounds >= algo.max_generation_rounds:
+            break
+    local = renumber_groups(Batch.concat(parts), kept, trainer.cfg.rollout.samples_per_prompt)
+    return local, failures, {"sampling/rounds": rounds, "sampling/groups_drawn": drawn,
+                             "sampling/kept_fraction": len(kept) / max(drawn, 1),
+                             "sampling/groups_short": want - len(kept)}
+
+
+def informative_groups(part: Batch) -> tuple[Batch, list[int]]:
+    """(this rank's rows of the groups whose rewards are not all equal, the positions of all such groups on all
+    ranks, ascending): a group's samples may be spread over ranks, so the decision is taken on every rank's
+    rewards."""
+    parts = dist.all_gather_tensors({"group": part["group"], "reward": part["reward"]})
+    groups, rewards = torch.cat([p["group"] for p in parts]), torch.cat([p["reward"] for p in parts])
+    informative = {g for g in set(groups.tolist()) if bool((rewards[groups == g] != rewards[groups == g][0]).any())}
+    return part.select([i for i, g in enumerate(part["group"].tolist()) if g in informative]), sorted(informative)
+
+
+def renumber_groups(local: Batch, kept: list[int], n: int) -> Batch:
+    """This rank's rows with the kept groups (`kept`: their positions in the step, over all ranks, ascending)
+    numbered 0..K-1, samples as group x n + sample: the all-ranks view is indexed by sample_index, so it must run
+    without gaps, and every rank must number the same group alike."""
+    new = {g: i for i, g in enumerate(kept)}
+    local["group"] = torch.tensor([new[g] for g in local["group"].tolist()], dtype=torch.long)
+    local["sample_index"] = local["group"] * n + local["sample_index"] % n
+    return local
+
+
+def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) -> Batch:
+    """Generate this rank's share of the samples of `prompt_ids`, which take the step's positions first,
+    first + 1, ... (rollout_shares): whole prompts where the ranks divide them, a prompt's samples split over ranks
+    where they do not (2 prompts x 8 samples on 4 ranks: 4 samples each)."""
+    cfg = trainer.cfg
+    n = cfg.rollout.samples_per_prompt
+    costs = [len(trainer.prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
+    mine = rollout_shares(costs, n, dist.world(), trainer.balance.rollout)[dist.rank()]
+    images = prompt_image_inputs(trainer.image_processor, trainer.prompts.images, [prompt_ids[p] for p, _, _ in mine])
+    version = step - 1  # the policy being trained sampled: colocated, or reserved with max_staleness 0
+    if dist.rollout_ranks():  # the rollout ranks made every sample (rollout_rank): this rank's share comes in
+        version = policy_version(step, cfg.rollout.max_staleness)
+        parts = dist.receive_rollouts(step)
+        if any(v != version for v, _ in parts):
+            raise RunStopped(f"step {step}: rollout ranks sampled with policy versions {sorted({v for v, _ in parts})}"
+                             f" where version {version} was due")
+        made = {(c.prompt_key, c.sample_index): c for _, part in parts for c in part}
+        completions = [[made[(first + p, s)] for s in range(a, a + count)] for p, a, count in mine]
+    else:
+        ids = [prompt_ids[p] for p, _, _ in mine]
+        args = ([trainer.prompts.tokens[i] for i in ids], [first + p for p, _, _ in mine], sampling_params(cfg))
+        kw = dict(step=step, sample_ranges=[(a, count) for _, a, count in mine])  # key: the prompt's position
+        if trainer.turns is None:
+            completions = trainer.engine.generate(*args, **kw, images=images)
+        else:  # whole trajectories, the environments stepped in between
+            completions = trainer.turns.generate(trainer.engine, *args, **kw,
+                                                 rows=[trainer.prompts.rows[i] for i in ids],
+                                                 openings=[trainer.prompts.openings[i] for i in ids])
+        trainer.engine.sleep()  # vLLM on GPU: its KV cache is freed while the trainer needs the memory
+    tokens, resp_len, index, group, row_ids, texts, finished, engine_lp = [], [], [], [], [], [], [], []
+    image_rows = []  # per sample, its prompt's ImageInputs (None: a text prompt)
+    for i, ((p, _, _), samples) in enumerate(zip(mine, completions)):
+        prompt = trainer.prompts.tokens[prompt_ids[p]]
+        image_rows += [images[i] if images is not None else None] * len(samples)
+        for c in samples:
+            tokens.append(torch.tensor(prompt + c.token_ids, dtype=torch.long))
+            resp_len.append(len(c.token_ids))
+            index.append((first + p) * n + c.sample_index)
+            group.append(first + p)
+            row_ids.append(prompt_ids[p])
+            # a trajectory's text keeps its turn markers (samples.jsonl shows the whole conversation)
+            texts.append(trainer.tokenizer.decode(c.token_ids, skip_special_tokens=trainer.turns is None))
+            finished.append(c.finished)
+            engine_lp.append(torch.tensor(c.logprobs, dtype=torch.float32))
+    batch = Batch({
+        "sample_index": torch.tensor(index, dtype=torch.long),
+        "tokens": Ragged.of(tokens, torch.long),
+        "response_len": torch.tensor(resp_len, dtype=torch.long),
+        "group": torch.tensor(group, dtype=torch.long),
+        "finished": torch.tensor(finished, dtype=torch.bool),
+        "engine_logp": Ragged.of(engine_lp, torch.float32),
+        "version": torch.full((len(index),), version, dtype=torch.long),  # the policy after step `version` sampled
+        "row_id": row_ids,
+        "completion": texts,
+    })
+    if images is not None:  # a vision-language model: every rank carries the image columns, some rows empty
+        add_image_columns(batch, image_rows, trainer.vision_weight, pixel_dim(trainer.image_processor))
+    if trainer.turns is not None:
+        for name, col in trajectory_columns([c for samples in completions for c in samples]).items():
+            batch[name] = col
+    return batch
+
+
+def add_image_columns(batch: Batch, inputs: list, weight: float, dim: int) -> None:
+    """Each sample's prompt images (`inputs`: ImageInputs or None per row) as its pixel_values (`dim` values per
+    patch) and image_grid_thw, and the vision encoder's work on them in language-model tokens (vision_tokens:
+    patches x weight). A rank without images has the same columns, empty, as exchange needs."""
+    def column(parts: list[torch.Tensor], width: int, dtype: torch.dtype) -> Ragged:
+        values = torch.cat(parts) if parts else torch.zeros(0, width)
+        return Ragged(values.to(dtype), torch.tensor([len(x) for x in parts], dtype=torch.long))
+
+    grids = [x.grid if x is not None else torch.zeros(0, 3, dtype=torch.long) for x in inputs]
+    batch["pixel_values"] = column([x.pixel_values if x is not None else torch.zeros(0, dim) for x in inputs], dim,
+                                   torch.float32)
+    batch["image_grid_thw"] = column(grids, 3, torch.long)
+    batch["vision_tokens"] = torch.tensor([round(int(g.prod(-1).sum()) * weight) for g in grids], dtype=torch.long)
+
+
+def add_rewards(trainer: Trainer, batch: Batch, step: int) -> tuple[Batch, dict]:
+    """Rewards of this rank's samples (functions, then reward models and judges); trajectories come scored by their
+    environment (rollout), and DAPO's overlong penalty weighs their sampled tokens against the most they could
+    sample."""
+    rc = trainer.cfg.rewards
+    if trainer.turns is None:
+        rows = [trainer.prompts.rows[r] for r in batch["row_id"]]
+        scores, stats = score_all(trainer.reward_fns, batch["completion"], rows, rc.timeout_s, isolate=rc.isolate,
+                                  memory_limit_mib=rc.memory_limit_mib, cpu_time_limit_s=rc.cpu_time_limit_s)
+        if trainer.scorers:  # reward models and judges: every training rank, rows or not (collectives when sharded)
+            scores, stats = add_model_rewards(trainer.scorers, trainer.cfg, batch["completion"], rows,
+                                              batch["sample_index"].tolist(), step, scores, stats)
+        batch["reward"] = torch.tensor(scores, dtype=torch.float32)
+        batch["reward_failed"] = torch.tensor(stats["failed"], dtype=torch.bool)
+    else:
+        stats = {"failures": int(batch["reward_failed"].sum())}
+    if rc.overlong_buffer > 0:
+        length, most = overlong_lengths(trainer.cfg, batch)
+        batch["reward"] = batch["reward"] + overlong_penalty(length, most, rc.overlong_buffer, rc.overlong_penalty)
+    return batch, stats

@@ -385,6 +385,26 @@ def ignores_cpu_limit(completion, sample):
     return 1.0
 
 
+def connects(completion, sample):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", int(completion)), timeout=2):
+        return 1.0
+
+
+def test_reward_workers_have_no_network():
+    """A reward (or environment step) that connects to a server listening on this machine's loopback fails in a
+    worker (own network namespace, or a refused socket), while the same call in the trainer process connects."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = str(server.getsockname()[1])
+        assert connects(port, {}) == 1.0  # the server is reachable from here
+        scores, stats = score_all([(connects, 1.0)], [port], [{}], timeout_s=5)
+    assert scores == [0.0] and stats["raised"] == 1
+    assert any(w in stats["by_reward"]["connects"]["first_error"] for w in ("unreachable", "network", "refused")), stats
+
+
 def test_weighted_sum_and_stats():
     completions = ["a", "bbb", ""]
     samples = [{}] * 3

@@ -76,10 +76,10 @@ class RewardsConfig(Section):
                              description="A reward call slower than this scores 0 and is counted (with rollout.env: "
                                          "an environment step, which then ends its trajectory as failed).")
     isolate: bool = Field(
-        True, description="Score in worker processes, so a reward that crashes or hangs cannot take the trainer "
-                          "down (costs ~5-10 ms a step on CPU); false scores in the trainer process, as TRL does, "
-                          "with the same time limit (a timer signal) but no memory or CPU-time cap: for cheap, "
-                          "trusted reward functions.")
+        True, description="Score in worker processes without network, so a reward that crashes or hangs cannot "
+                          "take the trainer down (costs ~5-10 ms a step on CPU); false scores in the trainer process, "
+                          "as TRL does, with the same time limit (a timer signal) but no memory or CPU-time cap and "
+                          "the trainer's network: for cheap, trusted reward functions.")
     memory_limit_mib: int = Field(
         2048, ge=0, le=1024**2,
         description="Memory cap of each reward worker process, in MiB (RLIMIT_DATA: its heap and private memory); "

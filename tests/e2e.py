@@ -170,6 +170,20 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def with_random_adapters(model, rank: int = 4):
+    """`model` with LoRA adapters of `rank` on its default targets, their B matrices random (peft starts them at 0,
+    which would make the adapters invisible)."""
+    from evenrl.config import RunConfig
+    from evenrl.models.lora import add_adapters
+
+    add_adapters(model, RunConfig().model.lora.model_copy(update={"rank": rank}))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.3)
+    return model
+
+
 def engine_gap(engine, model, prompts: list, params, pad_token_id: int) -> float:
     """Largest |engine log-prob - trainer log-prob| over the tokens `engine` samples for `prompts` (keys 0..n-1,
     step 1), the trainer's from `model`'s forward on the same tokens."""

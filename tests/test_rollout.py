@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import torch
 
+from e2e import with_random_adapters
 from evenrl.errors import UsageError
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
@@ -156,14 +157,7 @@ def test_lean_decoder_gives_the_forward_decoders_samples(tmp_path, arch):
     LoRA adapters (model.lora) the lean decoder applies each adapter merged into its base weight."""
     model, tok = load_policy(make_tiny_model(str(tmp_path), arch=arch.split("+")[0], seed=5))
     if arch.endswith("+lora"):
-        from evenrl.config import RunConfig
-        from evenrl.models.lora import add_adapters
-
-        add_adapters(model, RunConfig().model.lora.model_copy(update={"rank": 4}))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.3)
+        with_random_adapters(model)
     assert LeanDecoder.supports(model) and model.config.num_key_value_heads < model.config.num_attention_heads
     prompts = [encode_prompt(tok, t, False) for t in ("7+8=", "countdown 3 5 7 to 15:", "12*3=", "x")]
     eos = {1} | set(encode_prompt(tok, "0123456789", False))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from e2e import with_random_adapters
 from evenrl.models import forward as U
 from evenrl.train.update import minibatch_denominators
 from evenrl.core.batch import Batch, Ragged
@@ -59,14 +60,7 @@ def test_lean_forwards_match_the_models_masked_one(tmp_path, monkeypatch, arch, 
     """Also with LoRA adapters in the projections: both paths call the model's own modules, adapters included."""
     model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch.split("+")[0], seed=2))
     if arch.endswith("+lora"):
-        from evenrl.config import RunConfig
-        from evenrl.models.lora import add_adapters
-
-        add_adapters(model, RunConfig().model.lora.model_copy(update={"rank": 4}))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.3)
+        with_random_adapters(model)
     model.train()
     batch = _batch([9, 3, 14, 1], samples=2, max_resp=7, seed=3)  # unequal prompts and responses
     assert U._packs(model)

@@ -64,6 +64,9 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
                 trackers.close(ok=False)
             raise
     dist.barrier_all()  # a rollout rank waits for the trainers to finish and save before leaving the group
+    # Left to the interpreter's exit, the process group's threads can be torn down mid-use: seen once in a full
+    # test suite as SIGABRT ("terminate called without an active exception") on a rank that had finished and saved.
+    dist.shutdown()
     return run_dir
 
 

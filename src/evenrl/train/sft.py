@@ -76,5 +76,6 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     save_final(model, tokenizer, run_dir / "final", merged=cfg.log.save_merged)
     log.close()
     dist.barrier()
+    dist.shutdown()  # the process group ends here, not in the interpreter's exit (evenrl.train.loop.train says why)
     return run_dir
 

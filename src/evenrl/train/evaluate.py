@@ -37,8 +37,8 @@ def evaluate(run, prompts) -> dict:
         total += torch.tensor([sum(t.reward for t in done), len(done), sum(len(t.token_ids) for t in done)],
                               dtype=torch.float64)
     else:
+        images = prompt_image_inputs(run.image_processor, prompts.images, mine)
         with gathered(run.model):  # sharded: whole on every rank while generating
-            images = prompt_image_inputs(run.image_processor, prompts.images, mine)
             completions = greedy(run.model, [prompt_tokens[i] for i in mine],
                                  max_new_tokens=cfg.rollout.max_new_tokens, eos_token_ids=run.eos_ids,
                                  pad_token_id=run.pad_id, images=images) if mine else []

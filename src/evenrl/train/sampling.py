@@ -81,7 +81,8 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
     n = cfg.rollout.samples_per_prompt
     costs = [len(trainer.prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
     mine = rollout_shares(costs, n, dist.world(), trainer.balance.rollout)[dist.rank()]
-    images = prompt_image_inputs(trainer.image_processor, trainer.prompts.images, [prompt_ids[p] for p, _, _ in mine])
+    ids = [prompt_ids[p] for p, _, _ in mine]
+    images = prompt_image_inputs(trainer.image_processor, trainer.prompts.images, ids)
     version = step - 1  # the policy being trained sampled: colocated, or reserved with max_staleness 0
     if dist.rollout_ranks():  # the rollout ranks made every sample (rollout_rank): this rank's share comes in
         version = policy_version(step, cfg.rollout.max_staleness)
@@ -92,7 +93,6 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
         made = {(c.prompt_key, c.sample_index): c for _, part in parts for c in part}
         completions = [[made[(first + p, s)] for s in range(a, a + count)] for p, a, count in mine]
     else:
-        ids = [prompt_ids[p] for p, _, _ in mine]
         args = ([trainer.prompts.tokens[i] for i in ids], [first + p for p, _, _ in mine], sampling_params(cfg))
         kw = dict(step=step, sample_ranges=[(a, count) for _, a, count in mine])  # key: the prompt's position
         if trainer.turns is None:

@@ -407,7 +407,7 @@ def test_tools_demo_warm_start_teaches_the_tokens_a_trajectory_holds(tools_model
     from evenrl.envs.builtin import addition_rows
 
     _, tok = load_policy(tools_model)
-    files = write_tool_data(tmp_path, tok, n_train=2, n_eval=1)
+    files = write_tool_data(tmp_path, tok, n_train=2, n_rl=1)
     sft = [json.loads(line) for line in files["sft"].read_text().splitlines()]
     rows = addition_rows(2, seed=1)
     script = {(k, t): (sft[2 * k]["answer"] if t == 0 else rows[k]["answer"]) for k in range(2) for t in range(2)}

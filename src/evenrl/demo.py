@@ -13,8 +13,9 @@
 
 `--task tools` does the same with 3-4-digit additions the model cannot do in its head: the warm start teaches it to
 call the `calculator` tool in the Hermes format and to copy the tool's result into its answer (its two turns, as the
-chat template renders them), then GRPO on whole trajectories (rollout.env=calculator, config examples/tools.yaml)
-raises the share of right answers; the report adds turns per trajectory and the tool-call success rate.
+chat template renders them) on 2000 problems, then GRPO on whole trajectories (rollout.env=calculator, config
+examples/tools.yaml) on 64 others raises the share of them it gets right; the report adds turns per trajectory and
+the tool-call success rate.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def write_addition_data(path: Path, seed: int = 0) -> int:
     return len(rows)
 
 
-def write_tool_data(out: Path, tokenizer, n_train: int = 2000, n_eval: int = 100) -> dict[str, Path]:
-    """The tools demo's files: RL prompts ("123+4567=" -> "4690"), held-out ones, and the warm start's rows: per
-    problem, the prompt rendered as the trajectory's turn 0 sees it -> the tool call, and the conversation up to
-    the tool's answer -> the answer (the chat template's text, so the tokens are those a trajectory holds)."""
+def write_tool_data(out: Path, tokenizer, n_train: int = 2000, n_rl: int = 64) -> dict[str, Path]:
+    """The tools demo's files: the warm start's rows for `n_train` problems (per problem, the prompt rendered as the
+    trajectory's turn 0 sees it -> the tool call, and the conversation up to the tool's answer -> the answer: the
+    chat template's text, so the tokens are those a trajectory holds), and `n_rl` other problems ("123+4567=" ->
+    "4690") that GRPO trains on and the greedy evaluation scores, as the addition demo's 100 prompts."""
     from evenrl.envs.builtin import addition_rows
     from evenrl.envs.template import tokenizer_render
     from evenrl.envs.toolcalls import tool_schemas
@@ -63,7 +65,7 @@ def write_tool_data(out: Path, tokenizer, n_train: int = 2000, n_eval: int = 100
         reply = user + [{"role": "assistant", "content": call}, {"role": "tool", "content": calculator(expression)}]
         sft += [{"prompt": render(user, tools, True), "answer": call},
                 {"prompt": render(reply, tools, True), "answer": row["answer"]}]
-    files = {"train": addition_rows(n_train, seed=2), "eval": addition_rows(n_eval, seed=3), "sft": sft}
+    files = {"train": addition_rows(n_rl, seed=2), "sft": sft}
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in files.items():
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -97,10 +99,10 @@ def main(argv: list[str]) -> int:
 
         model_dir = make_tiny_model(str(out / "model"), arch="qwen2", chat_template="tools", **TOOLS_MODEL)
         files = write_tool_data(out / "data", AutoTokenizer.from_pretrained(model_dir))
-        n = sum(1 for _ in files["eval"].open())
+        n = sum(1 for _ in files["train"].open())
         print(f"[demo] tiny Qwen2 model with a tool-calling template in {model_dir}; addition prompts in "
               f"{out / 'data'}")
-        common = [f"data.path={files['train']}", f"eval.path={files['eval']}"]
+        common = [f"data.path={files['train']}", f"eval.path={files['train']}"]  # as the addition demo: all of them
         sft_data = [f"data.path={files['sft']}", f"data.max_prompt_tokens={SFT_PROMPT_TOKENS}"]
     else:
         model_dir = make_tiny_model(str(out / "model"), arch="qwen2", seed=0)
@@ -147,7 +149,7 @@ def main(argv: list[str]) -> int:
     if len(evals) >= 2:
         n = next((r["eval/prompts"] for r in read_metrics(grpo_dir) if "eval/prompts" in r), n)
         what = (f"greedy exact-match on all {n} prompts" if args.task == "addition" else
-                f"greedy trajectories right on {n} held-out prompts")
+                f"greedy trajectories right on all {n} prompts")
         print(f"[demo] {what}: before GRPO {evals[0]:.3f} -> after {evals[-1]:.3f}")
     print(f"[demo] run directory: {grpo_dir}  (config.yaml, plan.txt, metrics.jsonl, samples.jsonl, tb/, final/)")
     print(f"[demo] plots: {', '.join(str(p) for p in plots)}")

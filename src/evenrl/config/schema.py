@@ -356,6 +356,10 @@ class RunConfig(Section):
         """Most tokens a sample holds after its prompt: one completion, or with rollout.env a whole trajectory."""
         return self.rollout.max_trajectory_tokens if self.rollout.env else self.rollout.max_new_tokens
 
+    def sample_tokens(self) -> int:
+        """Most tokens one sample holds, its prompt included: what a worst-case sample costs in memory and balance."""
+        return self.data.max_prompt_tokens + self.response_tokens()
+
     def sampled_tokens(self) -> int:
         """Most tokens the engine samples for one sample: one completion, or with rollout.env all its turns."""
         r = self.rollout

@@ -73,7 +73,7 @@ class VLLMEngine:
     def __init__(self, cfg, *, eos_token_ids: set[int], device: torch.device, adapter=None, path: str | None = None,
                  max_len: int | None = None):
         """The engine of cfg.model.path, or of `path` (a judge reward's model), for sequences of at most
-        `max_len` tokens (default: data.max_prompt_tokens + rollout.max_new_tokens), capped by the model's."""
+        `max_len` tokens (default: the config's sample_tokens()), capped by the model's."""
         require()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only; never the hub
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
@@ -95,7 +95,7 @@ class VLLMEngine:
             hf_cfg = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             hf_cfg = {}
-        max_len = max_len or cfg.data.max_prompt_tokens + cfg.response_tokens()
+        max_len = max_len or cfg.sample_tokens()
         if isinstance(hf_cfg.get("max_position_embeddings"), int):
             max_len = min(max_len, hf_cfg["max_position_embeddings"])
         if not self.gpu:

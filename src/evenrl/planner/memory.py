@@ -161,7 +161,7 @@ def worst_case_shape(cfg: RunConfig, layout: Layout, extra: int = 0,
     weights = tuple(w) if w and len(w) == t else None
     ranks = ranks or tuple(range(t))
     share = share_of(cfg, layout, ranks)
-    length = cfg.data.max_prompt_tokens + cfg.response_tokens()
+    length = cfg.sample_tokens()
     per_mb = math.ceil(cfg.samples_per_step() / cfg.algo.minibatches_per_step)
     rows_rank = max(1, math.ceil(per_mb * share - 1e-9))
     rows = min(rows_rank, max(1, cfg.train.token_cap_per_micro_batch // (length + extra),
@@ -258,7 +258,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         act = tokens * (L * dims.hidden + act_elems) * c
     else:
         act = tokens * L * act_elems * c
-    length = cfg.data.max_prompt_tokens + cfg.response_tokens()
+    length = cfg.sample_tokens()
     per_sample = worst_image_tokens(cfg, vision) * vision.merge ** 2 if vision else 0  # patches
     patches = tokens // length * per_sample
     if vision:

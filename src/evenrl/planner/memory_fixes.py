@@ -49,7 +49,7 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
         if total < base - 1e-6:
             fixes.append(MemoryFix(settings, total, bool(cap) and total <= cap, why))
 
-    length = cfg.data.max_prompt_tokens + cfg.response_tokens()
+    length = cfg.sample_tokens()
     rows = estimate_memory(cfg, layout, dims, ranks).micro_tokens // length
     if rows > 1:
         r = rows_that_fit(cfg, layout, dims, rows - 1, ranks) or 1
@@ -80,7 +80,7 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
 
 def row_tokens(cfg: RunConfig, dims: ModelDims) -> int:
     """What a worst-case sample takes of the token cap: its length, and a vision-language sample's encoder work."""
-    length = cfg.data.max_prompt_tokens + cfg.response_tokens()
+    length = cfg.sample_tokens()
     return length + worst_vision_tokens(cfg, dims.layers, dims.layer_params, dims.vision)
 
 

@@ -48,7 +48,7 @@ def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = Non
     parallel.rollout_devices is the layout's when no flag set it (evenrl train reads the same field)."""
     if cfg.parallel.rollout_devices and not layout.rollout_devices:
         layout = replace(layout, rollout_devices=cfg.parallel.rollout_devices)
-    p = Plan(cfg, layout, cfg.data.max_prompt_tokens + cfg.response_tokens(), rates=rates)
+    p = Plan(cfg, layout, cfg.sample_tokens(), rates=rates)
     p.dataset_rows = count_rows(cfg.data.path)
     try:
         if model_config is not None:

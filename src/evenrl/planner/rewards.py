@@ -13,7 +13,6 @@ Pure Python: never imports torch.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from evenrl.planner.timing import assumed_rates
 from evenrl.planner.types import Finding, Plan
 from evenrl.rewards import REGISTRY
 from evenrl.rewards.judge import PARSERS
+from evenrl.rewards.registry import findable
 
 
 def rule_rewards(p: Plan) -> list[Finding]:
@@ -49,12 +49,7 @@ def _unresolved(name: str) -> str | None:
     module, sep, attr = name.partition(":")
     if not (sep and module and attr):
         return "is neither a built-in nor 'package.module:function'"
-    try:
-        if importlib.util.find_spec(module.split(".")[0]) is not None:
-            return None
-    except (ImportError, ValueError):
-        pass
-    return f"names module {module!r}, which is not importable here (not on PYTHONPATH?)"
+    return None if findable(module) else f"names module {module!r}, which is not importable here (not on PYTHONPATH?)"
 
 
 def rule_reward_models(p: Plan) -> list[Finding]:

@@ -491,3 +491,18 @@ def test_fit_stays_inside_the_config_bounds():
                                     "rollout": {"max_new_tokens": 6_000_000}})
     new, _ = fit(make_plan(cfg, make_layout(1, 1)))
     assert new.train.token_cap_per_micro_batch <= 10_000_000
+
+
+def test_lean_and_static_decoders_need_a_model_they_run(tmp_path):
+    """rollout.decoder=lean/static on a model LeanDecoder does not run is the plan's error (evenrl train would stop
+    at its first rollout); auto picks the model's own forward there."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**TINY, "architectures": ["MistralForCausalLM"]}))
+    f = rules(make([f"model.path={model}", "rollout.decoder=static"]))["rollout-decoder"]
+    assert f.level == "error" and "MistralForCausalLM" in f.message and f.fix == "rollout.decoder=auto"
+    assert "rollout-decoder" not in rules(make([f"model.path={model}"]))
+    assert "rollout-decoder" not in rules(make([f"model.path={model}", "rollout.decoder=static",
+                                                "rollout.engine=vllm"]))
+    (model / "config.json").write_text(json.dumps({**TINY, "architectures": ["Qwen2ForCausalLM"]}))
+    assert "rollout-decoder" not in rules(make([f"model.path={model}", "rollout.decoder=lean"]))

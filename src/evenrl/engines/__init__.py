@@ -28,4 +28,4 @@ def make_engine(cfg, model, *, eos_token_ids: set[int], pad_token_id: int, devic
         from evenrl.models.lora import adapter_config
 
         return VLLMEngine(cfg, eos_token_ids=eos_token_ids, device=device, adapter=adapter_config(model))
-    return HFEngine(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+    return HFEngine(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, decoder=cfg.rollout.decoder)

@@ -7,15 +7,19 @@ Benchmark: `python benchmarks/sampler.py` prints tokens/s on a tiny random model
 
 from __future__ import annotations
 
-import inspect
+from typing import get_args
 
 import numpy as np
 import torch
 
+from evenrl.config.schema import Decoder
+
 from evenrl.distributed.weights import gathered
 from evenrl.engines.base import Completion, SamplingParams, row_seed
 from evenrl.errors import bad
+from evenrl.models.decode_graph import DecodeStep
 from evenrl.models.decoder import LeanDecoder
+from evenrl.models.forward_decoder import ForwardDecoder
 from evenrl.models.loading import autocast
 
 
@@ -83,29 +87,13 @@ def sample_from_logits(logits: torch.Tensor, u: torch.Tensor, temperature: float
 
 # ---------------------------------------------------------------- the engine
 
-_KEEP_ARG: dict[type, bool] = {}
-
 # Finished rows are dropped from the batch once this share of it has finished; until then they are computed for
 # nothing. A drop only moves the live rows that sit past the new end into the finished rows' slots
 # (LeanDecoder.select_rows): a few dozen small ops, so dropping early pays. 256 rows x 128 tokens with EOS, 1 thread:
 # 0.02-0.05 ~10% faster than 0.25 (0.1 in between).
 _COMPACT_DEAD_SHARE = 0.05
 
-
-def _supports_logits_to_keep(model) -> bool:
-    cls = type(model)
-    if cls not in _KEEP_ARG:
-        _KEEP_ARG[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
-    return _KEEP_ARG[cls]
-
-
-def _new_cache(model):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # transformers < 4.56 has no config argument
-        return DynamicCache()
+DECODERS = get_args(Decoder)
 
 
 # inference_mode, not no_grad: no version counters or view tracking, ~7% faster sampling here (32 rows x 16 tokens
@@ -137,8 +125,9 @@ def generate(
     these samples continue (0: a prompt's first sample, the single-turn stream). `max_batch_prompts` bounds how many
     prompts share one forward pass; it changes speed and memory, never the samples.
     `decoder` changes speed, not samples: "lean" (Qwen2/Llama-style models: their own modules on a KV cache
-    allocated once, see LeanDecoder), "forward" (the model's Hugging Face forward with a DynamicCache: any causal
-    LM), or "auto" (lean when the model supports it).
+    allocated once, see LeanDecoder), "static" (lean at fixed shapes, each step replayed from a CUDA graph on CUDA,
+    see models.decode_graph), "forward" (the model's Hugging Face forward with a DynamicCache: any causal LM), or
+    "auto" (lean when the model supports it, else forward).
     `images`: per prompt, its evenrl.models.vision.ImageInputs or None; prompts with images prefill with their
     pixels and the model's multimodal positions (the forward decoder).
     """
@@ -156,17 +145,20 @@ def generate(
     if len(set(streams)) != len(streams):
         raise ValueError("generate: (prompt key, sample) pairs must be unique within a call (equal keys give equal "
                          "samples)")
-    if decoder not in ("auto", "lean", "forward"):
-        raise bad("decoder", decoder, "one of auto, lean, forward")
-    if decoder == "lean" and not LeanDecoder.supports(model):
+    if decoder not in DECODERS:
+        raise bad("decoder", decoder, f"one of {', '.join(DECODERS)}")
+    if decoder in ("lean", "static") and not LeanDecoder.supports(model):
         raise bad("decoder", decoder, f"forward or auto for {type(model).__name__} "
-                                      f"(lean covers {', '.join(LeanDecoder.ARCHS)})")
+                                      f"({decoder} covers {', '.join(LeanDecoder.ARCHS)})")
     if images is not None and len(images) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(images)} image inputs")
     if not prompts:
         return []
     images = images if images is not None and any(x is not None for x in images) else None
-    lean = images is None and (decoder == "lean" or (decoder == "auto" and LeanDecoder.supports(model)))
+    if images is not None:  # the vision tower and multimodal positions: the model's own forward
+        decoder = "forward"
+    elif decoder == "auto":
+        decoder = "lean" if LeanDecoder.supports(model) else "forward"
     chunk = max_batch_prompts or len(prompts)
     was_training = model.training
     model.eval()  # dropout off: a sample must not depend on anything but its key
@@ -176,7 +168,7 @@ def generate(
             for s in range(0, len(prompts), chunk):
                 out.extend(
                     _generate_batch(model, prompts[s : s + chunk], keys[s : s + chunk], ranges[s : s + chunk],
-                                    params, step, set(eos_token_ids), pad_token_id, lean,
+                                    params, step, set(eos_token_ids), pad_token_id, decoder,
                                     None if images is None else images[s : s + chunk], turn)
                 )
         return out
@@ -184,7 +176,7 @@ def generate(
         model.train(was_training)
 
 
-def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, eos_ids, pad_token_id, lean: bool,
+def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, eos_ids, pad_token_id, decoder: str,
                     images=None, turn: int = 0):
     device = next(model.parameters()).device
     n_prompts = len(prompts)
@@ -201,7 +193,10 @@ def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, 
     input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
 
     max_new = params.max_new_tokens
-    dec = LeanDecoder(model, width + max_new) if lean else _ForwardDecoder(model)
+    if decoder == "forward":
+        dec = ForwardDecoder(model)
+    else:
+        dec = LeanDecoder(model, width + max_new, static=decoder == "static")
     shift = [0] * n_prompts  # multimodal positions: a next token's position beyond the prompt's length
     if images is None or all(x is None for x in images):
         logits = dec.prefill(input_ids, attn, position_ids)
@@ -223,7 +218,20 @@ def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, 
     if eos_in_vocab:
         is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)
         is_eos[eos_in_vocab] = True
+    decode = _decode_static if decoder == "static" else _decode_shrinking
+    toks, lps, lens_out = decode(dec, logits, seeds, next_pos, is_eos, params)
+    eos_set = set(eos_in_vocab)
+    out: list[list[Completion]] = [[] for _ in range(n_prompts)]
+    for r, (i, s) in enumerate(row_of):
+        m = lens_out[r]
+        out[i].append(Completion(keys[i], s, toks[r][:m], lps[r][:m], toks[r][m - 1] in eos_set))
+    return out
 
+
+def _decode_shrinking(dec, logits, seeds, next_pos, is_eos, params: SamplingParams):
+    """Samples max_new_tokens steps, dropping finished rows as it goes; returns per row its tokens, log-probs
+    (lists, max_new_tokens long, padded) and length (through its EOS)."""
+    device, n_rows, max_new = logits.device, len(seeds), params.max_new_tokens
     # Per-token bookkeeping stays in numpy/Python and the sampled tokens are written out once at the end: each torch
     # op costs microseconds on CPU, where a 32-row step is only ~3 ms.
     rows = np.arange(n_rows)  # global row of each batch row
@@ -275,61 +283,43 @@ def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, 
     where = (torch.from_numpy(g_all), torch.from_numpy(t_all))
     out_tok.index_put_(where, torch.cat([tok for _, tok, _ in record]).cpu())
     out_lp.index_put_(where, torch.cat([lp for _, _, lp in record]).cpu())
-    toks, lps = out_tok.tolist(), out_lp.tolist()
     lens_out = np.bincount(g_all, minlength=n_rows).tolist()  # a row is sampled at steps 0..length-1
-    eos_set = set(eos_in_vocab)
-    out: list[list[Completion]] = [[] for _ in range(n_prompts)]
-    for r, (i, s) in enumerate(row_of):
-        m = lens_out[r]
-        out[i].append(Completion(keys[i], s, toks[r][:m], lps[r][:m], toks[r][m - 1] in eos_set))
-    return out
+    return out_tok.tolist(), out_lp.tolist(), lens_out
 
 
-class _ForwardDecoder:
-    """Any Hugging Face causal LM through its own forward and a DynamicCache (the reference path)."""
+# The static decoder asks the device whether every row has finished once per this many tokens: each question waits
+# for the queued steps (and breaks the stream of replayed graphs); finished rows only cost compute meanwhile.
+_EOS_CHECK_EVERY = 8
 
-    def __init__(self, model):
-        self.model = model
-        self.cache = _new_cache(model)
-        self.attn = None
 
-    def prefill(self, input_ids, attn, position_ids):
-        extra = {"logits_to_keep": 1} if _supports_logits_to_keep(self.model) else {}
-        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                         past_key_values=self.cache, use_cache=True, **extra)
-        self.cache, self.attn = out.past_key_values, attn
-        return out.logits[:, -1, :]
-
-    def prefill_images(self, input_ids, attn, images):
-        """prefill for prompts with images (ImageInputs or None per prompt): their pixels through the vision tower
-        and the model's multimodal positions; returns (logits, per prompt the shift of its next positions)."""
-        from evenrl.models.vision import mrope_positions
-
-        present = [x for x in images if x is not None]
-        device = input_ids.device
-        pixels = torch.cat([x.pixel_values for x in present]).to(device)
-        grid = torch.cat([x.grid for x in present]).to(device)
-        positions, shift = mrope_positions(self.model, input_ids, attn, grid)
-        extra = {"logits_to_keep": 1} if _supports_logits_to_keep(self.model) else {}
-        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions, pixel_values=pixels,
-                         image_grid_thw=grid, past_key_values=self.cache, use_cache=True, **extra)
-        self.cache, self.attn = out.past_key_values, attn
-        return out.logits[:, -1, :], shift.tolist()
-
-    def repeat_rows(self, index):
-        self.cache.batch_select_indices(index)
-        self.attn = self.attn[index]
-
-    def select_rows(self, keep):
-        self.cache.batch_select_indices(keep)
-        self.attn = self.attn[keep]
-
-    def step(self, tok, pos):
-        self.attn = torch.cat([self.attn, self.attn.new_ones((self.attn.shape[0], 1))], dim=1)
-        out = self.model(input_ids=tok[:, None], attention_mask=self.attn, position_ids=pos[:, None],
-                         past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
-        return out.logits[:, -1, :]
+def _decode_static(dec, logits, seeds, next_pos, is_eos, params: SamplingParams):
+    """_decode_shrinking's samples at fixed shapes: every row stays in the batch to the end (or until all have
+    finished), tokens and log-probs are written into device tensors, a row's uniforms are all moved at once, and
+    each step goes through DecodeStep (a replayed CUDA graph on CUDA)."""
+    device, n_rows, max_new = logits.device, len(seeds), params.max_new_tokens
+    u_all = torch.from_numpy(np.stack([uniforms(seeds, t) for t in range(max_new)], axis=1)).to(device)
+    toks = torch.zeros((n_rows, max_new), dtype=torch.long, device=device)
+    lps = torch.zeros((n_rows, max_new), dtype=torch.float32, device=device)
+    done = None if is_eos is None else torch.zeros(n_rows, dtype=torch.bool, device=device)
+    step = DecodeStep(dec, next_pos)
+    n = max_new
+    for t in range(max_new):
+        tok, lp = sample_from_logits(logits, u_all[:, t], params.temperature, params.top_p)
+        toks[:, t], lps[:, t] = tok, lp
+        if t == max_new - 1:
+            break
+        if done is not None:
+            done |= is_eos[tok]
+            if (t + 1) % _EOS_CHECK_EVERY == 0 and bool(done.all()):
+                n = t + 1
+                break
+        logits = step(tok)
+    toks, lps = toks[:, :n], lps[:, :n]
+    lens_out = [n] * n_rows
+    if is_eos is not None:  # a row ends at its first EOS
+        hit = is_eos[toks]
+        lens_out = torch.where(hit.any(1), hit.int().argmax(1) + 1, n).tolist()
+    return toks.cpu().tolist(), lps.cpu().tolist(), lens_out
 
 
 def greedy(model, prompts: list[list[int]], *, max_new_tokens: int, eos_token_ids: set[int], pad_token_id: int,
@@ -348,8 +338,8 @@ class HFEngine:
     name = "hf"
     needs_weights = False
 
-    def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int):
-        self.model, self.eos_ids, self.pad_id = model, set(eos_token_ids), pad_token_id
+    def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, decoder: str = "auto"):
+        self.model, self.eos_ids, self.pad_id, self.decoder = model, set(eos_token_ids), pad_token_id, decoder
 
     def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None, turn=0):
         # every rank enters gathered() even with no prompts: with FSDP2 it is an all-gather all ranks must join
@@ -357,7 +347,8 @@ class HFEngine:
             if not prompts:
                 return []
             return generate(self.model, prompts, keys, params, step=step, eos_token_ids=self.eos_ids,
-                            pad_token_id=self.pad_id, sample_ranges=sample_ranges, images=images, turn=turn)
+                            pad_token_id=self.pad_id, decoder=self.decoder, sample_ranges=sample_ranges, images=images,
+                            turn=turn)
 
     def update_weights(self, buckets) -> None:
         state = self.model.state_dict(keep_vars=True)

@@ -1,10 +1,14 @@
 """LeanDecoder: incremental decoding of plain pre-norm decoder-only LMs (Qwen2, Llama) on a KV cache allocated once,
-and the rotary helpers the packed training forward (evenrl.models.forward) shares with it."""
+at shapes that shrink with the live rows, or static ones a CUDA graph can replay (evenrl.models.decode_graph); and
+the rotary helpers the packed training forward (evenrl.models.forward) shares with it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from evenrl.models.files import LEAN_ARCHS
 from evenrl.models.lora import effective_weight
 
 
@@ -29,9 +33,21 @@ class LeanDecoder:
     The arithmetic is the model's (same norms, rotary embedding, activation and scaling); the matmul grouping and the
     softmax of rows shorter than _SHORT_ROWS differ, which moves log-probs by float rounding (tests compare both
     decoders and the model's uncached forward).
+
+    Under a replicated model's autocast (fp32 master weights, models.loading.set_autocast) the fused weights, the
+    output layer and the cache are cast to the autocast dtype once per call and the steps run with autocast off:
+    autocast re-casts every weight that is not a parameter (the fused ones) at every token, ~100 extra kernels per
+    step of a 24-layer model. The residual stream stays fp32 and each norm's output is rounded once, as the model's
+    forward under autocast does.
+
+    static=True keeps every shape of a step fixed for the whole generation, so that a CUDA graph can replay it: the
+    rows never shrink (finished rows are computed and ignored), the cache is zeroed, and a step attends over all
+    max_len columns with the columns past the current length masked; the length lives in a device tensor
+    (length_t) that the step advances itself. Same arithmetic per row, so the same samples as static=False up to
+    float rounding of the longer (masked) softmax sums.
     """
 
-    ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+    ARCHS = LEAN_ARCHS
     _RMS_NORMS = ("Qwen2RMSNorm", "LlamaRMSNorm")
 
     @classmethod
@@ -50,28 +66,37 @@ class LeanDecoder:
         # Sharded (DTensor) parameters are gathered by hooks on the wrapped modules' forward, which we bypass.
         return all(type(p.data) is torch.Tensor for p in model.parameters())
 
-    def __init__(self, model, max_len: int):
+    def __init__(self, model, max_len: int, *, static: bool = False):
         inner = model.model
-        self.model, self.inner, self.max_len = model, inner, max_len
+        self.model, self.inner, self.max_len, self.static = model, inner, max_len, static
         first = inner.layers[0].self_attn
         self.head_dim = first.head_dim
         self.heads = model.config.num_attention_heads
         self.kv_heads = model.config.num_key_value_heads
         p = next(model.parameters())
+        dev = p.device.type
+        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        self.cast = cast if cast is not None and cast != p.dtype else None
+        self.dtype = self.cast or p.dtype  # of the weights the steps multiply by, the cache and the logits
         self.rope = rope_table(model, max_len)  # once per call: the model recomputes it at every token
-        self.zero = torch.zeros((), dtype=p.dtype, device=p.device)
+        self.zero = torch.zeros((), dtype=self.dtype, device=p.device)
+        c = self._cast
         self.layers = []
         for layer in inner.layers:  # weights change every optimizer step, so fuse per generate call
             a, m = layer.self_attn, layer.mlp
             qkv_b = None
             if a.q_proj.bias is not None:
-                qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            gu_b = torch.cat([m.gate_proj.bias, m.up_proj.bias]) if m.gate_proj.bias is not None else None
-            self.layers.append((_norm(layer.input_layernorm), _weight(a.q_proj, a.k_proj, a.v_proj), qkv_b,
-                                _weight(a.o_proj), a.o_proj.bias, a.scaling,
-                                _norm(layer.post_attention_layernorm), _weight(m.gate_proj, m.up_proj), gu_b,
-                                m.act_fn, _weight(m.down_proj), m.down_proj.bias))
-        self.final_norm = _norm(inner.norm)
+                qkv_b = c(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+            gu_b = c(torch.cat([m.gate_proj.bias, m.up_proj.bias])) if m.gate_proj.bias is not None else None
+            self.layers.append((_norm(layer.input_layernorm, self.cast), c(_weight(a.q_proj, a.k_proj, a.v_proj)),
+                                qkv_b, c(_weight(a.o_proj)), c(a.o_proj.bias), a.scaling,
+                                _norm(layer.post_attention_layernorm, self.cast), c(_weight(m.gate_proj, m.up_proj)),
+                                gu_b, m.act_fn, c(_weight(m.down_proj)), c(m.down_proj.bias)))
+        self.final_norm = _norm(inner.norm, self.cast)
+        head = model.lm_head
+        self.head = head if self.cast is None else (lambda x, w=c(head.weight), b=c(head.bias): _linear(x, w.t(), b))
+        self.cols = torch.arange(max_len, device=p.device) if static else None
+        self.length_t = None  # static: the filled columns, a device tensor [1]
         # Per layer, [rows, kv_heads, max_len, head_dim]. Columns at or past `length` are never read, so the caches
         # start uninitialised. (Keys cached transposed, [.., head_dim, max_len], made q·kᵀ ~25% faster at 130 keys,
         # but writing a token's key then touches head_dim cache lines per row instead of 2: no faster end to end.)
@@ -80,16 +105,30 @@ class LeanDecoder:
         self.length = 0
         self.key_pad = None  # [rows, max_len] bool: True at left-padding columns; None when there is none
 
+    def _cast(self, t):
+        return t if t is None or self.cast is None else t.to(self.cast)
+
     def _alloc(self, rows):
-        p = next(self.model.parameters())
         shape = (rows, self.kv_heads, self.max_len, self.head_dim)
-        return [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(2 * len(self.layers))]
+        # static: a step reads every column (masked), and 0 x NaN from uninitialised values would reach the output
+        new = torch.zeros if self.static else torch.empty
+        return [new(shape, dtype=self.dtype, device=self.zero.device) for _ in range(2 * len(self.layers))]
+
+    def _precision(self):
+        """The steps' autocast state: off when the weights are already cast (see the class docstring)."""
+        if self.cast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.zero.device.type, enabled=False)
 
     def prefill(self, input_ids, attn, position_ids):
         """Runs the prompts [B, T] (left-padded) and fills cache columns 0..T-1; returns the last column's logits."""
+        with self._precision():
+            return self._prefill(input_ids, attn, position_ids)
+
+    def _prefill(self, input_ids, attn, position_ids):
         F = torch.nn.functional
         B, T = input_ids.shape
-        H, Hk, D = self.heads, self.kv_heads, self.head_dim
+        H, Hk, D, dt = self.heads, self.kv_heads, self.head_dim, self.dtype
         caches = self._alloc(B)
         self.k, self.v = caches[: len(self.layers)], caches[len(self.layers) :]
         mask = None
@@ -104,7 +143,7 @@ class LeanDecoder:
         h = self.inner.embed_tokens(input_ids).flatten(0, 1)  # [B·T, hidden]
         for i, (norm1, w_qkv, b_qkv, w_o, b_o, scale, norm2, w_gu, b_gu, act, w_d, b_d) in enumerate(self.layers):
             qkv = _linear(norm1(h), w_qkv, b_qkv).view(B, T, -1)
-            qk = rope_rotate(qkv[..., : (H + Hk) * D].unflatten(-1, (H + Hk, D)), cos, sin)  # [B, T, H + Hk, D]
+            qk = rope_rotate(qkv[..., : (H + Hk) * D].unflatten(-1, (H + Hk, D)), cos, sin).to(dt)  # [B, T, H+Hk, D]
             q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
             v = qkv[..., (H + Hk) * D :].unflatten(-1, (Hk, D)).transpose(1, 2)  # [B, Hk, T, D]
             self.k[i][:, :, :T] = k
@@ -115,7 +154,9 @@ class LeanDecoder:
             g, u = _linear(norm2(h), w_gu, b_gu).chunk(2, dim=-1)
             h = _linear(act(g) * u, w_d, b_d, h)
         self.length = T
-        return self.model.lm_head(self.final_norm(h.view(B, T, -1)[:, -1]))
+        if self.static:
+            self.length_t = torch.tensor([T], device=input_ids.device)
+        return self.head(self.final_norm(h.view(B, T, -1)[:, -1]))
 
     def repeat_rows(self, index):
         """Row j becomes a copy of row index[j] (samples sharing a prompt's prefill); the cache has len(index) rows."""
@@ -141,22 +182,37 @@ class LeanDecoder:
             self.key_pad = self.key_pad.index_select(0, keep)
 
     def step(self, tok, pos):
-        """One token per row: tok, pos [B]; writes cache column `length`; returns logits [B, vocab]."""
-        B, L = tok.shape[0], self.length
-        end = L + 1
+        """One token per row: tok, pos [B]; writes cache column `length` (static: length_t); returns logits
+        [B, vocab]. Static steps take no value to the host, so that a CUDA graph can capture one."""
+        with self._precision():
+            return self._step(tok, pos)
+
+    def _step(self, tok, pos):
+        B, dt = tok.shape[0], self.dtype
         H, Hk, D, M = self.heads, self.kv_heads, self.head_dim, self.max_len
         G, nqk = H // Hk, (H + Hk) * D
+        if self.static:
+            end, L = M, self.length_t  # every column, those past the length masked
+            pad = self.cols > L
+            pad = pad[None, None, None] if self.key_pad is None else (self.key_pad | pad)[:, None, None]
+        else:
+            L = self.length
+            end = L + 1
+            pad = None if self.key_pad is None else self.key_pad[:, None, None, :end]
         cs = self.rope[pos]  # [B, 2, D]
         cos, sin = cs[:, None, 0], cs[:, None, 1]
-        pad = None if self.key_pad is None else self.key_pad[:, None, None, :end]
         zero = self.zero.expand(B * Hk, G, end)  # baddbmm's ignored input (beta=0)
         h = self.inner.embed_tokens(tok)  # [B, hidden]: rows stay 2-D, so every projection is one (add)mm
         for i, (norm1, w_qkv, b_qkv, w_o, b_o, scale, norm2, w_gu, b_gu, act, w_d, b_d) in enumerate(self.layers):
             qkv = _linear(norm1(h), w_qkv, b_qkv)
-            qk = rope_rotate(qkv[:, :nqk].view(B, H + Hk, D), cos, sin)  # q and k heads rotated in one go
+            qk = rope_rotate(qkv[:, :nqk].view(B, H + Hk, D), cos, sin).to(dt)  # q and k heads rotated in one go
             kc, vc = self.k[i], self.v[i]
-            kc[:, :, L] = qk[:, H:]
-            vc[:, :, L] = qkv[:, nqk:].view(B, Hk, D)
+            if self.static:
+                kc.index_copy_(2, L, qk[:, H:, None])
+                vc.index_copy_(2, L, qkv[:, nqk:].view(B, Hk, 1, D))
+            else:
+                kc[:, :, L] = qk[:, H:]
+                vc[:, :, L] = qkv[:, nqk:].view(B, Hk, D)
             # One query per row: the query heads sharing a key/value head become that head's query rows, and plain
             # matmul-softmax-matmul beats SDPA's blocked kernel for a single query (~20% on CPU).
             # alpha = scale: the GEMM scales its result (bitwise what bmm then mul_ gives), one op less.
@@ -173,8 +229,11 @@ class LeanDecoder:
             h = _linear(o.view(B, H * D), w_o, b_o, h)
             g, u = _linear(norm2(h), w_gu, b_gu).chunk(2, dim=-1)
             h = _linear(act(g) * u, w_d, b_d, h)
-        self.length = end
-        return self.model.lm_head(self.final_norm(h))
+        if self.static:
+            self.length_t.add_(1)
+        else:
+            self.length = end
+        return self.head(self.final_norm(h))
 
 
 def rope_table(model, length: int) -> torch.Tensor:
@@ -187,13 +246,16 @@ def rope_table(model, length: int) -> torch.Tensor:
     return torch.stack([cos[0], sin], dim=1)
 
 
-def _norm(mod):
+def _norm(mod, cast=None):
     # The model's RMSNorm computes w * (x * rsqrt(mean(x²) + eps)) in float32, which F.rms_norm does in one call
-    # (bitwise equal for float32); anything else is called as it is.
+    # (bitwise equal for float32); anything else is called as it is. `cast`: the output rounded to the dtype of the
+    # (cast) weights the next matmul multiplies by.
     if type(mod).__name__ in LeanDecoder._RMS_NORMS and mod.weight.dtype == torch.float32:
         w, eps, shape = mod.weight, mod.variance_epsilon, tuple(mod.weight.shape)
+        if cast is not None:
+            return lambda x: torch.nn.functional.rms_norm(x, shape, w, eps).to(cast)
         return lambda x: torch.nn.functional.rms_norm(x, shape, w, eps)
-    return mod
+    return mod if cast is None else (lambda x: mod(x).to(cast))
 
 
 def _weight(*linears):
@@ -206,7 +268,10 @@ def _weight(*linears):
 
 
 def _linear(x, w, b, residual=None):
-    """x [N, in] @ w [in, out] (+ b) (+ residual), the residual added by the matmul itself when there is no bias."""
+    """x [N, in] @ w [in, out] (+ b) (+ residual), the residual added by the matmul itself when there is no bias and
+    it has the weight's dtype (a float32 residual stream beside cast weights: added after, in float32)."""
+    if residual is not None and residual.dtype != w.dtype:
+        return residual + _linear(x, w, b)
     if b is None:
         return torch.mm(x, w) if residual is None else torch.addmm(residual, x, w)
     y = torch.addmm(b, x, w)

@@ -35,6 +35,7 @@ _REDOWNLOAD = "re-download the model or save it again with save_pretrained"
 # Vision-language models evenrl trains (evenrl.models.vision): their processor and forward follow Qwen2-VL's
 # conventions (image grids, M-RoPE positions, <|image_pad|> placeholders).
 VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
+LEAN_ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")  # the ones models.decoder.LeanDecoder runs
 
 
 def model_dir(path: str) -> Path:

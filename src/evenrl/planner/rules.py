@@ -16,7 +16,7 @@ from pathlib import Path
 from evenrl.config import RunConfig
 from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError
-from evenrl.models.files import check_tokenizer_files, check_weights, no_config_fix, read_model_config
+from evenrl.models.files import LEAN_ARCHS, check_tokenizer_files, check_weights, no_config_fix, read_model_config
 from evenrl.planner.groups import rule_group_memory, rule_mixed_speeds
 from evenrl.planner.lora import rule_lora
 from evenrl.planner.memory import PHASES, RESIDENT
@@ -116,6 +116,7 @@ def rule_model(p: Plan) -> list[Finding]:
                         "point model.path at a Hugging Face model directory (config.json, weights, tokenizer)")]
     out = []
     if path is not None:  # what load_policy checks before transformers sees the directory
+        out += _decoder_findings(p.config, str(path))
         for rule, check, fix in (
                 ("model-config", read_model_config, "point model.path at a decoder-only Hugging Face model"),
                 ("model-tokenizer", check_tokenizer_files, "save the tokenizer into model.path "
@@ -132,6 +133,20 @@ def rule_model(p: Plan) -> list[Finding]:
                            f"max_position_embeddings {p.dims.max_positions:,}",
                            f"rollout.{field}={max(1, p.dims.max_positions - p.config.data.max_prompt_tokens)}"))
     return out
+
+
+def _decoder_findings(c: RunConfig, path: str) -> list[Finding]:
+    r = c.rollout
+    if r.engine != "hf" or r.decoder not in ("lean", "static"):
+        return []
+    try:
+        archs = read_model_config(path).get("architectures") or []
+    except UsageError:
+        return []  # model-config says what is wrong with it
+    if any(a in LEAN_ARCHS for a in archs):
+        return []
+    return [Finding("error", "rollout-decoder", f"rollout.decoder={r.decoder} runs {', '.join(LEAN_ARCHS)}; "
+                    f"{path}/config.json names {archs}", "rollout.decoder=auto")]
 
 
 def rule_groups(p: Plan) -> list[Finding]:

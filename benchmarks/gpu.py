@@ -74,7 +74,8 @@ ARMS = {
     "fsdp-bf16-offload": {"model.dtype": "bfloat16", "parallel.sharding": "fsdp", "parallel.cpu_offload": "full"},
     "fsdp-bf16-actckpt": {"model.dtype": "bfloat16", "parallel.sharding": "fsdp", "model.gradient_checkpointing": True},
     # the sampler's static decoder: each decoding step replayed from one CUDA graph (models.decode_graph)
-    "replicated-fp32-static": {"model.dtype": "float32", "parallel.sharding": "replicated", "rollout.decoder": "static"},
+    "replicated-fp32-static": {"model.dtype": "float32", "parallel.sharding": "replicated",
+                               "rollout.decoder": "static"},
     "replicated-bf16-static": {"model.dtype": "bfloat16", "parallel.sharding": "replicated",
                                "rollout.decoder": "static"},
     "fsdp-bf16-static": {"model.dtype": "bfloat16", "parallel.sharding": "fsdp", "rollout.decoder": "static"},

@@ -26,9 +26,9 @@ def run(model, prompts, params, eos, decoder):
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2+lora"])
 def test_static_decoder_gives_the_lean_decoders_samples(tmp_path, arch):
-    """Left padding, GQA, rows finishing at different steps (the eos set is ~11% of the vocab) and all of them
-    (qwen2) before max_new_tokens, top-p: same tokens, finished flags and log-probs to float rounding as the shrinking lean
-    decoder and the model's own forward."""
+    """Left padding, GQA, rows finishing at different steps (the eos set is ~11% of the vocab) and (qwen2) all of
+    them before max_new_tokens, top-p: same tokens, finished flags and log-probs to float rounding as the shrinking
+    lean decoder and the model's own forward."""
     model, tok = load_policy(make_tiny_model(str(tmp_path), arch=arch.split("+")[0], seed=5))
     if arch.endswith("+lora"):
         with torch.random.fork_rng(devices=[]):

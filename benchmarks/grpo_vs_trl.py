@@ -1,4 +1,4 @@
-"""evenrl vs TRL's GRPOTrainer on identical GRPO work, side by side, on CPU.
+"""evenrl vs TRL's GRPOTrainer on identical GRPO work, side by side, on CPU (or one GPU: benchmarks/gpu_vs_trl.py).
 
     .venv/bin/pip install -e '.[bench]'          # TRL, accelerate, datasets (make bench does it)
     .venv/bin/python benchmarks/grpo_vs_trl.py                      # both workloads, 1 and 2 processes, 3 pairs
@@ -43,11 +43,11 @@ WORKLOADS = {  # name: (prompts per step, samples per prompt, max new tokens)
     "small": (4, 8, 16),
     "large": (32, 8, 128),
     "large-binary": (32, 8, 128),
+    "gpu": (16, 4, 128),  # benchmarks/gpu.py's batch, on its 0.5B shape (gpu_vs_trl.py)
 }
 # The issue's two workloads use a graded reward; "large-binary" (opt-in) is the large one with a 0/1 reward, as in
 # verifiable-reward RL, where whole groups score alike and get advantage 0.
 REWARD = {"large-binary": "starts_with_digit"}
-PROMPT_TOKENS = 4  # "a+b=" with one-digit a, b under the character tokenizer
 MICRO_ROWS = 32  # completions per forward/backward micro-batch, both frameworks
 LR = 1e-3  # large for RL, so that a tiny random model's reward moves within a few steps
 MODEL = {"hidden": 256, "layers": 4, "heads": 8, "seed": 0}
@@ -67,16 +67,29 @@ def starts_with_digit(completion: str, sample: dict) -> float:
 # ------------------------------------------------------------------------------------------ assets
 
 
-def make_assets(out: Path) -> tuple[Path, Path]:
-    from evenrl.demo import write_addition_data
+def make_assets(out: Path, shape: str) -> tuple[Path, Path, float]:
+    """(model dir, data file, mean prompt tokens): the tiny model and 'a+b=' prompts, or (shape: one of
+    benchmarks/gpu.py's SHAPES) that shape with random weights and gpu.py's 40-62-character sums. Both tokenizers
+    give one token per character of these prompts."""
     from evenrl.testing import make_tiny_model
 
-    model = out / "model"
-    if not (model / "config.json").exists():
-        make_tiny_model(str(model), **MODEL)
-    data = out / "addition.jsonl"
-    write_addition_data(data)
-    return model, data
+    model = out / f"model-{shape}"
+    data = out / f"prompts-{shape}.jsonl"
+    if shape == "tiny":
+        from evenrl.demo import write_addition_data
+
+        if not (model / "config.json").exists():
+            make_tiny_model(str(model), **MODEL)
+        write_addition_data(data)
+    else:
+        import gpu
+
+        if not (model / "config.json").exists():
+            model.mkdir(parents=True, exist_ok=True)
+            gpu.make_model(model, gpu.SHAPES[shape])
+        gpu.write_data(data)
+    prompts = [json.loads(x)["prompt"] for x in data.read_text().splitlines() if x.strip()]
+    return model, data, sum(map(len, prompts)) / len(prompts)
 
 
 def n_params(model_dir: Path) -> int:
@@ -126,7 +139,7 @@ def trl_worker(spec: dict) -> None:
 
     lay = spec["layout"]
     args = GRPOConfig(
-        output_dir=spec["run_dir"], use_cpu=True, bf16=False, fp16=False,
+        output_dir=spec["run_dir"], use_cpu=spec["device"] == "cpu", bf16=spec["dtype"] == "bfloat16", fp16=False,
         max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, seed=spec.get("seed", 0),
         per_device_train_batch_size=lay["per_device_train_batch_size"],
@@ -193,13 +206,16 @@ def evenrl_command(cfg_path: Path, nproc: int) -> list[str]:
     return [sys.executable, "-m", "evenrl.cli", "train", str(cfg_path), "--nproc-per-node", str(nproc)]
 
 
-def evenrl_config(path: Path, model: Path, data: Path, run_dir: Path, workload: str, steps: int, seed: int) -> None:
+def evenrl_config(path: Path, model: Path, data: Path, run_dir: Path, workload: str, steps: int, seed: int,
+                  prof: dict) -> None:
     prompts, samples, max_new = WORKLOADS[workload]
-    cap = MICRO_ROWS * (8 + max_new)  # prompts are <= 8 tokens: at most 32 completions per micro-batch, like TRL
+    # at most 32 completions per micro-batch, like TRL
+    cap = MICRO_ROWS * (prof["max_prompt_tokens"] + max_new)
     path.write_text(f"""# written by benchmarks/grpo_vs_trl.py
-model: {{path: {model}}}
-data: {{path: {data}, prompts_per_step: {prompts}, max_prompt_tokens: 8, seed: {seed}}}
-rollout: {{samples_per_prompt: {samples}, max_new_tokens: {max_new}, temperature: 1.0, top_p: 1.0}}
+model: {{path: {model}, dtype: {prof["dtype"]}}}
+data: {{path: {data}, prompts_per_step: {prompts}, max_prompt_tokens: {prof["max_prompt_tokens"]}, seed: {seed}}}
+rollout: {{samples_per_prompt: {samples}, max_new_tokens: {max_new}, temperature: 1.0, top_p: 1.0,
+          decoder: {prof["decoder"]}}}
 rewards: {{functions: [{{name: 'grpo_vs_trl:{REWARD.get(workload, "digit_fraction")}'}}], isolate: false}}
 algo: {{advantage: grpo, std_scale: group, loss_aggregation: token-mean, clip_low: 0.2, clip_high: 0.2, kl_coef: 0.0}}
 train: {{steps: {steps}, seed: {seed}, lr: {LR}, weight_decay: 0.0, max_grad_norm: 1.0,
@@ -209,7 +225,7 @@ log: {{run_dir: {run_dir}, progress: false, tensorboard: false, samples_every_st
 
 
 def run_one(kind: str, workload: str, nproc: int, warmup: int, steps: int, threads: int, out: Path,
-            model: Path, data: Path, tag: str, verbose: bool, seed: int) -> dict:
+            model: Path, data: Path, tag: str, verbose: bool, seed: int, prof: dict) -> dict:
     prompts, samples, max_new = WORKLOADS[workload]
     run_dir = out / f"{kind}-{workload}-p{nproc}-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -218,14 +234,14 @@ def run_one(kind: str, workload: str, nproc: int, warmup: int, steps: int, threa
     if kind == "trl":
         spec = {"model": str(model), "data": str(data), "run_dir": str(run_dir), "out": str(run_dir / "result.json"),
                 "steps": total_steps, "lr": LR, "samples": samples, "seed": seed, "max_new": max_new,
-                "reward": REWARD.get(workload, "digit_fraction"),
+                "reward": REWARD.get(workload, "digit_fraction"), "device": prof["device"], "dtype": prof["dtype"],
                 "layout": batch_layout(workload, nproc)}
         spec_path = run_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         cmd = trl_command(spec_path, nproc)
     else:
         cfg = run_dir / "config.bench.yaml"
-        evenrl_config(cfg, model, data, run_dir / "run", workload, total_steps, seed)
+        evenrl_config(cfg, model, data, run_dir / "run", workload, total_steps, seed, prof)
         cmd = evenrl_command(cfg, nproc)
     for attempt in (1, 2):  # a worker crash (seen once: TRL rank 1 aborted at teardown under torchrun) gets one retry
         t0 = time.perf_counter()
@@ -248,8 +264,8 @@ def run_one(kind: str, workload: str, nproc: int, warmup: int, steps: int, threa
         res = json.loads((run_dir / "result.json").read_text())
         ends, rewards = res["ends"], res["reward"]
         secs = [ends[i] - ends[i - 1] for i in range(warmup, total_steps)]  # step i+1 ends at ends[i]
-        # every prompt "a+b=" is PROMPT_TOKENS tokens; completions/mean_length is over all processes
-        tokens = [prompts * samples * (PROMPT_TOKENS + n) for n in res["completion_len"][warmup:total_steps]]
+        # prompts: their mean length in tokens; completions/mean_length is over all processes
+        tokens = [prompts * samples * (prof["prompt_tokens"] + n) for n in res["completion_len"][warmup:total_steps]]
         gen = res["gen"][warmup:total_steps]
         extra = {"settings": res["settings"], "threads": res["threads"]}
         per_step = res["world"] * res["scored"][0]
@@ -289,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/bench_trl", help="scratch directory (model, data, run dirs)")
     p.add_argument("--verbose", action="store_true", help="print evenrl's phase breakdown of every run")
     p.add_argument("--plot", help="also draw seconds per step (generate+score vs update) of both to this PNG")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both train (TRL: use_cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="both: fp32, or bf16 autocast over fp32 master weights (TRL bf16=True, evenrl model.dtype)")
+    p.add_argument("--decoder", default="auto", help="evenrl's rollout.decoder (auto, lean, static, forward)")
+    p.add_argument("--shape", default="tiny", help="tiny (2.4 M parameters, 'a+b=') or one of benchmarks/gpu.py's "
+                                                   "SHAPES (random weights, 40-62-token sums)")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.trl_worker:
@@ -304,21 +326,26 @@ def main(argv: list[str] | None = None) -> int:
 
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    model, data = make_assets(out)
-    print(f"evenrl vs TRL {trl.__version__} GRPO on CPU (torch {torch.__version__}, transformers "
+    model, data, prompt_tokens = make_assets(out, args.shape)
+    prof = {"device": args.device, "dtype": args.dtype, "decoder": args.decoder, "prompt_tokens": prompt_tokens,
+            "max_prompt_tokens": 8 if args.shape == "tiny" else 64}
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"evenrl vs TRL {trl.__version__} GRPO on {where} (torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {os.cpu_count()} cores)")
-    print(f"model: {model} (Qwen2, hidden {MODEL['hidden']}, {MODEL['layers']} layers, {n_params(model) / 1e6:.2f} M "
-          f"parameters, char tokenizer); data: {data} (100 prompts 'a+b='); reward: digit share of the completion "
-          "(large-binary: 1 if the completion starts with a digit, else 0)")
+    print(f"model: {model} ({args.shape} Qwen2, {n_params(model) / 1e6:.2f} M parameters); data: {data} (prompts of "
+          f"{prompt_tokens:.1f} tokens on average); reward: digit share of the completion (large-binary: 1 if the "
+          f"completion starts with a digit, else 0); evenrl rollout.decoder={args.decoder}")
     print(f"same for both: lr {LR} constant, AdamW (0.9, 0.999), no weight decay, grad clip 1.0, no KL, "
           "temperature 1, top-p 1, GRPO group-std advantages, token-mean loss over the whole batch (TRL "
-          "loss_type='dapo'), clip 0.2, one optimizer step per generation batch, fp32, no gradient checkpointing; "
-          "micro-batches: TRL 32 completions, evenrl token_cap_per_micro_batch = 32 x (8 + max new tokens) padded "
-          "tokens (the same memory bound); rewards scored in the trainer process (evenrl rewards.isolate=false)")
+          f"loss_type='dapo'), clip 0.2, one optimizer step per generation batch, {args.dtype}, no gradient "
+          "checkpointing; "
+          f"micro-batches: TRL 32 completions, evenrl token_cap_per_micro_batch = 32 x ({prof['max_prompt_tokens']} + "
+          "max new tokens) padded tokens (the same memory bound); rewards scored in the trainer process (evenrl "
+          "rewards.isolate=false)")
     table, bars = [], []
     for workload in args.workloads.split(","):
         prompts, samples, max_new = WORKLOADS[workload]
-        steps = args.steps_small if workload == "small" else args.steps_large
+        steps = args.steps_small if workload == "small" else args.steps_large  # "gpu": large
         warmup = args.warmup_small if workload == "small" else args.warmup_large
         for nproc in [int(x) for x in args.nprocs.split(",")]:
             threads = max(1, args.cores // nproc)
@@ -336,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in ("trl", "evenrl"):
                     # pair i: seed i for both (prompt order, sampling), so rewards are compared over seeds
                     r = run_one(kind, workload, nproc, warmup, steps, threads, out, model, data, f"pair{i}",
-                                args.verbose, seed=i)
+                                args.verbose, seed=i, prof=prof)
                     pair[kind] = r
                     if i == 0:
                         print(f"   {kind} command: {shlex.join(r['cmd'])}")

@@ -415,7 +415,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shape and batch (runs on CPU: for debugging this script)")
     ap.add_argument("--out", default=None, help="where results and logs go (default $OUT, else a temp dir)")
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {','.join(ARMS)}")
+    ap.add_argument("--arms", default=",".join(a for a in ARMS if not a.endswith("-static")),
+                    help=f"comma-separated, from {','.join(ARMS)} (default: all but the -static ones, which with "
+                         "the rest would outlast one 600 s device call)")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per arm (default 4; --tiny 3)")
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--samples", type=int, default=None)

@@ -97,8 +97,8 @@ class LeanDecoder:
         self.head = head if self.cast is None else (lambda x, w=c(head.weight), b=c(head.bias): _linear(x, w.t(), b))
         self.cols = torch.arange(max_len, device=p.device) if static else None
         self.length_t = None  # static: the filled columns, a device tensor [1]
-        # Per layer, [rows, kv_heads, max_len, head_dim]. Columns at or past `length` are never read, so the caches
-        # start uninitialised. (Keys cached transposed, [.., head_dim, max_len], made q·kᵀ ~25% faster at 130 keys,
+        # Per layer, [rows, kv_heads, max_len, head_dim]. Columns at or past `length` are never read (static: read
+        # and masked), so the caches start uninitialised (static: zeroed, see _alloc). (Keys cached transposed, [.., head_dim, max_len], made q·kᵀ ~25% faster at 130 keys,
         # but writing a token's key then touches head_dim cache lines per row instead of 2: no faster end to end.)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []

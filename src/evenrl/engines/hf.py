@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from evenrl.config.schema import Decoder
-
 from evenrl.distributed.weights import gathered
 from evenrl.engines.base import Completion, SamplingParams, row_seed
 from evenrl.errors import bad
@@ -294,8 +293,8 @@ _EOS_CHECK_EVERY = 8
 
 def _decode_static(dec, logits, seeds, next_pos, is_eos, params: SamplingParams):
     """_decode_shrinking's samples at fixed shapes: every row stays in the batch to the end (or until all have
-    finished), tokens and log-probs are written into device tensors, a row's uniforms are all moved at once, and
-    each step goes through DecodeStep (a replayed CUDA graph on CUDA)."""
+    finished), tokens and log-probs are written into device tensors, the generation's uniforms go to the device in
+    one copy, and each step goes through DecodeStep (a replayed CUDA graph on CUDA)."""
     device, n_rows, max_new = logits.device, len(seeds), params.max_new_tokens
     u_all = torch.from_numpy(np.stack([uniforms(seeds, t) for t in range(max_new)], axis=1)).to(device)
     toks = torch.zeros((n_rows, max_new), dtype=torch.long, device=device)

@@ -133,6 +133,11 @@ class RolloutConfig(Section):
         description="With env: most tokens after the prompt in a trajectory, the model's and the environment's "
                     "together (verl data.max_response_length, TRL max_completion_length); a turn is cut to what is "
                     "left, and an environment turn that does not fit ends the trajectory unfinished.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=1024,
+        description="rollout.engine=vllm only: vLLM's tensor_parallel_size, one engine over this many devices "
+                    "(verl/EasyR1 rollout.tensor_model_parallel_size); evenrl plan shows devices per engine and "
+                    "engines per node. 1: one engine per device.")
     memory_fraction: float = Field(
         0.0, ge=0.0, lt=1.0,
         description="vllm: the engine's memory share: gpu_memory_utilization on GPU (0: 0.3), on CPU this share of "
@@ -243,6 +248,12 @@ class ParallelConfig(Section):
                     "step's prompts balanced over them by cost) and get the trainers' weights after every optimizer "
                     "step; the others only train. 0: every process trains and generates. Also the flag "
                     "--rollout-devices of evenrl train.")
+    sequence_parallel_size: int = Field(
+        1, ge=1, le=1024,
+        description="Ulysses sequence parallelism: each sample's tokens are split over a group of this many "
+                    "training ranks (attention exchanges heads for tokens with an all-to-all), data parallel across "
+                    "the groups; it must divide the training ranks (verl/EasyR1 ulysses_sequence_parallel_size). "
+                    "1: off. docs/long-context.md.")
     collective_timeout_s: float = Field(
         600.0, gt=0.0, le=86400.0,
         description="How long a rank waits in one collective for a stopped peer before the job ends with one line "

@@ -114,14 +114,13 @@ def test_python_tool_runs_code_in_a_contained_process():
     assert run_code("while True: pass", cpu_s=1, timeout_s=60).status == "cpu"  # CPU time, not wall time
     assert run_code("import time; time.sleep(60)", timeout_s=1).status == "timeout"
     assert run_code("x = bytearray(10 << 30)").status == "memory"
-    printed = run_code("print('x' * (100 << 20))")
+    printed = run_code("print('x' * (4 << 20))")
     assert printed.status == "output" and len(printed.output) == 16_384
     net = run_code("import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)")
     assert net.status in ("error", "blocked") and ("unreachable" in net.output or "not allowed" in net.output)
-    assert net.network in ("namespace", "audit-hook")
+    assert net.sandbox == "namespaces"
     where = run_code("import os; print(os.getcwd()); open('f', 'w').write('hi')")
-    assert where.status == "ok" and "evenrl-code-" in where.output
-    assert not __import__("os").path.exists(where.output.strip())  # the working directory is gone
+    assert where.status == "ok" and where.output == "/tmp\n"  # the sandbox's own /tmp (tests/test_sandbox.py)
     raised = run_code("raise ValueError('no')")
     assert raised.status == "error" and raised.output.strip().endswith("ValueError: no")
 

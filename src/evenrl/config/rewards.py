@@ -80,6 +80,13 @@ class RewardsConfig(Section):
                           "take the trainer down (costs ~5-10 ms a step on CPU); false scores in the trainer process, "
                           "as TRL does, with the same time limit (a timer signal) but no memory or CPU-time cap and "
                           "the trainer's network: for cheap, trusted reward functions.")
+    sandbox: Literal["tools", "none"] = Field(
+        "tools",
+        description="tools: code the model writes (the python tool) runs in a sandbox (its own unprivileged user, "
+                    "PID, mount and network namespaces, a read-only system and a private /tmp, rlimits; "
+                    "docs/sandbox.md); a run that offers the tool on a machine that cannot make one stops at start "
+                    "with the reason. none: that code runs unsandboxed (rlimits and the time limit only), logged "
+                    "at every step: only on a machine where namespaces cannot be had, knowingly.")
     memory_limit_mib: int = Field(
         2048, ge=0, le=1024**2,
         description="Memory cap of each reward worker process, in MiB (RLIMIT_DATA: its heap and private memory); "

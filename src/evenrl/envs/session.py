@@ -17,6 +17,8 @@ from evenrl.config.rewards import RewardsConfig
 from evenrl.envs.base import Step
 from evenrl.envs.registry import resolve
 from evenrl.errors import UsageError
+from evenrl.envs.tools import python
+from evenrl.isolation import code, sandbox
 from evenrl.isolation.pool import Limits, run_contained
 
 
@@ -60,13 +62,19 @@ def _checked_messages(messages, what: str) -> list[dict]:
 
 
 class EnvSession:
-    """The trainer's side: rollout.env's calls, contained by the rewards section's limits."""
+    """The trainer's side: rollout.env's calls, contained by the rewards section's limits. An environment that
+    offers the python tool needs a sandbox (rewards.sandbox): on a machine that cannot make one, the run stops here
+    with the reason, before any step."""
 
-    def __init__(self, spec: str, rewards: RewardsConfig):
+    def __init__(self, spec: str, rewards: RewardsConfig, tools: list = ()):
         self.spec = spec
         self.isolate = rewards.isolate
         cpu = rewards.timeout_s if rewards.cpu_time_limit_s is None else rewards.cpu_time_limit_s
-        self.limits = Limits(rewards.timeout_s, cpu, rewards.memory_limit_mib)
+        self.limits = Limits(rewards.timeout_s, cpu, rewards.memory_limit_mib, rewards.sandbox)
+        code.MODE = rewards.sandbox  # for calls run inline (isolate=false); workers get it with each batch
+        self.unsandboxed = rewards.sandbox == "none" and python in tools
+        if rewards.sandbox != "none" and python in tools and (why := sandbox.unavailable()) is not None:
+            raise UsageError(sandbox.refusal("rewards.sandbox", why))
 
     def openings(self, rows: list[dict]) -> list[list[dict]]:
         """Every row's first messages; an opening that fails stops the run (it is the environment's bug, and no
@@ -83,6 +91,9 @@ class EnvSession:
     def steps(self, calls: list[tuple[bytes | None, dict, int, str]]) -> list[tuple[str, object]]:
         """(kind, value) per (state, row, seed, reply): "ok" with (state, (messages, done, reward, tool_calls,
         tool_errors)), or a failure kind of evenrl.isolation.pool with its message."""
+        if self.unsandboxed:
+            print("evenrl: warning: rewards.sandbox is none: the python tool runs model-written code unsandboxed, "
+                  "as the trainer's user", flush=True)
         jobs = [(i, 0, (self.spec, *call)) for i, call in enumerate(calls)]
         results, _ = run_contained([step], jobs, self.limits, isolate=self.isolate, what="environment step")
         return [results[i] for i in range(len(calls))]

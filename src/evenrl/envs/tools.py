@@ -1,5 +1,5 @@
 """The built-in tools: `calculator` (arithmetic read with ast and walked over exact fractions: nothing is evaluated
-as Python) and `python` (code run in a process of its own: evenrl.isolation.code)."""
+as Python) and `python` (code run in a sandbox: evenrl.isolation.code)."""
 
 from __future__ import annotations
 
@@ -62,13 +62,13 @@ def _show(value: Fraction) -> str:
 
 
 def python(code: str) -> str:
-    """Run Python code and return what it prints (stdout and stderr); no network, 2 s of CPU (3 s of wall time),
-    256 MiB of memory, 16 KiB of output.
+    """Run Python code and return what it prints (stdout and stderr); in a sandbox without network or the trainer's
+    files, 2 s of CPU (3 s of wall time), 256 MiB of memory, 32 processes, 16 KiB of output.
 
     Args:
         code: a Python program; print the results you need
     """
     result = run_code(code)
     note = {"ok": "", "error": "", "blocked": "", "timeout": "[killed: took too long]",
-            "cpu": "[killed: used its CPU time]", "memory": "", "output": "[output cut: too long]"}[result.status]
+            "cpu": "[killed: used its CPU time]", "memory": "", "output": "[output cut: too long]", "refused": ""}[result.status]
     return result.output + note if result.output or note else "(no output)"

@@ -25,6 +25,7 @@ from math import inf, isfinite
 from typing import Callable, NamedTuple
 
 from evenrl.errors import UsageError, bad, describe_error, one_line
+from evenrl.isolation import code
 
 # Size of the worker pool; read when the pool (re)starts.
 WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -80,6 +81,7 @@ class Limits(NamedTuple):
     timeout_s: float          # wall clock, per call
     cpu_s: float              # CPU time, per call (worker only)
     memory_mib: int           # the worker's data segment; 0: no cap (worker only)
+    sandbox: str = "tools"    # rewards.sandbox, for the python tool run by the calls (evenrl.isolation.code.MODE)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -199,6 +201,7 @@ def _worker_main(conn) -> None:
         if message is None:
             return
         blobs, jobs, limits = message
+        code.MODE = limits.sandbox
         _set_memory_cap(limits.memory_mib)  # before loading: what a function's module allocates on import counts
         fns = []
         for blob in blobs:

@@ -66,7 +66,7 @@ class Turns:
         self.roles, self.tools = env.roles, tool_schemas(env.tools)
         # before any weights load: the template as saved in model.path, rendered without the tokenizer
         check_template(file_render(cfg.model.path), self.tools, self.roles, f"model.path {cfg.model.path}")
-        self.session = EnvSession(cfg.rollout.env, cfg.rewards)
+        self.session = EnvSession(cfg.rollout.env, cfg.rewards, env.tools)
 
     def load(self, tokenizer, path: str | None = None) -> tuple[list[dict], list[list[int]], list[list[dict]], int]:
         """(rows, prompt tokens, opening messages, rows skipped as longer than data.max_prompt_tokens) of data.path

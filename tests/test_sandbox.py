@@ -1,0 +1,111 @@
+"""Hostile model-written code sent the way a policy sends it (a `<tool_call>` to the built-in `python` tool): every
+attempt to reach outside the sandbox fails or is killed in time, and nothing it started survives the call."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from evenrl.envs import ToolEnv
+from evenrl.envs.tools import python
+from evenrl.isolation import code, sandbox
+
+
+class Coder(ToolEnv):
+    tools = [python]
+
+    def score(self, answer: str) -> float:
+        return 0.0
+
+
+def tool_call(source: str) -> str:
+    """What the tool answers to a reply calling `python` with `source`, parsed and dispatched as in training."""
+    reply = "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": source}}) + "</tool_call>"
+    step = Coder().step(reply)
+    assert step.tool_calls == 1
+    return step.messages[0]["content"]
+
+
+def running_with(marker: str) -> list[int]:
+    """Processes on this machine whose command line contains `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+needs_sandbox = pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"{sandbox.unavailable()}")
+
+
+@needs_sandbox
+def test_code_cannot_read_write_or_signal_outside_its_sandbox(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("checkpoint")
+    secret.chmod(0o600)
+    assert "Permission denied" in tool_call("print(open('/etc/shadow').read())")  # root-only: another user
+    assert "No such file" in tool_call(f"print(open({str(secret)!r}).read())")  # the trainer's files: not there
+    for target in (tmp_path / "escape.txt", "/etc/evenrl-escape", "/usr/evenrl-escape"):
+        answer = tool_call(f"open({str(target)!r}, 'w').write('x')")
+        assert "Read-only file system" in answer or "No such file" in answer  # under /tmp: the sandbox's own
+        assert not os.path.exists(target)
+    assert tool_call("open('/tmp/scratch', 'w').write('x'); print(open('/tmp/scratch').read())") == "x\n"
+    assert int(tool_call("import os; print(os.getuid())")) not in (0, os.getuid())
+    outside = subprocess.Popen(["sleep", "60"])
+    try:
+        answer = tool_call(f"import os, signal; os.kill({outside.pid}, signal.SIGKILL)")
+        assert "ProcessLookupError" in answer
+        assert "2\n" == tool_call("import os; print(len([p for p in os.listdir('/proc') if p.isdigit()]))")  # it and PID 1
+        time.sleep(0.1)
+        assert outside.poll() is None  # still running
+    finally:
+        outside.kill()
+        outside.wait()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert "unreachable" in tool_call(f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)")
+
+
+@needs_sandbox
+def test_nothing_the_code_starts_survives_the_call():
+    """A daemon (double fork, setsid), a fork bomb and code that closes its pipes and sleeps."""
+    marker = f"{time.time_ns() % 10**9}.25"
+    daemon = (f"import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+              f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nprint('started')")
+    assert tool_call(daemon) == "started\n"
+    bomb = (f"import os\nn = 0\nfor i in range(200):\n    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+            f"    if pid == 0:\n        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    n += 1\nprint(n)")
+    assert int(tool_call(bomb)) < 200  # RLIMIT_NPROC stopped it
+    started = time.monotonic()
+    result = code.run_code("import os, time; os.close(1); os.close(2); time.sleep(30)", timeout_s=1)
+    assert result.status == "timeout" and time.monotonic() - started < 3
+    time.sleep(0.2)
+    assert running_with(marker) == []
+
+
+def test_sandbox_none_runs_the_code_unsandboxed_and_says_so(monkeypatch):
+    monkeypatch.setattr(code, "MODE", "none")
+    result = code.run_code("import os; print(os.getuid())")
+    assert result == ("ok", f"{os.getuid()}\n", "none")
+
+
+def test_a_machine_without_unshare_refuses_in_one_line(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    sandbox.unavailable.cache_clear()
+    try:
+        result = code.run_code("print(1)")
+    finally:
+        sandbox.unavailable.cache_clear()
+    assert result.status == "refused" and "\n" not in result.output
+    assert "`unshare` is not installed" in result.output and "rewards.sandbox: none" in result.output
+    assert sys.executable  # the trainer itself is untouched

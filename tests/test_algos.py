@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenrl.core import advantages, losses
-from evenrl.core.losses import (LossInputs, LossSettings, entropy_from_logits, kl_penalty, policy_loss, rl_loss,
-                                 token_logprobs)
+from evenrl.core.losses import LossInputs, LossSettings, entropy_from_logits, kl_penalty, rl_loss, token_logprobs
+from evenrl.core.surrogates import ppo_clip as policy_loss
 from evenrl.core.advantages import compute_advantages, grpo_advantages, reinforce_pp_baseline_advantages, rloo_advantages
 from evenrl.errors import UsageError
 

@@ -35,11 +35,16 @@ def _check_rewards(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 def _group_mean_std(x: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample group mean, unbiased group std (0 for a group of one) and group size, each [N].
 
-    Groups are found with `torch.unique`, so ids need not be contiguous, sorted or dense.
+    Groups are found with `torch.unique`, so ids need not be contiguous, sorted or dense. A group whose values are
+    all equal gets exactly that value as its mean (sum / count can miss it by an ulp, e.g. three rewards of 0.1),
+    so its centred values, its std and every advantage built from them are exactly 0.
     """
     _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
     counts = counts.to(x.dtype)
     mean = torch.zeros_like(counts).index_add_(0, inverse, x) / counts
+    low = torch.full_like(counts, float("inf")).scatter_reduce_(0, inverse, x, "amin")
+    high = torch.full_like(counts, float("-inf")).scatter_reduce_(0, inverse, x, "amax")
+    mean = torch.where(low == high, low, mean)
     dev = x - mean[inverse]
     # Two-pass variance: summing squared deviations is exact for all-equal groups, where E[x^2]-E[x]^2 is not.
     var = torch.zeros_like(counts).index_add_(0, inverse, dev * dev) / (counts - 1).clamp(min=1)
@@ -58,13 +63,14 @@ def grpo_advantages(
 ) -> torch.Tensor:
     """GRPO outcome advantage: A_i = (r_i - mean_g(r)) / (std + eps).  rewards [N], groups [N] -> [N].
 
+    eps is algo.std_eps (verl's epsilon 1e-6; TRL adds 1e-4).
     std_scale:
       "group"  std of the completion's own group (DeepSeekMath GRPO, arXiv:2402.03300; verl `grpo`);
       "batch"  std of the raw rewards over the whole batch (TRL `scale_rewards="batch"`, arXiv:2508.08221);
       "none"   no division (Dr. GRPO, arXiv:2503.20783; verl `norm_adv_by_std_in_grpo=False`).
     The std is unbiased (Bessel-corrected), as `torch.std` in verl and `nanstd` in TRL compute it.
     A group of one has no baseline, so its advantage is 0 (verl instead uses mean 0, std 1 there, which hands it
-    the raw reward); a group whose rewards are all equal also gets 0 (0 / (0 + eps)).
+    the raw reward); a group whose rewards are all equal gets exactly 0 (see _group_mean_std).
     """
     r = _check_rewards(rewards, groups)
     mean, group_std, _ = _group_mean_std(r, groups)
@@ -83,7 +89,9 @@ def dr_grpo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Ten
 
     rewards [N], groups [N] -> [N].  Same as `grpo_advantages(..., std_scale="none")`.  Dr. GRPO's other half is
     dividing the summed token losses by a constant (the maximum generation length) instead of each response's
-    length; that is a loss-aggregation mode in `evenrl.core.aggregation` (verl: `seq-mean-token-sum-norm`), not here.
+    length: algo.loss_aggregation=seq-mean-token-sum-norm (`evenrl.core.aggregation`; verl
+    `seq-mean-token-sum-norm`, TRL loss_type=dr_grpo), with algo.loss_norm_tokens the constant. Dr. GRPO in full is
+    this advantage plus that aggregation.
     """
     return grpo_advantages(rewards, groups, std_scale="none")
 
@@ -99,18 +107,31 @@ def rloo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor
     return torch.where(n > 1, (r - mean) * n / (n - 1).clamp(min=1), torch.zeros_like(r))
 
 
-def reinforce_pp_baseline_advantages(rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """REINFORCE++-baseline: subtract the group mean, then divide by the batch std of those centred rewards.
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6,
+                                     whiten: str = "sample", lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++-baseline: subtract the group mean, then scale by a batch-wide spread of those centred rewards.
 
     rewards [N], groups [N] -> [N].  Hu et al., REINFORCE++ (arXiv:2501.03262); verl
-    `reinforce_plus_plus_baseline`, OpenRLHF `reinforce_baseline`.  The std is unbiased and taken over completions;
-    verl whitens the token-level broadcast (so long responses weigh more in the std) and also re-centres, which at
-    completion level is a no-op because group-centred rewards already sum to zero.  A group of one gets 0.
+    `reinforce_plus_plus_baseline`, OpenRLHF `reinforce_baseline`.  A group of one gets centred reward 0.
+      whiten="sample"  c_i / (std_i(c) + eps): the unbiased std over completions (each counts once).
+      whiten="token"   (c_i - mu) / sqrt(var + 1e-8), mu and the unbiased var over every response token of the batch,
+                       each completion's c_i repeated on its lengths[i] tokens: verl's and OpenRLHF's masked whitening of
+                       the token-level broadcast (eps inside the root is theirs, 1e-8; `eps` is not used). It is not a
+                       re-centring no-op: with unequal lengths mu != 0, so long completions weigh more in both moments
+                       and an all-equal group gets -mu / sqrt(var + 1e-8), not 0, exactly as in verl.
+    lengths [N]: response tokens per completion (whiten="token" only).
     """
     r = _check_rewards(rewards, groups)
     mean, _, _ = _group_mean_std(r, groups)
     centred = r - mean
-    return centred / (_batch_std(centred) + eps)
+    if whiten == "sample":
+        return centred / (_batch_std(centred) + eps)
+    if whiten != "token":
+        raise bad("reinforce_pp_baseline_whiten", whiten, "'sample' or 'token'")
+    if lengths is None or lengths.shape != r.shape:
+        raise ValueError("whiten='token' needs lengths [N], the response tokens of each completion")
+    mu, var = pooled_moments(lengths.double(), centred.double(), torch.zeros_like(centred, dtype=torch.float64))
+    return torch.where(lengths > 0, (centred.double() - mu) / (var + 1e-8) ** 0.5, 0.0).to(r.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -231,23 +252,24 @@ ADVANTAGES = {
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor | None = None,
-                       **kw) -> torch.Tensor:
+                       lengths: torch.Tensor | None = None, **kw) -> torch.Tensor:
     """Dispatch by estimator name (a key of `ADVANTAGES`); keyword arguments go to that function.
 
     valid [N] bool (optional): only these samples exist for the estimator. Advantages are computed over them alone
     (group means, stds and sizes, leave-one-out baselines, batch stds) exactly as if the others had never been
     sampled, and the others get advantage 0. None: every sample is valid.
+    lengths [N] (optional): response tokens per sample, for estimators that weigh samples by length.
     """
     fn = ADVANTAGES.get(name)
     if fn is None:
         raise bad("advantage", name, f"one of {', '.join(sorted(ADVANTAGES))}")
     if valid is None:
-        return fn(rewards, groups, **kw)
+        return fn(rewards, groups, **kw, **({} if lengths is None else {"lengths": lengths}))
     _check_rewards(rewards, groups)
     if valid.dtype != torch.bool or valid.shape != rewards.shape:
         raise ValueError(f"valid must be a bool tensor shaped like rewards {tuple(rewards.shape)}; "
                          f"got {valid.dtype} {tuple(valid.shape)}")
-    kept = fn(rewards[valid], groups[valid], **kw)
+    kept = fn(rewards[valid], groups[valid], **kw, **({} if lengths is None else {"lengths": lengths[valid]}))
     out = kept.new_zeros(rewards.shape)
     out[valid] = kept
     return out

@@ -11,6 +11,14 @@ masked-in token (rows with an all-zero mask, e.g. padding rows, are not counted)
   token-mean           sum_{i,t} m*x / sum_{i,t} m
   seq-mean-token-mean  mean_i ( sum_t m*x / sum_t m )
   seq-mean-token-sum   mean_i ( sum_t m*x )
+  seq-mean-token-sum-norm  mean_i ( sum_t m*x ) / C   (C = `Denominators.norm_tokens`, a constant length: Dr. GRPO's
+                       normaliser, arXiv:2503.20783; TRL loss_type=dr_grpo divides by rows x max_completion_length;
+                       verl divides each micro-batch's token sum by C and scales by its share of the mini-batch's
+                       rows, the same mean. It differs from seq-mean-token-sum by the factor C only, which matters
+                       with gradient clipping and for the learning rate.)
+
+`row_sums` gives per-row sums and token counts: the per-sequence numbers sequence-level quantities (GSPO's ratio,
+sequence-level importance weights) are built from, so that they can be all-reduced where a row is split.
 """
 
 from __future__ import annotations
@@ -21,13 +29,14 @@ from torch import Tensor
 
 from evenrl.errors import bad
 
-MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
 class Denominators:
     tokens: float  # masked-in tokens
     seqs: float    # rows with at least one masked-in token
+    norm_tokens: float = 1.0  # seq-mean-token-sum-norm's constant length (algo.loss_norm_tokens)
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, denom: Denominators) -> Tensor:
@@ -45,4 +54,17 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, denom: Denominators) -
     row_sum = x.sum(-1)
     if mode == "seq-mean-token-mean":
         row_sum = row_sum / keep.sum(-1).clamp(min=1).to(x.dtype)
+    if mode == "seq-mean-token-sum-norm":
+        return row_sum.sum() / (max(denom.seqs, 1.0) * denom.norm_tokens)
     return row_sum.sum() / max(denom.seqs, 1.0)
+
+
+def row_sums(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum of x over each row's masked tokens [B], the row's masked-token count [B], in x's dtype).
+
+    A row here is a whole sequence (samples are never split over ranks). Where sequence parallelism splits one
+    sequence over a group of ranks, each holds part of the row: summing both outputs over that group gives the
+    whole sequence's, and every sequence-level quantity evenrl forms (a mean log-ratio, a product of ratios) is
+    a function of these two numbers alone."""
+    keep = mask.bool()
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(-1), keep.sum(-1).to(x.dtype)

@@ -1,4 +1,6 @@
-"""Token-level losses as pure functions on tensors: log-probs, entropy, KL estimators and the PPO-clip surrogate.
+"""Token-level losses as pure functions on tensors: log-probs, entropy, KL estimators, the RL objective of a
+micro-batch (`rl_loss`: a surrogate of evenrl.core.surrogates, weighted by evenrl.core.importance, plus KL and
+entropy terms) and the critic's value loss.
 
 Shapes: B, T  rows and token positions of a padded token batch; V  vocabulary size. Functions return per-token
 [B, T] tensors; reducing them to a scalar (token-mean, seq-mean, ...) is `evenrl.core.aggregation`'s job, so that
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from evenrl.core.importance import importance_weights
+from evenrl.core.surrogates import surrogate
 from evenrl.errors import bad
 
 # Log-ratios and KL arguments are clamped before exp(), like verl, so one wild token cannot produce inf/NaN.
@@ -27,74 +31,35 @@ _CHUNK_ELEMENTS = 1 << 25
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    *,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip surrogate per token with asymmetric clipping.  -> (loss [B, T], stats).
-
-    logp, old_logp [B, T]: log-probs of the sampled tokens under the current and the rollout policy.
-    advantages [B] (broadcast over tokens) or [B, T].
-      ratio = exp(logp - old_logp)          (log-ratio clamped to [-20, 20] first, as verl does)
-      loss  = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
-    PPO: Schulman et al. arXiv:1707.06347.  clip_high > clip_low is DAPO's "clip-higher" (arXiv:2503.14476).
-    Tokens outside `mask` get loss 0.
-
-    stats: detached scalar *sums over masked tokens*, so they can be all-reduced and then divided by
-    stats["tokens"]: clipped_tokens (the clipped branch was taken; verl pg_clipfrac numerator), clipped_low_tokens
-    (A < 0, ratio < 1 - clip_low), clipped_high_tokens (A > 0, ratio > 1 + clip_high), approx_kl_sum (sum of
-    old_logp - logp; verl ppo_kl numerator).
-    """
-    if logp.shape != old_logp.shape or logp.dim() != 2:
-        raise ValueError(f"logp and old_logp must both be [B, T]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}")
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-    adv = adv.to(logp.dtype)
-    mask = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask.bool()
-
-    log_ratio = (logp - old_logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    loss = torch.where(mask, loss, torch.zeros_like(loss))
-
-    def count(hit: torch.Tensor) -> torch.Tensor:
-        return (hit & mask).sum()
-
-    with torch.no_grad():
-        stats = {
-            "tokens": mask.sum(),
-            "clipped_tokens": count(clipped > unclipped),
-            "clipped_low_tokens": count((adv < 0) & (ratio < 1.0 - clip_low)),
-            "clipped_high_tokens": count((adv > 0) & (ratio > 1.0 + clip_high)),
-            "approx_kl_sum": torch.where(mask, -log_ratio, torch.zeros_like(log_ratio)).sum(),
-        }
-    return loss, stats
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs.  logp, ref_logp [B, T] -> [B, T].
 
     Estimators from Schulman, "Approximating KL Divergence" (2020, joschu.net/blog/kl-approx.html), d = ref - logp:
-      "k1"  -d                      unbiased, high variance (verl "kl")
-      "k2"  d^2 / 2                 (verl "mse")
-      "k3"  exp(d) - d - 1 >= 0     unbiased, low variance (verl "low_var_kl"; GRPO's KL term)
+      "k1"   -d                      unbiased, high variance (verl "kl")
+      "k2"   d^2 / 2                 (verl "mse"); its gradient is the unbiased gradient of KL
+      "k3"   exp(d) - d - 1 >= 0     unbiased, low variance (verl "low_var_kl"; GRPO's KL term)
+      "abs"  |d|                     (verl "abs")
+      "k1+", "k3+"  straight-through: the value of k1 / k3 with the gradient of k2 (verl "k1+", "low_var_kl+"),
+                    k2 + sg(k - k2), because the expected gradients of k1 and k3 are not KL's.
     k3 clamps d to [-20, 20] before exp and the result to at most 10, exactly as verl does; past the clamp the
     gradient is zero, which caps how hard one token can pull.
     """
+    if kind.endswith("+") and kind in KL_ESTIMATORS:
+        k2 = kl_penalty(logp, ref_logp, "k2")
+        return k2 + (kl_penalty(logp, ref_logp, kind[:-1]) - k2).detach()
     if kind == "k1":
         return logp - ref_logp
+    if kind == "abs":
+        return (logp - ref_logp).abs()
     if kind == "k2":
         return 0.5 * (logp - ref_logp).square()
     if kind == "k3":
         d = (ref_logp - logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         return (d.exp() - d - 1.0).clamp(max=_K3_CLAMP)
-    raise bad("kl kind", kind, "one of 'k1', 'k2', 'k3'")
+    raise bad("kl kind", kind, "one of " + ", ".join(repr(k) for k in KL_ESTIMATORS))
 
 
 def _rows_per_chunk(vocab: int) -> int:
@@ -170,54 +135,42 @@ class LossInputs:
 
 @dataclass(frozen=True)
 class LossSettings:
+    policy_loss: str = "ppo"      # a surrogate of evenrl.core.surrogates.SURROGATES
     clip_low: float = 0.2
     clip_high: float = 0.2
+    clip_ratio_c: float = 0.0     # dual clip (ppo only); 0 = off
     kl_coef: float = 0.0          # weight of the per-token KL term; 0 measures KL (when ref_logp is given) only
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0     # weight of the entropy bonus; 0 only measures entropy
-    importance_cap: float = 2.0   # upper bound of the truncated importance weight (with behavior_logp)
-
-
-def importance_weights(old_logp: torch.Tensor, behavior_logp: torch.Tensor, cap: float,
-                       mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Truncated importance weights per token, detached: w = min(exp(old_logp - behavior_logp), cap).
-    -> (w [B, R], stats {name: (sum over masked tokens, token count)}).
-
-    old_logp is the trainer's policy at the start of the step (the PPO ratio's denominator, AReaL's proximal
-    policy), behavior_logp the engine's log-probs of the same tokens under the policy that sampled them. The
-    policy-gradient term of each token is multiplied by w (decoupled PPO, Hilton et al. arXiv:2110.00641, as in
-    AReaL; truncated importance sampling as in verl's TIS); the cap bounds the variance one unlikely token can add.
-    stats: policy/is_weight (mean w) and policy/is_clipped_fraction (tokens whose weight was cut to the cap)."""
-    log_w = (old_logp.detach() - behavior_logp.to(old_logp.dtype)).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    raw = log_w.exp()
-    w = raw.clamp(max=cap)
-    mask = mask.bool()
-    n = mask.sum()
-    zero = torch.zeros((), dtype=w.dtype, device=w.device)
-    stats = {"policy/is_weight": (torch.where(mask, w, zero).sum(), n),
-             "policy/is_clipped_fraction": (((raw > cap) & mask).sum(), n)}
-    return torch.where(mask, w, zero), stats
+    importance_cap: float = 2.0   # upper threshold of the importance weight (with behavior_logp)
+    importance_floor: float = 0.0  # lower threshold; 0 = none
+    importance_level: str = "token"  # token | sequence | geometric (evenrl.core.importance)
+    importance_mode: str = "truncate"  # truncate | mask
 
 
 def rl_loss(inp: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """PPO-clip surrogate (times the truncated importance weight when behavior_logp is given) + kl_coef x
-    KL(policy || reference) - entropy_coef x entropy, per token.
+    """The policy-gradient surrogate s.policy_loss (times the importance weight when behavior_logp is given) +
+    kl_coef x KL(policy || reference) - entropy_coef x entropy, per token.
     -> (loss [B, R], stats {name: (sum over masked tokens, token count)}).
 
     Stats are (sum, count) pairs so a global mean over ranks and micro-batches is exact: policy/loss,
-    policy/clip_fraction, policy/approx_kl, entropy, and kl when ref_logp is given. Reducing the loss to a scalar
-    with global denominators is evenrl.core.aggregation's job.
+    policy/clip_fraction, policy/dual_clip_fraction (with clip_ratio_c), policy/approx_kl, entropy, kl when ref_logp is given, and
+    evenrl.core.importance's with behavior_logp. Reducing the loss to a scalar with global denominators is
+    evenrl.core.aggregation's job.
     """
-    per_token, pstats = policy_loss(inp.logp, inp.old_logp, inp.advantages, clip_low=s.clip_low,
-                                    clip_high=s.clip_high, mask=inp.mask)
+    per_token, pstats = surrogate(s.policy_loss)(inp.logp, inp.old_logp, inp.advantages, clip_low=s.clip_low,
+                                                 clip_high=s.clip_high, clip_ratio_c=s.clip_ratio_c, mask=inp.mask)
     n = inp.mask.sum()
     is_stats = {}
     if inp.behavior_logp is not None:
-        w, is_stats = importance_weights(inp.old_logp, inp.behavior_logp, s.importance_cap, inp.mask)
+        w, is_stats = importance_weights(inp.old_logp, inp.behavior_logp, s.importance_cap, inp.mask,
+                                         level=s.importance_level, mode=s.importance_mode, floor=s.importance_floor)
         per_token = per_token * w.to(per_token.dtype)
     stats = {"policy/loss": ((per_token * inp.mask).sum().detach(), n),
              "policy/clip_fraction": (pstats["clipped_tokens"], n),
              "policy/approx_kl": (pstats["approx_kl_sum"], n), **is_stats}
+    if s.clip_ratio_c > 0:
+        stats["policy/dual_clip_fraction"] = (pstats["dual_clipped_tokens"], n)
     if inp.ref_logp is not None:
         kl = kl_penalty(inp.logp, inp.ref_logp, s.kl_estimator)
         if s.kl_coef > 0:

@@ -1,6 +1,8 @@
 """The per-micro-batch objectives the update minimises: the policy's (`rl_objective`) and the critic's
 (`value_objective`), each building the pure loss's inputs from the forward's outputs and the micro-batch's columns, plus the
-engine/trainer log-prob mismatch they report on the way. The losses themselves are evenrl.core.losses."""
+engine/trainer log-prob mismatch they report on the way; and the settings the pure functions get from the config
+(`loss_settings`, `advantage_settings`, `norm_tokens`), so that an algorithm is a value and never a branch of the loop.
+The losses themselves are evenrl.core.losses."""
 
 from __future__ import annotations
 
@@ -9,21 +11,23 @@ import torch
 from evenrl.config import RunConfig
 from evenrl.core.batch import Batch
 from evenrl.core.losses import LossInputs, LossSettings, rl_loss, value_loss
-from evenrl.core.masking import masked_rows
+from evenrl.core.masking import counted_lengths, masked_rows
 from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.train.runlog import MISMATCH_THRESHOLD
 
 STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "entropy",
               "rollout/logprob_mismatch", "rollout/mismatch_fraction"]
-IS_STAT_NAMES = ["policy/is_weight", "policy/is_clipped_fraction"]  # with importance weights (importance_correction)
+# with importance weights (importance_correction)
+IS_STAT_NAMES = ["policy/is_weight", "policy/is_clipped_fraction", "policy/is_masked_fraction",
+                 "policy/is_clipped_seq_fraction", "policy/is_masked_seq_fraction"]
 CRITIC_STAT_NAMES = ["critic/loss", "critic/clip_fraction", "critic/values"]
 
 
 def rl_objective(cfg: RunConfig, step: int, outputs, targets, mask, mb: Batch):
     """A micro-batch's policy loss at RL step `step`: its LossInputs from the forward's log-probs and entropies
     (`outputs` [B, R, 2], models.forward.response_logprobs) and its columns, then the pure objective
-    (evenrl.core.losses.rl_loss)."""
-    algo = cfg.algo
+    (evenrl.core.losses.rl_loss). Each row is a whole sample, so sequence-level terms (GSPO's ratio, sequence
+    importance weights) see all of its tokens."""
     keep, mask = kept_rows(cfg, mb, mask)
     logp, entropy = outputs[..., 0], outputs[..., 1]
     adv = ragged_to_right_aligned(mb, "token_advantage", logp.device) if "token_advantage" in mb else mb["advantage"]
@@ -33,15 +37,47 @@ def rl_objective(cfg: RunConfig, step: int, outputs, targets, mask, mb: Batch):
         logp=logp, mask=mask, entropy=entropy, advantages=adv.to(logp.device), old_logp=old_logp,
         ref_logp=ragged_to_right_aligned(mb, "ref_logp", logp.device) if "ref_logp" in mb else None,
         behavior_logp=behavior_logprobs(cfg, step, mb, old_logp, engine_logp))
-    per_token, stats = rl_loss(inputs, LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high,
-                                                    entropy_coef=algo.entropy_coef,
-                                                    kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0,
-                                                    kl_estimator=algo.kl_estimator,
-                                                    importance_cap=algo.importance_cap))
+    per_token, stats = rl_loss(inputs, loss_settings(cfg))
     stats.update(logprob_mismatch(old_logp, engine_logp, mask))
     if keep is not None:
         per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
     return per_token, stats
+
+
+def loss_settings(cfg: RunConfig) -> LossSettings:
+    """The pure objective's settings from the config: every algorithm choice is a value here, none a branch."""
+    algo = cfg.algo
+    return LossSettings(policy_loss=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
+                        clip_ratio_c=algo.clip_ratio_c, entropy_coef=algo.entropy_coef,
+                        kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0, kl_estimator=algo.kl_estimator,
+                        importance_cap=algo.importance_cap, importance_floor=algo.importance_floor,
+                        importance_level=algo.importance_level, importance_mode=algo.importance_mode)
+
+
+def advantage_settings(cfg: RunConfig, everyone: Batch) -> dict:
+    """Keyword arguments of the group advantage estimator (evenrl.core.advantages.compute_advantages) from the config
+    and the step's per-sample columns (everyone)."""
+    algo = cfg.algo
+    if algo.advantage == "grpo":
+        return {"std_scale": algo.std_scale, "eps": algo.std_eps}
+    if algo.advantage != "reinforce_pp_baseline":
+        return {}
+    kw = {"eps": algo.std_eps, "whiten": algo.reinforce_pp_baseline_whiten}
+    if algo.reinforce_pp_baseline_whiten == "token":  # the tokens the loss counts: a trajectory's sampled ones
+        kw["lengths"] = counted_lengths(cfg, everyone)
+    return kw
+
+
+def norm_tokens(cfg: RunConfig) -> float:
+    """seq-mean-token-sum-norm's constant length: algo.loss_norm_tokens, else the response cap."""
+    return float(cfg.algo.loss_norm_tokens or cfg.response_tokens())
+
+
+def policy_stat_names(cfg: RunConfig) -> list[str]:
+    """The statistics every rank reduces for the policy, in one order: the importance weights' with
+    importance_correction, the dual clip's share with clip_ratio_c."""
+    return (STAT_NAMES + (IS_STAT_NAMES if importance_weighted(cfg) else [])
+            + (["policy/dual_clip_fraction"] if cfg.algo.clip_ratio_c > 0 else []))
 
 
 def importance_weighted(cfg: RunConfig) -> bool:

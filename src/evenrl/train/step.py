@@ -31,8 +31,8 @@ from evenrl.models.forward import ragged_to_right_aligned, response_logits, resp
 from evenrl.models.loading import is_sharded
 from evenrl.train.balance import rebalance
 from evenrl.train.metrics import Timer, step_metrics
-from evenrl.train.objectives import (CRITIC_STAT_NAMES, IS_STAT_NAMES, STAT_NAMES, importance_weighted, rl_objective,
-                                     value_objective)
+from evenrl.train.objectives import (CRITIC_STAT_NAMES, advantage_settings, norm_tokens, policy_stat_names,
+                                     rl_objective, value_objective)
 from evenrl.train.sampling import sample
 from evenrl.train.trainer import Trainer
 from evenrl.train.update import compute_logprobs, compute_values, minibatch_denominators, minibatch_update
@@ -61,7 +61,7 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
         schedule = plan_step(trainer, everyone)
         batch, micro = exchange(trainer, local, schedule)                       # rows this rank trains on
         lens = counted_lengths(cfg, everyone)                                   # 0 for masked samples
-        denoms = [minibatch_denominators(lens, mb.rows) for mb in schedule.minibatches]
+        denoms = [minibatch_denominators(lens, mb.rows, norm_tokens(cfg)) for mb in schedule.minibatches]
     with timer("logprobs"):
         if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "loss":
             with trainer.reference_policy() as reference:                       # with LoRA: the adapters disabled
@@ -164,10 +164,9 @@ def add_advantages(trainer: Trainer, local: Batch, everyone: Batch) -> dict:
     rewards = everyone["reward"].double()
     if "kl_sum" in everyone:
         rewards = rewards - algo.kl_coef * everyone["kl_sum"].double()
-    kw = {"std_scale": algo.std_scale} if algo.advantage == "grpo" else {}
     masked = masked_rows(trainer.cfg, everyone)
     adv = compute_advantages(algo.advantage, rewards, everyone["group"], None if masked is None else ~masked,
-                             **kw).float()
+                             **advantage_settings(trainer.cfg, everyone)).float()
     everyone["advantage"] = adv
     local["advantage"] = adv[local["sample_index"]]  # sample_index is the position in `everyone`
     return {}
@@ -232,7 +231,7 @@ def needs_old_logprobs(cfg: RunConfig) -> bool:
 
 def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]]], denoms: list) -> dict:
     cfg, algo = trainer.cfg, trainer.cfg.algo
-    stat_names = STAT_NAMES + (IS_STAT_NAMES if importance_weighted(cfg) else [])
+    stat_names = policy_stat_names(cfg)
     busy = trainer.balance.busy if trainer.balance.measured else None  # parallel.capacity_weights set: timed
 
     totals: dict[str, float] = {}

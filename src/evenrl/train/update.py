@@ -90,12 +90,13 @@ def _per_response_token(model, batch: Batch, micro_rows: list[list[int]], pad_to
     return out  # type: ignore[return-value]
 
 
-def minibatch_denominators(response_len, rows) -> Denominators:
-    """A mini-batch's loss denominators (response tokens, sequences with >= 1 response token) over ALL its rows,
+def minibatch_denominators(response_len, rows, norm_tokens: float = 1.0) -> Denominators:
+    """A mini-batch's loss denominators (response tokens, sequences with >= 1 response token, and the constant
+    length of seq-mean-token-sum-norm, algo.loss_norm_tokens) over ALL its rows,
     from the step's global per-sample lengths: every rank computes the same numbers without a collective, and
     rows that no rank runs (inert, zero gradient) still count, as they would on one device."""
     lens = torch.as_tensor(response_len)[torch.as_tensor(list(rows), dtype=torch.long)]
-    return Denominators(tokens=float(lens.sum()), seqs=float((lens > 0).sum()))
+    return Denominators(tokens=float(lens.sum()), seqs=float((lens > 0).sum()), norm_tokens=float(norm_tokens))
 
 
 # loss_fn(outputs, targets, mask, micro_batch) -> (per_token_loss [B, R], stats {name: (sum, count)})

@@ -420,10 +420,13 @@ def test_tools_demo_warm_start_teaches_the_tokens_a_trajectory_holds(tools_model
         assert prompts[k] + t.token_ids == enc(sft[2 * k + 1]["prompt"]) + answer
 
 
-def test_a_bad_environment_is_one_line_before_anything_runs(tools_model, tmp_path, capsys):
+def test_a_bad_environment_is_one_line_before_anything_runs(tools_model, tmp_path, capsys, monkeypatch):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{path: {tools_model}}}\n")
-    for env, needle in (("nosuch.module:Env", "not importable"), ("calc", "neither a built-in")):
+    (tmp_path / "script_env.py").write_text("import sys\nsys.exit(0)\n")  # would end `evenrl train` with 0
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for env, needle in (("nosuch.module:Env", "not importable"), ("calc", "neither a built-in"),
+                        ("script_env:Env", "importing script_env called sys.exit(0)")):
         code, _, err = evenrl_here(capsys, "train", cfg, f"rollout.env={env}", f"log.run_dir={tmp_path / 'r'}")
         assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err and "Traceback" not in err, err
         assert not (tmp_path / "r").exists()

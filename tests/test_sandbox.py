@@ -109,3 +109,31 @@ def test_a_machine_without_unshare_refuses_in_one_line(monkeypatch):
     assert result.status == "refused" and "\n" not in result.output
     assert "`unshare` is not installed" in result.output and "rewards.sandbox: none" in result.output
     assert sys.executable  # the trainer itself is untouched
+
+
+def test_user_modules_that_exit_parse_argv_raise_or_hang_at_import_are_one_line(tmp_path, monkeypatch):
+    """rollout.env and rewards name user modules; importing one that ends the interpreter, prints argparse's usage,
+    is interrupted or hangs becomes one UsageError line naming the field and the module."""
+    from evenrl.envs.registry import resolve as resolve_env
+    from evenrl.errors import UsageError
+    from evenrl.rewards import registry
+
+    modules = {
+        "exits_at_import": ("import sys\nsys.exit(0)\n", "called sys.exit(0)"),
+        "script_with_argv": ("import argparse\np = argparse.ArgumentParser()\np.add_argument('--data', required=True)"
+                             "\np.parse_args()\n", "the following arguments are required: --data"),
+        "interrupted_at_import": ("raise KeyboardInterrupt\n", "interrupted"),
+        "hangs_at_import": ("import time\ntime.sleep(60)\n", "took longer than 0.5 s"),
+    }
+    for name, (source, _) in modules.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "IMPORT_TIMEOUT_S", 0.5)
+    for name, (_, needle) in modules.items():
+        for load, field in ((resolve_env, "rollout.env"), (registry.resolve, "reward")):
+            sys.modules.pop(name, None)
+            with pytest.raises(UsageError) as caught:
+                load(f"{name}:thing")
+            message = str(caught.value)
+            assert message.startswith(f"{field}: ") and name in message and needle in message, message
+            assert "\n" not in message and "usage:" not in message

@@ -6,10 +6,16 @@ docs/rewards.md.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
+import signal
+import sys
+import threading
+import time
 from typing import Callable
 
-from evenrl.errors import bad, describe_error
+from evenrl.errors import bad, describe_error, one_line
 from evenrl.rewards.arithmetic import exact_match_reward
 from evenrl.rewards.countdown import countdown_reward
 from evenrl.rewards.format import format_reward, strict_format_reward
@@ -17,6 +23,9 @@ from evenrl.rewards.knights_knaves import kk_reward
 from evenrl.rewards.math import math_reward  # binds evenrl.rewards.math: never `import math` here
 
 RewardFn = Callable[[str, dict], float]
+
+# Importing a user's module (a reward, rollout.env) may take this long before the run stops with a line naming it.
+IMPORT_TIMEOUT_S = 60.0
 
 REGISTRY: dict[str, RewardFn] = {
     "math": math_reward,
@@ -49,13 +58,58 @@ def load_named(field: str, spec: str, allowed: str):
     module_name, sep, attr = spec.partition(":")
     if not (sep and module_name and attr):
         raise bad(field, spec, allowed)
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # a user module can fail to import in any way; report it on one line
-        raise bad(field, spec, f"{allowed}; importing {module_name} failed: {describe_error(e)}") from None
+    obj = _import(field, spec, module_name, allowed)
     for part in attr.split("."):
         obj = getattr(obj, part, None)
     return obj
+
+
+class _ImportTimeout(BaseException):
+    """Raised into an import that ran past IMPORT_TIMEOUT_S; a BaseException so `except Exception` keeps it."""
+
+
+def _import(field: str, spec: str, module_name: str, allowed: str):
+    """The module imported; anything it raises at import, SystemExit and KeyboardInterrupt too (a script that calls
+    sys.exit(0) or parses sys.argv must not end `evenrl train` silently or with argparse's usage), is one line
+    naming `field` and the module, with the last line the module printed. On the main thread the import is bounded
+    by IMPORT_TIMEOUT_S; a timer already running that ends sooner (a worker call's own limit) is left to end it, a
+    later one (pytest-timeout, a watchdog) is paused and re-armed afterwards with the time it had left."""
+    printed = io.StringIO()
+    outer, interval = signal.getitimer(signal.ITIMER_REAL) if hasattr(signal, "getitimer") else (0.0, 0.0)
+    timed = (threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+             and not 0 < outer <= IMPORT_TIMEOUT_S)
+    previous = signal.signal(signal.SIGALRM, _on_import_alarm) if timed else None
+    started = time.monotonic()
+    try:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, IMPORT_TIMEOUT_S)
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            module = importlib.import_module(module_name)
+    except _ImportTimeout:
+        raise bad(field, spec, f"importing {module_name} took longer than {IMPORT_TIMEOUT_S:g} s (does it "
+                               f"run something at import?)") from None
+    except BaseException as e:  # a user module can fail to import in any way; report it on one line
+        if isinstance(e, SystemExit):
+            why = f"importing {module_name} called sys.exit({e.code!r}) (a script, not an importable module?)"
+        elif isinstance(e, KeyboardInterrupt):
+            why = f"importing {module_name} was interrupted (KeyboardInterrupt)"
+        else:
+            why = f"importing {module_name} failed: {describe_error(e)}"
+        said = [line for line in printed.getvalue().splitlines() if line.strip()]
+        tail = f"; it printed: {one_line(said[-1], 100)}" if said else ""
+        raise bad(field, spec, f"{allowed}; {why}{tail}") from None
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if outer > 0:
+                signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer - (time.monotonic() - started)), interval)
+    sys.stderr.write(printed.getvalue())  # what a module that imported fine printed is the user's, not ours
+    return module
+
+
+def _on_import_alarm(signum, frame):
+    raise _ImportTimeout
 
 
 def findable(module: str) -> bool:

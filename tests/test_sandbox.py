@@ -137,3 +137,35 @@ def test_user_modules_that_exit_parse_argv_raise_or_hang_at_import_are_one_line(
             message = str(caught.value)
             assert message.startswith(f"{field}: ") and name in message and needle in message, message
             assert "\n" not in message and "usage:" not in message
+
+
+@needs_sandbox
+@pytest.mark.parametrize("mode", ["tools", "all"])
+def test_environment_steps_leave_no_process_behind(mode, monkeypatch):
+    """Steps that fork 200 children escaping their process group, then return, hang, or swallow their time limit:
+    each step ends within its limit (the last one killed from outside) and nothing it started survives; in the
+    sandbox (rewards.sandbox: all) the process cap also stops the forks."""
+    from evenrl.config import RunConfig
+    from evenrl.envs.session import EnvSession
+
+    from evenrl.isolation import pool
+
+    marker = f"{time.time_ns() % 10**9}.5"
+    row = {"prompt": "p"}
+    monkeypatch.setattr(pool, "WORKER_PROCESSES", 64)  # the sandbox's cap (RLIMIT_NPROC), small enough to reach
+
+    def session(timeout_s):
+        rewards = RunConfig.model_validate({"rewards": {"timeout_s": timeout_s, "sandbox": mode}}).rewards
+        return EnvSession("toy_envs:Spawner", rewards)
+
+    (kind, value), = session(10.0).steps([(None, row, 0, f"fork 200 {marker}")])
+    assert kind == "ok", value
+    step = value[1]
+    # a root trainer's workers are exempt from RLIMIT_NPROC (uid 0); the sandbox's unprivileged uid is not
+    assert int(step[0][0]["content"]) == 200 if mode == "tools" else int(step[0][0]["content"]) < 64
+    started = time.monotonic()
+    results = session(0.5).steps([(None, row, 1, f"hang 5 {marker}"), (None, row, 2, f"swallow 5 {marker}")])
+    assert [kind for kind, _ in results] == ["timeout", "timeout"], results
+    assert "worker killed" in results[1][1] and time.monotonic() - started < 5
+    time.sleep(0.2)
+    assert running_with(marker) == []

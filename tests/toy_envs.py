@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from evenrl.envs import Env, Step, ToolEnv
@@ -80,3 +81,32 @@ class Unpicklable(Env):
 class Broken(Env):
     def step(self, reply):
         return {"messages": []}
+
+
+class Spawner(Env):
+    """A hostile environment: its reply "KIND N MARKER" makes the step start N processes that escape its process
+    group (setsid) and sleep with MARKER on their command line; KIND "fork" then returns, "hang" sleeps past the
+    time limit, "swallow" also catches every exception (the limit's too) and keeps sleeping."""
+
+    def reset(self, row, seed):
+        pass
+
+    def step(self, reply):
+        kind, n, marker = reply.split()
+        started = 0
+        for _ in range(int(n)):
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+            if pid == 0:
+                os.setsid()
+                os.execv("/bin/sleep", ["sleep", marker])
+            started += 1
+        while kind != "fork":
+            try:
+                time.sleep(60)
+            except BaseException:
+                if kind == "hang":
+                    raise
+        return Step([{"role": "user", "content": str(started)}], done=True, reward=0.0)

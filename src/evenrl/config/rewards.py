@@ -80,13 +80,15 @@ class RewardsConfig(Section):
                           "take the trainer down (costs ~5-10 ms a step on CPU); false scores in the trainer process, "
                           "as TRL does, with the same time limit (a timer signal) but no memory or CPU-time cap and "
                           "the trainer's network: for cheap, trusted reward functions.")
-    sandbox: Literal["tools", "none"] = Field(
+    sandbox: Literal["tools", "all", "none"] = Field(
         "tools",
         description="tools: code the model writes (the python tool) runs in a sandbox (its own unprivileged user, "
                     "PID, mount and network namespaces, a read-only system and a private /tmp, rlimits; "
                     "docs/sandbox.md); a run that offers the tool on a machine that cannot make one stops at start "
-                    "with the reason. none: that code runs unsandboxed (rlimits and the time limit only), logged "
-                    "at every step: only on a machine where namespaces cannot be had, knowingly.")
+                    "with the reason. all: reward and environment workers run in it too (needs isolate; they see "
+                    "the directories on the trainer's Python path read-only and nothing else of its files). none: "
+                    "model-written code runs unsandboxed (rlimits and the time limit only), logged at every step: "
+                    "only on a machine where namespaces cannot be had, knowingly.")
     memory_limit_mib: int = Field(
         2048, ge=0, le=1024**2,
         description="Memory cap of each reward worker process, in MiB (RLIMIT_DATA: its heap and private memory); "
@@ -113,3 +115,11 @@ class RewardsConfig(Section):
         False, description="Leave samples cut at rollout.max_new_tokens (no EOS) out of learning, as rewards."
                            "on_failure=mask does failed ones: no advantage, not in their group's statistics, not "
                            "in the loss denominators (DAPO's overlong filtering).")
+
+    @model_validator(mode="after")
+    def _sandbox_all_needs_workers(self):
+        if self.sandbox == "all" and not self.isolate:
+            raise PydanticCustomError("sandbox_isolate", "sandbox 'all' runs the reward and environment workers in "
+                                                         "the sandbox, and isolate: false has none; set isolate: "
+                                                         "true or sandbox: tools")
+        return self

@@ -9,37 +9,33 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
-import io
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from math import inf, isfinite
 from typing import Callable, NamedTuple
 
-from evenrl.errors import UsageError, bad, describe_error, one_line
-from evenrl.isolation import code
+from evenrl.errors import UsageError, bad
+from evenrl.isolation import sandbox
+from evenrl.isolation.worker import WORKER_PROCESSES, call, on_alarm
 
 # Size of the worker pool; read when the pool (re)starts.
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 # A worker gets this long to start and import the called functions before its jobs are failed.
 LOAD_TIMEOUT_S = 60.0
-# What one call may print (Python's sys.stdout and sys.stderr in a worker) before the rest is dropped.
-CALL_OUTPUT_CHARS = 16_384
 
 # How a call can fail: raised an exception (or the worker crashed), returned something unusable (the caller's own
 # check, or a value that cannot travel back from a worker), ran past the wall-clock limit, allocated past the
 # worker's memory cap, used more CPU time than the per-call cap.
 FAILURE_KINDS = ("raised", "bad_value", "timeout", "memory", "cpu")
-# The memory cap is RLIMIT_DATA, not RLIMIT_AS: see docs/rewards.md.
-_MEMORY_RLIMIT = resource.RLIMIT_DATA
 
 # A job: (job id, index of its function in the list given, the call's arguments).
 Job = tuple[int, int, tuple]
@@ -52,6 +48,8 @@ def run_contained(fns: list[Callable], jobs: list[Job], limits: Limits, *, isola
     the function can be sent to one by reference: a module-level function), else inline in this thread under the
     wall-clock limit only (main thread only). `what` names the calls in errors ("reward", "environment step")."""
     _check_limits(limits, what)
+    if limits.sandbox == "all" and isolate and (why := sandbox.unavailable()) is not None:
+        raise UsageError(sandbox.refusal("rewards.sandbox", why))
     main_thread = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
     blobs = [_pickle_by_reference(fn) for fn in fns] if (isolate or not main_thread) else [None] * len(fns)
     pooled = [job for job in jobs if blobs[job[1]] is not None]
@@ -84,79 +82,14 @@ class Limits(NamedTuple):
     sandbox: str = "tools"    # rewards.sandbox, for the python tool run by the calls (evenrl.isolation.code.MODE)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# One guarded call (used inline and inside workers)
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-class _Timeout(BaseException):
-    """Raised into a call by SIGALRM; a BaseException so the code's own `except Exception:` cannot swallow it."""
-
-
-class _CpuTime(BaseException):
-    """Raised into a call by SIGPROF (its CPU-time limit ran out); a BaseException too."""
-
-
-_alarm_armed = False
-
-
-def _on_alarm(signum, frame):
-    if _alarm_armed:  # a late signal after the call finished must not hit our own bookkeeping
-        raise _Timeout
-
-
-def _on_cpu_limit(signum, frame):
-    if _alarm_armed:
-        raise _CpuTime
-
-
-def _call(fn: Callable, args: tuple, timeout_s: float, cpu_s: float | None = None) -> tuple[str, object]:
-    """Run one call under an ITIMER_REAL limit (main thread, SIGALRM handler installed) -> (kind, value).
-
-    With cpu_s (worker processes only, SIGPROF handler installed) also under an ITIMER_PROF limit: cpu_s seconds of
-    the process's CPU time (user + system, all threads) from the start of the call."""
-    global _alarm_armed
-    try:
-        try:
-            _alarm_armed = True
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            if cpu_s is not None:
-                signal.setitimer(signal.ITIMER_PROF, cpu_s)
-            value = fn(*args)
-        finally:
-            _alarm_armed = False  # first: a signal handled during the lines below must not raise
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            if cpu_s is not None:
-                signal.setitimer(signal.ITIMER_PROF, 0)
-    except _Timeout:
-        return "timeout", f"took longer than {timeout_s:g} s"
-    except _CpuTime:
-        return "cpu", f"used more than {cpu_s:g} s of CPU time"
-    except MemoryError as e:
-        return "memory", f"ran out of memory ({describe_error(e)})"
-    except (Exception, SystemExit) as e:  # SystemExit too: code calling sys.exit() must not end training
-        return "raised", describe_error(e)
-    return "ok", value
-
-
-def _set_memory_cap(mib: int) -> None:
-    """The worker's data segment (heap, anonymous private mappings) capped at `mib` MiB, 0: back to the hard limit.
-    An allocation past it fails with MemoryError inside the call that asked for it."""
-    _, hard = resource.getrlimit(_MEMORY_RLIMIT)
-    soft = hard if mib == 0 else mib * 1024 * 1024
-    if hard != resource.RLIM_INFINITY:
-        soft = min(soft, hard)
-    resource.setrlimit(_MEMORY_RLIMIT, (soft, hard))
-
-
 def _run_inline(fns, jobs, timeout_s) -> dict[int, tuple[str, object]]:
     # Someone else's ITIMER_REAL (pytest-timeout, a watchdog) is paused while ours runs and re-armed afterwards
     # with the time it had left, so it fires late by at most this batch's duration instead of never.
     outer_delay, outer_interval = signal.getitimer(signal.ITIMER_REAL)
     started = time.monotonic()
-    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    previous = signal.signal(signal.SIGALRM, on_alarm)
     try:
-        return {job_id: _call(fns[k], args, timeout_s) for job_id, k, args in jobs}
+        return {job_id: call(fns[k], args, timeout_s) for job_id, k, args in jobs}
     finally:
         signal.signal(signal.SIGALRM, previous)
         if outer_delay > 0:
@@ -164,123 +97,38 @@ def _run_inline(fns, jobs, timeout_s) -> dict[int, tuple[str, object]]:
             signal.setitimer(signal.ITIMER_REAL, left, outer_interval)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Worker processes
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _deny_network() -> str:
-    """No network for the code a worker runs: the worker moves itself into new user and network namespaces (only
-    a loopback device, down), or where the kernel refuses that, an audit hook (PEP 578) refuses every socket from
-    Python. The pipe to the trainer was opened before and keeps working. Returns which of the two holds."""
-    try:
-        if ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000) == 0:  # CLONE_NEWUSER | CLONE_NEWNET
-            return "namespace"
-    except (OSError, AttributeError):
-        pass
-
-    def guard(event, args):
-        if event.startswith("socket."):
-            raise PermissionError(f"{event}: reward and environment code runs without network")
-    sys.addaudithook(guard)
-    return "audit-hook"
-
-
-def _worker_main(conn) -> None:
-    """Worker loop: receive (pickled fns, jobs, limits); reply "loaded", then one (job_id, kind, value) per job."""
-    _deny_network()  # first: CLONE_NEWUSER needs a process with one thread
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the trainer, which kills us
-    signal.signal(signal.SIGALRM, _on_alarm)
-    signal.signal(signal.SIGPROF, _on_cpu_limit)  # its default action would end the worker
-    sys.stdout = sys.stderr = printed = _CappedOutput(sys.__stderr__)
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        blobs, jobs, limits = message
-        code.MODE = limits.sandbox
-        _set_memory_cap(limits.memory_mib)  # before loading: what a function's module allocates on import counts
-        fns = []
-        for blob in blobs:
-            try:
-                fns.append(pickle.loads(blob) if blob is not None else None)
-            except MemoryError as e:
-                fns.append(_Unloadable("memory", f"loading the function in a worker ran out of memory "
-                                                 f"({describe_error(e)})"))
-            except Exception as e:
-                fns.append(_Unloadable("raised", f"cannot load the function in a worker process: "
-                                                 f"{describe_error(e)}"))
-        conn.send("loaded")
-        for job_id, k, args in jobs:
-            printed.begin()
-            fn = fns[k]
-            kind, value = ((fn.kind, fn.message) if isinstance(fn, _Unloadable)
-                           else _call(fn, args, limits.timeout_s, limits.cpu_s))
-            if kind == "memory" and limits.memory_mib:
-                value = f"{value}; a worker may use {limits.memory_mib} MiB (memory_limit_mib)"
-            conn.send_bytes(_answer(job_id, kind, value))
-
-
-class _CappedOutput(io.TextIOBase):
-    """Where a worker's calls print: passed on to the worker's stderr (the trainer's) up to CALL_OUTPUT_CHARS per
-    call, then one line saying the rest was dropped, so a call that prints 100 MB costs a line, not the log.
-    Python-level output only: C code writing to file descriptor 1 or 2 directly is not capped."""
-
-    def __init__(self, real):
-        self.real, self.left, self.cut = real, CALL_OUTPUT_CHARS, False
-
-    def begin(self) -> None:
-        self.left, self.cut = CALL_OUTPUT_CHARS, False
-
-    def write(self, text: str) -> int:
-        part = text[:max(self.left, 0)]
-        if part:
-            self.real.write(part)
-            self.left -= len(part)
-        if len(part) < len(text) and not self.cut:
-            self.cut = True
-            self.real.write(f"\n[evenrl: output of this call cut at {CALL_OUTPUT_CHARS:,} characters]\n")
-        return len(text)
-
-    def flush(self) -> None:
-        self.real.flush()
-
-
-class _Unloadable:
-    def __init__(self, kind: str, message: str):
-        self.kind = kind
-        self.message = message
-
-
-def _answer(job_id: int, kind: str, value) -> bytes:
-    """The answer pickled for the parent's conn.recv(): a value that cannot be pickled is a bad value, not a dead
-    worker."""
-    try:
-        return pickle.dumps((job_id, kind, value))
-    except Exception as e:
-        return pickle.dumps((job_id, "bad_value", f"returned a value that cannot be sent back ({describe_error(e)})"))
-
-
-# The worker is a fresh interpreter that imports only this pool and the called function's module:
-# multiprocessing's "spawn" would re-run the parent's __main__ script (disastrous without an
-# `if __name__ == "__main__"` guard), and fork is unsafe in a process holding CUDA or OpenMP threads.
 _WORKER_CODE = (
-    "import sys; from multiprocessing.connection import Connection; from evenrl.isolation.pool import _worker_main; "
-    "_worker_main(Connection(int(sys.argv[1])))"
+    "import sys; from multiprocessing.connection import Connection; from evenrl.isolation.worker import worker_main; "
+    "worker_main(Connection(int(sys.argv[1])), sys.argv[2] == 'own-namespace')"
 )
+# The sandbox's /tmp for a worker in it (rewards.sandbox: all).
+SANDBOX_TMP_BYTES = 64 << 20
 
 
 class _Worker:
-    def __init__(self):
+    """One worker process: in the sandbox (rewards.sandbox: all), else where util-linux `unshare` works as PID 1 of
+    its own PID and network namespaces, so that killing the one process the pool started (`unshare`, whose
+    --kill-child takes the worker, and the kernel everything in its namespace) leaves nothing behind; else a plain
+    process in a session of its own, killed with its process group."""
+
+    def __init__(self, sandboxed: bool):
+        self.sandboxed = sandboxed
         self.conn, child = multiprocessing.Pipe()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_CODE, str(child.fileno())],
-            pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env,
-        )
+        paths = [p for p in sys.path if p]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+        worker = [sys.executable, "-c", _WORKER_CODE, str(child.fileno())]
+        self.root = None
+        if sandboxed:
+            self.root = tempfile.mkdtemp(prefix="evenrl-sandbox-")  # stays empty: the sandbox mounts a tmpfs on it
+            argv = sandbox.command(self.root, mode="argv", argv=(*worker, "own-namespace"), extra_paths=paths,
+                                   limits={"RLIMIT_NPROC": (WORKER_PROCESSES,) * 2, "RLIMIT_CORE": (0, 0)},
+                                   tmp_bytes=SANDBOX_TMP_BYTES, env={"PYTHONPATH": env["PYTHONPATH"]})
+        elif _namespaces():
+            argv = [*_namespaces(), *worker, "own-namespace"]
+        else:
+            argv = [*worker, "plain"]
+        self.proc = subprocess.Popen(argv, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)
         child.close()
         self.pending: collections.deque = collections.deque()
         self.loaded = False
@@ -301,9 +149,26 @@ class _Worker:
             pass
 
     def kill(self) -> None:
-        self.proc.kill()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.proc.wait()
         self.conn.close()
+        if self.root is not None:
+            os.rmdir(self.root)
+
+
+@functools.lru_cache(maxsize=1)
+def _namespaces() -> tuple[str, ...] | None:
+    """The `unshare` arguments that start a worker in PID and network namespaces of its own, or None where this
+    machine refuses them (tried once)."""
+    argv = ("unshare", *(() if os.geteuid() == 0 else ("--user", "--map-root-user")), "--pid", "--fork",
+            "--kill-child", "--net")
+    try:
+        return argv if subprocess.run([*argv, "true"], capture_output=True, timeout=30).returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 class _Pool:
@@ -360,8 +225,12 @@ class _Pool:
 
     def _submit(self, slot, blobs, jobs, limits) -> None:
         worker = self.workers[slot]
-        if worker is None or worker.proc.poll() is not None:
-            worker = self.workers[slot] = _Worker()
+        sandboxed = limits.sandbox == "all"
+        if worker is not None and (worker.proc.poll() is not None or worker.sandboxed != sandboxed):
+            worker.kill()
+            worker = None
+        if worker is None:
+            worker = self.workers[slot] = _Worker(sandboxed)
         worker.submit(blobs, jobs, limits)
 
     def _replace(self, worker, blobs, limits, results, kind, message) -> None:

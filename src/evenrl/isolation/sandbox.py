@@ -48,8 +48,14 @@ def command(root: str, *, mode: str, limits: dict, tmp_bytes: int, extra_paths: 
     """argv that runs jail as PID 1 of new namespaces, building its file system at `root` (an empty directory).
     mode "code": Python read from stdin; "argv": exec `argv`. limits: rlimit name -> value for the code."""
     outside_root = os.geteuid() == 0
-    settings = {"root": root, "paths": [p for p in SYSTEM_PATHS if os.path.lexists(p)] + python_paths()
-                + [os.path.realpath(p) for p in extra_paths],
+    system = [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+    wanted = sorted({os.path.realpath(p) for p in (*python_paths(), *extra_paths) if os.path.exists(p)})
+    covered = [os.path.realpath(p) for p in system]
+    extra = []
+    for path in wanted:  # sorted: a directory comes before what is under it, which it then covers
+        if not any(path == c or path.startswith(c.rstrip("/") + "/") for c in covered + extra):
+            extra.append(path)
+    settings = {"root": root, "paths": system + extra,
                 "tmp_bytes": tmp_bytes, "limits": limits, "mode": mode, "argv": list(argv), "env": env or {},
                 "uid": _UID_BASE + secrets.randbelow(_UID_SPAN) if outside_root else None}
     user = [] if outside_root else ["--user", "--map-root-user"]

@@ -25,12 +25,14 @@ def score_all(
     isolate: bool = True,
     memory_limit_mib: int = 0,
     cpu_time_limit_s: float | None = None,
+    sandbox: str = "tools",
 ) -> tuple[list[float], dict]:
     """Weighted sum of rewards per completion: scores[i] = sum_k w_k * fn_k(completions[i], samples[i]).
 
     Limits per call: `timeout_s` of wall-clock time (always), `cpu_time_limit_s` of CPU time (None: timeout_s) and
     a `memory_limit_mib` cap on the worker process (0: none); the last two hold only in worker processes, never
-    for calls run inline in the caller (isolate=False, or a reward that cannot be sent to a worker).
+    for calls run inline in the caller (isolate=False, or a reward that cannot be sent to a worker). sandbox:
+    rewards.sandbox ("all": the workers run in the sandbox, docs/sandbox.md).
 
     A failed call contributes 0.  stats:
       "failures", "raised", "bad_value", "timeout", "memory", "cpu": failed calls in total and by kind (ints);
@@ -45,7 +47,7 @@ def score_all(
     fns = [fn for fn, _ in fns_with_weights]
     n = len(completions)
     jobs = [(k * n + i, k, (c, s)) for k in range(len(fns)) for i, (c, s) in enumerate(zip(completions, samples))]
-    limits = Limits(timeout_s, timeout_s if cpu_time_limit_s is None else cpu_time_limit_s, memory_limit_mib)
+    limits = Limits(timeout_s, timeout_s if cpu_time_limit_s is None else cpu_time_limit_s, memory_limit_mib, sandbox)
     results, isolated = run_contained(fns, jobs, limits, isolate=isolate, what="reward")
     results = {job_id: _as_score(kind, value) for job_id, (kind, value) in results.items()}
     return _summarise(fns_with_weights, n, results, time.perf_counter() - start, isolated)

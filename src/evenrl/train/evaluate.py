@@ -45,7 +45,7 @@ def evaluate(run, prompts) -> dict:
         texts = [run.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         scores, stats = score_all(run.reward_fns, texts, [rows[i] for i in mine], cfg.rewards.timeout_s,
                                   isolate=cfg.rewards.isolate, memory_limit_mib=cfg.rewards.memory_limit_mib,
-                                  cpu_time_limit_s=cfg.rewards.cpu_time_limit_s)
+                                  cpu_time_limit_s=cfg.rewards.cpu_time_limit_s, sandbox=cfg.rewards.sandbox)
         if run.scorers:  # every rank, prompts or not: the models' forwards are collectives when sharded
             scores, _ = add_model_rewards(run.scorers, cfg, texts, [rows[i] for i in mine], mine, 0, scores, stats)
         total += torch.tensor([sum(scores), len(scores), sum(len(c.token_ids) for c in completions)],

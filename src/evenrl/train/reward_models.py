@@ -252,7 +252,7 @@ def _parse(judge: Judge, cfg: RunConfig, outputs: list[str | None], errors: list
     rc = cfg.rewards
     parsed, pstats = score_all([(judge.parser, 1.0)], [outputs[i] for i in done], [rows[i] for i in done],
                                rc.timeout_s, isolate=rc.isolate, memory_limit_mib=rc.memory_limit_mib,
-                               cpu_time_limit_s=rc.cpu_time_limit_s)
+                               cpu_time_limit_s=rc.cpu_time_limit_s, sandbox=rc.sandbox)
     values: list[float | None] = [None] * len(outputs)
     for j, i in enumerate(done):
         values[i] = None if pstats["failed"][j] else parsed[j]

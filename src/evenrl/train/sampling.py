@@ -159,7 +159,7 @@ def add_rewards(trainer: Trainer, batch: Batch, step: int) -> tuple[Batch, dict]
     if trainer.turns is None:
         rows = [trainer.prompts.rows[r] for r in batch["row_id"]]
         scores, stats = score_all(trainer.reward_fns, batch["completion"], rows, rc.timeout_s, isolate=rc.isolate,
-                                  memory_limit_mib=rc.memory_limit_mib, cpu_time_limit_s=rc.cpu_time_limit_s)
+                                  memory_limit_mib=rc.memory_limit_mib, cpu_time_limit_s=rc.cpu_time_limit_s, sandbox=rc.sandbox)
         if trainer.scorers:  # reward models and judges: every training rank, rows or not (collectives when sharded)
             scores, stats = add_model_rewards(trainer.scorers, trainer.cfg, batch["completion"], rows,
                                               batch["sample_index"].tolist(), step, scores, stats)

@@ -1,0 +1,213 @@
+"""The worker side of evenrl.isolation.pool: one guarded call (`call`: a wall-clock and a CPU-time limit raised into
+the code as BaseExceptions, re-raised every 50 ms until the call ends, so code that swallows one does not outlast
+it; the pool's parent kills a worker that still does) and the loop of a worker process (`worker_main`). A worker
+started in its own PID namespace (the pool's default where util-linux `unshare` works) kills every process its
+call started once the call ends. docs/rewards.md says how each limit works and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import pickle
+import resource
+import signal
+import sys
+from typing import Callable
+
+from evenrl.errors import describe_error
+from evenrl.isolation import code
+
+# What one call may print (Python's sys.stdout and sys.stderr in a worker) before the rest is dropped.
+CALL_OUTPUT_CHARS = 16_384
+# Processes (and threads) a worker and what its calls start may have at once: RLIMIT_NPROC, which the kernel applies
+# to every user but root (uid 0 is exempt from it, in user namespaces too: measured).
+WORKER_PROCESSES = 512
+# The memory cap is RLIMIT_DATA, not RLIMIT_AS: see docs/rewards.md.
+_MEMORY_RLIMIT = resource.RLIMIT_DATA
+# After a limit fires, it fires again this often until the call has ended (a handler or an at-fork hook that
+# swallowed the first one does not swallow them all).
+_REPEAT_S = 0.05
+
+
+class _Timeout(BaseException):
+    """Raised into a call by SIGALRM; a BaseException so the code's own `except Exception:` cannot swallow it."""
+
+
+class _CpuTime(BaseException):
+    """Raised into a call by SIGPROF (its CPU-time limit ran out); a BaseException too."""
+
+
+_alarm_armed = False
+
+
+def on_alarm(signum, frame):
+    if _alarm_armed:  # a late signal after the call finished must not hit our own bookkeeping
+        raise _Timeout
+
+
+def _on_cpu_limit(signum, frame):
+    if _alarm_armed:
+        raise _CpuTime
+
+
+def call(fn: Callable, args: tuple, timeout_s: float, cpu_s: float | None = None) -> tuple[str, object]:
+    """Run one call under an ITIMER_REAL limit (main thread, SIGALRM handler installed) -> (kind, value).
+
+    With cpu_s (worker processes only, SIGPROF handler installed) also under an ITIMER_PROF limit: cpu_s seconds of
+    the process's CPU time (user + system, all threads) from the start of the call."""
+    global _alarm_armed
+    try:
+        try:
+            _alarm_armed = True
+            signal.setitimer(signal.ITIMER_REAL, timeout_s, _REPEAT_S)
+            if cpu_s is not None:
+                signal.setitimer(signal.ITIMER_PROF, cpu_s, _REPEAT_S)
+            value = fn(*args)
+        finally:
+            _alarm_armed = False  # first: a signal handled during the lines below must not raise
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            if cpu_s is not None:
+                signal.setitimer(signal.ITIMER_PROF, 0)
+    except _Timeout:
+        return "timeout", f"took longer than {timeout_s:g} s"
+    except _CpuTime:
+        return "cpu", f"used more than {cpu_s:g} s of CPU time"
+    except MemoryError as e:
+        return "memory", f"ran out of memory ({describe_error(e)})"
+    except (Exception, SystemExit) as e:  # SystemExit too: code calling sys.exit() must not end training
+        return "raised", describe_error(e)
+    return "ok", value
+
+
+def _set_memory_cap(mib: int) -> None:
+    """The worker's data segment (heap, anonymous private mappings) capped at `mib` MiB, 0: back to the hard limit.
+    An allocation past it fails with MemoryError inside the call that asked for it."""
+    _, hard = resource.getrlimit(_MEMORY_RLIMIT)
+    soft = hard if mib == 0 else mib * 1024 * 1024
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(_MEMORY_RLIMIT, (soft, hard))
+
+
+def _deny_network() -> str:
+    """No network for the code a worker runs: the worker moves itself into new user and network namespaces (only
+    a loopback device, down), or where the kernel refuses that, an audit hook (PEP 578) refuses every socket from
+    Python. The pipe to the trainer was opened before and keeps working. Returns which of the two holds."""
+    try:
+        if ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000) == 0:  # CLONE_NEWUSER | CLONE_NEWNET
+            return "namespace"
+    except (OSError, AttributeError):
+        pass
+
+    def guard(event, args):
+        if event.startswith("socket."):
+            raise PermissionError(f"{event}: reward and environment code runs without network")
+    sys.addaudithook(guard)
+    return "audit-hook"
+
+
+def worker_main(conn, own_namespace: bool) -> None:
+    """Worker loop: receive (pickled fns, jobs, limits); reply "loaded", then one (job_id, kind, value) per job.
+    own_namespace: started in new PID and network namespaces of its own (the pool's `unshare`, or the sandbox)."""
+    if not own_namespace:
+        _deny_network()  # first: CLONE_NEWUSER needs a process with one thread
+    _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    resource.setrlimit(resource.RLIMIT_NPROC, (min(WORKER_PROCESSES, hard), hard))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the trainer, which kills us
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.signal(signal.SIGPROF, _on_cpu_limit)  # its default action would end the worker
+    sys.stdout = sys.stderr = printed = _CappedOutput(sys.__stderr__)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        blobs, jobs, limits = message
+        code.MODE = limits.sandbox
+        _set_memory_cap(limits.memory_mib)  # before loading: what a function's module allocates on import counts
+        fns = []
+        for blob in blobs:
+            try:
+                fns.append(pickle.loads(blob) if blob is not None else None)
+            except MemoryError as e:
+                fns.append(_Unloadable("memory", f"loading the function in a worker ran out of memory "
+                                                 f"({describe_error(e)})"))
+            except Exception as e:
+                fns.append(_Unloadable("raised", f"cannot load the function in a worker process: "
+                                                 f"{describe_error(e)}"))
+        conn.send("loaded")
+        for job_id, k, args in jobs:
+            printed.begin()
+            fn = fns[k]
+            kind, value = ((fn.kind, fn.message) if isinstance(fn, _Unloadable)
+                           else call(fn, args, limits.timeout_s, limits.cpu_s))
+            if own_namespace:
+                _end_leftovers()
+            if kind == "memory" and limits.memory_mib:
+                value = f"{value}; a worker may use {limits.memory_mib} MiB (memory_limit_mib)"
+            conn.send_bytes(_answer(job_id, kind, value))
+
+
+def _end_leftovers() -> None:
+    """Kill every process the call started (daemons and forked children too) and reap them: in a PID namespace of
+    the worker's own, kill(-1) reaches exactly those (never the namespace's PID 1 nor the worker itself)."""
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        except InterruptedError:
+            continue
+
+
+class _CappedOutput(io.TextIOBase):
+    """Where a worker's calls print: passed on to the worker's stderr (the trainer's) up to CALL_OUTPUT_CHARS per
+    call, then one line saying the rest was dropped, so a call that prints 100 MB costs a line, not the log.
+    Python-level output only: C code writing to file descriptor 1 or 2 directly is not capped."""
+
+    def __init__(self, real):
+        self.real, self.left, self.cut = real, CALL_OUTPUT_CHARS, False
+
+    def begin(self) -> None:
+        self.left, self.cut = CALL_OUTPUT_CHARS, False
+
+    def write(self, text: str) -> int:
+        part = text[:max(self.left, 0)]
+        if part:
+            self.real.write(part)
+            self.left -= len(part)
+        if len(part) < len(text) and not self.cut:
+            self.cut = True
+            self.real.write(f"\n[evenrl: output of this call cut at {CALL_OUTPUT_CHARS:,} characters]\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+
+class _Unloadable:
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        self.message = message
+
+
+def _answer(job_id: int, kind: str, value) -> bytes:
+    """The answer pickled for the parent's conn.recv(): a value that cannot be pickled is a bad value, not a dead
+    worker."""
+    try:
+        return pickle.dumps((job_id, kind, value))
+    except Exception as e:
+        return pickle.dumps((job_id, "bad_value", f"returned a value that cannot be sent back ({describe_error(e)})"))
+
+
+# The worker is a fresh interpreter that imports only this pool and the called function's module:
+# multiprocessing's "spawn" would re-run the parent's __main__ script (disastrous without an
+# `if __name__ == "__main__"` guard), and fork is unsafe in a process holding CUDA or OpenMP threads.

@@ -13,6 +13,8 @@ from evenrl.train import launch
 
 PLAN = {
     "config", "overrides", "-h", "--help", "--json", "--fit", "--from",
+    # with --from: the peer version whose keys and checks apply; the equivalent evenrl config written to a file
+    "--peer-version", "--write-config",
     # layout (evenrl.planner.layout.add_layout_args)
     "--nnodes", "--num-nodes", "--nproc-per-node", "--num-gpus", "--rollout-devices", "--device",
     "--device-memory-gib", "--capacity-weights",

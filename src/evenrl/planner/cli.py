@@ -27,12 +27,14 @@ import json
 import os
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
-from evenrl.config import load_config
-from evenrl.errors import ArgumentParser
+from evenrl.config import load_config, with_settings
+from evenrl.errors import ArgumentParser, UsageError
 from evenrl.planner.fit import fit, minimal_yaml
 from evenrl.planner.layout import add_layout_args, has_shape_flags, layout_from_args
 from evenrl.planner.peers import NAMES, read_foreign, translate
+from evenrl.planner.peers.tables import STATUSES
 from evenrl.planner.plan import Plan, make_plan
 from evenrl.planner.render import render
 from evenrl.planner.timing import add_rate_args, rate_flags
@@ -47,7 +49,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema evenrl.plan/1)")
     p.add_argument("--fit", action="store_true", help="print the nearest config that runs well, and its plan")
     p.add_argument("--from", dest="framework", choices=["verl", "easyr1", "trl", "openrlhf"],
-                   help="read CONFIG as that framework's config and show its checks and evenrl's equivalent")
+                   help="read CONFIG (the peer's config, argument file or launch script) as that framework's and "
+                        "show its checks, every key's fate and evenrl's equivalent")
+    p.add_argument("--peer-version", help="with --from: the peer version whose keys and checks apply "
+                                          "(default: detected from the file's keys)")
+    p.add_argument("--write-config", metavar="PATH",
+                   help="with --from: write the equivalent evenrl config to PATH (for `evenrl train PATH`)")
     return p
 
 
@@ -55,6 +62,9 @@ def main(argv: list[str]) -> int:
     ns = parser().parse_intermixed_args(argv)
     if ns.framework:
         return run_foreign(ns)
+    if ns.peer_version or ns.write_config:
+        raise UsageError(f"{'--peer-version' if ns.peer_version else '--write-config'}: only with --from "
+                         "verl|easyr1|trl|openrlhf")
     cfg = load_config(ns.config, ns.overrides)
     layout = layout_from_args(ns)
     plan = make_plan(cfg, layout, rates=rate_flags(ns))
@@ -88,10 +98,10 @@ def report(plan: Plan, *, as_json: bool, with_fit: bool, title: str, head: dict 
 
 
 def run_foreign(ns: argparse.Namespace) -> int:
-    """`--from`: the peer's failing checks and notes, the equivalent evenrl config, and that config's plan."""
+    """`--from`: the peer's failing checks and notes, every key's fate, the equivalent evenrl config, its plan."""
     fw = ns.framework
-    data = read_foreign(fw, ns.config, ns.overrides)
-    t, cfg = translate(fw, data, ns)
+    loaded = read_foreign(fw, ns.config, ns.overrides)
+    t, cfg = translate(fw, loaded, ns)
     plan = make_plan(cfg, t.layout, rates=rate_flags(ns))
     name = NAMES[fw]
     lines = [f"{name} on {t.layout.describe()}"]
@@ -102,13 +112,54 @@ def run_foreign(ns: argparse.Namespace) -> int:
     else:
         lines.append(f"  {name} would pass its batch checks on this layout")
     lines += [f"  note: {n}" for n in t.notes]
+    lines += key_lines(t.keys)
+    written = write_config(ns.write_config, cfg, plan, t.paths) if ns.write_config else ""
     lines.append("equivalent evenrl config (keys that differ from the defaults; any batch runs on any ranks):")
     lines.append(minimal_yaml(cfg).rstrip())
+    if written:
+        lines.append(written)
     lines.append("its plan:")
-    head = {"schema": "evenrl.foreign/1", "framework": fw, "file": ns.config, "layout": t.layout.to_dict(),
-            "checks": [asdict(c) for c in t.checks], "notes": t.notes, "config": cfg.model_dump(mode="json")}
+    head = {"schema": "evenrl.foreign/1", "framework": fw, "file": ns.config, "peer_version": t.version,
+            "layout": t.layout.to_dict(), "checks": [asdict(c) for c in t.checks], "notes": t.notes,
+            "keys": t.keys, "config": cfg.model_dump(mode="json")}
     return report(plan, as_json=ns.json, with_fit=ns.fit, title=f"evenrl plan --from {fw}: {ns.config}",
                   head=head, head_text="\n".join(lines))
+
+
+def key_lines(keys: list[dict]) -> list[str]:
+    """Every key of the peer's file with its fate: mapped beside its evenrl field, read, or why not."""
+    counts = {s: sum(k["status"] == s for k in keys) for s in STATUSES}
+    out = [f"every key of the file ({len(keys)}): " + ", ".join(f"{n} {s.replace('_', ' ')}"
+                                                                 for s, n in counts.items() if n)]
+    label = {"mapped": "", "read": "read", "not_applicable": "not applicable", "no_equivalent": "no evenrl equivalent",
+             "unknown": "UNKNOWN"}
+    for k in keys:
+        value = str(k["value"])
+        value = value if len(value) <= 40 else value[:37] + "..."
+        left = f"  {k['key']}={value}"
+        why = k["why"] if k["status"] == "read" and k["why"].startswith("read") else f"{label[k['status']]}: {k['why']}"
+        right = ", ".join(k["evenrl"]) if k["status"] == "mapped" else why
+        out.append(f"{left:<60} -> {right}" if k["status"] == "mapped" else f"{left:<60}    {right}")
+    return out
+
+
+def write_config(path: str, cfg, plan: Plan, paths: dict[str, str]) -> str:
+    """The equivalent config as a file `evenrl train` reads as is (only when the plan has no error finding), with
+    the model and data paths as the user gave them, even where they are not on this machine."""
+    if not plan.runnable:
+        raise UsageError(f"--write-config {path}: the equivalent config has an error finding (see the plan "
+                         "without --write-config); nothing written")
+    cfg = with_settings(cfg, {k: v for k, v in paths.items() if not getattr(cfg, k.split(".")[0]).path})
+    text = minimal_yaml(cfg)
+    target = Path(path)
+    try:
+        target.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"--write-config {path}: cannot write ({e.strerror})") from None
+    missing = [f"{k}={v}" for k, v in (("model.path", cfg.model.path), ("data.path", cfg.data.path))
+               if v and not Path(v).expanduser().exists()]
+    return f"wrote {path}" + (f"; not on this machine: {', '.join(missing)}" if missing else "")
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -28,25 +28,76 @@ import argparse
 
 from pydantic import ValidationError
 
-from evenrl.config import RunConfig, validation_message, with_settings
+from evenrl.config import RunConfig, flatten, validation_message, with_settings
 from evenrl.errors import UsageError
-from evenrl.planner.layout import Layout
-from evenrl.planner.peers import easyr1, openrlhf, trl, verl
-from evenrl.planner.peers.reader import NAMES, Check, Source, Translation, parse_flags, read_foreign
+from evenrl.planner.layout import Layout, has_shape_flags
+from evenrl.planner.peers import easyr1, openrlhf, tables, trl, verl
+from evenrl.planner.peers.reader import (
+    NAMES, Check, Loaded, Source, Translation, parse_flags, read_foreign)
 
-__all__ = ["NAMES", "TRANSLATORS", "Check", "Translation", "parse_flags", "read_foreign", "translate"]
+__all__ = ["NAMES", "TRANSLATORS", "Check", "Loaded", "Translation", "parse_flags", "read_foreign", "translate"]
 
 TRANSLATORS = {"verl": verl.translate, "easyr1": easyr1.translate, "trl": trl.translate,
                "openrlhf": openrlhf.translate}
+# where each peer states its layout, for the note when a file states none
+LAYOUT_KEYS = {"verl": ("trainer.nnodes", "trainer.n_gpus_per_node"),
+               "easyr1": ("trainer.nnodes", "trainer.n_gpus_per_node"),
+               "openrlhf": ("actor_num_nodes", "actor_num_gpus_per_node"), "trl": ("num_processes",)}
 
 
-def translate(framework: str, data: dict, ns: argparse.Namespace) -> tuple[Translation, RunConfig]:
-    """The peer's config -> its failing checks and the equivalent evenrl RunConfig (validated)."""
-    t = Translation(framework, Layout())
-    TRANSLATORS[framework](Source(NAMES[framework], data), ns, t)
+def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> tuple[Translation, RunConfig]:
+    """The peer's settings -> its failing checks, every key accounted for (t.keys), and the equivalent evenrl
+    RunConfig (validated)."""
+    loaded = loaded if isinstance(loaded, Loaded) else Loaded(loaded)
+    flat = flatten(loaded.data)
+    unresolved = dict(loaded.unresolved)
+    spelled = {k: k for k in flat}
+    data = loaded.data
+    if framework == "openrlhf":
+        flat, spelled = tables.dealias(framework, flat)
+        unresolved = {tables.dealias(framework, {k: v})[0].popitem()[0]: v for k, v in unresolved.items()}
+        data = dict(flat)
+    version, how = tables.detect_version(framework, set(flat) | set(spelled.values()) | set(unresolved),
+                                         getattr(ns, "peer_version", None))
+    t = Translation(framework, Layout(), version=version)
+    t.notes += loaded.notes
+    t.notes.append(f"rules of {tables.version_label(framework, version)} ({how}; --peer-version to choose)")
+    hints = _layout_hints(framework, loaded, data, ns, t)
+    src = Source(NAMES[framework], {**data, **hints} if isinstance(data, dict) else data)
+    TRANSLATORS[framework](src, ns, t)
+    tables.apply_maps(framework, version, src, t)
+    t.checks = [c for c in t.checks if tables.check_applies(framework, version, c.version)]
+    t.keys = tables.account(framework, version, flat, spelled, t, src.reads, unresolved)
     try:
         cfg = with_settings(RunConfig(), t.settings)
     except ValidationError as e:
         loc = ".".join(str(x) for x in e.errors()[0]["loc"])
         raise UsageError(validation_message(e, f"{NAMES[framework]} {t.source.get(loc, loc)} -> evenrl")) from None
     return t, cfg
+
+
+def _layout_hints(framework: str, loaded: Loaded, data: dict, ns: argparse.Namespace, t: Translation) -> dict:
+    """The launcher's layout (srun/#SBATCH, accelerate, torchrun) where the peer's own keys do not state one."""
+    launch, keys = loaded.launch, LAYOUT_KEYS[framework]
+    stated = any(Source("", data).has(k) for k in keys)
+    if has_shape_flags(ns):
+        return {}
+    hints: dict = {}
+    if launch and framework in ("verl", "easyr1") and not stated:
+        if launch.nnodes:
+            hints["trainer.nnodes"] = launch.nnodes
+        if launch.gpus_per_node:
+            hints["trainer.n_gpus_per_node"] = launch.gpus_per_node
+    elif launch and framework == "trl" and not stated:
+        procs = launch.num_processes or (launch.nnodes or 1) * (launch.gpus_per_node or 0)
+        if procs:
+            hints["num_processes"] = procs
+    if hints:
+        t.notes.append("layout from the launcher's options: " + ", ".join(f"{k}={v}" for k, v in hints.items()))
+    elif not stated and framework != "trl":
+        t.notes.append(f"the file states no layout ({' / '.join(keys)}): planned on {NAMES[framework]}'s default "
+                       "of 1 node x 8 GPUs (--nnodes / --nproc-per-node to change)")
+    elif not stated:
+        t.notes.append("the file states no layout (num_processes): planned on this machine's devices "
+                       "(--nproc-per-node N to change)")
+    return hints

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from evenrl.models.files import is_vision_config, read_model_config
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, check_dataloader, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl,
-    set_lengths, set_loss_agg, set_model, set_overlong, set_parallel, set_sampling, set_steps, trainer_layout)
+    Check, Source, Translation, check_dataloader, set_critic, set_data, set_dynamic_sampling, set_kl,
+    set_lengths, set_lora, set_model, set_overlong, set_parallel, set_sampling, set_steps, trainer_layout)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -76,9 +76,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if not src.bool("algorithm.disable_kl", False):
         coef = src.float("algorithm.kl_coef", 1e-3)  # first: with two bad keys, the error names this one
         where = "loss" if src.bool("algorithm.use_kl_loss", False) else "reward"
-        set_kl(t, coef, where, src.str("algorithm.kl_penalty", "kl"), "algorithm.kl_coef")
-    set_advantage(t, adv, "algorithm.adv_estimator",
-               {"grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_pp", "gae": "gae"})
+        set_kl(t, coef, where, "algorithm.kl_coef")
     if adv in ("gae", "reinforce_plus_plus"):
         t.set("algo.gamma", src.float("algorithm.gamma", 1.0), "algorithm.gamma")
     if adv == "gae":
@@ -98,8 +96,6 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
         set_overlong(t, src.int(kw + "overlong_buffer_length", 0, lo=0),
                      src.float(kw + "overlong_penalty_factor", 1.0),
                      (kw + "overlong_buffer_length", kw + "overlong_penalty_factor"))
-    mode = src.str(a + "loss_avg_mode", "token")
-    set_loss_agg(t, {"token": "token-mean", "seq": "seq-mean-token-mean"}.get(mode, mode), a + "loss_avg_mode")
     set_model(t, src.str(a + "model.model_path"), a + "model.model_path")
     t.set("model.gradient_checkpointing", src.bool(a + "model.enable_gradient_checkpointing", True),
           a + "model.enable_gradient_checkpointing")
@@ -109,8 +105,10 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                  shard=src.bool(a + "fsdp.enable_full_shard", True),
                  keys=(a + "offload.offload_params", a + "offload.offload_optimizer"))
     set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"),
-          src.str("data.answer_key", "answer"))
+             src.str("data.answer_key", "answer"), keys=("data.prompt_key", "data.answer_key"))
     set_steps(src, t, "trainer.max_steps", "trainer.total_episodes", 10, rbs)
+    m = a + "model.lora."
+    set_lora(src, t, rank=m + "rank", alpha=m + "alpha", targets=m + "target_modules", alpha_default=64.0)
     set_vision(src, t)
 
 

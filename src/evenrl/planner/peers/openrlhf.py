@@ -16,7 +16,7 @@ from evenrl.errors import UsageError
 from evenrl.planner.layout import has_shape_flags
 from evenrl.planner.plan import count_rows
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl, set_lengths,
+    Check, Source, Translation, set_critic, set_data, set_dynamic_sampling, set_kl, set_lengths,
     set_lora, set_model, set_overlong, set_parallel, set_reward_models, set_sampling, split_layout)
 
 
@@ -36,7 +36,9 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     tbs, micro = src.int("train_batch_size", 128), src.int("micro_train_batch_size", 8)
     mroll = src.int("micro_rollout_batch_size", 8)
     ring, dstp = src.int("ring_attn_size", 1), src.int("ds_tensor_parallel_size", 1)
-    plen, glen = src.int("prompt_max_len", 1024), src.int("generate_max_len", 1024)
+    glen = src.int("max_new_tokens", None) or src.int("generate_max_len", 1024)  # 0.10+: max_new_tokens, max_len
+    total = src.int("max_len", None)
+    plen = src.int("prompt_max_len", None) or (total - glen if total and total > glen else 1024)
     if rbs % aw:
         t.checks.append(Check("config", "AssertionError",
                               f"rollout_bach_size must be divisible by actor_world_size, got {rbs} and {aw}",
@@ -62,7 +64,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                               f"train_batch_size {tbs} is not a multiple of {micro} x {dp} GPUs = {micro * dp}"))
     t.set("data.prompts_per_step", rbs, "rollout_batch_size")
     t.set("rollout.samples_per_prompt", n, "n_samples_per_prompt")
-    set_lengths(t, plen, glen, "prompt_max_len", "generate_max_len")
+    set_lengths(t, plen, glen, "max_len" if total and not src.has("prompt_max_len") else "prompt_max_len",
+                "max_new_tokens" if src.has("max_new_tokens") else "generate_max_len")
     t.set("algo.minibatches_per_step", max(1, rbs * n // tbs), "train_batch_size")
     t.set("algo.epochs_per_step", src.int("max_epochs", 1), "max_epochs")
     t.set("train.token_cap_per_micro_batch", micro * (plen + glen), "micro_train_batch_size")
@@ -75,12 +78,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     t.set("algo.clip_high", float(high), "eps_clip")
     kl = src.float("init_kl_coef", 0.01)
     if kl > 0:
-        set_kl(t, kl, "loss" if src.bool("use_kl_loss", False) else "reward", src.str("kl_estimator", "k1"),
-            "init_kl_coef")
+        set_kl(t, kl, "loss" if src.bool("use_kl_loss", False) else "reward", "init_kl_coef")
     adv = src.str("advantage_estimator", "gae")
-    set_advantage(t, adv, "advantage_estimator",
-               {"group_norm": "grpo", "rloo": "rloo", "reinforce_baseline": "reinforce_pp_baseline",
-                "dr_grpo": "dr_grpo", "reinforce": "reinforce_pp", "gae": "gae"})
     if adv in ("gae", "reinforce"):
         t.set("algo.gamma", src.float("gamma", 1.0), "gamma")
     if adv == "gae":
@@ -103,10 +102,14 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     zero = src.int("zero_stage", 2, lo=0)
     set_parallel(t, aw, params=False, optimizer=src.bool("adam_offload", False), shard=zero == 3,
                  keys=("adam_offload", "adam_offload"))
-    set_data(t, src.str("prompt_data"), "prompt_data", src.str("input_key", "input"), src.str("label_key", "answer"))
+    set_data(t, src.str("prompt_data"), "prompt_data", src.str("input_key", "input"), src.str("label_key", "answer"),
+             keys=("input_key", "label_key"))
     rows = count_rows(t.settings.get("data.path", ""))
     if rows:
         t.set("train.steps", max(1, rows // rbs) * src.int("num_episodes", 1), "num_episodes")
+    elif src.has("num_episodes"):
+        t.notes.append(f"num_episodes={src.int('num_episodes', 1)}: the dataset is not here, so its steps are unknown; "
+                       "the plan takes evenrl's train.steps=100 (set train.steps=N for the run's length)")
     if async_train:
         _async(src, t)
     if src.bool("enable_vllm_is_correction", False):

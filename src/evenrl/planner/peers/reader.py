@@ -14,22 +14,22 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from evenrl.config import apply_overrides, flatten, parse_yaml, read_text_file, yaml_error_line
+from evenrl.config import apply_overrides, parse_yaml, read_text_file, yaml_error_line
 from evenrl.errors import UsageError
 from evenrl.planner.layout import Layout, apply_layout_flags, has_shape_flags, make_layout
+from evenrl.planner.peers.launch import Loaded, bare_tokens, from_script, parse_tokens
+from evenrl.planner.peers.script import looks_like_script
 from evenrl.planner.plan import count_rows
 
 NAMES = {"verl": "verl", "easyr1": "EasyR1", "trl": "TRL", "openrlhf": "OpenRLHF"}
 STAGES = {"config": "at config check (before anything loads)", "worker": "at worker start (before the model loads)",
           "deepspeed": "at DeepSpeed init (model loading)", "rollout": "at the first rollout (after the model loads)"}
-KL_ESTIMATORS = {"kl": "k1", "k1": "k1", "abs": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class Translation:
     source: dict[str, str] = field(default_factory=dict)  # evenrl dotted key -> the peer's key
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    version: str = ""  # the peer version whose rules apply (peers.tables)
+    keys: list[dict] = field(default_factory=list)  # every key of the file, accounted for (peers.tables.account)
+    paths: dict[str, str] = field(default_factory=dict)  # model.path / data.path as the user gave them
 
     def set(self, key: str, value: Any, src: str) -> None:
         self.settings[key] = value
@@ -63,9 +66,11 @@ class Source:
     """Typed reads from the peer's config; a wrong type is a one-line UsageError naming the peer's key."""
 
     def __init__(self, framework: str, data: dict):
-        self.fw, self.data = framework, data
+        self.fw, self.data = framework, data if isinstance(data, dict) else {}
+        self.reads: set[str] = set()  # every key a translator looked at: the accounting's "read"
 
     def raw(self, key: str, default: Any = None) -> Any:
+        self.reads.add(key)
         if key in self.data:  # flat frameworks (TRL, OpenRLHF) may have dots in nothing; nested ones use paths
             return self.data[key] if self.data[key] is not None else default
         node: Any = self.data
@@ -119,78 +124,38 @@ class Source:
 
 # ------------------------------------------------------------------------------------------ reading
 
-def read_foreign(framework: str, path: str, overrides: list[str]) -> dict:
+def read_foreign(framework: str, path: str, overrides: list[str]) -> Loaded:
+    """The peer's YAML/JSON config, its argument file or its launch script (read, never run), with overrides."""
     p = Path(path)
     text = read_text_file(p, f"the {NAMES[framework]} config file", "a UTF-8 text file")
+    error = None
     try:
         data = parse_yaml(text, str(p))  # bounded, as evenrl's own configs (evenrl.config.parse_yaml)
     except yaml.YAMLError as e:
-        if not (framework == "openrlhf" and "--" in text):
-            raise UsageError(f"{p}: invalid YAML/JSON{yaml_error_line(e)}; fix the syntax") from None
-        data = None
-    if framework == "openrlhf" and not isinstance(data, dict) and "--" in text:
-        data = parse_flags(text)  # the command line itself
-    if data is None:
+        data, error = None, e
+    if not isinstance(data, dict) and (looks_like_script(text) or re.search(r"(^|\s)--[A-Za-z]|^\s*[\w.+~]+=", text,
+                                                                             re.M)):
+        loaded = from_script(framework, NAMES[framework], p, text)
+    elif error is not None:
+        raise UsageError(f"{p}: invalid YAML/JSON{yaml_error_line(error)}; fix the syntax") from None
+    elif data is None:
         raise UsageError(f"{p}: file is empty; expected the {NAMES[framework]} config")
-    if not isinstance(data, dict):
+    elif not isinstance(data, dict):
         raise UsageError(f"{p}: top level is a {type(data).__name__}; expected a mapping of "
-                         f"{NAMES[framework]} settings")
+                         f"{NAMES[framework]} settings or a launch script")
+    else:
+        loaded = Loaded(data)
     overrides = [o[2:] if o.startswith("++") else o[1:] if o.startswith("+") else o for o in overrides]
     for o in overrides:
         if o.startswith("~"):
             raise UsageError(f"override {o!r}: deleting keys is not supported; set the value instead")
-    data = apply_overrides(data, overrides)
-    return _openrlhf_keys(data) if framework == "openrlhf" else data
-
-
-# OpenRLHF's newer nested flags (--rollout.batch_size) flatten to these classic names.
-_OPENRLHF_ALIASES = {"rollout_n_samples_per_prompt": "n_samples_per_prompt",
-                     "rollout_micro_batch_size": "micro_rollout_batch_size",
-                     "train_micro_batch_size": "micro_train_batch_size", "train_batch_size": "train_batch_size",
-                     "ds_zero_stage": "zero_stage", "ds_ring_attn_size": "ring_attn_size",
-                     "train_colocate_all": "colocate_all_models", "train_async_enable": "async_train",
-                     "train_async_queue_size": "async_queue_size", "train_partial_rollout_enable": "partial_rollout",
-                     "algo_advantage_is_correction_enable": "enable_vllm_is_correction",
-                     "algo_advantage_is_correction_threshold": "vllm_is_truncated_threshold",
-                     "algo_advantage_is_correction_type": "vllm_is_correction_type"}
-
-
-def _openrlhf_keys(data: dict) -> dict:
-    """OpenRLHF's flags are flat: nested YAML sections and `--a.b` / `--a-b` flags become `a_b`."""
-    out = {}
-    for key, value in flatten(data, sep="_").items():
-        key = key.replace(".", "_").replace("-", "_")
-        out[_OPENRLHF_ALIASES.get(key, key)] = value
-    return out
+    loaded.data = apply_overrides(loaded.data, overrides)
+    return loaded
 
 
 def parse_flags(text: str) -> dict:
     """`python -m openrlhf.cli.train_ppo_ray --a 1 --flag --b x` -> {"a": 1, "flag": True, "b": "x"}."""
-    tokens = [t for t in shlex.split(text.replace("\\\n", " "), comments=True) if t.strip()]
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        i += 1
-        if not tok.startswith("--"):
-            continue  # the command itself (python3 -m ...)
-        key, eq, value = tok[2:].partition("=")
-        values = [value]
-        if not eq:
-            values = []
-            while i < len(tokens) and not tokens[i].startswith("--"):  # nargs=2 flags take two
-                values.append(tokens[i])
-                i += 1
-        parsed = [_flag_value(v, key) for v in values]
-        out[key.replace("-", "_")] = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
-    return out
-
-
-def _flag_value(text: str, key: str) -> Any:
-    try:
-        return parse_yaml(text, f"--{key}") if text else True
-    except yaml.YAMLError:
-        return text  # not YAML: the flag's text as is
+    return parse_tokens(bare_tokens(text))
 
 
 # ------------------------------------------------------------------------------------------ layouts
@@ -228,18 +193,10 @@ def set_sampling(src: Source, t: Translation, temp: str, top_p: str) -> None:
     t.set("rollout.top_p", src.float(top_p, 1.0), top_p)
 
 
-def set_kl(t: Translation, coef: float, where: str, estimator: str, key: str) -> None:
+def set_kl(t: Translation, coef: float, where: str, key: str) -> None:
+    """The KL term's size and place; its estimator is the tables' (peers/data: each peer's names, value by value)."""
     t.set("algo.kl_coef", coef, key)
     t.set("algo.kl_in", where, key)
-    t.set("algo.kl_estimator", KL_ESTIMATORS.get(estimator, "k3"), key)
-
-
-def set_advantage(t: Translation, name: str, key: str, table: dict[str, str]) -> None:
-    if name in table:
-        t.set("algo.advantage", table[name], key)
-        return
-    t.set("algo.advantage", "grpo", key)
-    t.notes.append(f"{key}={name} has no evenrl equivalent; the plan uses grpo")
 
 
 def set_critic(t: Translation, *, path: str, policy_path: str, lr: float, value_clip: float, warmup: int,
@@ -291,16 +248,9 @@ def set_reward_models(t: Translation, models: list[tuple[str, float]], key: str,
         t.set("rewards.functions", entries, key)
 
 
-def set_loss_agg(t: Translation, mode: str, key: str) -> None:
-    if mode.startswith("seq-mean-token-sum"):
-        mode = "seq-mean-token-sum"
-    if mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
-        t.set("algo.loss_aggregation", mode, key)
-    else:
-        t.notes.append(f"{key}={mode} has no evenrl equivalent; token-mean is used")
-
-
 def set_model(t: Translation, path: str, key: str) -> None:
+    if path:
+        t.paths["model.path"] = path
     if path and Path(path).expanduser().is_dir():
         t.set("model.path", path, key)
     elif path:
@@ -350,25 +300,35 @@ def set_parallel(t: Translation, world: int, *, params: bool, optimizer: bool, s
                        "sharding: the plan uses parallel.sharding=fsdp parallel.cpu_offload=full")
 
 
-def set_data(t: Translation, path: str, key: str, prompt_field: str, answer_field: str | None = None) -> None:
+def set_data(t: Translation, path: str, key: str, prompt_field: str, answer_field: str | None = None,
+             keys: tuple[str, str] = ("", "")) -> None:
+    """data.path when the peer's data is a local file; keys name the peer's prompt and answer column keys."""
     local = path.split("@")[0] if path else ""
+    if local:
+        t.paths["data.path"] = local
     if local and Path(local).expanduser().exists():
         t.set("data.path", local, key)
     elif path:
         t.notes.append(f"{key}={path!r} is not a local file or directory; set data.path to a local copy")
-    t.set("data.prompt_field", prompt_field, key)
+    t.set("data.prompt_field", prompt_field, keys[0] or key)
     if answer_field:
-        t.set("data.answer_field", answer_field, key)
+        t.set("data.answer_field", answer_field, keys[1] or key)
 
 
 def set_steps(src: Source, t: Translation, steps_key: str, epochs_key: str, epochs_default: int, prompts: int) -> None:
+    """train.steps from the peer's step count, else its epochs over the local dataset's rows; with neither, a
+    note says the plan's step count is evenrl's default, not the peer's."""
     steps = src.int(steps_key, None)
     if steps:
         t.set("train.steps", steps, steps_key)
         return
     rows = count_rows(t.settings.get("data.path", ""))
+    epochs = src.int(epochs_key, epochs_default)
     if rows:
-        t.set("train.steps", max(1, rows // prompts) * src.int(epochs_key, epochs_default), epochs_key)
+        t.set("train.steps", max(1, rows // prompts) * epochs, epochs_key)
+    elif src.has(epochs_key):
+        t.notes.append(f"{epochs_key}={epochs}: the dataset is not here, so its steps per epoch are unknown; the plan "
+                       "takes evenrl's train.steps=100 (set train.steps=N for the run's length)")
 
 
 def check_dataloader(src: Source, t: Translation, key: str, prompts: int, error: str, message: str) -> None:

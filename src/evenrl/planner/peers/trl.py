@@ -13,7 +13,7 @@ from pathlib import Path
 from evenrl.errors import UsageError
 from evenrl.planner.layout import apply_layout_flags, has_shape_flags, layout_from_args
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_loss_agg, set_model,
+    Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_model,
     set_reward_models,
     set_sampling)
 
@@ -89,16 +89,14 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     t.set("algo.clip_high", src.float("epsilon_high", eps), "epsilon_high")
     beta = src.float("beta", 0.0)
     if beta > 0:
-        set_kl(t, beta, "loss", "k3", "beta")
+        set_kl(t, beta, "loss", "beta")
+        t.set("algo.kl_estimator", "k3", "beta")  # TRL's per-token KL is k3
     scale = src.raw("scale_rewards", "group")
     scale = {True: "group", False: "none", "true": "group", "false": "none"}.get(scale, scale)
     if scale in ("group", "batch", "none"):
         t.set("algo.std_scale", scale, "scale_rewards")
     else:
         t.notes.append(f"scale_rewards={scale!r} has no evenrl equivalent; group std is used")
-    loss = src.str("loss_type", "dapo")
-    set_loss_agg(t, {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "bnpo": "token-mean",
-                  "dr_grpo": "seq-mean-token-sum"}.get(loss, loss), "loss_type")
     set_model(t, src.str("model_name_or_path"), "model_name_or_path")
     t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
     t.set("model.dtype", "bfloat16" if src.bool("bf16", True) else "float32", "bf16")
@@ -110,7 +108,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                   "vllm_gpu_memory_utilization")
     if t.layout.rollout_devices:  # `evenrl train --rollout-devices N` runs what `trl vllm-serve` did
         t.set("parallel.rollout_devices", t.layout.rollout_devices, "vllm_mode=server")
-    set_data(t, src.str("dataset_name"), "dataset_name", src.str("dataset_prompt_column", "prompt"))
+    set_data(t, src.str("dataset_name"), "dataset_name", src.str("dataset_prompt_column", "prompt"),
+             keys=("dataset_prompt_column", ""))
     _rewards(src, t)
     if src.has("max_tool_calling_iterations"):  # GRPOTrainer(tools=[...]) runs them; the config counts rounds
         rounds = src.int("max_tool_calling_iterations", 1, lo=0)

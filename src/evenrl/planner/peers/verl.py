@@ -18,8 +18,8 @@ import argparse
 import math
 
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, check_dataloader, set_advantage, set_critic, set_data, set_dynamic_sampling, set_kl,
-    set_lengths, set_lora, set_loss_agg, set_model, set_overlong, set_parallel, set_reward_models, set_sampling,
+    Check, Source, Translation, check_dataloader, set_critic, set_data, set_dynamic_sampling, set_kl,
+    set_lengths, set_lora, set_model, set_overlong, set_parallel, set_reward_models, set_sampling,
     set_steps, split_layout, trainer_layout)
 
 
@@ -80,15 +80,10 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     t.set("algo.clip_low", src.float(a + "clip_ratio_low", clip), a + "clip_ratio_low")
     t.set("algo.clip_high", src.float(a + "clip_ratio_high", clip), a + "clip_ratio_high")
     if src.bool(a + "use_kl_loss", False):
-        set_kl(t, src.float(a + "kl_loss_coef", 0.001), "loss", src.str(a + "kl_loss_type", "low_var_kl"),
-            a + "kl_loss_coef")
+        set_kl(t, src.float(a + "kl_loss_coef", 0.001), "loss", a + "kl_loss_coef")
     elif src.bool("algorithm.use_kl_in_reward", False):
-        set_kl(t, src.float("algorithm.kl_ctrl.kl_coef", 0.001), "reward", src.str("algorithm.kl_penalty", "kl"),
-            "algorithm.kl_ctrl.kl_coef")
+        set_kl(t, src.float("algorithm.kl_ctrl.kl_coef", 0.001), "reward", "algorithm.kl_ctrl.kl_coef")
     adv = src.str("algorithm.adv_estimator", "gae")
-    set_advantage(t, adv, "algorithm.adv_estimator",
-               {"grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
-                "drgrpo": "dr_grpo", "dr_grpo": "dr_grpo", "reinforce_plus_plus": "reinforce_pp", "gae": "gae"})
     if adv in ("gae", "reinforce_plus_plus"):
         t.set("algo.gamma", src.float("algorithm.gamma", 1.0), "algorithm.gamma")
     if adv == "gae":
@@ -110,18 +105,18 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                      ("reward_model.overlong_buffer.len", "reward_model.overlong_buffer.penalty_factor"))
     if not src.bool("algorithm.norm_adv_by_std_in_grpo", True):
         t.set("algo.std_scale", "none", "algorithm.norm_adv_by_std_in_grpo")
-    set_loss_agg(t, src.str(a + "loss_agg_mode", "token-mean"), a + "loss_agg_mode")
     set_model(t, src.str("actor_rollout_ref.model.path"), "actor_rollout_ref.model.path")
     t.set("model.gradient_checkpointing", src.bool("actor_rollout_ref.model.enable_gradient_checkpointing", False),
           "actor_rollout_ref.model.enable_gradient_checkpointing")
     m = "actor_rollout_ref.model."
     set_lora(src, t, rank=m + "lora_rank", alpha=m + "lora_alpha", targets=m + "target_modules")
     # offload_policy: verl's FSDP2 path (strategy=fsdp2), the same CPUOffloadPolicy evenrl uses
-    params = src.bool(a + "fsdp_config.param_offload", False) or src.bool(a + "fsdp_config.offload_policy", False) \
-        or src.bool(a + "fsdp_config.grad_offload", False)  # older verl (Logic-RL) offloads gradients separately
+    params = any([src.bool(a + "fsdp_config.param_offload", False), src.bool(a + "fsdp_config.offload_policy", False),
+                  src.bool(a + "fsdp_config.grad_offload", False)])  # older verl (Logic-RL) offloads gradients apart
     set_parallel(t, world, params=params, optimizer=src.bool(a + "fsdp_config.optimizer_offload", False),
                  shard=True, keys=(a + "fsdp_config.param_offload", a + "fsdp_config.optimizer_offload"))
-    set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"))
+    set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"),
+             keys=("data.prompt_key", ""))
     set_steps(src, t, "trainer.total_training_steps", "trainer.total_epochs", 1, tbs)
     _rewards(src, t)
     if src.has("rollout.n_gpus_per_node"):

@@ -1,0 +1,143 @@
+"""A launch script's (or argument file's) trainer arguments as the peer's settings: verl/EasyR1 `key=value`
+arguments layered on the base config they name (EasyR1's bundled examples/config.yaml when the script's is not
+here), OpenRLHF/TRL `--flags` (TRL's `--config recipe.yaml` under them); values that need the caller's shell
+variables are kept apart as unresolved. Never runs anything; never imports torch.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from evenrl.config import apply_overrides, parse_yaml, read_text_file
+from evenrl.errors import UsageError
+from evenrl.planner.peers.script import Launch, read_script
+from evenrl.planner.peers.tables import base_config
+
+
+@dataclass
+class Loaded:
+    """The peer's settings as its trainer would receive them, and where they came from."""
+    data: dict
+    notes: list[str] = field(default_factory=list)  # how the file was read (branches, base config, $@)
+    launch: Launch | None = None  # a launch script's command and layout
+    unresolved: dict[str, str] = field(default_factory=dict)  # key -> its value that needs the caller's variables
+
+
+def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
+    """A launch script (or a bare list of flags / key=value overrides) as the trainer's settings."""
+    launch = read_script(text)
+    args = launch.args if launch.program else bare_tokens(text)
+    notes = ([f"read the launch script's command `{launch.program}` (not run)"] if launch.program else []) \
+        + launch.notes
+    if framework in ("verl", "easyr1"):
+        data, more, unresolved = _hydra_args(framework, path, args)
+    else:
+        data, unresolved = parse_tokens(args), {}
+        for key, value in list(data.items()):
+            if isinstance(value, str) and "$" in value:
+                unresolved[key.replace("-", "_")] = value
+                del data[key]
+        more = _trl_base(path, data) if framework == "trl" else []
+    if not data and not launch.program:
+        raise UsageError(f"{path}: no {name} settings found (no trainer command, no flags); expected "
+                         f"the {name} config or its launch script")
+    return Loaded(data, notes + more, launch, unresolved)
+
+
+def bare_tokens(text: str) -> list[str]:
+    try:
+        return [t for t in shlex.split(text.replace("\\\n", " "), comments=True) if t.strip()]
+    except ValueError as e:
+        raise UsageError(f"a line of the file cannot be read as arguments ({e}); fix the quoting") from None
+
+
+def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list[str], dict[str, str]]:
+    """verl/EasyR1 `key=value` arguments, layered on the base config they name."""
+    data: dict = {}
+    notes: list[str] = []
+    unresolved: dict[str, str] = {}
+    overrides = []
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if arg.startswith("--config-name") or arg.startswith("--config-path"):
+            notes.append(f"{arg}: a Hydra base config of the script's own (not bundled); keys it sets are "
+                         "not seen here, the peer's defaults stand in for them")
+            continue
+        if not eq or key.startswith("-"):
+            continue
+        key = key.lstrip("+")
+        if "$" in value:
+            unresolved[key] = value
+            continue
+        if framework == "easyr1" and key == "config":
+            data = _easyr1_base(path, value, notes)
+            continue
+        overrides.append(f"{key}={value}")
+    if framework == "easyr1" and not any(o.startswith("config=") for o in args):
+        notes.append("no config=FILE: overrides layered on EasyR1's own defaults")
+    return apply_overrides(data, overrides), notes, unresolved
+
+
+def _easyr1_base(path: Path, name: str, notes: list[str]) -> dict:
+    """EasyR1's config=FILE: the file next to the script's repository if it is here, else the bundled copy."""
+    for root in (Path.cwd(), *path.resolve().parents):
+        candidate = root / name
+        if candidate.is_file():
+            data = parse_yaml(read_text_file(candidate, "the EasyR1 base config", "YAML"), str(candidate))
+            notes.append(f"config={name}: overrides layered on {candidate}")
+            return data if isinstance(data, dict) else {}
+    bundled = base_config("easyr1")
+    if bundled and name.endswith("examples/config.yaml"):
+        notes.append(f"config={name} is not here: overrides layered on {bundled[0]} (bundled)")
+        return bundled[1]
+    notes.append(f"config={name} is not here: overrides layered on EasyR1's own defaults")
+    return {}
+
+
+def _trl_base(path: Path, data: dict) -> list[str]:
+    """`--config recipe.yaml` of a TRL/open-r1 command: its settings under the command line's flags."""
+    name = data.pop("config", None)
+    if not isinstance(name, str):
+        return []
+    for root in (Path.cwd(), *path.resolve().parents):
+        candidate = root / name
+        if candidate.is_file():
+            base = parse_yaml(read_text_file(candidate, "the TRL config", "YAML"), str(candidate))
+            if isinstance(base, dict):
+                for key, value in base.items():
+                    data.setdefault(key, value)
+            return [f"--config {name}: read {candidate}, the command line's flags over it"]
+    return [f"--config {name} is not here: planned from the command line's flags and TRL's defaults"]
+
+
+def parse_tokens(tokens: list[str]) -> dict:
+    """argparse-style `--key value`, `--key=value`, `--flag`, `--key v1 v2` tokens as a mapping."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        i += 1
+        if not tok.startswith("--"):
+            continue  # the command itself (python3 -m ...)
+        key, eq, value = tok[2:].partition("=")
+        values = [value]
+        if not eq:
+            values = []
+            while i < len(tokens) and not tokens[i].startswith("--"):  # nargs=2 flags take two
+                values.append(tokens[i])
+                i += 1
+        parsed = [_flag_value(v, key) for v in values]
+        out[key.replace("-", "_")] = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
+    return out
+
+
+def _flag_value(text: str, key: str) -> Any:
+    try:
+        return parse_yaml(text, f"--{key}") if text else True
+    except yaml.YAMLError:
+        return text  # not YAML: the flag's text as is

@@ -1,0 +1,346 @@
+"""A peer's launch script read as text, never executed: the trainer's command line and the layout it asks for.
+
+verl, EasyR1 and Logic-RL users run `bash run_*.sh`: `python3 -m verl.trainer.main_ppo key=value ...` after shell
+variables; OpenRLHF's scripts build `--flags` in bash arrays and hand them to `ray job submit -- python3 -m
+openrlhf.cli.train_ppo_ray`, sometimes inside `srun ... bash -c "..."`; TRL's run through `accelerate launch` or
+`trl grpo`. This module reads that much bash and no more: assignments (`export`, arrays, `${VAR:-default}`,
+`$((arithmetic))`), line continuations, quoting, comments, heredocs, if/elif/else (it takes the branch the
+script's own values select, and says which), the script's arguments (`$@`, `$1`: unknown here, named in a note),
+and the wrappers around the trainer (env assignments, srun, ray job submit, bash -c, torchrun, accelerate launch,
+nohup, pipes and redirections). Loops, functions and case blocks are skipped: they start workers, not trainers.
+Tokens are shlex's (the standard library's); only what shlex cannot do is here: expansion and branches.
+Command substitutions `$(...)` are never run: a value that needs one stays unresolved and is named.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from evenrl.planner.peers.shell import (
+    arith, balanced_parens, condition, matching, open_quote, scan, statements, strip_comment, tokens)
+
+_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
+_ARRAY_OPEN = re.compile(r"^\s*(?:(?:export|local|declare(?:\s+-[a-zA-Z]+)*|readonly)\s+)?([A-Za-z_]\w*)=\((.*)$", re.S)
+_TRAINERS = re.compile(r"(verl\.trainer\.main|recipe\.[\w.]*main|main_ppo|main_dapo|main_grpo|train_ppo_ray|"
+                       r"openrlhf\.cli\.|grpo|ppo|rloo|trl$)")
+
+
+@dataclass
+class Launch:
+    """The trainer command a script runs, as the trainer would receive its arguments."""
+    program: str = ""  # e.g. "python3 -m verl.trainer.main_ppo", "accelerate launch src/open_r1/grpo.py"
+    args: list[str] = field(default_factory=list)
+    nnodes: int | None = None  # from #SBATCH / srun --nodes, accelerate --num_machines, torchrun --nnodes
+    gpus_per_node: int | None = None  # from --gres=gpu:N / --gpus-per-node
+    num_processes: int | None = None  # accelerate --num_processes, torchrun --nproc_per_node (per node)
+    launcher_config: str = ""  # accelerate --config_file
+    notes: list[str] = field(default_factory=list)
+    unresolved: set[str] = field(default_factory=set)  # variables the script leaves to its caller
+
+
+def looks_like_script(text: str) -> bool:
+    """A shell launch script rather than YAML/JSON or a bare list of flags."""
+    return bool(re.search(r"(^#!|\bpython3?\b|\btorchrun\b|\baccelerate\s+launch\b|\btrl\s+\w|\bsrun\b|"
+                          r"^\s*(export\s+)?[A-Za-z_]\w*=|\$\{?[A-Za-z_@*0-9])", text, re.M))
+
+
+def read_script(text: str) -> Launch:
+    """The trainer command of a launch script (the first one, when it runs several)."""
+    state = _State()
+    for line in _logical_lines(text, state):
+        state.line(line)
+        if state.found:
+            break
+    out = state.launch
+    if not state.found:
+        out.notes.append("no trainer command found in the script (python -m ..., accelerate launch, trl, torchrun)")
+    if state.unset:
+        names = ", ".join(f"${n}" for n in sorted(state.unset))
+        out.notes.append(f"not set in the script (its caller's environment): {names}; a setting that uses one is "
+                         "listed as unresolved")
+    out.unresolved = state.unset
+    return out
+
+
+# ------------------------------------------------------------------------------------------ lines
+
+def _logical_lines(text: str, state: _State):
+    """Lines with continuations joined, comments removed, multi-line quotes, arrays and heredocs whole."""
+    text = re.sub(r"\\[ \t]*\r?\n", "", text)
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        raw = lines[i]
+        i += 1
+        heredoc = re.search(r"<<-?\s*['\"]?(\w+)['\"]?", strip_comment(raw))
+        if heredoc and "<<<" not in raw:
+            while i < len(lines) and lines[i].strip() != heredoc.group(1):
+                i += 1
+            i += 1
+            yield strip_comment(raw)[:heredoc.start()]
+            continue
+        if _ARRAY_OPEN.match(raw) and not balanced_parens(strip_comment(raw)):
+            parts = [strip_comment(raw)]
+            while i < len(lines) and not balanced_parens(" ".join(parts)):
+                parts.append(strip_comment(lines[i]))
+                i += 1
+            yield " ".join(parts)
+            continue
+        line = strip_comment(raw)
+        while open_quote(line) and i < len(lines):
+            line += "\n" + lines[i]
+            i += 1
+            line = strip_comment(line)
+        if raw.lstrip().startswith("#SBATCH"):
+            state.sbatch(raw.strip()[len("#SBATCH"):])
+        yield line
+
+
+# ------------------------------------------------------------------------------------------ state
+
+class _State:
+    def __init__(self):
+        self.vars: dict[str, str | list[str]] = {}
+        self.unset: set[str] = set()
+        self.launch = Launch()
+        self.found = False
+        self.frames: list[list] = []  # if blocks: [parent_active, taken, active]
+        self.skip = 0  # depth inside loops, functions and case blocks
+
+    @property
+    def active(self) -> bool:
+        return self.skip == 0 and all(f[2] for f in self.frames)
+
+    def sbatch(self, opts: str) -> None:
+        self.layout(shlex.split(opts))
+
+    def line(self, line: str) -> None:
+        m = _ARRAY_OPEN.match(line)
+        if m and self.active:
+            body = line[m.end(2) - len(m.group(2)):].rstrip()
+            body = body[:-1] if body.endswith(")") else body
+            self.vars[m.group(1)] = tokens(self.expand(body))
+            return
+        cond = bool(re.match(r"\s*(if|elif|while|until|\[)", line)) or not self.active  # skipped: no names
+        for stmt in statements(tokens(self.expand(line, empty_unset=cond))):
+            self.statement(stmt, line)
+            if self.found:
+                return
+
+    def statement(self, toks: list[str], line: str) -> None:
+        head = toks[0]
+        if head in ("for", "while", "until", "case", "select") or (head.endswith("()") or toks[-1] == "{"):
+            self.skip += 1
+            return
+        if head in ("done", "esac", "}"):
+            self.skip = max(0, self.skip - 1)
+            return
+        if self.skip:
+            return
+        if head == "if":
+            parent = self.active
+            decided, why = condition(toks[1:])
+            self.frames.append([parent, decided, decided])
+            if parent and why:
+                self.launch.notes.append(why)
+            return
+        if head in ("elif", "else") and self.frames:
+            f = self.frames[-1]
+            decided, why = (True, "") if head == "else" else condition(toks[1:])
+            f[2] = not f[1] and decided
+            f[1] = f[1] or f[2]
+            if why and f[0]:
+                self.launch.notes.append(why)
+            return
+        if head == "fi" and self.frames:
+            self.frames.pop()
+            return
+        if head in ("then", "do") or not self.active:
+            if head in ("then", "do") and len(toks) > 1:
+                self.statement(toks[1:], line)
+            return
+        while toks and toks[0] in ("export", "local", "readonly", "declare", "typeset") or toks and \
+                toks[0].startswith("-") and toks[0] != "--":
+            toks = toks[1:]
+        if toks and all(_ASSIGN.match(t) for t in toks) and (head in ("export", "local", "readonly", "declare",
+                                                                          "typeset") or _ASSIGN.match(head)):
+            for t in toks:
+                name, plus, value = _ASSIGN.match(t).groups()
+                old = self.vars.get(name, "") if plus else ""
+                self.vars[name] = (old if isinstance(old, str) else " ".join(old)) + value
+            return
+        self.command(toks)
+
+    # -------------------------------------------------------------------------------------- commands
+
+    def command(self, toks: list[str]) -> None:
+        while toks and _ASSIGN.match(toks[0]):
+            toks = toks[1:]  # `CUDA_VISIBLE_DEVICES=0,1 python ...`: the environment of that one command
+        if not toks:
+            return
+        name = toks[0].rsplit("/", 1)[-1]
+        rest = toks[1:]
+        if name in ("nohup", "time", "exec", "env", "command", "stdbuf", "numactl", "taskset", "uv", "poetry"):
+            if name in ("uv", "poetry") and rest[:1] == ["run"]:
+                rest = rest[1:]
+            self.command([t for t in rest if not t.startswith("-")] if name == "env" else rest)
+        elif name in ("bash", "sh") and "-c" in rest:
+            inner = rest[rest.index("-c") + 1] if rest.index("-c") + 1 < len(rest) else ""
+            for line in _logical_lines(inner, self):
+                self.line(line)
+                if self.found:
+                    return
+        elif name == "srun":
+            i = self.layout(rest, until_command=True)
+            self.command(rest[i:])
+        elif name == "ray":
+            if "--" in rest:
+                self.command(rest[rest.index("--") + 1:])
+        elif name == "torchrun" or name == "deepspeed":
+            i = self.layout(rest, until_command=True)
+            self.trainer(f"{name} {rest[i] if i < len(rest) else ''}".strip(), rest[i + 1:])
+        elif name == "accelerate" and rest[:1] == ["launch"]:
+            i = self.layout(rest[1:], until_command=True) + 1
+            if rest[i:i + 1] == ["-m"]:
+                i += 1
+            self.trainer(f"accelerate launch {rest[i] if i < len(rest) else ''}".strip(), rest[i + 1:])
+        elif name == "trl" and rest:
+            self.trainer(f"trl {rest[0]}", rest[1:])
+        elif re.fullmatch(r"python[0-9.]*", name):
+            i = 0
+            while i < len(rest) and rest[i].startswith("-") and rest[i] != "-m":
+                i += 1
+            if i < len(rest) and rest[i] == "-m" and i + 1 < len(rest):
+                self.trainer(f"{toks[0]} -m {rest[i + 1]}", rest[i + 2:])
+            elif i < len(rest):
+                self.trainer(f"{toks[0]} {rest[i]}", rest[i + 1:])
+
+    def trainer(self, program: str, args: list[str]) -> None:
+        if not _TRAINERS.search(program.split()[-1] if program.split() else ""):
+            return  # a helper script (data preparation, a server): not the trainer
+        self.launch.program, self.launch.args, self.found = program, args, True
+
+    def layout(self, toks: list[str], until_command: bool = False) -> int:
+        """Launcher options (srun, #SBATCH, torchrun, accelerate) into the layout; returns where they end."""
+        value_opts = {"-N", "--nodes", "--num_machines", "--num-machines", "--nnodes", "--num_processes",
+                      "--num-processes", "--nproc_per_node", "--nproc-per-node", "--gres", "--gpus-per-node",
+                      "--config_file", "--config-file", "--num_gpus", "--num_nodes", "-n", "-w", "-p", "-A", "-J",
+                      "-t", "--ntasks", "--ntasks-per-node", "--container-image", "--container-mounts", "--mem",
+                      "--main_process_ip", "--main_process_port", "--machine_rank", "--master_addr",
+                      "--master_port", "--node_rank", "--rdzv_endpoint", "--rdzv_backend", "--mixed_precision",
+                      "--deepspeed_config_file", "--zero_stage", "--cpus-per-task", "-c", "--gpus"}
+        i = 0
+        while i < len(toks) and toks[i].startswith("-"):
+            opt, eq, value = toks[i].partition("=")
+            if not eq and opt in value_opts and i + 1 < len(toks):
+                value, i = toks[i + 1], i + 1
+            i += 1
+            num = int(value) if re.fullmatch(r"[0-9]+", value or "") else None
+            gpus = re.search(r"gpu(?::[\w-]+)?:([0-9]+)", value or "")
+            if opt in ("-N", "--nodes", "--num_machines", "--num-machines", "--nnodes", "--num_nodes") and num:
+                self.launch.nnodes = num
+            elif opt in ("--num_processes", "--num-processes") and num:
+                self.launch.num_processes = num
+            elif opt in ("--nproc_per_node", "--nproc-per-node", "--num_gpus") and num:
+                self.launch.gpus_per_node = num
+            elif opt == "--gres" and gpus:
+                self.launch.gpus_per_node = int(gpus.group(1))
+            elif opt == "--gpus-per-node" and re.search(r"([0-9]+)$", value or ""):
+                self.launch.gpus_per_node = int(re.search(r"([0-9]+)$", value).group(1))
+            elif opt in ("--config_file", "--config-file"):
+                self.launch.launcher_config = value
+        return i if until_command else len(toks)
+
+    # -------------------------------------------------------------------------------------- expansion
+
+    def expand(self, s: str, empty_unset: bool = False) -> str:
+        out, i = [], 0
+        quoted = {j: q for j, _, q in scan(s)}
+        while i < len(s):
+            c = s[i]
+            q = quoted.get(i, "")
+            if c == "\\" and q != "'" and i + 1 < len(s):
+                out.append(s[i:i + 2])
+                i += 2
+                continue
+            if c != "$" or q == "'" or i + 1 >= len(s):
+                out.append(c)
+                i += 1
+                continue
+            value, i = self._dollar(s, i, empty_unset)
+            if q == '"':
+                value = value.replace("\\", "\\\\").replace('"', '\\"')
+            out.append(value)
+        return "".join(out)
+
+    def _dollar(self, s: str, i: int, empty_unset: bool) -> tuple[str, int]:
+        if s.startswith("$((", i):
+            end = matching(s, i + 1)
+            expr = self.expand(s[i + 3:end - 1], empty_unset=True)
+            expr = re.sub(r"\b([A-Za-z_]\w*)\b", lambda m: str(self.vars.get(m.group(1), 0) or 0), expr)
+            return arith(expr, s[i:end + 1]), end + 1
+        if s.startswith("$(", i):
+            end = matching(s, i + 1)
+            return "$(...)", end + 1
+        if s.startswith("${", i):
+            end = s.find("}", i)
+            depth, j = 0, i + 2
+            while j < len(s):  # nested ${A:-${B}}
+                if s.startswith("${", j):
+                    depth += 1
+                elif s[j] == "}":
+                    if depth == 0:
+                        end = j
+                        break
+                    depth -= 1
+                j += 1
+            if end < 0:
+                return "$", i + 1
+            return self._braced(s[i + 2:end], empty_unset), end + 1
+        m = re.match(r"[A-Za-z_]\w*|[0-9@*#?$!-]", s[i + 1:])
+        if not m:
+            return "$", i + 1
+        return self._lookup(m.group(0), empty_unset), i + 1 + m.end()
+
+    def _braced(self, body: str, empty_unset: bool) -> str:
+        m = re.match(r"(#?)([A-Za-z_]\w*|[0-9]+|[@*])(\[[^\]]*\])?(?:(:?[-=+?])(.*))?$", body, re.S)
+        if not m:
+            return "${" + body + "}"
+        count, name, index, op, word = m.groups()
+        value = self.vars.get(name)
+        if isinstance(value, list):
+            idx = (index or "[0]")[1:-1]
+            if idx in ("@", "*"):
+                return str(len(value)) if count else " ".join(shlex.quote(v) for v in value)
+            value = value[int(idx)] if idx.isdigit() and int(idx) < len(value) else ""
+        empty = value is None or (op or "").startswith(":") and value == ""
+        if op and op.endswith(("-", "=")) and empty:
+            value = self.expand(word or "")
+            if op.endswith("="):
+                self.vars[name] = value
+            return value
+        if op and op.endswith("+"):
+            return "" if empty else self.expand(word or "")
+        if value is None:
+            return self._lookup(name, empty_unset)
+        return str(len(value)) if count else value
+
+    def _lookup(self, name: str, empty_unset: bool) -> str:
+        if name in ("@", "*") or name.isdigit() and name != "0":
+            note = ("the script's own arguments ($@, $1, ...) are not known here: give them after FILE as "
+                    "overrides")
+            if note not in self.launch.notes:
+                self.launch.notes.append(note)
+            return ""
+        value = self.vars.get(name)
+        if value is None:
+            if name in ("#", "?", "$", "!", "-", "0"):
+                return "0"
+            if not empty_unset:
+                self.unset.add(name)
+            return "" if empty_unset else f"${name}"
+        return " ".join(shlex.quote(v) for v in value) if isinstance(value, list) else value
+
+

@@ -1,0 +1,207 @@
+"""The peers' knowledge as data (peers/data/<peer>.yaml and the key lists beside them) and the one reader of it.
+
+Each table says, for one peer: its versions (and the keys that tell one from another), which checks each version
+has, the flags' older spellings (OpenRLHF), the keys that map onto an evenrl field (enumerations value by value,
+the peer's own defaults where they differ from evenrl's), and why the rest are not applicable or have no evenrl
+equivalent. The translators (verl.py, easyr1.py, trl.py, openrlhf.py) keep what is arithmetic: batch checks and
+layouts. `account` then puts every key of the user's file in exactly one place: mapped (beside its evenrl field),
+read (the layout and the peer's checks), not applicable, no evenrl equivalent, or unknown to the peer.
+A mapping onto an evenrl field or value this evenrl does not have yet is a note naming the key, never an error.
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from evenrl.config import RunConfig, flatten, with_settings
+from evenrl.errors import UsageError
+
+DATA = Path(__file__).parent / "data"
+STATUSES = ("mapped", "read", "not_applicable", "no_equivalent", "unknown")
+
+
+@functools.cache
+def table(peer: str) -> dict:
+    return yaml.safe_load((DATA / f"{peer}.yaml").read_text(encoding="utf-8"))
+
+
+@functools.cache
+def known_keys(peer: str, version: str) -> frozenset[str]:
+    text = (DATA / table(peer)["versions"][version]["keys"]).read_text(encoding="utf-8")
+    return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
+
+
+def base_config(peer: str) -> tuple[str, dict] | None:
+    """The peer's bundled base config (EasyR1's examples/config.yaml): (its label, its settings)."""
+    base = table(peer).get("base")
+    if not base:
+        return None
+    return base["label"], yaml.safe_load((DATA / base["file"]).read_text(encoding="utf-8"))
+
+
+def version_label(peer: str, version: str) -> str:
+    return table(peer)["versions"][version]["label"]
+
+
+def detect_version(peer: str, keys: set[str], asked: str | None) -> tuple[str, str]:
+    """(version, how it was chosen): --peer-version, else the first version whose tell-tale keys the file has."""
+    versions = table(peer)["versions"]
+    if asked:
+        if asked not in versions:
+            raise UsageError(f"--peer-version {asked}: not a {peer} version evenrl knows; allowed: "
+                             f"{', '.join(versions)}")
+        return asked, "--peer-version"
+    for name, v in versions.items():
+        hit = next((k for k in v.get("detect", []) if k in keys), None)
+        if hit:
+            return name, f"detected from {hit}"
+    return table(peer)["default_version"], "no key tells the version apart; the current release's rules"
+
+
+def check_applies(peer: str, version: str, tag: str) -> bool:
+    """A check tagged with a version text applies to the versions the table lists for that text (untagged: all)."""
+    listed = table(peer).get("check_versions", {}).get(tag)
+    return not tag or listed is None or version in listed
+
+
+def dealias(peer: str, flat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """OpenRLHF's dotted flags to their flat names: (settings by flat name, flat name -> the file's spelling)."""
+    aliases = table(peer).get("aliases", {})
+    out, spelled = {}, {}
+    for key, value in flat.items():
+        name = aliases.get(key, key.replace(".", "_").replace("-", "_") if key not in aliases else key)
+        out[name] = value
+        spelled[name] = key
+    return out, spelled
+
+
+@functools.cache
+def _fields() -> frozenset[str]:
+    return frozenset(flatten(RunConfig().model_dump(mode="json")))
+
+
+@functools.lru_cache(maxsize=512)
+def _accepts(field: str, value: Any) -> bool:
+    try:
+        with_settings(RunConfig(), {field: list(value) if isinstance(value, tuple) else value})
+        return True
+    except (ValidationError, ValueError, TypeError, UsageError):
+        return False
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def apply_maps(peer: str, version: str, src, t) -> None:
+    """The table's `map`: each key the file sets (or the peer's default for this version) onto its evenrl field,
+    unless the translator already set that field; anything evenrl cannot take is a note naming key and value."""
+    for key, spec in table(peer).get("map", {}).items():
+        field = spec["to"]
+        if field in t.settings:
+            continue
+        if "when" in spec and not _truthy(src.raw(spec["when"])):
+            continue
+        if "when_not" in spec and _truthy(src.raw(spec["when_not"])):
+            continue
+        present = src.has(key)
+        value = src.raw(key) if present else (spec.get("default") or {}).get(version)
+        if value is None:
+            continue
+        shown = f"{key}={_text(value)}" + ("" if present else f" ({version_label(peer, version).split(' (')[0]}'s "
+                                                                "default)")
+        targets: dict[str, Any] = {}
+        if "values" in spec or "notes" in spec:
+            v = _text(value)
+            if v in spec.get("notes", {}):
+                t.notes.append(f"{shown}: {spec['notes'][v]}")
+                if v not in spec.get("values", {}):
+                    continue
+            elif v not in spec.get("values", {}):
+                allowed = ", ".join(list(spec.get("values", {})) + list(spec.get("notes", {})))
+                t.notes.append(f"{shown}: not a value {peer} has ({allowed}); evenrl keeps its default "
+                               f"{field}")
+                continue
+            targets[field] = spec["values"][v]
+            for extra, to in (("level", "algo.importance_level"), ("policy", "algo.policy_loss")):
+                if v in spec.get(extra, {}):
+                    targets[to] = spec[extra][v]
+        else:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and "min" in spec:
+                value = max(value, spec["min"])
+            targets[field] = list(value) if isinstance(value, tuple) else value
+        for to, v in targets.items():
+            if to not in _fields():
+                t.notes.append(f"{shown}: this evenrl has no {to} yet; the plan runs without it")
+            elif not _accepts(to, v if not isinstance(v, list) else tuple(v)):
+                t.notes.append(f"{shown}: {to}={_text(v)} is not available in this evenrl; the plan keeps "
+                               f"{to}'s default")
+            else:
+                t.set(to, v, key)
+                if not present and v != RunConfig().model_dump(mode="json").get(to.split(".")[0], {}).get(
+                        to.split(".", 1)[1]):
+                    t.notes.append(f"{key} is not set: {shown.split(' (')[0].split('=', 1)[1]} is "
+                                   f"{version_label(peer, version).split(' (')[0]}'s default, so {to}={_text(v)}")
+        if spec.get("note") and present:
+            t.notes.append(f"{shown}: {spec['note']}")
+
+
+def _truthy(v: Any) -> bool:
+    return v not in (None, False, 0, "", "false", "False", "0", "none", "None", "null")
+
+
+def _reason(rules: dict[str, str], key: str) -> str | None:
+    for pattern, why in rules.items():
+        if fnmatchcase(key, pattern):
+            return why
+    return None
+
+
+def account(peer: str, version: str, user: dict[str, Any], spelled: dict[str, str], t, reads: set[str],
+            unresolved: dict[str, str]) -> list[dict]:
+    """Every key of the user's file, in one place each: {key, value, status, evenrl, why}."""
+    tab = table(peer)
+    mapped: dict[str, list[str]] = {}
+    for f, source in t.source.items():
+        for token in re.findall(r"[A-Za-z0-9_.+-]+", source):
+            mapped.setdefault(token, []).append(f)
+    known = known_keys(peer, version) | {spelled.get(k, k) for k in known_keys(peer, version)}
+    rows = []
+    for name, value in user.items():
+        key = spelled.get(name, name)
+        row: dict[str, Any] = {"key": key, "value": value, "status": "", "evenrl": [], "why": ""}
+        fields = mapped.get(name, [])
+        if name in unresolved:
+            row.update(status="no_equivalent", why=f"unresolved: {unresolved[name]}")
+        elif fields:
+            row.update(status="mapped", evenrl=[f"{f}={_text(t.settings[f])}" for f in fields])
+        elif (why := _reason(tab.get("not_applicable", {}), name) or _reason(tab.get("not_applicable", {}), key)):
+            if why.startswith("read") and name not in reads:
+                why = f"unused with this file's other settings ({why})"
+            row.update(status="read" if name in reads and why.startswith("read") else "not_applicable", why=why)
+        elif name in reads:
+            noted = any(name in n for n in t.notes)
+            row.update(status="read", why="read (see the notes)" if noted else
+                       f"read for the layout and the peer's checks")
+        elif (why := _reason(tab.get("no_equivalent", {}), name) or _reason(tab.get("no_equivalent", {}), key)):
+            row.update(status="no_equivalent", why=why)
+        elif name in known or key in known or _prefix_known(name, known):
+            row.update(status="no_equivalent", why="a setting evenrl does not model")
+        else:
+            row.update(status="unknown", why=f"not a key of {version_label(peer, version)} (a typo?)")
+        rows.append(row)
+    return rows
+
+
+def _prefix_known(key: str, known: frozenset[str]) -> bool:
+    """A key inside a free-form mapping the peer declares (e.g. verl's engine_kwargs.vllm.*)."""
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in known for i in range(len(parts) - 1, 0, -1))

@@ -55,7 +55,8 @@ def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> 
     data = loaded.data
     if framework == "openrlhf":
         flat, spelled = tables.dealias(framework, flat)
-        unresolved = {tables.dealias(framework, {k: v})[0].popitem()[0]: v for k, v in unresolved.items()}
+        unresolved, more = tables.dealias(framework, unresolved)
+        spelled.update(more)
         data = dict(flat)
     version, how = tables.detect_version(framework, set(flat) | set(spelled.values()) | set(unresolved),
                                          getattr(ns, "peer_version", None))
@@ -67,7 +68,7 @@ def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> 
     TRANSLATORS[framework](src, ns, t)
     tables.apply_maps(framework, version, src, t)
     t.checks = [c for c in t.checks if tables.check_applies(framework, version, c.version)]
-    t.keys = tables.account(framework, version, flat, spelled, t, src.reads, unresolved)
+    t.keys = tables.account(framework, version, {**flat, **unresolved}, spelled, t, src.reads, unresolved)
     try:
         cfg = with_settings(RunConfig(), t.settings)
     except ValidationError as e:

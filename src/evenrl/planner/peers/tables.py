@@ -12,6 +12,7 @@ Never imports torch.
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from fnmatch import fnmatchcase
@@ -40,11 +41,16 @@ def known_keys(peer: str, version: str) -> frozenset[str]:
 
 
 def base_config(peer: str) -> tuple[str, dict] | None:
-    """The peer's bundled base config (EasyR1's examples/config.yaml): (its label, its settings)."""
+    """The peer's bundled base config (EasyR1's examples/config.yaml): (its label, a copy of its settings)."""
     base = table(peer).get("base")
     if not base:
         return None
-    return base["label"], yaml.safe_load((DATA / base["file"]).read_text(encoding="utf-8"))
+    return base["label"], copy.deepcopy(_base_settings(base["file"]))
+
+
+@functools.cache
+def _base_settings(name: str) -> dict:
+    return yaml.safe_load((DATA / name).read_text(encoding="utf-8"))
 
 
 def version_label(peer: str, version: str) -> str:
@@ -88,10 +94,10 @@ def _fields() -> frozenset[str]:
     return frozenset(flatten(RunConfig().model_dump(mode="json")))
 
 
-@functools.lru_cache(maxsize=512)
-def _accepts(field: str, value: Any) -> bool:
+def _accepts(settings: dict, field: str, value: Any) -> bool:
+    """Whether evenrl takes field=value beside the settings mapped so far (some fields depend on others)."""
     try:
-        with_settings(RunConfig(), {field: list(value) if isinstance(value, tuple) else value})
+        with_settings(RunConfig(), {**settings, field: list(value) if isinstance(value, tuple) else value})
         return True
     except (ValidationError, ValueError, TypeError, UsageError):
         return False
@@ -141,9 +147,9 @@ def apply_maps(peer: str, version: str, src, t) -> None:
         for to, v in targets.items():
             if to not in _fields():
                 t.notes.append(f"{shown}: this evenrl has no {to} yet; the plan runs without it")
-            elif not _accepts(to, v if not isinstance(v, list) else tuple(v)):
-                t.notes.append(f"{shown}: {to}={_text(v)} is not available in this evenrl; the plan keeps "
-                               f"{to}'s default")
+            elif not _accepts(t.settings, to, v):
+                t.notes.append(f"{shown}: evenrl does not take {to}={_text(v)} beside the other settings; the plan "
+                               f"keeps {to}'s default")
             else:
                 t.set(to, v, key)
                 if not present and v != RunConfig().model_dump(mode="json").get(to.split(".")[0], {}).get(

@@ -99,7 +99,10 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
         t.notes.append(f"scale_rewards={scale!r} has no evenrl equivalent; group std is used")
     set_model(t, src.str("model_name_or_path"), "model_name_or_path")
     t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
-    t.set("model.dtype", "bfloat16" if src.bool("bf16", True) else "float32", "bf16")
+    if src.has("torch_dtype") or src.has("dtype"):  # the weights' dtype, when given, is the tables' mapping
+        t.settings.pop("model.dtype", None)
+    else:
+        t.set("model.dtype", "bfloat16" if src.bool("bf16", True) else "float32", "bf16")
     _lora(src, t)
     if src.bool("use_vllm", False):
         t.set("rollout.engine", "vllm", "use_vllm")

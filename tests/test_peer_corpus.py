@@ -1,0 +1,167 @@
+"""`evenrl plan --from` on real peer files, taken unchanged from the peers' repositories (tests/peer_corpus,
+MANIFEST.tsv: source repository, path and commit of each): every file plans without a traceback in under a
+second, every key of it is accounted for (mapped, read, not applicable, no evenrl equivalent, or unknown, never
+dropped), and for a dozen of them the mapped values and the peer's findings are the ones read off by hand from
+the file and the peer's own code (defaults, check arithmetic)."""
+
+import argparse
+import time
+from pathlib import Path
+
+import pytest
+
+from evenrl.config import flatten
+from evenrl.planner.peers import read_foreign, translate
+from evenrl.planner.peers.tables import STATUSES, table
+from evenrl.planner.plan import make_plan
+
+CORPUS = Path(__file__).parent / "peer_corpus"
+FILES = [line.split("\t") for line in (CORPUS / "MANIFEST.tsv").read_text().splitlines()[1:]]
+
+
+def ns(**kw):
+    base = dict(nnodes=None, nproc_per_node=None, rollout_devices=None, device=None, device_memory_gib=None,
+                capacity_weights=None, json=False, fit=False, peer_version=None, nodes=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def plan_file(name, framework, **kw):
+    loaded = read_foreign(framework, str(CORPUS / name), [])
+    t, cfg = translate(framework, loaded, ns(**kw))
+    return loaded, t, cfg, make_plan(cfg, t.layout)
+
+
+def test_the_corpus_is_real_and_large_enough():
+    assert len(FILES) >= 40
+    assert {f[1] for f in FILES} == {"verl", "easyr1", "openrlhf", "trl"}
+    for name, _, repo, path, commit in FILES:
+        assert (CORPUS / name).is_file() and len(commit) == 40 and "/" in repo and path, name
+        assert (CORPUS / name).stat().st_size < 8000  # small files only
+
+
+@pytest.mark.parametrize("name,framework", [(f[0], f[1]) for f in FILES], ids=[f[0][:48] for f in FILES])
+def test_every_file_plans_and_every_key_is_accounted_for(name, framework):
+    start = time.process_time()  # this process's CPU: the shared test machine's load does not count
+    loaded, t, cfg, plan = plan_file(name, framework)
+    assert time.process_time() - start < 1.0
+    keys = {k["key"] for k in t.keys}
+    assert all(k["status"] in STATUSES and (k["evenrl"] if k["status"] == "mapped" else k["why"]) for k in t.keys)
+    user = set(flatten(loaded.data)) | set(loaded.unresolved)
+    spelled = {k.replace("-", "_") for k in user}
+    assert spelled <= {k.replace("-", "_") for k in keys}, spelled - keys  # none dropped
+    assert len(t.keys) == len(keys)  # each key once
+
+
+def one(t, status):
+    return {k["key"]: k for k in t.keys if k["status"] == status}
+
+
+def test_logic_rl_grpo_script_under_its_own_fork():
+    """Logic-RL main_grpo.sh: its verl fork (grad_offload), 64 prompts x 16 on 4 GPUs, KL 0.001 as k3 in the
+    loss, entropy 0.001 by the fork's default, everything offloaded; `$@ 2>&1 | tee` leaves no argument behind."""
+    _, t, cfg, plan = plan_file("logic-rl__main_grpo.sh", "verl")
+    assert t.version == "logic-rl" and t.layout.world == 4
+    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens) == (64, 16, 2048)
+    assert (cfg.algo.kl_coef, cfg.algo.kl_in, cfg.algo.kl_estimator) == (0.001, "loss", "k3")
+    assert cfg.algo.entropy_coef == 0.001 and cfg.train.lr == 3e-7 and cfg.parallel.cpu_offload == "full"
+    # ppo_micro_batch_size 16 over 4 GPUs = 4 per GPU; 64 x 16 = 1024 samples; 64 % 4 == 0: the fork passes
+    assert cfg.train.token_cap_per_micro_batch == 4 * (400 + 2048) and t.checks == []
+    assert any("$@" in n for n in t.notes) and plan.runnable
+
+
+def test_openrlhf_dotted_reinforce_baseline_keeps_kl_estimator_and_lengths():
+    """The issue's case: --algo.advantage.estimator reinforce_baseline, KL 1e-5 as a k2 loss term, 64,000 new
+    tokens, ring attention 2 and vLLM TP 2, icepop correction; flags built in bash arrays."""
+    _, t, cfg, _ = plan_file("openrlhf__examples__scripts__train_reinforce_baseline_hybrid_engine.sh", "openrlhf")
+    assert t.version == "0.11"
+    assert cfg.algo.advantage == "reinforce_pp_baseline" and cfg.critic.path == ""
+    assert (cfg.algo.kl_coef, cfg.algo.kl_in, cfg.algo.kl_estimator) == (1e-5, "loss", "k2")
+    assert cfg.rollout.max_new_tokens == 64000 and cfg.data.max_prompt_tokens == 74240 - 64000
+    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.train.lr) == (128, 8, 5e-7)
+    assert cfg.parallel.sequence_parallel_size == 2 and cfg.rollout.tensor_parallel_size == 2
+    assert (cfg.algo.importance_correction, cfg.algo.importance_mode) == ("all", "mask")
+    assert any("ring attention" in n for n in t.notes)
+    # colocated: 4 actor GPUs == 2 engines x TP 2, so OpenRLHF's colocation assert passes; no reserved devices
+    assert t.layout.rollout_devices == 0 and t.checks == []
+
+
+def test_openrlhf_slurm_flags_inside_srun_bash_c():
+    """train_ppo_ray_slurm.sh: the flags sit in `srun ... bash -c "... ray job submit -- python3 -m ..."`;
+    GAE with the reward model's critic, KL 0.01 in the reward (no --algo.kl.use_loss), 4 engines x TP 2 on their
+    own 8 GPUs beside 4 actor GPUs."""
+    _, t, cfg, _ = plan_file("openrlhf__examples__scripts__train_ppo_ray_slurm.sh", "openrlhf")
+    assert cfg.algo.advantage == "gae" and (cfg.algo.kl_coef, cfg.algo.kl_in) == (0.01, "reward")
+    assert (cfg.data.prompts_per_step, cfg.train.lr, cfg.critic.lr) == (1024, 5e-7, 9e-6)
+    assert (t.layout.training_ranks, t.layout.rollout_devices) == (4, 8)
+    assert cfg.parallel.cpu_offload == "full"  # --ds.adam_offload -> FSDP2's offload (with a note)
+
+
+def test_easyr1_dapo_script_layered_on_the_bundled_base():
+    _, t, cfg, _ = plan_file("easyr1__examples__qwen3_14b_dapo17k_dapo.sh", "easyr1")
+    assert any("bundled" in n for n in t.notes)
+    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens) == (512, 16, 20480)
+    assert cfg.algo.clip_ratio_c == 10.0 and (cfg.algo.clip_low, cfg.algo.clip_high) == (0.2, 0.28)
+    assert cfg.parallel.sequence_parallel_size == 8 and cfg.rollout.tensor_parallel_size == 4
+    assert cfg.algo.filter_groups and cfg.rewards.overlong_buffer == 4096 and cfg.algo.kl_coef == 0
+    assert cfg.algo.minibatches_per_step == 512 // 32 and cfg.train.weight_decay == 0.1
+
+
+def test_easyr1_lora_and_loss_types():
+    _, _, cfg, _ = plan_file("easyr1__examples__qwen3_4b_math_grpo_lora.sh", "easyr1")
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (64, 64.0)  # not full fine-tuning
+    _, t, cfg, _ = plan_file("easyr1__examples__qwen2_5_vl_7b_geo3k_gspo.sh", "easyr1")
+    assert cfg.algo.policy_loss == "gspo" and any("gspo_token" in n for n in t.notes)
+    _, _, cfg, _ = plan_file("easyr1__examples__qwen2_5_vl_7b_geo3k_cispo.sh", "easyr1")
+    assert cfg.algo.policy_loss == "cispo" and cfg.algo.clip_ratio_c == 0  # EasyR1's dual clip is PPO-clip's
+
+
+def test_verl_cispo_and_grpo_examples():
+    _, t, cfg, _ = plan_file("verl__examples__cispo_trainer__run_cispo_qwen2_5_0_5b_gsm8k.sh", "verl")
+    assert (cfg.algo.policy_loss, cfg.algo.clip_low, cfg.algo.clip_high) == ("cispo", 10.0, 0.2)
+    _, t, cfg, _ = plan_file("verl__examples__grpo_trainer__run_qwen2-7b.sh", "verl")
+    assert t.version == "0.8" and t.layout.world == 8
+    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt) == (1024, 5)
+    assert (cfg.algo.kl_coef, cfg.algo.kl_estimator, cfg.algo.entropy_coef) == (0.001, "k3", 0.0)
+    assert cfg.algo.clip_ratio_c == 3.0  # verl's default dual clip, not silently dropped
+    assert cfg.rollout.tensor_parallel_size == 2 and cfg.train.weight_decay == 0.01
+
+
+def test_verl_megatron_parallelism_is_named_not_dropped():
+    _, t, _, _ = plan_file("verl__examples__grpo_trainer__run_qwen2-7b_math_megatron.sh", "verl")
+    none = one(t, "no_equivalent")
+    assert any(k.endswith("megatron.tensor_model_parallel_size") for k in none)
+    assert any(k.endswith("megatron.pipeline_model_parallel_size") for k in none)
+
+
+def test_open_r1_recipe_is_trl_0_18_in_server_mode():
+    _, t, cfg, _ = plan_file("open-r1__recipes__Qwen2.5-1.5B-Instruct__grpo__config_demo.yaml", "trl",
+                             nproc_per_node=8)
+    assert t.version == "0.18" and cfg.rollout.engine == "vllm"
+    assert (t.layout.training_ranks, t.layout.rollout_devices) == (7, 1)  # 0.18's vllm_mode default: server
+    assert cfg.rollout.samples_per_prompt == 16 and cfg.train.lr == 2e-5
+    assert "system_prompt" in one(t, "no_equivalent")
+
+
+def test_every_enumerated_peer_value_is_mapped_or_noted():
+    """Each value the tables list for the peers' loss modes, aggregations, KL types, estimators and correction
+    modes gives an evenrl setting or a note naming the key and the value; never silence."""
+    files = {"verl": {}, "easyr1": {}, "openrlhf": {}, "trl": {}}
+    for peer in files:
+        for key, spec in table(peer)["map"].items():
+            for value in list(spec.get("values", {})) + list(spec.get("notes", {})):
+                data = {key: value}
+                for cond in ("when",):
+                    if cond in spec:
+                        data[spec[cond]] = True
+                nested = {}
+                for k, v in data.items():
+                    node = nested
+                    *path, last = k.split(".") if peer in ("verl", "easyr1") else [k]
+                    for part in path:
+                        node = node.setdefault(part, {})
+                    node[last] = v
+                t, cfg = translate(peer, nested, ns(nnodes=1, nproc_per_node=8))
+                to = spec["to"]
+                mapped = to in t.settings and t.source.get(to) == key
+                noted = any(key in n and str(value) in n for n in t.notes)
+                assert mapped or noted, (peer, key, value, t.notes)

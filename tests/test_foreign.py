@@ -148,7 +148,7 @@ def test_logic_rl_oom_follow_up(tmp_path):
 def test_open_r1_trl_4_gpus_one_for_vllm(tmp_path):
     t, cfg, plan = run(tmp_path, "trl", OPEN_R1, nproc_per_node=4, device_memory_gib=80)
     assert (t.layout.world, t.layout.rollout_devices, t.layout.training_ranks) == (4, 1, 3)
-    # TRL >= 0.18 checks the generation batch; the older GRPOTrainer() check is not in any version evenrl plans
+    # TRL >= 0.18 checks the generation batch (the global-batch check of TRL < 0.18 is gone from the versions planned)
     assert messages(t) == ["generation_batch_size (12) must be divisible by num_generations (8)."]
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt) == (2, 8)  # 12 samples = 1.5 prompts -> 2
     assert cfg.train.steps == 500 and cfg.model.gradient_checkpointing is False
@@ -194,11 +194,16 @@ def test_openpi_batch_of_one_with_batchnorm(tmp_path):
 def test_openrlhf_command_text(tmp_path):
     t, cfg, plan = run(tmp_path, "openrlhf", OPENRLHF)
     assert (t.layout.world, t.layout.rollout_devices) == (7, 3)
-    assert messages(t) == [
-        "rollout_bach_size must be divisible by actor_world_size, got 6 and 4",
-        "actor_world_size must be divisible by vllm_num_engines, got 4 and 3",
-        "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step "
-        "* world_size 30 != 2 * 3 * 4"]
+    deepspeed = ("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
+                 "gradient_acc_step * world_size 30 != 2 * 3 * 4")
+    assert t.version == "0.10" and messages(t) == [deepspeed]  # flat flags: 0.8-0.10.1's checks
+    old, _, _ = run(tmp_path, "openrlhf", OPENRLHF, peer_version="0.7")  # the two checks only 0.6-0.7 had
+    assert messages(old) == ["rollout_bach_size must be divisible by actor_world_size, got 6 and 4",
+                             "actor_world_size must be divisible by vllm_num_engines, got 4 and 3", deepspeed]
+    colocated, _, _ = run(tmp_path, "openrlhf", OPENRLHF.replace("  # a comment", " --colocate_all_models"))
+    assert "actor_num_nodes * actor_num_gpus_per_node must be equal to vllm_num_engines * " \
+        "vllm_tensor_parallel_size, got 4 and 3" in messages(colocated)  # OpenRLHF >= 0.8, when colocated
+    assert colocated.layout.rollout_devices == 0
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.parallel.sharding) == (6, 4, "fsdp")
     assert cfg.algo.advantage == "grpo" and cfg.model.dtype == "bfloat16" and plan.runnable
     few, _, _ = run(tmp_path, "openrlhf", {"rollout_batch_size": 2, "n_samples_per_prompt": 1,

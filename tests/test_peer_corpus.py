@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from evenrl.config import flatten
+from evenrl.config import flatten, load_config
+from evenrl.planner.cli import write_config
 from evenrl.planner.peers import read_foreign, translate
 from evenrl.planner.peers.tables import STATUSES, table
 from evenrl.planner.plan import make_plan
@@ -40,7 +41,7 @@ def test_the_corpus_is_real_and_large_enough():
 
 
 @pytest.mark.parametrize("name,framework", [(f[0], f[1]) for f in FILES], ids=[f[0][:48] for f in FILES])
-def test_every_file_plans_and_every_key_is_accounted_for(name, framework):
+def test_every_file_plans_and_every_key_is_accounted_for(name, framework, tmp_path):
     start = time.process_time()  # this process's CPU: the shared test machine's load does not count
     loaded, t, cfg, plan = plan_file(name, framework)
     assert time.process_time() - start < 1.0
@@ -50,6 +51,13 @@ def test_every_file_plans_and_every_key_is_accounted_for(name, framework):
     spelled = {k.replace("-", "_") for k in user}
     assert spelled <= {k.replace("-", "_") for k in keys}, spelled - keys  # none dropped
     assert len(t.keys) == len(keys)  # each key once
+    if plan.runnable:  # --write-config's file is what `evenrl train` validates, paths as the file gave them
+        out = tmp_path / "evenrl.yaml"
+        write_config(str(out), cfg, plan, t.paths)
+        written = load_config(str(out), [])
+        assert written.model_copy(update={"model": cfg.model.model_copy(update={"path": cfg.model.path}),
+                                          "data": cfg.data.model_copy(update={"path": cfg.data.path})}) == cfg
+        assert written.model.path == (cfg.model.path or t.paths.get("model.path", ""))
 
 
 def one(t, status):

@@ -11,7 +11,8 @@ Exit codes: 0 runnable (no error finding), 1 an error finding, 2 unusable input 
 JSON (--json): the plan, schema "evenrl.plan/1" (its fields: evenrl.planner.plan). With --fit, plus
   "fit": {changes[{key, from, to}], config{...}, plan{evenrl.plan/1}}.
 With --from, schema "evenrl.foreign/1":
-  {schema, framework, file, layout, checks[{stage, error, message, why, version}], notes[], config{...},
+  {schema, framework, file, peer_version, layout, checks[{stage, error, message, why, version}], notes[],
+   keys[{key, value, status (mapped|read|not_applicable|no_equivalent|unknown), evenrl[], why}], config{...},
    plan{evenrl.plan/1}}  (+ "fit" with --fit, as above).
 
 This module is the top of the planner: it brings together plan (the numbers and findings), fit (the nearest

@@ -1,30 +1,27 @@
-"""`evenrl plan --from verl|easyr1|trl|openrlhf FILE [overrides] [layout flags]`: a peer's own config, the
-checks that peer would fail on the layout (with the message it prints), and the equivalent evenrl config + plan.
+"""`evenrl plan --from verl|easyr1|trl|openrlhf FILE [overrides] [layout flags]`: a peer's own config, argument
+file or launch script, the checks that peer (in the version the file is for) would fail on the layout (with the
+message it prints), every key of the file accounted for, and the equivalent evenrl config + plan.
 
+    evenrl plan --from verl run_qwen2-7b.sh                      # the launch script, read (never run)
     evenrl plan --from easyr1 examples/config.yaml data.rollout_batch_size=512 trainer.n_gpus_per_node=6
-    evenrl plan --from verl ppo.yaml data.train_batch_size=2 trainer.n_gpus_per_node=4 --device-memory-gib 80
-    evenrl plan --from trl grpo.yaml --nproc-per-node 4          # vllm_mode=server reserves one of the 4 GPUs
-    evenrl plan --from openrlhf args.txt                          # the train_ppo_ray flags, as text or YAML/JSON
+    evenrl plan --from trl grpo.yaml --nproc-per-node 4 --peer-version 0.18   # vllm_mode=server: a GPU for vLLM
+    evenrl plan --from openrlhf train_ppo_ray.sh --write-config evenrl.yaml
 
-Files: verl/EasyR1 YAML (Hydra-style dotted overrides, a leading + or ++ is accepted); a TRL GRPOConfig as
-YAML/JSON (plus `num_processes` and Open-R1's `model_name_or_path`/`dataset_name` when present); OpenRLHF's
-command-line flags as YAML/JSON or as the command text itself. Keys not set take the peer's defaults.
-Layout: verl/EasyR1 read trainer.nnodes x trainer.n_gpus_per_node, OpenRLHF actor_num_nodes x
-actor_num_gpus_per_node (+ vllm_num_engines x vllm_tensor_parallel_size unless colocate_all_models); --nnodes /
---nproc-per-node replace those (OpenRLHF: the actor GPUs). TRL trains on num_processes or the layout flags,
-minus one GPU for a vLLM server (use_vllm with vllm_mode=server).
+Reading: peers.reader (YAML/JSON, argument files), peers.script and peers.shell (launch scripts), peers.launch
+(a script's arguments on the base config it names). Knowledge: peers/data/<peer>.yaml and its key lists, read by
+peers.tables alone (versions, check tags, spellings, key maps, reasons). Arithmetic: one module per framework
+(verl, easyr1, trl, openrlhf), each a `translate(src, ns, t)` that fills a Translation with the peer's checks,
+layout and batch settings. translate() below joins them: the version, the launcher's layout, the translator, the
+tables' maps, the version's checks, every key's place, and the evenrl config validated. Printing is the
+command's (evenrl.planner.cli.run_foreign), so nothing here imports the command that imports it.
 Messages are the peers' own, word for word as their config checks and workers raise them (DeepSpeed's for
 OpenRLHF's batch arithmetic).
-
-One module per framework (verl, easyr1, trl, openrlhf), each a `translate(src, ns, t)` that fills a Translation;
-what they share (reading files, typed reads, the common mappings) is in peers.reader. This package only joins
-them: translate() below runs one and validates the result as an evenrl config. Printing is the command's
-(evenrl.planner.cli.run_foreign), so nothing here imports the command that imports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 
 from pydantic import ValidationError
 
@@ -60,7 +57,7 @@ def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> 
         data = dict(flat)
     version, how = tables.detect_version(framework, set(flat) | set(spelled.values()) | set(unresolved),
                                          getattr(ns, "peer_version", None))
-    t = Translation(framework, Layout(), version=version)
+    t = Translation(framework, Layout(), version=version, base=loaded.base)
     t.notes += loaded.notes
     t.notes.append(f"rules of {tables.version_label(framework, version)} ({how}; --peer-version to choose)")
     hints = _layout_hints(framework, loaded, data, ns, t)
@@ -68,6 +65,9 @@ def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> 
     TRANSLATORS[framework](src, ns, t)
     tables.apply_maps(framework, version, src, t)
     t.checks = [c for c in t.checks if tables.check_applies(framework, version, c.version)]
+    dotted = {flat: own for own, flat in tables.table(framework).get("aliases", {}).items()} \
+        if version == tables.table(framework).get("dotted_version") else {}
+    t.notes = _spell_as_the_file(t.notes, {**dotted, **spelled})
     t.keys = tables.account(framework, version, {**flat, **unresolved}, spelled, t, src.reads, unresolved)
     try:
         cfg = with_settings(RunConfig(), t.settings)
@@ -75,6 +75,15 @@ def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> 
         loc = ".".join(str(x) for x in e.errors()[0]["loc"])
         raise UsageError(validation_message(e, f"{NAMES[framework]} {t.source.get(loc, loc)} -> evenrl")) from None
     return t, cfg
+
+
+def _spell_as_the_file(notes: list[str], spelled: dict[str, str]) -> list[str]:
+    """Notes name OpenRLHF's flags as the file spells them (--actor.adam.lr, not actor_learning_rate)."""
+    renames = {flat: own for flat, own in spelled.items() if flat != own}
+    if not renames:
+        return notes
+    names = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(renames, key=len, reverse=True))) + r")(?!\w)")
+    return [names.sub(lambda m: renames[m.group(1)], n) for n in notes]
 
 
 def _layout_hints(framework: str, loaded: Loaded, data: dict, ns: argparse.Namespace, t: Translation) -> dict:

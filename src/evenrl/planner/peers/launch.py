@@ -26,6 +26,7 @@ class Loaded:
     notes: list[str] = field(default_factory=list)  # how the file was read (branches, base config, $@)
     launch: Launch | None = None  # a launch script's command and layout
     unresolved: dict[str, str] = field(default_factory=dict)  # key -> its value that needs the caller's variables
+    base: str = ""  # the base config the settings were layered on, as the file names it (verl's --config-name)
 
 
 def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
@@ -35,18 +36,18 @@ def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
     notes = ([f"read the launch script's command `{launch.program}` (not run)"] if launch.program else []) \
         + launch.notes
     if framework in ("verl", "easyr1"):
-        data, more, unresolved = _hydra_args(framework, path, args)
+        data, more, unresolved, base = _hydra_args(framework, path, args)
     else:
         data, unresolved = parse_tokens(args), {}
         for key, value in list(data.items()):
             if isinstance(value, str) and "$" in value:
                 unresolved[key.replace("-", "_")] = value
                 del data[key]
-        more = _trl_base(path, data) if framework == "trl" else []
+        more, base = _trl_base(path, data) if framework == "trl" else [], ""
     if not data and not launch.program:
         raise UsageError(f"{path}: no {name} settings found (no trainer command, no flags); expected "
                          f"the {name} config or its launch script")
-    return Loaded(data, notes + more, launch, unresolved)
+    return Loaded(data, notes + more, launch, unresolved, base)
 
 
 def bare_tokens(text: str) -> list[str]:
@@ -56,19 +57,26 @@ def bare_tokens(text: str) -> list[str]:
         raise UsageError(f"a line of the file cannot be read as arguments ({e}); fix the quoting") from None
 
 
-def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list[str], dict[str, str]]:
-    """verl/EasyR1 `key=value` arguments, layered on the base config they name."""
+def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list[str], dict[str, str], str]:
+    """verl/EasyR1 `key=value` arguments, layered on the base config they name: (settings, notes, unresolved,
+    base config name)."""
     data: dict = {}
     notes: list[str] = []
     unresolved: dict[str, str] = {}
-    overrides = []
-    for i, arg in enumerate(args):
+    overrides, base, i = [], "", 0
+    while i < len(args):
+        arg, i = args[i], i + 1
         key, eq, value = arg.partition("=")
-        if arg.startswith("--config-name") or arg.startswith("--config-path"):
-            notes.append(f"{arg}: a Hydra base config of the script's own (not bundled); keys it sets are "
-                         "not seen here, the peer's defaults stand in for them")
+        if key in ("--config-name", "--config-path", "-cn", "-cp"):
+            if not eq and i < len(args):
+                value, i = args[i], i + 1
+            if key in ("--config-name", "-cn"):
+                base = value.removesuffix(".yaml")
             continue
         if not eq or key.startswith("-"):
+            continue
+        if key.startswith("~"):
+            notes.append(f"{arg}: deletes a key of the base config; the peer's default stands in for it")
             continue
         key = key.lstrip("+")
         if "$" in value:
@@ -78,9 +86,15 @@ def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list
             data = _easyr1_base(path, value, notes)
             continue
         overrides.append(f"{key}={value}")
+    if base in ("ppo_trainer", "ppo_megatron_trainer"):
+        notes.append(f"--config-name {base}: overrides layered on verl's own {base}.yaml (its keys are bundled "
+                     "with their version)")
+    elif base:
+        notes.append(f"--config-name {base}: a base config of the script's own (not bundled); keys it sets are not "
+                     "seen here, verl's defaults stand in for them")
     if framework == "easyr1" and not any(o.startswith("config=") for o in args):
         notes.append("no config=FILE: overrides layered on EasyR1's own defaults")
-    return apply_overrides(data, overrides), notes, unresolved
+    return apply_overrides(data, overrides), notes, unresolved, base
 
 
 def _easyr1_base(path: Path, name: str, notes: list[str]) -> dict:

@@ -42,17 +42,28 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if rbs % aw:
         t.checks.append(Check("config", "AssertionError",
                               f"rollout_bach_size must be divisible by actor_world_size, got {rbs} and {aw}",
-                              f"rollout_batch_size {rbs} % {aw} actor GPUs = {rbs % aw}", "older OpenRLHF"))
+                              f"rollout_batch_size {rbs} % {aw} actor GPUs = {rbs % aw}", "OpenRLHF 0.6-0.7"))
     if engines and aw % engines and engines % aw:
         t.checks.append(Check("config", "AssertionError",
                               f"actor_world_size must be divisible by vllm_num_engines, got {aw} and {engines}",
-                              f"{aw} actor GPUs, {engines} vLLM engines"))
+                              f"{aw} actor GPUs, {engines} vLLM engines", "OpenRLHF 0.6-0.7"))
+    adv = src.str("advantage_estimator", "gae")
+    if adv in ("rloo", "reinforce_baseline", "group_norm", "dr_grpo") and n == 1:
+        t.checks.append(Check("config", "AssertionError", f"{adv} requires n_samples_per_prompt > 1",
+                              "a group baseline needs two samples of each prompt", "OpenRLHF >= 0.10"))
     dp = max(aw // ring // dstp, 1)
     if n * rbs // mroll < dp:
         t.checks.append(Check("config", "AssertionError",
                               "The number of sample batches must be greater than or equal to the effective number of "
                               "actor processes.", f"n_samples_per_prompt {n} x rollout_batch_size {rbs} // "
-                              f"micro_rollout_batch_size {mroll} = {n * rbs // mroll} < {dp} actor processes"))
+                              f"micro_rollout_batch_size {mroll} = {n * rbs // mroll} < {dp} actor processes",
+                              "OpenRLHF >= 0.8"))
+    if engines and shared and aw != engines * tp:
+        t.checks.append(Check("worker", "AssertionError",
+                              "actor_num_nodes * actor_num_gpus_per_node must be equal to vllm_num_engines * "
+                              f"vllm_tensor_parallel_size, got {aw} and {engines * tp}",
+                              f"colocated: {aw} actor GPUs, {engines} engines x TP {tp} = {engines * tp} GPUs",
+                              "OpenRLHF >= 0.8"))
     acc = tbs // (micro * dp)
     if acc == 0:
         t.checks.append(Check("deepspeed", "AssertionError", "Gradient accumulation steps: 0 has to be greater than 0",
@@ -68,7 +79,10 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                 "max_new_tokens" if src.has("max_new_tokens") else "generate_max_len")
     t.set("algo.minibatches_per_step", max(1, rbs * n // tbs), "train_batch_size")
     t.set("algo.epochs_per_step", src.int("max_epochs", 1), "max_epochs")
-    t.set("train.token_cap_per_micro_batch", micro * (plen + glen), "micro_train_batch_size")
+    if src.bool("use_dynamic_batch", False):  # micro-batches cut by tokens, as evenrl's are
+        t.set("train.token_cap_per_micro_batch", src.int("train_max_tokens_per_gpu", 16192), "train_max_tokens_per_gpu")
+    else:
+        t.set("train.token_cap_per_micro_batch", micro * (plen + glen), "micro_train_batch_size")
     set_sampling(src, t, "temperature", "top_p")
     t.set("train.lr", src.float("actor_learning_rate", 1e-6), "actor_learning_rate")
     eps = src.float("eps_clip", 0.2)
@@ -79,7 +93,6 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     kl = src.float("init_kl_coef", 0.01)
     if kl > 0:
         set_kl(t, kl, "loss" if src.bool("use_kl_loss", False) else "reward", "init_kl_coef")
-    adv = src.str("advantage_estimator", "gae")
     if adv in ("gae", "reinforce"):
         t.set("algo.gamma", src.float("gamma", 1.0), "gamma")
     if adv == "gae":
@@ -88,8 +101,10 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                    lr=src.float("critic_learning_rate", 9e-6), value_clip=src.float("value_clip", 0.5), warmup=0,
                    keys=("critic_pretrain", "critic_learning_rate", "value_clip", "lr_warmup_ratio"))
     if src.bool("dynamic_filtering", False):
+        low_high = src.raw("dynamic_filtering_reward_range", [0.0, 1.0])
         set_dynamic_sampling(t, None, "dynamic_filtering", "dynamic_filtering",
-                             "dynamic_filtering keeps groups whose mean reward lies in dynamic_filtering_reward_range; "
+                             f"dynamic_filtering keeps groups whose mean reward lies in {low_high} "
+                             "(dynamic_filtering_reward_range); "
                              "evenrl keeps groups whose rewards are not all equal (the same for 0/1 rewards)")
     if src.int("overlong_buffer_len", 0, lo=0):
         set_overlong(t, src.int("overlong_buffer_len", 0, lo=0), src.float("overlong_penalty_factor", 1.0),
@@ -143,19 +158,16 @@ def _async(src: Source, t: Translation) -> None:
 
 
 def _importance(src: Source, t: Translation) -> None:
-    """enable_vllm_is_correction: truncated importance weights of the trainer's over vLLM's log-probs, every sample."""
+    """enable_vllm_is_correction: importance weights of the trainer's over vLLM's log-probs, on every sample,
+    bounded by vllm_is_truncated_threshold (one number: the cap; [low, high] in newer versions); the correction
+    type (tis: truncate, icepop: mask) is the tables'."""
     raw = src.raw("vllm_is_truncated_threshold", [0.5, 5.0])
     low, high = (raw if isinstance(raw, list) and len(raw) == 2 else (None, raw))
     try:
-        cap = float(high)
+        cap, floor = float(high), float(low) if low is not None else 0.0
     except (TypeError, ValueError):
         raise UsageError(f"OpenRLHF vllm_is_truncated_threshold: got {raw!r}; need a number or two") from None
     t.set("algo.importance_correction", "all", "enable_vllm_is_correction")
     t.set("algo.importance_cap", min(max(cap, 1.0), 1000.0), "vllm_is_truncated_threshold")
-    kind = src.str("vllm_is_correction_type", "tis")
-    if kind != "tis":
-        t.notes.append(f"vllm_is_correction_type={kind} filters or masks tokens by their ratio; evenrl truncates "
-                       "each token's weight at algo.importance_cap (OpenRLHF's tis)")
-    elif low is not None:
-        t.notes.append(f"vllm_is_truncated_threshold={list(raw)}: evenrl truncates above only (at {cap:g}), with "
-                       f"no lower bound of {low}")
+    if 0 < floor < 1:
+        t.set("algo.importance_floor", floor, "vllm_is_truncated_threshold")

@@ -55,6 +55,7 @@ class Translation:
     notes: list[str] = field(default_factory=list)
     version: str = ""  # the peer version whose rules apply (peers.tables)
     keys: list[dict] = field(default_factory=list)  # every key of the file, accounted for (peers.tables.account)
+    base: str = ""  # the base config the file's settings were layered on, as the file names it
     paths: dict[str, str] = field(default_factory=dict)  # model.path / data.path as the user gave them
 
     def set(self, key: str, value: Any, src: str) -> None:
@@ -256,7 +257,7 @@ def set_model(t: Translation, path: str, key: str) -> None:
     elif path:
         t.notes.append(f"{key}={path!r} is not a local directory; set model.path to a local copy for the memory "
                        "estimate")
-    t.set("model.dtype", "bfloat16", key)
+    t.settings["model.dtype"] = "bfloat16"  # the peers train in bf16; no key of theirs says so
 
 
 def set_lora(src: Source, t: Translation, *, rank: str, alpha: str, targets: str, dropout: str | None = None,
@@ -318,7 +319,7 @@ def set_data(t: Translation, path: str, key: str, prompt_field: str, answer_fiel
 def set_steps(src: Source, t: Translation, steps_key: str, epochs_key: str, epochs_default: int, prompts: int) -> None:
     """train.steps from the peer's step count, else its epochs over the local dataset's rows; with neither, a
     note says the plan's step count is evenrl's default, not the peer's."""
-    steps = src.int(steps_key, None)
+    steps = src.int(steps_key, None) if steps_key else None
     if steps:
         t.set("train.steps", steps, steps_key)
         return

@@ -124,7 +124,10 @@ class _State:
             self.vars[m.group(1)] = tokens(self.expand(body))
             return
         cond = bool(re.match(r"\s*(if|elif|while|until|\[)", line)) or not self.active  # skipped: no names
-        for stmt in statements(tokens(self.expand(line, empty_unset=cond))):
+        words = tokens(self.expand(line, empty_unset=cond))
+        if not cond:
+            words = [w for w in words if w]  # "$@" with no arguments is no word at all
+        for stmt in statements(words):
             self.statement(stmt, line)
             if self.found:
                 return
@@ -148,7 +151,7 @@ class _State:
             return
         if head in ("elif", "else") and self.frames:
             f = self.frames[-1]
-            decided, why = (True, "") if head == "else" else condition(toks[1:])
+            decided, why = (True, "") if head == "else" or f[1] else condition(toks[1:], "elif")
             f[2] = not f[1] and decided
             f[1] = f[1] or f[2]
             if why and f[0]:

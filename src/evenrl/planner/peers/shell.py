@@ -119,7 +119,7 @@ def statements(toks: list[str]):
         yield cur
 
 
-def condition(toks: list[str]) -> tuple[bool, str]:
+def condition(toks: list[str], word: str = "if") -> tuple[bool, str]:
     """An if condition from the script's own values: (taken, a note when it could not be decided)."""
     toks = [t for t in toks if t not in ("then", "[", "]", "[[", "]]", "test")]
     text = " ".join(toks)
@@ -129,12 +129,13 @@ def condition(toks: list[str]) -> tuple[bool, str]:
         if t in ("&&", "||"):
             value = _test(part)
             if value is None:
-                return True, f"could not decide `if {text}` from the script's values; took its first branch"
+                return True, f"could not decide `{word} {text}` from the script's values; took that branch"
             result = value if result is None else (result and value if joiner == "&&" else result or value)
             joiner, part = t, []
         else:
             part.append(t)
-    return bool(result), f"took the {'if' if result else 'else'} branch of `if {text}` (the script's values)"
+    return bool(result), (f"took the branch of `{word} {text}` (the script's values)" if result else
+                          f"passed over the branch of `{word} {text}` (the script's values)")
 
 
 def _test(toks: list[str]) -> bool | None:

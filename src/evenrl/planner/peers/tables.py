@@ -57,6 +57,11 @@ def version_label(peer: str, version: str) -> str:
     return table(peer)["versions"][version]["label"]
 
 
+def version_name(peer: str, version: str) -> str:
+    """The release's short name ("verl 0.8.0.dev", "Logic-RL's verl fork")."""
+    return version_label(peer, version).split(" (")[0].split(",")[0]
+
+
 def detect_version(peer: str, keys: set[str], asked: str | None) -> tuple[str, str]:
     """(version, how it was chosen): --peer-version, else the first version whose tell-tale keys the file has."""
     versions = table(peer)["versions"]
@@ -122,8 +127,7 @@ def apply_maps(peer: str, version: str, src, t) -> None:
         value = src.raw(key) if present else (spec.get("default") or {}).get(version)
         if value is None:
             continue
-        shown = f"{key}={_text(value)}" + ("" if present else f" ({version_label(peer, version).split(' (')[0]}'s "
-                                                                "default)")
+        shown = f"{key}={_text(value)}" + ("" if present else f" ({version_name(peer, version)}'s default)")
         targets: dict[str, Any] = {}
         if "values" in spec or "notes" in spec:
             v = _text(value)
@@ -154,8 +158,8 @@ def apply_maps(peer: str, version: str, src, t) -> None:
                 t.set(to, v, key)
                 if not present and v != RunConfig().model_dump(mode="json").get(to.split(".")[0], {}).get(
                         to.split(".", 1)[1]):
-                    t.notes.append(f"{key} is not set: {shown.split(' (')[0].split('=', 1)[1]} is "
-                                   f"{version_label(peer, version).split(' (')[0]}'s default, so {to}={_text(v)}")
+                    t.notes.append(f"{key} is not set: {_text(value)} is {version_name(peer, version)}'s default, "
+                                   f"so {to}={_text(v)}")
         if spec.get("note") and present:
             t.notes.append(f"{shown}: {spec['note']}")
 
@@ -194,7 +198,7 @@ def account(peer: str, version: str, user: dict[str, Any], spelled: dict[str, st
                 why = f"unused with this file's other settings ({why})"
             row.update(status="read" if name in reads and why.startswith("read") else "not_applicable", why=why)
         elif name in reads:
-            noted = any(name in n for n in t.notes)
+            noted = any(name in n or key in n for n in t.notes)
             row.update(status="read", why="read (see the notes)" if noted else
                        f"read for the layout and the peer's checks")
         elif (why := _reason(tab.get("no_equivalent", {}), name) or _reason(tab.get("no_equivalent", {}), key)):

@@ -12,15 +12,22 @@ from pathlib import Path
 
 from evenrl.errors import UsageError
 from evenrl.planner.layout import apply_layout_flags, has_shape_flags, layout_from_args
+from evenrl.planner.peers.tables import table, version_name
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_model,
     set_reward_models,
-    set_sampling)
+    set_sampling, set_steps)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     """A TRL GRPOConfig -> t: the checks TRL would fail on t.layout, and the evenrl settings."""
-    server = src.bool("use_vllm", False) and src.str("vllm_mode", "server") == "server"
+    _not_grpo(src)
+    mode_default = table("trl")["vllm_mode_default"][t.version]
+    server = src.bool("use_vllm", False) and src.str("vllm_mode", mode_default) == "server"
+    if src.bool("use_vllm", False) and not src.has("vllm_mode"):
+        t.notes.append(f"vllm_mode is not set: {version_name('trl', t.version)}'s default is "
+                       f"{mode_default} (TRL >= 1.0 colocates vLLM on the training GPUs; before 1.0 it ran as a "
+                       "server on a GPU of its own)")
     reserve = 1 if server and ns.rollout_devices is None else (ns.rollout_devices or 0)
     if has_shape_flags(ns):  # GPUs, like every peer's layout (the evenrl config itself plans for this machine)
         t.layout = gpu_layout(argparse.Namespace(**{**vars(ns), "rollout_devices": reserve}), ns.nnodes or 1,
@@ -60,15 +67,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
         t.checks.append(Check("config", "ValueError",
                               "GRPO requires at least 2 generations per prompt to calculate the advantages. You "
                               f"provided {k}, which is less than the minimum required.", "num_generations < 2"))
-    glob = procs * b
-    valid = [x for x in range(2, glob + 1) if glob % x == 0]
-    if k not in valid:
-        t.checks.append(Check("worker", "ValueError",
-                              f"The global train batch size ({procs} x {b}) must be evenly divisible by the number "
-                              f"of generations per prompt ({k}). Given the current train batch size, the valid "
-                              f"values for the number of generations are: {valid}.",
-                              f"{procs} processes x per_device_train_batch_size {b} = {glob}; {glob} % {k} = "
-                              f"{glob % k}", "TRL < 0.18, at GRPOTrainer()"))
+    _eval_check(src, t, procs, k)
     prompts = max(1, math.ceil(gen / k))
     if gen % k:
         t.notes.append(f"generation_batch_size {gen} is {gen / k:g} prompts x {k}: evenrl takes {prompts} whole "
@@ -125,6 +124,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     steps = src.int("max_steps", -1, lo=-1)
     if steps and steps > 0:
         t.set("train.steps", max(1, math.ceil(steps / (m * mu))), "max_steps")
+    else:  # TRL runs num_train_epochs (default 3) over the dataset when max_steps is not set
+        set_steps(src, t, "", "num_train_epochs", 3, prompts)
 
 
 def _lora(src: Source, t: Translation) -> None:
@@ -169,3 +170,46 @@ def _rewards(src: Source, t: Translation) -> None:
             t.notes.append(f"reward_funcs {f} has no evenrl equivalent; write it as a 'package.module:function' reward")
     key = "reward_funcs" if src.has("reward_funcs") else "reward_model_name_or_path"
     set_reward_models(t, models, key, others)
+
+
+# keys only an accelerate config has, and keys of an SFT config that a GRPO config never sets
+_ACCELERATE = ("compute_environment", "distributed_type", "mixed_precision", "machine_rank", "num_machines")
+_SFT = ("packing", "max_seq_length", "dataset_text_field", "completion_only_loss", "assistant_only_loss")
+_GRPO = ("num_generations", "reward_funcs", "max_completion_length", "beta", "use_vllm", "epsilon", "loss_type")
+
+
+def _not_grpo(src: Source) -> None:
+    """An accelerate or SFT config given as a GRPO config is refused, not planned as GRPO with TRL's defaults."""
+    if sum(src.has(k) for k in _ACCELERATE) >= 2:
+        procs = src.raw("num_processes")
+        raise UsageError("the file is an accelerate config (the launcher's)" +
+                         (f"; its num_processes={procs} is a layout: --nproc-per-node {procs}" if procs else "") +
+                         "; give the GRPO config (the --config of the trl or accelerate command) to --from trl")
+    if any(src.has(k) for k in _SFT) and not any(src.has(k) for k in _GRPO):
+        raise UsageError("the file is an SFT config (packing / max_seq_length / dataset_text_field, no GRPO "
+                         "settings); --from trl reads GRPO configs, and evenrl's SFT is `evenrl sft CONFIG`")
+
+
+def _eval_check(src: Source, t: Translation, procs: int, k: int) -> None:
+    """TRL's check of the eval batch against the generations per prompt, when evaluation is on; each version's."""
+    if src.str("eval_strategy", "no") in ("no", "False", "false") and not src.bool("do_eval", False):
+        return
+    b = src.int("per_device_eval_batch_size", 8)
+    if t.version == "0.18":
+        glob = procs * b
+        valid = [x for x in range(2, glob + 1) if glob % x == 0]
+        if k not in valid:
+            t.checks.append(Check("config", "ValueError",
+                                  f"The global eval batch size ({procs} x {b}) must be evenly divisible by the number "
+                                  f"of generations per prompt ({k}). Given the current global eval batch size, the "
+                                  f"valid values for the number of generations are: {valid}.",
+                                  f"{procs} processes x per_device_eval_batch_size {b} = {glob}", "TRL 0.18"))
+        return
+    k_eval = src.int("num_generations_eval", None) or k
+    if (b * procs) % k_eval:
+        t.checks.append(Check("config", "ValueError",
+                              f"The global eval batch size ({b} * {procs}) must be divisible by the number of "
+                              f"generations used for evaluation ({k_eval}).",
+                              f"per_device_eval_batch_size {b} x {procs} processes = {b * procs}; % {k_eval} = "
+                              f"{b * procs % k_eval}", "TRL >= 1.0"))
+

@@ -6,16 +6,18 @@ each check below reproduces that arithmetic with the message verl prints.
 Off-policy keys (each with a note where verl's meaning differs): a top-level rollout section (rollout.nnodes x
 rollout.n_gpus_per_node: the generation GPUs of the one_step_off_policy and fully_async_policy recipes, apart from
 trainer.nnodes x trainer.n_gpus_per_node) -> reserved rollout devices; async_training.staleness_threshold (fully
-async) -> rollout.max_staleness, else 1 for one step off; truncated importance sampling, in each of its three
-spellings (actor_rollout_ref.actor.tis_imp_ratio_cap; algorithm.rollout_is + rollout_is_threshold;
-algorithm.rollout_correction.rollout_is + rollout_is_threshold) -> algo.importance_correction=all and
-algo.importance_cap.
+async) -> rollout.max_staleness, else 1 for one step off; rollout correction in its spellings
+(actor_rollout_ref.actor.tis_imp_ratio_cap; algorithm.rollout_is + rollout_is_threshold;
+algorithm.rollout_correction.rollout_is / rollout_rs with their thresholds) -> algo.importance_correction=all, its
+cap and floor (levels and modes: the tables'). Megatron's batch checks divide by world / (TP x PP x CP).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+
+from evenrl.errors import UsageError
 
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_critic, set_data, set_dynamic_sampling, set_kl,
@@ -40,25 +42,32 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     dyn = src.bool(a + "use_dynamic_bsz", False)
     sp = src.int(a + "ulysses_sequence_parallel_size", 1)
     plen, rlen = src.int("data.max_prompt_length", 512), src.int("data.max_response_length", 512)
-    if (tbs * n) % world:
+    dp, minimal, how = _data_parallel(src, t, world, micro)
+    if not dyn and not src.has(a + "ppo_micro_batch_size") and not src.has(a + "ppo_micro_batch_size_per_gpu"):
+        t.checks.append(Check("config", "AssertionError",
+                              "[actor] Please set at least one of 'actor.ppo_micro_batch_size' or "
+                              "'actor.ppo_micro_batch_size_per_gpu' if use_dynamic_bsz is not enabled.",
+                              "ppo_micro_batch_size_per_gpu has no default (null) in verl's ppo_trainer.yaml",
+                              "recent verl"))
+    if not dyn and (tbs * n) % minimal:
         t.checks.append(Check("config", "AssertionError",
                               f"real_train_batch_size ({tbs * n}) must be divisible by minimal possible batch size "
-                              f"({world})", f"train_batch_size {tbs} x rollout.n {n} = {tbs * n} samples over "
-                              f"{world} GPUs leaves {tbs * n % world}", "verl >= 0.3"))
+                              f"({minimal})", f"train_batch_size {tbs} x rollout.n {n} = {tbs * n} samples over "
+                              f"{how} leaves {tbs * n % minimal}", "verl >= 0.3"))
     if not dyn and tbs < mini:
         t.checks.append(Check("config", "ValueError",
                               f"train_batch_size ({tbs}) must be >= actor.ppo_mini_batch_size ({mini})",
                               "ppo_mini_batch_size counts prompts (default 256)", "recent verl"))
-    norm = mini * n // max(world // sp, 1)
+    norm = mini * n // max(dp // sp, 1)
     if norm == 0:
         t.checks.append(Check("worker", "AssertionError",
                               f"ppo_mini_batch_size {norm} should be larger than 0 after normalization",
-                              f"ppo_mini_batch_size {mini} x n {n} // ({world} GPUs // sp {sp}) = 0"))
+                              f"ppo_mini_batch_size {mini} x n {n} // ({dp} data-parallel GPUs // sp {sp}) = 0"))
     elif micro and not dyn and norm % micro:
         t.checks.append(Check("worker", "AssertionError",
                               f"normalized ppo_mini_batch_size {norm} should be divisible by "
                               f"ppo_micro_batch_size_per_gpu {micro}",
-                              f"ppo_mini_batch_size {mini} x n {n} // {world // sp} = {norm}; {norm} % {micro} = "
+                              f"ppo_mini_batch_size {mini} x n {n} // {dp // sp} = {norm}; {norm} % {micro} = "
                               f"{norm % micro}"))
     if tbs % world:
         t.checks.append(Check("rollout", "AssertionError",
@@ -193,20 +202,60 @@ def _multi_turn(src: Source, t: Translation, response: int) -> None:
 
 
 def _importance(src: Source, t: Translation) -> None:
-    """verl's truncated importance sampling (TIS) of pi_old / pi_rollout per token, in its three spellings."""
+    """verl's rollout correction (pi_old / pi_rollout) in its spellings: truncated weights (tis_imp_ratio_cap;
+    algorithm.rollout_is + rollout_is_threshold; rollout_correction.rollout_is) and masking (rollout_correction.
+    rollout_rs with rollout_rs_threshold, the ratio's bounds for the k1 options). Levels and modes are the tables'."""
+    c = "algorithm.rollout_correction."
     cap = src.float("actor_rollout_ref.actor.tis_imp_ratio_cap", -1)
-    key, level, mode = "actor_rollout_ref.actor.tis_imp_ratio_cap", "token", "truncate"
+    key, floor = "actor_rollout_ref.actor.tis_imp_ratio_cap", 0.0
     if cap <= 0 and src.bool("algorithm.rollout_is", False) and src.has("algorithm.rollout_is_threshold"):
         key = "algorithm.rollout_is_threshold"
         cap = src.float(key, 2.0)
-        level, mode = src.str("algorithm.rollout_is_level", "token"), src.str("algorithm.rollout_is_mode", "truncate")
-    elif cap <= 0 and src.has("algorithm.rollout_correction.rollout_is"):
-        key = "algorithm.rollout_correction.rollout_is_threshold"
-        cap, level = src.float(key, 2.0), src.str("algorithm.rollout_correction.rollout_is", "token")
+    elif cap <= 0 and src.has(c + "rollout_rs"):
+        key = c + "rollout_rs_threshold"
+        floor, cap = _bounds(src, key)
+        if src.has(c + "rollout_is"):
+            t.notes.append(f"{c}rollout_is with rollout_rs: verl truncates the weights and masks by rollout_rs; "
+                           "evenrl does one of the two: it masks")
+    elif cap <= 0 and src.has(c + "rollout_is"):
+        key = c + "rollout_is_threshold"
+        cap = src.float(key, 2.0)
     if cap <= 0:
         return
     t.set("algo.importance_correction", "all", key)
     t.set("algo.importance_cap", min(max(cap, 1.0), 1000.0), key)
-    if level != "token" or mode != "truncate":
-        t.notes.append(f"{key}: verl weighs at the {level} level by {mode}; evenrl truncates each token's weight "
-                       "at algo.importance_cap")
+    if 0 < floor < 1:
+        t.set("algo.importance_floor", floor, key)
+
+
+def _bounds(src: Source, key: str) -> tuple[float, float]:
+    """rollout_rs_threshold: one number (the upper bound) or "lower_upper" (both), as verl parses it."""
+    raw = src.raw(key, 2.0)
+    parts = [p for p in str(raw).replace(",", "_").split("_") if p]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise UsageError(f"verl {key}: got {raw!r}; need a number or 'lower_upper'") from None
+    return (values[0], values[1]) if len(values) == 2 else (0.0, values[0])
+
+
+def _data_parallel(src: Source, t: Translation, world: int, micro: int | None) -> tuple[int, int, str]:
+    """(data-parallel size, verl's minimal batch, its words). Megatron (strategy=megatron, or the
+    ppo_megatron_trainer base) splits the model over TP x PP x CP GPUs, so its batches divide over
+    world / (TP x PP x CP), and the minimal batch is that times ppo_micro_batch_size_per_gpu."""
+    a = "actor_rollout_ref.actor."
+    megatron = src.str(a + "strategy", "fsdp") == "megatron" or "ppo_megatron_trainer" in t.base
+    if not megatron:
+        return world, world, f"{world} GPUs"
+    m = a + "megatron."
+    tp, pp = src.int(m + "tensor_model_parallel_size", 1), src.int(m + "pipeline_model_parallel_size", 1)
+    cp = src.int(m + "context_parallel_size", 1)
+    if world % (tp * pp * cp):
+        t.checks.append(Check("config", "AssertionError",
+                              f"n_gpus ({world}) must be divisible by model_parallel_size ({tp * pp}) times "
+                              f"context_parallel_size ({cp})", f"TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp}",
+                              "recent verl"))
+    dp = max(world // (tp * pp * cp), 1)
+    return dp, dp * (micro or 1), (f"{dp} data-parallel ranks (world {world} / TP {tp} x PP {pp} x CP {cp}) x "
+                                   f"ppo_micro_batch_size_per_gpu {micro or 1}")
+

@@ -1,0 +1,164 @@
+"""Launch scripts read as text (evenrl.planner.peers.script), never run: variables and defaults, arrays, branches,
+wrappers, and what a script leaves to its caller; then `--from` on them, the TRL version rules, and
+`--write-config`, whose file `evenrl train` reads as it is."""
+
+import argparse
+
+import pytest
+import yaml
+
+from evenrl.cli import main as cli_main
+from evenrl.config import load_config
+from evenrl.errors import UsageError
+from evenrl.planner.peers import read_foreign, translate
+from evenrl.planner.peers.script import read_script
+
+
+def ns(**kw):
+    base = dict(nnodes=None, nproc_per_node=None, rollout_devices=None, device=None, device_memory_gib=None,
+                capacity_weights=None, json=False, fit=False, peer_version=None, nodes=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+VERL = r"""#!/bin/bash
+set -x
+export VLLM_ATTENTION_BACKEND=XFORMERS
+N=${N:-4}   # GPUs
+MODE=${1:-grpo}
+BATCH=$((16 * 2))
+if [ "$MODE" = "gae" ]; then
+    ADV=gae
+elif [[ "$MODE" == "grpo" ]]; then
+    ADV=grpo
+else
+    ADV=rloo
+fi
+LOGGER="['console','wandb']"
+cat > /tmp/never_written.yaml <<EOF
+python3 -m verl.trainer.main_ppo data.train_batch_size=999
+EOF
+for i in 1 2; do
+  python3 -m verl.trainer.main_ppo data.train_batch_size=7
+done
+CUDA_VISIBLE_DEVICES=0,1,2,3 python3 -m verl.trainer.main_ppo \
+    algorithm.adv_estimator=$ADV \
+    data.train_batch_size=${BATCH} \
+    'data.train_files=/no/such/train.parquet' \
+    actor_rollout_ref.rollout.n=5 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=8 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \
+    trainer.logger="$LOGGER" \
+    trainer.default_local_dir=$CKPT_DIR/run \
+    trainer.n_gpus_per_node=$N "$@" 2>&1 | tee log.txt
+"""
+
+
+def test_script_variables_defaults_branches_and_wrappers():
+    launch = read_script(VERL)
+    assert launch.program == "python3 -m verl.trainer.main_ppo"  # not the heredoc's, not the loop's
+    assert "algorithm.adv_estimator=grpo" in launch.args  # ${1:-grpo} selects the elif branch
+    assert "data.train_batch_size=32" in launch.args  # $((16 * 2))
+    assert "trainer.n_gpus_per_node=4" in launch.args and "trainer.logger=['console','wandb']" in launch.args
+    assert "data.train_files=/no/such/train.parquet" in launch.args
+    assert "trainer.default_local_dir=$CKPT_DIR/run" in launch.args and launch.unresolved == {"CKPT_DIR"}
+    assert launch.args[-1] == "trainer.n_gpus_per_node=4"  # "$@" expands to nothing; 2>&1 | tee dropped
+    notes = " ".join(launch.notes)
+    assert "passed over the branch of `if grpo = gae`" in notes and "took the branch of `elif grpo == grpo`" in notes
+    assert "$@" in notes and "$CKPT_DIR" in notes
+
+
+def test_arrays_srun_bash_c_and_ray_job_submit():
+    script = """#SBATCH --nodes=2
+#SBATCH --gres=gpu:8
+ARGS=(
+   --actor.num_nodes 2   # the actors
+   --actor.num_gpus_per_node 8
+)
+srun --overlap -N 1 bash -c "ray job submit --address=http://x:8265 -- python3 -m openrlhf.cli.train_ppo_ray \\
+    ${ARGS[@]} --rollout.batch_size 64 --algo.kl.estimator k3"
+"""
+    launch = read_script(script)
+    assert launch.program == "python3 -m openrlhf.cli.train_ppo_ray"
+    assert launch.args == ["--actor.num_nodes", "2", "--actor.num_gpus_per_node", "8", "--rollout.batch_size",
+                           "64", "--algo.kl.estimator", "k3"]
+    assert launch.gpus_per_node == 8
+
+
+def test_accelerate_launch_layout_and_trl_config(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"num_generations": 4, "per_device_train_batch_size": 4, "use_vllm": True,
+                                      "learning_rate": 3e-6}))
+    script = tmp_path / "run.sh"
+    script.write_text(f"ACCELERATE_LOG_LEVEL=info accelerate launch --config_file zero3.yaml --num_processes=7 "
+                      f"src/open_r1/grpo.py --config {recipe} --num_generations 7\n")
+    loaded = read_foreign("trl", str(script), [])
+    assert loaded.data["num_generations"] == 7 and loaded.data["learning_rate"] == 3e-6  # the flag wins
+    t, cfg = translate("trl", loaded, ns())
+    assert t.layout.training_ranks == 7 and any("num_processes=7" in n for n in t.notes)
+    assert t.version == "1.x" and cfg.parallel.rollout_devices == 0  # TRL >= 1.0 colocates vLLM by default
+    assert any("vllm_mode is not set" in n for n in t.notes)
+    old, _ = translate("trl", read_foreign("trl", str(script), []), ns(peer_version="0.18"))
+    assert (old.layout.training_ranks, old.layout.rollout_devices) == (7, 1)  # 0.18: a vLLM server GPU
+
+
+def test_trl_eval_batch_check_per_version(tmp_path):
+    f = tmp_path / "grpo.yaml"
+    f.write_text(yaml.safe_dump({"num_generations": 8, "per_device_train_batch_size": 8, "eval_strategy": "steps",
+                                 "per_device_eval_batch_size": 3, "num_processes": 2}))
+    t, _ = translate("trl", read_foreign("trl", str(f), []), ns())
+    assert "The global eval batch size (3 * 2) must be divisible by the number of generations used for evaluation " \
+        "(8)." in [c.message for c in t.checks]
+    t, _ = translate("trl", read_foreign("trl", str(f), []), ns(peer_version="0.18"))
+    assert any(c.message.startswith("The global eval batch size (2 x 3) must be evenly divisible") for c in t.checks)
+
+
+@pytest.mark.parametrize("content,match", [
+    ({"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_processes": 8},
+     "accelerate config.*--nproc-per-node 8"),
+    ({"dataset_name": "x", "packing": True, "max_seq_length": 4096, "learning_rate": 1e-5}, "SFT config"),
+])
+def test_accelerate_and_sft_configs_are_refused(tmp_path, content, match):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(content))
+    with pytest.raises(UsageError, match=match):
+        translate("trl", read_foreign("trl", str(f), []), ns())
+
+
+def test_unknown_keys_and_peer_version_are_one_line(tmp_path, capsys):
+    f = tmp_path / "v.yaml"
+    f.write_text(yaml.safe_dump({"data": {"train_batch_size": 16, "max_promt_length": 10},
+                                 "actor_rollout_ref": {"rollout": {"n": 4},
+                                                       "actor": {"ppo_mini_batch_size": 16,
+                                                                 "ppo_micro_batch_size_per_gpu": 1}}}))
+    t, _ = translate("verl", read_foreign("verl", str(f), []), ns(nproc_per_node=4))
+    unknown = [k for k in t.keys if k["status"] == "unknown"]
+    assert [k["key"] for k in unknown] == ["data.max_promt_length"] and "typo" in unknown[0]["why"]
+    assert cli_main(["plan", "--from", "verl", str(f), "--peer-version", "9.9"]) == 2
+    assert "--peer-version 9.9: not a verl version" in capsys.readouterr().err
+
+
+def test_write_config_is_what_train_reads(tmp_path, capsys):
+    script = tmp_path / "run.sh"
+    script.write_text(VERL.replace("actor_rollout_ref.rollout.n=5", "actor_rollout_ref.rollout.n=5 "
+                                   "actor_rollout_ref.model.path=/no/such/model"))
+    out = tmp_path / "evenrl.yaml"
+    code = cli_main(["plan", "--from", "verl", str(script), "--write-config", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and out.is_file()
+    cfg = load_config(str(out), [])  # what `evenrl train` validates first
+    assert cfg.model.path == "/no/such/model" and cfg.data.path == "/no/such/train.parquet"
+    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.algo.advantage) == (32, 5, "grpo")
+    assert f"wrote {out}; not on this machine: model.path=/no/such/model, data.path=/no/such/train.parquet" in text
+    assert cli_main(["plan", "examples/plan_512x8.yaml", "--write-config", str(out)]) == 2  # only with --from
+
+
+def test_json_lists_every_key(tmp_path, capsys):
+    script = tmp_path / "run.sh"
+    script.write_text(VERL)
+    assert cli_main(["plan", "--from", "verl", str(script), "--json"]) == 0
+    import json
+    doc = json.loads(capsys.readouterr().out)
+    statuses = {k["key"]: k["status"] for k in doc["keys"]}
+    assert statuses["data.train_batch_size"] == "mapped" and statuses["trainer.logger"] == "not_applicable"
+    assert statuses["trainer.default_local_dir"] == "no_equivalent"  # unresolved: $CKPT_DIR
+    assert doc["peer_version"] == "0.8"

@@ -231,7 +231,8 @@ def test_cli_prints_the_section_with_the_rates_given(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ peers
 
 VERL = {"data": {"train_batch_size": 64, "max_prompt_length": 512, "max_response_length": 1024},
-        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 16}, "rollout": {"n": 8}},
+        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 4},
+                              "rollout": {"n": 8}},
         "algorithm": {"adv_estimator": "grpo"}, "trainer": {"nnodes": 1, "n_gpus_per_node": 4}}
 
 
@@ -268,7 +269,7 @@ def test_verl_fully_async_staleness(tmp_path, threshold, k):
     ({"actor_rollout_ref__actor__tis_imp_ratio_cap": 2.0}, 2.0, None),
     ({"algorithm__rollout_is": True, "algorithm__rollout_is_threshold": 3.0}, 3.0, None),
     ({"algorithm__rollout_is": True, "algorithm__rollout_is_threshold": 3.0, "algorithm__rollout_is_level": "sequence"},
-     3.0, "sequence level"),
+     3.0, None),
     ({"algorithm__rollout_correction__rollout_is": "token", "algorithm__rollout_correction__rollout_is_threshold": 5.0},
      5.0, None),
 ])
@@ -276,6 +277,8 @@ def test_verl_truncated_importance_sampling(tmp_path, extra, cap, note):
     t, cfg, _ = run(tmp_path, "verl", _verl(**extra))
     assert (cfg.algo.importance_correction, cfg.algo.importance_cap) == ("all", cap)
     assert any(note in n for n in t.notes) if note else not any("importance_cap" in n for n in t.notes)
+    level = extra.get("algorithm__rollout_is_level", extra.get("algorithm__rollout_correction__rollout_is", "token"))
+    assert cfg.algo.importance_level == level  # verl's level is evenrl's, no longer a note
 
 
 def test_verl_without_importance_sampling_keeps_the_defaults(tmp_path):
@@ -294,14 +297,14 @@ def test_openrlhf_async_and_importance_correction(tmp_path):
     assert t.layout.rollout_devices == 2  # async: the engines get their own GPUs even with colocate_all_models
     assert cfg.rollout.max_staleness == 2 and any("async_queue_size=2" in n for n in t.notes)
     assert (cfg.algo.importance_correction, cfg.algo.importance_cap) == ("all", 5.0)
-    assert any("no lower bound of 0.5" in n for n in t.notes)
+    assert cfg.algo.importance_floor == 0.5  # the lower bound of [0.5, 5.0]
     assert "staleness-needs-reserved" not in rules(plan)
     nested = {"train": {"async_enable": True, "async_queue_size": 3}, "vllm": {"num_engines": 1},
               "algo": {"advantage": {"is_correction_enable": True, "is_correction_threshold": [0.5, 4.0],
                                      "is_correction_type": "icepop"}}}
     t2, cfg2, _ = run(tmp_path, "openrlhf", nested)
     assert cfg2.rollout.max_staleness == 3 and cfg2.algo.importance_cap == 4.0
-    assert any("icepop" in n for n in t2.notes)
+    assert (cfg2.algo.importance_mode, cfg2.algo.importance_floor) == ("mask", 0.5)  # icepop masks outside [0.5, 4]
     old, cfg3, _ = run(tmp_path, "openrlhf", {"enable_vllm_is_correction": True, "vllm_is_truncated_threshold": 2})
     assert (cfg3.algo.importance_cap, cfg3.rollout.max_staleness) == (2.0, 0)
     sync, cfg4, _ = run(tmp_path, "openrlhf", {"colocate_all_models": True, "vllm_num_engines": 2})

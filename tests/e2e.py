@@ -40,15 +40,18 @@ class Saved:
         self.step = state["step"]
 
 
-def fault_env(*, crash_at_step: int = 0, rollout_stalls_at_step: int = 0, tracker_fails_at_step: int = 0,
-              small_rank: tuple[int, float] | None = None, slow_rank: tuple[int, float] | None = None) -> dict:
+def fault_env(*, crash_at_step: int = 0, signal_at_step: str = "", rollout_stalls_at_step: int = 0,
+              tracker_fails_at_step: int = 0, small_rank: tuple[int, float] | None = None,
+              slow_rank: tuple[int, float] | None = None) -> dict:
     """ENV with a fault injected into the evenrl processes it starts (tests/faults/sitecustomize.py): a training rank
-    that dies at the start of a step (first attempt only), a reserved rollout rank that hangs, experiment trackers
-    that raise from a step on, a rank whose device has less memory (rank, GiB), or one that computes slower (rank,
-    factor)."""
+    that dies at the start of a step (first attempt only), a signal sent at the start of a step, a reserved rollout
+    rank that hangs, experiment trackers that raise from a step on, a rank whose device has less memory (rank,
+    GiB), or one that computes slower (rank, factor)."""
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(TESTS / "faults"), ENV["PYTHONPATH"]])}
     if crash_at_step:
         env["EVENRL_FAULT_CRASH_AT_STEP"] = str(crash_at_step)
+    if signal_at_step:  # "N:INT:self" or "N:TERM:parent" (tests/faults/sitecustomize.py)
+        env["EVENRL_FAULT_SIGNAL_AT_STEP"] = signal_at_step
     if rollout_stalls_at_step:
         env["EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP"] = str(rollout_stalls_at_step)
     if tracker_fails_at_step:

@@ -14,11 +14,12 @@ from evenrl.config import yaml_reader
 from evenrl.errors import UsageError
 
 
-def fails(path, overrides=(), *, match):
+def fails(path, overrides=(), *, match="", lines=1):
+    """The UsageError of loading `path` with `overrides`: `lines` lines (one problem: one line), holding `match`."""
     with pytest.raises(UsageError) as e:
         load_config(path, list(overrides))
     msg = str(e.value)
-    assert "\n" not in msg and match in msg, msg
+    assert len(msg.splitlines()) == lines and match in msg, msg
     return msg
 
 
@@ -90,10 +91,23 @@ def test_bad_values(overrides, match):
     assert fails(None, overrides, match=match).startswith("config: ")
 
 
-def test_several_problems_are_counted_on_the_same_line():
-    msg = fails(None, ["data.prompts_per_step=0", "rollout.samples_per_prompt=0", "train.lr=-1"],
-                match="data.prompts_per_step: got 0")
-    assert msg.endswith("(and 2 more problems)")
+def test_every_problem_at_once_each_with_its_source(tmp_path):
+    msg = fails(None, ["data.prompts_per_step=0", "rollout.samples_per_prompt=0", "train.lr=-1"], lines=4)
+    assert msg.splitlines() == ["3 problems in the config:",
+                                "  config: data.prompts_per_step: got 0; input should be greater than or equal to 1",
+                                "  config: rollout.samples_per_prompt: got 0; input should be greater than or equal "
+                                "to 1", "  config: train.lr: got -1; input should be greater than 0"]
+    f = write(tmp_path, "data: {prompts_per_step: 0}\nrewards: {functions: [{name: math}]}\n")
+    lines = fails(f, ["rollout.samplez=3", "rewards.functions=[{name: math, wieght: 2}]"], lines=4).splitlines()
+    assert lines[0] == "3 problems in the config:"
+    assert lines[1].startswith(f"  {f}: data.prompts_per_step: got 0")  # the file's
+    assert lines[2].startswith("  command line: rollout.samplez: unknown key")  # the typo is the command line's
+    assert lines[3].startswith("  command line: rewards.functions.0.wieght: unknown key")
+
+
+def test_an_empty_override_is_the_empty_string():
+    assert load_config(None, ["eval.path=", "log.run_name="]).eval.path == ""
+    assert load_config(None, ["log.wandb.entity= "]).log.wandb.entity == " "
 
 
 @pytest.mark.parametrize("content, match", [

@@ -70,7 +70,8 @@ def test_overwrite_replaces_the_old_run_and_cleans_killed_saves(assets, tmp_path
 
 
 def test_restarts_need_periodic_checkpoints(assets, tmp_path, capsys):
-    args = ["train", str(assets["cfg"]), f"log.run_dir={tmp_path / 'r'}", "--nproc-per-node", "2"]
+    args = ["train", str(assets["cfg"]), f"log.run_dir={tmp_path / 'r'}", "--nproc-per-node", "2",
+            "checkpoint.every_steps=0", "checkpoint.every_minutes=0"]
     assert cli.main([*args, "--max-restarts", "2"]) == 2
     line = one_line(capsys)
     assert "--max-restarts 2" in line and "checkpoint.every_steps" in line

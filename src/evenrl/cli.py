@@ -17,10 +17,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shlex
+import signal
 import sys
 import time
 
-from evenrl.errors import RunStopped, UsageError
+from evenrl.errors import Interrupted, RunStopped, UsageError
 
 # subcommand -> (module, one-line help). Each module exposes main(argv: list[str]) -> int.
 COMMANDS = {
@@ -62,20 +64,48 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"evenrl {name}: error: {e}", 2)
     except RunStopped as e:
         return _fail(f"evenrl {name}: stopped: {e}", 3)
+    except Interrupted as e:
+        if str(e) and _speaks():
+            print(f"evenrl {name}: {signal.Signals(e.signum).name}: {e}; "
+                  + (f"continue with: {_command(name, rest, '--resume')}" if e.resumable else
+                     f"start again with: {_command(name, rest, '--overwrite')}"), file=sys.stderr, flush=True)
+        return 128 + e.signum
     except KeyboardInterrupt:
-        print(f"evenrl {name}: interrupted", file=sys.stderr)
+        if _speaks():
+            print(f"evenrl {name}: interrupted", file=sys.stderr)
         return 130
 
 
+def _speaks() -> bool:
+    """One process of a multi-process run speaks for all: rank 0 (or the only one)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _command(name: str, rest: list[str], flag: str) -> str:
+    """The command that started this run, with `flag` (--resume or --overwrite) instead of either. A worker of
+    evenrl's launcher has the launcher's command (EVENRL_COMMAND); one that torchrun or srun started directly says
+    so, since its own arguments are not the launch command."""
+    launched = os.environ.get("EVENRL_COMMAND")
+    if launched is None and "RANK" in os.environ:
+        return f"the same launch command with {flag}"
+    words = shlex.split(launched) if launched else ["evenrl", name, *rest]
+    return shlex.join([w for w in words if w not in ("--resume", "--overwrite")] + [flag])
+
+
 def _fail(line: str, code: int) -> int:
-    print(line, file=sys.stderr, flush=True)
+    """The line on stderr; in a worker of torch's elastic agent also in the agent's error file, and there alone under
+    evenrl's launcher, which prints each failed rank's line once (evenrl.train.launch)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torch's elastic agent for each worker
+    reported = False
     if error_file:
         try:
             with open(error_file, "w", encoding="utf-8") as f:
                 json.dump({"message": line, "timestamp": int(time.time())}, f)
+            reported = "EVENRL_COMMAND" in os.environ
         except OSError:
-            pass  # the line above is on stderr anyway
+            pass
+    if not reported:
+        print(line, file=sys.stderr, flush=True)
     return code
 
 

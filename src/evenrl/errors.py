@@ -45,3 +45,12 @@ class ArgumentParser(argparse.ArgumentParser):
 class RunStopped(Exception):
     """The run cannot go on: a non-finite loss or gradient, a peer that stopped or died. The CLI prints one line
     and exits with code 3; the last good checkpoint is kept and nothing half-written replaces it."""
+
+
+class Interrupted(Exception):
+    """The run stopped at a safe point on SIGINT or SIGTERM, after saving what it could. The CLI prints the message
+    and how to resume as one line and exits with 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, signum: int, *, resumable: bool = True):
+        super().__init__(message)
+        self.signum, self.resumable = signum, resumable

@@ -3,6 +3,8 @@ that wants one runs evenrl with this directory on PYTHONPATH (tests/e2e.py: `fau
 
   EVENRL_FAULT_CRASH_AT_STEP=N           a training rank exits (code 17) at the start of RL step N, on a worker's
                                          first attempt only, so that an elastic restart recovers
+  EVENRL_FAULT_SIGNAL_AT_STEP=N:SIG:WHO  at the start of RL step N rank 0 sends signal SIG (INT, TERM) to itself
+                                         (WHO=self) or to its parent, the launcher (WHO=parent): Ctrl-C mid-run
   EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP=N  a reserved rollout rank hangs before generating step N
   EVENRL_FAULT_TRACKER_FAILS_AT_STEP=N   every experiment tracker raises when it is given step N's metrics
   EVENRL_FAULT_DEVICE_MEMORY_GIB=R:G     rank R reports a device of G GiB at start (a card with less memory)
@@ -29,6 +31,20 @@ def _crash_at(n):
                 os._exit(17)
             return rl_step(step, *args, **kwargs)
         return rl_step_or_crash
+    return wrap
+
+
+def _signal_at(spec):
+    n, sig, who = spec.split(":")
+
+    def wrap(rl_step):
+        def rl_step_signalled(step, *args, **kwargs):
+            if step == int(n) and os.environ.get("RANK", "0") == "0":
+                import signal
+
+                os.kill(os.getpid() if who == "self" else os.getppid(), getattr(signal, f"SIG{sig}"))
+            return rl_step(step, *args, **kwargs)
+        return rl_step_signalled
     return wrap
 
 
@@ -95,6 +111,8 @@ def _slow_generation(factor):
 _PATCHES = {}  # module -> (attribute, wrapper)
 if os.environ.get("EVENRL_FAULT_CRASH_AT_STEP"):
     _PATCHES["evenrl.train.loop"] = ("rl_step", _crash_at(int(os.environ["EVENRL_FAULT_CRASH_AT_STEP"])))
+if os.environ.get("EVENRL_FAULT_SIGNAL_AT_STEP"):
+    _PATCHES["evenrl.train.loop"] = ("rl_step", _signal_at(os.environ["EVENRL_FAULT_SIGNAL_AT_STEP"]))
 if os.environ.get("EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP"):
     _PATCHES["evenrl.train.rollout_rank"] = ("generate_and_send",
                                              _stall_at(int(os.environ["EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP"])))

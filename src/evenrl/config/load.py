@@ -19,23 +19,31 @@ from evenrl.config.yaml_reader import read_yaml
 from evenrl.errors import UsageError
 
 
-def validation_message(err: ValidationError, source: str = "config") -> str:
-    """Turn pydantic's multi-line report into one line: field, value, what is allowed (+ how many more)."""
-    errors = err.errors()
-    first = errors[0]
-    loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
-    kind = first["type"]
-    if kind == "extra_forbidden":
-        msg = f"{loc}: unknown key; allowed here: {', '.join(_allowed_keys(first['loc']))}"
-    else:
-        shown = repr(first.get("input"))
-        if len(shown) > 60:
-            shown = shown[:57] + "..."
-        msg = f"{loc}: got {shown}; {first['msg'].lower()}"
-    more = len(errors) - 1
-    if more:
-        msg += f" (and {more} more problem{'s' if more > 1 else ''})"
-    return f"{source}: {msg}"
+def validation_message(err: ValidationError, source: str = "config", overridden: tuple[str, ...] = ()) -> str:
+    """pydantic's report as one line per problem: where it comes from, the field, the value, what is allowed. A
+    problem in a field that an override in `overridden` (dotted keys) set is the command line's, not `source`'s.
+    Several problems: a first line counting them, then one line each."""
+    lines = [f"{_source(e['loc'], source, overridden)}: {_problem(e)}" for e in err.errors()]
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} problems in the config:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _problem(error: dict) -> str:
+    loc = ".".join(str(x) for x in error["loc"]) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        return f"{loc}: unknown key; allowed here: {', '.join(_allowed_keys(error['loc']))}"
+    shown = repr(error.get("input"))
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"{loc}: got {shown}; {error['msg'].lower()}"
+
+
+def _source(loc: tuple, source: str, overridden: tuple[str, ...]) -> str:
+    """'command line' when an override set this field, a section above it or a field inside it; else `source`."""
+    key = ".".join(str(x) for x in loc)
+    hit = any(key == k or key.startswith(k + ".") or (key and k.startswith(key + ".")) for k in overridden)
+    return "command line" if hit else source
 
 
 def _allowed_keys(loc: tuple) -> list[str]:
@@ -62,7 +70,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise UsageError(validation_message(e, str(path) if path else "config")) from None
+        # without a file every key is the command line's (or a caller's): one source, "config"
+        overridden = tuple(o.partition("=")[0].strip() for o in overrides or ()) if path is not None else ()
+        raise UsageError(validation_message(e, str(path) if path else "config", overridden)) from None
 
 
 def config_to_yaml(cfg: RunConfig) -> str:

@@ -15,7 +15,10 @@ from evenrl.errors import UsageError
 
 def _parse_value(text: str, source: str = "override") -> Any:
     """Override values are YAML scalars/lists: `8`, `1e-6`, `true`, `[1, 2]`, `null`, `my text`; text that is
-    not YAML stays text. Read with the same bounds as a config file."""
+    not YAML stays text, and nothing (`eval.path=`) is the empty string, as a shell's `key=''` arrives. Read with
+    the same bounds as a config file."""
+    if not text.strip():
+        return text
     if len(text) > MAX_YAML_BYTES:
         raise UsageError(f"{source}: a value of {len(text):,} characters; the limit is {MAX_YAML_BYTES:,}")
     try:

@@ -61,8 +61,10 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     path: str = Field("", description="Prompt dataset: a .jsonl or .parquet file, or a local HF dataset directory.")
-    prompt_field: str = Field("prompt", description="Column holding the prompt text.")
-    answer_field: str = Field("answer", description="Column holding the reference answer given to rewards.")
+    prompt_field: str = Field("prompt", description="Column holding the prompt text, in data.path and in eval.path "
+                                                    "alike.")
+    answer_field: str = Field("answer", description="Column holding the reference answer given to rewards, in "
+                                                    "data.path and in eval.path alike.")
     extra_fields: list[str] = Field(
         default_factory=list, description="More columns passed through to reward functions (e.g. numbers, target).")
     prompts_per_step: int = Field(
@@ -357,8 +359,14 @@ class ParallelConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(0, ge=0, description="Save every this many steps (0: only at the end).")
-    keep: int = Field(2, ge=1, description="Most recent checkpoints kept.")
+    every_steps: int = Field(100, ge=0, description="Save every this many steps (0: not by steps). Whatever the "
+                                                    "cadence, a run also saves after its last step and when it is "
+                                                    "stopped by SIGINT or SIGTERM (Ctrl-C, Slurm's preemption).")
+    every_minutes: float = Field(
+        30.0, ge=0, le=10080, description="Also save when this many minutes have passed since the last save (0: not "
+                                          "by time); checked after every step. Not with rollout.max_staleness >= 1, "
+                                          "whose checkpoints are written at every_steps (and the end) only.")
+    keep: int = Field(2, ge=1, description="Most recent checkpoints kept (older ones are deleted).")
 
 
 class WandbConfig(Section):
@@ -419,8 +427,9 @@ class LogConfig(Section):
 
 
 class EvalConfig(Section):
-    path: str = Field("", description="Held-out prompts (same format and fields as data.path) scored with greedy "
-                                      "decoding; empty: no evaluation.")
+    path: str = Field("", description="Held-out prompts scored with greedy decoding, in the format of data.path and "
+                                      "read with its fields (data.prompt_field, data.answer_field, ...); empty: no "
+                                      "evaluation.")
     every_steps: int = Field(0, ge=0, description="Evaluate every this many steps, besides before the first and after "
                                                   "the last (0: only those two).")
     max_prompts: int = Field(256, ge=1, le=MAX_COUNT, description="Evaluate on the first this many prompts.")

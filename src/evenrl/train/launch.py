@@ -10,16 +10,25 @@ The flags mean what torchrun's do. A process that already has a rank (torchrun, 
 never launches again. Restarts use torch's elastic agent (`--max-restarts`); with gloo they fail on the
 shared rendezvous store's stale keys unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712), so the
 launcher sets it. A restarted worker resumes from the latest checkpoint, so --max-restarts needs periodic
-checkpoints (checkpoint.every_steps > 0). A worker under torchrun dies with its launcher (Linux: the parent-death
-signal), so killing `evenrl train` never leaves workers running unsupervised. When a worker fails, the launcher
-prints each failed rank's own one-line error.
+checkpoints (checkpoint.every_steps or every_minutes > 0, as by default).
+
+The launcher speaks for its workers: it checks the config, the run directory and the plan once before starting
+any (bad input: one line, exit 2, as on one process); when workers fail it prints each failed rank's own one-line
+error, once for a failure they share, and hides torch's launcher banners. Ctrl-C or SIGTERM reaches the workers
+through torch's agent: they finish the step, save, and rank 0 prints how to resume (evenrl.train.stopping); the
+launcher exits 130 / 143 with them. A worker under torchrun is sent SIGTERM when its launcher dies (Linux: the
+parent-death signal), so killing `evenrl train` never leaves workers running unsupervised: they stop after the
+step in progress, or at once on a second signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import shlex
 import sys
+from pathlib import Path
 
 from evenrl.distributed.env import read_env
 from evenrl.errors import ArgumentParser, UsageError
@@ -68,12 +77,28 @@ def main(argv: list[str]) -> int:
         args.overrides.append(f"parallel.rollout_devices={args.rollout_devices}")
     if cmd == "sft" and args.resume:
         raise UsageError("--resume: evenrl sft has no checkpoints to resume from; run it again (with --overwrite)")
+    if cmd == "train" and args.resume and _already_finished(args):
+        return 0
     if _is_worker():
         _die_with_parent()
         return run_worker(cmd, args)
     if args.nproc_per_node == 1 and args.nnodes == 1:
         return run_worker(cmd, args)
-    return _launch(cmd, args)
+    return _launch(cmd, args, argv)
+
+
+def _already_finished(args: argparse.Namespace) -> bool:
+    """--resume of a run that has done its train.steps: say so (rank 0) instead of planning and loading for nothing."""
+    from evenrl.config import load_config
+    from evenrl.train import rundir
+
+    cfg = load_config(args.config, args.overrides)
+    step = rundir.finished_step(cfg.log.run_dir, cfg.train.steps)
+    if step is not None and os.environ.get("RANK", "0") == "0":
+        print(f"evenrl train: {cfg.log.run_dir} has finished: its checkpoint is at step {step} of train.steps="
+              f"{cfg.train.steps} and the model is in {Path(cfg.log.run_dir) / 'final'}; nothing to do (to train "
+              f"longer: --resume train.steps=N with N > {step})", flush=True)
+    return step is not None
 
 
 def run_worker(cmd: str, args: argparse.Namespace) -> int:
@@ -114,24 +139,42 @@ def _restarted() -> bool:
     return e.source == "torchrun" and e.restart_count > 0
 
 
-def _launch(cmd: str, args: argparse.Namespace) -> int:
-    # Validate the config and the run directory before starting N processes that would all fail the same way.
+def _launch(cmd: str, args: argparse.Namespace, argv: list[str]) -> int:
+    # Validate the config, the run directory and the plan once, before starting N processes that would all fail the
+    # same way: the launcher speaks for them (one line, exit 2), in the time `evenrl plan` takes.
     from evenrl.config import load_config
     from evenrl.train import rundir
+    from evenrl.train.preflight import launch_layout, preflight
 
     cfg = load_config(args.config, args.overrides)
     rundir.check(cfg.log.run_dir, resume=args.resume, overwrite=args.overwrite)
-    if args.max_restarts > 0 and cmd == "train" and not cfg.checkpoint.every_steps:
-        raise UsageError(f"--max-restarts {args.max_restarts}: checkpoint.every_steps is 0, so a restarted run would "
-                         "start over from step 1; set checkpoint.every_steps (e.g. 10)")
+    if args.max_restarts > 0 and cmd == "train" and not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
+        raise UsageError(f"--max-restarts {args.max_restarts}: checkpoint.every_steps and checkpoint.every_minutes are "
+                         "0, so a restarted run would start over from step 1; set checkpoint.every_steps (e.g. 10)")
+    if cmd == "train":
+        preflight(cfg, launch_layout(args.nnodes, args.nproc_per_node))
+    if args.resume:  # the checkpoint's small files, as every rank would read them
+        from evenrl.train import checkpoint
+
+        checkpoint.read_state(checkpoint.latest(Path(cfg.log.run_dir) / "checkpoints"))
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # torchrun sets 1 thread per process when nothing is set, with a warning on every launch; the same, silently
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["EVENRL_COMMAND"] = shlex.join(["evenrl", *argv])  # the workers' resume hint names this command
+    # torch's per-launch and per-failure banners (each module's logger has its own level): ours are below
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     torchrun = [
         f"--nproc-per-node={args.nproc_per_node}",
         f"--nnodes={args.nnodes}",
         f"--max-restarts={args.max_restarts}",
+        # after Ctrl-C or SIGTERM the workers finish their step and save: give them as long as a stopped peer gets
+        f"--shutdown-timeout={int(max(30, cfg.parallel.collective_timeout_s))}",
     ]
     if args.nnodes == 1:
         torchrun.append("--standalone")
@@ -142,11 +185,29 @@ def _launch(cmd: str, args: argparse.Namespace) -> int:
         + (["--overwrite"] if args.overwrite else [])
     try:
         run(parse_args(torchrun + worker))
+    except SignalException as e:  # the workers were sent the same signal, stopped and saved; rank 0 said so
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
-        # Each failed rank's own line (the worker writes it to the agent's error file), not torch's banner.
-        for rank, f in sorted(e.failures.items()):
-            why = f.message if isinstance(f.message, str) and f.message.startswith("evenrl") else \
-                f"exit code {f.exitcode}" + (f" ({f.message})" if f.exitcode < 0 else "; its output is above")
-            print(f"evenrl {cmd}: rank {rank} failed: {why}", file=sys.stderr)
-        return 1
+        return _report_failures(cmd, e.failures)
     return 0
+
+
+def _report_failures(cmd: str, failures: dict) -> int:
+    """Each failed rank's own line (the worker writes it to the agent's error file), once for ranks that failed
+    the same way, not torch's banner. The exit code is the workers' when those that exited agree (2: bad input, 3:
+    stopped); ranks the agent stopped after the first failure have a negative one."""
+    lines: dict[str, list[int]] = {}
+    codes = set()
+    for rank, f in sorted(failures.items()):
+        if f.exitcode > 0:  # not one the agent stopped after the first failure
+            codes.add(f.exitcode)
+        why = f.message if isinstance(f.message, str) and f.message.startswith("evenrl") else \
+            f"exit code {f.exitcode}" + (f" ({f.message})" if f.exitcode < 0 else "; its output is above")
+        lines.setdefault(why, []).append(rank)
+    for why, ranks in lines.items():
+        if why.startswith("evenrl") and len(lines) == 1 and codes == {2}:
+            print(why, file=sys.stderr)  # bad input, the same on every rank: as one process would have said it
+        else:
+            print(f"evenrl {cmd}: rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} failed: {why}",
+                  file=sys.stderr)
+    return codes.pop() if len(codes) == 1 and codes <= {2, 3} else 1

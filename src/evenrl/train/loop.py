@@ -16,15 +16,17 @@ from pathlib import Path
 
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
-from evenrl.errors import RunStopped, UsageError
+from evenrl.errors import Interrupted, RunStopped, UsageError
 from evenrl.train import checkpoint, rundir
 from evenrl.train.balance import make_balance
 from evenrl.train.evaluate import evaluate
 from evenrl.train.metrics import Idle, phase_table
 from evenrl.train.plots import plots_for_trackers
+from evenrl.train.preflight import preflight
 from evenrl.train.rollout_rank import serve
 from evenrl.train.runlog import RunLog, read_metrics
 from evenrl.train.step import rl_step
+from evenrl.train.stopping import Stopping
 from evenrl.train.trackers import Trackers
 from evenrl.train.trainer import Trainer, build_trainer
 
@@ -44,25 +46,17 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
         rundir.prepare(run_dir, overwrite=overwrite and not restarted)
     dist.barrier()
     found = checkpoint.latest(run_dir / "checkpoints") if resume or restarted else None
-    if dist.is_rollout_rank():
-        serve(cfg, info, found)
-    else:
-        trainer = build_trainer(cfg, info, make_balance(cfg, plan, colocated=not dist.rollout_ranks()))
-        trainer.resume(found)
-        # once the checkpoint has loaded, before the run writes anything: one that cannot start stops the run here
-        trackers = Trackers(cfg, run_dir, earlier) if dist.is_main() else None
-        if dist.is_main():
-            if found is not None:
-                print(f"evenrl: resumed from {found} (step {trainer.step})", flush=True)
-            elif restarted:
-                print("evenrl: restarted before the first checkpoint; starting over from step 1", flush=True)
-            write_run_header(trainer, plan, resumed_from=trainer.step if resume or restarted else None)
-        try:
-            run_steps(trainer, trackers, first_row=device_row(plan))
-        except BaseException:
-            if trackers is not None:
-                trackers.close(ok=False)
-            raise
+    with Stopping(cfg) as stopping:
+        if dist.is_rollout_rank():
+            try:
+                serve(cfg, info, found)
+            except Exception:
+                if stopping.signal is None:
+                    raise
+                # signalled, it lost its trainers when they stopped and saved: theirs is the run's one line
+                raise Interrupted("", stopping.signal) from None
+        else:
+            train_here(cfg, info, plan, found, stopping, earlier, resume=resume or restarted, restarted=restarted)
     dist.barrier_all()  # a rollout rank waits for the trainers to finish and save before leaving the group
     # Left to the interpreter's exit, the process group's threads can be torn down mid-use: seen once in a full
     # test suite as SIGABRT ("terminate called without an active exception") on a rank that had finished and saved.
@@ -70,10 +64,34 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     return run_dir
 
 
-def run_steps(trainer: Trainer, trackers: Trackers | None, first_row: dict | None = None) -> None:
+def train_here(cfg: RunConfig, info, plan, found: Path | None, stopping: Stopping, earlier: list[dict], *,
+               resume: bool, restarted: bool) -> None:
+    """A training rank's run: the trainer built and resumed from `found`, the header written, the steps run.
+    `earlier`: the run directory's metrics rows before this start (for the trackers)."""
+    run_dir = Path(cfg.log.run_dir)
+    trainer = build_trainer(cfg, info, make_balance(cfg, plan, colocated=not dist.rollout_ranks()))
+    trainer.resume(found)
+    # once the checkpoint has loaded, before the run writes anything: one that cannot start stops the run here
+    trackers = Trackers(cfg, run_dir, earlier) if dist.is_main() else None
+    if dist.is_main():
+        if found is not None:
+            print(f"evenrl: resumed from {found} (step {trainer.step})", flush=True)
+        elif restarted:
+            print("evenrl: restarted before the first checkpoint; starting over from step 1", flush=True)
+        write_run_header(trainer, plan, resumed_from=trainer.step if resume else None)
+    try:
+        run_steps(trainer, trackers, stopping, first_row=device_row(plan))
+    except BaseException:
+        if trackers is not None:
+            trackers.close(ok=False)
+        raise
+
+
+def run_steps(trainer: Trainer, trackers: Trackers | None, stopping: Stopping, first_row: dict | None = None) -> None:
     """The RL steps after trainer.step up to train.steps, each followed by its metrics (to metrics.jsonl and rank 0's
-    `trackers`), samples, evaluation and checkpoint; then the final model, the trackers' plots and the run's phase
-    breakdown. `first_row`: more entries of the first step's metrics row (the devices the run has)."""
+    `trackers`), samples, evaluation and checkpoint (`stopping` says when; on a signal the run saves and ends with
+    Interrupted); then the final model, the trackers' plots and the run's phase breakdown. `first_row`: more
+    entries of the first step's metrics row (the devices the run has)."""
     cfg, start = trainer.cfg, trainer.step
     run_dir = Path(cfg.log.run_dir)
     log = RunLog(str(run_dir), enabled=dist.is_main(), trackers=trackers,
@@ -81,6 +99,12 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, first_row: dict | Non
                  shown={"reward/mean": "reward", "kl": "kl", "perf/tokens_per_s": "tok/s"})
     phases: dict[str, float] = {}
     idle = Idle()
+    if stopping.before_start():
+        log.close()
+        latest = checkpoint.latest(run_dir / "checkpoints")
+        raise Interrupted(f"stopped before step {start + 1}; " + (f"the latest checkpoint is {latest}" if latest
+                                                                  else "nothing was saved"), stopping.signal,
+                          resumable=latest is not None)
     if trainer.eval_prompts.rows and start == 0:
         log.metrics(0, evaluate(trainer, trainer.eval_prompts), advance=False)
     for step in range(start + 1, cfg.train.steps + 1):
@@ -107,9 +131,15 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, first_row: dict | Non
         log.metrics(step, metrics)
         if cfg.log.samples_every_steps and step % cfg.log.samples_every_steps == 0:
             log.samples(step, examples)
-        if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == cfg.train.steps:
+        save, stop = stopping.after_step(step)
+        if save:
             dist.mark(f"step {step} checkpoint")
             checkpoint.save(run_dir / "checkpoints", trainer, keep=cfg.checkpoint.keep)
+            stopping.saved()
+        if stop:
+            log.close()
+            latest = checkpoint.latest(run_dir / "checkpoints")
+            raise Interrupted(_stopped_at(step, latest, saved=save), stopping.signal, resumable=latest is not None)
     if trainer.sync is not None:
         trainer.sync.finish()
     dist.mark("final save")
@@ -123,6 +153,16 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, first_row: dict | Non
         idle.summary(cfg.train.steps - start)
 
 
+def _stopped_at(step: int, latest: Path | None, *, saved: bool) -> str:
+    """What an interrupted run kept, for the CLI's one line."""
+    if saved:
+        return f"stopped after step {step}; saved {latest}"
+    if latest is None:
+        return f"stopped after step {step}, before its first checkpoint; nothing was saved"
+    return (f"stopped after step {step}; the latest checkpoint is {latest} (with rollout.max_staleness >= 1 "
+            "checkpoints are written at checkpoint.every_steps only)")
+
+
 def warn_short_sampling(cfg: RunConfig, step: int, metrics: dict) -> None:
     """Dynamic sampling that ran out of rounds before it had data.prompts_per_step informative groups."""
     if metrics.get("sampling/groups_short", 0) > 0:
@@ -131,27 +171,6 @@ def warn_short_sampling(cfg: RunConfig, step: int, metrics: dict) -> None:
               f"groups ({metrics['samples']} samples) after {metrics['sampling/rounds']} rounds "
               f"(algo.max_generation_rounds); " + ("the step trains on those" if kept else
                                                   "nothing to train on in this step"), flush=True)
-
-
-def preflight(cfg: RunConfig, layout=None):
-    """The plan of `evenrl plan` for the layout this process runs in (default: what the launch environment and
-    this machine say); an error finding stops the run before the model loads, as one line (on every rank: each
-    makes the same plan)."""
-    from evenrl.planner.layout import detect_local, layout_from_env
-    from evenrl.planner.plan import make_plan
-
-    if cfg.rollout.engine == "vllm" and layout is None:
-        from evenrl.engines.vllm_engine import require
-
-        require()
-    plan = make_plan(cfg, layout or layout_from_env(os.environ) or detect_local())
-    errors = [f for f in plan.findings if f.level == "error"]
-    if errors:
-        e = errors[0]
-        fix = "; ".join(line.strip() for line in e.fix.splitlines() if line.strip())
-        more = f" (+{len(errors) - 1} more: run evenrl plan)" if len(errors) > 1 else ""
-        raise UsageError(f"plan {e.rule}: {e.message}; fix: {fix}{more}")
-    return plan
 
 
 def device_row(plan) -> dict:

@@ -36,11 +36,24 @@ def check(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool, restarte
     if resume or restarted:
         if not has_checkpoint(d) and not restarted:
             found = f"holds {used[0]} but no checkpoint" if used else "holds no checkpoint"
-            raise UsageError(f"--resume: {d} {found} to continue from; run without --resume to start a new run there"
-                             + (" (with --overwrite)" if used else ""))
+            raise UsageError(f"--resume: {d} {found} to continue from (it stopped before its first save); run without "
+                             "--resume to start a new run there" + (" (with --overwrite)" if used else "") + "; next "
+                             "time keep checkpoint.every_steps / every_minutes > 0 (a run also saves on Ctrl-C and "
+                             "SIGTERM, not when killed with SIGKILL)")
     elif used and not overwrite:
         raise UsageError(f"log.run_dir: {d} already holds a run ({used[0]}); --resume continues it, --overwrite "
                          "replaces it, or choose another log.run_dir")
+
+
+def finished_step(run_dir: str | os.PathLike, steps: int) -> int | None:
+    """The step of the run's latest checkpoint when it is at or past `steps` and the final model is there (the run
+    has nothing left to do), else None."""
+    d = Path(run_dir)
+    found = checkpoint.latest(d / "checkpoints")
+    if found is None or not (d / "final").is_dir():
+        return None
+    step = checkpoint.read_meta(found)["step"]
+    return step if step >= steps else None
 
 
 def prepare(run_dir: str | os.PathLike, *, overwrite: bool) -> None:

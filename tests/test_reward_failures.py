@@ -92,10 +92,18 @@ def test_mask_gives_the_same_model_on_one_and_three_processes(assets, tmp_path):
             "rewards.functions=[{name: exact_match}, {name: 'toy_rewards:fails_on_some', weight: 0.5}]"]
     runs = {"three": ["--nproc-per-node", "3"], "one": [], "min_rows": ["train.min_rows_per_micro_batch=2"],
             "zero": ["rewards.on_failure=zero"]}
-    evenrl_many({name: ["train", *args, f"log.run_dir={tmp_path / name}", *more] for name, more in runs.items()})
+    done = evenrl_many({name: ["train", *args, f"log.run_dir={tmp_path / name}", *more]
+                        for name, more in runs.items()})
     rows = [r for r in metrics(tmp_path / "one") if r["step"] > 0]
     masked = [r["reward/masked_samples"] for r in rows]
     assert all(m > 0 for m in masked) and masked == [r["reward/failures"] for r in rows]
+    # failures per entry, summed over ranks: the same on 3 processes; a warning per step names the entry and its error
+    by_entry = [(r["reward/failures/exact_match"], r["reward/failures/fails_on_some"]) for r in rows]
+    assert by_entry == [(0, m) for m in masked]
+    assert by_entry == [(r["reward/failures/exact_match"], r["reward/failures/fails_on_some"])
+                        for r in metrics(tmp_path / "three") if r["step"] > 0]
+    warned = [line for line in done["one"].stdout.splitlines() if "reward fails_on_some failed on" in line]
+    assert len(warned) == 3 and all("first error: ValueError: deliberate failure on" in w for w in warned), warned
     assert all(r["reward/masked_samples"] == 0 for r in metrics(tmp_path / "zero") if r["step"] > 0)
     one = final_params(tmp_path / "one")
     assert max_diff(one, final_params(tmp_path / "three")) <= 1e-5

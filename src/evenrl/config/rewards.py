@@ -11,7 +11,8 @@ from pydantic_core import PydanticCustomError
 from evenrl.config.section import MAX_TOKENS, Section
 
 class JudgeSpec(Section):
-    model: str = Field("", description="Local Hugging Face causal LM directory of the judge; empty: the policy's "
+    model: str = Field("", description="Local Hugging Face causal LM directory (or hub id, as model.path) of the "
+                                        "judge; empty: the policy's "
                                         "base (model.path as it was loaded, frozen; not the policy being trained).")
     template: str = Field(
         ..., min_length=1, max_length=20_000,
@@ -42,7 +43,8 @@ class JudgeSpec(Section):
 class RewardSpec(Section):
     name: str = Field("", description="Built-in reward (math, format, countdown, knights_knaves, exact_match) "
                                       "or a user function 'package.module:function'.")
-    model: str = Field("", description="Local Hugging Face reward model directory: a sequence-classification "
+    model: str = Field("", description="Local Hugging Face reward model directory (or hub id, as model.path): a "
+                                       "sequence-classification "
                                        "model with one label (AutoModelForSequenceClassification), scoring "
                                        "(prompt, completion) as its tokenizer's chat template renders them "
                                        "(prompt + completion without one). Frozen, in model.dtype, on the "
@@ -103,6 +105,11 @@ class RewardsConfig(Section):
         "zero", description="A sample whose reward call failed (raised, non-number, timeout, memory, CPU): 'zero' "
                             "scores it 0 and trains on it; 'mask' leaves it out of learning (no advantage, not in "
                             "its group's statistics, nor in the loss denominators).")
+    warn_failed_share: float = Field(
+        0.1, ge=0.0, le=1.0,
+        description="Warn after every step in which one entry of functions failed on more than this share of the "
+                    "step's samples, naming the entry and its first error (every entry's failed calls are in the "
+                    "metrics as reward/failures/NAME). 0: on any failure; 1: never.")
     overlong_buffer: int = Field(
         0, ge=0, le=MAX_TOKENS,
         description="DAPO's soft overlong penalty: a response longer than rollout.max_new_tokens - overlong_buffer "

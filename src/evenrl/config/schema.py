@@ -40,7 +40,10 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str = Field("", description="Local Hugging Face model directory (holds config.json). Never downloaded.")
+    path: str = Field("", description="A local Hugging Face model directory (holds config.json), or a hub id "
+                                      "(org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct): found in the local Hugging Face "
+                                      "cache, else downloaded by evenrl train (not by evenrl plan, nor with "
+                                      "HF_HUB_OFFLINE=1).")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype of the trained model. 'bfloat16' is mixed precision: fp32 master "
                                "weights, fp32 gradients and fp32 AdamW state, bf16 forward and backward (FSDP2's "
@@ -271,8 +274,9 @@ class AlgoConfig(Section):
 
 
 class CriticConfig(Section):
-    path: str = Field("", description="algo.advantage=gae: local Hugging Face directory of the value model's "
-                                      "body; empty: the policy's (model.path) weights. Its LM head is replaced by "
+    path: str = Field("", description="algo.advantage=gae: local Hugging Face directory (or hub id, as model.path) "
+                                      "of the value model's body; empty: the policy's (model.path) weights. Its LM "
+                                      "head is replaced by "
                                       "a scalar value head.")
     lr: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW learning rate of the critic.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up of the critic's learning rate, in optimizer "

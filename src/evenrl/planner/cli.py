@@ -32,6 +32,7 @@ from pathlib import Path
 
 from evenrl.config import load_config, with_settings
 from evenrl.errors import ArgumentParser, UsageError
+from evenrl.models.hub import resolve_models
 from evenrl.planner.fit import fit, minimal_yaml
 from evenrl.planner.layout import add_layout_args, has_shape_flags, layout_from_args
 from evenrl.planner.peers import NAMES, read_foreign, translate
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
     if ns.peer_version or ns.write_config:
         raise UsageError(f"{'--peer-version' if ns.peer_version else '--write-config'}: only with --from "
                          "verl|easyr1|trl|openrlhf")
-    cfg = load_config(ns.config, ns.overrides)
+    cfg = resolve_models(load_config(ns.config, ns.overrides), download=False)  # hub ids: from the local cache
     layout = layout_from_args(ns)
     plan = make_plan(cfg, layout, rates=rate_flags(ns))
     hint = ""

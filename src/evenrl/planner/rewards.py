@@ -64,8 +64,8 @@ def rule_reward_models(p: Plan) -> list[Finding]:
                 check_reward_model_dir(spec.model, f"{field}.model")
             elif spec.judge and spec.judge.model:
                 if not Path(spec.judge.model).expanduser().is_dir():
-                    raise UsageError(f"{field}.judge.model: {spec.judge.model!r} is not a local directory (evenrl "
-                                     "never downloads)")
+                    raise UsageError(f"{field}.judge.model: {spec.judge.model!r} is not a local directory; give "
+                                     "one, or a hub id (org/name)")
                 check_model_dir(spec.judge.model)
         except UsageError as e:
             out.append(Finding("error", "reward-model-files", str(e),

@@ -109,8 +109,9 @@ def rule_model(p: Plan) -> list[Finding]:
     m = p.config.model
     path = Path(m.path).expanduser() if m.path else None
     if path is not None and not path.is_dir():
-        return [Finding("error", "model-path", f"model.path {m.path!r} is not a local directory "
-                        "(evenrl never downloads)", "download the model, then model.path=/local/dir")]
+        return [Finding("error", "model-path", f"model.path {m.path!r} is not a local directory",
+                        "a local Hugging Face model directory, or a hub id (org/name, e.g. "
+                        "Qwen/Qwen2.5-0.5B-Instruct)")]
     if path is not None and not (path / "config.json").is_file():
         return [Finding("error", "model-path", f"model.path {m.path!r} has no config.json; {no_config_fix(path)}",
                         "point model.path at a Hugging Face model directory (config.json, weights, tokenizer)")]
@@ -192,7 +193,8 @@ def rule_algorithms(p: Plan) -> list[Finding]:
                            f"rewards.overlong_buffer<={c.sampled_tokens()} (DAPO: 4096 of 20480)"))
     if c.algo.advantage == "gae" and c.critic.path and not Path(c.critic.path).expanduser().is_dir():
         out.append(Finding("error", "critic-path", f"critic.path {c.critic.path!r} is not a local directory "
-                           "(evenrl never downloads)", "critic.path='' (the policy's weights), or a local copy"))
+                           "nor a hub id", "critic.path='' (the policy's weights), a local directory or a hub id "
+                                           "(org/name)"))
     if c.algo.advantage != "gae" and c.critic.path:
         out.append(Finding("warning", "critic-unused", f"critic.path is set but algo.advantage={c.algo.advantage} "
                            "trains no critic", "algo.advantage=gae; or critic.path=''"))

@@ -103,8 +103,9 @@ def _already_finished(args: argparse.Namespace) -> bool:
 
 def run_worker(cmd: str, args: argparse.Namespace) -> int:
     from evenrl.config import load_config
+    from evenrl.models.hub import resolve_models
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_models(load_config(args.config, args.overrides), download=True)
     if cmd == "train":
         from evenrl.train.loop import train
 
@@ -143,10 +144,11 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str]) -> int:
     # Validate the config, the run directory and the plan once, before starting N processes that would all fail the
     # same way: the launcher speaks for them (one line, exit 2), in the time `evenrl plan` takes.
     from evenrl.config import load_config
+    from evenrl.models.hub import resolve_models
     from evenrl.train import rundir
     from evenrl.train.preflight import launch_layout, preflight
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_models(load_config(args.config, args.overrides), download=True)  # downloaded once, here
     rundir.check(cfg.log.run_dir, resume=args.resume, overwrite=args.overwrite)
     if args.max_restarts > 0 and cmd == "train" and not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
         raise UsageError(f"--max-restarts {args.max_restarts}: checkpoint.every_steps and checkpoint.every_minutes are "

@@ -116,6 +116,7 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, stopping: Stopping, f
             raise RunStopped(f"step {step}: {e}; last good checkpoint: {last or 'none yet'}") from None
         trainer.step = step
         metrics["time/step"] = time.perf_counter() - t0  # wall time of the whole step, phases and the rest
+        first_errors = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(FIRST_ERROR)]}
         if step == start + 1:
             metrics.update(first_row or {})
         for k, v in metrics.items():
@@ -124,12 +125,14 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, stopping: Stopping, f
         if dist.is_main():
             idle.see(step, metrics)
             warn_short_sampling(cfg, step, metrics)
+            warn_reward_failures(cfg, step, metrics, first_errors)
         if trainer.eval_prompts.rows and (step == cfg.train.steps or
                                           (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
             dist.mark(f"step {step} evaluate")
             metrics.update(evaluate(trainer, trainer.eval_prompts))
         log.metrics(step, metrics)
-        if cfg.log.samples_every_steps and step % cfg.log.samples_every_steps == 0:
+        # the first step's too, so that a short run has samples to look at when a warning points there
+        if cfg.log.samples_every_steps and (step % cfg.log.samples_every_steps == 0 or step == start + 1):
             log.samples(step, examples)
         save, stop = stopping.after_step(step)
         if save:
@@ -151,6 +154,8 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, stopping: Stopping, f
     if dist.is_main() and phases:
         print(phase_table(phases, cfg.train.steps - start), flush=True)
         idle.summary(cfg.train.steps - start)
+    if dist.is_main():
+        print(summary(run_dir, read_metrics(run_dir)), flush=True)
 
 
 def _stopped_at(step: int, latest: Path | None, *, saved: bool) -> str:
@@ -161,6 +166,37 @@ def _stopped_at(step: int, latest: Path | None, *, saved: bool) -> str:
         return f"stopped after step {step}, before its first checkpoint; nothing was saved"
     return (f"stopped after step {step}; the latest checkpoint is {latest} (with rollout.max_staleness >= 1 "
             "checkpoints are written at checkpoint.every_steps only)")
+
+
+def summary(run_dir: Path, rows: list[dict]) -> str:
+    """The run's last lines: its reward at the start and the end (means of 10 steps), the last evaluation, where
+    the model is and the command that plots the run."""
+    steps = [r for r in rows if r.get("step", 0) > 0 and isinstance(r.get("reward/mean"), (int, float))]
+    parts = [f"evenrl: done: {len(steps)} steps in {run_dir}"]
+    if steps:
+        first, last = [r["reward/mean"] for r in steps[:10]], [r["reward/mean"] for r in steps[-10:]]
+        parts.append(f"reward/mean {sum(first) / len(first):.3f} (first {len(first)} steps) -> "
+                     f"{sum(last) / len(last):.3f} (last {len(last)})")
+    evals = [r for r in rows if isinstance(r.get("eval/reward"), (int, float))]
+    if evals:
+        parts.append(f"eval/reward {evals[0]['eval/reward']:.3f} (step {evals[0]['step']}) -> "
+                     f"{evals[-1]['eval/reward']:.3f} (step {evals[-1]['step']})")
+    return "; ".join(parts) + (f"\n  model: {run_dir / 'final'}\n  plots: evenrl report {run_dir}")
+
+
+FIRST_ERROR = "reward/first_error/"  # sampling.sample's (this rank's): for the warning below, not the metrics
+
+
+def warn_reward_failures(cfg: RunConfig, step: int, metrics: dict, first_errors: dict) -> None:
+    """Each reward entry that failed on more than rewards.warn_failed_share of the step's samples, with its first
+    error (rank 0's; another rank's failures are counted but their messages stay there)."""
+    samples = max(int(metrics.get("samples", 0)), 1)
+    for key, n in metrics.items():
+        if key.startswith("reward/failures/") and n / samples > cfg.rewards.warn_failed_share:
+            name = key[len("reward/failures/"):]
+            first = first_errors.get(FIRST_ERROR + name) or "the failures were on other ranks' samples"
+            print(f"evenrl: warning: step {step}: reward {name} failed on {n} of {samples} samples (scored "
+                  f"{'as masked' if cfg.rewards.on_failure == 'mask' else '0'}); first error: {first}", flush=True)
 
 
 def warn_short_sampling(cfg: RunConfig, step: int, metrics: dict) -> None:

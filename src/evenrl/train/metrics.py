@@ -45,7 +45,7 @@ class Timer:
         return _Ctx()
 
 
-def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: dict, failures: int,
+def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: dict, failures: dict[str, int],
                  timer: Timer) -> dict:
     """The step's metrics row: rewards, lengths, throughput, per-rank load, staleness and the phase times, from the
     all-ranks view (`everyone`), so every rank computes the same row."""
@@ -84,7 +84,9 @@ def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: di
     out.update({f"memory/{k}_peak_gib": v for k, v in timer.peak_gib.items()})  # empty without CUDA
     if "turns" in everyone:  # rollout.env: trajectories
         out.update(trajectory_metrics(everyone))
-    out["reward/failures"] = int(failures)  # summed over ranks by gather_rows
+    # summed over ranks by gather_rows: samples whose reward failed, and each entry's failed calls
+    out["reward/failures"] = int(failures.get("", 0))
+    out.update({f"reward/failures/{name}": int(n) for name, n in failures.items() if name})
     masked = masked_rows(cfg, everyone)
     out["reward/masked_samples"] = 0 if masked is None else int(masked.sum())  # left out of learning
     return out

@@ -13,7 +13,7 @@ from evenrl.distributed import collectives as dist
 from evenrl.engines.base import sampling_params
 from evenrl.errors import RunStopped
 from evenrl.models.vision import pixel_dim, prompt_image_inputs
-from evenrl.rewards import score_all
+from evenrl.rewards import FAILURE_KINDS, score_all
 from evenrl.rewards.overlong import overlong_penalty
 from evenrl.train.metrics import Timer
 from evenrl.train.reward_models import add_model_rewards
@@ -21,8 +21,10 @@ from evenrl.train.trainer import Trainer
 from evenrl.train.trajectories import overlong_lengths, trajectory_columns
 
 
-def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, int, dict]:
-    """Rollout and rewards for the step's prompts: (this rank's rows, its reward failures, sampling metrics).
+def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, dict[str, int], dict]:
+    """Rollout and rewards for the step's prompts: (this rank's rows, its reward failures (key "": samples whose
+    reward failed; an entry's name: its failed calls), sampling metrics and each failing entry's first error
+    ("reward/first_error/NAME", this rank's)).
 
     With algo.filter_groups (DAPO's dynamic sampling), groups whose rewards are all equal (no group advantage) are
     dropped and the prompts still missing are sampled in another round, until data.prompts_per_step groups are kept
@@ -30,17 +32,17 @@ def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, int, dict]
     sampler and a round's prompts take the next positions in the step, so every sample's key (step, position,
     sample) is unique and no rank count enters; kept groups are then renumbered in position order."""
     algo, want = trainer.cfg.algo, trainer.cfg.data.prompts_per_step
-    parts, failures, drawn, kept, rounds = [], 0, 0, [], 0
+    parts, failures, errors, drawn, kept, rounds = [], {}, {}, 0, [], 0
     while True:
         prompt_ids = trainer.sampler.next_prompts(want - len(kept))                  # same on every rank
         with timer("rollout"):
             part = rollout(trainer, step, prompt_ids, first=drawn)                   # this rank's prompts x samples
         with timer("reward"):
             part, reward_stats = add_rewards(trainer, part, step)
-        failures += reward_stats.get("failures", 0)
+        count_failures(reward_stats, failures, errors)
         drawn, rounds = drawn + len(prompt_ids), rounds + 1
         if not algo.filter_groups:
-            return part, failures, {}
+            return part, failures, errors
         with timer("reward"):
             part, informative = informative_groups(part)
         kept += informative
@@ -50,7 +52,17 @@ def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, int, dict]
     local = renumber_groups(Batch.concat(parts), kept, trainer.cfg.rollout.samples_per_prompt)
     return local, failures, {"sampling/rounds": rounds, "sampling/groups_drawn": drawn,
                              "sampling/kept_fraction": len(kept) / max(drawn, 1),
-                             "sampling/groups_short": want - len(kept)}
+                             "sampling/groups_short": want - len(kept), **errors}
+
+
+def count_failures(stats: dict, failures: dict[str, int], errors: dict[str, str]) -> None:
+    """Add a reward phase's failures to `failures` ("": samples, NAME: that entry's failed calls; every entry is
+    counted, 0 or not, so every rank has the same keys) and each entry's first error to `errors`."""
+    failures[""] = failures.get("", 0) + int(stats.get("failures", 0))
+    for name, entry in stats.get("by_reward", {}).items():
+        failures[name] = failures.get(name, 0) + sum(int(entry.get(kind, 0)) for kind in FAILURE_KINDS)
+        if entry.get("first_error"):
+            errors.setdefault(f"reward/first_error/{name}", entry["first_error"])
 
 
 def informative_groups(part: Batch) -> tuple[Batch, list[int]]:

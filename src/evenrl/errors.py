@@ -36,7 +36,12 @@ def one_line(text: str, limit: int = 200) -> str:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose mistakes are UsageErrors: one line and exit code 2 through the CLI, no usage dump."""
+    """argparse whose mistakes are UsageErrors: one line and exit code 2 through the CLI, no usage dump. Flags are
+    spelled out: no abbreviations (`--nproc` for --nproc-per-node would break when another --nproc... flag came)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)")

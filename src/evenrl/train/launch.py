@@ -175,9 +175,7 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str]) -> int:
         f"--nproc-per-node={args.nproc_per_node}",
         f"--nnodes={args.nnodes}",
         f"--max-restarts={args.max_restarts}",
-        # after Ctrl-C or SIGTERM the workers finish their step and save: give them as long as a stopped peer gets
-        f"--shutdown-timeout={int(max(30, cfg.parallel.collective_timeout_s))}",
-    ]
+    ]  # the agent gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s to stop on a signal: see reliability.md
     if args.nnodes == 1:
         torchrun.append("--standalone")
     else:

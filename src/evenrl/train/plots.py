@@ -124,7 +124,11 @@ def write_plots(run_dir: str | Path) -> list[Path]:
             ax.bar(range(world), totals, color="#4c72b0")
         mean = sum(totals) / world
         ax.axhline(mean, color="k", ls="--", lw=1, label=f"mean {mean:,.0f}")
-        ax.set_title(f"Training tokens per rank, summed over {len(same)} steps")
+        skipped = sum(r["load/skipped_samples"] for r in rows if _number(r.get("load/skipped_samples")))
+        # rows with a zero advantage are planned onto ranks but not run (train.skip_zero_gradient_samples): the
+        # bars hold what ran, which can look uneven where many were skipped
+        ax.set_title(f"Training tokens per rank, summed over {len(same)} steps" + (
+            f"\n({skipped:,} zero-advantage samples skipped, not counted)" if skipped else ""), fontsize=10)
         ax.set_xlabel("rank")
         if world <= 32:
             ax.set_xticks(range(world))

@@ -323,3 +323,40 @@ def test_resume_with_images_on_3_then_2_processes(vl, vl_runs, tmp_path):
     evenrl(*common, "--nproc-per-node", "2", "--resume")
     assert max_diff(final_params(vl_runs["one"]), final_params(run)) <= TOL
     assert [r["reward/mean"] for r in metrics(run)] == [r["reward/mean"] for r in metrics(vl_runs["one"])[1:]]
+
+
+def test_image_placeholders_sampled_in_a_response_are_plain_tokens(vl):
+    """A policy can sample <|image_pad|> in its answer (temperature 1, an entropy bonus): the training forward of such
+    rows runs (before: a shape mismatch in get_rope_index, the image tokens counted as the prompt's images) and its
+    log-probs equal the sampler's, which fed the sampled placeholder back as a plain token."""
+    from evenrl.models.forward_decoder import ForwardDecoder
+
+    model, tok = load_policy(vl["model"])
+    processor = load_image_processor(vl["model"], min_pixels=None, max_pixels=None)
+    image_id = model.config.image_token_id
+    ids = encode_vision_prompt(tok, processor, model.config, "<image>x=", [(56, 56)], False)
+    inputs = image_inputs(processor, [_png(56, 56)])
+    text = tok("7+1=")["input_ids"]
+    forced = [[5, image_id, 9, image_id, image_id, 11], [image_id, 3]]  # sampled responses, placeholders forced in
+    expected = []
+    with torch.no_grad():
+        for response in forced:  # the sampler's own path: prefill with the image, then one token at a time
+            dec = ForwardDecoder(model)
+            logits, shift = dec.prefill_images(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long),
+                                               [inputs])
+            pos, lps = len(ids) + shift[0], []
+            for t in response:
+                lps.append(torch.log_softmax(logits.float(), -1)[0, t].item())
+                logits, pos = dec.step(torch.tensor([t]), torch.tensor([pos])), pos + 1
+            expected.append(lps)
+    rows = [(ids, forced[0], inputs), (text, forced[1], None), (ids, forced[1], inputs)]
+    batch = Batch({"tokens": Ragged.of([torch.tensor(p + r) for p, r, _ in rows], torch.long),
+                   "response_len": torch.tensor([len(r) for _, r, _ in rows]),
+                   "pixel_values": Ragged.of([x.pixel_values if x else torch.zeros(0, 1176) for *_, x in rows],
+                                             torch.float32),
+                   "image_grid_thw": Ragged.of([x.grid if x else torch.zeros(0, 3, dtype=torch.long)
+                                                for *_, x in rows], torch.long)})
+    trainer = compute_logprobs(model, batch, [[0, 1, 2]], temperature=1.0, pad_token_id=tok.pad_token_id)
+    assert torch.allclose(trainer[0], torch.tensor(expected[0]), atol=2e-5), (trainer[0], expected[0])
+    assert torch.allclose(trainer[2], torch.tensor(expected[1]), atol=2e-5), (trainer[2], expected[1])
+    assert torch.isfinite(trainer[1]).all()

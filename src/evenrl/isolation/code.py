@@ -32,7 +32,7 @@ MODE = "tools"
 
 
 class CodeResult(NamedTuple):
-    status: str    # ok, error (raised or a non-zero exit), timeout, cpu, memory, output (past the cap), blocked, refused
+    status: str    # ok, error (raised, non-zero exit), timeout, cpu, memory, output (past the cap), blocked, refused
     output: str    # what it wrote to stdout and stderr, at most the output cap, decoded as UTF-8 with replacement
     sandbox: str   # "namespaces", or "none" where rewards.sandbox is none
 

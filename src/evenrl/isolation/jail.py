@@ -19,7 +19,8 @@ import os
 import resource
 import sys
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 # statvfs flags of a mount that a user namespace may not clear on remount: keep them (else EPERM).
 _KEPT = {8: MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # noexec, noatime, nodiratime, relatime
 CLONE_NEWUSER = 0x10000000

@@ -21,7 +21,7 @@ from evenrl.core.batch import Batch
 from evenrl.core.fused_head import head_logprobs
 from evenrl.models.decoder import LeanDecoder, rope_rotate, rope_table
 from evenrl.models.loading import autocast, compute_device, is_checkpointing, is_sharded
-from evenrl.models.vision import is_vision_model, mrope_positions, with_blank_image
+from evenrl.models.vision import is_vision_model, mrope_positions, sampled_placeholders, with_blank_image
 
 
 # head(output layer, hidden [B, P, H], targets [B, P]) -> [B, P, k]: what the output layer computes instead of logits
@@ -124,15 +124,16 @@ def _response_logits_vision(model, batch: Batch, pad_token_id: int, head: Head |
     width = int(resp_len.max())
     rows, targets = len(tokens), tokens[:, -width:]
     pixels = grid = None
-    if "image_grid_thw" in batch and batch["image_grid_thw"].values.shape[0]:
-        pixels, grid = batch["pixel_values"].values.to(device), batch["image_grid_thw"].values.to(device)
-    elif is_sharded(model):
-        tokens, attn, pixels, grid = with_blank_image(model, tokens, attn)
-    positions, _ = mrope_positions(model, tokens, attn, grid)
-    every = _with_last(torch.cat([targets, targets.new_zeros(len(tokens) - rows, width)]))  # the blank row's too
-    with _output_layer_computes(model, head, every):
-        out = model(input_ids=tokens, attention_mask=attn, position_ids=positions, pixel_values=pixels,
-                    image_grid_thw=grid, logits_to_keep=width + 1, use_cache=False)
+    with sampled_placeholders(model, tokens, resp_len) as tokens:
+        if "image_grid_thw" in batch and batch["image_grid_thw"].values.shape[0]:
+            pixels, grid = batch["pixel_values"].values.to(device), batch["image_grid_thw"].values.to(device)
+        elif is_sharded(model):
+            tokens, attn, pixels, grid = with_blank_image(model, tokens, attn)
+        positions, _ = mrope_positions(model, tokens, attn, grid)
+        every = _with_last(torch.cat([targets, targets.new_zeros(len(tokens) - rows, width)]))  # the blank row's too
+        with _output_layer_computes(model, head, every):
+            out = model(input_ids=tokens, attention_mask=attn, position_ids=positions, pixel_values=pixels,
+                        image_grid_thw=grid, logits_to_keep=width + 1, use_cache=False)
     return out.logits[:rows, :-1], targets, _response_mask(resp_len, width)
 
 

@@ -15,7 +15,8 @@ in encode_vision_prompt, a few lines.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import contextlib
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -149,6 +150,35 @@ def mrope_positions(model, tokens: Tensor, attention_mask: Tensor, grid: Tensor 
     pos, delta = model.model.get_rope_index(input_ids=tokens, mm_token_type_ids=types, image_grid_thw=grid,
                                             attention_mask=attention_mask)
     return pos, delta.reshape(-1)
+
+
+@contextlib.contextmanager
+def sampled_placeholders(model, tokens: Tensor, response_len: Tensor) -> Iterator[Tensor]:
+    """Yields the tokens a training forward takes, in which image placeholders the policy sampled (in the last
+    response_len[b] tokens of each left-padded row) are plain tokens, as the sampler fed them back: swapped for
+    another id, so that the M-RoPE positions and the model's scatter of image features count only the prompt's
+    images (else: a shape mismatch in get_rope_index), while a hook on the embedding layer, run inside the model's
+    forward (so under FSDP too), puts back their own embedding: log-probs are those of the tokens sampled."""
+    image = model.config.image_token_id
+    width = tokens.shape[1]
+    starts = width - response_len.to(tokens.device)
+    in_response = torch.arange(width, device=tokens.device)[None, :] >= starts[:, None]
+    sampled = (tokens == image) & in_response
+    if not bool(sampled.any()):
+        yield tokens
+        return
+
+    def restore(module, args, output):
+        mask = sampled
+        if output.shape[0] > mask.shape[0]:  # with_blank_image's extra row
+            mask = torch.cat([mask, mask.new_zeros(output.shape[0] - mask.shape[0], width)])
+        return torch.where(mask[..., None], module.weight[image].to(output.dtype), output)
+
+    handle = model.get_input_embeddings().register_forward_hook(restore)
+    try:
+        yield tokens.masked_fill(sampled, 0 if image != 0 else 1)
+    finally:
+        handle.remove()
 
 
 def with_blank_image(model, tokens: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -66,6 +66,10 @@ def test_nodes_are_parsed_in_rank_order(text, nnodes, per_node, labels):
     ("2xcpu-8,2xH100-80", "one kind of device"),
     ("8xMI300X-192@0/1", "@TFLOPS/GBPS as two numbers"),
     ("0xH100-80", "1..100000 nodes of 1..1024 devices"),
+    ("", "--nodes: got ''; need NODE"),  # was ignored: the plan ran on this machine instead
+    ("100000*1024xH100-80", "need at most 100000 nodes and 131072 ranks"),  # checked before 102 M records are built
+    ("9" * 5000 + "*8xH100-80", "1..100000 nodes of 1..1024 devices"),  # from the text: no int() of 5000 digits
+    ("99999*1024xH100-80,99999*1024xH100-80", "131072 ranks"),
 ])
 def test_bad_nodes_are_one_line(text, match, capsys):
     with pytest.raises(UsageError, match=match):
@@ -73,6 +77,31 @@ def test_bad_nodes_are_one_line(text, match, capsys):
     assert cli_main(["plan", EXAMPLE, "--nodes", text]) == 2
     err = capsys.readouterr().err
     assert match.split(";")[0] in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("weights", ["1e308,1e308", "1,nan", "1,inf", "0,1", "1e-9,1", ",".join(["1"] * 131_073)])
+def test_capacity_weights_out_of_range_are_one_line_before_any_arithmetic(weights, capsys):
+    assert cli_main(["plan", EXAMPLE, "--nproc-per-node", "2", f"--capacity-weights={weights}"]) == 2
+    err = capsys.readouterr().err
+    assert "--capacity-weights" in err and err.count("\n") == 1 and "Traceback" not in err and len(err) < 300
+    with pytest.raises(UsageError, match="relative speeds in"):
+        load_config(EXAMPLE, ["parallel.capacity_weights=[1.0e+308, 1.0e+308]"])
+
+
+def test_an_unknown_gpu_model_in_nodes_is_a_warning(seven_b):
+    found = {f.rule: f for f in plan_7b(seven_b, nodes="8xFOO-80").findings}
+    assert "GPU model FOO" in found["unknown-gpu-model"].message and "8xFOO-80@TFLOPS/GBPS" in found[
+        "unknown-gpu-model"].fix
+    assert "unknown-gpu-model" not in {f.rule for f in plan_7b(seven_b, nodes="8xFOO-80@500/3000").findings}
+    assert "unknown-gpu-model" not in {f.rule for f in plan_7b(seven_b).findings}
+
+
+def test_lora_settings_without_a_rank_are_a_warning(seven_b):
+    found = {f.rule: f for f in plan_7b(seven_b, ["model.lora.alpha=32", "model.lora.target_modules=[q_proj]"]
+                                        ).findings}
+    assert found["lora-off"].message.startswith("model.lora.alpha, model.lora.target_modules set, but model.lora."
+                                                "rank is 0")
+    assert "lora-off" not in {f.rule for f in plan_7b(seven_b).findings}
 
 
 def test_nodes_replace_the_shape_flags_and_keep_the_rest(capsys):

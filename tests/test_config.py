@@ -84,7 +84,7 @@ def test_unknown_keys_list_the_allowed_ones(overrides, match):
     (["parallel.capacity_weights=[1, 0, 2]"], "parallel.capacity_weights: got [1, 0, 2]; item 1 is 0; expected 'auto'"),
     (["parallel.capacity_weights=[1, -2]"], "parallel.capacity_weights: got [1, -2]; item 1 is -2; expected 'auto'"),
     (["parallel.capacity_weights=[1, .nan]"], "parallel.capacity_weights: got [1, nan]; item 1 is nan; expected"),
-    (["parallel.capacity_weights=1,2"], "parallel.capacity_weights: got '1,2'; expected 'auto' or a list of positive"),
+    (["parallel.capacity_weights=1,2"], "parallel.capacity_weights: got '1,2'; expected 'auto' or a list of relative speeds"),
     (["parallel.capacity_weights=fast"], "parallel.capacity_weights: got 'fast'; expected 'auto' or a list of"),
 ])
 def test_bad_values(overrides, match):

@@ -19,6 +19,11 @@ from evenrl.config.section import MAX_COUNT, MAX_SEED, MAX_TOKENS, Section
 Decoder = Literal["auto", "lean", "static", "forward"]  # engines.hf.generate's decoders
 
 
+# Relative speeds a capacity weight may have (--capacity-weights, parallel.capacity_weights): a range no mix of
+# devices leaves, checked before any arithmetic (1e308 would overflow a sum).
+MIN_CAPACITY_WEIGHT, MAX_CAPACITY_WEIGHT = 1e-6, 1e6
+
+
 class LoraConfig(Section):
     rank: int = Field(
         0, ge=0, le=1024,
@@ -348,12 +353,14 @@ class ParallelConfig(Section):
     @classmethod
     def _weights_or_auto(cls, value: Any) -> Any:
         # checked here: pydantic would name each member of the union in its message
-        allowed = "expected 'auto' or a list of positive numbers, one per training rank"
+        allowed = (f"expected 'auto' or a list of relative speeds in [{MIN_CAPACITY_WEIGHT:g}, "
+                   f"{MAX_CAPACITY_WEIGHT:g}], one per training rank")
         if isinstance(value, str) and value != "auto":
             raise PydanticCustomError("capacity_weights", allowed)
         if isinstance(value, (list, tuple)):
             for i, x in enumerate(value):
-                if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < float("inf"):
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not (
+                        MIN_CAPACITY_WEIGHT <= x <= MAX_CAPACITY_WEIGHT):
                     raise PydanticCustomError("capacity_weights", f"item {i} is {x!r}; {allowed}")
         return value
 

@@ -36,6 +36,7 @@ assert set(DATASHEET) == set(KNOWN_MODELS)
 FLOPS_SHARE, BANDWIDTH_SHARE = 0.4, 0.6  # what tuned training and decoding achieve of the peaks
 MAX_NODES = 100_000
 MAX_PER_NODE = 1024
+MAX_WORLD = 131_072  # more ranks than any cluster has: a typo, refused before any arithmetic or expansion
 MAX_GIB = 1_000_000.0
 MAX_RATE = 1e7
 _NODE = re.compile(r"(?:(\d+)\*)?(\d+)x([A-Za-z][A-Za-z0-9_.]*)-(\d+(?:\.\d+)?)(?:@(\d+(?:\.\d+)?)/(\d+(?:\.\d+)?))?")
@@ -56,15 +57,26 @@ class Nodes:
 
 def parse_nodes(text: str) -> Nodes:
     """--nodes' text as nodes and devices; a UsageError naming the part that is wrong otherwise."""
+    if not str(text).strip():
+        raise bad("--nodes", text, _FORM)
     specs = [part.strip() for part in str(text).split(",")]
+    if len(specs) > MAX_NODES:
+        raise bad("--nodes", f"{len(specs)} nodes", f"need at most {MAX_NODES} nodes")
     nodes: list[tuple[int, Device]] = []
+    n_nodes = n_ranks = 0
     for spec in specs:
         m = _NODE.fullmatch(spec)
         if not m:
             raise bad("--nodes", spec, _FORM)
+        if len(m[1] or "") > 6 or len(m[2]) > 4:  # counted from the text, before any number is expanded
+            raise bad("--nodes", spec, f"need 1..{MAX_NODES} nodes of 1..{MAX_PER_NODE} devices")
         repeat, count, model, gib = int(m[1] or 1), int(m[2]), m[3], float(m[4])
         if not (1 <= repeat <= MAX_NODES and 1 <= count <= MAX_PER_NODE):
             raise bad("--nodes", spec, f"need 1..{MAX_NODES} nodes of 1..{MAX_PER_NODE} devices")
+        n_nodes, n_ranks = n_nodes + repeat, n_ranks + repeat * count
+        if n_nodes > MAX_NODES or n_ranks > MAX_WORLD:
+            raise bad("--nodes", text, f"need at most {MAX_NODES} nodes and {MAX_WORLD} ranks; this is "
+                                       f"{n_ranks:,} ranks or more")
         if not 0 < gib <= MAX_GIB:
             raise bad("--nodes", spec, f"need the memory of one device in GiB, in (0, {MAX_GIB:g}]")
         tflops, gbps = float(m[5] or 0), float(m[6] or 0)
@@ -80,9 +92,12 @@ def parse_nodes(text: str) -> Nodes:
                                    f"processes on each); got {', '.join(map(str, sorted(counts)))}")
     if len(kinds) > 1:
         raise bad("--nodes", text, "one kind of device: cpu processes or GPUs, not both in one job")
-    if len(nodes) > MAX_NODES:
-        raise bad("--nodes", text, f"need at most {MAX_NODES} nodes")
     return Nodes(len(nodes), nodes[0][0], tuple(d for count, d in nodes for _ in range(count)))
+
+
+def unknown_models(devices) -> list[str]:
+    """GPU models among `devices` that the datasheet table lacks and whose rates were not given (@TFLOPS/GBPS)."""
+    return sorted({d.model for d in devices if d.kind == "cuda" and not d.tflops and d.model not in DATASHEET})
 
 
 def achieved_rates(device: Device, dtype: str) -> tuple[float, float] | None:

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from evenrl.config import RunConfig, with_settings
 from evenrl.distributed.devices import DeviceGroup
-from evenrl.planner.cluster import achieved_rates
+from evenrl.planner.cluster import DATASHEET, achieved_rates, unknown_models
 from evenrl.planner.layout import Layout
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.memory import estimate_memory
@@ -126,3 +126,15 @@ def rule_mixed_speeds(p: Plan) -> list[Finding]:
                     f"{group_name(fg)} computes ~{fast / slow:.1f}x as fast as {group_name(sg)} in {c.model.dtype} "
                     f"(datasheets), but every rank gets the same share: the fast ones wait",
                     "parallel.capacity_weights=auto (measured on the first steps, then balanced by)")]
+
+
+def rule_unknown_models(p: Plan) -> list[Finding]:
+    """--nodes naming a GPU model without a datasheet here and without its rates (often a typo of a known one)."""
+    unknown = unknown_models(p.layout.rank_devices()) if p.layout.source == "--nodes" else []
+    if not unknown:
+        return []
+    return [Finding("warning", "unknown-gpu-model",
+                    f"--nodes names GPU model {', '.join(unknown)}, which evenrl has no datasheet for: its speed is "
+                    f"assumed (the step-time estimate's default rates), not known",
+                    f"a known model ({', '.join(DATASHEET)}), or give its rates: 8x{unknown[0]}-80@TFLOPS/GBPS")]
+

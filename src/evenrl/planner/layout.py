@@ -19,7 +19,6 @@ Pure Python: never imports torch (`evenrl plan` must not).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import subprocess
@@ -30,11 +29,11 @@ from typing import Literal
 from evenrl.distributed.devices import Device, DeviceGroup, cpu_share, device_groups, gib_text, host_memory_gib
 from evenrl.distributed.env import read_env, read_int
 from evenrl.errors import UsageError, bad
-from evenrl.planner.cluster import parse_nodes
+from evenrl.config.schema import MAX_CAPACITY_WEIGHT, MIN_CAPACITY_WEIGHT
+from evenrl.planner.cluster import MAX_WORLD, parse_nodes
 
 MAX_NODES = 100_000
 MAX_PROCS_PER_NODE = 1024
-MAX_WORLD = 131_072  # more ranks than any cluster has: a typo, refused before any arithmetic
 MAX_MEMORY_GIB = 1_000_000.0
 
 
@@ -141,8 +140,9 @@ def make_layout(nnodes: int = 1, nproc_per_node: int = 1, *, device: str = "cpu"
     weights = None
     if capacity_weights is not None:
         weights = tuple(float(w) for w in capacity_weights)
-        if not weights or not all(w > 0 and math.isfinite(w) for w in weights):
-            raise bad("--capacity-weights", capacity_weights, "need positive numbers, one per training rank")
+        if not weights or not all(MIN_CAPACITY_WEIGHT <= w <= MAX_CAPACITY_WEIGHT for w in weights):
+            raise bad("--capacity-weights", capacity_weights, f"need numbers in [{MIN_CAPACITY_WEIGHT:g}, "
+                                                              f"{MAX_CAPACITY_WEIGHT:g}], one per training rank")
     return Layout(nnodes, nproc_per_node, device, float(device_memory_gib), weights, rollout_devices, source)
 
 
@@ -238,13 +238,13 @@ def _shape_on_this_machine(ns: argparse.Namespace, env: Mapping[str, str] | None
 
 
 def has_shape_flags(ns: argparse.Namespace) -> bool:
-    return ns.nnodes is not None or ns.nproc_per_node is not None or bool(getattr(ns, "nodes", None))
+    return ns.nnodes is not None or ns.nproc_per_node is not None or getattr(ns, "nodes", None) is not None
 
 
 def apply_layout_flags(base: Layout, ns: argparse.Namespace) -> Layout:
     """--nodes replaces the shape and devices (a peer's config keeps its count of reserved rollout devices);
     --device, --device-memory-gib, --capacity-weights and --rollout-devices override single fields."""
-    if getattr(ns, "nodes", None):
+    if getattr(ns, "nodes", None) is not None:  # '' too: parse_nodes says what --nodes needs
         given = [f for f, v in (("--nnodes", ns.nnodes), ("--nproc-per-node", ns.nproc_per_node),
                                 ("--device", ns.device), ("--device-memory-gib", ns.device_memory_gib)) if v is not None]
         if given:
@@ -299,10 +299,13 @@ _gib = positive_number("GiB", "80", MAX_MEMORY_GIB)
 
 
 def _weights(text: str) -> tuple[float, ...]:
+    if text.count(",") >= MAX_WORLD:  # counted before anything is parsed
+        raise argparse.ArgumentTypeError(f"got {text.count(',') + 1} weights; need at most {MAX_WORLD}")
     try:
         ws = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; need comma-separated numbers, e.g. 1,1,2,2") from None
-    if not all(w > 0 and math.isfinite(w) for w in ws):
-        raise argparse.ArgumentTypeError(f"got {text!r}; every weight must be a positive number")
+        raise argparse.ArgumentTypeError(f"got {text[:80]!r}; need comma-separated numbers, e.g. 1,1,2,2") from None
+    if not all(MIN_CAPACITY_WEIGHT <= w <= MAX_CAPACITY_WEIGHT for w in ws):  # NaN fails both
+        raise argparse.ArgumentTypeError(f"got {text[:80]!r}; every weight must be a relative speed in "
+                                         f"[{MIN_CAPACITY_WEIGHT:g}, {MAX_CAPACITY_WEIGHT:g}]")
     return ws

@@ -24,6 +24,11 @@ def rule_lora(p: Plan) -> list[Finding]:
                            "final/merged/, but model.lora.rank is 0: final/ is the whole trained model already",
                            "log.save_merged=false, or model.lora.rank=16"))
     if not lora.rank:
+        given = sorted(lora.model_fields_set & {"alpha", "dropout", "target_modules"})
+        if given:
+            out.append(Finding("warning", "lora-off", f"model.lora.{', model.lora.'.join(given)} set, but "
+                               "model.lora.rank is 0: LoRA is off, so these do nothing (every weight trains)",
+                               "model.lora.rank=16 to train adapters; or drop them"))
         return out
     if lora.dropout > 0:
         out.append(Finding("warning", "lora-dropout",

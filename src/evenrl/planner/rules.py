@@ -17,7 +17,7 @@ from evenrl.config import RunConfig
 from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError
 from evenrl.models.files import LEAN_ARCHS, check_tokenizer_files, check_weights, no_config_fix, read_model_config
-from evenrl.planner.groups import rule_group_memory, rule_mixed_speeds
+from evenrl.planner.groups import rule_group_memory, rule_mixed_speeds, rule_unknown_models
 from evenrl.planner.lora import rule_lora
 from evenrl.planner.memory import PHASES, RESIDENT
 from evenrl.planner.rewards import rule_reward_models, rule_rewards
@@ -447,4 +447,4 @@ def rule_trackers(p: Plan) -> list[Finding]:
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_reward_models, rule_groups,
          rule_algorithms, rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory,
          rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_vision, rule_lora, rule_trackers,
-         rule_env, rule_trajectory_cap]
+         rule_env, rule_trajectory_cap, rule_unknown_models]

@@ -37,7 +37,7 @@ def test_the_corpus_is_real_and_large_enough():
     assert {f[1] for f in FILES} == {"verl", "easyr1", "openrlhf", "trl"}
     for name, _, repo, path, commit in FILES:
         assert (CORPUS / name).is_file() and len(commit) == 40 and "/" in repo and path, name
-        assert (CORPUS / name).stat().st_size < 8000  # small files only
+        assert (CORPUS / name).stat().st_size < 16000  # small files only
 
 
 @pytest.mark.parametrize("name,framework", [(f[0], f[1]) for f in FILES], ids=[f[0][:48] for f in FILES])
@@ -173,3 +173,33 @@ def test_every_enumerated_peer_value_is_mapped_or_noted():
                 mapped = to in t.settings and t.source.get(to) == key
                 noted = any(key in n and str(value) in n for n in t.notes)
                 assert mapped or noted, (peer, key, value, t.notes)
+
+
+def test_verl_gspo_example_keeps_its_tiny_clip_and_aggregation():
+    """verl's GSPO example: loss_mode=gspo with the paper's clip 3e-4/4e-4 and seq-mean-token-mean, KL off, the
+    overlong buffer off (its +reward_model.reward_kwargs keys are the reward manager's, added with +)."""
+    _, t, cfg, _ = plan_file("verl__examples__gspo_trainer__test_gspo_3b_math.sh", "verl")
+    assert (cfg.algo.policy_loss, cfg.algo.clip_low, cfg.algo.clip_high) == ("gspo", 0.0003, 0.0004)
+    assert cfg.algo.loss_aggregation == "seq-mean-token-mean" and cfg.algo.kl_coef == 0
+    assert cfg.rollout.samples_per_prompt == 16 and cfg.rewards.overlong_buffer == 0
+    assert not one(t, "unknown")  # the + keys are named as added, not as typos
+
+
+def test_verl_rollout_correction_with_two_rejection_criteria():
+    """rollout_rs="token_k1,seq_max_k2" with thresholds "0.6_1.6,2.5": evenrl masks tokens whose ratio leaves
+    [0.6, 1.6] (token_k1, the first criterion it has) and names seq_max_k2, which it does not apply."""
+    _, t, cfg, _ = plan_file("verl__examples__rollout_correction__run_with_rollout_corr_multi_rs.sh", "verl")
+    assert (cfg.algo.importance_correction, cfg.algo.importance_mode, cfg.algo.importance_level) == \
+        ("all", "mask", "token")
+    assert (cfg.algo.importance_floor, cfg.algo.importance_cap) == (0.6, 1.6)
+    assert any("seq_max_k2" in n and "no evenrl equivalent" in n for n in t.notes)
+
+
+def test_verl_sapo_script_branches_and_pattern_substitution():
+    """A Slurm script that picks its config by if/else on its own variables and builds the critic's keys with
+    ${VAR//actor/critic}: the fsdp branch is taken and said so; SAPO has no evenrl equivalent and is named."""
+    _, t, cfg, _ = plan_file("verl__examples__sapo_trainer__run_qwen30b_sapo.sh", "verl")
+    assert any("passed over the branch of `if fsdp == megatron`" in n for n in t.notes)
+    assert any("loss_mode=sapo" in n and "PPO-clip" in n for n in t.notes) and cfg.algo.policy_loss == "ppo"
+    assert cfg.parallel.sequence_parallel_size == 4 and cfg.rollout.samples_per_prompt == 16
+    assert "trainer.n_gpus_per_node" in {k["key"] for k in t.keys if "unresolved" in k["why"]}  # $SLURM_GPUS_PER_NODE

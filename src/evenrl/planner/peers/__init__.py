@@ -68,7 +68,8 @@ def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> 
     dotted = {flat: own for own, flat in tables.table(framework).get("aliases", {}).items()} \
         if version == tables.table(framework).get("dotted_version") else {}
     t.notes = _spell_as_the_file(t.notes, {**dotted, **spelled})
-    t.keys = tables.account(framework, version, {**flat, **unresolved}, spelled, t, src.reads, unresolved)
+    t.keys = tables.account(framework, version, {**flat, **unresolved}, spelled, t, src.reads, unresolved,
+                            loaded.added)
     try:
         cfg = with_settings(RunConfig(), t.settings)
     except ValidationError as e:

@@ -27,6 +27,7 @@ class Loaded:
     launch: Launch | None = None  # a launch script's command and layout
     unresolved: dict[str, str] = field(default_factory=dict)  # key -> its value that needs the caller's variables
     base: str = ""  # the base config the settings were layered on, as the file names it (verl's --config-name)
+    added: set[str] = field(default_factory=set)  # keys given with Hydra's + (new to the peer's own config)
 
 
 def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
@@ -36,18 +37,18 @@ def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
     notes = ([f"read the launch script's command `{launch.program}` (not run)"] if launch.program else []) \
         + launch.notes
     if framework in ("verl", "easyr1"):
-        data, more, unresolved, base = _hydra_args(framework, path, args)
+        data, more, unresolved, base, added = _hydra_args(framework, path, args)
     else:
         data, unresolved = parse_tokens(args), {}
         for key, value in list(data.items()):
             if isinstance(value, str) and "$" in value:
                 unresolved[key.replace("-", "_")] = value
                 del data[key]
-        more, base = _trl_base(path, data) if framework == "trl" else [], ""
+        more, base, added = _trl_base(path, data) if framework == "trl" else [], "", set()
     if not data and not launch.program:
         raise UsageError(f"{path}: no {name} settings found (no trainer command, no flags); expected "
                          f"the {name} config or its launch script")
-    return Loaded(data, notes + more, launch, unresolved, base)
+    return Loaded(data, notes + more, launch, unresolved, base, added)
 
 
 def bare_tokens(text: str) -> list[str]:
@@ -57,13 +58,13 @@ def bare_tokens(text: str) -> list[str]:
         raise UsageError(f"a line of the file cannot be read as arguments ({e}); fix the quoting") from None
 
 
-def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list[str], dict[str, str], str]:
+def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list[str], dict[str, str], str, set]:
     """verl/EasyR1 `key=value` arguments, layered on the base config they name: (settings, notes, unresolved,
-    base config name)."""
+    base config name, the keys added with a leading +)."""
     data: dict = {}
     notes: list[str] = []
     unresolved: dict[str, str] = {}
-    overrides, base, i = [], "", 0
+    overrides, base, i, added = [], "", 0, set()
     while i < len(args):
         arg, i = args[i], i + 1
         key, eq, value = arg.partition("=")
@@ -78,7 +79,9 @@ def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list
         if key.startswith("~"):
             notes.append(f"{arg}: deletes a key of the base config; the peer's default stands in for it")
             continue
-        key = key.lstrip("+")
+        if key.startswith("+"):
+            key = key.lstrip("+")
+            added.add(key)
         if "$" in value:
             unresolved[key] = value
             continue
@@ -94,7 +97,7 @@ def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list
                      "seen here, verl's defaults stand in for them")
     if framework == "easyr1" and not any(o.startswith("config=") for o in args):
         notes.append("no config=FILE: overrides layered on EasyR1's own defaults")
-    return apply_overrides(data, overrides), notes, unresolved, base
+    return apply_overrides(data, overrides), notes, unresolved, base, added
 
 
 def _easyr1_base(path: Path, name: str, notes: list[str]) -> dict:

@@ -57,6 +57,7 @@ class Translation:
     keys: list[dict] = field(default_factory=list)  # every key of the file, accounted for (peers.tables.account)
     base: str = ""  # the base config the file's settings were layered on, as the file names it
     paths: dict[str, str] = field(default_factory=dict)  # model.path / data.path as the user gave them
+    unused: dict[str, str] = field(default_factory=dict)  # peer key -> why its mapping does not apply here
 
     def set(self, key: str, value: Any, src: str) -> None:
         self.settings[key] = value

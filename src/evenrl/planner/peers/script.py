@@ -66,6 +66,26 @@ def read_script(text: str) -> Launch:
 
 # ------------------------------------------------------------------------------------------ lines
 
+def _edited(value: str, op: str, arg: str) -> str:
+    """${v//pat/rep}, ${v/pat/rep}, ${v#pat}, ${v##pat}, ${v%pat}, ${v%%pat}, with glob patterns as bash's."""
+    if op in ("//", "/"):
+        pat, _, rep = arg.partition("/")
+        rx = _glob(pat)
+        return rx.sub(rep.replace("\\", "\\\\"), value, count=0 if op == "//" else 1) if pat else value
+    shortest = op in ("#", "%")
+    ends = range(len(value) + 1) if shortest else range(len(value), -1, -1)
+    rx = _glob(arg)
+    for n in ends:
+        piece = value[:n] if op.startswith("#") else value[len(value) - n:]
+        if rx.fullmatch(piece):
+            return value[n:] if op.startswith("#") else value[:len(value) - n]
+    return value
+
+
+def _glob(pattern: str) -> re.Pattern:
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern), re.S)
+
+
 def _logical_lines(text: str, state: _State):
     """Lines with continuations joined, comments removed, multi-line quotes, arrays and heredocs whole."""
     text = re.sub(r"\\[ \t]*\r?\n", "", text)
@@ -308,6 +328,9 @@ class _State:
         return self._lookup(m.group(0), empty_unset), i + 1 + m.end()
 
     def _braced(self, body: str, empty_unset: bool) -> str:
+        edit = re.match(r"([A-Za-z_]\w*)(//|/|##|#|%%|%)(.*)$", body, re.S)
+        if edit and edit.group(1) in self.vars:
+            return _edited(self._lookup(edit.group(1), empty_unset), edit.group(2), self.expand(edit.group(3)))
         m = re.match(r"(#?)([A-Za-z_]\w*|[0-9]+|[@*])(\[[^\]]*\])?(?:(:?[-=+?])(.*))?$", body, re.S)
         if not m:
             return "${" + body + "}"

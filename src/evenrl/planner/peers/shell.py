@@ -46,7 +46,7 @@ def open_quote(s: str) -> bool:
     last = ""
     for _, c, q in scan(s):
         last = q
-    return bool(last) and not s.endswith(last)
+    return bool(last)  # the quote the last character sits in (an opening quote counts; a closing one not)
 
 
 def balanced_parens(s: str) -> bool:
@@ -122,15 +122,18 @@ def statements(toks: list[str]):
 def condition(toks: list[str], word: str = "if") -> tuple[bool, str]:
     """An if condition from the script's own values: (taken, a note when it could not be decided)."""
     toks = [t for t in toks if t not in ("then", "[", "]", "[[", "]]", "test")]
-    text = " ".join(toks)
+    text = " ".join(t if t else '""' for t in toks)
     result: bool | None = None
     joiner, part = "", []
     for t in toks + ["&&"]:
         if t in ("&&", "||"):
+            if result is not None and result == (joiner == "||"):
+                joiner, part = t, []  # decided already, as bash's && and || stop early
+                continue
             value = _test(part)
             if value is None:
                 return True, f"could not decide `{word} {text}` from the script's values; took that branch"
-            result = value if result is None else (result and value if joiner == "&&" else result or value)
+            result = value
             joiner, part = t, []
         else:
             part.append(t)

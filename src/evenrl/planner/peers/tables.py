@@ -119,9 +119,11 @@ def apply_maps(peer: str, version: str, src, t) -> None:
         field = spec["to"]
         if field in t.settings:
             continue
-        if "when" in spec and not _truthy(src.raw(spec["when"])):
-            continue
-        if "when_not" in spec and _truthy(src.raw(spec["when_not"])):
+        off = ("when" in spec and not _truthy(src.raw(spec["when"]))) or \
+            ("when_not" in spec and _truthy(src.raw(spec["when_not"])))
+        if off:
+            cond = spec.get("when") or spec["when_not"]
+            t.unused[key] = f"unused: {peer} reads it only when {cond} is {'on' if 'when' in spec else 'off'}"
             continue
         present = src.has(key)
         value = src.raw(key) if present else (spec.get("default") or {}).get(version)
@@ -130,15 +132,8 @@ def apply_maps(peer: str, version: str, src, t) -> None:
         shown = f"{key}={_text(value)}" + ("" if present else f" ({version_name(peer, version)}'s default)")
         targets: dict[str, Any] = {}
         if "values" in spec or "notes" in spec:
-            v = _text(value)
-            if v in spec.get("notes", {}):
-                t.notes.append(f"{shown}: {spec['notes'][v]}")
-                if v not in spec.get("values", {}):
-                    continue
-            elif v not in spec.get("values", {}):
-                allowed = ", ".join(list(spec.get("values", {})) + list(spec.get("notes", {})))
-                t.notes.append(f"{shown}: not a value {peer} has ({allowed}); evenrl keeps its default "
-                               f"{field}")
+            v = _enumerated(peer, spec, key, _text(value), shown, t)
+            if v is None:
                 continue
             targets[field] = spec["values"][v]
             for extra, to in (("level", "algo.importance_level"), ("policy", "algo.policy_loss")):
@@ -164,6 +159,31 @@ def apply_maps(peer: str, version: str, src, t) -> None:
             t.notes.append(f"{shown}: {spec['note']}")
 
 
+def _enumerated(peer: str, spec: dict, key: str, text: str, shown: str, t) -> str | None:
+    """The value of an enumeration evenrl maps (a `multi` list: the first such), each other value a note."""
+    parts = [p.strip().strip("'\"") for p in text.split(spec["multi"])] if "multi" in spec else [text]
+    chosen = None
+    for v in parts:
+        where = f"{key}={v}" if len(parts) > 1 else shown
+        if v in spec.get("notes", {}):
+            t.notes.append(f"{where}: {spec['notes'][v]}")
+        if v in spec.get("values", {}) and chosen is None:
+            chosen = v
+        elif v in spec.get("values", {}):
+            t.notes.append(f"{where}: evenrl applies one of the listed criteria, {chosen}; not this one too")
+        elif v not in spec.get("notes", {}):
+            allowed = ", ".join(list(spec.get("values", {})) + list(spec.get("notes", {})))
+            t.notes.append(f"{where}: not a value {peer} has ({allowed}); evenrl keeps its default {spec['to']}")
+    return chosen
+
+
+def first_mapped(peer: str, key: str, value: Any) -> int | None:
+    """Which item of a `multi` enumeration (e.g. verl's rollout_rs="token_k1,seq_max_k2") evenrl applies."""
+    spec = table(peer)["map"][key]
+    parts = [p.strip().strip("'\"") for p in _text(value).split(spec.get("multi", "\0"))]
+    return next((i for i, v in enumerate(parts) if v in spec.get("values", {})), None)
+
+
 def _truthy(v: Any) -> bool:
     return v not in (None, False, 0, "", "false", "False", "0", "none", "None", "null")
 
@@ -176,7 +196,7 @@ def _reason(rules: dict[str, str], key: str) -> str | None:
 
 
 def account(peer: str, version: str, user: dict[str, Any], spelled: dict[str, str], t, reads: set[str],
-            unresolved: dict[str, str]) -> list[dict]:
+            unresolved: dict[str, str], added: set[str] = frozenset()) -> list[dict]:
     """Every key of the user's file, in one place each: {key, value, status, evenrl, why}."""
     tab = table(peer)
     mapped: dict[str, list[str]] = {}
@@ -193,6 +213,8 @@ def account(peer: str, version: str, user: dict[str, Any], spelled: dict[str, st
             row.update(status="no_equivalent", why=f"unresolved: {unresolved[name]}")
         elif fields:
             row.update(status="mapped", evenrl=[f"{f}={_text(t.settings[f])}" for f in fields])
+        elif name in t.unused and name not in reads:
+            row.update(status="not_applicable", why=t.unused[name])
         elif (why := _reason(tab.get("not_applicable", {}), name) or _reason(tab.get("not_applicable", {}), key)):
             if why.startswith("read") and name not in reads:
                 why = f"unused with this file's other settings ({why})"
@@ -205,6 +227,9 @@ def account(peer: str, version: str, user: dict[str, Any], spelled: dict[str, st
             row.update(status="no_equivalent", why=why)
         elif name in known or key in known or _prefix_known(name, known):
             row.update(status="no_equivalent", why="a setting evenrl does not model")
+        elif name in added or any(name.startswith(a + ".") for a in added):
+            row.update(status="no_equivalent", why=f"added with + (not in {version_name(peer, version)}'s own "
+                                                    "config: read by the run's own code, e.g. its reward)")
         else:
             row.update(status="unknown", why=f"not a key of {version_label(peer, version)} (a typo?)")
         rows.append(row)

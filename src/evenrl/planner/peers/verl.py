@@ -18,6 +18,7 @@ import argparse
 import math
 
 from evenrl.errors import UsageError
+from evenrl.planner.peers.tables import first_mapped
 
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_critic, set_data, set_dynamic_sampling, set_kl,
@@ -108,10 +109,11 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                              "algorithm.filter_groups.enable", "algorithm.filter_groups.max_num_gen_batches",
                              f"algorithm.filter_groups.metric={metric}: evenrl filters on the summed reward; verl "
                              "samples data.gen_batch_size prompts a round, evenrl the prompts still missing")
-    if src.bool("reward_model.overlong_buffer.enable", False):
-        set_overlong(t, src.int("reward_model.overlong_buffer.len", 0, lo=0),
-                     src.float("reward_model.overlong_buffer.penalty_factor", 1.0),
-                     ("reward_model.overlong_buffer.len", "reward_model.overlong_buffer.penalty_factor"))
+    ob = "reward_model.overlong_buffer."  # DAPO's recipe; current examples pass it to the reward manager
+    ob = ob if src.has(ob + "enable") else "reward_model.reward_kwargs.overlong_buffer_cfg."
+    if src.bool(ob + "enable", False):
+        set_overlong(t, src.int(ob + "len", 0, lo=0), src.float(ob + "penalty_factor", 1.0),
+                     (ob + "len", ob + "penalty_factor"))
     if not src.bool("algorithm.norm_adv_by_std_in_grpo", True):
         t.set("algo.std_scale", "none", "algorithm.norm_adv_by_std_in_grpo")
     set_model(t, src.str("actor_rollout_ref.model.path"), "actor_rollout_ref.model.path")
@@ -211,9 +213,9 @@ def _importance(src: Source, t: Translation) -> None:
     if cap <= 0 and src.bool("algorithm.rollout_is", False) and src.has("algorithm.rollout_is_threshold"):
         key = "algorithm.rollout_is_threshold"
         cap = src.float(key, 2.0)
-    elif cap <= 0 and src.has(c + "rollout_rs"):
-        key = c + "rollout_rs_threshold"
-        floor, cap = _bounds(src, key)
+    elif cap <= 0 and first_mapped("verl", c + "rollout_rs", src.raw(c + "rollout_rs")) is not None:
+        key = c + "rollout_rs_threshold"  # one threshold per rollout_rs criterion, comma-separated
+        floor, cap = _bounds(src, key, first_mapped("verl", c + "rollout_rs", src.raw(c + "rollout_rs")))
         if src.has(c + "rollout_is"):
             t.notes.append(f"{c}rollout_is with rollout_rs: verl truncates the weights and masks by rollout_rs; "
                            "evenrl does one of the two: it masks")
@@ -228,10 +230,11 @@ def _importance(src: Source, t: Translation) -> None:
         t.set("algo.importance_floor", floor, key)
 
 
-def _bounds(src: Source, key: str) -> tuple[float, float]:
-    """rollout_rs_threshold: one number (the upper bound) or "lower_upper" (both), as verl parses it."""
+def _bounds(src: Source, key: str, index: int) -> tuple[float, float]:
+    """The index-th criterion's rollout_rs_threshold: one number (the upper bound) or "lower_upper" (both)."""
     raw = src.raw(key, 2.0)
-    parts = [p for p in str(raw).replace(",", "_").split("_") if p]
+    spec = str(raw).strip("'\"").split(",")
+    parts = [p for p in spec[min(index, len(spec) - 1)].strip().strip("'\"").split("_") if p]
     try:
         values = [float(p) for p in parts]
     except ValueError:

@@ -148,6 +148,26 @@ class RolloutConfig(Section):
         description="rollout.engine=vllm only: vLLM's tensor_parallel_size, one engine over this many devices "
                     "(verl/EasyR1 rollout.tensor_model_parallel_size); evenrl plan shows devices per engine and "
                     "engines per node. 1: one engine per device.")
+    agent: str = Field(
+        "", description="Agent rollouts: an async function 'package.module:function', called as `await "
+                        "function(row, base_url=..., model=..., api_key=...)` in the reward workers with an "
+                        "OpenAI-compatible endpoint evenrl serves on 127.0.0.1 from the rollout engine; it makes any "
+                        "number of chat.completions / completions calls and returns its reward (a number, or null to "
+                        "have rewards.functions score the last reply). Its calls become trajectories by token prefix, "
+                        "only sampled tokens trained (docs/agents.md). Empty: no agent.")
+    agent_timeout_s: float = Field(
+        60.0, gt=0.0, le=86400.0,
+        description="With agent: wall-clock seconds one agent call (a whole trajectory) may take; past it the "
+                    "trajectory fails (rewards.on_failure).")
+    agent_max_calls: int = Field(
+        16, ge=1, le=1000,
+        description="With agent: most endpoint calls one trajectory may make; a call past it is answered 429 and "
+                    "the trajectory fails (rewards.on_failure).")
+    agent_history: Literal["split", "refuse"] = Field(
+        "split", description="With agent: a call whose prompt does not extend an earlier call's prompt and reply "
+                             "(the agent edited history, or the template rewrote it). split: it starts another "
+                             "sample of the same group, with the trajectory's reward; refuse: the trajectory fails "
+                             "(rewards.on_failure). Counted in agent/history_breaks either way.")
     memory_fraction: float = Field(
         0.0, ge=0.0, lt=1.0,
         description="vllm: the engine's memory share: gpu_memory_utilization on GPU (0: 0.3), on CPU this share of "
@@ -471,7 +491,7 @@ class RunConfig(Section):
 
     def response_tokens(self) -> int:
         """Most tokens a sample holds after its prompt: one completion, or with rollout.env a whole trajectory."""
-        return self.rollout.max_trajectory_tokens if self.rollout.env else self.rollout.max_new_tokens
+        return self.rollout.max_trajectory_tokens if self.multi_turn() else self.rollout.max_new_tokens
 
     def sample_tokens(self) -> int:
         """Most tokens one sample holds, its prompt included: what a worst-case sample costs in memory and balance."""
@@ -480,4 +500,10 @@ class RunConfig(Section):
     def sampled_tokens(self) -> int:
         """Most tokens the engine samples for one sample: one completion, or with rollout.env all its turns."""
         r = self.rollout
+        if r.agent:
+            return min(r.agent_max_calls * r.max_new_tokens, r.max_trajectory_tokens)
         return min(r.max_turns * r.max_new_tokens, r.max_trajectory_tokens) if r.env else r.max_new_tokens
+
+    def multi_turn(self) -> bool:
+        """Samples are trajectories (rollout.env or rollout.agent): capped by rollout.max_trajectory_tokens."""
+        return bool(self.rollout.env or self.rollout.agent)

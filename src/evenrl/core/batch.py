@@ -67,6 +67,10 @@ COLUMNS: dict[str, Column] = {
     "turns": Column("sample", torch.long, "rollout.env: the trajectory's assistant turns"),
     "tool_calls": Column("sample", torch.long, "rollout.env: tool calls the trajectory made"),
     "tool_errors": Column("sample", torch.long, "rollout.env: of those, the ones that could not be read or run"),
+    "segment": Column("sample", torch.long, "rollout.agent: which sample of its trajectory this is (0: the first; "
+                                            "k: the k-th split off where a call did not extend the conversation)"),
+    "history_breaks": Column("sample", torch.long, "rollout.agent: on a trajectory's first sample, how many samples "
+                                                   "were split off it (0 elsewhere)"),
     "version": Column("sample", torch.long, "the policy version that sampled: the weights after this many steps "
                                             "(rollout.max_staleness)"),
     "old_logp": Column("token", torch.float32, "response log-probs under the policy at the start of the step (the PPO "

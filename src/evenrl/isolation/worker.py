@@ -26,6 +26,9 @@ CALL_OUTPUT_CHARS = 16_384
 WORKER_PROCESSES = 512
 # The memory cap is RLIMIT_DATA, not RLIMIT_AS: see docs/rewards.md.
 _MEMORY_RLIMIT = resource.RLIMIT_DATA
+# How this worker's network is denied: "namespace" (namespaces of its own: only a loopback device) or "audit-hook";
+# evenrl.isolation.loopback reads it.
+NETWORK = ""
 # After a limit fires, it fires again this often until the call has ended (a handler or an at-fork hook that
 # swallowed the first one does not swallow them all).
 _REPEAT_S = 0.05
@@ -111,8 +114,8 @@ def _deny_network() -> str:
 def worker_main(conn, own_namespace: bool) -> None:
     """Worker loop: receive (pickled fns, jobs, limits); reply "loaded", then one (job_id, kind, value) per job.
     own_namespace: started in new PID and network namespaces of its own (the pool's `unshare`, or the sandbox)."""
-    if not own_namespace:
-        _deny_network()  # first: CLONE_NEWUSER needs a process with one thread
+    global NETWORK
+    NETWORK = "namespace" if own_namespace else _deny_network()  # first: CLONE_NEWUSER needs one thread
     _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     resource.setrlimit(resource.RLIMIT_NPROC, (min(WORKER_PROCESSES, hard), hard))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the trainer, which kills us

@@ -99,6 +99,12 @@ def trajectory_metrics(everyone: Batch) -> dict:
     out = {"rollout/turns_mean": float(everyone["turns"].sum()) / n,
            "response/sampled_length_mean": float(everyone["sampled_len"].sum()) / n,
            "tools/calls_per_trajectory": calls / n}
+    if "segment" in everyone:  # rollout.agent: calls that extended their sample, and the samples split off
+        splits = int((everyone["segment"] > 0).sum())
+        out.update({"agent/calls_per_trajectory": float(everyone["turns"].sum()) / max(n - splits, 1),
+                    "agent/chained_calls": int(everyone["turns"].sum()) - n,
+                    "agent/history_breaks": int(everyone["history_breaks"].sum()),
+                    "agent/split_samples": splits})
     if calls:
         out["tools/success_rate"] = (calls - errors) / calls
     return out

@@ -25,12 +25,13 @@ from evenrl.models.vision import prompt_image_inputs
 from evenrl.train import checkpoint
 from evenrl.train.data import PromptSampler
 from evenrl.train.trainer import Prompts, load_prompt_set, vision_setup
+from evenrl.train.agents import Agents, make_turns
 from evenrl.train.trajectories import Turns
 
 
 def serve(cfg: RunConfig, info, found: Path | None) -> None:
     """Generate every step's samples of this replica, from step 1 or after checkpoint `found`."""
-    turns = Turns(cfg) if cfg.rollout.env else None  # checks the chat template before any weights load
+    turns = make_turns(cfg)  # checks the chat template before any weights load
     # one whole copy in the engine's dtype: the hf engine samples from it, and it gives the push its layout
     model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
     if cfg.model.lora.rank:  # the trainers' adapters, overwritten by every push; the base is the trainers' already
@@ -56,7 +57,7 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
 
 
 def generate_and_send(cfg: RunConfig, engine: Engine, prompts: Prompts, step: int, prompt_ids: list[int],
-                      turns: Turns | None, processor=None) -> None:
+                      turns: Turns | Agents | None, processor=None) -> None:
     """One step, with the weights of policy_version(step) loaded: this replica's share of the samples, the step's
     prompts balanced over the replicas by cost, sent to the trainers without waiting for them (each trainer gets
     the samples it starts from, as in a colocated step). A sample's key is what it is on any layout, so the samples

@@ -49,7 +49,8 @@ def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, dict[str, 
         parts.append(part)
         if len(kept) >= want or rounds >= algo.max_generation_rounds:
             break
-    local = renumber_groups(Batch.concat(parts), kept, trainer.cfg.rollout.samples_per_prompt)
+    local = renumber_groups(Batch.concat(parts), kept, trainer.cfg.rollout.samples_per_prompt,
+                            index_stride(trainer.cfg))
     return local, failures, {"sampling/rounds": rounds, "sampling/groups_drawn": drawn,
                              "sampling/kept_fraction": len(kept) / max(drawn, 1),
                              "sampling/groups_short": want - len(kept), **errors}
@@ -75,14 +76,20 @@ def informative_groups(part: Batch) -> tuple[Batch, list[int]]:
     return part.select([i for i, g in enumerate(part["group"].tolist()) if g in informative]), sorted(informative)
 
 
-def renumber_groups(local: Batch, kept: list[int], n: int) -> Batch:
+def renumber_groups(local: Batch, kept: list[int], n: int, stride: int = 1) -> Batch:
     """This rank's rows with the kept groups (`kept`: their positions in the step, over all ranks, ascending)
     numbered 0..K-1, samples as group x n + sample: the all-ranks view is indexed by sample_index, so it must run
     without gaps, and every rank must number the same group alike."""
     new = {g: i for i, g in enumerate(kept)}
     local["group"] = torch.tensor([new[g] for g in local["group"].tolist()], dtype=torch.long)
-    local["sample_index"] = local["group"] * n + local["sample_index"] % n
+    local["sample_index"] = local["group"] * n * stride + local["sample_index"] % (n * stride)
     return local
+
+
+def index_stride(cfg) -> int:
+    """Sample indices per (prompt, sample): 1, or with rollout.agent room for the samples a trajectory is split into
+    (at most one per call). Indices are then sparse until step.gather_rows numbers the step's rows 0..N-1."""
+    return cfg.rollout.agent_max_calls if cfg.rollout.agent else 1
 
 
 def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) -> Batch:
@@ -116,13 +123,15 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
         trainer.engine.sleep()  # vLLM on GPU: its KV cache is freed while the trainer needs the memory
     tokens, resp_len, index, group, row_ids, texts, finished, engine_lp = [], [], [], [], [], [], [], []
     image_rows = []  # per sample, its prompt's ImageInputs (None: a text prompt)
+    stride = index_stride(cfg)
+    completions = [[part for c in samples for part in (c, *getattr(c, "splits", ()))] for samples in completions]
     for i, ((p, _, _), samples) in enumerate(zip(mine, completions)):
-        prompt = trainer.prompts.tokens[prompt_ids[p]]
         image_rows += [images[i] if images is not None else None] * len(samples)
         for c in samples:
+            prompt = trainer.prompts.tokens[prompt_ids[p]] if getattr(c, "prompt_ids", None) is None else c.prompt_ids
             tokens.append(torch.tensor(prompt + c.token_ids, dtype=torch.long))
             resp_len.append(len(c.token_ids))
-            index.append((first + p) * n + c.sample_index)
+            index.append(((first + p) * n + c.sample_index) * stride + getattr(c, "segment", 0))
             group.append(first + p)
             row_ids.append(prompt_ids[p])
             # a trajectory's text keeps its turn markers (samples.jsonl shows the whole conversation)

@@ -146,14 +146,20 @@ def gather_rows(local: Batch, failures: dict[str, int] | None = None) -> tuple[B
     cols = ["sample_index", "group", "reward", "reward_failed", "response_len", "finished", "version"]
     mine = {c: local[c] for c in cols}
     mine["total_len"] = local["tokens"].lengths
-    for c in ("kl_sum", "token_mean", "token_m2", "vision_tokens", "sampled_len", "turns", "tool_calls", "tool_errors"):
+    for c in ("kl_sum", "token_mean", "token_m2", "vision_tokens", "sampled_len", "turns", "tool_calls", "tool_errors",
+              "segment", "history_breaks"):
         if c in local:
             mine[c] = local[c]
     parts = dist.all_gather_tensors({**{k: v.cpu() for k, v in mine.items()},
                                      "failures": torch.tensor([failures[n] for n in names], dtype=torch.long)})
     total = sum(p.pop("failures") for p in parts)
     merged = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    return Batch(merged).select(torch.argsort(merged["sample_index"])), dict(zip(names, total.tolist()))
+    everyone = Batch(merged).select(torch.argsort(merged["sample_index"]))
+    # rollout.agent's indices leave room for split trajectories: number the step's rows 0..N-1 in their order
+    # (a no-op for dense indices), here and in `local`, so that an index is a row of `everyone` from now on
+    local["sample_index"] = torch.searchsorted(everyone["sample_index"], local["sample_index"])
+    everyone["sample_index"] = torch.arange(len(everyone["sample_index"]), dtype=torch.long)
+    return everyone, dict(zip(names, total.tolist()))
 
 
 def add_advantages(trainer: Trainer, local: Batch, everyone: Batch) -> dict:

@@ -31,6 +31,7 @@ from evenrl.train import checkpoint
 from evenrl.train.balance import Balance
 from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.reward_models import Scorer, load_scorers
+from evenrl.train.agents import Agents, make_turns
 from evenrl.train.trajectories import Turns
 from evenrl.train.update import prepare_model
 
@@ -76,7 +77,7 @@ class Trainer:
     vision_weight: float = 0.0  # a patch through its vision encoder, in language-model tokens (vision_token_weight)
     scorers: list[Scorer] = field(default_factory=list)  # reward models and judges (train.reward_models)
     balance: Balance = field(default_factory=Balance)  # token caps and capacity weights (mixed devices)
-    turns: Turns | None = None  # rollout.env: the multi-turn loop (evenrl.train.trajectories)
+    turns: Turns | Agents | None = None  # rollout.env or rollout.agent: the trajectory loop (trajectories, agents)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -137,7 +138,7 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
     `balance`: the token caps and capacity weights of the plan (evenrl.train.balance.make_balance; None: the
     config's one cap, equal weights)."""
     torch.manual_seed(cfg.train.seed)
-    turns = Turns(cfg) if cfg.rollout.env else None  # checks the chat template before any weights load
+    turns = make_turns(cfg)  # checks the chat template before any weights load
     model, tokenizer = trainable_model(cfg, cfg.model.path, info)
     critic = None
     if cfg.algo.advantage == "gae":  # built like the policy: whatever is applied to one applies to the other
@@ -186,7 +187,7 @@ def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:
     return processor, vision_token_weight(text.layers, text.layer_params, vision_dims_from_config(hf))
 
 
-def load_prompt_set(cfg: RunConfig, tokenizer, turns: Turns | None, path: str | None = None,
+def load_prompt_set(cfg: RunConfig, tokenizer, turns: Turns | Agents | None, path: str | None = None,
                     vision=None) -> tuple[Prompts, int]:
     """The prompts of data.path (or `path`) and how many were skipped as too long: with rollout.env, the
     environment's openings rendered by the chat template; `vision`: (image processor, model config) of a

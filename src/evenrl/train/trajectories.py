@@ -44,6 +44,13 @@ class Trajectory(Completion):
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    # rollout.agent (evenrl.train.agents): the sample's own prompt (None: the dataset prompt's tokens), the samples a
+    # trajectory was split into after its first (calls that did not extend it), which of them this is, and on the
+    # first how many splits there were
+    prompt_ids: list[int] | None = None
+    splits: list[Trajectory] = field(default_factory=list)
+    segment: int = 0
+    history_breaks: int = 0
 
 
 @dataclass
@@ -198,6 +205,8 @@ def trajectory_columns(samples: list[Trajectory]) -> dict:
         "turns": torch.tensor([t.turns for t in samples], dtype=torch.long),
         "tool_calls": torch.tensor([t.tool_calls for t in samples], dtype=torch.long),
         "tool_errors": torch.tensor([t.tool_errors for t in samples], dtype=torch.long),
+        "segment": torch.tensor([t.segment for t in samples], dtype=torch.long),
+        "history_breaks": torch.tensor([t.history_breaks for t in samples], dtype=torch.long),
     }
 
 

@@ -1,0 +1,91 @@
+"""rollout.agent's user function, run in a reward worker (evenrl.isolation.pool: time, CPU, memory and output caps,
+no network): several trajectories' agents at once on one event loop, each reaching only the endpoint, each under
+its own time limit. `agent_problem` checks a spec without importing user code (`evenrl plan`).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import math
+import numbers
+import sys
+from pathlib import Path
+
+from evenrl.errors import describe_error
+from evenrl.isolation.loopback import open_endpoint
+from evenrl.rewards.registry import load_named
+
+ALLOWED = "'package.module:function', an async function (row, *, base_url, model, api_key) -> float | None"
+
+
+def load_agent(spec: str):
+    """The async function rollout.agent names (imported: in a worker, or by the trainer's check)."""
+    fn = load_named("rollout.agent", spec, ALLOWED)
+    if not inspect.iscoroutinefunction(fn):
+        what = "nothing" if fn is None else f"a {type(fn).__name__}, not an async function"
+        raise TypeError(f"rollout.agent {spec}: names {what}; expected {ALLOWED}")
+    return fn
+
+
+def run_agents(spec: str, socket_path: str, items: list[tuple[str, dict]], model: str,
+               timeout_s: float) -> list[tuple[str, object]]:
+    """(In a worker) the agent on each (trajectory token, row), concurrently: per item ("ok", reward or None) or
+    (failure kind, one-line message). Each agent gets base_url http://127.0.0.1:PORT/t/TOKEN/v1, its own."""
+    port = open_endpoint(socket_path)
+    fn = load_agent(spec)
+
+    async def one(token: str, row: dict) -> tuple[str, object]:
+        try:
+            value = await asyncio.wait_for(
+                fn(dict(row), base_url=f"http://127.0.0.1:{port}/t/{token}/v1", model=model, api_key=token),
+                timeout_s)
+        except asyncio.TimeoutError:
+            return "timeout", f"the agent took longer than {timeout_s:g} s (rollout.agent_timeout_s)"
+        except MemoryError as e:
+            return "memory", f"the agent ran out of memory ({describe_error(e)})"
+        except Exception as e:
+            return "raised", f"the agent raised {describe_error(e)}"
+        if value is None:
+            return "ok", None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            return "bad_value", f"the agent returned {value!r:.60}; expected a finite number or None"
+        return "ok", float(value)
+
+    async def every():
+        return await asyncio.gather(*(one(token, row) for token, row in items))
+    return asyncio.run(every())
+
+
+def agent_problem(spec: str) -> str | None:
+    """Why rollout.agent `spec` cannot run, as far as reading files tells (no user code imported): its module is
+    found on sys.path and defines the function with `async def` at top level; None if it may work."""
+    module, sep, name = spec.partition(":")
+    if not (sep and module and name) or not all(p.isidentifier() for p in module.split(".")):
+        return f"is not {ALLOWED}"
+    source = _module_file(module)
+    if source is None:
+        return f"names module {module!r}, which is not on the Python path here (PYTHONPATH?)"
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError) as e:
+        return f"cannot read {source} ({describe_error(e)})"
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            if isinstance(node, ast.FunctionDef):
+                return f"{source}: {name} is a plain function; declare it `async def` (agents await their calls)"
+            return None
+        if isinstance(node, (ast.Assign, ast.ImportFrom, ast.Import)) and name in ast.unparse(node):
+            return None  # defined by assignment or imported: only the trainer can tell
+    return f"{source} defines no function {name!r} at top level"
+
+
+def _module_file(module: str) -> Path | None:
+    parts = module.split(".")
+    for root in sys.path:
+        base = Path(root or ".").joinpath(*parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None

@@ -1,0 +1,276 @@
+"""Agent rollouts (rollout.agent): a user's async function drives the model through an OpenAI-compatible endpoint,
+and its calls become trajectories, token for token (docs/agents.md).
+
+`Agents` has the interface of evenrl.train.trajectories.Turns (load, generate), so the step, reserved rollout
+ranks, evaluation and every algorithm take its trajectories as they take rollout.env's. Per generate: each
+trajectory gets a token naming it, the agents run in the reward workers (evenrl.envs.agent_job, contained, their
+only way out the endpoint), and this thread serves their requests in batches on the engine until every agent has
+returned: each request's prompt is rendered and spliced (evenrl.train.agent_prompts), sampled from the stream keyed
+by (seed, step, prompt position, sample, the call's key), recorded, and answered in the template's tool-call format.
+The recorded calls are then assembled by token prefix (evenrl.envs.agent_calls).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import threading
+import time
+from dataclasses import replace
+
+from evenrl.config import RunConfig
+from evenrl.engines.base import Engine, SamplingParams
+from evenrl.envs.agent_calls import Call, assemble
+from evenrl.envs.agent_job import agent_problem, run_agents
+from evenrl.envs.openai_api import (BadRequest, chat_body, chat_chunks, completion_body, completion_chunks,
+                                    finish_reason, reply_message, sse)
+from evenrl.envs.template import file_render, tokenizer_render
+from evenrl.errors import UsageError, bad
+from evenrl.isolation import pool
+from evenrl.isolation.pool import Limits, run_contained
+from evenrl.rewards import score_all
+from evenrl.rewards.registry import resolve as resolve_reward
+from evenrl.train.agent_prompts import Prompts, Record, Turn
+from evenrl.train.agent_server import AgentServer, Answer, Pending, error
+from evenrl.train.data import filter_by_length, load_prompts
+from evenrl.train.trajectories import Trajectory, Turns
+
+# Requests are served in batches: after the first of a batch arrives, more are taken until none has come for this
+# long (agents that are between calls, running a tool, are not waited for). Batching changes speed, never tokens.
+_QUIET_S = 0.01
+# The worker's own limit on a job of agents: their time limit plus this, so the agents' own timeouts fire first.
+_JOB_SLACK_S = 5.0
+MODEL_NAME = "evenrl-policy"
+
+
+class Agents:
+    """rollout.agent for one process: the function's spec checked, the endpoint started at the first rollout."""
+
+    def __init__(self, cfg: RunConfig, tokenizer=None):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        problem = agent_problem(cfg.rollout.agent)
+        if problem:
+            raise bad("rollout.agent", cfg.rollout.agent, problem)
+        if file_render(cfg.model.path) is None:
+            raise UsageError(f"rollout.agent: model.path {cfg.model.path} has no chat template; the endpoint renders "
+                             "chat requests with it (save one with the tokenizer, or into chat_template.jinja)")
+        self.server: AgentServer | None = None
+        self.reward_fns = [(resolve_reward(s.name), s.weight) for s in cfg.rewards.functions if s.name]
+
+    def load(self, tokenizer, path: str | None = None) -> tuple[list[dict], list[list[int]], list[list[dict]], int]:
+        """(rows, prompt tokens, openings, rows skipped) as Turns.load gives them; a row's prompt tokens (its
+        prompt as a user message, rendered) only weigh and filter it: the agent renders its own conversation."""
+        cfg, self.tokenizer = self.cfg, tokenizer
+        path = path or cfg.data.path
+        if not path:
+            raise UsageError("data.path: empty; give a .jsonl/.parquet file or a dataset directory")
+        rows = load_prompts(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field,
+                            extra_fields=cfg.data.extra_fields)
+        openings = [[{"role": "user", "content": r["prompt"] if isinstance(r["prompt"], str) else str(r["prompt"])}]
+                    for r in rows]
+        render = tokenizer_render(tokenizer)
+        tokens = [list(tokenizer(render(m, None, True), add_special_tokens=False)["input_ids"]) for m in openings]
+        kept, skipped = filter_by_length(list(range(len(rows))), [len(t) for t in tokens], cfg.data.max_prompt_tokens)
+        if not kept:
+            raise UsageError(f"data.max_prompt_tokens: got {cfg.data.max_prompt_tokens}; all {len(rows)} prompts of "
+                             f"{path} are longer (rendered with the chat template) — raise it")
+        return [rows[i] for i in kept], [tokens[i] for i in kept], [openings[i] for i in kept], skipped
+
+    def generate(self, engine: Engine, prompts: list[list[int]], keys: list[int], params: SamplingParams, *,
+                 step: int, sample_ranges: list[tuple[int, int]], rows: list[dict],
+                 openings: list[list[dict]]) -> list[list[Trajectory]]:
+        """[prompt][sample] trajectories, each with its split-off samples in `splits`."""
+        if self.server is None:
+            self.server = AgentServer(MODEL_NAME)
+        self.prompts = Prompts(self.tokenizer, tokenizer_render(self.tokenizer), self._eos_ids())
+        records: dict[str, Record] = {}
+        for key, (first, count), row in zip(keys, sample_ranges, rows):
+            for s in range(first, first + count):
+                records[secrets.token_hex(16)] = Record(key, s, row)
+        outcomes = self._run(records, engine, params, step)
+        out, at, unscored = [], iter(records.items()), []
+        for prompt, (_, count) in zip(prompts, sample_ranges):
+            out.append([])
+            for token, rec in (next(at) for _ in range(count)):
+                out[-1].append(self._trajectory(prompt, rec, outcomes[token]))
+                if outcomes[token] == ("ok", None) and rec.failure is None:
+                    unscored.append((out[-1][-1], rec))
+        self._score(unscored)
+        return out
+
+    # ------------------------------------------------------------------ running the agents and serving them
+
+    def _run(self, records: dict[str, Record], engine: Engine, params: SamplingParams, step: int) -> dict:
+        r, rc = self.cfg.rollout, self.cfg.rewards
+        tokens = list(records)
+        groups = [tokens[k::pool.WORKERS] for k in range(min(pool.WORKERS, len(tokens)))]
+        jobs = [(j, 0, (r.agent, self.server.socket_path, [(t, records[t].row) for t in g], MODEL_NAME,
+                        r.agent_timeout_s)) for j, g in enumerate(groups)]
+        limits = Limits(r.agent_timeout_s + _JOB_SLACK_S, r.agent_timeout_s + _JOB_SLACK_S, rc.memory_limit_mib)
+        results: dict = {}
+
+        def work():
+            try:
+                results.update(run_contained([run_agents], jobs, limits, isolate=True, what="agent")[0])
+            except BaseException as e:  # the pool itself failed: every job fails with it
+                results.update({j: ("raised", f"{type(e).__name__}: {e}") for j, _, _ in jobs})
+        runner = threading.Thread(target=work, name="evenrl-agents", daemon=True)
+        runner.start()
+        while runner.is_alive() or not self.server.requests.empty():
+            batch = self._take(runner)
+            if batch:
+                self._serve(batch, records, engine, params, step)
+        outcomes = {}
+        for (j, _, _), group in zip(jobs, groups):
+            kind, value = results.get(j, ("raised", "no answer from the worker"))
+            for t, res in zip(group, value if kind == "ok" else [(kind, value)] * len(group)):
+                outcomes[t] = res
+        return outcomes
+
+    def _take(self, runner: threading.Thread) -> list[Pending]:
+        try:
+            batch = [self.server.requests.get(timeout=0.05)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                batch.append(self.server.requests.get(timeout=_QUIET_S))
+            except queue.Empty:
+                return batch
+
+    def _serve(self, batch: list[Pending], records: dict[str, Record], engine: Engine, params: SamplingParams,
+               step: int) -> None:
+        """Answer one batch: requests that cannot be sampled at once, the rest in one engine call."""
+        r, cap = self.cfg.rollout, self.cfg.rollout.max_trajectory_tokens
+        todo = []  # (pending, record, prompt ids, conversation, tools, root length, budget)
+        for p in batch:
+            rec = records.get(p.token)
+            if rec is None:
+                p.future.set_result(error(404, "unknown trajectory (the base_url names it)"))
+                continue
+            if rec.failure is not None:
+                p.future.set_result(error(400, rec.failure))
+                continue
+            if len(rec.calls) + len([t for t in todo if t[1] is rec]) >= r.agent_max_calls:
+                rec.failure = f"made more than {r.agent_max_calls} calls (rollout.agent_max_calls)"
+                p.future.set_result(error(400, rec.failure))
+                continue
+            try:
+                if p.body.get("n", 1) not in (1, None):
+                    raise BadRequest("n must be 1: each call is one sample (call again for another)")
+                if p.kind == "chat":
+                    ids, conv, tools, root = self.prompts.chat(rec, p.body)
+                else:
+                    (ids, conv, root), tools = self.prompts.completion(rec, p.body), None
+            except BadRequest as e:
+                p.future.set_result(error(400, str(e)))
+                continue
+            if root > self.cfg.data.max_prompt_tokens and root == len(ids):
+                p.future.set_result(error(400, f"the prompt has {len(ids)} tokens, over data.max_prompt_tokens "
+                                               f"({self.cfg.data.max_prompt_tokens})"))
+                continue
+            asked = p.body.get("max_completion_tokens") or p.body.get("max_tokens") or r.max_new_tokens
+            budget = min(int(asked), r.max_new_tokens, cap - (len(ids) - root), cap - rec.sampled)
+            if budget < 1:  # the trajectory's cap is reached: an empty reply cut for length, no call recorded
+                rec.truncated = True
+                p.future.set_result(self._answer(p, rec, [], False, len(ids)))
+                continue
+            todo.append((p, rec, ids, conv, tools, root, budget))
+        if not todo:
+            return
+        call = replace(params, max_new_tokens=max(t[6] for t in todo))
+        got = engine.generate([t[2] for t in todo], [t[1].call_key(t[2]) for t in todo], call, step=step,
+                              sample_ranges=[(t[1].sample, 1) for t in todo])
+        for (p, rec, ids, conv, tools, root, budget), (c,) in zip(todo, got):
+            sampled, lps = c.token_ids[:budget], c.logprobs[:budget]
+            eos = bool(sampled) and sampled[-1] in self.prompts.eos_ids
+            answer = self._answer(p, rec, sampled, eos, len(ids))
+            content = answer.body["choices"][0].get("message") if answer.body else None
+            rec.calls.append(Call(ids, sampled, lps, eos, len((content or {}).get("tool_calls") or [])))
+            rec.sampled += len(sampled)
+            text = self.prompts.reply_text(sampled)
+            if p.kind == "chat":
+                reply = {"role": "assistant", "content": content["content"] or ""}
+                if content.get("tool_calls"):
+                    reply["tool_calls"] = [{"type": "function", "function": {
+                        "name": tc["function"]["name"], "arguments": json.loads(tc["function"]["arguments"])}}
+                        for tc in content["tool_calls"]]
+                conv = conv + [reply]
+            elif conv is not None:
+                conv = (conv, text)
+            rec.turns.append(Turn(p.kind, conv, tools, ids, sampled, eos, root))
+            p.future.set_result(self._stream(p, answer))
+
+    def _answer(self, p: Pending, rec: Record, sampled: list[int], eos: bool, prompt_len: int) -> Answer:
+        rid = f"{p.kind}-{secrets.token_hex(8)}"
+        text = self.prompts.reply_text(sampled)
+        if p.kind == "chat":
+            content, calls = reply_message(text)
+            return Answer(200, chat_body(rid, MODEL_NAME, content, calls, finish_reason(eos, calls), prompt_len,
+                                         len(sampled)))
+        return Answer(200, completion_body(rid, MODEL_NAME, text, finish_reason(eos, []), prompt_len, len(sampled)))
+
+    def _stream(self, p: Pending, answer: Answer) -> Answer:
+        if not p.body.get("stream"):
+            return answer
+        chunks = chat_chunks(answer.body) if p.kind == "chat" else completion_chunks(answer.body)
+        return Answer(200, stream=sse(chunks))
+
+    # ------------------------------------------------------------------ trajectories
+
+    def _trajectory(self, prompt: list[int], rec: Record, outcome: tuple[str, object]) -> Trajectory:
+        kind, value = outcome
+        segments = assemble(rec.calls)
+        t = Trajectory(rec.position, rec.sample, [], [], False)
+        if rec.failure is None and kind != "ok":
+            rec.failure = f"{kind}: {value}"
+        if rec.failure is None and not segments:
+            rec.failure = "the agent made no call to the endpoint"
+        if rec.failure is None and len(segments) > 1 and self.cfg.rollout.agent_history == "refuse":
+            rec.failure = (f"{len(segments) - 1} calls did not extend the conversation of an earlier call "
+                           "(rollout.agent_history=refuse)")
+        if not segments:  # nothing sampled: one untrained token so the row exists
+            eos = min(self.prompts.eos_ids, default=0)
+            t.token_ids, t.logprobs, t.loss_mask, t.prompt_ids = [eos], [0.0], [False], list(prompt)
+        parts = [t] + [Trajectory(rec.position, rec.sample, [], [], False) for _ in segments[1:]]
+        for part, seg in zip(parts, segments):
+            part.prompt_ids, part.token_ids, part.logprobs = seg.prompt_ids, seg.token_ids, seg.logprobs
+            part.loss_mask, part.turns, part.tool_calls = seg.loss_mask, seg.calls, seg.tool_calls
+            part.finished = seg.finished and not rec.truncated
+        for k, part in enumerate(parts):
+            part.segment, part.history_breaks = k, (len(parts) - 1 if k == 0 else 0)
+            part.failed, part.error = rec.failure is not None, rec.failure
+            part.reward = value if kind == "ok" and isinstance(value, float) else 0.0
+        t.splits = parts[1:]
+        if rec.failure is not None:
+            print(f"evenrl: rollout.agent: trajectory (prompt {rec.position}, sample {rec.sample}) failed: "
+                  f"{rec.failure}", flush=True)
+        return t
+
+    def _score(self, unscored: list[tuple[Trajectory, Record]]) -> None:
+        """Trajectories whose agent returned None: rewards.functions on the text of the last call's reply (calls in
+        prompt order, as assembled) and the row."""
+        if not unscored:
+            return
+        rc = self.cfg.rewards
+        texts = [self.prompts.reply_text(max(rec.calls, key=lambda c: (len(c.prompt_ids), c.prompt_ids, c.ids)).ids)
+                 for _, rec in unscored]
+        scores, stats = score_all(self.reward_fns, texts, [rec.row for _, rec in unscored], rc.timeout_s,
+                                  isolate=rc.isolate, memory_limit_mib=rc.memory_limit_mib,
+                                  cpu_time_limit_s=rc.cpu_time_limit_s)
+        for (t, _), score, failed in zip(unscored, scores, stats["failed"]):
+            for part in (t, *t.splits):
+                part.reward, part.failed = score, bool(failed)
+                part.error = "rewards.functions failed on the last reply" if failed else None
+
+    def _eos_ids(self) -> set[int]:
+        return {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+
+
+def make_turns(cfg: RunConfig) -> Turns | Agents | None:
+    """The trajectory loop of the run: rollout.agent's, rollout.env's (its template checked before any weights
+    load), or None for one completion per prompt."""
+    if cfg.rollout.agent:
+        return Agents(cfg)
+    return Turns(cfg) if cfg.rollout.env else None

@@ -1,0 +1,83 @@
+"""Agents for the rollout.agent tests (rollout.agent=toy_agents:name, with tests/ on PYTHONPATH): the openai client
+against evenrl's endpoint, as users write them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+from openai import AsyncOpenAI
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]
+
+
+async def two_tools(row, *, base_url, model, api_key):
+    """Three calls: the model's reply, two tool results (the tiny model never calls the tool itself, so the agent
+    answers as if it had), then the final answer scored by length. One call streams."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for k in range(2):
+        reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=6)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": str(k + 40)})
+    stream = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream])
+    return len(text) / 10
+
+
+async def rewrites_history(row, *, base_url, model, api_key):
+    """Two calls, the second after dropping the first reply (a summarising agent): two samples."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    first = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
+    summary = f"earlier: {len(first.choices[0].message.content or '')}"
+    await client.chat.completions.create(model=model, messages=[{"role": "user", "content": summary}])
+    return 1.0
+
+
+async def completions(row, *, base_url, model, api_key):
+    """The completions endpoint, continued on its own text: one sample; reward None (rewards.functions score)."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    prompt = f"user: {row['prompt']}\nassistant: "
+    first = await client.completions.create(model=model, prompt=prompt, max_tokens=4)
+    await client.completions.create(model=model, prompt=prompt + first.choices[0].text + "\nuser: more\nassistant: ",
+                                    max_tokens=4)
+    return None
+
+
+async def hang(row, **_):
+    time.sleep(3600)  # blocks the event loop: only the worker's own time limit can stop it
+
+
+async def hog(row, **_):
+    return len(bytearray(10 << 30))
+
+
+async def shout(row, **_):
+    print("x" * (100 << 20))
+    return 0.0
+
+
+async def flood(row, *, base_url, model, api_key):
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await asyncio.gather(*(client.completions.create(model=model, prompt="hi", max_tokens=1) for _ in range(10_000)))
+
+
+async def elsewhere(row, **_):
+    socket.create_connection(("1.1.1.1", 443), timeout=2)
+
+
+async def silent(row, **_):
+    return 1.0
+
+
+def not_async(row, **_):
+    return 1.0
+
+
+async def well_behaved_json(row, *, base_url, model, api_key):
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
+    return float(len(json.dumps(r.model_dump())) > 0)

@@ -29,33 +29,47 @@ def load_agent(spec: str):
     return fn
 
 
-def run_agents(spec: str, socket_path: str, items: list[tuple[str, dict]], model: str,
-               timeout_s: float) -> list[tuple[str, object]]:
-    """(In a worker) the agent on each (trajectory token, row), concurrently: per item ("ok", reward or None) or
-    (failure kind, one-line message). Each agent gets base_url http://127.0.0.1:PORT/t/TOKEN/v1, its own."""
-    port = open_endpoint(socket_path)
-    fn = load_agent(spec)
+class AgentRunner:
+    """rollout.agent's function as the pool calls it: pickled as its spec, and imported when a worker unpickles it,
+    so that importing the user's module (openai and the rest: seconds) counts against the worker's load time, not
+    against the agents' own time limit."""
 
-    async def one(token: str, row: dict) -> tuple[str, object]:
-        try:
-            value = await asyncio.wait_for(
-                fn(dict(row), base_url=f"http://127.0.0.1:{port}/t/{token}/v1", model=model, api_key=token),
-                timeout_s)
-        except asyncio.TimeoutError:
-            return "timeout", f"the agent took longer than {timeout_s:g} s (rollout.agent_timeout_s)"
-        except MemoryError as e:
-            return "memory", f"the agent ran out of memory ({describe_error(e)})"
-        except Exception as e:
-            return "raised", f"the agent raised {describe_error(e)}"
-        if value is None:
-            return "ok", None
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            return "bad_value", f"the agent returned {value!r:.60}; expected a finite number or None"
-        return "ok", float(value)
+    def __init__(self, spec: str):
+        self.spec, self.fn = spec, None
 
-    async def every():
-        return await asyncio.gather(*(one(token, row) for token, row in items))
-    return asyncio.run(every())
+    def __getstate__(self):
+        return {"spec": self.spec}
+
+    def __setstate__(self, state):
+        self.spec, self.fn = state["spec"], load_agent(state["spec"])
+
+    def __call__(self, socket_path: str, items: list[tuple[str, dict]], model: str,
+                 timeout_s: float) -> list[tuple[str, object]]:
+        """(In a worker) the agent on each (trajectory token, row), concurrently: per item ("ok", reward or None)
+        or (failure kind, one-line message). Each agent gets base_url http://127.0.0.1:PORT/t/TOKEN/v1, its own."""
+        port = open_endpoint(socket_path)
+        fn = self.fn or load_agent(self.spec)
+
+        async def one(token: str, row: dict) -> tuple[str, object]:
+            try:
+                value = await asyncio.wait_for(
+                    fn(dict(row), base_url=f"http://127.0.0.1:{port}/t/{token}/v1", model=model, api_key=token),
+                    timeout_s)
+            except asyncio.TimeoutError:
+                return "timeout", f"the agent took longer than {timeout_s:g} s (rollout.agent_timeout_s)"
+            except MemoryError as e:
+                return "memory", f"the agent ran out of memory ({describe_error(e)})"
+            except Exception as e:
+                return "raised", f"the agent raised {describe_error(e)}"
+            if value is None:
+                return "ok", None
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                return "bad_value", f"the agent returned {value!r:.60}; expected a finite number or None"
+            return "ok", float(value)
+
+        async def every():
+            return await asyncio.gather(*(one(token, row) for token, row in items))
+        return asyncio.run(every())
 
 
 def agent_problem(spec: str) -> str | None:

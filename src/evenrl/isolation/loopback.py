@@ -12,6 +12,7 @@ loopback to open, and `open_endpoint` says so.
 from __future__ import annotations
 
 import fcntl
+import selectors
 import socket
 import struct
 import threading
@@ -37,7 +38,7 @@ def open_endpoint(path: str) -> int:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))
         listener.listen(256)
-        threading.Thread(target=_accept, args=(listener, path), daemon=True).start()
+        threading.Thread(target=_relay, args=(listener, path), daemon=True).start()
         _OPEN[path] = listener.getsockname()[1]
     return _OPEN[path]
 
@@ -48,29 +49,55 @@ def _loopback_up() -> None:
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | _IFF_UP, b""))
 
 
-def _accept(listener: socket.socket, path: str) -> None:
+def _relay(listener: socket.socket, path: str) -> None:
+    """One thread for every connection (a flood of requests costs sockets, not threads), never blocking on one of
+    them: accept on the loopback, connect each to the Unix socket, copy bytes both ways through per-socket buffers
+    until either side closes."""
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    peer: dict[socket.socket, socket.socket] = {}
+    out: dict[socket.socket, bytearray] = {}  # bytes waiting to be sent to this socket
+
+    def watch(s: socket.socket) -> None:
+        sel.modify(s, selectors.EVENT_READ | (selectors.EVENT_WRITE if out[s] else 0))
+
+    def close(s: socket.socket) -> None:
+        for x in (s, peer.get(s)):
+            if x is not None and x in out:
+                sel.unregister(x)
+                x.close()
+                del out[x], peer[x]
+
     while True:
-        client, _ = listener.accept()
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            upstream.connect(path)
-        except OSError:
-            client.close()
-            upstream.close()
-            continue
-        for a, b in ((client, upstream), (upstream, client)):
-            threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
-
-
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(_CHUNK):
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for s, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
+        for key, events in sel.select():
+            sock = key.fileobj
+            if sock is listener:
+                client, _ = listener.accept()
+                upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    upstream.connect(path)
+                except OSError:
+                    client.close()
+                    upstream.close()
+                    continue
+                for a, b in ((client, upstream), (upstream, client)):
+                    a.setblocking(False)
+                    peer[a], out[a] = b, bytearray()
+                    sel.register(a, selectors.EVENT_READ)
+                continue
+            if sock not in out:
+                continue  # closed earlier in this round
             try:
-                s.shutdown(how)
-            except OSError:
+                if events & selectors.EVENT_WRITE and out[sock]:
+                    del out[sock][:sock.send(out[sock])]
+                    watch(sock)
+                if events & selectors.EVENT_READ:
+                    data = sock.recv(_CHUNK)
+                    if not data:
+                        raise ConnectionResetError
+                    out[peer[sock]] += data
+                    watch(peer[sock])
+            except (BlockingIOError, InterruptedError):
                 pass
+            except OSError:
+                close(sock)

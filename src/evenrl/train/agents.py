@@ -22,7 +22,7 @@ from dataclasses import replace
 from evenrl.config import RunConfig
 from evenrl.engines.base import Engine, SamplingParams
 from evenrl.envs.agent_calls import Call, assemble
-from evenrl.envs.agent_job import agent_problem, run_agents
+from evenrl.envs.agent_job import AgentRunner, agent_problem
 from evenrl.envs.openai_api import (BadRequest, chat_body, chat_chunks, completion_body, completion_chunks,
                                     finish_reason, reply_message, sse)
 from evenrl.envs.template import file_render, tokenizer_render
@@ -39,8 +39,9 @@ from evenrl.train.trajectories import Trajectory, Turns
 # Requests are served in batches: after the first of a batch arrives, more are taken until none has come for this
 # long (agents that are between calls, running a tool, are not waited for). Batching changes speed, never tokens.
 _QUIET_S = 0.01
-# The worker's own limit on a job of agents: their time limit plus this, so the agents' own timeouts fire first.
-_JOB_SLACK_S = 5.0
+# The worker's own limit on a job of agents: their time limit plus this, so that the agents' own timeouts fire first
+# (the agent's module is imported before, when the worker loads it: evenrl.envs.agent_job.AgentRunner).
+_JOB_SLACK_S = 3.0
 MODEL_NAME = "evenrl-policy"
 
 
@@ -105,14 +106,14 @@ class Agents:
         r, rc = self.cfg.rollout, self.cfg.rewards
         tokens = list(records)
         groups = [tokens[k::pool.WORKERS] for k in range(min(pool.WORKERS, len(tokens)))]
-        jobs = [(j, 0, (r.agent, self.server.socket_path, [(t, records[t].row) for t in g], MODEL_NAME,
-                        r.agent_timeout_s)) for j, g in enumerate(groups)]
+        jobs = [(j, 0, (self.server.socket_path, [(t, records[t].row) for t in g], MODEL_NAME, r.agent_timeout_s))
+                for j, g in enumerate(groups)]
         limits = Limits(r.agent_timeout_s + _JOB_SLACK_S, r.agent_timeout_s + _JOB_SLACK_S, rc.memory_limit_mib)
         results: dict = {}
 
         def work():
             try:
-                results.update(run_contained([run_agents], jobs, limits, isolate=True, what="agent")[0])
+                results.update(run_contained([AgentRunner(r.agent)], jobs, limits, isolate=True, what="agent")[0])
             except BaseException as e:  # the pool itself failed: every job fails with it
                 results.update({j: ("raised", f"{type(e).__name__}: {e}") for j, _, _ in jobs})
         runner = threading.Thread(target=work, name="evenrl-agents", daemon=True)
@@ -241,7 +242,7 @@ class Agents:
         for k, part in enumerate(parts):
             part.segment, part.history_breaks = k, (len(parts) - 1 if k == 0 else 0)
             part.failed, part.error = rec.failure is not None, rec.failure
-            part.reward = value if kind == "ok" and isinstance(value, float) else 0.0
+            part.reward = value if kind == "ok" and isinstance(value, float) and rec.failure is None else 0.0
         t.splits = parts[1:]
         if rec.failure is not None:
             print(f"evenrl: rollout.agent: trajectory (prompt {rec.position}, sample {rec.sample}) failed: "

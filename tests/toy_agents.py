@@ -85,3 +85,8 @@ async def well_behaved_json(row, *, base_url, model, api_key):
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
     return float(len(json.dumps(r.model_dump())) > 0)
+
+
+async def mixed(row, **endpoint):
+    """two_tools on even rows, rewrites_history on odd ones: one run has chained calls and split samples."""
+    return await (two_tools if row["id"] % 2 == 0 else rewrites_history)(row, **endpoint)

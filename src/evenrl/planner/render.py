@@ -39,7 +39,9 @@ def render(p: Plan) -> str:
            _row("samples", f"worst case {length:,} tokens each (prompt {c.data.max_prompt_tokens:,} + "
                            + (f"trajectory {c.rollout.max_trajectory_tokens:,}: up to "
                               f"{plural(c.rollout.max_turns, 'turn')} of {c.rollout.max_new_tokens:,} new tokens"
-                              if c.rollout.env else f"new {c.rollout.max_new_tokens:,}")
+                              if c.rollout.env else f"trajectory {c.rollout.max_trajectory_tokens:,}: up to "
+                              f"{plural(c.rollout.agent_max_calls, 'call')} of {c.rollout.max_new_tokens:,} new tokens"
+                              if c.rollout.agent else f"new {c.rollout.max_new_tokens:,}")
                            + f"){vision}; token cap {cap:,} per micro-batch{fits}"
                            + (f"; min {c.train.min_rows_per_micro_batch} rows"
                               if c.train.min_rows_per_micro_batch > 1 else ""))]

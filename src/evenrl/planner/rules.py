@@ -22,6 +22,7 @@ from evenrl.planner.lora import rule_lora
 from evenrl.planner.memory import PHASES, RESIDENT
 from evenrl.planner.rewards import rule_reward_models, rule_rewards
 from evenrl.planner.text import plural, seconds, size_text
+from evenrl.planner.agents import rule_agent
 from evenrl.planner.turns import rule_env, rule_trajectory_cap
 from evenrl.planner.types import Finding, Plan
 from evenrl.planner.vision import rule_vision
@@ -128,7 +129,7 @@ def rule_model(p: Plan) -> list[Finding]:
             except UsageError as e:
                 out.append(Finding("error", rule, str(e), fix))
     if p.dims and p.dims.max_positions and p.sample_tokens > p.dims.max_positions:
-        field = "max_trajectory_tokens" if p.config.rollout.env else "max_new_tokens"
+        field = "max_trajectory_tokens" if p.config.multi_turn() else "max_new_tokens"
         out.append(Finding("warning", "max-positions",
                            f"max_prompt_tokens + {field} = {p.sample_tokens:,} exceeds the model's "
                            f"max_position_embeddings {p.dims.max_positions:,}",
@@ -186,7 +187,7 @@ def rule_algorithms(p: Plan) -> list[Finding]:
                            f"algo.filter_groups with {c.algo.advantage}: groups are still filtered by their rewards, "
                            "though this advantage does not compare a prompt's samples", "algo.filter_groups=false"))
     if c.rewards.overlong_buffer > c.sampled_tokens():
-        what = ("the most a trajectory's turns sample" if c.rollout.env else "rollout.max_new_tokens")
+        what = ("the most a trajectory's turns sample" if c.multi_turn() else "rollout.max_new_tokens")
         out.append(Finding("error", "overlong-buffer",
                            f"rewards.overlong_buffer={c.rewards.overlong_buffer} is longer than "
                            f"{what} ({c.sampled_tokens()})",
@@ -447,4 +448,4 @@ def rule_trackers(p: Plan) -> list[Finding]:
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_reward_models, rule_groups,
          rule_algorithms, rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory,
          rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_vision, rule_lora, rule_trackers,
-         rule_env, rule_trajectory_cap, rule_unknown_models]
+         rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent]

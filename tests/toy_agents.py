@@ -4,7 +4,6 @@ against evenrl's endpoint, as users write them."""
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import time
 
@@ -81,12 +80,22 @@ def not_async(row, **_):
     return 1.0
 
 
-async def well_behaved_json(row, *, base_url, model, api_key):
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
-    return float(len(json.dumps(r.model_dump())) > 0)
-
 
 async def mixed(row, **endpoint):
     """two_tools on even rows, rewrites_history on odd ones: one run has chained calls and split samples."""
     return await (two_tools if row["id"] % 2 == 0 else rewrites_history)(row, **endpoint)
+
+
+async def hang_async(row, **_):
+    await asyncio.sleep(3600)
+
+
+async def polite(row, *, base_url, model, api_key):
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
+    return 1.0
+
+
+async def by_row(row, **endpoint):
+    """The agent its row's prompt names (the hostile tests: one row per behaviour)."""
+    return await globals()[row["prompt"]](row, **endpoint)

@@ -1,0 +1,210 @@
+"""Agent rollouts (rollout.agent) in one process: the OpenAI formats, assembly by token prefix, and agents written
+with the `openai` client (tests/toy_agents.py) run in the contained workers against the real endpoint over HTTP on
+their own loopback, served by the hf engine on the tiny tool-calling model: the trained tokens are the engine's,
+tool tokens get no gradient, log-probs match a direct forward, history rewrites split or are refused, hostile agents
+cost their own trajectory. The runs on 1 and 3 processes: tests/test_agents_runs.py."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from evenrl.config import RunConfig
+from evenrl.core.aggregation import Denominators
+from evenrl.core.batch import Batch, Ragged
+from evenrl.engines.base import sampling_params
+from evenrl.engines.hf import HFEngine
+from evenrl.envs.agent_calls import Call, assemble
+from evenrl.envs.agent_job import agent_problem
+from evenrl.envs.openai_api import chat_chunks, reply_message, same_reply, sse, template_messages
+from evenrl.isolation import pool
+from evenrl.models.forward import response_logprobs
+from evenrl.models.loading import load_policy
+from evenrl.testing import make_tiny_model
+from evenrl.train.agent_prompts import Record
+from evenrl.train.agents import Agents
+from evenrl.train.objectives import STAT_NAMES, rl_objective
+from evenrl.train.trajectories import trajectory_columns
+from evenrl.train.update import minibatch_update
+
+ROWS = [{"prompt": "2+3=", "answer": "5"}, {"prompt": "7+1=", "answer": "8"}]
+
+
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("agent-model")), chat_template="tools", seed=3)
+
+
+def run_agent(model, spec, rows, samples=2, **rollout):
+    """Agents.generate on `rows` x `samples`, as a training rank's rollout runs it: (trajectories [row][sample],
+    the Agents, the policy, its tokenizer)."""
+    cfg = RunConfig.model_validate({"model": {"path": model}, "data": {"max_prompt_tokens": 64},
+                                    "rollout": {"agent": spec, "samples_per_prompt": samples, "max_new_tokens": 8,
+                                                "agent_timeout_s": 20.0, **rollout}})
+    policy, tok = load_policy(model)
+    agents = Agents(cfg)
+    path = model + f"/rows-{len(rows)}.jsonl"
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    rows, tokens, openings, _ = agents.load(tok, path)
+    engine = HFEngine(policy, eos_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id)
+    out = agents.generate(engine, tokens, list(range(len(rows))), sampling_params(cfg), step=1,
+                          sample_ranges=[(0, samples)] * len(rows), rows=rows, openings=openings)
+    return out, agents, policy, tok
+
+
+# ------------------------------------------------------------------------------------------ formats and assembly
+
+def test_replies_become_openai_tool_calls_and_come_back_as_template_messages():
+    text = 'Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    content, calls = reply_message(text)
+    assert content == "Let me add." and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert reply_message("no call <tool_call>{bad</tool_call>") == ("no call <tool_call>{bad</tool_call>", [])
+    back = template_messages([{"role": "assistant", "content": "Let me add.", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"b": 2, "a": 1}'}}]}])[0]
+    assert back["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+    sent = template_messages([{"role": "assistant", "content": content, "tool_calls": calls}])[0]
+    assert same_reply(sent, back) and not same_reply(sent, dict(back, content="edited"))
+    body = {"id": "c", "created": 0, "model": "m", "choices": [{"message": {"role": "assistant", "content": None,
+                                                                          "tool_calls": calls},
+                                                              "finish_reason": "tool_calls"}]}
+    events = sse(chat_chunks(body)).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and json.loads(events[-3][6:])["choices"][0]["finish_reason"] == \
+        "tool_calls"
+
+
+def test_calls_assemble_by_token_prefix_whatever_order_they_arrived_in():
+    a = Call([1, 2, 3], [10, 11], [-0.1, -0.2], True, 1)
+    b = Call([1, 2, 3, 10, 11, 7, 8], [12], [-0.3], True)        # extends a: one sample
+    c = Call([1, 2, 3, 10, 11, 7, 8, 12, 9], [13, 14], [-0.4, -0.5], False)
+    edited = Call([1, 2, 5], [15], [-0.6], True)                  # history rewritten: a sample of its own
+    for order in ([a, b, c, edited], [edited, c, b, a]):
+        first, second = assemble(order)
+        assert first.prompt_ids == [1, 2, 3] and first.token_ids == [10, 11, 7, 8, 12, 9, 13, 14]
+        assert first.loss_mask == [True, True, False, False, True, False, True, True]
+        assert first.logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3, 0.0, -0.4, -0.5]
+        assert (first.calls, first.tool_calls, first.finished) == (3, 1, False)
+        assert second.prompt_ids == [1, 2, 5] and second.token_ids == [15] and second.loss_mask == [True]
+
+
+def test_a_call_key_names_the_prompt_not_the_arrival_order():
+    one, other = Record(4, 0, {}), Record(4, 0, {})
+    keys = [one.call_key([1, 2]), one.call_key([3]), one.call_key([1, 2])]
+    assert [other.call_key([3]), other.call_key([1, 2]), other.call_key([1, 2])] == [keys[1], keys[0], keys[2]]
+    assert len(set(keys)) == 3 and Record(5, 0, {}).call_key([1, 2]) != keys[0]
+
+
+def test_the_plan_finds_the_function_without_importing_it():
+    assert agent_problem("toy_agents:two_tools") is None
+    assert "async def" in agent_problem("toy_agents:not_async")
+    assert "no function 'nothing'" in agent_problem("toy_agents:nothing")
+    assert "not on the Python path" in agent_problem("no_such_module_here:fn")
+    assert "package.module:function" in agent_problem("two_tools")
+
+
+# ------------------------------------------------------------------------------------------ the endpoint, end to end
+
+def test_an_agent_with_two_tool_calls_trains_exactly_the_engines_tokens(tools_model):
+    """Three chat calls over real HTTP (two answered with tool results, the last streamed): one sample each, the
+    sampled stretches are what the engine samples for that exact prefix and key (never re-tokenised text), the tool
+    turns are the template's text, the engine's log-probs are a direct forward's within 1e-6, and the loss gives
+    the tool tokens exactly zero gradient."""
+    out, agents, policy, tok = run_agent(tools_model, "toy_agents:two_tools", ROWS)
+    engine = HFEngine(policy, eos_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id)
+    cfg = agents.cfg
+    trajectories = [t for ts in out for t in ts]
+    for t in trajectories:
+        assert not t.failed and not t.splits and t.turns == 3 and t.reward > 0, t.error
+        stretches, start = [], 0
+        for i in range(1, len(t.loss_mask) + 1):  # the runs of sampled tokens
+            if i == len(t.loss_mask) or t.loss_mask[i] != t.loss_mask[start]:
+                if t.loss_mask[start]:
+                    stretches.append((start, i))
+                start = i
+        assert len(stretches) == 3
+        key = Record(t.prompt_key, t.sample_index, {})
+        for a, b in stretches:
+            prefix = t.prompt_ids + t.token_ids[:a]
+            again = engine.generate([prefix], [key.call_key(prefix)], sampling_params(cfg), step=1,
+                                    sample_ranges=[(t.sample_index, 1)])[0][0]
+            assert again.token_ids[:b - a] == t.token_ids[a:b]
+        tool_text = tok.decode([x for x, m in zip(t.token_ids, t.loss_mask) if not m])
+        assert "<tool_response>40</tool_response>" in tool_text and "<tool_response>41</tool_response>" in tool_text
+        with torch.no_grad():
+            ids = torch.tensor([t.prompt_ids + t.token_ids])
+            logp = torch.log_softmax(policy(ids).logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        logp = logp[-len(t.token_ids):]
+        mask = torch.tensor(t.loss_mask)
+        assert float((logp[mask] - torch.tensor(t.logprobs, dtype=torch.float64)[mask]).abs().max()) <= 1e-6
+
+    cols = trajectory_columns(trajectories)
+    batch = Batch({"tokens": Ragged.of([torch.tensor(t.prompt_ids + t.token_ids) for t in trajectories], torch.long),
+                   "response_len": torch.tensor([len(t.token_ids) for t in trajectories]),
+                   "advantage": torch.tensor([1.0, -1.0, 0.5, -0.5]), "loss_mask": cols["loss_mask"],
+                   "engine_logp": Ragged.of([torch.tensor(t.logprobs) for t in trajectories], torch.float32),
+                   "version": torch.zeros(4, dtype=torch.long), "reward_failed": torch.zeros(4, dtype=torch.bool),
+                   "finished": torch.ones(4, dtype=torch.bool)})
+    seen = []
+
+    def loss_fn(outputs, targets, mask, mb):
+        outputs.retain_grad()
+        seen.append((outputs, mb))
+        return rl_objective(cfg, 1, outputs, targets, mask, mb)
+    minibatch_update(policy, torch.optim.SGD(policy.parameters(), lr=0.0), None, batch, [[0, 1, 2, 3]],
+                     Denominators(tokens=float(cols["sampled_len"].sum()), seqs=4.0),
+                     forward=functools.partial(response_logprobs, pad_token_id=tok.pad_token_id, entropy=True),
+                     loss_fn=loss_fn, stat_names=STAT_NAMES, aggregation="token-mean", max_grad_norm=0.0,
+                     pad_token_id=tok.pad_token_id)
+    (outputs, _), = seen
+    width = outputs.shape[1]
+    for j, t in enumerate(trajectories):
+        grad = outputs.grad[j][width - len(t.token_ids):, 0]  # the log-probs (column 1: entropies)
+        mask = torch.tensor(t.loss_mask)
+        assert float(grad[~mask].abs().max()) == 0.0 and float(grad[mask].abs().min()) > 0
+
+
+def test_history_rewrites_split_into_samples_or_are_refused(tools_model, monkeypatch):
+    """An agent that drops its first reply: its second call is a sample of its own (its own prompt, the
+    trajectory's reward, counted), the same whether the agents share a worker or not; with
+    agent_history=refuse the trajectory fails."""
+    out, agents, _, tok = run_agent(tools_model, "toy_agents:rewrites_history", ROWS[:1])
+    monkeypatch.setattr(pool, "WORKERS", 1)
+    again, _, _, _ = run_agent(tools_model, "toy_agents:rewrites_history", ROWS[:1])
+    for t, u in zip(out[0], again[0]):
+        assert (t.token_ids, t.splits[0].token_ids) == (u.token_ids, u.splits[0].token_ids)
+        assert not t.failed and t.reward == 1.0 and t.history_breaks == 1 and len(t.splits) == 1
+        (s,) = t.splits
+        assert s.segment == 1 and s.reward == 1.0 and tok.decode(s.prompt_ids).startswith("user: earlier: ")
+        assert all(s.loss_mask) and all(t.loss_mask)
+    cols = trajectory_columns([p for t in out[0] for p in (t, *t.splits)])
+    assert cols["segment"].tolist() == [0, 1, 0, 1] and cols["history_breaks"].tolist() == [1, 0, 1, 0]
+
+    agents.cfg = agents.cfg.model_copy(update={"rollout": agents.cfg.rollout.model_copy(
+        update={"agent_history": "refuse"})})
+    rec = Record(0, 0, {})
+    rec.calls = [Call([1, 2], [3], [-1.0], True), Call([1, 4], [5], [-1.0], True)]
+    refused = agents._trajectory([1], rec, ("ok", 1.0))
+    assert refused.failed and "agent_history=refuse" in refused.error and refused.reward == 0.0
+
+
+def test_hostile_agents_cost_their_own_trajectory(tools_model, monkeypatch, capfd):
+    """Agents in one worker, on one event loop: hanging, allocating 10 GB, printing 100 MB, sending 300 requests 100
+    at a time, connecting elsewhere, never calling; each is one logged failure and the well-behaved one is not.
+    (An agent that blocks its event loop fails the agents sharing its worker: the worker's own time limit; the
+    pool's tests cover that limit.)"""
+    kinds = ["hang_async", "hog", "shout", "flood", "elsewhere", "silent", "polite"]
+    monkeypatch.setattr(pool, "WORKERS", 1)
+    out, _, _, _ = run_agent(tools_model, "toy_agents:by_row", [{"prompt": k, "answer": "", "rounds": 3}
+                                                                 for k in kinds], samples=1, agent_timeout_s=3.0)
+    got = {k: ts[0] for k, ts in zip(kinds, out)}
+    assert not got["polite"].failed and got["polite"].reward == 1.0
+    expected = {"hang_async": "took longer than 3 s", "hog": "out of memory", "shout": "no call",
+                "flood": "more than 16 calls", "elsewhere": "Network is unreachable", "silent": "no call"}
+    for kind, words in expected.items():
+        assert got[kind].failed and got[kind].reward == 0.0 and words in got[kind].error, (kind, got[kind].error)
+    printed = capfd.readouterr()
+    assert len(printed.out) + len(printed.err) < 1 << 20  # 100 MB printed, a few KiB shown
+    assert printed.out.count("rollout.agent: trajectory") == len(expected)

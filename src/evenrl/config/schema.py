@@ -106,7 +106,8 @@ class RolloutConfig(Section):
     samples_per_prompt: int = Field(
         8, ge=1, le=MAX_COUNT, description="Completions sampled per prompt (a GRPO group).")
     max_new_tokens: int = Field(64, ge=1, le=MAX_TOKENS, description="Generation stops after this many tokens (with "
-                                                                      "env: in each assistant turn).")
+                                                                      "env: in each assistant turn; with agent: in "
+                                                                      "each call).")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     engine: Literal["hf", "vllm"] = Field(
@@ -142,7 +143,9 @@ class RolloutConfig(Section):
         1024, ge=1, le=MAX_TOKENS,
         description="With env: most tokens after the prompt in a trajectory, the model's and the environment's "
                     "together (verl data.max_response_length, TRL max_completion_length); a turn is cut to what is "
-                    "left, and an environment turn that does not fit ends the trajectory unfinished.")
+                    "left, and an environment turn that does not fit ends the trajectory unfinished. With agent: the "
+                    "same for each sample, and all sampled tokens of a trajectory; a call past it gets an empty "
+                    "reply cut for length.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=1024,
         description="rollout.engine=vllm only: vLLM's tensor_parallel_size, one engine over this many devices "
@@ -161,7 +164,7 @@ class RolloutConfig(Section):
                     "trajectory fails (rewards.on_failure).")
     agent_max_calls: int = Field(
         16, ge=1, le=1000,
-        description="With agent: most endpoint calls one trajectory may make; a call past it is answered 429 and "
+        description="With agent: most endpoint calls one trajectory may make; a call past it is answered 400 and "
                     "the trajectory fails (rewards.on_failure).")
     agent_history: Literal["split", "refuse"] = Field(
         "split", description="With agent: a call whose prompt does not extend an earlier call's prompt and reply "

@@ -1,0 +1,62 @@
+"""Agent runs end to end (rollout.agent=toy_agents:mixed, real processes, gloo, the openai client over HTTP): even
+rows run an agent with two tool calls (one sample per trajectory), odd rows one that rewrites its history (two
+samples per trajectory), so the step carries split samples through advantages, exchange and the update. On 1 and 3
+processes the rewards, counts and every metric of the samples are identical and the final weights agree within
+1e-5. algo.entropy_coef > 0 gives every step a gradient on the sampled tokens alone (see
+tests/test_multiturn_runs.py for why 0.1)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from e2e import Job, final_params, max_diff, metrics
+from evenrl.demo import write_addition_data
+from evenrl.testing import make_tiny_model
+
+SAME = ("reward/mean", "reward/std", "samples", "rollout/turns_mean", "response/length_mean",
+        "response/sampled_length_mean", "agent/calls_per_trajectory", "agent/chained_calls", "agent/history_breaks",
+        "agent/split_samples", "reward/failures")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agents")
+    data = root / "addition.jsonl"
+    write_addition_data(data)
+    cfg = root / "cfg.yaml"
+    cfg.write_text(f"""
+model: {{path: {make_tiny_model(str(root / 'model'), chat_template='tools', seed=0)}}}
+data: {{path: {data}, prompts_per_step: 4, max_prompt_tokens: 48}}
+rollout: {{samples_per_prompt: 3, max_new_tokens: 6, agent: "toy_agents:mixed", max_trajectory_tokens: 128,
+          agent_timeout_s: 60}}
+algo: {{advantage: grpo, minibatches_per_step: 2, entropy_coef: 0.1}}
+train: {{steps: 2, lr: 1.0e-3, token_cap_per_micro_batch: 512}}
+log: {{progress: false, tensorboard: false}}
+""")
+    jobs = {name: Job("train", cfg, f"log.run_dir={root / name}", *more)
+            for name, more in (("three", ["--nproc-per-node", 3]), ("one", []))}
+    try:
+        while not all(job.done() for job in jobs.values()):
+            time.sleep(0.05)
+        for job in jobs.values():
+            job.wait()
+    finally:
+        for job in jobs.values():
+            job.kill()
+    return root
+
+
+@pytest.mark.slow
+def test_agent_trajectories_and_model_are_the_same_on_1_and_3_processes(runs):
+    one, three = metrics(runs / "one"), metrics(runs / "three")
+    assert all(r["agent/history_breaks"] > 0 and r["agent/chained_calls"] > 0 and r["reward/failures"] == 0
+               for r in one)
+    for x, y in zip(one, three, strict=True):
+        for k in SAME:
+            assert x[k] == y[k], (x["step"], k)
+    assert max_diff(final_params(runs / "one"), final_params(runs / "three")) < 1e-5
+    start = load_file(str(runs / "model" / "model.safetensors"))
+    assert max_diff(start, final_params(runs / "one")) > 1e-4  # the weights moved: the comparison means something

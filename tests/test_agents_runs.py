@@ -50,6 +50,7 @@ log: {{progress: false, tensorboard: false}}
 
 
 @pytest.mark.slow
+@pytest.mark.large_world  # a 3-process and a 1-process run at once: 4 processes, ~60 s on 2 cores
 def test_agent_trajectories_and_model_are_the_same_on_1_and_3_processes(runs):
     one, three = metrics(runs / "one"), metrics(runs / "three")
     assert all(r["agent/history_breaks"] > 0 and r["agent/chained_calls"] > 0 and r["reward/failures"] == 0

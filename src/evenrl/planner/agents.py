@@ -32,6 +32,10 @@ def rule_agent(p: Plan) -> list[Finding]:
                            "ranks: agents call at their own pace, but every call to a sharded model is a collective "
                            "all ranks must join", "parallel.rollout_devices>=1 (the endpoint on whole copies), or "
                            "parallel.sharding=replicated"))
+    if c.rewards.sandbox == "all":
+        out.append(Finding("error", "agent-sandbox", "rollout.agent with rewards.sandbox=all: the sandbox's private "
+                           "/tmp and file system view hide the endpoint's socket from the agents",
+                           "rewards.sandbox=tools (the agents still run in workers of their own network namespace)"))
     if p.dims and p.dims.vision:
         out.append(Finding("error", "agent-vision", f"rollout.agent with the vision-language model "
                            f"{c.model.path}: the endpoint serves text", "a text model"))

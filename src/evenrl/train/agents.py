@@ -53,6 +53,9 @@ class Agents:
         problem = agent_problem(cfg.rollout.agent)
         if problem:
             raise bad("rollout.agent", cfg.rollout.agent, problem)
+        if cfg.rewards.sandbox == "all":
+            raise UsageError("rollout.agent with rewards.sandbox=all: the sandbox's private /tmp and file system view "
+                             "hide the endpoint's socket from the agents; use rewards.sandbox=tools")
         if file_render(cfg.model.path) is None:
             raise UsageError(f"rollout.agent: model.path {cfg.model.path} has no chat template; the endpoint renders "
                              "chat requests with it (save one with the tokenizer, or into chat_template.jinja)")

@@ -44,6 +44,7 @@ WORKLOADS = {  # name: (prompts per step, samples per prompt, max new tokens)
     "large": (32, 8, 128),
     "large-binary": (32, 8, 128),
     "gpu": (16, 4, 128),  # benchmarks/gpu.py's batch, on its 0.5B shape (gpu_vs_trl.py)
+    "gpu-tiny": (4, 4, 16),  # gpu.py --tiny's batch: gpu_suite.py --tiny's rehearsal of "gpu" on CPU
 }
 # The issue's two workloads use a graded reward; "large-binary" (opt-in) is the large one with a 0/1 reward, as in
 # verifiable-reward RL, where whole groups score alike and get advantage 0.
@@ -225,7 +226,10 @@ log: {{run_dir: {run_dir}, progress: false, tensorboard: false, samples_every_st
 
 
 def run_one(kind: str, workload: str, nproc: int, warmup: int, steps: int, threads: int, out: Path,
-            model: Path, data: Path, tag: str, verbose: bool, seed: int, prof: dict) -> dict:
+            model: Path, data: Path, tag: str, verbose: bool, seed: int, prof: dict,
+            timeout: float | None = None) -> dict:
+    """One run of `kind` (trl or evenrl); timeout: seconds before the run is killed (subprocess.TimeoutExpired,
+    no retry: gpu_suite.py's deadline)."""
     prompts, samples, max_new = WORKLOADS[workload]
     run_dir = out / f"{kind}-{workload}-p{nproc}-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -245,7 +249,8 @@ def run_one(kind: str, workload: str, nproc: int, warmup: int, steps: int, threa
         cmd = evenrl_command(cfg, nproc)
     for attempt in (1, 2):  # a worker crash (seen once: TRL rank 1 aborted at teardown under torchrun) gets one retry
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env_for(threads), capture_output=True, text=True, check=False)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env_for(threads), capture_output=True, text=True, check=False,
+                              timeout=timeout)
         wall = time.perf_counter() - t0
         (run_dir / "stdout.txt").write_text(proc.stdout)
         (run_dir / "stderr.txt").write_text(proc.stderr)

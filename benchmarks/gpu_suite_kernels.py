@@ -1,0 +1,447 @@
+"""benchmarks/gpu_suite.py's in-process sections: one process, one model load, every measurement that needs no
+`evenrl train` of its own. Run by gpu_suite.py (never by hand):
+
+    python3 benchmarks/gpu_suite_kernels.py SPEC.json      # SPEC: model, data, sections, deadline, result file
+
+Each finished section appends one JSON line {"name", "seconds", "result"} (or "error") to the result file, so a run
+killed at the suite's deadline keeps what it finished. A section whose estimate no longer fits before the deadline
+is written as skipped, with the reason.
+
+Sections (gpu_suite.py's docstring says what each answers):
+  schemes    one RL step's phases in-process per precision scheme: rollout (evenrl's sampler), log-probs, update
+             (two mini-batch updates, evenrl.train.update.minibatch_update), seconds and peak GiB per phase, the
+             update's TFLOP/s and MFU
+  sampler    the sampler alone at the step's 64 rows: lean vs static x fp32 vs bf16, tokens/s, share of the time
+             the device (CUDA: kernels) or the ops (CPU: aten) are busy; the rest is Python and launch overhead
+  precision  one fixed batch's log-probs, loss and gradient against float64: fp32, fp32+TF32, bf16 autocast, bf16
+             parameters
+  adamw      optimizer.step() alone over the model's fp32 parameters: fused vs foreach AdamW
+  trace      torch.profiler over one bf16 (autocast) step: rollout, log-probs, update; Chrome trace (.json.gz) and
+             the top ops (.txt)
+  compile    the bf16 update with evenrl's packed training forward under torch.compile: first call (compile)
+             and steady state
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import shutil
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from evenrl.core.aggregation import Denominators
+from evenrl.core.batch import Batch, Ragged
+from evenrl.core.losses import token_logprobs
+from evenrl.engines.hf import SamplingParams, generate
+from evenrl.models import forward as forward_module
+from evenrl.models.forward import response_logits, response_logprobs
+from evenrl.models.loading import load_policy, set_autocast
+from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update
+
+GIB = 2**30
+SCHEMES = ("fp32", "fp32-tf32", "bf16-autocast", "bf16-params")
+# documented bf16 tolerance of the precision check (docs/performance.md, "Reading it"): TF32 is kept for fp32 runs
+# only if its error stays within these
+BF16_BOUNDS = {"mean_abs_dlogp": 1e-2, "grad_rel_err": 5e-2}
+
+
+class Ctx:
+    """What every section shares: the device, the fp32 model (loaded once), the step's batch."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.dev = torch.device(spec["device"])
+        self.model, self.tok = load_policy(spec["model"], device=self.dev)
+        self.model.train()  # as a trainer holds it; the sampler and the log-prob pass switch to eval themselves
+        self.pad = self.tok.pad_token_id
+        rows = [json.loads(x) for x in Path(spec["data"]).read_text().splitlines() if x.strip()]
+        self.prompts = [self.tok.encode(r["prompt"]) for r in rows[: spec["prompts"]]]
+        self.samples, self.new = spec["samples"], spec["new_tokens"]
+        self.params = sum(p.numel() for p in self.model.parameters())
+        cfg = self.model.config
+        self.embed = cfg.vocab_size * cfg.hidden_size
+
+    def sync(self):
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def reset_peak(self):
+        if self.dev.type == "cuda":
+            self.sync()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self):
+        return torch.cuda.max_memory_allocated() / GIB if self.dev.type == "cuda" else None
+
+    def free(self):
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def timed(self, fn):
+        self.sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        return time.perf_counter() - t0, out
+
+    def rollout(self, model, decoder="auto", prompts=None):
+        prompts = prompts or self.prompts
+        params = SamplingParams(max_new_tokens=self.new, samples_per_prompt=self.samples, seed=0)
+        return generate(model, prompts, list(range(len(prompts))), params, step=0, eos_token_ids=set(),
+                        pad_token_id=self.pad, decoder=decoder)
+
+    def step_batch(self, completions=None, seed=0) -> Batch:
+        """The step's rows: each prompt x samples with its completion (or random response tokens)."""
+        g = torch.Generator().manual_seed(seed)
+        tokens, resp = [], []
+        for i, p in enumerate(self.prompts):
+            for s in range(self.samples):
+                r = completions[i][s].token_ids if completions else \
+                    torch.randint(4, len(self.tok) - 1, (self.new,), generator=g).tolist()
+                tokens.append(torch.tensor(p + r))
+                resp.append(len(r))
+        adv = torch.randn(len(tokens), generator=g)
+        return Batch({"tokens": Ragged.of(tokens, torch.long), "response_len": torch.tensor(resp),
+                      "advantages": adv})
+
+    def micro_rows(self, rows: list[int], batch: Batch) -> list[list[int]]:
+        """Rows in micro-batches of at most token_cap padded tokens (evenrl's cap, the longest row times rows)."""
+        width = int(batch["tokens"].lengths.max())
+        per = max(1, self.spec["token_cap"] // width)
+        return [rows[i: i + per] for i in range(0, len(rows), per)]
+
+    def update(self, model, optimizer, batch: Batch) -> None:
+        """The step's update: two mini-batches (gpu.py's minibatches_per_step), one optimizer step each."""
+        n = len(batch)
+        for half in (list(range(n // 2)), list(range(n // 2, n))):
+            minibatch_update(model, optimizer, None, batch, self.micro_rows(half, batch),
+                             minibatch_denominators(batch["response_len"], half),
+                             forward=lambda m, mb: response_logprobs(m, mb, self.pad),
+                             loss_fn=lambda out, tg, mask, mb: (-mb["advantages"].to(out.device)[:, None]
+                                                                * out[..., 0], {}),
+                             stat_names=[], aggregation="token-mean", max_grad_norm=1.0, pad_token_id=self.pad)
+
+    def update_flops(self, batch: Batch) -> float:
+        """Matmul FLOPs of one update (forward + backward = 3 x forward): 2 per parameter per token in the layers
+        (the embedding is a lookup), 2 x hidden x vocabulary per response token in the output layer (evenrl runs
+        it on response positions only), and attention's two products, causal (about half the scores)."""
+        cfg = self.model.config
+        lens = batch["tokens"].lengths.double()
+        body = 2 * (self.params - self.embed) * float(lens.sum())
+        head = 2 * cfg.hidden_size * cfg.vocab_size * float(batch["response_len"].sum())
+        attn = 2 * cfg.num_hidden_layers * cfg.hidden_size * float((lens * lens).sum())
+        return 3 * (body + head + attn)
+
+
+def set_tf32(on: bool) -> None:
+    torch.set_float32_matmul_precision("high" if on else "highest")
+
+
+class MasterAdamW:
+    """bf16 parameters trained through fp32 master copies: gradients (bf16) are upcast into the masters, fused
+    AdamW steps the masters, and the bf16 parameters are overwritten with their rounding. The scheme the suite
+    measures against autocast over fp32 parameters (evenrl's model.dtype=bfloat16 when replicated)."""
+
+    def __init__(self, model, fused=True, lr=1e-5):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, lr=lr, fused=fused)
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+        self.opt.zero_grad(set_to_none=True)
+
+
+def scheme_model(ctx: Ctx, scheme: str, fused: bool = True):
+    """(model, optimizer, undo) for a precision scheme over ctx.model."""
+    set_tf32(scheme == "fp32-tf32")
+    if scheme == "bf16-params":
+        model = copy.deepcopy(ctx.model).to(torch.bfloat16)
+        return model, MasterAdamW(model, fused), lambda: None
+    model = ctx.model
+    if scheme == "bf16-autocast":
+        set_autocast(model, torch.bfloat16)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused,
+                            foreach=None if fused else True)
+    return model, opt, lambda: setattr(model, "evenrl_autocast", None)
+
+
+# ------------------------------------------------------------------------------------------ sections
+
+def sec_schemes(ctx: Ctx) -> dict:
+    out = {}
+    peak_tflops = ctx.spec.get("peak_bf16_tflops")
+    for scheme in SCHEMES:
+        model, opt, undo = scheme_model(ctx, scheme)
+        reps = []
+        for rep in range(ctx.spec["reps"] + 1):  # the first pays for first launches and allocator growth
+            r = {}
+            ctx.reset_peak()
+            r["rollout_s"], comps = ctx.timed(lambda: ctx.rollout(model))
+            r["rollout_peak_gib"] = ctx.peak()
+            batch = ctx.step_batch(comps)
+            ctx.reset_peak()
+            r["logprobs_s"], _ = ctx.timed(lambda: compute_logprobs(
+                model, batch, ctx.micro_rows(list(range(len(batch))), batch), temperature=1.0, pad_token_id=ctx.pad))
+            r["logprobs_peak_gib"] = ctx.peak()
+            ctx.reset_peak()
+            r["update_s"], _ = ctx.timed(lambda: ctx.update(model, opt, batch))
+            r["update_peak_gib"] = ctx.peak()
+            r["update_tflop"] = ctx.update_flops(batch) / 1e12
+            reps.append(r)
+        timed = reps[1:]
+        row = {k: statistics.median(x[k] for x in timed) for k in ("rollout_s", "logprobs_s", "update_s",
+                                                                     "update_tflop")}
+        row.update({k: max((x[k] for x in timed if x[k] is not None), default=None)
+                    for k in ("rollout_peak_gib", "logprobs_peak_gib", "update_peak_gib")})
+        row["step_s"] = row["rollout_s"] + row["logprobs_s"] + row["update_s"]
+        row["update_tflops"] = row["update_tflop"] / row["update_s"]
+        row["update_mfu"] = row["update_tflops"] / peak_tflops if peak_tflops else None
+        out[scheme] = row
+        undo()
+        del model, opt
+        ctx.free()
+    set_tf32(False)
+    return {"rows": ctx.samples * len(ctx.prompts), "new_tokens": ctx.new, "timed_reps": ctx.spec["reps"],
+            "peak_bf16_tflops": peak_tflops, "schemes": out}
+
+
+def busy_share(prof, span_name: str) -> dict:
+    """Share of the profiled span in which the device runs a kernel (CUDA), or the host runs an aten op (CPU):
+    the union of those intervals over the span's length. The rest is Python, launches and waiting."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    span = next(e for e in events if e.name == span_name)
+    cuda = [e for e in events if e.device_type != DeviceType.CPU]
+    work = cuda or [e for e in events if e.name.startswith("aten::")]
+    lo, hi = span.time_range.start, span.time_range.end
+    spans = sorted((max(e.time_range.start, lo), min(e.time_range.end, hi)) for e in work)
+    busy, end = 0.0, lo
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    wall = hi - lo
+    return {"busy_share": busy / wall if wall else None, "what": "CUDA kernels" if cuda else "aten ops (host)",
+            "profiled_s": wall / 1e6}
+
+
+def sec_sampler(ctx: Ctx) -> dict:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.dev.type == "cuda" else [])
+    out = {}
+    for precision in ("fp32", "bf16"):
+        if precision == "bf16":
+            set_autocast(ctx.model, torch.bfloat16)
+        for decoder in ("lean", "static"):
+            ctx.rollout(ctx.model, decoder)  # warm-up: first launches, the graph's capture path
+            secs = [ctx.timed(lambda: ctx.rollout(ctx.model, decoder))[0] for _ in range(ctx.spec["reps"])]
+            with profile(activities=acts) as prof:
+                with record_function("sampler"):
+                    ctx.rollout(ctx.model, decoder)
+                    ctx.sync()
+            s = statistics.median(secs)
+            tokens = len(ctx.prompts) * ctx.samples * ctx.new
+            out[f"{decoder}-{precision}"] = {"decoder": decoder, "precision": precision, "seconds": s,
+                                             "tokens_per_s": tokens / s, **busy_share(prof, "sampler")}
+        ctx.model.evenrl_autocast = None
+    return {"rows": len(ctx.prompts) * ctx.samples, "new_tokens": ctx.new, "arms": out}
+
+
+def sec_precision(ctx: Ctx) -> dict:
+    """gpu.py's precision check, on one model load, with TF32 and bf16 parameters among the variants."""
+    g = torch.Generator().manual_seed(1)
+    rows, new = min(8, len(ctx.prompts)), min(128, ctx.new)
+    tokens = [torch.tensor(p + torch.randint(4, len(ctx.tok) - 1, (new,), generator=g).tolist())
+              for p in ctx.prompts[:rows]]
+    batch = Batch({"tokens": Ragged.of(tokens, torch.long), "response_len": torch.full((rows,), new)})
+    adv = torch.randn(rows, generator=g, dtype=torch.float64)
+
+    def run(model, double=False):
+        model.zero_grad(set_to_none=True)
+        logits, targets, mask = response_logits(model, batch, ctx.pad)
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0] if double else \
+            token_logprobs(logits, targets)
+        loss = -(adv.to(ctx.dev, logp.dtype)[:, None] * logp * mask).sum() / mask.sum()
+        loss.backward()
+        grads = torch.cat([p.grad.reshape(-1).double() for _, p in sorted(model.named_parameters())])
+        res = (logp.detach().double()[mask], float(loss.detach()), grads)
+        model.zero_grad(set_to_none=True)
+        return res
+
+    ref_model = copy.deepcopy(ctx.model).double()
+    ref_lp, ref_loss, ref_g = run(ref_model, double=True)
+    del ref_model
+    ctx.free()
+    out = {}
+    for scheme in SCHEMES:
+        model, _, undo = scheme_model(ctx, scheme)
+        lp, loss, gr = run(model)
+        out[scheme] = {"mean_abs_dlogp": float((lp - ref_lp).abs().mean()),
+                       "max_abs_dlogp": float((lp - ref_lp).abs().max()),
+                       "loss_rel_err": abs(loss - ref_loss) / max(abs(ref_loss), 1e-30),
+                       "grad_rel_err": float((gr - ref_g).norm() / ref_g.norm())}
+        undo()
+        del model, gr
+        ctx.free()
+    set_tf32(False)
+    tf32 = out["fp32-tf32"]
+    return {"rows": rows, "response_tokens": new, "reference": "float64", "variants": out, "bf16_bounds": BF16_BOUNDS,
+            "tf32_within_bf16_bounds": all(tf32[k] <= v for k, v in BF16_BOUNDS.items()),
+            "tf32_note": None if ctx.dev.type == "cuda" else "TF32 is a CUDA matmul mode: on CPU it equals fp32"}
+
+
+def sec_adamw(ctx: Ctx) -> dict:
+    params = [p for p in ctx.model.parameters() if p.requires_grad]
+    out = {}
+    for kind in ("fused", "foreach"):
+        opt = torch.optim.AdamW(params, lr=1e-12, fused=kind == "fused", foreach=None if kind == "fused" else True)
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        secs = [ctx.timed(opt.step)[0] for _ in range(1 + ctx.spec["reps"] * 2)][1:]
+        out[kind] = {"step_ms": 1e3 * statistics.median(secs)}
+        opt.zero_grad(set_to_none=True)
+        del opt
+        ctx.free()
+    return {"params": sum(p.numel() for p in params), "optimizer": out}
+
+
+def sec_trace(ctx: Ctx) -> dict:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.dev.type == "cuda" else [])
+    model, opt, undo = scheme_model(ctx, "bf16-autocast")
+    batch = ctx.step_batch()
+    ctx.update(model, opt, batch)  # warm-up outside the trace
+    with profile(activities=acts) as prof:
+        with record_function("rollout"):
+            comps = ctx.rollout(model)
+            ctx.sync()
+        batch = ctx.step_batch(comps)
+        with record_function("logprobs"):
+            compute_logprobs(model, batch, ctx.micro_rows(list(range(len(batch))), batch), temperature=1.0,
+                             pad_token_id=ctx.pad)
+            ctx.sync()
+        with record_function("update"):
+            ctx.update(model, opt, batch)
+            ctx.sync()
+    undo()
+    out_dir = Path(ctx.spec["out"])
+    raw = Path(ctx.spec["work"]) / "trace_bf16_step.json"
+    prof.export_chrome_trace(str(raw))
+    gz = out_dir / "trace_bf16_step.json.gz"
+    with raw.open("rb") as f, gzip.open(gz, "wb", compresslevel=6) as g:
+        shutil.copyfileobj(f, g)
+    kept = gz.stat().st_size <= ctx.spec.get("max_file_bytes", 15 * 2**20)
+    if not kept:  # the device tool brings back files of at most 16 MiB
+        gz.unlink()
+    sort = "self_device_time_total" if ctx.dev.type == "cuda" else "self_cpu_time_total"
+    try:
+        text = prof.key_averages().table(sort_by=sort, row_limit=60)
+    except (AttributeError, KeyError, ValueError):  # an older profiler's key name
+        sort = "self_cuda_time_total" if ctx.dev.type == "cuda" else "self_cpu_time_total"
+        text = prof.key_averages().table(sort_by=sort, row_limit=60)
+    (out_dir / "trace_bf16_step.txt").write_text(f"one bf16-autocast step (rollout, log-probs, update), sorted by "
+                                                 f"{sort}\n{text}\n")
+    phases = {p: busy_share(prof, p) for p in ("rollout", "logprobs", "update")}
+    del opt
+    ctx.free()
+    return {"trace": gz.name if kept else None, "trace_bytes": raw.stat().st_size,
+            "trace_note": None if kept else "the gzipped trace was over 15 MiB and was not kept",
+            "top_ops": "trace_bf16_step.txt", "phases": phases}
+
+
+def sec_compile(ctx: Ctx) -> dict:
+    eager = forward_module._packed_forward
+    compiled = torch.compile(eager, dynamic=True)
+    model, opt, undo = scheme_model(ctx, "bf16-autocast")
+    batch = ctx.step_batch()
+    try:
+        eager_s = [ctx.timed(lambda: ctx.update(model, opt, batch))[0] for _ in range(ctx.spec["reps"] + 1)][1:]
+        forward_module._packed_forward = compiled  # the training forward's packed path, looked up per call
+        first_s, _ = ctx.timed(lambda: ctx.update(model, opt, batch))
+        comp_s = [ctx.timed(lambda: ctx.update(model, opt, batch))[0] for _ in range(ctx.spec["reps"])]
+    finally:
+        forward_module._packed_forward = eager
+        undo()
+    flops = ctx.update_flops(batch) / 1e12
+    peak = ctx.spec.get("peak_bf16_tflops")
+    e, c = statistics.median(eager_s), statistics.median(comp_s)
+    return {"scheme": "bf16-autocast", "eager_update_s": e, "compiled_update_s": c,
+            "first_compiled_call_s": first_s, "compile_s": first_s - c, "speedup": e / c,
+            "eager_tflops": flops / e, "compiled_tflops": flops / c,
+            "eager_mfu": flops / e / peak if peak else None, "compiled_mfu": flops / c / peak if peak else None}
+
+
+def sec_ceiling(ctx: Ctx) -> dict:
+    """The bf16 matrix-product ceiling as measured here (METHOD.md: measure the ceilings once)."""
+    n = 8192 if ctx.dev.type == "cuda" else 512
+    a, b = (torch.randn(n, n, device=ctx.dev, dtype=torch.bfloat16) for _ in range(2))
+    a @ b
+    secs = [ctx.timed(lambda: a @ b)[0] for _ in range(10)]
+    return {"n": n, "bf16_matmul_tflops": 2 * n**3 / statistics.median(secs) / 1e12}
+
+
+SECTIONS = {"ceiling": sec_ceiling, "schemes": sec_schemes, "sampler": sec_sampler, "precision": sec_precision,
+            "adamw": sec_adamw, "trace": sec_trace, "compile": sec_compile}
+
+
+def _over_cap(signum, frame):
+    raise TimeoutError("stopped at its time cap (1.5 x its estimate + 10 s)")
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    signal.signal(signal.SIGALRM, _over_cap)
+    result_file = Path(spec["result_file"])
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    ctx = Ctx(spec)
+    with result_file.open("a") as f:
+        f.write(json.dumps({"name": "load", "seconds": time.perf_counter() - t0,
+                            "result": {"params": ctx.params}}) + "\n")
+    for name in spec["sections"]:
+        left = spec["deadline"] - time.time()
+        need = spec["estimates"].get(name, 0)
+        line: dict = {"name": name}
+        if left < need:
+            line["skipped"] = f"budget: {left:.0f} s left before the deadline, the section needs ~{need:.0f} s"
+        else:
+            t = time.perf_counter()
+            cap = min(1.5 * need + 10, left)  # one section running long leaves the next ones their time
+            signal.setitimer(signal.ITIMER_REAL, cap)
+            try:
+                line["result"] = SECTIONS[name](ctx)
+            except Exception as e:  # noqa: BLE001 - reported in the suite's table, the next section still runs
+                line["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                set_tf32(False)
+                ctx.model.evenrl_autocast = None
+                ctx.free()
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            line["seconds"] = time.perf_counter() - t
+        with result_file.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1]))

@@ -1,0 +1,88 @@
+"""benchmarks/gpu_suite.py, the one prepared GPU run, checked on CPU: its JSON schema is complete whatever the budget
+cuts, every section not run says why, a section that runs reports numbers that could be wrong, and a child killed
+at the deadline is recorded as cut with the sections after it skipped. The whole rehearsal (`--tiny --device cpu`,
+every section) is a benchmark, not a test: docs/performance.md."""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import gpu_suite  # noqa: E402
+
+KEYS = {"name", "group", "status", "reason", "seconds", "estimate_s", "result"}
+
+
+def load(out: Path) -> dict:
+    res = json.loads((out / "gpu_suite.json").read_text())
+    assert res["schema"] == gpu_suite.SCHEMA
+    assert [s["name"] for s in res["sections"]] == list(gpu_suite.SECTIONS)  # every section, in the order of value
+    for s in res["sections"]:
+        assert KEYS <= set(s)
+        assert s["status"] in ("ran", "skipped", "failed", "cut")
+        if s["status"] != "ran":
+            assert s["reason"], s  # never silent
+    md = (out / "gpu_suite.md").read_text()
+    assert all(f"| {name} |" in md for name in gpu_suite.SECTIONS)
+    return res
+
+
+def test_a_budget_too_small_for_anything_skips_every_section_and_says_why(tmp_path):
+    assert gpu_suite.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--budget-s", "1"]) == 0
+    res = load(tmp_path)
+    assert res["model"] is None  # nothing fitted, so nothing was built
+    assert all(s["status"] == "skipped" and s["reason"].startswith("budget:") for s in res["sections"])
+    assert res["wall_s"] < 30
+
+
+def test_one_cheap_section_runs_and_the_rest_are_not_asked(tmp_path):
+    out = tmp_path / "out"
+    assert gpu_suite.main(["--tiny", "--device", "cpu", "--out", str(out), "--budget-s", "300",
+                           "--sections", "precision,adamw"]) == 0
+    res = load(out)
+    secs = {s["name"]: s for s in res["sections"]}
+    assert {n for n, s in secs.items() if s["status"] == "ran"} == {"precision", "adamw"}
+    assert all(s["reason"] == "not asked (--sections)" for n, s in secs.items() if n not in ("precision", "adamw"))
+    v = secs["precision"]["result"]["variants"]
+    assert set(v) == {"fp32", "fp32-tf32", "bf16-autocast", "bf16-params"}
+    assert v["fp32"]["mean_abs_dlogp"] < 1e-5 and v["fp32"]["grad_rel_err"] < 1e-4  # fp32 against float64
+    for scheme in ("bf16-autocast", "bf16-params"):  # bf16 is measurably worse, and within its documented bounds
+        assert 10 * v["fp32"]["mean_abs_dlogp"] < v[scheme]["mean_abs_dlogp"] < 1e-2
+    assert v["fp32-tf32"] == v["fp32"]  # TF32 is a CUDA mode: on CPU the same arithmetic
+    opt = secs["adamw"]["result"]["optimizer"]
+    assert opt["fused"]["step_ms"] > 0 and opt["foreach"]["step_ms"] > 0
+    assert res["model"]["shape_name"] == "tiny"
+    assert not (out / "trace_bf16_step.json.gz").exists()  # the trace section was not asked
+
+
+def test_a_kernels_child_killed_at_the_deadline_is_cut_and_the_rest_skipped(tmp_path):
+    class KilledAfterCeiling:  # what the child leaves when the deadline kills it during "schemes"
+        def run(self, title, cmd, timeout):
+            spec = json.loads(Path(cmd[-1]).read_text())
+            assert spec["sections"] == ["ceiling", "schemes", "sampler"] and timeout > 0
+            Path(spec["result_file"]).write_text(
+                json.dumps({"name": "load", "seconds": 2.0, "result": {"params": 1}}) + "\n"
+                + json.dumps({"name": "ceiling", "seconds": 0.5, "result": {"n": 8, "bf16_matmul_tflops": 1.0}}) + "\n")
+            return 124, "", 9.0
+
+    ctx = SimpleNamespace(work=tmp_path, out=tmp_path, model=tmp_path, data=tmp_path, device="cpu",
+                          budget=gpu_suite.Budget(60, tiny=True), log=KilledAfterCeiling(), info={},
+                          args=SimpleNamespace(prompts=4, samples=4, new_tokens=16, token_cap=4096, tiny=True))
+    got = gpu_suite.run_kernels(ctx, ["ceiling", "schemes", "sampler"])
+    assert got["ceiling"]["status"] == "ran" and got["ceiling"]["load_s"] == 2.0
+    assert got["schemes"]["status"] == "cut" and "deadline" in got["schemes"]["reason"]
+    assert got["sampler"]["status"] == "skipped" and "schemes" in got["sampler"]["reason"]
+
+
+@pytest.mark.parametrize("argv, field", [(["--sections", "step-fp32,nope"], "--sections: unknown nope"),
+                                         (["--budget-s", "0"], "--budget-s: 0.0")])
+def test_bad_arguments_are_refused_in_one_line(argv, field, capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_suite.parse(argv)
+    assert e.value.code == 2
+    assert field in capsys.readouterr().err.strip().splitlines()[-1]

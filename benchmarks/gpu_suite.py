@@ -11,14 +11,18 @@ trace_bf16_step.json.gz and trace_bf16_step.txt.
 
 Model and batch: benchmarks/gpu.py's (Qwen2.5-0.5B's dimensions, random weights, 494 M parameters; 16 prompts x 4
 samples x 128 new tokens, token cap 4096, 2 mini-batches per step), built once and shared by every section.
-  step-*       `evenrl train` (gpu.py's runs): fp32, bf16 autocast, FSDP2 bf16, fp32 with TF32 (cuBLAS override
-               variable): step, rollout / log-prob / update seconds and peak GiB per phase, `evenrl plan` beside
-  ceiling ...  one process (gpu_suite_kernels.py, one model load): the bf16 matmul ceiling, the same phases
-  compile      per precision scheme in-process (bf16 parameters with fp32 master weights among them, a scheme
-               `evenrl train` does not have) with the update's TFLOP/s and MFU, the sampler alone (lean vs static x
-               fp32 vs bf16, tokens/s, busy share), TF32's error against float64, fused vs foreach AdamW, a
-               torch.profiler trace of one bf16 step, torch.compile of the training forward
+Sections, in this order:
+  step-fp32, step-bf16-autocast   `evenrl train` (gpu.py's runs): step, rollout / log-prob / update seconds and
+               peak GiB per phase, `evenrl plan` beside
+  ceiling .. sampler   one process, one model load (gpu_suite_kernels.py): the bf16 matmul ceiling; the step's
+               phases in-process per precision scheme (gpu_suite_schemes.py: fp32, fp32+TF32, bf16 autocast, bf16
+               parameters with fp32 master weights) with the update's TFLOP/s and MFU against the chip's bf16 peak;
+               log-probs, loss and gradient of each scheme against float64; fused vs foreach AdamW; a
+               torch.profiler trace of one bf16 step; the sampler alone (lean vs static x fp32 vs bf16: tokens/s
+               and the share of the time the device is busy, the rest being Python and launches)
   vs-trl       evenrl vs TRL GRPO in bf16: grpo_vs_trl.py's alternating pairs (>= 2 pairs if they fit)
+  compile      the bf16 update with the packed training forward under torch.compile (compile time apart)
+  step-fsdp-bf16, step-fp32-tf32  `evenrl train` with FSDP2 bf16, and fp32 with TF32 (cuBLAS override variable)
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ sys.path[:0] = [str(ROOT / "src"), str(HERE)]
 import gpu  # noqa: E402  (benchmarks/gpu.py: model, data, evenrl train runs, plans)
 
 SCHEMA = "evenrl.gpu_suite/1"
-KERNELS = ("ceiling", "schemes", "sampler", "precision", "adamw", "trace", "compile")
 # name: (group, estimated seconds on one H100, on the 2-core CPU with --tiny). Order = value: the budget cuts
 # from the end. GPU estimates from the 2026-11-23 H100 runs (process start + load ~20 s, steps 4-7 s).
 SECTIONS = {
@@ -53,10 +56,10 @@ SECTIONS = {
     "step-bf16-autocast": ("train", 65, 25),
     "ceiling": ("kernels", 3, 1),
     "schemes": ("kernels", 70, 8),
-    "sampler": ("kernels", 50, 8),
     "precision": ("kernels", 25, 3),
     "adamw": ("kernels", 5, 1),
     "trace": ("kernels", 30, 5),
+    "sampler": ("kernels", 50, 8),  # last of its process: a CUDA graph capture gone wrong can break the context
     "vs-trl": ("trl", 170, 70),
     "compile": ("kernels", 140, 40),  # after TRL: a target beside a candidate; a second process (load ~20 s)
     "step-fsdp-bf16": ("train", 65, 25),

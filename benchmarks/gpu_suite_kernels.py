@@ -1,25 +1,11 @@
 """benchmarks/gpu_suite.py's in-process sections: one process, one model load, every measurement that needs no
-`evenrl train` of its own. Run by gpu_suite.py (never by hand):
+`evenrl train` of its own (gpu_suite.py's docstring lists them). Run by gpu_suite.py, not by hand:
 
     python3 benchmarks/gpu_suite_kernels.py SPEC.json      # SPEC: model, data, sections, deadline, result file
 
-Each finished section appends one JSON line {"name", "seconds", "result"} (or "error") to the result file, so a run
-killed at the suite's deadline keeps what it finished. A section whose estimate no longer fits before the deadline
-is written as skipped, with the reason.
-
-Sections (gpu_suite.py's docstring says what each answers):
-  schemes    one RL step's phases in-process per precision scheme: rollout (evenrl's sampler), log-probs, update
-             (two mini-batch updates, evenrl.train.update.minibatch_update), seconds and peak GiB per phase, the
-             update's TFLOP/s and MFU
-  sampler    the sampler alone at the step's 64 rows: lean vs static x fp32 vs bf16, tokens/s, share of the time
-             the device (CUDA: kernels) or the ops (CPU: aten) are busy; the rest is Python and launch overhead
-  precision  one fixed batch's log-probs, loss and gradient against float64: fp32, fp32+TF32, bf16 autocast, bf16
-             parameters
-  adamw      optimizer.step() alone over the model's fp32 parameters: fused vs foreach AdamW
-  trace      torch.profiler over one bf16 (autocast) step: rollout, log-probs, update; Chrome trace (.json.gz) and
-             the top ops (.txt)
-  compile    the bf16 update with evenrl's packed training forward under torch.compile: first call (compile)
-             and steady state
+Each finished section appends one JSON line {"name", "seconds", "result" | "error" | "skipped"} to the result file,
+so a run killed at the suite's deadline keeps what it finished. A section whose estimate no longer fits before the
+deadline is written as skipped with the reason; one that runs past 1.5x its estimate + 10 s is stopped (SIGALRM).
 """
 
 from __future__ import annotations
@@ -36,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from evenrl.core.aggregation import Denominators
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import token_logprobs
 from evenrl.engines.hf import SamplingParams, generate
@@ -44,12 +29,10 @@ from evenrl.models import forward as forward_module
 from evenrl.models.forward import response_logits, response_logprobs
 from evenrl.models.loading import load_policy, set_autocast
 from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update
+from gpu_suite_schemes import BF16_BOUNDS, SCHEMES, scheme_model, set_tf32
 
 GIB = 2**30
-SCHEMES = ("fp32", "fp32-tf32", "bf16-autocast", "bf16-params")
-# documented bf16 tolerance of the precision check (docs/performance.md, "Reading it"): TF32 is kept for fp32 runs
-# only if its error stays within these
-BF16_BOUNDS = {"mean_abs_dlogp": 1e-2, "grad_rel_err": 5e-2}
+SPANS = ("sampler", "rollout", "logprobs", "update")  # the record_function ranges busy_share measures
 
 
 class Ctx:
@@ -72,9 +55,9 @@ class Ctx:
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def reset_peak(self):
+    def reset_peak(self):  # memory: CUDA's allocator statistics only (None on CPU)
+        self.sync()
         if self.dev.type == "cuda":
-            self.sync()
             torch.cuda.reset_peak_memory_stats()
 
     def peak(self):
@@ -91,10 +74,9 @@ class Ctx:
         self.sync()
         return time.perf_counter() - t0, out
 
-    def rollout(self, model, decoder="auto", prompts=None):
-        prompts = prompts or self.prompts
+    def rollout(self, model, decoder="auto"):
         params = SamplingParams(max_new_tokens=self.new, samples_per_prompt=self.samples, seed=0)
-        return generate(model, prompts, list(range(len(prompts))), params, step=0, eos_token_ids=set(),
+        return generate(model, self.prompts, list(range(len(self.prompts))), params, step=0, eos_token_ids=set(),
                         pad_token_id=self.pad, decoder=decoder)
 
     def step_batch(self, completions=None, seed=0) -> Batch:
@@ -140,86 +122,52 @@ class Ctx:
         return 3 * (body + head + attn)
 
 
-def set_tf32(on: bool) -> None:
-    torch.set_float32_matmul_precision("high" if on else "highest")
-
-
-class MasterAdamW:
-    """bf16 parameters trained through fp32 master copies: gradients (bf16) are upcast into the masters, fused
-    AdamW steps the masters, and the bf16 parameters are overwritten with their rounding. The scheme the suite
-    measures against autocast over fp32 parameters (evenrl's model.dtype=bfloat16 when replicated)."""
-
-    def __init__(self, model, fused=True, lr=1e-5):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
-        self.opt = torch.optim.AdamW(self.master, lr=lr, fused=fused)
-
-    @torch.no_grad()
-    def step(self):
-        for p, m in zip(self.params, self.master):
-            m.grad = None if p.grad is None else p.grad.float()
-        self.opt.step()
-        for p, m in zip(self.params, self.master):
-            p.copy_(m)
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
-        self.opt.zero_grad(set_to_none=True)
-
-
-def scheme_model(ctx: Ctx, scheme: str, fused: bool = True):
-    """(model, optimizer, undo) for a precision scheme over ctx.model."""
-    set_tf32(scheme == "fp32-tf32")
-    if scheme == "bf16-params":
-        model = copy.deepcopy(ctx.model).to(torch.bfloat16)
-        return model, MasterAdamW(model, fused), lambda: None
-    model = ctx.model
-    if scheme == "bf16-autocast":
-        set_autocast(model, torch.bfloat16)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused,
-                            foreach=None if fused else True)
-    return model, opt, lambda: setattr(model, "evenrl_autocast", None)
-
-
 # ------------------------------------------------------------------------------------------ sections
 
 def sec_schemes(ctx: Ctx) -> dict:
     out = {}
     peak_tflops = ctx.spec.get("peak_bf16_tflops")
     for scheme in SCHEMES:
-        model, opt, undo = scheme_model(ctx, scheme)
-        reps = []
-        for rep in range(ctx.spec["reps"] + 1):  # the first pays for first launches and allocator growth
-            r = {}
-            ctx.reset_peak()
-            r["rollout_s"], comps = ctx.timed(lambda: ctx.rollout(model))
-            r["rollout_peak_gib"] = ctx.peak()
-            batch = ctx.step_batch(comps)
-            ctx.reset_peak()
-            r["logprobs_s"], _ = ctx.timed(lambda: compute_logprobs(
-                model, batch, ctx.micro_rows(list(range(len(batch))), batch), temperature=1.0, pad_token_id=ctx.pad))
-            r["logprobs_peak_gib"] = ctx.peak()
-            ctx.reset_peak()
-            r["update_s"], _ = ctx.timed(lambda: ctx.update(model, opt, batch))
-            r["update_peak_gib"] = ctx.peak()
-            r["update_tflop"] = ctx.update_flops(batch) / 1e12
-            reps.append(r)
-        timed = reps[1:]
-        row = {k: statistics.median(x[k] for x in timed) for k in ("rollout_s", "logprobs_s", "update_s",
-                                                                     "update_tflop")}
-        row.update({k: max((x[k] for x in timed if x[k] is not None), default=None)
-                    for k in ("rollout_peak_gib", "logprobs_peak_gib", "update_peak_gib")})
-        row["step_s"] = row["rollout_s"] + row["logprobs_s"] + row["update_s"]
-        row["update_tflops"] = row["update_tflop"] / row["update_s"]
-        row["update_mfu"] = row["update_tflops"] / peak_tflops if peak_tflops else None
-        out[scheme] = row
-        undo()
-        del model, opt
-        ctx.free()
+        try:
+            out[scheme] = _scheme_step(ctx, scheme, peak_tflops)
+        except Exception as e:  # noqa: BLE001 - one scheme failing leaves the others' numbers
+            out[scheme] = {"error": one_line(e)}
+            _reset(ctx)
     set_tf32(False)
     return {"rows": ctx.samples * len(ctx.prompts), "new_tokens": ctx.new, "timed_reps": ctx.spec["reps"],
             "peak_bf16_tflops": peak_tflops, "schemes": out}
+
+
+def _scheme_step(ctx: Ctx, scheme: str, peak_tflops: float | None) -> dict:
+    model, opt, undo = scheme_model(ctx.model, scheme)
+    reps = []
+    for _ in range(ctx.spec["reps"] + 1):  # the first pays for first launches and allocator growth
+        r = {}
+        ctx.reset_peak()
+        r["rollout_s"], comps = ctx.timed(lambda: ctx.rollout(model))
+        r["rollout_peak_gib"] = ctx.peak()
+        batch = ctx.step_batch(comps)
+        ctx.reset_peak()
+        r["logprobs_s"], _ = ctx.timed(lambda: compute_logprobs(
+            model, batch, ctx.micro_rows(list(range(len(batch))), batch), temperature=1.0, pad_token_id=ctx.pad))
+        r["logprobs_peak_gib"] = ctx.peak()
+        ctx.reset_peak()
+        r["update_s"], _ = ctx.timed(lambda: ctx.update(model, opt, batch))
+        r["update_peak_gib"] = ctx.peak()
+        r["update_tflop"] = ctx.update_flops(batch) / 1e12
+        reps.append(r)
+    timed = reps[1:]
+    row = {k: statistics.median(x[k] for x in timed) for k in ("rollout_s", "logprobs_s", "update_s",
+                                                                 "update_tflop")}
+    row.update({k: max((x[k] for x in timed if x[k] is not None), default=None)
+                for k in ("rollout_peak_gib", "logprobs_peak_gib", "update_peak_gib")})
+    row["step_s"] = row["rollout_s"] + row["logprobs_s"] + row["update_s"]
+    row["update_tflops"] = row["update_tflop"] / row["update_s"]
+    row["update_mfu"] = row["update_tflops"] / peak_tflops if peak_tflops else None
+    undo()
+    del model, opt
+    ctx.free()
+    return row
 
 
 def busy_share(prof, span_name: str) -> dict:
@@ -228,8 +176,9 @@ def busy_share(prof, span_name: str) -> dict:
     from torch.autograd import DeviceType
 
     events = prof.events()
-    span = next(e for e in events if e.name == span_name)
-    cuda = [e for e in events if e.device_type != DeviceType.CPU]
+    span = next(e for e in events if e.name == span_name and e.device_type == DeviceType.CPU)
+    # the device's copy of each record_function range is an annotation, not work
+    cuda = [e for e in events if e.device_type != DeviceType.CPU and e.name not in SPANS]
     work = cuda or [e for e in events if e.name.startswith("aten::")]
     lo, hi = span.time_range.start, span.time_range.end
     spans = sorted((max(e.time_range.start, lo), min(e.time_range.end, hi)) for e in work)
@@ -238,9 +187,8 @@ def busy_share(prof, span_name: str) -> dict:
         if b > end:
             busy += b - max(a, end)
             end = b
-    wall = hi - lo
-    return {"busy_share": busy / wall if wall else None, "what": "CUDA kernels" if cuda else "aten ops (host)",
-            "profiled_s": wall / 1e6}
+    return {"busy_share": busy / (hi - lo) if hi > lo else None, "what": "CUDA kernels" if cuda else "aten ops (host)",
+            "profiled_s": (hi - lo) / 1e6}
 
 
 def sec_sampler(ctx: Ctx) -> dict:
@@ -251,17 +199,20 @@ def sec_sampler(ctx: Ctx) -> dict:
     for precision in ("fp32", "bf16"):
         if precision == "bf16":
             set_autocast(ctx.model, torch.bfloat16)
-        for decoder in ("lean", "static"):
-            ctx.rollout(ctx.model, decoder)  # warm-up: first launches, the graph's capture path
-            secs = [ctx.timed(lambda: ctx.rollout(ctx.model, decoder))[0] for _ in range(ctx.spec["reps"])]
-            with profile(activities=acts) as prof:
-                with record_function("sampler"):
+        for decoder in ("lean", "static"):  # lean first: a failed graph capture cannot cost its numbers
+            arm = {"decoder": decoder, "precision": precision}
+            try:
+                ctx.rollout(ctx.model, decoder)  # warm-up: first launches, the graph's capture path
+                secs = [ctx.timed(lambda: ctx.rollout(ctx.model, decoder))[0] for _ in range(ctx.spec["reps"])]
+                with profile(activities=acts) as prof, record_function("sampler"):
                     ctx.rollout(ctx.model, decoder)
                     ctx.sync()
-            s = statistics.median(secs)
-            tokens = len(ctx.prompts) * ctx.samples * ctx.new
-            out[f"{decoder}-{precision}"] = {"decoder": decoder, "precision": precision, "seconds": s,
-                                             "tokens_per_s": tokens / s, **busy_share(prof, "sampler")}
+                s = statistics.median(secs)
+                arm.update(seconds=s, tokens_per_s=len(ctx.prompts) * ctx.samples * ctx.new / s,
+                           **busy_share(prof, "sampler"))
+            except Exception as e:  # noqa: BLE001
+                arm["error"] = one_line(e)
+            out[f"{decoder}-{precision}"] = arm
         ctx.model.evenrl_autocast = None
     return {"rows": len(ctx.prompts) * ctx.samples, "new_tokens": ctx.new, "arms": out}
 
@@ -293,7 +244,7 @@ def sec_precision(ctx: Ctx) -> dict:
     ctx.free()
     out = {}
     for scheme in SCHEMES:
-        model, _, undo = scheme_model(ctx, scheme)
+        model, _, undo = scheme_model(ctx.model, scheme)
         lp, loss, gr = run(model)
         out[scheme] = {"mean_abs_dlogp": float((lp - ref_lp).abs().mean()),
                        "max_abs_dlogp": float((lp - ref_lp).abs().max()),
@@ -328,7 +279,7 @@ def sec_trace(ctx: Ctx) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.dev.type == "cuda" else [])
-    model, opt, undo = scheme_model(ctx, "bf16-autocast")
+    model, opt, undo = scheme_model(ctx.model, "bf16-autocast")
     batch = ctx.step_batch()
     ctx.update(model, opt, batch)  # warm-up outside the trace
     with profile(activities=acts) as prof:
@@ -353,12 +304,8 @@ def sec_trace(ctx: Ctx) -> dict:
     kept = gz.stat().st_size <= ctx.spec.get("max_file_bytes", 15 * 2**20)
     if not kept:  # the device tool brings back files of at most 16 MiB
         gz.unlink()
-    sort = "self_device_time_total" if ctx.dev.type == "cuda" else "self_cpu_time_total"
-    try:
-        text = prof.key_averages().table(sort_by=sort, row_limit=60)
-    except (AttributeError, KeyError, ValueError):  # an older profiler's key name
-        sort = "self_cuda_time_total" if ctx.dev.type == "cuda" else "self_cpu_time_total"
-        text = prof.key_averages().table(sort_by=sort, row_limit=60)
+    sort = "self_device_time_total" if ctx.dev.type == "cuda" else "self_cpu_time_total"  # torch >= 2.4's names
+    text = prof.key_averages().table(sort_by=sort, row_limit=60)
     (out_dir / "trace_bf16_step.txt").write_text(f"one bf16-autocast step (rollout, log-probs, update), sorted by "
                                                  f"{sort}\n{text}\n")
     phases = {p: busy_share(prof, p) for p in ("rollout", "logprobs", "update")}
@@ -372,7 +319,7 @@ def sec_trace(ctx: Ctx) -> dict:
 def sec_compile(ctx: Ctx) -> dict:
     eager = forward_module._packed_forward
     compiled = torch.compile(eager, dynamic=True)
-    model, opt, undo = scheme_model(ctx, "bf16-autocast")
+    model, opt, undo = scheme_model(ctx.model, "bf16-autocast")
     batch = ctx.step_batch()
     try:
         eager_s = [ctx.timed(lambda: ctx.update(model, opt, batch))[0] for _ in range(ctx.spec["reps"] + 1)][1:]
@@ -382,8 +329,7 @@ def sec_compile(ctx: Ctx) -> dict:
     finally:
         forward_module._packed_forward = eager
         undo()
-    flops = ctx.update_flops(batch) / 1e12
-    peak = ctx.spec.get("peak_bf16_tflops")
+    flops, peak = ctx.update_flops(batch) / 1e12, ctx.spec.get("peak_bf16_tflops")
     e, c = statistics.median(eager_s), statistics.median(comp_s)
     return {"scheme": "bf16-autocast", "eager_update_s": e, "compiled_update_s": c,
             "first_compiled_call_s": first_s, "compile_s": first_s - c, "speedup": e / c,
@@ -392,32 +338,51 @@ def sec_compile(ctx: Ctx) -> dict:
 
 
 def sec_ceiling(ctx: Ctx) -> dict:
-    """The bf16 matrix-product ceiling as measured here (METHOD.md: measure the ceilings once)."""
+    # the bf16 matrix-product ceiling as measured here (METHOD.md: measure the ceilings once)
     n = 8192 if ctx.dev.type == "cuda" else 512
     a, b = (torch.randn(n, n, device=ctx.dev, dtype=torch.bfloat16) for _ in range(2))
     a @ b
-    secs = [ctx.timed(lambda: a @ b)[0] for _ in range(10)]
+    secs = [ctx.timed(lambda: [a @ b for _ in range(10)])[0] / 10 for _ in range(5)]
     return {"n": n, "bf16_matmul_tflops": 2 * n**3 / statistics.median(secs) / 1e12}
 
 
-SECTIONS = {"ceiling": sec_ceiling, "schemes": sec_schemes, "sampler": sec_sampler, "precision": sec_precision,
-            "adamw": sec_adamw, "trace": sec_trace, "compile": sec_compile}
+SECTIONS = {"ceiling": sec_ceiling, "schemes": sec_schemes, "precision": sec_precision, "adamw": sec_adamw,
+            "trace": sec_trace, "sampler": sec_sampler, "compile": sec_compile}
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def _reset(ctx: Ctx) -> None:
+    """What a failed section may have left switched on."""
+    set_tf32(False)
+    ctx.model.evenrl_autocast = None
+    ctx.free()
+
+
+class OverCap(BaseException):  # not an Exception: the per-arm guards inside a section must not swallow it
+    pass
 
 
 def _over_cap(signum, frame):
-    raise TimeoutError("stopped at its time cap (1.5 x its estimate + 10 s)")
+    raise OverCap("stopped at its time cap (1.5 x its estimate + 10 s)")
 
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     signal.signal(signal.SIGALRM, _over_cap)
-    result_file = Path(spec["result_file"])
+    results = Path(spec["result_file"])
+
+    def write(line: dict) -> None:
+        with results.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
     torch.manual_seed(0)
     t0 = time.perf_counter()
     ctx = Ctx(spec)
-    with result_file.open("a") as f:
-        f.write(json.dumps({"name": "load", "seconds": time.perf_counter() - t0,
-                            "result": {"params": ctx.params}}) + "\n")
+    write({"name": "load", "seconds": time.perf_counter() - t0, "result": {"params": ctx.params}})
     for name in spec["sections"]:
         left = spec["deadline"] - time.time()
         need = spec["estimates"].get(name, 0)
@@ -426,20 +391,16 @@ def main(spec_path: str) -> int:
             line["skipped"] = f"budget: {left:.0f} s left before the deadline, the section needs ~{need:.0f} s"
         else:
             t = time.perf_counter()
-            cap = min(1.5 * need + 10, left)  # one section running long leaves the next ones their time
-            signal.setitimer(signal.ITIMER_REAL, cap)
+            signal.setitimer(signal.ITIMER_REAL, min(1.5 * need + 10, left))  # leaves the next ones their time
             try:
                 line["result"] = SECTIONS[name](ctx)
-            except Exception as e:  # noqa: BLE001 - reported in the suite's table, the next section still runs
-                line["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-                set_tf32(False)
-                ctx.model.evenrl_autocast = None
-                ctx.free()
+            except (Exception, OverCap) as e:  # noqa: BLE001 - reported in the table; the next section still runs
+                line["error"] = one_line(e)
+                _reset(ctx)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             line["seconds"] = time.perf_counter() - t
-        with result_file.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        write(line)
     return 0
 
 

@@ -24,7 +24,8 @@ def _ran(secs: dict, name: str) -> dict | None:
 
 def _steps(secs: dict) -> list[str]:
     lines = ["| arm | runs as | step s | samples/s | rollout / log-probs / update s | update TFLOP/s (MFU) | "
-             "peak GiB rollout / log-probs / update, measured | planned (incl. 1 GiB overhead) |", "|---|---|---|---|---|---|---|---|"]
+             "peak GiB rollout / log-probs / update, measured | planned (incl. 1 GiB overhead) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, s in secs.items():
         if s["group"] != "train" or s["status"] != "ran":
             continue
@@ -38,6 +39,9 @@ def _steps(secs: dict) -> list[str]:
                      f"{f(plan.get('update'), '.1f')} |")
     sch = _ran(secs, "schemes")
     for scheme, r in (sch or {}).get("schemes", {}).items():
+        if "error" in r:
+            lines.append(f"| {scheme} | in-process phases | failed: {r['error']} | | | | | |")
+            continue
         lines.append(f"| {scheme} | in-process phases | {f(r['step_s'])} | {f(sch['rows'] / r['step_s'], '.1f')} | "
                      f"{f(r['rollout_s'])} / {f(r['logprobs_s'])} / {f(r['update_s'])} | "
                      f"{f(r['update_tflops'], '.3g')} ({f(r['update_mfu'], '.1%')}) | "
@@ -53,6 +57,9 @@ def _sampler(secs: dict) -> list[str]:
     lines = [f"Sampler alone: {r['rows']} rows x {r['new_tokens']} new tokens, no EOS", "",
              "| decoder | precision | tokens/s | seconds | busy share (what is busy) |", "|---|---|---|---|---|"]
     for a in r["arms"].values():
+        if "error" in a:
+            lines.append(f"| {a['decoder']} | {a['precision']} | failed: {a['error']} | | |")
+            continue
         lines.append(f"| {a['decoder']} | {a['precision']} | {f(a['tokens_per_s'], ',.0f')} | {f(a['seconds'], '.3f')} "
                      f"| {f(a['busy_share'], '.0%')} ({a['what']}) |")
     return lines
@@ -78,8 +85,8 @@ def _misc(secs: dict) -> list[str]:
         lines.append(f"- bf16 matmul ceiling measured here ({r['n']}^3): {f(r['bf16_matmul_tflops'], '.3g')} TFLOP/s")
     if (r := _ran(secs, "adamw")):
         o = r["optimizer"]
-        lines.append(f"- AdamW step over {r['params'] / 1e6:.3g} M fp32 parameters: fused {f(o['fused']['step_ms'])} ms, "
-                     f"foreach {f(o['foreach']['step_ms'])} ms")
+        lines.append(f"- AdamW step over {r['params'] / 1e6:.3g} M fp32 parameters: fused "
+                     f"{f(o['fused']['step_ms'])} ms, foreach {f(o['foreach']['step_ms'])} ms")
     if (r := _ran(secs, "compile")):
         lines.append(f"- torch.compile of the packed training forward ({r['scheme']} update): eager "
                      f"{f(r['eager_update_s'], '.3f')} s, compiled {f(r['compiled_update_s'], '.3f')} s "
@@ -100,8 +107,8 @@ def _misc(secs: dict) -> list[str]:
 def verdicts(res: dict) -> list[str]:
     """The issue's targets and what the numbers say about each default; 'not measured' where a section did not run."""
     secs = _sections(res)
-    sch = (_ran(secs, "schemes") or {}).get("schemes", {})
-    smp = (_ran(secs, "sampler") or {}).get("arms", {})
+    sch = {k: v for k, v in (_ran(secs, "schemes") or {}).get("schemes", {}).items() if "error" not in v}
+    smp = {k: v for k, v in (_ran(secs, "sampler") or {}).get("arms", {}).items() if "error" not in v}
     prec, comp, trl = _ran(secs, "precision"), _ran(secs, "compile"), _ran(secs, "vs-trl")
     step = {n: (_ran(secs, n) or {}).get("step_s") for n in ("step-fp32", "step-bf16-autocast", "step-fp32-tf32")}
     out = []
@@ -111,7 +118,8 @@ def verdicts(res: dict) -> list[str]:
     bf16 = min(cands) if cands else None
     out.append("- target bf16 step <= 0.6x fp32: " + (f"{bf16 / fp32:.2f}x" if fp32 and bf16 else "not measured"))
     best = max((a["tokens_per_s"] for a in smp.values()), default=None)
-    out.append("- target sampler >= 30 k tokens/s at 64 rows: " + (f"{best:,.0f} (best arm)" if best else "not measured"))
+    out.append("- target sampler >= 30 k tokens/s at 64 rows: "
+               + (f"{best:,.0f} (best arm)" if best else "not measured"))
     mfu = max([r["update_mfu"] for r in sch.values() if r.get("update_mfu")] +
               ([comp["compiled_mfu"]] if comp and comp.get("compiled_mfu") else []), default=None)
     out.append("- target update >= 35% MFU: " + (f"{mfu:.1%} (best)" if mfu else "not measured (no bf16 peak known)"))
@@ -119,7 +127,8 @@ def verdicts(res: dict) -> list[str]:
     if smp:
         wins = [p for p in ("fp32", "bf16") if f"static-{p}" in smp and f"lean-{p}" in smp
                 and smp[f"static-{p}"]["tokens_per_s"] > smp[f"lean-{p}"]["tokens_per_s"]]
-        out.append(f"- rollout.decoder auto -> static on CUDA: static faster than lean in {wins or 'neither'} precision")
+        out.append(f"- rollout.decoder auto -> static on CUDA: static faster than lean in {wins or 'neither'} "
+                   "precision")
     if prec:
         faster = step["step-fp32-tf32"] and fp32 and step["step-fp32-tf32"] < fp32
         out.append(f"- TF32 for fp32 runs: error within the bf16 bounds: {prec['tf32_within_bf16_bounds']}; "
@@ -144,7 +153,8 @@ def markdown(res: dict) -> str:
     for s in res["sections"]:
         lines.append(f"| {s['name']} | {s['status']} | {f(s['seconds'], '.1f')} | {f(s['estimate_s'], '.0f')} | "
                      f"{s['reason'] or ''} |")
-    for part in (_steps(secs), _sampler(secs), _precision(secs), _misc(secs), ["Targets and defaults:"] + verdicts(res)):
+    parts = (_steps(secs), _sampler(secs), _precision(secs), _misc(secs), ["Targets and defaults:"] + verdicts(res))
+    for part in parts:
         if part:
             lines += [""] + part
     return "\n".join(lines) + "\n"

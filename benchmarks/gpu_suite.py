@@ -163,6 +163,17 @@ def run_kernels(ctx, names: list[str]) -> dict[str, dict]:
 
 
 def run_trl(ctx) -> dict:
+    try:
+        return _run_trl(ctx)
+    finally:  # each run's own output, into the suite's log (the run directories go with the work dir)
+        with ctx.log.path.open("a") as log:
+            for run in sorted((ctx.work / "trl").glob("*-pair*")):
+                for name in ("stdout.txt", "stderr.txt"):
+                    if (run / name).exists():
+                        log.write(f"==== vs-trl {run.name} {name}\n{(run / name).read_text()[-20000:]}\n")
+
+
+def _run_trl(ctx) -> dict:
     import grpo_vs_trl as gvt
 
     if importlib.util.find_spec("trl") is None:  # a broken install shows in the first run's stderr instead

@@ -136,7 +136,7 @@ def verdicts(res: dict) -> list[str]:
     if sch.get("bf16-autocast") and sch.get("bf16-params"):
         a, p = sch["bf16-autocast"]["step_s"], sch["bf16-params"]["step_s"]
         out.append(f"- bf16 scheme: {'bf16 parameters + fp32 master' if p < a else 'autocast'} is faster "
-                   f"({f(p)} vs {f(a)} s per in-process step)")
+                   f"(in-process step: bf16-params {f(p)} s, bf16-autocast {f(a)} s)")
     if comp:
         out.append(f"- compile: {f(comp['speedup'])}x on the update for {f(comp['compile_s'], '.0f')} s of compile")
     return out

@@ -4,6 +4,7 @@ at the deadline is recorded as cut with the sections after it skipped. The whole
 every section) is a benchmark, not a test: docs/performance.md."""
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,17 @@ sys.path.insert(0, str(BENCH))
 import gpu_suite  # noqa: E402
 
 KEYS = {"name", "group", "status", "reason", "seconds", "estimate_s", "result"}
+
+
+@pytest.fixture(autouse=True)
+def _restored_environment(monkeypatch):
+    """main() sets these for its children (CPU only, one thread for --tiny, src/ on the path); the tests after
+    these must not inherit them."""
+    for key in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH"):
+        if key in os.environ:
+            monkeypatch.setenv(key, os.environ[key])
+        else:
+            monkeypatch.delenv(key, raising=False)
 
 
 def load(out: Path) -> dict:

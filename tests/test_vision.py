@@ -149,9 +149,11 @@ def _header_png(w: int, h: int) -> bytes:
 BAD_IMAGES = [
     ("truncated", lambda d: (d / "x.png").write_bytes(_png(112, 112)[:2000]) and "x.png", "is truncated or corrupt"),
     ("not-an-image", lambda d: (d / "x.png").write_bytes(b"hello") and "x.png", "is not an image"),
-    ("missing", lambda d: "nope.png", "nope.png does not exist"),
+    ("missing", lambda d: "nope.png", "nope.png (data.image_key) does not exist"),
     ("20000x20000", lambda d: (d / "x.png").write_bytes(_header_png(20_000, 20_000)) and "x.png",
-     "larger than 89,478,485 pixels"),
+     "(data.image_key) is 400,000,000 pixels, over evenrl's limit of 89,478,485"),  # Pillow's refusal
+    ("10000x10000", lambda d: (d / "x.png").write_bytes(_header_png(10_000, 10_000)) and "x.png",
+     "(data.image_key) is 100,000,000 pixels, over evenrl's limit of 89,478,485"),
     ("wrong-type", lambda d: 7, "an image (data.image_key) is int"),
 ]
 
@@ -167,10 +169,11 @@ def test_bad_images_are_one_line_exit_2_nothing_written(vl, tmp_path, capsys, ma
     code, out, err = evenrl_here(capsys, "train", vl["cfg"], f"data.path={data}", f"log.run_dir={run}")
     lines = [x for x in err.splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert "geo.jsonl line 2" in lines[0] and needle in lines[0], lines[0]
+    assert "geo.jsonl line 2" in lines[0] and needle in lines[0] and len(lines[0]) < 200, lines[0]
     assert not run.exists()
     code, out, _ = evenrl_here(capsys, "plan", vl["cfg"], f"data.path={data}")
     assert code == 1 and needle in out.replace("\n" + " " * 10, " "), out
+    assert "image" in out.split("fix:")[1] and "prompt_field" not in out.split("fix:")[1]  # the image's fix
 
 
 def test_image_settings_the_run_cannot_take(vl, capsys):

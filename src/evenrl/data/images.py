@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from typing import Any, Union
 
@@ -26,7 +27,8 @@ MAX_IMAGE_PIXELS = 89_478_485
 IMAGE_PLACEHOLDER = "<image>"  # EasyR1's marker in a prompt's text: where the row's next image goes
 
 Source = Union[bytes, str]  # an encoded image, or the absolute path of an image file
-_WANTED = "a list of image bytes, {bytes, path} dicts (Hugging Face datasets' Image) or file paths"
+_WANTED = "image bytes, {bytes, path} dicts or file paths"
+_COLUMN_FIX = "point data.image_key at the image column"
 
 
 def image_sources(value: Any, where: str, base_dir: str, key: str = "data.image_key") -> list[Source]:
@@ -42,53 +44,71 @@ def _source(item: Any, where: str, base_dir: str, key: str) -> Source:
         elif isinstance(item.get("path"), str) and item["path"]:
             item = item["path"]
         else:
-            raise UsageError(f"{where}: an image ({key}) is a dict without bytes or path; expected {_WANTED}")
+            raise ImageError(f"{os.path.basename(where)}: an image ({key}) is a dict without bytes or path; "
+                             f"expected {_WANTED}", _COLUMN_FIX)
     if isinstance(item, (bytes, bytearray, memoryview)):
         return bytes(item)
     if isinstance(item, str) and item:
         if item.startswith(("http://", "https://")):
-            raise UsageError(f"{where}: image {item!r} ({key}) is a URL; evenrl never downloads: store the file "
-                             "beside the data and give its path")
+            raise ImageError(f"{os.path.basename(where)}: image {_short(item)!r} ({key}) is a URL; evenrl never "
+                             "downloads", "store the file beside the data and give its path")
         return item if os.path.isabs(item) else os.path.normpath(os.path.join(base_dir, item))
-    raise UsageError(f"{where}: an image ({key}) is {_kind(item)}; expected {_WANTED}")
+    raise ImageError(f"{os.path.basename(where)}: an image ({key}) is {_kind(item)}; expected {_WANTED}", _COLUMN_FIX)
 
 
 def _kind(v: Any) -> str:
     return "empty text" if v == "" else "null" if v is None else type(v).__name__
 
 
-def check_image(src: Source, where: str) -> tuple[int, int]:
+def check_image(src: Source, where: str, key: str = "data.image_key") -> tuple[int, int]:
     """Decode the image once, whole; returns (width, height). A missing, unreadable, truncated or too large image
-    is a UsageError naming `where` and the file."""
+    is an ImageError naming the row, the file (by name: they are read relative to the data file) and `key`, in one
+    line that stays under 200 characters with the plan's fix around it."""
     from PIL import Image, UnidentifiedImageError
 
-    what = f"{where}: image {src}" if isinstance(src, str) else f"{where}: an image ({len(src):,} bytes)"
+    row = os.path.basename(where)
+    what = (f"{row}: image {_short(os.path.basename(src))} ({key})" if isinstance(src, str) else
+            f"{row}: an image of {len(src):,} bytes ({key})")
     if isinstance(src, str) and not os.path.isfile(src):
-        raise UsageError(f"{what} does not exist; image paths are read relative to the data file")
+        raise ImageError(f"{what} does not exist (paths are relative to the data file)")
+    too_large = f"over evenrl's limit of {MAX_IMAGE_PIXELS:,}; shrink it"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(src if isinstance(src, str) else io.BytesIO(src)) as im:
                 w, h = im.size  # read from the header: the size is checked before any pixel is decoded
                 if w * h > MAX_IMAGE_PIXELS:
-                    raise _TooLarge(w, h)
+                    raise _TooLarge(f"{w:,} x {h:,} pixels")
                 im.load()
     except _TooLarge as e:
-        raise UsageError(f"{what} is {e.w:,} x {e.h:,} pixels, more than {MAX_IMAGE_PIXELS:,}; shrink it "
-                         "(the processor resizes to data.max_pixels anyway)") from None
+        raise ImageError(f"{what} is {e}, {too_large}") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise UsageError(f"{what} is larger than {MAX_IMAGE_PIXELS:,} pixels ({first_line(e)}); shrink it "
-                         "(the processor resizes to data.max_pixels anyway)") from None
+        # Pillow refuses it in open(), before the size can be read: its own count, not its limit (twice evenrl's)
+        said = re.search(r"\((\d+) pixels\)", str(e))
+        raise ImageError(f"{what} is {int(said[1]):,} pixels, {too_large}" if said else f"{what} is {too_large}"
+                         ) from None
     except UnidentifiedImageError:
-        raise UsageError(f"{what} is not an image Pillow can read; expected PNG, JPEG or another image file") from None
+        raise ImageError(f"{what} is not an image Pillow can read (PNG, JPEG, ...)") from None
     except (OSError, SyntaxError, ValueError) as e:  # Pillow's words for a truncated or corrupt file
-        raise UsageError(f"{what} is truncated or corrupt ({first_line(e)}); re-export the image") from None
+        raise ImageError(f"{what} is truncated or corrupt ({_short(first_line(e))})") from None
     return w, h
 
 
+class ImageError(UsageError):
+    """An image the run cannot read, or an image column it cannot take; `fix` (the plan's) is about the image, not
+    the dataset's text fields."""
+
+    def __init__(self, message: str, fix: str = "shrink, re-export or replace that image"):
+        super().__init__(message)
+        self.fix = fix
+
+
+def _short(text: str, most: int = 40) -> str:
+    return text if len(text) <= most else "..." + text[-(most - 3):]
+
+
 class _TooLarge(Exception):
-    def __init__(self, w: int, h: int):
-        self.w, self.h = w, h
+    pass
 
 
 def image_size(src: Source) -> tuple[int, int]:

@@ -69,8 +69,8 @@ def rule_data(p: Plan) -> list[Finding]:
                            "point data.path at a local .jsonl/.parquet file or dataset directory"))
     elif p.dataset_rows == 0:
         out.append(Finding("error", "data-path", f"data.path {d.path!r} has no rows", "use a non-empty dataset"))
-    elif problem := dataset_problem(p.config, d.path):
-        out.append(Finding("error", "data-file", problem, _DATA_FIX.format(key="data.path")))
+    elif problem := dataset_problem(p.config, d.path, "data.path"):
+        out.append(Finding("error", "data-file", *problem))
     elif p.dataset_rows is not None and p.dataset_rows < d.prompts_per_step:
         out.append(Finding("warning", "prompts-exceed-dataset",
                            f"{plural(d.prompts_per_step, 'prompt')} per step from a dataset of "
@@ -80,8 +80,8 @@ def rule_data(p: Plan) -> list[Finding]:
     if e and not Path(e).expanduser().exists():
         out.append(Finding("error", "eval-path", f"eval.path {e!r} does not exist",
                            "point eval.path at a local .jsonl/.parquet file or dataset directory, or eval.path=''"))
-    elif e and (problem := dataset_problem(p.config, e)):
-        out.append(Finding("error", "eval-file", problem, _DATA_FIX.format(key="eval.path") + "; or eval.path=''"))
+    elif e and (problem := dataset_problem(p.config, e, "eval.path")):
+        out.append(Finding("error", "eval-file", problem[0], problem[1] + "; or eval.path=''"))
     return out
 
 
@@ -94,15 +94,15 @@ _DATA_FIX = ("fix the file (evenrl train reads it the same way); or point {key} 
              "or dataset directory, or set data.prompt_field / data.answer_field to its columns")
 
 
-def dataset_problem(cfg: RunConfig, path: str) -> str | None:
-    """What evenrl train would refuse in the dataset at `path` (its first rows, every table's columns), or None."""
+def dataset_problem(cfg: RunConfig, path: str, key: str) -> tuple[str, str] | None:
+    """(What evenrl train would refuse in the dataset at `path`, its fix) or None: its first rows, every column."""
     try:
         fields = Fields(cfg.data.prompt_field, cfg.data.answer_field, tuple(cfg.data.extra_fields),
                         cfg.data.image_key or None, cfg.data.max_images_per_prompt)
         read_rows(str(Path(path).expanduser()), fields, max_bytes=PLAN_DATA_BYTES, max_rows=PLAN_DATA_ROWS,
                   image_rows=PLAN_IMAGE_ROWS)
-    except UsageError as e:
-        return str(e)
+    except UsageError as e:  # an image's own fix (evenrl.data.images.ImageError), else the file's
+        return str(e), getattr(e, "fix", None) or _DATA_FIX.format(key=key)
     return None
 
 

@@ -149,6 +149,22 @@ def test_a_tracker_that_cannot_start_is_one_line_before_training(assets, tmp_pat
     assert not (tmp_path / "r" / "metrics.jsonl").exists() and not (tmp_path / "r" / "config.yaml").exists()
 
 
+def test_an_unreachable_tracking_server_is_one_line_within_seconds_before_anything_loads(assets, tmp_path, capsys):
+    """MLflow's client took 262 s of retries to say so, after the model had loaded."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    code, _, err = evenrl_here(capsys, "train", assets["cfg"], f"log.run_dir={tmp_path / 'r'}",
+                               "log.trackers=[mlflow]", f"log.mlflow.tracking_uri=http://127.0.0.1:{port}")
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and f"log.mlflow.tracking_uri: cannot reach http://127.0.0.1:{port}" in err
+    assert time.monotonic() - started < 10 and not (tmp_path / "r").exists()
+
+
 def test_old_tensorboard_flag_and_missing_trackers_in_the_plan(assets, capsys, monkeypatch):
     assert load_config(None, ["log.tensorboard=false"]).log.trackers == []
     assert load_config(None, ["log.trackers=[wandb]", "log.tensorboard=false"]).log.trackers == ["wandb"]

@@ -27,7 +27,7 @@ from evenrl.train.rollout_rank import serve
 from evenrl.train.runlog import RunLog, read_metrics
 from evenrl.train.step import rl_step
 from evenrl.train.stopping import Stopping
-from evenrl.train.trackers import Trackers
+from evenrl.train.trackers import Trackers, check_reachable
 from evenrl.train.trainer import Trainer, build_trainer
 
 
@@ -39,6 +39,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     # read now: a broken line is one error, not a traceback once the header is half-written; trackers skip these
     earlier = read_metrics(run_dir) if resume or restarted else []
     plan = preflight(cfg)
+    check_reachable(cfg)  # a tracker's server, before anything loads
     info = dist.init(timeout=cfg.parallel.collective_timeout_s, rollout_devices=cfg.parallel.rollout_devices)
     # the same plan on every rank's real device (one gather): per-device token caps, auto's starting weights
     plan = preflight(cfg, plan.layout.with_devices(dist.gather_devices(info.device, info.local_world)))

@@ -39,6 +39,37 @@ STATE_FILE = "trackers.json"
 FLUSH_S = 1.0
 # MLflow's batch limits (log_batch): at most 1000 metrics and 100 params per request; a param value's length.
 MLFLOW_METRICS_PER_BATCH, MLFLOW_PARAMS_PER_BATCH, MLFLOW_PARAM_CHARS = 1000, 100, 6000
+# A tracker's server must answer a TCP connect within this long at start (check_reachable), and MLflow's client
+# retries a request at most twice (its defaults: 7 retries with backoff, 120 s each: 262 s measured on an unreachable
+# server before its error); the user's own MLFLOW_HTTP_REQUEST_* settings win.
+CONNECT_TIMEOUT_S = 5.0
+MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+def check_reachable(cfg: RunConfig) -> None:
+    """Before anything loads (every rank, so all stop alike): a remote MLflow tracking server or W&B online mode
+    whose server does not take a TCP connection within CONNECT_TIMEOUT_S is one line. Skipped behind a proxy (the
+    client goes through it; a direct connect would say nothing)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return
+    servers = []
+    if "mlflow" in cfg.log.trackers and cfg.log.mlflow.tracking_uri.startswith(("http://", "https://")):
+        servers.append(("log.mlflow.tracking_uri", cfg.log.mlflow.tracking_uri))
+    if "wandb" in cfg.log.trackers and cfg.log.wandb.mode == "online":
+        servers.append(("log.wandb.mode=online", os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"))
+    for field, url in servers:
+        parts = urlsplit(url)
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            with socket.create_connection((parts.hostname or "", port), timeout=CONNECT_TIMEOUT_S):
+                pass
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{field}: cannot reach {url} within {CONNECT_TIMEOUT_S:g} s ({describe_error(e)}); "
+                             f"start the server or fix the address, or leave {field.split('.')[1]} out of "
+                             "log.trackers") from None
 
 
 def numbers(values: dict) -> dict[str, float]:
@@ -105,6 +136,8 @@ class Mlflow:
         from mlflow.tracking import MlflowClient
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines on a new store would bury the run's
+        for key, value in MLFLOW_HTTP.items():
+            os.environ.setdefault(key, value)
         m = cfg.log.mlflow
         local = run_dir.resolve() / "mlflow"
         uri = state.get("tracking_uri") or m.tracking_uri or f"sqlite:///{local / 'mlflow.db'}"

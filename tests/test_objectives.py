@@ -3,6 +3,7 @@ estimators and advantage options), each against a plain-Python loop on random in
 of the peer's published definition (verl's core_algos, TRL's GRPO trainer, OpenRLHF), plus their config checks."""
 
 import math
+from pathlib import Path
 import random
 
 import pytest
@@ -376,3 +377,40 @@ def test_config_accepts_the_peers_recipes():
                              "algo.kl_estimator=k3+", "algo.importance_level=geometric", "algo.importance_mode=mask",
                              "algo.importance_floor=0.5", "algo.reinforce_pp_baseline_whiten=token"])
     assert cfg.algo.clip_ratio_c == 3.0 and cfg.algo.loss_norm_tokens is None
+
+
+# ----------------------------------------------------------------------------------------------- 1 vs 3 processes
+
+# The layout-sensitive pieces in one run: GSPO's sequence ratio (clipped in the second mini-batch), sequence-level
+# masked importance weights on every sample, the constant-length aggregation, length-weighted whitening over the
+# whole step and the straight-through KL. The fp32 engine's log-probs equal the trainer's here, so every weight is
+# exactly 1: the run holds the sequence-level path on any layout; which weights are cut or rejected is the unit
+# tests' (above). Token-local surrogates (cispo, dual clip) reduce through the same global denominators as PPO-clip,
+# whose 1 vs 3 exactness tests/test_train.py holds.
+SEQUENCE_LEVEL = ["algo.advantage=reinforce_pp_baseline", "algo.reinforce_pp_baseline_whiten=token",
+                  "algo.policy_loss=gspo", "algo.clip_low=0.003", "algo.clip_high=0.004",
+                  "algo.loss_aggregation=seq-mean-token-sum-norm", "algo.importance_correction=all",
+                  "algo.importance_level=sequence", "algo.importance_mode=mask", "algo.importance_cap=1.5",
+                  "algo.importance_floor=0.5", "algo.kl_coef=0.05", "algo.kl_estimator=k3+", "rewards.isolate=false",
+                  "train.steps=2"]
+
+
+@pytest.mark.slow
+def test_sequence_level_objectives_are_the_same_on_one_and_three_processes(assets, tmp_path):
+    from safetensors.torch import load_file
+
+    from e2e import evenrl_many, final_params, max_diff, metrics
+
+    runs = {n: ["train", assets["cfg"], *SEQUENCE_LEVEL, f"log.run_dir={tmp_path / n}", *more]
+            for n, more in (("three", ["--nproc-per-node", "3"]), ("one", []))}
+    evenrl_many(runs)
+    one, three = tmp_path / "one", tmp_path / "three"
+    assert max_diff(final_params(one), final_params(three)) <= 1e-5
+    start = load_file(str(Path(assets["model"]) / "model.safetensors"))
+    assert max_diff(final_params(one), start) > 1e-5, "training did not move the policy: weak test"
+    m1, m3 = [r for r in metrics(one) if r["step"] > 0], [r for r in metrics(three) if r["step"] > 0]
+    for a, b in zip(m1, m3):
+        for k in ("policy/clip_fraction", "policy/is_weight", "policy/is_masked_seq_fraction", "kl", "policy/loss"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert any(r["policy/clip_fraction"] > 0 for r in m1), "GSPO's clip never bit: weak test"
+    assert all(r["policy/is_weight"] == 1.0 and r["policy/is_masked_seq_fraction"] == 0.0 for r in m1 + m3)

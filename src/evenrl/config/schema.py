@@ -250,15 +250,16 @@ class AlgoConfig(Section):
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (0: off).")
     importance_correction: Literal["stale", "all", "none"] = Field(
         "stale", description="Which samples get importance weights pi_old / pi_engine on the policy-gradient term, "
-                             "pi_old the trainer's policy at the start of the step and pi_engine the engine's log-probs "
-                             "of the sampled tokens (AReaL's decoupled PPO, verl's rollout correction, TRL's vLLM "
-                             "importance sampling); how: importance_level, importance_mode, importance_cap, "
+                             "pi_old the trainer's policy at the start of the step and pi_engine the engine's "
+                             "log-probs of the sampled tokens (AReaL's decoupled PPO, verl's rollout correction, TRL's "
+                             "vLLM importance sampling); how: importance_level, importance_mode, importance_cap, "
                              "importance_floor. 'stale': only samples from an older policy (rollout.max_staleness >= "
-                             "1); 'all': every sample, which also corrects engine/trainer mismatch (e.g. vLLM in bf16); "
-                             "'none': off.")
+                             "1); 'all': every sample, which also corrects engine/trainer mismatch (e.g. vLLM in "
+                             "bf16); 'none': off.")
     importance_level: Literal["token", "sequence", "geometric"] = Field(
         "token", description="importance_correction: one weight per token (token), or per sequence on all its tokens: "
-                             "the product of its token weights (sequence) or their geometric mean (geometric).")
+                             "the product of its token weights (sequence) or their geometric mean (geometric); "
+                             "docs/algorithms.md has the peers' names.")
     importance_mode: Literal["truncate", "mask"] = Field(
         "truncate", description="importance_correction: a weight outside [importance_floor, importance_cap] is "
                                 "clamped into it (truncate: TIS) or set to 0, rejecting the token or sequence (mask: "
@@ -276,9 +277,9 @@ class AlgoConfig(Section):
                                          "vllm_importance_sampling_clip_max, OpenRLHF's upper threshold).")
     importance_floor: float = Field(
         0.0, ge=0.0, le=1.0, description="Lower threshold of the importance weight (TRL "
-                                         "vllm_importance_sampling_clip_min, OpenRLHF's lower threshold, verl "
-                                         "rollout_rs_threshold_lower); 0: none. At most 1, so an uncorrected sample "
-                                         "(weight exactly 1) is never touched.")
+                                         "vllm_importance_sampling_clip_min, OpenRLHF's lower threshold, the lower "
+                                         "half of verl's rollout_rs_threshold); 0: none. At most 1, so an "
+                                         "uncorrected sample (weight exactly 1) is never touched.")
 
     @field_validator("clip_low")
     @classmethod

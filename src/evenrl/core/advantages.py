@@ -114,11 +114,11 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, groups: torch.Tensor
     rewards [N], groups [N] -> [N].  Hu et al., REINFORCE++ (arXiv:2501.03262); verl
     `reinforce_plus_plus_baseline`, OpenRLHF `reinforce_baseline`.  A group of one gets centred reward 0.
       whiten="sample"  c_i / (std_i(c) + eps): the unbiased std over completions (each counts once).
-      whiten="token"   (c_i - mu) / sqrt(var + 1e-8), mu and the unbiased var over every response token of the batch,
-                       each completion's c_i repeated on its lengths[i] tokens: verl's and OpenRLHF's masked whitening of
-                       the token-level broadcast (eps inside the root is theirs, 1e-8; `eps` is not used). It is not a
-                       re-centring no-op: with unequal lengths mu != 0, so long completions weigh more in both moments
-                       and an all-equal group gets -mu / sqrt(var + 1e-8), not 0, exactly as in verl.
+      whiten="token"   (c_i - mu) / sqrt(var + 1e-8), mu and the unbiased var over every response token of the
+                       batch, each completion's c_i repeated on its lengths[i] tokens: verl's and OpenRLHF's masked
+                       whitening of the token-level broadcast (eps inside the root is theirs, 1e-8; `eps` is not
+                       used). It is not a re-centring no-op: with unequal lengths mu != 0, so long completions weigh
+                       more in both moments and an all-equal group gets -mu / sqrt(var + 1e-8), not 0, as in verl.
     lengths [N]: response tokens per completion (whiten="token" only).
     """
     r = _check_rewards(rewards, groups)

@@ -154,8 +154,8 @@ def rl_loss(inp: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, t
     -> (loss [B, R], stats {name: (sum over masked tokens, token count)}).
 
     Stats are (sum, count) pairs so a global mean over ranks and micro-batches is exact: policy/loss,
-    policy/clip_fraction, policy/dual_clip_fraction (with clip_ratio_c), policy/approx_kl, entropy, kl when ref_logp is given, and
-    evenrl.core.importance's with behavior_logp. Reducing the loss to a scalar with global denominators is
+    policy/clip_fraction, policy/dual_clip_fraction (with clip_ratio_c), policy/approx_kl, entropy, kl when ref_logp
+    is given, and evenrl.core.importance's with behavior_logp. Reducing the loss to a scalar with global denominators is
     evenrl.core.aggregation's job.
     """
     per_token, pstats = surrogate(s.policy_loss)(inp.logp, inp.old_logp, inp.advantages, clip_low=s.clip_low,

@@ -16,8 +16,9 @@ exactly (no sampling noise): pi in fp64 (the trainer's policy and the reference)
 bf16 engine samples from mu). For a reward r(y) (exact match of the answer's first digit) with baseline E_pi[r],
 the true policy gradient is g = sum_y pi(y) A(y) sum_t grad log pi(y_t | y_<t). Sampling from mu, each correction mode
 estimates sum_y mu(y) sum_t w_t(y) A(y) grad log pi(y_t | y_<t) with evenrl.core.importance's weights (w = 1: no
-correction). Printed: the relative bias |E - g| / |g| and the cosine between them, and E_mu[w^2] (the weights' second
-moment: the variance they add). Prints numbers only; nothing here asserts.
+correction; "no threshold": the plain ratio, where sequence-level weights are exactly unbiased, a check of the
+method). Printed: the relative bias |E - g| / |g| and the cosine between them, and E_mu[w^2] averaged over tokens
+(the weights' second moment: the variance they add). Prints numbers only; nothing here asserts.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from overlap import run  # evenrl CLI in a subprocess (this script's folder is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,20 +59,16 @@ CORRECTIONS = {
                                     "algo.importance_cap=1.01"],
 }
 # (level, mode, floor, cap) of part 2; None: no correction
-BIAS_MODES = {"none": None, "token truncate [0, 2]": ("token", "truncate", 0.0, 2.0),
+BIAS_MODES = {"none": None, "token, no threshold": ("token", "truncate", 0.0, float("inf")),
+              "token truncate [0, 2]": ("token", "truncate", 0.0, 2.0),
               "token truncate [0, 1.01]": ("token", "truncate", 0.0, 1.01),
               "token mask [0.99, 1.01]": ("token", "mask", 0.99, 1.01),
+              "sequence, no threshold": ("sequence", "truncate", 0.0, float("inf")),
               "sequence truncate [0, 2]": ("sequence", "truncate", 0.0, 2.0),
               "sequence truncate [0, 1.01]": ("sequence", "truncate", 0.0, 1.01),
               "sequence mask [0.99, 1.01]": ("sequence", "mask", 0.99, 1.01),
               "geometric truncate [0, 2]": ("geometric", "truncate", 0.0, 2.0),
               "geometric mask [0.99, 1.01]": ("geometric", "mask", 0.99, 1.01)}
-
-
-def run(args: list[str], env: dict) -> None:
-    proc = subprocess.run([sys.executable, "-m", "evenrl.cli", *args], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"evenrl {' '.join(args[:2])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 def summary(run_dir: Path) -> dict:

@@ -383,16 +383,16 @@ def test_config_accepts_the_peers_recipes():
 
 # The layout-sensitive pieces in one run: GSPO's sequence ratio (clipped in the second mini-batch), sequence-level
 # masked importance weights on every sample, the constant-length aggregation, length-weighted whitening over the
-# whole step and the straight-through KL. The fp32 engine's log-probs equal the trainer's here, so every weight is
-# exactly 1: the run holds the sequence-level path on any layout; which weights are cut or rejected is the unit
-# tests' (above). Token-local surrogates (cispo, dual clip) reduce through the same global denominators as PPO-clip,
+# whole step and the straight-through KL. The fp32 engine's log-probs differ from the trainer's by rounding (~1e-7)
+# only, so every weight is within 1e-5 of 1 and none is rejected: the run holds the sequence-level path on any
+# layout; which weights are cut or rejected is the unit tests' (above). Token-local surrogates (cispo, dual clip) reduce through the same global denominators as PPO-clip,
 # whose 1 vs 3 exactness tests/test_train.py holds.
 SEQUENCE_LEVEL = ["algo.advantage=reinforce_pp_baseline", "algo.reinforce_pp_baseline_whiten=token",
                   "algo.policy_loss=gspo", "algo.clip_low=0.003", "algo.clip_high=0.004",
                   "algo.loss_aggregation=seq-mean-token-sum-norm", "algo.importance_correction=all",
                   "algo.importance_level=sequence", "algo.importance_mode=mask", "algo.importance_cap=1.5",
                   "algo.importance_floor=0.5", "algo.kl_coef=0.05", "algo.kl_estimator=k3+", "rewards.isolate=false",
-                  "train.steps=2"]
+                  "train.steps=1"]  # one step, two optimizer steps (the assets' minibatches_per_step=2)
 
 
 @pytest.mark.slow
@@ -413,4 +413,4 @@ def test_sequence_level_objectives_are_the_same_on_one_and_three_processes(asset
         for k in ("policy/clip_fraction", "policy/is_weight", "policy/is_masked_seq_fraction", "kl", "policy/loss"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
     assert any(r["policy/clip_fraction"] > 0 for r in m1), "GSPO's clip never bit: weak test"
-    assert all(r["policy/is_weight"] == 1.0 and r["policy/is_masked_seq_fraction"] == 0.0 for r in m1 + m3)
+    assert all(abs(r["policy/is_weight"] - 1) < 1e-5 and r["policy/is_masked_seq_fraction"] == 0 for r in m1 + m3)

@@ -146,7 +146,8 @@ def test_logic_rl_oom_follow_up(tmp_path):
 
 
 def test_open_r1_trl_4_gpus_one_for_vllm(tmp_path):
-    t, cfg, plan = run(tmp_path, "trl", OPEN_R1, nproc_per_node=4, device_memory_gib=80)
+    # open-r1 pins TRL 0.18 (vllm_mode=server, no gradient checkpointing by default)
+    t, cfg, plan = run(tmp_path, "trl", OPEN_R1, nproc_per_node=4, device_memory_gib=80, peer_version="0.18")
     assert (t.layout.world, t.layout.rollout_devices, t.layout.training_ranks) == (4, 1, 3)
     # TRL >= 0.18 checks the generation batch (the global-batch check of TRL < 0.18 is gone from the versions planned)
     assert messages(t) == ["generation_batch_size (12) must be divisible by num_generations (8)."]

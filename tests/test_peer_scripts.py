@@ -162,3 +162,18 @@ def test_json_lists_every_key(tmp_path, capsys):
     assert statuses["data.train_batch_size"] == "mapped" and statuses["trainer.logger"] == "not_applicable"
     assert statuses["trainer.default_local_dir"] == "no_equivalent"  # unresolved: $CKPT_DIR
     assert doc["peer_version"] == "0.8"
+
+
+def test_verl_micro_batch_spellings_are_checked_as_current_verl_does(tmp_path):
+    f = tmp_path / "v.yaml"
+    base = {"data": {"train_batch_size": 16}, "actor_rollout_ref": {
+        "actor": {"ppo_mini_batch_size": 16, "use_kl_loss": True},
+        "rollout": {"n": 4}}}
+    f.write_text(yaml.safe_dump(base))
+    t, _ = translate("verl", read_foreign("verl", str(f), []), ns(nproc_per_node=4))
+    msgs = [c.message for c in t.checks]
+    assert any(m.startswith("[actor] Please set at least one of") for m in msgs)
+    assert any(m.startswith("[actor_rollout_ref.rollout] Please set at least one of") for m in msgs)
+    assert any(m.startswith("[actor_rollout_ref.ref] Please set at least one of") for m in msgs)  # KL needs ref
+    old, _ = translate("verl", read_foreign("verl", str(f), []), ns(nproc_per_node=4, peer_version="logic-rl"))
+    assert not any("Please set at least one of" in c.message for c in old.checks)  # the fork had defaults

@@ -232,7 +232,7 @@ def test_cli_prints_the_section_with_the_rates_given(tmp_path, capsys):
 
 VERL = {"data": {"train_batch_size": 64, "max_prompt_length": 512, "max_response_length": 1024},
         "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 4},
-                              "rollout": {"n": 8}},
+                              "rollout": {"n": 8, "log_prob_micro_batch_size_per_gpu": 4}},
         "algorithm": {"adv_estimator": "grpo"}, "trainer": {"nnodes": 1, "n_gpus_per_node": 4}}
 
 

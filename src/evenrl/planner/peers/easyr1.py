@@ -15,7 +15,7 @@ from pathlib import Path
 from evenrl.models.files import is_vision_config, read_model_config
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_critic, set_data, set_dynamic_sampling, set_kl,
-    set_lengths, set_lora, set_model, set_overlong, set_parallel, set_sampling, set_steps, trainer_layout)
+    set_lengths, set_lora, set_model, set_overlong, set_parallel, set_steps, trainer_layout)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -67,12 +67,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     t.set("rollout.samples_per_prompt", n, "worker.rollout.n")
     set_lengths(t, plen, rlen, "data.max_prompt_length", "data.max_response_length")
     t.set("algo.minibatches_per_step", max(1, rbs // gbs), a + "global_batch_size")
-    t.set("algo.epochs_per_step", src.int(a + "ppo_epochs", 1), a + "ppo_epochs")
     t.set("train.token_cap_per_micro_batch", m_up * (plen + rlen), a + "micro_batch_size_per_device_for_update")
-    set_sampling(src, t, "worker.rollout.temperature", "worker.rollout.top_p")
-    t.set("train.lr", src.float(a + "optim.lr", 1e-6), a + "optim.lr")
-    t.set("algo.clip_low", src.float(a + "clip_ratio_low", 0.2), a + "clip_ratio_low")
-    t.set("algo.clip_high", src.float(a + "clip_ratio_high", 0.3), a + "clip_ratio_high")
     if not src.bool("algorithm.disable_kl", False):
         coef = src.float("algorithm.kl_coef", 1e-3)  # first: with two bad keys, the error names this one
         where = "loss" if src.bool("algorithm.use_kl_loss", False) else "reward"
@@ -97,8 +92,6 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                      src.float(kw + "overlong_penalty_factor", 1.0),
                      (kw + "overlong_buffer_length", kw + "overlong_penalty_factor"))
     set_model(t, src.str(a + "model.model_path"), a + "model.model_path")
-    t.set("model.gradient_checkpointing", src.bool(a + "model.enable_gradient_checkpointing", True),
-          a + "model.enable_gradient_checkpointing")
     # fsdp.enable_cpu_offload is FSDP's own parameter offload (CPUOffload(offload_params=True))
     params = src.bool(a + "offload.offload_params", False) or src.bool(a + "fsdp.enable_cpu_offload", False)
     set_parallel(t, world, params=params, optimizer=src.bool(a + "offload.offload_optimizer", False),

@@ -17,7 +17,7 @@ from evenrl.planner.layout import has_shape_flags
 from evenrl.planner.plan import count_rows
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, set_critic, set_data, set_dynamic_sampling, set_kl, set_lengths,
-    set_lora, set_model, set_overlong, set_parallel, set_reward_models, set_sampling, split_layout)
+    set_lora, set_model, set_overlong, set_parallel, set_reward_models, split_layout)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -78,13 +78,10 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     set_lengths(t, plen, glen, "max_len" if total and not src.has("prompt_max_len") else "prompt_max_len",
                 "max_new_tokens" if src.has("max_new_tokens") else "generate_max_len")
     t.set("algo.minibatches_per_step", max(1, rbs * n // tbs), "train_batch_size")
-    t.set("algo.epochs_per_step", src.int("max_epochs", 1), "max_epochs")
     if src.bool("use_dynamic_batch", False):  # micro-batches cut by tokens, as evenrl's are
         t.set("train.token_cap_per_micro_batch", src.int("train_max_tokens_per_gpu", 16192), "train_max_tokens_per_gpu")
     else:
         t.set("train.token_cap_per_micro_batch", micro * (plen + glen), "micro_train_batch_size")
-    set_sampling(src, t, "temperature", "top_p")
-    t.set("train.lr", src.float("actor_learning_rate", 1e-6), "actor_learning_rate")
     eps = src.float("eps_clip", 0.2)
     low_high = src.raw("eps_clip_low_high")
     low, high = (low_high if isinstance(low_high, list) and len(low_high) == 2 else (eps, eps))
@@ -111,9 +108,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                      ("overlong_buffer_len", "overlong_penalty_factor"))
     _rewards(src, t)
     set_model(t, src.str("pretrain"), "pretrain")
-    t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
     set_lora(src, t, rank="lora_rank", alpha="lora_alpha", targets="target_modules", dropout="lora_dropout")
-    t.set("model.dtype", "bfloat16" if src.bool("bf16", False) else "float32", "bf16")
+    t.settings.pop("model.dtype", None)  # the tables': --bf16 (flat flags) or --ds.param_dtype (dotted)
     zero = src.int("zero_stage", 2, lo=0)
     set_parallel(t, aw, params=False, optimizer=src.bool("adam_offload", False), shard=zero == 3,
                  keys=("adam_offload", "adam_offload"))

@@ -190,11 +190,6 @@ def set_lengths(t: Translation, prompt: int, new: int, pkey: str, nkey: str) -> 
     t.set("rollout.max_new_tokens", new, nkey)
 
 
-def set_sampling(src: Source, t: Translation, temp: str, top_p: str) -> None:
-    t.set("rollout.temperature", src.float(temp, 1.0), temp)
-    t.set("rollout.top_p", src.float(top_p, 1.0), top_p)
-
-
 def set_kl(t: Translation, coef: float, where: str, key: str) -> None:
     """The KL term's size and place; its estimator is the tables' (peers/data: each peer's names, value by value)."""
     t.set("algo.kl_coef", coef, key)

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from evenrl.config import RunConfig, flatten, with_settings
+from evenrl.config import RunConfig, flatten, validation_message, with_settings
 from evenrl.errors import UsageError
 
 DATA = Path(__file__).parent / "data"
@@ -99,6 +99,14 @@ def _fields() -> frozenset[str]:
     return frozenset(flatten(RunConfig().model_dump(mode="json")))
 
 
+def _refuse(peer: str, key: str, field: str, value: Any) -> None:
+    """A peer value evenrl's field cannot hold on any settings: one line naming the peer's key (exit 2)."""
+    try:
+        with_settings(RunConfig(), {field: value})
+    except ValidationError as e:
+        raise UsageError(validation_message(e, f"{peer} {key} -> evenrl")) from None
+
+
 def _accepts(settings: dict, field: str, value: Any) -> bool:
     """Whether evenrl takes field=value beside the settings mapped so far (some fields depend on others)."""
     try:
@@ -140,12 +148,15 @@ def apply_maps(peer: str, version: str, src, t) -> None:
                 if v in spec.get(extra, {}):
                     targets[to] = spec[extra][v]
         else:
+            value = _coerce(peer, key, field, value)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and "min" in spec:
                 value = max(value, spec["min"])
             targets[field] = list(value) if isinstance(value, tuple) else value
         for to, v in targets.items():
             if to not in _fields():
                 t.notes.append(f"{shown}: this evenrl has no {to} yet; the plan runs without it")
+            elif not _accepts({}, to, v) and not spec.get("values"):
+                _refuse(peer, key, to, v)
             elif not _accepts(t.settings, to, v):
                 t.notes.append(f"{shown}: evenrl does not take {to}={_text(v)} beside the other settings; the plan "
                                f"keeps {to}'s default")
@@ -182,6 +193,28 @@ def first_mapped(peer: str, key: str, value: Any) -> int | None:
     spec = table(peer)["map"][key]
     parts = [p.strip().strip("'\"") for p in _text(value).split(spec.get("multi", "\0"))]
     return next((i for i, v in enumerate(parts) if v in spec.get("values", {})), None)
+
+
+def _coerce(peer: str, key: str, field: str, value: Any) -> Any:
+    """A peer value as the evenrl field's type ("3e-7" from a command line is a number); a wrong one is one line
+    naming the peer's key."""
+    section, name = field.split(".", 1)
+    default = RunConfig().model_dump(mode="json").get(section, {}).get(name)
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            if not isinstance(value, bool):
+                raise ValueError
+        elif isinstance(default, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+            if isinstance(default, int) and not isinstance(default, bool):
+                return int(number) if number.is_integer() else number
+            return number
+    except (TypeError, ValueError):
+        raise UsageError(f"{peer} {key}: got {value!r}; need "
+                         f"{'true or false' if isinstance(default, bool) else 'a number'}") from None
+    return value
 
 
 def _truthy(v: Any) -> bool:

@@ -16,7 +16,7 @@ from evenrl.planner.peers.tables import table, version_name
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_model,
     set_reward_models,
-    set_sampling, set_steps)
+    set_steps)
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -81,8 +81,6 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     t.set("algo.minibatches_per_step", m, "steps_per_generation / gradient_accumulation_steps")
     t.set("algo.epochs_per_step", mu, "num_iterations")
     t.set("train.token_cap_per_micro_batch", b * (plen + clen), "per_device_train_batch_size")
-    set_sampling(src, t, "temperature", "top_p")
-    t.set("train.lr", src.float("learning_rate", 1e-6), "learning_rate")
     eps = src.float("epsilon", 0.2)
     t.set("algo.clip_low", eps, "epsilon")
     t.set("algo.clip_high", src.float("epsilon_high", eps), "epsilon_high")
@@ -97,11 +95,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     else:
         t.notes.append(f"scale_rewards={scale!r} has no evenrl equivalent; group std is used")
     set_model(t, src.str("model_name_or_path"), "model_name_or_path")
-    t.set("model.gradient_checkpointing", src.bool("gradient_checkpointing", False), "gradient_checkpointing")
-    if src.has("torch_dtype") or src.has("dtype"):  # the weights' dtype, when given, is the tables' mapping
-        t.settings.pop("model.dtype", None)
-    else:
-        t.set("model.dtype", "bfloat16" if src.bool("bf16", True) else "float32", "bf16")
+    t.settings.pop("model.dtype", None)  # the tables': torch_dtype, else bf16 (its default per version)
     _lora(src, t)
     if src.bool("use_vllm", False):
         t.set("rollout.engine", "vllm", "use_vllm")

@@ -22,7 +22,7 @@ from evenrl.planner.peers.tables import first_mapped
 
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_critic, set_data, set_dynamic_sampling, set_kl,
-    set_lengths, set_lora, set_model, set_overlong, set_parallel, set_reward_models, set_sampling,
+    set_lengths, set_lora, set_model, set_overlong, set_parallel, set_reward_models,
     set_steps, split_layout, trainer_layout)
 
 
@@ -50,6 +50,13 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                               "'actor.ppo_micro_batch_size_per_gpu' if use_dynamic_bsz is not enabled.",
                               "ppo_micro_batch_size_per_gpu has no default (null) in verl's ppo_trainer.yaml",
                               "recent verl"))
+    if not dyn and src.has(a + "ppo_micro_batch_size") and src.has(a + "ppo_micro_batch_size_per_gpu"):
+        t.checks.append(Check("config", "ValueError",
+                              "[actor] You have set both 'actor.ppo_micro_batch_size' AND "
+                              "'actor.ppo_micro_batch_size_per_gpu'. Please remove 'actor.ppo_micro_batch_size' "
+                              "because only '*_ppo_micro_batch_size_per_gpu' is supported (the former is deprecated).",
+                              "the global micro-batch size is the older spelling", "recent verl"))
+    _log_prob_micro(src, t, dyn)
     if not dyn and (tbs * n) % minimal:
         t.checks.append(Check("config", "AssertionError",
                               f"real_train_batch_size ({tbs * n}) must be divisible by minimal possible batch size "
@@ -80,12 +87,9 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     t.set("rollout.samples_per_prompt", n, "actor_rollout_ref.rollout.n")
     set_lengths(t, plen, rlen, "data.max_prompt_length", "data.max_response_length")
     t.set("algo.minibatches_per_step", max(1, tbs // mini), a + "ppo_mini_batch_size")
-    t.set("algo.epochs_per_step", src.int(a + "ppo_epochs", 1), a + "ppo_epochs")
     cap = src.int(a + "ppo_max_token_len_per_gpu", 16384) if dyn else (micro or 1) * (plen + rlen)
     t.set("train.token_cap_per_micro_batch", cap, a + ("ppo_max_token_len_per_gpu" if dyn else
                                                       "ppo_micro_batch_size_per_gpu"))
-    set_sampling(src, t, "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p")
-    t.set("train.lr", src.float(a + "optim.lr", 1e-6), a + "optim.lr")
     clip = src.float(a + "clip_ratio", 0.2)
     t.set("algo.clip_low", src.float(a + "clip_ratio_low", clip), a + "clip_ratio_low")
     t.set("algo.clip_high", src.float(a + "clip_ratio_high", clip), a + "clip_ratio_high")
@@ -117,8 +121,6 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if not src.bool("algorithm.norm_adv_by_std_in_grpo", True):
         t.set("algo.std_scale", "none", "algorithm.norm_adv_by_std_in_grpo")
     set_model(t, src.str("actor_rollout_ref.model.path"), "actor_rollout_ref.model.path")
-    t.set("model.gradient_checkpointing", src.bool("actor_rollout_ref.model.enable_gradient_checkpointing", False),
-          "actor_rollout_ref.model.enable_gradient_checkpointing")
     m = "actor_rollout_ref.model."
     set_lora(src, t, rank=m + "lora_rank", alpha=m + "lora_alpha", targets=m + "target_modules")
     # offload_policy: verl's FSDP2 path (strategy=fsdp2), the same CPUOffloadPolicy evenrl uses
@@ -261,4 +263,18 @@ def _data_parallel(src: Source, t: Translation, world: int, micro: int | None) -
     dp = max(world // (tp * pp * cp), 1)
     return dp, dp * (micro or 1), (f"{dp} data-parallel ranks (world {world} / TP {tp} x PP {pp} x CP {cp}) x "
                                    f"ppo_micro_batch_size_per_gpu {micro or 1}")
+
+
+def _log_prob_micro(src: Source, t: Translation, dyn: bool) -> None:
+    """verl's config check of the old-log-prob and reference passes' micro-batches (one of the two spellings)."""
+    uses_ref = src.bool("actor_rollout_ref.actor.use_kl_loss", False) or \
+        src.bool("algorithm.use_kl_in_reward", False)
+    for name, needed in (("actor_rollout_ref.ref", uses_ref), ("actor_rollout_ref.rollout", True)):
+        key = f"{name}.log_prob_micro_batch_size"
+        if dyn or not needed:
+            continue
+        if not src.has(key) and not src.has(key + "_per_gpu"):
+            t.checks.append(Check("config", "ValueError", f"[{name}] Please set at least one of '{key}' or "
+                                  f"'{key}_per_gpu'.", "neither has a default in verl's ppo_trainer.yaml",
+                                  "recent verl"))
 

@@ -56,6 +56,9 @@ def build_root(root: str, paths: list, tmp_bytes: int) -> None:
     """The sandbox's file system at `root` (a directory of the trainer's, covered by a tmpfs of this namespace)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the trainer's mount table
     _mount("evenrl-sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    os.makedirs(root + "/tmp")  # first: a path below /tmp to bind (a checkout there) goes on top of it
+    _mount("evenrl-tmp", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={max(tmp_bytes, 4096)},nr_inodes=4096,mode=1777")
     for path in paths:
         inside = root + path
         if os.path.islink(path) and os.path.dirname(path) == "/":  # /bin -> usr/bin on merged-/usr systems
@@ -70,9 +73,6 @@ def build_root(root: str, paths: list, tmp_bytes: int) -> None:
             open(inside, "w").close()
         _mount(path, inside, None, MS_BIND | MS_REC)
         _read_only(inside)
-    os.makedirs(root + "/tmp")
-    _mount("evenrl-tmp", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={max(tmp_bytes, 4096)},nr_inodes=4096,mode=1777")
     os.makedirs(root + "/dev")
     _mount("evenrl-dev", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755")
     for name in ("null", "zero", "random", "urandom"):

@@ -12,8 +12,8 @@ One code path for 1 and N ranks: with one process there is no process group and 
 """
 
 from evenrl.distributed.exchange import exchange
-from evenrl.distributed.groups import (DistInfo, device_mesh, init, is_main, is_rollout_rank, rank, rollout_ranks,
-                                       shutdown, trainer_group, world)
+from evenrl.distributed.groups import (DistInfo, data_parallel, device_mesh, init, is_main, is_rollout_rank, rank,
+                                       rollout_ranks, sequence_group, shutdown, trainer_group, world)
 from evenrl.distributed.guard import guard, mark
 from evenrl.distributed.ops import (all_gather_object, all_gather_tensors, all_reduce_grads, all_reduce_sum, barrier,
                                     barrier_all, gather_devices)
@@ -21,6 +21,6 @@ from evenrl.distributed.rollout_link import (WeightReceiver, WeightSender, finis
                                              receive_rollouts, send_rollouts)
 
 __all__ = ["DistInfo", "WeightReceiver", "WeightSender", "all_gather_object", "all_gather_tensors", "all_reduce_grads",
-           "all_reduce_sum", "barrier", "barrier_all", "device_mesh", "exchange", "finish_sends", "gather_devices",
+           "all_reduce_sum", "barrier", "barrier_all", "data_parallel", "device_mesh", "exchange", "finish_sends", "gather_devices",
            "guard", "init", "is_main", "is_rollout_rank", "mark", "push_weights", "rank", "receive_rollouts",
-           "rollout_ranks", "send_rollouts", "shutdown", "trainer_group", "world"]
+           "rollout_ranks", "send_rollouts", "sequence_group", "shutdown", "trainer_group", "world"]

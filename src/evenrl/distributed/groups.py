@@ -56,6 +56,7 @@ class Groups:
     samples: Any = None  # gloo group over the whole world: rollouts travel from the rollout ranks to the trainers
     wait: timedelta = field(default_factory=lambda: timedelta(minutes=10))  # the collective timeout, for p2p waits
     sending: list = field(default_factory=list)  # a rollout rank's sends in flight: (work, buffer) kept alive
+    sequence: Any = None  # this rank's sequence-parallel group (SequenceGroup) when parallel.sequence_parallel_size > 1
 
     def reset(self) -> None:
         self.__dict__.update(Groups().__dict__)
@@ -165,6 +166,30 @@ def device_mesh(device: torch.device, *, host_collectives: bool = False):
     if G.trainers is not None:  # reserved rollout ranks: shard over the trainers only
         return DeviceMesh.from_group(G.trainers, device.type)
     return init_device_mesh(device.type, (world(),))
+
+
+def sequence_group(size: int):
+    """This training rank's sequence-parallel group (a distributed.sequence.SequenceGroup): the training ranks in
+    consecutive runs of `size` (neighbours share a node, where the all-to-all is cheapest), built once. Only the
+    members of a group build it (local synchronisation), so reserved rollout ranks take no part."""
+    from evenrl.distributed.sequence import SequenceGroup
+
+    if G.sequence is None or G.sequence.size != size:
+        r, W = rank(), world()
+        if size < 1 or W % size:
+            raise RunStopped(f"parallel.sequence_parallel_size {size} must divide the {W} training ranks")
+        start = r - r % size
+        group = None if size == 1 else tdist.new_group(list(range(start, start + size)), timeout=G.wait,
+                                                        use_local_synchronization=True)
+        G.sequence = SequenceGroup(group, size, r - start)
+    return G.sequence
+
+
+def data_parallel() -> tuple[int, int]:
+    """(this rank's data-parallel index, data-parallel groups): the step's schedule hands samples to groups of
+    sequence-parallel ranks, which train them together."""
+    size = G.sequence.size if G.sequence is not None else 1
+    return rank() // size, world() // size
 
 
 def shutdown() -> None:

@@ -1,8 +1,9 @@
 """The training forward: a micro-batch of prompt + response rows -> what predicts each response token.
 
 Rows are stored pad-free in a Batch: `tokens` (ragged: prompt + response ids) and `response_len` ([N]).
-`response_logits` forwards a micro-batch by the cheapest exact path the model allows (shared prompts, packed rows
-for Qwen2/Llama, right padding, or the model's own left-padded masked forward); only the positions that predict
+`response_logits` forwards a micro-batch by the cheapest exact path the model allows (rows packed into one and split
+over a sequence-parallel group (models.split_forward), shared prompts, packed rows for Qwen2/Llama, right padding, or
+the model's own left-padded masked forward); only the positions that predict
 response tokens go through the output layer. `response_logprobs` takes the same paths but has the output layer
 compute log-probs and entropies straight from the hidden states (core.fused_head), so the logits tensor, tokens x
 vocabulary and the usual memory peak, never exists. Per-token tensors are then [B, R], R = the longest response,
@@ -21,6 +22,7 @@ from evenrl.core.batch import Batch
 from evenrl.core.fused_head import head_logprobs
 from evenrl.models.decoder import LeanDecoder, rope_rotate, rope_table
 from evenrl.models.loading import autocast, compute_device, is_checkpointing, is_sharded
+from evenrl.models.split_forward import split_forward
 from evenrl.models.vision import is_vision_model, mrope_positions, sampled_placeholders, with_blank_image
 
 
@@ -54,6 +56,8 @@ def response_logprobs(model, batch: Batch, pad_token_id: int, *, temperature: fl
 
 
 def _response_logits(model, batch: Batch, pad_token_id: int, head: Head | None) -> tuple[Tensor, Tensor, Tensor]:
+    if hasattr(model, "evenrl_sequence_group"):  # sequence parallelism, or a checkpointed model's packed rows
+        return split_forward(model, batch, head, _output_layer_computes)
     if is_vision_model(model):
         return _response_logits_vision(model, batch, pad_token_id, head)
     if is_sharded(model):

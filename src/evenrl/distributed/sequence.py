@@ -1,0 +1,168 @@
+"""Ulysses sequence parallelism, applied to a model from outside it: each sample's tokens are split over a group of
+S training ranks (`parallel.sequence_parallel_size`); the model's norms, projections and MLP run on the rank's own
+slice, and attention switches from sequence-sharded to head-sharded with one all-to-all and back with another.
+
+The attention is registered through transformers' `AttentionInterface` (`sequence_parallel(model, group)` sets it on
+the model), so any model whose attention calls the interface (Qwen2, Qwen2.5, Qwen3, Llama) runs unchanged; the
+model's own forward does everything else, with activation checkpointing, LoRA and FSDP2 as usual. A forward without
+the `evenrl_segments` keyword (generation, a plain padded forward) falls through to transformers' SDPA attention.
+
+What evenrl.models.forward hands the attention (`Segments`): the micro-batch's rows packed back to back into one
+row, padded at the end to a multiple of S, cut into S contiguous slices; and the packed row's segment bounds, so
+that attention after the all-to-all (the whole sequence, H/S heads) runs causal within each row only — no rank ever
+holds a row padded to the longest sample. KV heads not divisible by S are repeated to the query heads first.
+
+Exactness: the all-to-all is its own adjoint (the backward moves gradients back with the inverse all-to-all), so
+the parameter gradients summed over the group are the unsplit ones; the per-token outputs (log-probs, entropies,
+values: a few numbers per token, never logits) are gathered to every rank of the group (`gather_outputs`), whose
+backward hands each rank the gradient of its own slice only. Every rank of a group then computes the same loss from
+the same outputs, and its backward reaches each token once. Tested against the unsplit computation on gloo
+(tests/test_sequence_parallel.py). gloo writes a wrong layout into non-contiguous buffers (../shared FIELD_NOTES):
+every buffer here is made contiguous first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch import Tensor
+
+NAME = "evenrl_ulysses"  # the attention implementation's name in transformers' registries
+
+
+@dataclass(frozen=True)
+class SequenceGroup:
+    """This rank's sequence-parallel group: `size` ranks (global ranks start..start+size-1), this one `index`-th."""
+
+    group: object | None  # the process group; None when size is 1
+    size: int
+    index: int
+
+    def gather_outputs(self, x: Tensor, counts: list[int]) -> Tensor:
+        """Every rank's [counts[r], ...] rows concatenated in rank order, on every rank of the group; the backward
+        returns this rank's rows of the gradient (every rank computes the same function of the result)."""
+        if self.size == 1:
+            return x
+        return _GatherReplicated.apply(x, counts, self)
+
+    def attention_kwargs(self, bounds: list[int]) -> dict:
+        """The keyword the model's forward passes down to `ulysses_attention`: the packed row's segment bounds."""
+        return {"evenrl_segments": Segments(self, tuple(bounds))}
+
+
+@dataclass(frozen=True)
+class Segments:
+    """What the attention of a packed, sequence-split forward needs: the group and the packed row's segment bounds
+    (global positions, the last one = the padded length)."""
+
+    sp: SequenceGroup
+    bounds: tuple[int, ...]
+
+
+def _all_to_all(x: Tensor, sp: SequenceGroup) -> Tensor:
+    """x [S, ...] (chunk j goes to rank j) -> [S, ...] (chunk i came from rank i)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    tdist.all_to_all_single(out, x, group=sp.group)
+    return out
+
+
+def _seq_to_heads(x: Tensor, sp: SequenceGroup) -> Tensor:
+    """[h, Ls, D] (all heads, this rank's slice) -> [h/S, S*Ls, D] (this rank's heads, the whole sequence)."""
+    S, (h, ls, d) = sp.size, x.shape
+    got = _all_to_all(x.reshape(S, h // S, ls, d), sp)  # [S: source slice, h/S, Ls, D]
+    return got.transpose(0, 1).reshape(h // S, S * ls, d)
+
+
+def _heads_to_seq(x: Tensor, sp: SequenceGroup) -> Tensor:
+    """The inverse: [h/S, S*Ls, D] -> [h, Ls, D]."""
+    S, (hs, L, d) = sp.size, x.shape
+    got = _all_to_all(x.reshape(hs, S, L // S, d).transpose(0, 1), sp)  # [S: source heads, h/S, Ls, D]
+    return got.reshape(S * hs, L // S, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp):
+        ctx.sp = sp
+        return _seq_to_heads(x, sp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _heads_to_seq(g, ctx.sp), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp):
+        ctx.sp = sp
+        return _heads_to_seq(x, sp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _seq_to_heads(g, ctx.sp), None
+
+
+class _GatherReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, counts, sp):
+        width = max(counts)
+        padded = x.new_zeros((width, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        out = [torch.empty_like(padded) for _ in range(sp.size)]
+        tdist.all_gather(out, padded, group=sp.group)
+        ctx.start, ctx.n = sum(counts[: sp.index]), x.shape[0]
+        return torch.cat([out[r][:n] for r, n in enumerate(counts)])
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.start: ctx.start + ctx.n], None, None
+
+
+def ulysses_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, *, dropout: float = 0.0,
+                      scaling: float | None = None, evenrl_segments: Segments | None = None, **kwargs):
+    """transformers' attention signature: query [1, H, Ls, D], key/value [1, Hk, Ls, D] of this rank's slice ->
+    ([1, Ls, H, D], None). Without `evenrl_segments`: SDPA attention, as the model would run it."""
+    if evenrl_segments is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    seg, sp = evenrl_segments, evenrl_segments.sp
+    H, Hk = query.shape[1], key.shape[1]
+    if Hk % sp.size:  # the plan says so ("kv-heads"): each rank needs whole KV heads for its query heads
+        key, value = (t.repeat_interleave(H // Hk, dim=1) for t in (key, value))
+        Hk = H
+    q, k, v = query[0], key[0], value[0]
+    if sp.size > 1:
+        q, k, v = (_SeqToHeads.apply(t, sp) for t in (q, k, v))
+    outs = [F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b], is_causal=True,
+                                           dropout_p=dropout, scale=scaling, enable_gqa=H != Hk)[0]
+            for a, b in zip(seg.bounds[:-1], seg.bounds[1:]) if b > a]
+    o = torch.cat(outs, dim=1)  # [H/S, L, D]
+    if sp.size > 1:
+        o = _HeadsToSeq.apply(o, sp)
+    return o.transpose(0, 1)[None].contiguous(), None
+
+
+def register() -> None:
+    """Make NAME a valid attention implementation (and its mask transformers' SDPA mask, for the fall-through)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionInterface.register(NAME, ulysses_attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def sequence_parallel(model, sp: SequenceGroup) -> None:
+    """Apply sequence parallelism to `model` in place: its attention becomes `ulysses_attention` and the training
+    forward (evenrl.models.forward) finds the group at `model.evenrl_sequence_group`. Size 1 is the packed forward
+    of one rank (rows back to back, attention within each row): what activation checkpointing uses."""
+    register()
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        config._attn_implementation = NAME
+    model.evenrl_sequence_group = sp

@@ -1,0 +1,63 @@
+"""The training forward of a micro-batch whose rows are packed back to back into one row and, under sequence
+parallelism, split over a group of ranks: each rank runs the model's own forward on its contiguous slice of the
+packed tokens (positions restarting at each row), the attention registered by evenrl.distributed.sequence joins the
+slices (all-to-all) and keeps each row causal within itself, and the output layer computes only the positions of
+this slice that predict response tokens. Those per-token outputs (log-probs and entropies, or values) are then
+gathered to every rank of the group, so each returns the same [B, R, k] as evenrl.models.forward's other paths.
+
+No rank holds a row padded to the longest sample: the only padding is at the packed row's end, up to a multiple of
+the group size. The model's own forward keeps activation checkpointing, LoRA and FSDP2 working; with a group of one
+this is the packed path of a checkpointed model.
+
+The group (`model.evenrl_sequence_group`, set by evenrl.distributed.sequence.sequence_parallel) is used through
+`size`, `index`, `attention_kwargs(bounds)` and `gather_outputs(x, counts)`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from evenrl.core.batch import Batch
+from evenrl.models.loading import compute_device
+
+# A 4-D mask is passed through transformers' mask builders untouched: the attention masks by segment itself, so no
+# [L, L] mask is built for a long packed row.
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+def split_forward(model, batch: Batch, head: Callable | None, output_layer_computes) -> tuple[Tensor, Tensor, Tensor]:
+    """(outputs [B, R, k], targets [B, R], mask [B, R]) as evenrl.models.forward.response_logits returns them.
+    output_layer_computes(model, head, targets): forward's context that has the output layer compute `head`."""
+    sp = model.evenrl_sequence_group
+    device = compute_device(model)
+    tok = batch["tokens"]
+    ids, lengths = tok.values.to(device), tok.lengths.to(device)
+    resp_len = batch["response_len"].to(device)
+    width, T, S = int(resp_len.max()), len(ids), sp.size
+    ends = torch.cumsum(lengths, 0)
+    target_at = torch.maximum(ends[:, None] - width + torch.arange(width, device=device)[None, :],
+                              (ends - lengths + 1)[:, None]).clamp_(max=T - 1)
+    mask = torch.arange(width, device=device)[None, :] >= (width - resp_len)[:, None]
+    targets = ids[target_at]
+
+    per_rank = -(-T // S)  # each rank's slice of the packed row, padded at the end to S slices
+    padded = per_rank * S
+    pos = torch.arange(T, device=device) - torch.repeat_interleave(ends - lengths, lengths, output_size=T)
+    ids = torch.cat([ids, ids.new_zeros(padded - T)])
+    pos = torch.cat([pos, torch.arange(padded - T, device=device)])
+    predicting = (target_at - 1)[mask]  # packed positions whose output predicts a response token, in packed order
+    counts = torch.bincount(predicting // per_rank, minlength=S).tolist()
+    lo = sp.index * per_rank
+    mine = predicting[(predicting >= lo) & (predicting < lo + per_rank)]
+    bounds = [0, *ends.tolist()] + ([padded] if padded > T else [])
+    with output_layer_computes(model, head, ids[mine + 1][None]):
+        out = model(input_ids=ids[None, lo:lo + per_rank], position_ids=pos[None, lo:lo + per_rank],
+                    attention_mask=_NO_MASK.to(device), logits_to_keep=mine - lo, use_cache=False,
+                    **sp.attention_kwargs(bounds))
+    gathered = sp.gather_outputs(out.logits[0], counts)  # [response tokens of the micro-batch, k]
+    outputs = gathered.new_zeros(len(lengths), width, gathered.shape[-1])
+    outputs[mask] = gathered
+    return outputs, targets, mask

@@ -1,0 +1,133 @@
+"""Ulysses sequence parallelism (evenrl.distributed.sequence + evenrl.models.split_forward) against the unsplit
+computation: one spawn of 2 gloo processes (an SP group of 2) runs every case, each rank also computing the
+single-process reference on its own copy of the model.
+
+Compared: the per-token log-probs and entropies of a packed micro-batch of rows of different lengths (a multi-turn
+loss mask's worth of prompt tokens in the middle of the packed row, rows cut across the two slices), and the
+parameter gradients of a loss built from them, summed over the group (what the trainer's gradient all-reduce does).
+Cases: GQA with KV heads divisible by the group, KV heads repeated (one KV head over 2 ranks), Llama, activation
+checkpointing, LoRA adapters (peft), the critic's value head; and the size-1 group (a checkpointed model's packed
+rows) against the padded forward on one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from evenrl.core.batch import Batch, Ragged
+from evenrl.distributed import collectives as dist
+from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
+from evenrl.models.forward import response_logits, response_logprobs
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def tiny(arch: str = "qwen2", kv_heads: int = 2, *, seed: int = 0, value_head: bool = False):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    kw = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = Qwen2Config(**kw) if arch == "qwen2" else LlamaConfig(**kw)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if value_head:  # a critic: the output layer gives one number per position
+        model.lm_head = torch.nn.Linear(32, 1, bias=True)
+    return model
+
+
+def micro_batch(seed: int = 1) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    lengths, resp = [23, 9, 31, 4], [10, 3, 17, 1]
+    rows = [torch.randint(1, 40, (n,), generator=g) for n in lengths]
+    return Batch({"tokens": Ragged.of(rows, torch.long), "response_len": torch.tensor(resp)})
+
+
+def loss_of(outputs, mask):
+    w = torch.linspace(-1.0, 1.5, outputs.shape[1])[None, :, None]
+    return (outputs * w * mask[..., None]).sum()
+
+
+def run_case(name: str, sp: SequenceGroup) -> dict:
+    arch = "llama" if name == "llama" else "qwen2"
+    model = tiny(arch, kv_heads=1 if name == "repeat_kv" else 2, value_head=name == "critic")
+    if name == "lora":
+        from peft import LoraConfig, inject_adapter_in_model
+
+        model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                   init_lora_weights=False), model)
+    reference = copy.deepcopy(model)
+    if name == "checkpointing":
+        model.gradient_checkpointing_enable()
+    sequence_parallel(model, sp)
+    batch = micro_batch()
+    out = {}
+    for label, m in (("split", model), ("reference", reference)):
+        m.train()
+        if name == "critic":
+            outputs, targets, mask = response_logits(m, batch, 0)
+        else:
+            outputs, targets, mask = response_logprobs(m, batch, 0, entropy=True, entropy_grad=True)
+        loss_of(outputs, mask).backward()
+        grads = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+        if label == "split":  # the trainer sums gradients over ranks
+            for g in grads.values():
+                dist.all_reduce_sum(g)
+        out[label] = {"outputs": (outputs * mask[..., None]).detach(), "targets": targets[mask], "grads": grads}
+    return out
+
+
+CASES = ["gqa", "repeat_kv", "llama", "checkpointing", "lora", "critic"]
+
+
+def _worker(rank: int, world: int, port: int, path: str) -> None:
+    torch.set_num_threads(1)
+    for k in ENV_KEYS:
+        os.environ.pop(k, None)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init(timeout=60)
+    sp = dist.sequence_group(world)
+    result = {name: run_case(name, sp) for name in CASES}
+    dist.shutdown()
+    torch.save(result, f"{path}.{rank}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_same(got: dict, want: dict, what: str, tol: float = 1e-6) -> None:
+    assert torch.equal(got["targets"], want["targets"]), f"{what}: targets differ"
+    d = float((got["outputs"] - want["outputs"]).abs().max())
+    assert d <= tol, f"{what}: per-token outputs differ by {d}"
+    assert got["grads"].keys() == want["grads"].keys(), f"{what}: different parameters got gradients"
+    for k, g in want["grads"].items():
+        d = float((got["grads"][k] - g).abs().max())
+        assert d <= tol * max(1.0, float(g.abs().max())), f"{what}: gradient of {k} differs by {d}"
+
+
+@pytest.mark.slow
+def test_sequence_parallel_equals_the_unsplit_forward(tmp_path):
+    path = str(tmp_path / "out")
+    mp.spawn(_worker, args=(2, _free_port(), path), nprocs=2)
+    per_rank = [torch.load(f"{path}.{r}", weights_only=True) for r in range(2)]
+    for r, res in enumerate(per_rank):
+        for name in CASES:
+            assert_same(res[name]["split"], res[name]["reference"], f"rank {r}, {name}")
+
+
+def test_packed_rows_of_a_group_of_one_equal_the_padded_forward():
+    """A checkpointed model's packed path (a group of one) vs the model's own padded forward."""
+    for name in ("gqa", "checkpointing"):
+        res = run_case(name, SequenceGroup(None, 1, 0))
+        assert_same(res["split"], res["reference"], name)

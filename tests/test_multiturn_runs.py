@@ -44,6 +44,8 @@ log: {{progress: false, tensorboard: false, samples_every_steps: 1}}
 SAME = ("reward/mean", "reward/std", "rollout/turns_mean", "response/length_mean", "response/sampled_length_mean",
         "samples")
 RESERVED = ["--nproc-per-node", 2, "--rollout-devices", 1]
+# a reserved rollout rank beside 2 trainers that split every trajectory's tokens (sequence parallelism)
+RESERVED_SP = ["--nproc-per-node", 3, "--rollout-devices", 1, "parallel.sequence_parallel_size=2"]
 OVERLAP = ["rollout.max_staleness=1", "checkpoint.every_steps=1", *RESERVED]
 
 
@@ -52,7 +54,7 @@ def runs(mt):
     """Every run of this module, two at a time, longest first; the resumed run after the one killed at the start of
     step 3 (a training rank exits there: step 3's trajectories were generated ahead and are lost)."""
     root, cfg = mt
-    plan = {"three": (["--nproc-per-node", 3], None), "one": ([], None), "reserved": (RESERVED, None),
+    plan = {"three": (["--nproc-per-node", 3], None), "one": ([], None), "reserved": (RESERVED_SP, None),
             "whole": (OVERLAP, None), "cut": (OVERLAP, fault_env(crash_at_step=3))}
     pending, running, done = list(plan.items()), {}, {}
     try:

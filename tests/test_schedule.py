@@ -344,3 +344,23 @@ def test_no_torch_or_numpy_at_import():
     code = "import sys, evenrl.core.schedule, evenrl.core.partition; print('torch' in sys.modules, 'numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_packed_micro_batches_count_the_sum_of_their_rows():
+    """packed: a micro-batch's tokens are the sum of its rows (rows back to back), so more rows fit a cap than
+    rows x longest allows; the padding share is 0 packed (group 1), rows x longest - real padded, and only the
+    split's rounding to a multiple of the group otherwise."""
+    lengths = [30, 20, 10, 30, 20, 10]
+    padded = make_schedule(lengths, world=1, token_cap=60)
+    packed = make_schedule(lengths, world=1, token_cap=60, packed=True)
+    for s in (padded, packed):
+        assert sorted(r for m in s.minibatches[0].per_rank[0] for r in m.rows) == list(range(6))
+        assert all(m.tokens <= 60 for m in s.minibatches[0].per_rank[0])
+    assert len(packed.minibatches[0].per_rank[0]) < len(padded.minibatches[0].per_rank[0])
+    assert all(m.tokens == sum(lengths[i] for i in m.rows) for m in packed.minibatches[0].per_rank[0])
+    assert packed.padding_share(lengths) == 0.0
+    real = sum(lengths)
+    slots = sum(len(m.rows) * max(lengths[i] for i in m.rows) for m in padded.minibatches[0].per_rank[0])
+    assert padded.padding_share(lengths) == pytest.approx(1 - real / slots) and slots > real
+    rounded = sum(-(-sum(lengths[i] for i in m.rows) // 4) * 4 for m in packed.minibatches[0].per_rank[0])
+    assert packed.padding_share(lengths, group=4) == pytest.approx(1 - real / rounded)

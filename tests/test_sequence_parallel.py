@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import socket
 
 import pytest
@@ -93,8 +94,8 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         os.environ.pop(k, None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init(timeout=60)
-    sp = dist.sequence_group(world)
+    dist.init(timeout=60, sequence_parallel=world)
+    sp = dist.sequence_group()
     result = {name: run_case(name, sp) for name in CASES}
     dist.shutdown()
     torch.save(result, f"{path}.{rank}")
@@ -131,3 +132,38 @@ def test_packed_rows_of_a_group_of_one_equal_the_padded_forward():
     for name in ("gqa", "checkpointing"):
         res = run_case(name, SequenceGroup(None, 1, 0))
         assert_same(res["split"], res["reference"], name)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_run_resumes_a_one_process_checkpoint(shared_runs, tmp_path):
+    """The shared config's 1-process run (shared_runs.one) checkpointed at step 2; its steps 3-4 then run on an SP
+    group of 2 with FSDP2 (--resume at another layout): the same rewards and the same model within 1e-5."""
+    from e2e import evenrl, final_params, max_diff, metrics
+
+    run = tmp_path / "sp"
+    shutil.copytree(shared_runs.one / "checkpoints" / "step-000002", run / "checkpoints" / "step-000002")
+    (run / "checkpoints" / "latest").write_text("step-000002\n")
+    shutil.copy(shared_runs.one / "metrics.jsonl", run / "metrics.jsonl")
+    evenrl("train", *shared_runs.args, f"log.run_dir={run}", "--resume", "--nproc-per-node", 2,
+           "parallel.sequence_parallel_size=2", "parallel.sharding=fsdp")
+    one, split = metrics(shared_runs.one), metrics(run)
+    assert [r["step"] for r in split] == [r["step"] for r in one]
+    assert [r.get("reward/mean") for r in split] == [r.get("reward/mean") for r in one]
+    assert [r.get("eval/reward") for r in split] == [r.get("eval/reward") for r in one]
+    for x, y in zip(one[-2:], split[-2:]):  # the statistics are counted once per group, not once per rank
+        assert abs(x["policy/loss"] - y["policy/loss"]) <= 1e-6 and x["samples"] == y["samples"]
+    assert max_diff(final_params(shared_runs.one), final_params(run)) <= 1e-5
+
+
+@pytest.mark.large_world
+def test_two_sequence_parallel_groups_train_the_one_process_model(assets, tmp_path):
+    """DP 2 x SP 2 on 4 processes with activation checkpointing against 1 process (the assets' config, 2 steps of 7
+    prompts x 3 samples in 2 mini-batches): the same rewards and the same model within 1e-5."""
+    from e2e import evenrl_many, final_params, max_diff, metrics
+
+    evenrl_many({"one": ["train", assets["cfg"], f"log.run_dir={tmp_path / 'one'}"],
+                 "dp2sp2": ["train", assets["cfg"], f"log.run_dir={tmp_path / 'dp2sp2'}", "--nproc-per-node", 4,
+                            "parallel.sequence_parallel_size=2", "model.gradient_checkpointing=true"]})
+    one, split = tmp_path / "one", tmp_path / "dp2sp2"
+    assert [r.get("reward/mean") for r in metrics(split)] == [r.get("reward/mean") for r in metrics(one)]
+    assert max_diff(final_params(one), final_params(split)) <= 1e-5

@@ -78,6 +78,7 @@ class StepSchedule:
     oversize: tuple[int, ...]  # rows whose own length exceeds token_cap (the largest cap), ascending
     token_cap: int | tuple[int, ...] | None = None  # one per rank where ranks differ
     min_rows: int = 1
+    packed: bool = False  # micro-batches run their rows back to back (tokens = the sum of their lengths)
 
     def cap(self, rank: int) -> int | None:
         """The token cap of `rank`'s micro-batches."""
@@ -96,6 +97,17 @@ class StepSchedule:
     def rank_loads(self) -> list[int]:
         """Padded tokens per rank over the whole step (what the rank's forward/backward passes see)."""
         return [sum(m.tokens for mb in self.minibatches for m in mb.per_rank[r]) for r in range(self.world)]
+
+    def padding_share(self, lengths: Sequence[int], group: int = 1) -> float:
+        """The share of the update's token slots that hold padding: rows x longest per micro-batch, or, packed, the
+        packed row's end up to a multiple of the `group` of ranks that splits it."""
+        real = slots = 0
+        for mb in self.minibatches:
+            for m in (m for micros in mb.per_rank for m in micros if m.rows):
+                n = sum(lengths[i] for i in m.rows)
+                real += n
+                slots += -(-n // group) * group if self.packed else len(m.rows) * max(lengths[i] for i in m.rows)
+        return 1.0 - real / slots if slots else 0.0
 
     def over_cap(self) -> list[tuple[int, int, int]]:
         """(mini-batch, rank, micro-step) of every micro-batch whose tokens exceed token_cap."""
@@ -206,8 +218,11 @@ def make_schedule(
     quadratic_cost: float = 0.0,
     inert: Sequence[bool] | None = None,
     extra: Sequence[int] | None = None,
+    packed: bool = False,
 ) -> StepSchedule:
-    """Plan one training step: rows -> mini-batches -> ranks -> micro-batches (see the module docstring)."""
+    """Plan one training step: rows -> mini-batches -> ranks -> micro-batches (see the module docstring).
+    packed: micro-batches run their rows back to back (sequence parallelism's forward), so a micro-batch's tokens
+    are the sum of its rows' lengths instead of rows x longest."""
     lengths = [_check_int(f"lengths[{i}]", x, 0, "an integer token count") for i, x in enumerate(lengths)]
     if extra is not None and len(extra) != len(lengths):
         raise _err("extra", f"{len(extra)} numbers", f"need one per row ({len(lengths)})")
@@ -265,14 +280,14 @@ def make_schedule(
                 rank_rows[active[p]] = [work[i] for i in items]
         if min_rows > 1:
             _fill_short_ranks(rank_rows, cost, w, min_rows)
-        chunks = [_pack(rr, lengths, cap, min_rows, add) for rr, cap in zip(rank_rows, caps)]
+        chunks = [_pack(rr, lengths, cap, min_rows, add, packed) for rr, cap in zip(rank_rows, caps)]
         steps = max(1, max(len(c) for c in chunks))
         per_rank = []
         for c in chunks:
             if len(c) < steps:
-                c = _split_to(c, steps, lengths, min_rows, add)
+                c = _split_to(c, steps, lengths, min_rows, add, packed)
             micros = sorted(
-                (MicroBatch(tuple(sorted(ch)), len(ch) * lengths[ch[0]] + sum(add[i] for i in ch)) for ch in c),
+                (MicroBatch(tuple(sorted(ch)), _tokens(ch, lengths, add, packed)) for ch in c),
                 key=lambda m: (-m.tokens, m.rows),
             )
             micros.extend([FILLER] * (steps - len(micros)))
@@ -281,7 +296,8 @@ def make_schedule(
 
     largest = None if token_cap is None else max(caps)
     oversize = () if largest is None else tuple(i for i, length in enumerate(lengths) if length + add[i] > largest)
-    return StepSchedule(world=world, minibatches=tuple(out), oversize=oversize, token_cap=token_cap, min_rows=min_rows)
+    return StepSchedule(world=world, minibatches=tuple(out), oversize=oversize, token_cap=token_cap, min_rows=min_rows,
+                        packed=packed)
 
 
 def _fill_short_ranks(rank_rows: list[list[int]], cost: list[float], w: list[float], m: int) -> None:
@@ -306,9 +322,16 @@ def _fill_short_ranks(rank_rows: list[list[int]], cost: list[float], w: list[flo
         rr.sort()
 
 
-def _pack(rows: list[int], lengths: list[int], cap: int | None, m: int, add: list[int]) -> list[list[int]]:
+def _tokens(chunk: list[int], lengths: list[int], add: list[int], packed: bool) -> int:
+    """A micro-batch's tokens: rows x longest (padded; rows longest first), or the sum of its rows (packed)."""
+    rows = sum(lengths[i] for i in chunk) if packed else len(chunk) * (lengths[chunk[0]] if chunk else 0)
+    return rows + sum(add[i] for i in chunk)
+
+
+def _pack(rows: list[int], lengths: list[int], cap: int | None, m: int, add: list[int],
+          packed: bool = False) -> list[list[int]]:
     """Rows longest first into consecutive chunks: each takes as many rows as fit its longest row under the cap
-    (with `add`, as many as keep rows x longest + their extra within it).
+    (with `add`, as many as keep rows x longest + their extra within it; packed: the sum of rows + extra).
 
     Taking consecutive rows in length order minimises padding, and filling greedily from the longest gives the
     fewest chunks. The look-ahead keeps the last chunk at >= m rows by leaving exactly m rows for it.
@@ -320,7 +343,12 @@ def _pack(rows: list[int], lengths: list[int], cap: int | None, m: int, add: lis
     while i < n:
         longest = lengths[order[i]]
         fit = n if cap is None or longest == 0 else cap // longest
-        if cap is not None and any(add[j] for j in order[i:]):
+        if cap is not None and packed:
+            fit, used = 0, 0
+            while i + fit < n and used + lengths[order[i + fit]] + add[order[i + fit]] <= cap:
+                used += lengths[order[i + fit]] + add[order[i + fit]]
+                fit += 1
+        elif cap is not None and any(add[j] for j in order[i:]):
             fit, extra = 0, 0
             while i + fit < n and (fit + 1) * longest + extra + add[order[i + fit]] <= cap:
                 extra += add[order[i + fit]]
@@ -334,7 +362,8 @@ def _pack(rows: list[int], lengths: list[int], cap: int | None, m: int, add: lis
     return chunks
 
 
-def _split_to(chunks: list[list[int]], steps: int, lengths: list[int], m: int, add: list[int]) -> list[list[int]]:
+def _split_to(chunks: list[list[int]], steps: int, lengths: list[int], m: int, add: list[int],
+              packed: bool = False) -> list[list[int]]:
     """Split chunks (pieces of >= m rows) until there are `steps` of them or none can be split further.
 
     Extra pieces go one at a time to the chunk whose largest piece has the most padded tokens; a chunk cut into p
@@ -343,8 +372,7 @@ def _split_to(chunks: list[list[int]], steps: int, lengths: list[int], m: int, a
     """
 
     def worst(c: list[int], p: int) -> int:
-        return max(size * lengths[c[start]] + sum(add[i] for i in c[start:start + size])
-                   for start, size in _pieces(len(c), p))
+        return max(_tokens(c[start:start + size], lengths, add, packed) for start, size in _pieces(len(c), p))
 
     pieces = [1] * len(chunks)
     heap = [(-worst(c, 1), c[0], i) for i, c in enumerate(chunks) if len(c) >= 2 * m]

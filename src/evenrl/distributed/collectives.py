@@ -1,7 +1,8 @@
 """Every collective evenrl makes, by name: what the trainer calls as `dist.<name>` (`from evenrl.distributed import
 collectives as dist`). The work is done by one module per job:
 
-  groups        who this process is and its process groups (init, rank, world, roles, the FSDP2 mesh)
+  groups        who this process is and its process groups (init, rank, world, roles, the FSDP2 mesh, the
+                sequence-parallel groups: sequence_group, data_parallel)
   guard         a failed collective as one line naming every rank's phase (mark, guard)
   ops           barriers, sums, gathers and the gradient all-reduce of the trainers; every rank's device
   exchange      a step's rows moved to the ranks that train them
@@ -21,6 +22,7 @@ from evenrl.distributed.rollout_link import (WeightReceiver, WeightSender, finis
                                              receive_rollouts, send_rollouts)
 
 __all__ = ["DistInfo", "WeightReceiver", "WeightSender", "all_gather_object", "all_gather_tensors", "all_reduce_grads",
-           "all_reduce_sum", "barrier", "barrier_all", "data_parallel", "device_mesh", "exchange", "finish_sends", "gather_devices",
+           "all_reduce_sum", "barrier", "barrier_all", "data_parallel", "device_mesh", "exchange", "finish_sends",
+           "gather_devices",
            "guard", "init", "is_main", "is_rollout_rank", "mark", "push_weights", "rank", "receive_rollouts",
            "rollout_ranks", "send_rollouts", "sequence_group", "shutdown", "trainer_group", "world"]

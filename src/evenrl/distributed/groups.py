@@ -70,11 +70,13 @@ def active() -> bool:
     return tdist.is_available() and tdist.is_initialized()
 
 
-def init(backend: str | None = None, *, timeout: float | None = None, rollout_devices: int = 0) -> DistInfo:
+def init(backend: str | None = None, *, timeout: float | None = None, rollout_devices: int = 0,
+         sequence_parallel: int = 1) -> DistInfo:
     """Join the process group described by the environment (idempotent). backend None: NCCL with CUDA (one GPU per
     process), else gloo.
     timeout: seconds the rendezvous and each collective may wait before failing (default 10 minutes).
-    rollout_devices: the last this many ranks only generate (reserved placement); the groups are built here."""
+    rollout_devices: the last this many ranks only generate (reserved placement); the groups are built here.
+    sequence_parallel: the training ranks in consecutive groups of this many split each sample (sequence_group)."""
     if G.info is not None:
         return G.info
     env = read_env()
@@ -108,6 +110,7 @@ def init(backend: str | None = None, *, timeout: float | None = None, rollout_de
     else:
         backend = None
     G.info = DistInfo(lay.rank, lay.world, lay.local_rank, lay.local_world, lay.node_rank, device, backend)
+    _sequence_groups(sequence_parallel)
     return G.info
 
 
@@ -168,20 +171,29 @@ def device_mesh(device: torch.device, *, host_collectives: bool = False):
     return init_device_mesh(device.type, (world(),))
 
 
-def sequence_group(size: int):
-    """This training rank's sequence-parallel group (a distributed.sequence.SequenceGroup): the training ranks in
-    consecutive runs of `size` (neighbours share a node, where the all-to-all is cheapest), built once. Only the
-    members of a group build it (local synchronisation), so reserved rollout ranks take no part."""
+def _sequence_groups(size: int) -> None:
+    """The sequence-parallel groups: the training ranks in consecutive runs of `size` (neighbours share a node, where
+    the all-to-all is cheapest). Every rank of the job builds every group (new_group is collective), reserved
+    rollout ranks too, so this happens here, once."""
     from evenrl.distributed.sequence import SequenceGroup
 
-    if G.sequence is None or G.sequence.size != size:
-        r, W = rank(), world()
-        if size < 1 or W % size:
-            raise RunStopped(f"parallel.sequence_parallel_size {size} must divide the {W} training ranks")
-        start = r - r % size
-        group = None if size == 1 else tdist.new_group(list(range(start, start + size)), timeout=G.wait,
-                                                        use_local_synchronization=True)
-        G.sequence = SequenceGroup(group, size, r - start)
+    trainers = world()
+    if size < 1 or trainers % size:
+        raise RunStopped(f"parallel.sequence_parallel_size {size} must divide the {trainers} training ranks")
+    me = None if is_rollout_rank() else rank()
+    group = None
+    for start in range(0, trainers, size) if size > 1 else ():
+        made = tdist.new_group(list(range(start, start + size)), timeout=G.wait)
+        if me is not None and start <= me < start + size:
+            group = made
+    G.sequence = None if me is None else SequenceGroup(group, size, me % size)
+
+
+def sequence_group():
+    """This training rank's sequence-parallel group (a distributed.sequence.SequenceGroup; size 1 without
+    sequence parallelism)."""
+    if G.sequence is None:
+        _sequence_groups(1)
     return G.sequence
 
 

@@ -30,6 +30,8 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import Tensor
 
+from evenrl.errors import UsageError
+
 NAME = "evenrl_ulysses"  # the attention implementation's name in transformers' registries
 
 
@@ -131,6 +133,11 @@ def ulysses_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
+    if unsupported:  # silently full causal attention would train a different model
+        raise UsageError(f"parallel.sequence_parallel_size: this model's attention uses {unsupported[0]}, which the "
+                         "sequence-parallel attention does not implement; use parallel.sequence_parallel_size=1 and "
+                         "model.gradient_checkpointing=false")
     seg, sp = evenrl_segments, evenrl_segments.sp
     H, Hk = query.shape[1], key.shape[1]
     if Hk % sp.size:  # the plan says so ("kv-heads"): each rank needs whole KV heads for its query heads

@@ -40,7 +40,8 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     earlier = read_metrics(run_dir) if resume or restarted else []
     plan = preflight(cfg)
     check_reachable(cfg)  # a tracker's server, before anything loads
-    info = dist.init(timeout=cfg.parallel.collective_timeout_s, rollout_devices=cfg.parallel.rollout_devices)
+    info = dist.init(timeout=cfg.parallel.collective_timeout_s, rollout_devices=cfg.parallel.rollout_devices,
+                     sequence_parallel=cfg.parallel.sequence_parallel_size)
     # the same plan on every rank's real device (one gather): per-device token caps, auto's starting weights
     plan = preflight(cfg, plan.layout.with_devices(dist.gather_devices(info.device, info.local_world)))
     if dist.is_main():

@@ -63,6 +63,9 @@ def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: di
         "lr": lr,
         "load/rank_tokens": [int(x) for x in schedule.rank_loads()],
         "load/micro_steps": sum(schedule.micro_steps()),
+        # token slots of the update's micro-batches that hold padding (packed rows: only the split's rounding)
+        "load/padding_share": schedule.padding_share(everyone["total_len"].tolist(),
+                                                     cfg.parallel.sequence_parallel_size),
         # samples no rank ran because their gradient is exactly zero (train.skip_zero_gradient_samples)
         "load/skipped_samples": sum(len(mb.rows) for mb in schedule.minibatches) - sum(
             len(m.rows) for mb in schedule.minibatches for micros in mb.per_rank for m in micros),

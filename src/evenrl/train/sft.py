@@ -33,7 +33,7 @@ from evenrl.train.update import minibatch_denominators, minibatch_update
 def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     rundir.check(cfg.log.run_dir, resume=False, overwrite=overwrite)
     check_reachable(cfg)  # a tracker's server, before anything loads
-    info = dist.init(timeout=cfg.parallel.collective_timeout_s)
+    info = dist.init(timeout=cfg.parallel.collective_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel_size)
     if dist.is_main():
         rundir.prepare(cfg.log.run_dir, overwrite=overwrite)
     dist.barrier()
@@ -58,16 +58,19 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     for step in range(1, cfg.sft.steps + 1):
         ids = sampler.next_prompts(cfg.sft.rows_per_step)
         seqs = [prompt_tokens[i] + targets[i] for i in ids]
-        schedule = make_schedule([len(s) for s in seqs], world=dist.world(),
-                                 token_cap=cfg.train.token_cap_per_micro_batch,
-                                 min_rows=cfg.train.min_rows_per_micro_batch)
-        mine = schedule.rank_rows(dist.rank())
+        # sequence parallelism: a group of S ranks trains its rows together, each a slice of every micro-batch
+        group, groups = dist.data_parallel()
+        schedule = make_schedule([len(s) for s in seqs], world=groups,
+                                 token_cap=cfg.train.token_cap_per_micro_batch * cfg.parallel.sequence_parallel_size,
+                                 min_rows=cfg.train.min_rows_per_micro_batch,
+                                 packed=hasattr(model, "evenrl_sequence_group"))
+        mine = schedule.rank_rows(group)
         batch = Batch({
             "tokens": Ragged.of([torch.tensor(seqs[i], dtype=torch.long) for i in mine], torch.long),
             "response_len": torch.tensor([len(targets[ids[i]]) for i in mine], dtype=torch.long),
         })
         pos = {row: j for j, row in enumerate(mine)}
-        micro = [[pos[r] for r in m.rows] for m in schedule.minibatches[0].per_rank[dist.rank()]]
+        micro = [[pos[r] for r in m.rows] for m in schedule.minibatches[0].per_rank[group]]
         denom = minibatch_denominators([len(targets[i]) for i in ids], schedule.minibatches[0].rows)
         stats = minibatch_update(model, opt, None, batch, micro, denom, loss_fn=loss_fn, stat_names=["sft/nll"],
                                  forward=functools.partial(response_logprobs, pad_token_id=tokenizer.pad_token_id),

@@ -49,10 +49,10 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
     local, failures, sampling = sample(trainer, step, timer)                    # rollout + rewards: this rank's rows
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "reward":
         with timer("logprobs"):
-            add_reward_kl(trainer, local)
+            on_group_rows(trainer, local, add_reward_kl, ("reward_kl", "kl_sum"))
     if trainer.critic is not None:
         with timer("values"):
-            add_values(trainer, local)                                          # the critic at sampling time
+            on_group_rows(trainer, local, add_values, ("old_values",))          # the critic at sampling time
     with timer("advantage"):
         add_token_returns(trainer, local)                                       # reinforce_pp, gae: before whitening
         everyone, failures = gather_rows(local, failures)                       # per-sample numbers of all ranks
@@ -202,32 +202,69 @@ def whiten_token_advantages(trainer: Trainer, local: Batch, everyone: Batch) -> 
 
 
 def plan_step(trainer: Trainer, everyone: Batch):
-    """The step schedule from all-gathered lengths: every rank computes the same one, no coordinator."""
+    """The step schedule from all-gathered lengths: every rank computes the same one, no coordinator. Under
+    sequence parallelism its "ranks" are the groups of S ranks: a group's micro-batch is packed (no padding) and
+    split S ways, so it holds S times a rank's token cap, and its cost counts attention (quadratic in length)."""
     cfg = trainer.cfg
-    return make_schedule(everyone["total_len"].tolist(), world=dist.world(),
-                         minibatches=cfg.algo.minibatches_per_step, token_cap=trainer.balance.schedule_caps(cfg),
-                         groups=everyone["group"].tolist(), weights=trainer.balance.update,
+    S = cfg.parallel.sequence_parallel_size
+    caps, weights = trainer.balance.schedule_caps(cfg), trainer.balance.update
+    if S > 1:  # a group is as fast and holds as much as its weakest rank
+        caps = [S * min(caps[g:g + S]) for g in range(0, len(caps), S)] if isinstance(caps, list) else S * caps
+        weights = None if weights is None else [min(weights[g:g + S]) for g in range(0, len(weights), S)]
+    return make_schedule(everyone["total_len"].tolist(), world=dist.data_parallel()[1],
+                         minibatches=cfg.algo.minibatches_per_step, token_cap=caps,
+                         groups=everyone["group"].tolist(), weights=weights,
                          min_rows=cfg.train.min_rows_per_micro_batch, inert=zero_gradient_rows(cfg, everyone),
-                         extra=everyone["vision_tokens"].tolist() if "vision_tokens" in everyone else None)
+                         extra=everyone["vision_tokens"].tolist() if "vision_tokens" in everyone else None,
+                         packed=hasattr(trainer.model, "evenrl_sequence_group"),
+                         quadratic_cost=attention_cost(trainer.model) if S > 1 else 0.0)
+
+
+def attention_cost(model) -> float:
+    """A token pair's attention work relative to a token's projections and MLP (~12 x hidden^2 multiply-adds per
+    layer against ~hidden for each earlier token): what makes a long sample cost more than its length."""
+    return 1.0 / (12 * model.config.get_text_config().hidden_size)
 
 
 def exchange(trainer: Trainer, local: Batch, schedule) -> tuple[Batch, list[list[list[int]]]]:
-    """Move each sample to the rank the schedule trains it on. Returns the rank's rows and, per mini-batch,
-    its micro-batches as positions into those rows."""
+    """Move each sample to the rank the schedule trains it on (every rank of its sequence-parallel group). Returns
+    the rank's rows and, per mini-batch, its micro-batches as positions into those rows."""
+    S = trainer.cfg.parallel.sequence_parallel_size
     owner = {}
     for mb in schedule.minibatches:
-        for r, micros in enumerate(mb.per_rank):
+        for g, micros in enumerate(mb.per_rank):
             for m in micros:
                 for row in m.rows:
-                    owner[row] = r
+                    owner[row] = g
     # rows nobody runs (zero gradient) are left out: they only count in the denominators, taken from `everyone`
     run_here = [i for i, s in enumerate(local["sample_index"].tolist()) if s in owner]
-    if len(run_here) < len(local):
-        local = local.select(run_here)
-    batch = dist.exchange(local, [owner[int(i)] for i in local["sample_index"]])
+    copies = [i for i in run_here for _ in range(S)]
+    if copies != list(range(len(local))):
+        local = local.select(copies)
+    batch = dist.exchange(local, [owner[int(s)] * S + j % S for j, s in enumerate(local["sample_index"].tolist())])
     pos = {int(s): i for i, s in enumerate(batch["sample_index"])}
-    micro = [[[pos[row] for row in m.rows] for m in mb.per_rank[dist.rank()]] for mb in schedule.minibatches]
+    mine = dist.data_parallel()[0]
+    micro = [[[pos[row] for row in m.rows] for m in mb.per_rank[mine]] for mb in schedule.minibatches]
     return batch, micro
+
+
+def on_group_rows(trainer: Trainer, local: Batch, add, names: tuple[str, ...]) -> None:
+    """add(trainer, rows) puts columns `names` on `rows`; under sequence parallelism the rows of every rank of the
+    group, since its ranks forward each micro-batch together (one exchange gathers them), of which each rank keeps
+    its own."""
+    S = trainer.cfg.parallel.sequence_parallel_size
+    if S == 1:
+        add(trainer, local)
+        return
+    first = dist.rank() - dist.rank() % S
+    rows = dist.exchange(local.select([i for i in range(len(local)) for _ in range(S)]),
+                         [first + j % S for j in range(S * len(local))])
+    add(trainer, rows)
+    pos = {int(s): i for i, s in enumerate(rows["sample_index"])}
+    mine = rows.select([pos[int(s)] for s in local["sample_index"]])
+    for name in names:
+        if name in mine:
+            local[name] = mine[name]
 
 
 def needs_old_logprobs(cfg: RunConfig) -> bool:

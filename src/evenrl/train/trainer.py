@@ -33,7 +33,7 @@ from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.reward_models import Scorer, load_scorers
 from evenrl.train.agents import Agents, make_turns
 from evenrl.train.trajectories import Turns
-from evenrl.train.update import prepare_model
+from evenrl.train.update import prepare_model, split_sequences
 
 
 @dataclass
@@ -151,6 +151,7 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
         reference.eval().requires_grad_(False)
         if cfg.parallel.sharding == "fsdp":
             shard(reference, offload=cfg.parallel.cpu_offload == "full")
+        split_sequences(reference, cfg)
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     engine = None
     if not dist.rollout_ranks():  # reserved rollout ranks generate everything: no second copy of the weights here

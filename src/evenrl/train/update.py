@@ -18,8 +18,9 @@ from evenrl.core.aggregation import Denominators, aggregate
 from evenrl.core.batch import Batch, Ragged
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.sequence import sequence_parallel
 from evenrl.distributed.sharding import shard
-from evenrl.errors import RunStopped
+from evenrl.errors import RunStopped, UsageError
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import is_sharded, set_autocast
 from evenrl.models.vision import freeze_tower, is_vision_model
@@ -52,6 +53,19 @@ def prepare_model(model, cfg: RunConfig) -> None:
         shard(model, compute_dtype=compute, offload=cfg.parallel.cpu_offload == "full")
     elif compute != torch.float32:
         set_autocast(model, compute)
+    split_sequences(model, cfg)
+
+
+def split_sequences(model, cfg: RunConfig) -> None:
+    """Sequence parallelism (parallel.sequence_parallel_size > 1): the model's training forwards split each packed
+    micro-batch over this rank's group (evenrl.distributed.sequence). A checkpointed text model packs its rows the
+    same way on one rank (a group of one), instead of padding them to the longest."""
+    size = cfg.parallel.sequence_parallel_size
+    if size > 1 and is_vision_model(model):  # the plan says so first ("sp-vision")
+        raise UsageError(f"parallel.sequence_parallel_size: got {size} for a vision-language model; not supported "
+                         "yet (its images' positions and vision tower are not split); use 1")
+    if size > 1 or (cfg.model.gradient_checkpointing and not is_vision_model(model)):
+        sequence_parallel(model, dist.sequence_group())
 
 
 def filler_row(pad_token_id: int) -> Batch:
@@ -109,6 +123,8 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     """One optimizer step over this rank's micro-batches of one mini-batch, exact across ranks:
     losses are divided by the mini-batch's GLOBAL token/sequence counts (`denom`, from minibatch_denominators)
     and gradients are SUM-reduced, so the step equals the one a single device would take on the whole mini-batch.
+    Under sequence parallelism every rank of a group runs the group's micro-batches (each its slice of the tokens)
+    and computes the same loss and statistics: its first rank alone counts them.
     busy: an evenrl.train.balance.Busy that gets the time and tokens of the forward and backward passes (the
     rank's own work, before it waits for the others in the gradient reduction)."""
     started = time.perf_counter()
@@ -135,6 +151,9 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     if busy is not None:
         busy.add(started, int(sum(batch["tokens"].lengths[rows].sum() for rows in micro_rows if rows)))
     params = [p for p in model.parameters() if p.requires_grad]
+    group = getattr(model, "evenrl_sequence_group", None)
+    if group is not None and group.index > 0:  # the group's first rank counts what all of its ranks computed
+        sums, ran = {}, 0
     # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names.
     flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])] + [ran], dtype=torch.float64)
     if sharded:  # gradients were reduce-scattered (summed) in each backward; only the statistics are left

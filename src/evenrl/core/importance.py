@@ -10,9 +10,8 @@ Level (algo.importance_level) x mode (algo.importance_mode), thresholds floor <=
 Log-weights are clamped to [-20, 20] before exp (as the PPO ratio). A rejected token keeps its place in the loss
 denominators (its loss is 0), as in TRL and OpenRLHF, so the denominators stay the step's global counts.
 
-Sequence and geometric levels use `evenrl.core.aggregation.row_sums` of the log-weight: the whole row is on one rank
-today; under sequence parallelism its two per-row sums are what an SP group all-reduces (the weights are detached,
-so the backward pass needs nothing more).
+Sequence and geometric levels use `evenrl.core.aggregation.row_sums` of the log-weight: the loss sees whole rows
+(under sequence parallelism the group's per-token outputs are gathered to each of its ranks first).
 """
 
 from __future__ import annotations

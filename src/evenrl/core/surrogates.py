@@ -7,10 +7,9 @@ stats are detached scalar *sums over masked tokens* (and `tokens`, their count) 
 
 Sequence-level quantities (GSPO's ratio) are built from per-row sums of the log-ratio and per-row token counts
 (`evenrl.core.aggregation.row_sums`) and enter each token's loss through a detached term, the gradient flowing
-through that token's own log-prob only. A row is never split over ranks today (the schedule moves whole samples),
-so the sums are complete on the rank that runs the row; under sequence parallelism, where one sample's tokens
-are spread over an SP group, the two per-row sums are what the group all-reduces before the ratio is formed, and
-nothing in the backward pass needs a collective.
+through that token's own log-prob only. The loss always sees whole rows: the schedule moves whole samples, and
+under sequence parallelism the group's per-token outputs are gathered to each of its ranks before the loss
+(evenrl.distributed.sequence), so the sums are complete wherever the loss runs.
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
 def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO's sequence-level ratio per token, [B, T]: s_i = exp(mean over row i's tokens of (logp - old_logp)),
     written s_i * pi_t / sg(pi_t) (value s_i, gradient s_i * grad log pi_t), as verl does; the log is clamped above at
-    10. The mean is row_sums' sum over count, the two numbers an SP group would all-reduce."""
+    10. The mean is row_sums' sum over count."""
     total, count = row_sums((logp - old_logp).detach(), mask)
     seq_log = (total / count.clamp(min=1)).to(logp.dtype)
     return (logp - logp.detach() + seq_log[:, None]).clamp(max=_SEQ_LOG_RATIO_MAX).exp()

@@ -193,6 +193,21 @@ def test_verl_rollout_correction_with_two_rejection_criteria():
         ("all", "mask", "token")
     assert (cfg.algo.importance_floor, cfg.algo.importance_cap) == (0.6, 1.6)
     assert any("seq_max_k2" in n and "no evenrl equivalent" in n for n in t.notes)
+    # no layout stated: verl's 1 x 8 GPUs; ppo_mini_batch_size 32 x rollout.n 1 (verl's default) // 8 = 4 per GPU,
+    # which micro-batches of 8 do not divide: verl's worker stops there
+    assert [c.message for c in t.checks] == [
+        "normalized ppo_mini_batch_size 4 should be divisible by ppo_micro_batch_size_per_gpu 8"]
+
+
+def test_open_r1_code_recipe_generation_batch_by_layout():
+    """config_demo_code: 16 per device x gradient_accumulation_steps 4 x the training processes must divide by
+    num_generations 14. On 8 GPUs (one for the vLLM server): 16 x 7 x 4 = 448 = 32 x 14, it passes; on 4 GPUs:
+    16 x 3 x 4 = 192, 192 % 14 = 10, TRL's config check stops it."""
+    name = "open-r1__recipes__Qwen2.5-1.5B-Instruct__grpo__config_demo_code.yaml"
+    _, t8, cfg8, _ = plan_file(name, "trl", nproc_per_node=8)
+    assert t8.checks == [] and (cfg8.data.prompts_per_step, cfg8.rollout.samples_per_prompt) == (32, 14)
+    _, t4, _, _ = plan_file(name, "trl", nproc_per_node=4)
+    assert [c.message for c in t4.checks] == ["generation_batch_size (192) must be divisible by num_generations (14)."]
 
 
 def test_verl_sapo_script_branches_and_pattern_substitution():

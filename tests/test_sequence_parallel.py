@@ -5,6 +5,9 @@ single-process reference on its own copy of the model.
 Compared: the per-token log-probs and entropies of a packed micro-batch of rows of different lengths (a multi-turn
 loss mask's worth of prompt tokens in the middle of the packed row, rows cut across the two slices), and the
 parameter gradients of a loss built from them, summed over the group (what the trainer's gradient all-reduce does).
+Gradients are compared directly (no optimizer step), so AdamW's eps cannot amplify float noise here; the end-to-end
+runs below compare trained models within 1e-5 after AdamW steps whose gradients stand well above eps (lr 1e-3 on
+the shared config, as tests/test_train.py's layout test does).
 Cases: GQA with KV heads divisible by the group, KV heads repeated (one KV head over 2 ranks), Llama, activation
 checkpointing, LoRA adapters (peft), the critic's value head; and the size-1 group (a checkpointed model's packed
 rows) against the padded forward on one process.
@@ -15,7 +18,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import socket
 
 import pytest
 import torch
@@ -25,9 +27,8 @@ from evenrl.core.batch import Batch, Ragged
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
 from evenrl.models.forward import response_logits, response_logprobs
+from test_dist import ENV_KEYS, _free_port
 
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
 def tiny(arch: str = "qwen2", kv_heads: int = 2, *, seed: int = 0, value_head: bool = False):
@@ -99,12 +100,6 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
     result = {name: run_case(name, sp) for name in CASES}
     dist.shutdown()
     torch.save(result, f"{path}.{rank}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_same(got: dict, want: dict, what: str, tol: float = 1e-6) -> None:

@@ -86,26 +86,17 @@ def _heads_to_seq(x: Tensor, sp: SequenceGroup) -> Tensor:
     return got.reshape(S * hs, L // S, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """Sequence-sharded to head-sharded (to_heads) or back; the backward is the other direction."""
+
     @staticmethod
-    def forward(ctx, x, sp):
-        ctx.sp = sp
-        return _seq_to_heads(x, sp)
+    def forward(ctx, x, sp, to_heads: bool):
+        ctx.sp, ctx.to_heads = sp, to_heads
+        return _seq_to_heads(x, sp) if to_heads else _heads_to_seq(x, sp)
 
     @staticmethod
     def backward(ctx, g):
-        return _heads_to_seq(g, ctx.sp), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sp):
-        ctx.sp = sp
-        return _heads_to_seq(x, sp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g, ctx.sp), None
+        return (_heads_to_seq(g, ctx.sp) if ctx.to_heads else _seq_to_heads(g, ctx.sp)), None, None
 
 
 class _GatherReplicated(torch.autograd.Function):
@@ -145,13 +136,13 @@ def ulysses_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         Hk = H
     q, k, v = query[0], key[0], value[0]
     if sp.size > 1:
-        q, k, v = (_SeqToHeads.apply(t, sp) for t in (q, k, v))
+        q, k, v = (_AllToAll.apply(t, sp, True) for t in (q, k, v))
     outs = [F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b], is_causal=True,
                                            dropout_p=dropout, scale=scaling, enable_gqa=H != Hk)[0]
             for a, b in zip(seg.bounds[:-1], seg.bounds[1:]) if b > a]
     o = torch.cat(outs, dim=1)  # [H/S, L, D]
     if sp.size > 1:
-        o = _HeadsToSeq.apply(o, sp)
+        o = _AllToAll.apply(o, sp, False)
     return o.transpose(0, 1)[None].contiguous(), None
 
 

@@ -53,7 +53,7 @@ def test_same_model_on_one_and_three_processes(shared_runs):
     assert [r.get("reward/mean") for r in m1] == [r.get("reward/mean") for r in m3]
     assert [r.get("eval/reward") for r in m1] == [r.get("eval/reward") for r in m3]
     assert len(m3[-1]["load/rank_tokens"]) == 3
-    # activation checkpointing leaves the packed forward for the model's own (recomputing) one: same model
+    # activation checkpointing runs the model's own (recomputing) forward on rows packed into one: same model
     assert max_diff(final_params(one), final_params(shared_runs.grad_ckpt)) <= 1e-5
 
 

@@ -143,7 +143,8 @@ def _response_logits_vision(model, batch: Batch, pad_token_id: int, head: Head |
 
 def _packs(model) -> bool:
     """Whether _packed_forward may stand in for the model's own training forward: a plain Qwen2/Llama (what
-    LeanDecoder covers) without activation checkpointing or attention dropout, which stay with the model's forward."""
+    LeanDecoder covers) without activation checkpointing (which packs through the model's own forward, see
+    models.split_forward) or attention dropout (which stays with the model's forward)."""
     dropout = model.training and getattr(model.config, "attention_dropout", 0.0)
     return LeanDecoder.supports(model) and not is_checkpointing(model) and not dropout
 

@@ -363,3 +363,15 @@ def test_image_placeholders_sampled_in_a_response_are_plain_tokens(vl):
     assert torch.allclose(trainer[0], torch.tensor(expected[0]), atol=2e-5), (trainer[0], expected[0])
     assert torch.allclose(trainer[2], torch.tensor(expected[1]), atol=2e-5), (trainer[2], expected[1])
     assert torch.isfinite(trainer[1]).all()
+    text_only = Batch({"tokens": Ragged.of([torch.tensor(text + forced[1])], torch.long),  # no image in the batch
+                       "response_len": torch.tensor([len(forced[1])]),
+                       "pixel_values": Ragged.of([torch.zeros(0, 1176)], torch.float32),
+                       "image_grid_thw": Ragged.of([torch.zeros(0, 3, dtype=torch.long)], torch.long)})
+    assert torch.allclose(compute_logprobs(model, text_only, [[0]], temperature=1.0, pad_token_id=tok.pad_token_id)[0],
+                          trainer[1], atol=2e-5)
+    from evenrl.models.forward import response_logprobs  # trains on: the backward runs, every gradient finite
+
+    logp, _, mask = response_logprobs(model, batch, tok.pad_token_id)
+    (logp[..., 0] * mask).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)

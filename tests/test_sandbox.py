@@ -102,15 +102,24 @@ def test_sandbox_none_runs_the_code_unsandboxed_and_says_so(monkeypatch):
 
 
 def test_a_machine_without_unshare_refuses_in_one_line(monkeypatch):
+    monkeypatch.setattr(code, "MODE", code.MODE)  # EnvSession sets it for the process: restored after
     monkeypatch.setenv("PATH", "/nonexistent")
     sandbox.unavailable.cache_clear()
     try:
         result = code.run_code("print(1)")
+        assert result.status == "refused" and "\n" not in result.output
+        assert "`unshare` is not installed" in result.output and "rewards.sandbox: none" in result.output
+        # a run whose environment offers the tool stops before its first step, in the same one line
+        from evenrl.config import RunConfig
+        from evenrl.envs.session import EnvSession
+        from evenrl.errors import UsageError
+
+        with pytest.raises(UsageError, match="^rewards.sandbox: model-written code runs only in a sandbox"):
+            EnvSession("calculator", RunConfig().rewards, [python])
+        EnvSession("calculator", RunConfig().rewards, [])  # no python tool: nothing to refuse
+        EnvSession("calculator", RunConfig.model_validate({"rewards": {"sandbox": "none"}}).rewards, [python])
     finally:
         sandbox.unavailable.cache_clear()
-    assert result.status == "refused" and "\n" not in result.output
-    assert "`unshare` is not installed" in result.output and "rewards.sandbox: none" in result.output
-    assert sys.executable  # the trainer itself is untouched
 
 
 def test_user_modules_that_exit_parse_argv_raise_or_hang_at_import_are_one_line(tmp_path, monkeypatch):
@@ -155,6 +164,7 @@ def test_environment_steps_leave_no_process_behind(mode, monkeypatch):
     marker = f"{time.time_ns() % 10**9}.5"
     row = {"prompt": "p"}
     monkeypatch.setattr(pool, "WORKER_PROCESSES", 64)  # the sandbox's cap (RLIMIT_NPROC), small enough to reach
+    monkeypatch.setattr(code, "MODE", code.MODE)  # EnvSession sets it for the process: restored after
 
     def session(timeout_s):
         rewards = RunConfig.model_validate({"rewards": {"timeout_s": timeout_s, "sandbox": mode}}).rewards

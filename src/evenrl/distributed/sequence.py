@@ -10,7 +10,7 @@ the `evenrl_segments` keyword (generation, a plain padded forward) falls through
 What evenrl.models.forward hands the attention (`Segments`): the micro-batch's rows packed back to back into one
 row, padded at the end to a multiple of S, cut into S contiguous slices; and the packed row's segment bounds, so
 that attention after the all-to-all (the whole sequence, H/S heads) runs causal within each row only — no rank ever
-holds a row padded to the longest sample. KV heads not divisible by S are repeated to the query heads first.
+holds a row padded to the longest sample. KV heads not divisible by S are repeated to lcm(KV heads, S) first.
 
 Exactness: the all-to-all is its own adjoint (the backward moves gradients back with the inverse all-to-all), so
 the parameter gradients summed over the group are the unsplit ones; the per-token outputs (log-probs, entropies,
@@ -23,6 +23,7 @@ every buffer here is made contiguous first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -131,9 +132,10 @@ def ulysses_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
                          "model.gradient_checkpointing=false")
     seg, sp = evenrl_segments, evenrl_segments.sp
     H, Hk = query.shape[1], key.shape[1]
-    if Hk % sp.size:  # the plan says so ("kv-heads"): each rank needs whole KV heads for its query heads
-        key, value = (t.repeat_interleave(H // Hk, dim=1) for t in (key, value))
-        Hk = H
+    if Hk % sp.size:  # the plan says so: each rank needs whole KV heads for its query heads
+        repeat = math.lcm(Hk, sp.size) // Hk  # divides H / Hk, since SP divides the query heads
+        key, value = (t.repeat_interleave(repeat, dim=1) for t in (key, value))
+        Hk *= repeat
     q, k, v = query[0], key[0], value[0]
     if sp.size > 1:
         q, k, v = (_AllToAll.apply(t, sp, True) for t in (q, k, v))

@@ -83,6 +83,7 @@ def test_openrlhf_dotted_reinforce_baseline_keeps_kl_estimator_and_lengths():
     _, t, cfg, _ = plan_file("openrlhf__examples__scripts__train_reinforce_baseline_hybrid_engine.sh", "openrlhf")
     assert t.version == "0.11"
     assert cfg.algo.advantage == "reinforce_pp_baseline" and cfg.critic.path == ""
+    assert cfg.algo.reinforce_pp_baseline_whiten == "token"  # OpenRLHF whitens over the batch's response tokens
     assert (cfg.algo.kl_coef, cfg.algo.kl_in, cfg.algo.kl_estimator) == (1e-5, "loss", "k2")
     assert cfg.rollout.max_new_tokens == 64000 and cfg.data.max_prompt_tokens == 74240 - 64000
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.train.lr) == (128, 8, 5e-7)
@@ -147,7 +148,45 @@ def test_open_r1_recipe_is_trl_0_18_in_server_mode():
     assert t.version == "0.18" and cfg.rollout.engine == "vllm"
     assert (t.layout.training_ranks, t.layout.rollout_devices) == (7, 1)  # 0.18's vllm_mode default: server
     assert cfg.rollout.samples_per_prompt == 16 and cfg.train.lr == 2e-5
+    assert cfg.algo.std_eps == 1e-4 and cfg.model.dtype == "bfloat16"  # TRL's epsilon; the recipe's bf16: true
     assert "system_prompt" in one(t, "no_equivalent")
+
+
+# Each enumeration as the peer's own code lists it (verl core_algos.py registries, rollout_corr_helper.py options
+# and kl_penalty; EasyR1 core_algos.py; TRL GRPOConfig's help and grpo_trainer.py; OpenRLHF train_ppo_ray.py's
+# choices), written down from reading that code: the tables must hold every one.
+PEER_ENUMERATIONS = {
+    ("verl", "actor_rollout_ref.actor.policy_loss.loss_mode"):
+        "vanilla gspo sapo gpg clip_cov kl_cov geo_mean cispo bypass_mode",
+    ("verl", "actor_rollout_ref.actor.loss_agg_mode"):
+        "token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm",
+    ("verl", "actor_rollout_ref.actor.kl_loss_type"): "kl k1 abs mse k2 low_var_kl k3 full kl+ k1+ abs+ low_var_kl+ k3+",
+    ("verl", "algorithm.kl_penalty"): "kl k1 abs mse k2 low_var_kl k3 full",
+    ("verl", "algorithm.adv_estimator"): "gae grpo reinforce_plus_plus reinforce_plus_plus_baseline remax rloo opo "
+                                         "grpo_passk gpg rloo_vectorized grpo_vectorized optimal_token_baseline "
+                                         "tir_optimal_token_baseline",
+    ("verl", "algorithm.rollout_correction.rollout_is"): "token sequence",
+    ("verl", "algorithm.rollout_correction.rollout_rs"): "token_k1 token_k2 token_k3 seq_sum_k1 seq_sum_k2 seq_sum_k3 "
+                                                         "seq_mean_k1 seq_mean_k2 seq_mean_k3 seq_max_k2 seq_max_k3",
+    ("easyr1", "worker.actor.loss_type"): "default gspo gspo_token cispo sapo",
+    ("easyr1", "worker.actor.loss_avg_mode"): "token seq",
+    ("easyr1", "algorithm.kl_penalty"): "kl abs mse low_var_kl full",
+    ("easyr1", "algorithm.adv_estimator"): "gae grpo grpo_passk reinforce_plus_plus remax rloo",
+    ("trl", "loss_type"): "grpo dapo bnpo dr_grpo cispo sapo luspo vespo",
+    ("trl", "importance_sampling_level"): "token sequence",
+    ("trl", "vllm_importance_sampling_mode"): "token_truncate token_mask sequence_truncate sequence_mask",
+    ("openrlhf", "policy_loss_type"): "ppo gspo",
+    ("openrlhf", "kl_estimator"): "k1 k2 k3",
+    ("openrlhf", "advantage_estimator"): "gae reinforce rloo reinforce_baseline group_norm dr_grpo",
+    ("openrlhf", "vllm_is_correction_type"): "tis icepop seq-mask-tis",
+}
+
+
+def test_the_tables_hold_every_value_the_peers_code_has():
+    for (peer, key), values in PEER_ENUMERATIONS.items():
+        spec = table(peer)["map"][key]
+        known = set(spec.get("values", {})) | set(spec.get("notes", {}))
+        assert set(values.split()) <= known, (peer, key, set(values.split()) - known)
 
 
 def test_every_enumerated_peer_value_is_mapped_or_noted():
@@ -207,7 +246,8 @@ def test_open_r1_code_recipe_generation_batch_by_layout():
     _, t8, cfg8, _ = plan_file(name, "trl", nproc_per_node=8)
     assert t8.checks == [] and (cfg8.data.prompts_per_step, cfg8.rollout.samples_per_prompt) == (32, 14)
     _, t4, _, _ = plan_file(name, "trl", nproc_per_node=4)
-    assert [c.message for c in t4.checks] == ["generation_batch_size (192) must be divisible by num_generations (14)."]
+    assert [c.message for c in t4.checks] == [
+        "generation_batch_size (192) must be divisible by num_generations (14)."]
 
 
 def test_verl_sapo_script_branches_and_pattern_substitution():

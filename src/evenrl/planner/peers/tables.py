@@ -170,6 +170,26 @@ def apply_maps(peer: str, version: str, src, t) -> None:
             t.notes.append(f"{shown}: {spec['note']}")
 
 
+def apply_constants(peer: str, version: str, t) -> None:
+    """The table's `constants`: numbers inside the peer's code that evenrl has a field for (TRL's std epsilon),
+    set unless the file's keys set that field; a note when it differs from evenrl's default."""
+    defaults = RunConfig().model_dump(mode="json")
+    for field, spec in table(peer).get("constants", {}).items():
+        value = spec["values"].get(version)
+        if value is None or field in t.settings or field not in _fields():
+            continue
+        if any(t.settings.get(k, _default(defaults, k)) != v for k, v in spec.get("when", {}).items()):
+            continue
+        t.settings[field] = value  # no key of the file says so: listed in the notes, not beside a key
+        if value != _default(defaults, field):
+            t.notes.append(f"{spec['why']}: {field}={_text(value)}")
+
+
+def _default(defaults: dict, field: str) -> Any:
+    section, name = field.split(".", 1)
+    return defaults.get(section, {}).get(name)
+
+
 def _enumerated(peer: str, spec: dict, key: str, text: str, shown: str, t) -> str | None:
     """The value of an enumeration evenrl maps (a `multi` list: the first such), each other value a note."""
     parts = [p.strip().strip("'\"") for p in text.split(spec["multi"])] if "multi" in spec else [text]

@@ -160,7 +160,8 @@ PEER_ENUMERATIONS = {
         "vanilla gspo sapo gpg clip_cov kl_cov geo_mean cispo bypass_mode",
     ("verl", "actor_rollout_ref.actor.loss_agg_mode"):
         "token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm",
-    ("verl", "actor_rollout_ref.actor.kl_loss_type"): "kl k1 abs mse k2 low_var_kl k3 full kl+ k1+ abs+ low_var_kl+ k3+",
+    ("verl", "actor_rollout_ref.actor.kl_loss_type"):
+        "kl k1 abs mse k2 low_var_kl k3 full kl+ k1+ abs+ low_var_kl+ k3+",
     ("verl", "algorithm.kl_penalty"): "kl k1 abs mse k2 low_var_kl k3 full",
     ("verl", "algorithm.adv_estimator"): "gae grpo reinforce_plus_plus reinforce_plus_plus_baseline remax rloo opo "
                                          "grpo_passk gpg rloo_vectorized grpo_vectorized optimal_token_baseline "

@@ -394,7 +394,7 @@ class ParallelConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(100, ge=0, description="Save every this many steps (0: not by steps). Whatever the "
+    every_steps: int = Field(500, ge=0, description="Save every this many steps (0: not by steps). Whatever the "
                                                     "cadence, a run also saves after its last step and when it is "
                                                     "stopped by SIGINT or SIGTERM (Ctrl-C, Slurm's preemption).")
     every_minutes: float = Field(

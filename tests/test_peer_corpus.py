@@ -108,6 +108,9 @@ def test_openrlhf_slurm_flags_inside_srun_bash_c():
 def test_easyr1_dapo_script_layered_on_the_bundled_base():
     _, t, cfg, _ = plan_file("easyr1__examples__qwen3_14b_dapo17k_dapo.sh", "easyr1")
     assert any("bundled" in n for n in t.notes)
+    origin = {k["key"]: k["from"] for k in t.keys}
+    assert origin["worker.actor.ulysses_size"] == "file" and origin["worker.actor.optim.lr"] == "base"
+    assert origin["data.max_prompt_length"] == "file"  # the script's value over the base config's
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens) == (512, 16, 20480)
     assert cfg.algo.clip_ratio_c == 10.0 and (cfg.algo.clip_low, cfg.algo.clip_high) == (0.2, 0.28)
     assert cfg.parallel.sequence_parallel_size == 8 and cfg.rollout.tensor_parallel_size == 4

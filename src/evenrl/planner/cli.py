@@ -12,7 +12,8 @@ JSON (--json): the plan, schema "evenrl.plan/1" (its fields: evenrl.planner.plan
   "fit": {changes[{key, from, to}], config{...}, plan{evenrl.plan/1}}.
 With --from, schema "evenrl.foreign/1":
   {schema, framework, file, peer_version, layout, checks[{stage, error, message, why, version}], notes[],
-   keys[{key, value, status (mapped|read|not_applicable|no_equivalent|unknown), evenrl[], why}], config{...},
+   keys[{key, value, status (mapped|read|not_applicable|no_equivalent|unknown), evenrl[], why, from (file|base)}],
+   config{...},
    plan{evenrl.plan/1}}  (+ "fit" with --fit, as above).
 
 This module is the top of the planner: it brings together plan (the numbers and findings), fit (the nearest
@@ -135,13 +136,19 @@ def key_lines(keys: list[dict]) -> list[str]:
                                                                  for s, n in counts.items() if n)]
     label = {"mapped": "", "read": "read", "not_applicable": "not applicable", "no_equivalent": "no evenrl equivalent",
              "unknown": "UNKNOWN"}
-    for k in keys:
+    own = [k for k in keys if k.get("from") != "base"]
+    base = [k for k in keys if k.get("from") == "base"]
+    for k in own:
         value = str(k["value"])
         value = value if len(value) <= 40 else value[:37] + "..."
         left = f"  {k['key']}={value}"
         why = k["why"] if k["status"] == "read" and k["why"].startswith("read") else f"{label[k['status']]}: {k['why']}"
         right = ", ".join(k["evenrl"]) if k["status"] == "mapped" else why
         out.append(f"{left:<60} -> {right}" if k["status"] == "mapped" else f"{left:<60}    {right}")
+    if base:  # the base config's own keys: counted here, each listed by --json
+        counts = {s: sum(k["status"] == s for k in base) for s in STATUSES}
+        out.append(f"  and {len(base)} keys of the base config (its mapped values are in the config below): " +
+                   ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in counts.items() if n) + "; --json lists each")
     return out
 
 

@@ -71,6 +71,8 @@ def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> 
     t.notes = _spell_as_the_file(t.notes, {**dotted, **spelled})
     t.keys = tables.account(framework, version, {**flat, **unresolved}, spelled, t, src.reads, unresolved,
                             loaded.added)
+    for row in t.keys:
+        row["from"] = "base" if row["key"] in loaded.base_keys else "file"
     try:
         cfg = with_settings(RunConfig(), t.settings)
     except ValidationError as e:

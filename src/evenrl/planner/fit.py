@@ -49,12 +49,14 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
         s["parallel.sharding"] = "fsdp"
     if cfg.rollout.memory_fraction > 0 and cfg.rollout.engine == "hf":
         s["rollout.memory_fraction"] = 0.0
+    s.update(_parallel_sizes(cfg, lay, plan.dims))
     # Overlap needs reserved rollout devices, which are the layout's to give (--rollout-devices): without them
     # the run stays synchronous. With them, dynamic sampling's extra rounds cannot run, so it goes.
     if cfg.rollout.max_staleness and not lay.rollout_devices:
         s["rollout.max_staleness"] = 0
     if cfg.algo.filter_groups and lay.rollout_devices:
         s["algo.filter_groups"] = False
+    t = t // s.get("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size)  # units: SP groups
     k = s.get("rollout.samples_per_prompt", cfg.rollout.samples_per_prompt)
     prompts, m, mrows = cfg.data.prompts_per_step, cfg.algo.minibatches_per_step, cfg.train.min_rows_per_micro_batch
     m = min(m, prompts)
@@ -67,7 +69,7 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
         s["data.prompts_per_step"] = min(need, MAX_COUNT)
     if m != cfg.algo.minibatches_per_step:
         s["algo.minibatches_per_step"] = m
-    length = plan.sample_tokens
+    length = -(-plan.sample_tokens // s.get("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size))
     if cfg.train.token_cap_per_micro_batch < max(length, mrows * length):
         s["train.token_cap_per_micro_batch"] = min(max(length, mrows * length), MAX_TOKENS)
     new = with_settings(cfg, s) if s else cfg
@@ -81,8 +83,31 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
     return new, changes
 
 
+def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict[str, Any]:
+    """sequence_parallel_size and tensor_parallel_size where rule_sequence_parallel / rule_rollout_parallel refuse
+    them: the nearest size the layout (and model) allows, else 1."""
+    from evenrl.planner.model_parallel import divisors_near  # it imports the planner's rules, as this module does
+
+    s: dict[str, Any] = {}
+    t, sp, tp = max(lay.training_ranks, 1), cfg.parallel.sequence_parallel_size, cfg.rollout.tensor_parallel_size
+    heads = dims.heads if dims else 0
+    if sp > 1 and (dims and dims.vision or t % sp or heads % max(sp, 1)):
+        ok = [d for d in divisors_near(t, sp, lambda d: not heads or heads % d == 0) if d <= sp]
+        s["parallel.sequence_parallel_size"] = 1 if dims and dims.vision else max(ok, default=1)
+    devices = lay.rollout_devices or lay.world
+    if tp > 1 and (cfg.rollout.engine != "vllm" or lay.device == "cpu"):
+        s["rollout.tensor_parallel_size"] = 1
+    elif tp > 1 and (devices % tp or tp > lay.nproc_per_node):
+        s["rollout.tensor_parallel_size"] = max(d for d in range(1, min(tp, lay.nproc_per_node) + 1)
+                                                if devices % d == 0)
+    return s
+
+
 # Least intrusive first; what trains (LoRA) and algorithm-changing knobs (kl, prompts) only when nothing else fits.
-_PREFERENCE = ["model.gradient_checkpointing", "parallel.sharding", "train.token_cap_per_micro_batch", "model.dtype",
+# Sequence parallelism before checkpointing: it recomputes nothing and its all-to-all is small next to the
+# attention of the long samples it is for (it is only offered for a sample over one rank's token cap).
+_PREFERENCE = ["parallel.sequence_parallel_size", "model.gradient_checkpointing", "parallel.sharding",
+               "train.token_cap_per_micro_batch", "model.dtype",
                "parallel.cpu_offload", "rollout.memory_fraction", "model.lora.rank", "algo.kl_coef",
                "data.prompts_per_step"]
 
@@ -98,12 +123,20 @@ def _fit_memory(cfg: RunConfig, lay: Layout, dims: ModelDims) -> RunConfig:
         if not fixes:
             return cfg
         fitting = [f for f in fixes if f.fits]
-        rank = {key: i for i, key in enumerate(_PREFERENCE)}
-        pick = (min(fitting, key=lambda f: (max(rank.get(k, 99) for k in f.settings), len(f.settings))) if fitting
+        pick = (min(fitting, key=lambda f: (_intrusion(f.settings), len(f.settings))) if fitting
                 else next((f for f in fixes if not {"model.lora.rank", "algo.kl_coef", "data.prompts_per_step"}
                            & set(f.settings)), fixes[0]))
         cfg = with_settings(cfg, pick.settings)
     return cfg
+
+
+def _intrusion(settings: dict[str, Any]) -> int:
+    """A fix's place in _PREFERENCE: its most intrusive key's. The token cap that comes with a
+    sequence_parallel_size (one sample's slice per rank) is part of that fix, not a second knob."""
+    rank = {key: i for i, key in enumerate(_PREFERENCE)}
+    keys = [k for k in settings if not (k == "train.token_cap_per_micro_batch"
+                                        and "parallel.sequence_parallel_size" in settings)]
+    return max(rank.get(k, 99) for k in keys)
 
 
 ALWAYS_SHOWN = {"data": ("prompts_per_step",), "rollout": ("samples_per_prompt",), "algo": ("minibatches_per_step",)}

@@ -9,7 +9,7 @@ Precision: the trained weights, their gradients and AdamW's two moments are fp32
 (model.dtype=bfloat16 is mixed precision: bf16 compute over fp32 master weights), so the state is 16 bytes per
 parameter; c, the compute dtype's bytes (4 or 2), sizes only transient copies, activations and the KV cache.
 P = parameter count, T = training ranks, S = T under sharding=fsdp (else 1), t = tokens of the largest
-micro-batch, g = samples the busiest rank generates, len = max_prompt_tokens + max_new_tokens (with
+micro-batch on one rank, g = samples the busiest rank generates, len = max_prompt_tokens + max_new_tokens (with
 rollout.env: + max_trajectory_tokens).
 
 Resident on every phase (0 on the device with cpu_offload=full, which keeps them in host memory instead):
@@ -64,6 +64,15 @@ update (forward + backward + gradient reduction + optimizer step):
                                         before the old ones are freed (after the backward: activations are gone)
   update = resident + gradients + max(units + unit gradient + copies + activations + logits, gradient buckets)
 peak = the largest phase (they never overlap).
+Sequence parallelism (parallel.sequence_parallel_size = SP > 1, Ulysses): the training ranks are T/SP
+data-parallel groups of SP consecutive ranks; a group takes samples as one unit, up to SP x token_cap tokens per
+micro-batch (the cap stays per rank, as verl's ppo_max_token_len_per_gpu), and every rank holds 1/SP of them
+(padded to a multiple of SP): t = ceil(group tokens / SP), so activations and the output layer's chunk are a
+rank's slice. Attention trades tokens for heads with an all-to-all of q, k, v and its output:
+  all-to-all       4 * t * h * c         forward (log-probs), twice that in the update (forward and backward)
+Where SP does not divide the KV heads the runtime repeats them to lcm(KV heads, SP), and k, v count that many
+heads. Weights, gradients and optimizer state are sharded over all T ranks as before (FSDP does not see SP);
+generation is not split (every rank generates its own samples).
 With model.lora (A adapter parameters: planner.adapters) the base is frozen in the compute dtype and only the
 adapters train: parameters cP/S + 4A/S, optimizer 8A/S, gradients 4A/S, autocast copies 2A, gradient buckets 4A, no
 reference model; units and the gathered model hold the adapters too; activations add their rank-wide middles.
@@ -110,9 +119,9 @@ RESIDENT = ("parameters", "optimizer", "reference model", "critic", "reward mode
 PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache", "rollout engine"),
           "reward": ("reward models in use", "reward activations"),  # only with reward models or judges
           "log-probs": ("fsdp units", "autocast copies", "layer activations", "vision layer activations",
-                        "log-prob logits"),
+                        "log-prob logits", "log-prob all-to-all"),
           "update": ("gradients", "fsdp units", "autocast copies", "activations", "vision activations", "logits",
-                     "gradient buckets")}
+                     "all-to-all", "gradient buckets")}
 
 
 # ------------------------------------------------------------------------------------------ estimate
@@ -141,6 +150,28 @@ class MemoryEstimate:
                 "phases_gib": {k: round(v, 3) for k, v in self.phases.items()}, "assumptions": self.assumptions}
 
 
+def sequence_groups(cfg: RunConfig, layout: Layout) -> tuple[int, int]:
+    """(SP, data-parallel groups): parallel.sequence_parallel_size (at most the training ranks) and the groups of
+    that many consecutive training ranks. An SP that does not divide the ranks is rule_sequence_parallel's error;
+    the estimate then counts the whole groups."""
+    t = max(layout.training_ranks, 1)
+    sp = min(cfg.parallel.sequence_parallel_size, t)
+    return sp, t // sp
+
+
+def group_share(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...] | None = None) -> float:
+    """The busiest training unit's share of a step's samples, where a unit is an SP group (a rank when SP = 1)
+    that holds any of `ranks` (default all): the sum of its ranks' capacity weights over all, else 1 / groups."""
+    sp, groups = sequence_groups(cfg, layout)
+    if sp == 1:
+        return share_of(cfg, layout, ranks)
+    w = layout.capacity_weights or cfg.parallel.fixed_capacity_weights()
+    if not w or len(w) != layout.training_ranks:
+        return 1 / groups
+    sums = [sum(w[g * sp:(g + 1) * sp]) for g in range(groups)]
+    return max(sums[min(r // sp, groups - 1)] for r in (ranks or range(groups * sp))) / sum(sums)
+
+
 def share_of(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...] | None = None) -> float:
     """The busiest of `ranks`' (default all training ranks') share of a step's samples: its capacity weight's
     share, else 1 / T."""
@@ -153,21 +184,22 @@ def share_of(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...] | None = Non
 
 def worst_case_shape(cfg: RunConfig, layout: Layout, extra: int = 0,
                      ranks: tuple[int, ...] | None = None) -> tuple[int, int]:
-    """(tokens of the largest micro-batch, samples the busiest rank generates), all samples at max length.
-    `extra`: each sample's vision-encoder tokens (planner.vision.worst_vision_tokens), which share the token cap;
-    `ranks`: the busiest of these training ranks (default all)."""
+    """(tokens of the largest micro-batch on one rank, samples the busiest rank generates), all samples at max
+    length. `extra`: each sample's vision-encoder tokens (planner.vision.worst_vision_tokens), which share the
+    token cap; `ranks`: the busiest of these training ranks (default all). With SP > 1 the micro-batch is an SP
+    group's, SP x the cap, and a rank holds its 1/SP slice (module docstring)."""
     t = max(layout.training_ranks, 1)
+    sp = sequence_groups(cfg, layout)[0]
     w = layout.capacity_weights or cfg.parallel.fixed_capacity_weights()
     weights = tuple(w) if w and len(w) == t else None
     ranks = ranks or tuple(range(t))
-    share = share_of(cfg, layout, ranks)
     length = cfg.sample_tokens()
     per_mb = math.ceil(cfg.samples_per_step() / cfg.algo.minibatches_per_step)
-    rows_rank = max(1, math.ceil(per_mb * share - 1e-9))
-    rows = min(rows_rank, max(1, cfg.train.token_cap_per_micro_batch // (length + extra),
+    rows_unit = max(1, math.ceil(per_mb * group_share(cfg, layout, ranks) - 1e-9))
+    rows = min(rows_unit, max(1, sp * cfg.train.token_cap_per_micro_batch // (length + extra),
                               cfg.train.min_rows_per_micro_batch))
     gen = _busiest_rollout(cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, length, t, weights, ranks)
-    return rows * length, gen
+    return math.ceil(rows * length / sp), gen
 
 
 @functools.lru_cache(maxsize=256)
@@ -250,7 +282,10 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     largest = max(dims.root_params, dims.layer_params + block_adapters)
     trained_unit = block_adapters if lora.rank else largest  # the largest unit's parameters that get gradients
     unit_grads = trained_unit * (c + (4 if c < 4 else 0)) if fsdp else 0
-    act_elems = dims.act_elems
+    sp = sequence_groups(cfg, layout)[0]
+    # SP not dividing the KV heads: the runtime repeats them to lcm(KV heads, SP), which k and v then hold
+    kv_repeat = 2 * (math.lcm(dims.kv_heads, sp) - dims.kv_heads) * dims.head_dim
+    act_elems = dims.act_elems + kv_repeat
     if lora.rank:  # each adapter's rank-wide middle, and with dropout its own copy of the layer's input
         adapted = adapted_projections(dims, lora.target_modules).values()
         act_elems += lora.rank * len(adapted) + (sum(a for a, _ in adapted) if lora.dropout > 0 else 0)
@@ -279,13 +314,15 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         "KV cache": gen * length * L * 2 * dims.kv_heads * dims.head_dim * c if sampler else 0,
         "rollout engine": engine,
         "fsdp units": units,
-        "layer activations": tokens * dims.act_elems * c,
+        "layer activations": tokens * (dims.act_elems + kv_repeat) * c,
         "vision layer activations": patches * vision.act_elems * c if vision else 0,
         "log-prob logits": min(tokens * V, HEAD_CHUNK) * (c + 8),
         "gradients": grads_b,
         "activations": act,
         "vision activations": vision_act,
         "logits": min(tokens * V, HEAD_CHUNK) * (2 * c + 12),
+        "log-prob all-to-all": 4 * tokens * dims.hidden * c if sp > 1 else 0,
+        "all-to-all": 2 * 4 * tokens * dims.hidden * c if sp > 1 else 0,
         "gradient buckets": 4 * trained if (not fsdp and t > 1) else 0,
     }
     scorers = scorer_memory(cfg, layout, dims, tokens, samples_rank=math.ceil(cfg.samples_per_step() * share_of(
@@ -295,9 +332,9 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     phases = {
         "rollout": resident + parts["gathered model"] + (copies if sampler else 0) + parts["KV cache"] + engine,
         "log-probs": resident + units + copies + parts["layer activations"] + parts["vision layer activations"]
-        + parts["log-prob logits"],
-        "update": resident + grads_b + max(units + unit_grads + copies + act + vision_act + parts["logits"],
-                                           parts["gradient buckets"]),
+        + parts["log-prob logits"] + parts["log-prob all-to-all"],
+        "update": resident + grads_b + max(units + unit_grads + copies + act + vision_act + parts["logits"]
+                                           + parts["all-to-all"], parts["gradient buckets"]),
     }
     if any(spec.model or spec.judge for spec in cfg.rewards.functions):
         phases["reward"] = resident + scorers[1] + scorers[2]

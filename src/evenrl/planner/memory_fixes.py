@@ -50,13 +50,18 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
             fixes.append(MemoryFix(settings, total, bool(cap) and total <= cap, why))
 
     length = cfg.sample_tokens()
-    rows = estimate_memory(cfg, layout, dims, ranks).micro_tokens // length
+    tokens = estimate_memory(cfg, layout, dims, ranks).micro_tokens  # one rank's
+    rows = tokens // length
     if rows > 1:
         r = rows_that_fit(cfg, layout, dims, rows - 1, ranks) or 1
         add({"train.token_cap_per_micro_batch": r * row_tokens(cfg, dims)},
             f"{r} row{'s' if r > 1 else ''} per micro-batch")
     if not cfg.model.gradient_checkpointing:
         add({"model.gradient_checkpointing": True})
+    sp = cfg.parallel.sequence_parallel_size  # splitting samples pays once a micro-batch is down to one sample
+    if tokens * sp <= length + sp and (split := sequence_parallel_fix(cfg, layout, dims, ranks)):
+        add(sequence_settings(cfg, dims, split), f"each sample over {split} ranks, "
+            f"{layout.training_ranks // split} data-parallel groups")
     if cfg.parallel.sharding == "replicated" and layout.training_ranks > 1:
         add({"parallel.sharding": "fsdp"}, f"over {layout.training_ranks} ranks")
     if cfg.parallel.cpu_offload != "full" and layout.device != "cpu":  # offload needs fsdp and an accelerator
@@ -76,6 +81,37 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
         add({"data.prompts_per_step": best or 1}, "fewer samples per rank")
     fixes.sort(key=lambda f: f.total_gib)
     return fixes
+
+
+def sequence_sizes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[int]:
+    """The sequence_parallel_size values the layout and model allow and a fix proposes: divisors of the training
+    ranks that divide the query heads (Ulysses gives each rank heads / SP of them), within one node (every layer's
+    all-to-all on the node's own links); none above 1 for a vision-language model (not supported yet:
+    rule_sequence_parallel)."""
+    t = max(layout.training_ranks, 1)
+    if dims.vision is not None:
+        return [1]
+    return [s for s in range(1, min(t, layout.nproc_per_node) + 1) if t % s == 0 and dims.heads % s == 0]
+
+
+def sequence_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
+                          ranks: tuple[int, ...] | None = None) -> int | None:
+    """The smallest sequence_parallel_size above the configured one that fits the device memory (the rest of the
+    config as it is); where none does, the largest allowed (the lowest peak); None when there is no larger one."""
+    sizes = [s for s in sequence_sizes(cfg, layout, dims) if s > cfg.parallel.sequence_parallel_size]
+    return next((s for s in sizes if _fits(cfg, layout, dims, sequence_settings(cfg, dims, s), ranks)),
+                sizes[-1] if sizes else None)
+
+
+def sequence_settings(cfg: RunConfig, dims: ModelDims, sp: int) -> dict[str, Any]:
+    """sequence_parallel_size=sp, and where an SP group's micro-batch (sp x the per-rank token cap) would hold more
+    than one worst-case sample, the cap lowered to one sample's slice: SP saves memory only on a sample longer than
+    one rank's cap."""
+    settings: dict[str, Any] = {"parallel.sequence_parallel_size": sp}
+    unit = row_tokens(cfg, dims)
+    if sp * cfg.train.token_cap_per_micro_batch >= 2 * unit:
+        settings["train.token_cap_per_micro_batch"] = -(-unit // sp)
+    return settings
 
 
 def row_tokens(cfg: RunConfig, dims: ModelDims) -> int:

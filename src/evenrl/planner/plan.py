@@ -87,13 +87,26 @@ def _weights(cfg: RunConfig, layout: Layout) -> list[float] | None:
     return list(w)
 
 
+def _units(p: Plan, weights: list[float] | None) -> tuple[int, int, list[int] | None, list[float] | None]:
+    """What the schedule balances over: (units, token cap, per-unit caps, per-unit weights). A unit is a training
+    rank, or with sequence parallelism an SP group of consecutive ranks, which takes samples as one and holds SP
+    ranks' token caps (its slowest rank's each: the group moves in lockstep) and their weights summed."""
+    sp, t, cap = p.sequence_parallel, p.dp_size, p.config.train.token_cap_per_micro_batch
+    caps = p.token_caps
+    if sp == 1:
+        return t, cap, caps, weights
+    caps = caps and [sp * min(caps[g * sp:(g + 1) * sp]) for g in range(t)]
+    return t, sp * cap, caps, weights and [sum(weights[g * sp:(g + 1) * sp]) for g in range(t)]
+
+
 def _simulate(p: Plan, weights: list[float] | None) -> None:
-    c, t, length = p.config, p.layout.training_ranks, p.sample_tokens
-    n, k, cap = c.samples_per_step(), c.rollout.samples_per_prompt, c.train.token_cap_per_micro_batch
+    c, length = p.config, p.sample_tokens
+    t, cap, caps, weights = _units(p, weights)
+    n, k = c.samples_per_step(), c.rollout.samples_per_prompt
     p.oversize = n if length + p.vision_tokens > cap else 0
     if n > SIMULATE_MAX or min(c.algo.minibatches_per_step, n) * t > SIMULATE_MAX:
         return _analytic(p)
-    args = dict(world=t, minibatches=c.algo.minibatches_per_step, token_cap=p.token_caps or cap,
+    args = dict(world=t, minibatches=c.algo.minibatches_per_step, token_cap=caps or cap,
                 groups=[i // k for i in range(n)], weights=weights, extra=[p.vision_tokens] * n)
     try:
         sch = make_schedule([length] * n, min_rows=c.train.min_rows_per_micro_batch, **args)
@@ -111,8 +124,8 @@ def _simulate(p: Plan, weights: list[float] | None) -> None:
     busiest = even = bound = 0.0
     for mb in sch.minibatches:  # against what the schedule aims at: the weights, limited by per-device caps
         w = weights or [1.0] * t
-        if p.token_caps:
-            w = cap_limited_weights(len(mb.rows) * cost, w, p.token_caps)
+        if caps:
+            w = cap_limited_weights(len(mb.rows) * cost, w, caps)
         busiest += max(sum(m.tokens for m in mb.per_rank[r]) / w[r] for r in range(t))
         even += len(mb.rows) * cost / sum(w)
         bound += lower_bound([cost] * len(mb.rows), t, w)
@@ -123,13 +136,13 @@ def _simulate(p: Plan, weights: list[float] | None) -> None:
 def _analytic(p: Plan) -> None:
     """Equal-length samples, no weights, groups or per-device token caps: the schedule's result in closed form,
     O(M + T), for steps too large to simulate in well under a second."""
-    c, t, length = p.config, p.layout.training_ranks, p.sample_tokens
+    c, t, length = p.config, p.dp_size, p.sample_tokens
     n = c.samples_per_step()
     m = min(c.algo.minibatches_per_step, n)
     q, extra = divmod(n, m)
     p.simulated = False
     p.minibatch_sizes = [q + 1] * extra + [q] * (m - extra)
-    per_micro = max(1, c.train.token_cap_per_micro_batch // (length + p.vision_tokens))
+    per_micro = max(1, p.sequence_parallel * c.train.token_cap_per_micro_batch // (length + p.vision_tokens))
     kinds = [(q + 1, extra), (q, m - extra)]  # (mini-batch size, how many)
     micro = [max(1, math.ceil(math.ceil(s / t) / per_micro)) for s, _ in kinds]
     p.micro_steps = [micro[0]] * extra + [micro[1]] * (m - extra)

@@ -28,8 +28,10 @@ def render(p: Plan) -> str:
     sizes = p.minibatch_sizes
     mbs = f"{plural(len(sizes), 'mini-batch')} of {_range(sizes)}" if sizes else "no mini-batches"
     cap, length = c.train.token_cap_per_micro_batch, p.sample_tokens
-    cost = length + p.vision_tokens
-    fits = f" ({plural(cap // cost, 'sample')})" if cap >= cost else " (below one sample)"
+    cost, sp = length + p.vision_tokens, p.sequence_parallel
+    fits = f" ({plural(sp * cap // cost, 'sample')})" if sp * cap >= cost else " (below one sample)"
+    if sp > 1:  # the cap is per rank; an SP group's micro-batch holds sp ranks' worth
+        fits = f" per rank, {sp * cap:,} per SP group of {sp}{fits}"
     vision = f" + {p.vision_tokens:,} of the vision encoder's" if p.vision_tokens else ""
     out = [_row("layout", lay.describe()),
            *([_row("devices", _devices_text(p))] if lay.devices is not None else []),
@@ -42,9 +44,11 @@ def render(p: Plan) -> str:
                               if c.rollout.env else f"trajectory {c.rollout.max_trajectory_tokens:,}: up to "
                               f"{plural(c.rollout.agent_max_calls, 'call')} of {c.rollout.max_new_tokens:,} new tokens"
                               if c.rollout.agent else f"new {c.rollout.max_new_tokens:,}")
-                           + f"){vision}; token cap {cap:,} per micro-batch{fits}"
+                           + f"){vision}; token cap {cap:,}{'' if sp > 1 else ' per micro-batch'}{fits}"
                            + (f"; min {c.train.min_rows_per_micro_batch} rows"
                               if c.train.min_rows_per_micro_batch > 1 else ""))]
+    if (parallel := parallel_text(p)):
+        out.append(_row("parallel", parallel))
     if p.ranks:
         out += _rank_lines(p)
     out += [_row("optimizer", _optimizer_text(p)), _row("", _dataset_text(p))]
@@ -110,9 +114,26 @@ def _devices_text(p: Plan) -> str:
     return "; ".join(parts)
 
 
+def parallel_text(p: Plan) -> str:
+    """Sequence parallelism's groups and the vLLM engines' devices, where either is above 1 ('' otherwise)."""
+    c, lay, sp = p.config, p.layout, p.sequence_parallel
+    parts = []
+    if sp > 1:
+        groups = ", ".join(f"{g * sp}-{g * sp + sp - 1}" for g in range(min(p.dp_size, 4)))
+        parts.append(f"sequence parallel {sp}: {plural(p.dp_size, 'data-parallel group')} of {sp} ranks "
+                     f"({groups}{', ...' if p.dp_size > 4 else ''}), each sample's tokens split over its group")
+    tp = c.rollout.tensor_parallel_size
+    if tp > 1:
+        devices = lay.rollout_devices or lay.world
+        where = "reserved rollout devices" if lay.rollout_devices else "devices (colocated)"
+        parts.append(f"vLLM tensor parallel {tp}: {plural(devices // tp, 'engine')} of {tp} devices on {devices} "
+                     f"{where}, {max(1, min(lay.nproc_per_node, devices) // tp)} per node")
+    return "; ".join(parts)
+
+
 def _rank_lines(p: Plan) -> list[str]:
     rows, nmb = p.ranks, len(p.minibatch_sizes)
-    mixed = len(p.groups) > 1
+    mixed = len(p.groups) > 1 and p.sequence_parallel == 1  # device labels are per rank
     device = {r: g.group.device.label for g in p.groups for r in g.group.ranks}
     # Consecutive ranks with the same numbers share a row: 64 equal ranks are one line.
     groups = [list(g) for _, g in itertools.groupby(
@@ -125,7 +146,9 @@ def _rank_lines(p: Plan) -> list[str]:
         names = [device.get(g[0].rank, "") for g in groups] if mixed else []
         dw = max(map(len, names), default=0)
         head = f"{'device':<{dw}} " if mixed else ""
-        lines.append(_row("per rank", f"{'ranks':<{w}} {head}{'samples':>9} {'est. tokens':>13}{computed}"))
+        what = "SP groups" if p.sequence_parallel > 1 else "ranks"
+        lines.append(_row(f"per {p.unit.split()[-1]}",
+                          f"{what:<{w}} {head}{'samples':>9} {'est. tokens':>13}{computed}"))
         for i, (label, (r, *_)) in enumerate(zip(labels, groups)):
             idle = "" if not r.idle_minibatches else (
                 "  idle" if r.idle_minibatches == nmb else f"  idle in {r.idle_minibatches} of {nmb} mini-batches")
@@ -133,22 +156,24 @@ def _rank_lines(p: Plan) -> list[str]:
             lines.append(_row("", f"{label:<{w}} {name}{r.samples:>9,} {r.tokens:>13,}{idle}"))
     else:
         s, t = [r.samples for r in rows], [r.tokens for r in rows]
-        lines.append(_row("per rank", f"samples {min(s):,}..{max(s):,} (mean {sum(s) / len(s):,.1f}), est. tokens "
-                                      f"{min(t):,}..{max(t):,} (mean {sum(t) / len(t):,.0f}); "
-                                      f"{len(groups)} kinds of rank (--json lists each){computed}"))
+        lines.append(_row(f"per {p.unit.split()[-1]}",
+                          f"samples {min(s):,}..{max(s):,} (mean {sum(s) / len(s):,.1f}), est. tokens "
+                          f"{min(t):,}..{max(t):,} (mean {sum(t) / len(t):,.0f}); "
+                          f"{len(groups)} kinds of {p.unit.split()[-1]} (--json lists each){computed}"))
     steps = {r.micro_steps for r in rows}
+    unit = p.unit.split()[-1] if p.sequence_parallel == 1 else p.unit
     micro = (plural(rows[0].micro_steps, "micro-step") + " on every rank" if len(steps) == 1
-             else f"{min(steps)}..{max(steps)} micro-steps per rank")
+             else f"{min(steps)}..{max(steps)} micro-steps per {unit}")
     per_mb = set(p.micro_steps)
     if nmb > 1:
         micro += (f" ({p.micro_steps[0]} per mini-batch)" if len(per_mb) == 1
                   else f" ({', '.join(map(str, p.micro_steps))} per mini-batch)" if nmb <= 8
                   else f" ({min(per_mb)}..{max(per_mb)} per mini-batch)")
     idle = p.idle
-    parts = [micro, f"idle ranks: {ranks_text(idle)} ({len(idle)} of {len(rows)})" if idle else "no idle ranks"]
+    parts = [micro, f"idle {unit}s: {ranks_text(idle)} ({len(idle)} of {len(rows)})" if idle else f"no idle {unit}s"]
     if p.imbalance is not None:
         bound = f" (lower bound x{p.bound_ratio:.3f})" if p.bound_ratio and p.bound_ratio >= 1.0005 else ""
-        parts.append(f"busiest rank / even split = {p.imbalance:.3f}{bound}")
+        parts.append(f"busiest {unit} / even split = {p.imbalance:.3f}{bound}")
     lines.append(_row("", "; ".join(parts)))
     return lines
 

@@ -20,6 +20,7 @@ from evenrl.models.files import LEAN_ARCHS, check_tokenizer_files, check_weights
 from evenrl.planner.groups import rule_group_memory, rule_mixed_speeds, rule_unknown_models
 from evenrl.planner.lora import rule_lora
 from evenrl.planner.memory import PHASES, RESIDENT
+from evenrl.planner.model_parallel import rule_rollout_parallel, rule_sequence_parallel
 from evenrl.planner.rewards import rule_reward_models, rule_rewards
 from evenrl.planner.text import plural, seconds, size_text
 from evenrl.planner.agents import rule_agent
@@ -180,8 +181,7 @@ def rule_algorithms(p: Plan) -> list[Finding]:
     if c.algo.filter_groups and k == 1:
         out.append(Finding("error", "filter-single-sample",
                            "algo.filter_groups drops groups whose rewards are all equal, but samples_per_prompt=1: "
-                           "every group has one reward",
-                           "rollout.samples_per_prompt>=2; or algo.filter_groups=false"))
+                           "every group has one reward", "rollout.samples_per_prompt>=2; or algo.filter_groups=false"))
     if c.algo.filter_groups and c.algo.advantage in ("reinforce_pp", "gae"):
         out.append(Finding("note", "filter-per-token",
                            f"algo.filter_groups with {c.algo.advantage}: groups are still filtered by their rewards, "
@@ -224,14 +224,14 @@ def rule_minibatches(p: Plan) -> list[Finding]:
 
 
 def _prompts_for(p: Plan, rows_per_rank: int) -> int:
-    """Smallest prompts_per_step whose smallest mini-batch gives every training rank rows_per_rank rows."""
-    c, t = p.config, p.layout.training_ranks
+    """Smallest prompts_per_step whose smallest mini-batch gives every training rank (SP group) rows_per_rank rows."""
+    c, t = p.config, p.dp_size
     m, k = c.algo.minibatches_per_step, c.rollout.samples_per_prompt
     return m * math.ceil(t * rows_per_rank / k)
 
 
 def rule_idle(p: Plan) -> list[Finding]:
-    c, t = p.config, p.layout.training_ranks
+    c, t = p.config, p.dp_size
     idle = p.idle
     if not idle:
         return []
@@ -254,7 +254,7 @@ def rule_idle(p: Plan) -> list[Finding]:
         fixes.append("or SyncBatchNorm (CUDA, gathers statistics over ranks) with train.min_rows_per_micro_batch=1")
     idle_all = sum(1 for r in p.ranks if r.idle_minibatches == nmb)
     return [Finding("warning", "idle-ranks",
-                    f"{head} on {plural(t, 'training rank')}{why} leaves {plural(len(idle), 'rank')} idle"
+                    f"{head} on {plural(t, p.unit)}{why} leaves {plural(len(idle), p.unit.split()[-1])} idle"
                     + (f" ({idle_all} for the whole step)" if nmb > 1 and idle_all else ""),
                     ", or ".join(fixes[:-2 if mrows > 1 else -1]) + "; " + "; ".join(fixes[-2 if mrows > 1 else -1:]))]
 
@@ -278,21 +278,21 @@ def rule_min_rows(p: Plan) -> list[Finding]:
 
 def rule_token_cap(p: Plan) -> list[Finding]:
     c, length, v = p.config, p.sample_tokens, p.vision_tokens
-    cap = c.train.token_cap_per_micro_batch
-    if length + v <= cap:
+    cap, sp = c.train.token_cap_per_micro_batch, p.sequence_parallel  # an SP group's micro-batch: sp x the cap
+    if length + v <= cap * sp:
         return []
     return [Finding("warning", "token-cap-oversize",
-                    f"token_cap_per_micro_batch={cap:,} is below max_prompt_tokens + max_new_tokens = {length:,}"
-                    + (f" + {v:,} vision-encoder tokens" if v else "") + ": such samples run alone as oversize "
-                    "micro-batches (memory follows them, not the cap)",
-                    f"train.token_cap_per_micro_batch={length + v}; or rollout.max_new_tokens="
-                    f"{max(1, cap - v - c.data.max_prompt_tokens)}")]
+                    f"token_cap_per_micro_batch={cap:,}{f' x {sp} ranks' if sp > 1 else ''} is below max_prompt_"
+                    f"tokens + max_new_tokens = {length:,}" + (f" + {v:,} vision-encoder tokens" if v else "")
+                    + ": such samples run alone as oversize micro-batches (memory follows them, not the cap)",
+                    f"train.token_cap_per_micro_batch={-(-(length + v) // sp)}; or rollout.max_new_tokens="
+                    f"{max(1, cap * sp - v - c.data.max_prompt_tokens)}")]
 
 
 def rule_imbalance(p: Plan) -> list[Finding]:
     if p.imbalance is None or p.idle or p.token_caps:  # per-device caps: uneven on purpose (rule_group_memory)
         return []
-    c, t = p.config, p.layout.training_ranks
+    c, t = p.config, p.dp_size
     k, m = c.rollout.samples_per_prompt, len(p.minibatch_sizes) or 1
     if p.bound_ratio and p.bound_ratio > 1.05:
         return [Finding("note", "imbalance", f"the busiest rank is {100 * (p.bound_ratio - 1):.0f}% above the "
@@ -304,7 +304,7 @@ def rule_imbalance(p: Plan) -> list[Finding]:
     even = math.ceil(c.data.prompts_per_step / step) * step
     return [Finding("note", "imbalance",
                     f"the busiest rank does {100 * (p.imbalance - 1):.0f}% more than an even split: "
-                    f"{c.samples_per_step():,} whole samples over {t} ranks"
+                    f"{c.samples_per_step():,} whole samples over {plural(t, p.unit.removeprefix('training '))}"
                     + (f" in {m} mini-batches" if m > 1 else "") + " cannot split evenly (others wait)",
                     f"data.prompts_per_step={even} splits evenly")]
 
@@ -354,8 +354,7 @@ def rule_parallel(p: Plan) -> list[Finding]:
                            "its first forward", "parallel.cpu_offload=none; or plan GPUs (--device cuda)"))
     if c.parallel.sharding == "fsdp" and lay.training_ranks == 1 and c.parallel.cpu_offload == "none":
         out.append(Finding("note", "fsdp-one-rank", "sharding=fsdp over 1 training rank shards nothing "
-                           "(it still gathers each block before use)",
-                           "parallel.sharding=replicated, or more ranks"))
+                           "(it still gathers each block before use)", "parallel.sharding=replicated, or more ranks"))
     if lay.rollout_devices and lay.training_ranks >= 1 and not c.rollout.max_staleness:
         r, t = lay.rollout_devices, lay.training_ranks
         out.append(Finding("note", "rollout-reserved",
@@ -448,4 +447,4 @@ def rule_trackers(p: Plan) -> list[Finding]:
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_reward_models, rule_groups,
          rule_algorithms, rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory,
          rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_vision, rule_lora, rule_trackers,
-         rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent]
+         rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent, rule_sequence_parallel, rule_rollout_parallel]

@@ -8,7 +8,9 @@ Plan.to_dict(), schema "evenrl.plan/1" (what --json prints):
           world, training_ranks, devices null | [{ranks[], kind, model, memory_gib, threads, role}]},
   step {prompts_per_step, samples_per_prompt, samples_per_step, minibatches_per_step, minibatch_sizes[],
         epochs_per_step, sample_tokens, token_cap, min_rows, simulated},
-  ranks {training, per_rank[{rank, samples, tokens, micro_steps, idle_minibatches}], samples{min,mean,max},
+  ranks {training, sequence_parallel, dp_groups (training / sequence_parallel),
+         per_rank[{rank, samples, tokens, micro_steps, idle_minibatches}] (with sequence_parallel > 1: one per SP
+         group, `rank` its index, ranks rank*SP .. rank*SP+SP-1; tokens the group's), samples{min,mean,max},
          tokens{min,mean,max}, micro_steps_per_minibatch[], idle[], imbalance (busiest / even split),
          bound_ratio (busiest / partition lower bound), oversize_samples,
          capacity_weights null | [per training rank] (simulated with: given, or where auto starts),
@@ -121,6 +123,23 @@ class Plan:
         return [caps[r] for r in range(len(caps))]
 
     @property
+    def sequence_parallel(self) -> int:
+        """parallel.sequence_parallel_size as planned: at most the training ranks (rule_sequence_parallel says
+        when it does not divide them; the plan then counts the whole groups)."""
+        return max(1, min(self.config.parallel.sequence_parallel_size, self.layout.training_ranks))
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel units the step is balanced over: the training ranks, or with SP > 1 the SP groups (each
+        row of `ranks` is one)."""
+        return max(self.layout.training_ranks, 1) // self.sequence_parallel
+
+    @property
+    def unit(self) -> str:
+        """What a row of `ranks` is, for messages: 'training rank' or 'SP group'."""
+        return "SP group" if self.sequence_parallel > 1 else "training rank"
+
+    @property
     def idle(self) -> list[int]:
         return [r.rank for r in self.ranks if r.idle_minibatches]
 
@@ -150,7 +169,8 @@ class Plan:
                      "minibatch_sizes": self.minibatch_sizes, "epochs_per_step": c.algo.epochs_per_step,
                      "sample_tokens": self.sample_tokens, "token_cap": c.train.token_cap_per_micro_batch,
                      "min_rows": c.train.min_rows_per_micro_batch, "simulated": self.simulated},
-            "ranks": {"training": t, "per_rank": [asdict(r) for r in self.ranks],
+            "ranks": {"training": t, "sequence_parallel": self.sequence_parallel, "dp_groups": self.dp_size,
+                      "per_rank": [asdict(r) for r in self.ranks],
                       "samples": _stats([r.samples for r in self.ranks]),
                       "tokens": _stats([r.tokens for r in self.ranks]),
                       "micro_steps_per_minibatch": self.micro_steps, "idle": self.idle,

@@ -1,0 +1,160 @@
+"""Rules for splitting the model's work over devices: Ulysses sequence parallelism in training
+(parallel.sequence_parallel_size) and tensor parallelism in the vLLM engine (rollout.tensor_parallel_size).
+
+    evenrl plan CONFIG parallel.sequence_parallel_size=4 --nproc-per-node 8 --device cuda --device-memory-gib 80
+
+Sequence parallelism (SP): the training ranks are data-parallel groups of SP consecutive ranks (a group's
+all-to-all stays inside a node where SP <= processes per node); each sample's tokens are split evenly over its
+group, and attention trades tokens for heads with an all-to-all, so each rank computes heads / SP query heads
+over the whole sequence. Hence: SP divides the training ranks, SP divides the query heads, KV heads that SP does
+not divide are repeated (lcm(KV heads, SP) of them), and vision-language models are not supported yet. The memory
+it saves is evenrl.planner.memory's; the smallest SP that fits is evenrl.planner.memory_fixes'.
+Tensor parallelism (TP): one vLLM engine over TP devices (vLLM's tensor_parallel_size), on the reserved rollout
+devices or, colocated, on all of them; GPU only (vLLM's CPU build runs it as worker processes pinned to cores of
+their own, which evenrl's in-process CPU engine does not give it).
+Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from evenrl.config import RunConfig, with_settings
+from evenrl.planner.dims import ModelDims
+from evenrl.planner.groups import group_layout
+from evenrl.planner.layout import Layout
+from evenrl.planner.memory import MemoryEstimate, estimate_memory
+from evenrl.planner.memory_fixes import sequence_settings, sequence_sizes
+from evenrl.planner.text import plural
+from evenrl.planner.types import Finding, Plan
+
+
+def divisors_near(n: int, want: int, ok=lambda d: True) -> list[int]:
+    """Divisors of n that pass `ok`, nearest to `want` first (the smaller first on a tie); at most two."""
+    ds = sorted((d for d in range(1, n + 1) if n % d == 0 and ok(d)), key=lambda d: (abs(d - want), d))
+    return ds[:2]
+
+
+def rule_sequence_parallel(p: Plan) -> list[Finding]:
+    c, lay, d = p.config, p.layout, p.dims
+    sp, t, out = c.parallel.sequence_parallel_size, lay.training_ranks, []
+    if sp == 1 or t < 1:
+        return _sample_too_long(p)
+    heads_ok = (lambda s: d.heads % s == 0) if d else (lambda s: True)
+    key = "parallel.sequence_parallel_size"
+    if t % sp:
+        near = divisors_near(t, sp, heads_ok)
+        out.append(Finding("error", "sequence-parallel-ranks",
+                           f"{key}={sp} does not divide the {plural(t, 'training rank')}: the ranks form groups "
+                           f"of {sp}", "; ".join(f"{key}={s}" for s in near)
+                           + f"; or {t - t % sp or sp} training ranks"))
+    if d and d.vision is not None:
+        out.append(Finding("error", "sequence-parallel-vision",
+                           f"{key}={sp} with a vision-language model ({d.model_type}) is not supported yet: its "
+                           "image tokens would need splitting with the text", f"{key}=1"))
+        return out
+    if d and d.heads % sp:
+        near = divisors_near(d.heads, sp, lambda s: t % s == 0)
+        out.append(Finding("error", "sequence-parallel-heads",
+                           f"{key}={sp} does not divide the model's {d.heads} query heads: Ulysses gives each "
+                           f"rank heads / {sp} of them", "; ".join(f"{key}={s}" for s in near)))
+    elif d and d.kv_heads % sp:
+        kv = math.lcm(d.kv_heads, sp)
+        out.append(Finding("note", "sequence-parallel-kv-heads",
+                           f"{key}={sp} does not divide the model's {d.kv_heads} KV heads: the runtime repeats each "
+                           f"{kv // d.kv_heads} times ({kv} KV heads, {kv // sp} per rank), so k and v cost "
+                           f"{kv // d.kv_heads}x in the all-to-all and in attention's memory (counted above)",
+                           "; ".join(f"{key}={s}" for s in divisors_near(t, sp, lambda s: d.kv_heads % s == 0
+                                                                         and s > 1)) or ""))
+    if lay.nnodes > 1 and sp > lay.nproc_per_node and not t % sp:
+        out.append(Finding("warning", "sequence-parallel-nodes",
+                           f"{key}={sp} spans {math.ceil(sp / lay.nproc_per_node)} nodes of {lay.nproc_per_node} "
+                           "processes: every layer's all-to-all crosses the inter-node link",
+                           f"{key}={math.gcd(sp, lay.nproc_per_node)} (inside a node), with "
+                           "model.gradient_checkpointing=true if it then does not fit"))
+    return out + _sample_too_long(p)
+
+
+def _training_gib(est: MemoryEstimate) -> float:
+    """The peak of the phases a sample's length sets: its log-probs and its update (generation is not split)."""
+    return max(est.phases.get("update", 0.0), est.phases.get("log-probs", 0.0))
+
+
+def _sample_too_long(p: Plan) -> list[Finding]:
+    """When one sample per micro-batch does not fit a rank's training phases: the smallest sequence_parallel_size
+    that does, alone or with activation checkpointing (--fit applies it where it is the least intrusive fix)."""
+    c, mem, d = p.config, p.memory, p.dims
+    if mem is None or not mem.capacity_gib or _training_gib(mem) <= mem.capacity_gib or d is None or not p.groups:
+        return []
+    sp = p.sequence_parallel
+    if mem.micro_tokens * sp > p.sample_tokens + sp:  # more than one sample per micro-batch: the token cap first
+        return []
+    tight = min(p.groups, key=lambda g: g.group.device.memory_gib)
+    lay, ranks = group_layout(replace(p.layout, capacity_weights=p.weights and tuple(p.weights)), tight.group), \
+        tight.group.ranks
+    key, cfg = "parallel.sequence_parallel_size", c
+    sizes = [s for s in sequence_sizes(c, p.layout, d) if s > c.parallel.sequence_parallel_size]
+    split = next((s for s in sizes if _fits(cfg, lay, d, s, ranks)), None)
+    if split is None and sizes and not c.model.gradient_checkpointing:
+        cfg = with_settings(c, {"model.gradient_checkpointing": True})
+        split = next((s for s in sizes if _fits(cfg, lay, d, s, ranks)), None)
+    head = (f"one sample of {p.sample_tokens:,} tokens per micro-batch needs an estimated {_training_gib(mem):.1f} "
+            f"GiB per rank in training at {key}={sp}, over {lay.device_memory_gib:.1f} GiB")
+    if split is None:
+        sizes = sequence_sizes(c, p.layout, d)
+        why = ("not supported yet for vision-language models" if d.vision else
+               f"{key} up to {sizes[-1]} (divisors of the {plural(p.layout.training_ranks, 'training rank')} that "
+               f"divide the {d.heads} query heads) does not fit either")
+        more = "" if d.vision else f"more training ranks (a larger {key}); or "
+        return [Finding("note", "sample-too-long", f"{head}; sequence parallelism: {why}",
+                        f"{more}a shorter rollout.max_new_tokens")]
+    est = estimate_memory(_at(cfg, d, split), lay, d, ranks)
+    extra = " with model.gradient_checkpointing=true" if cfg is not c else ""
+    fix = " ".join(f"{k}={str(v).lower()}" for k, v in {**sequence_settings(cfg, d, split), **(
+        {"model.gradient_checkpointing": True} if extra else {})}.items())
+    return [Finding("note", "sample-too-long",
+                    f"{head}: the smallest {key} that fits{extra} is {split} (est. {_training_gib(est):.1f} GiB; "
+                    f"{plural(p.layout.training_ranks // split, 'data-parallel group')} of {split} ranks, each "
+                    f"rank ~{math.ceil(p.sample_tokens / split):,} tokens of a sample)", fix)]
+
+
+def _at(cfg: RunConfig, dims: ModelDims, sp: int) -> RunConfig:
+    """cfg split over sp ranks (memory_fixes.sequence_settings: the token cap lowered to one sample's slice)."""
+    return with_settings(cfg, sequence_settings(cfg, dims, sp))
+
+
+def _fits(cfg: RunConfig, lay: Layout, dims: ModelDims, sp: int, ranks) -> bool:
+    return _training_gib(estimate_memory(_at(cfg, dims, sp), lay, dims, ranks)) <= lay.device_memory_gib
+
+
+def rule_rollout_parallel(p: Plan) -> list[Finding]:
+    c, lay = p.config, p.layout
+    tp, key = c.rollout.tensor_parallel_size, "rollout.tensor_parallel_size"
+    if tp == 1:
+        return []
+    if c.rollout.engine != "vllm":
+        return [Finding("error", "tensor-parallel-engine",
+                        f"{key}={tp} needs rollout.engine=vllm: engine {c.rollout.engine!r} samples with each "
+                        "training rank's own model", f"rollout.engine=vllm; or {key}=1")]
+    if lay.device == "cpu":
+        return [Finding("error", "tensor-parallel-cpu",
+                        f"{key}={tp} on CPU: vLLM's CPU build runs tensor parallelism as one worker process per "
+                        "slice, pinned to cores of its own, while evenrl runs a CPU engine inside each rank's "
+                        "process on the cores it shares with the trainer", f"{key}=1; or plan GPUs (--device cuda)")]
+    devices = lay.rollout_devices or lay.world
+    where = (f"the {plural(devices, 'reserved rollout device')}" if lay.rollout_devices
+             else f"the {plural(devices, 'device')} (colocated: every rank trains and generates)")
+    out = []
+    if devices % tp:
+        near = divisors_near(devices, tp, lambda s: s <= lay.nproc_per_node)
+        flag = "--rollout-devices" if lay.rollout_devices else "--nproc-per-node"
+        out.append(Finding("error", "tensor-parallel-devices",
+                           f"{key}={tp} does not divide {where}: each engine takes {tp} of them",
+                           "; ".join(f"{key}={s}" for s in near) + f"; or {flag} a multiple of {tp}"))
+    if tp > lay.nproc_per_node:
+        out.append(Finding("error", "tensor-parallel-node",
+                           f"{key}={tp} is more than the {plural(lay.nproc_per_node, 'process')} of a node: "
+                           "an engine's devices must share a node (vLLM's multiprocessing executor)",
+                           f"{key}={max(s for s in range(1, lay.nproc_per_node + 1) if tp % s == 0)}"))
+    return out

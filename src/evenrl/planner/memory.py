@@ -161,15 +161,16 @@ def sequence_groups(cfg: RunConfig, layout: Layout) -> tuple[int, int]:
 
 def group_share(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...] | None = None) -> float:
     """The busiest training unit's share of a step's samples, where a unit is an SP group (a rank when SP = 1)
-    that holds any of `ranks` (default all): the sum of its ranks' capacity weights over all, else 1 / groups."""
+    that holds any of `ranks` (default all): its weakest rank's capacity weight over all groups' (the group moves
+    in lockstep), else 1 / groups."""
     sp, groups = sequence_groups(cfg, layout)
     if sp == 1:
         return share_of(cfg, layout, ranks)
     w = layout.capacity_weights or cfg.parallel.fixed_capacity_weights()
     if not w or len(w) != layout.training_ranks:
         return 1 / groups
-    sums = [sum(w[g * sp:(g + 1) * sp]) for g in range(groups)]
-    return max(sums[min(r // sp, groups - 1)] for r in (ranks or range(groups * sp))) / sum(sums)
+    slowest = [min(w[g * sp:(g + 1) * sp]) for g in range(groups)]
+    return max(slowest[min(r // sp, groups - 1)] for r in (ranks or range(groups * sp))) / sum(slowest)
 
 
 def share_of(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...] | None = None) -> float:

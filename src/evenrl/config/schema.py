@@ -150,7 +150,8 @@ class RolloutConfig(Section):
         1, ge=1, le=1024,
         description="rollout.engine=vllm only: vLLM's tensor_parallel_size, one engine over this many devices "
                     "(verl/EasyR1 rollout.tensor_model_parallel_size); evenrl plan shows devices per engine and "
-                    "engines per node. 1: one engine per device.")
+                    "engines per node, and refuses more than 1 until engines over several devices are placed (one "
+                    "engine per generating rank today; docs/long-context.md). 1: one engine per device.")
     agent: str = Field(
         "", description="Agent rollouts: an async function 'package.module:function', called as `await "
                         "function(row, base_url=..., model=..., api_key=...)` in the reward workers with an "

@@ -84,8 +84,8 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
 
 
 def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict[str, Any]:
-    """sequence_parallel_size and tensor_parallel_size where rule_sequence_parallel / rule_rollout_parallel refuse
-    them: the nearest size the layout (and model) allows, else 1."""
+    """sequence_parallel_size where rule_sequence_parallel refuses it: the nearest size the layout and model allow,
+    else 1; tensor_parallel_size 1 (rule_rollout_parallel refuses more)."""
     from evenrl.planner.model_parallel import divisors_near  # it imports the planner's rules, as this module does
 
     s: dict[str, Any] = {}
@@ -94,12 +94,8 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
     if sp > 1 and (dims and dims.vision or t % sp or heads % max(sp, 1)):
         ok = [d for d in divisors_near(t, sp, lambda d: not heads or heads % d == 0) if d <= sp]
         s["parallel.sequence_parallel_size"] = 1 if dims and dims.vision else max(ok, default=1)
-    devices = lay.rollout_devices or lay.world
-    if tp > 1 and (cfg.rollout.engine != "vllm" or lay.device == "cpu"):
+    if tp > 1:  # refused everywhere for now (model_parallel.rule_rollout_parallel: no multi-device placement)
         s["rollout.tensor_parallel_size"] = 1
-    elif tp > 1 and (devices % tp or tp > lay.nproc_per_node):
-        s["rollout.tensor_parallel_size"] = max(d for d in range(1, min(tp, lay.nproc_per_node) + 1)
-                                                if devices % d == 0)
     return s
 
 

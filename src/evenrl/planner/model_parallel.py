@@ -81,12 +81,18 @@ def _training_gib(est: MemoryEstimate) -> float:
     return max(est.phases.get("update", 0.0), est.phases.get("log-probs", 0.0))
 
 
+TIGHT = 0.9  # of device memory: rule_memory's memory-tight line, where fragmentation may push a run over
+
+
 def _sample_too_long(p: Plan) -> list[Finding]:
-    """When one sample per micro-batch does not fit a rank's training phases: the smallest sequence_parallel_size
-    that does, alone or with activation checkpointing (--fit applies it where it is the least intrusive fix)."""
+    """When one sample per micro-batch does not fit a rank's training phases, or fills more than TIGHT of the
+    device: the smallest sequence_parallel_size below that, alone or with activation checkpointing (--fit applies
+    it where it is the least intrusive fix)."""
     c, mem, d = p.config, p.memory, p.dims
-    if mem is None or not mem.capacity_gib or _training_gib(mem) <= mem.capacity_gib or d is None or not p.groups:
+    if mem is None or not mem.capacity_gib or _training_gib(mem) <= TIGHT * mem.capacity_gib or d is None \
+            or not p.groups:
         return []
+    over = _training_gib(mem) > mem.capacity_gib
     sp = p.sequence_parallel
     if mem.micro_tokens * sp > p.sample_tokens + sp:  # more than one sample per micro-batch: the token cap first
         return []
@@ -95,17 +101,20 @@ def _sample_too_long(p: Plan) -> list[Finding]:
         tight.group.ranks
     key, cfg = "parallel.sequence_parallel_size", c
     sizes = [s for s in sequence_sizes(c, p.layout, d) if s > c.parallel.sequence_parallel_size]
-    split = next((s for s in sizes if _fits(cfg, lay, d, s, ranks)), None)
+    limit = lay.device_memory_gib * (1 if over else TIGHT)
+    split = next((s for s in sizes if _fits(cfg, lay, d, s, ranks, limit)), None)
     if split is None and sizes and not c.model.gradient_checkpointing:
         cfg = with_settings(c, {"model.gradient_checkpointing": True})
-        split = next((s for s in sizes if _fits(cfg, lay, d, s, ranks)), None)
+        split = next((s for s in sizes if _fits(cfg, lay, d, s, ranks, limit)), None)
     head = (f"one sample of {p.sample_tokens:,} tokens per micro-batch needs an estimated {_training_gib(mem):.1f} "
-            f"GiB per rank in training at {key}={sp}, over {lay.device_memory_gib:.1f} GiB")
+            f"GiB per rank in training at {key}={sp}, "
+            + (f"over {lay.device_memory_gib:.1f} GiB" if over else
+               f"over {TIGHT:.0%} of {lay.device_memory_gib:.1f} GiB"))
     if split is None:
         sizes = sequence_sizes(c, p.layout, d)
         why = ("not supported yet for vision-language models" if d.vision else
                f"{key} up to {sizes[-1]} (divisors of the {plural(p.layout.training_ranks, 'training rank')} that "
-               f"divide the {d.heads} query heads) does not fit either")
+               f"divide the {d.heads} query heads) {'does not fit' if over else 'leaves no room'} either")
         more = "" if d.vision else f"more training ranks (a larger {key}); or "
         return [Finding("note", "sample-too-long", f"{head}; sequence parallelism: {why}",
                         f"{more}a shorter rollout.max_new_tokens")]
@@ -114,7 +123,8 @@ def _sample_too_long(p: Plan) -> list[Finding]:
     fix = " ".join(f"{k}={str(v).lower()}" for k, v in {**sequence_settings(cfg, d, split), **(
         {"model.gradient_checkpointing": True} if extra else {})}.items())
     return [Finding("note", "sample-too-long",
-                    f"{head}: the smallest {key} that fits{extra} is {split} (est. {_training_gib(est):.1f} GiB; "
+                    f"{head}: the smallest {key} that {'fits' if over else 'leaves room'}{extra} is {split} "
+                    f"(est. {_training_gib(est):.1f} GiB; "
                     f"{plural(p.layout.training_ranks // split, 'data-parallel group')} of {split} ranks, each "
                     f"rank ~{math.ceil(p.sample_tokens / split):,} tokens of a sample)", fix)]
 
@@ -124,8 +134,8 @@ def _at(cfg: RunConfig, dims: ModelDims, sp: int) -> RunConfig:
     return with_settings(cfg, sequence_settings(cfg, dims, sp))
 
 
-def _fits(cfg: RunConfig, lay: Layout, dims: ModelDims, sp: int, ranks) -> bool:
-    return _training_gib(estimate_memory(_at(cfg, dims, sp), lay, dims, ranks)) <= lay.device_memory_gib
+def _fits(cfg: RunConfig, lay: Layout, dims: ModelDims, sp: int, ranks, limit: float) -> bool:
+    return _training_gib(estimate_memory(_at(cfg, dims, sp), lay, dims, ranks)) <= limit
 
 
 def rule_rollout_parallel(p: Plan) -> list[Finding]:
@@ -145,7 +155,13 @@ def rule_rollout_parallel(p: Plan) -> list[Finding]:
     devices = lay.rollout_devices or lay.world
     where = (f"the {plural(devices, 'reserved rollout device')}" if lay.rollout_devices
              else f"the {plural(devices, 'device')} (colocated: every rank trains and generates)")
-    out = []
+    # vLLM gets the size (engines.vllm_engine), but every generating rank starts an engine of its own on its own
+    # device: an engine over tp devices needs one rank of each tp to start it and the others to hand it their
+    # prompts. Until that placement exists a run would start tp-device engines on shared devices.
+    out = [Finding("error", "tensor-parallel-placement",
+                   f"{key}={tp}: evenrl starts one vLLM engine per generating rank, on that rank's device; "
+                   f"engines over {tp} devices (one per {tp} ranks, the others handing it their prompts) are not "
+                   "built yet", f"{key}=1")]
     if devices % tp:
         near = divisors_near(devices, tp, lambda s: s <= lay.nproc_per_node)
         flag = "--rollout-devices" if lay.rollout_devices else "--nproc-per-node"

@@ -56,8 +56,10 @@ def set_dotted(data: dict, key: str, value: Any, *, what: str = "") -> None:
 
 
 def with_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
-    """A validated copy of cfg with dotted settings ({"data.prompts_per_step": 64}) applied; cfg is unchanged."""
-    data = cfg.model_dump()
+    """A validated copy of cfg with dotted settings ({"data.prompts_per_step": 64}) applied; cfg is unchanged.
+    Only the fields cfg was given are copied (the rest come back as defaults), so the copy still tells a given
+    field from a default one (rule_lora's lora-off reads model_fields_set)."""
+    data = cfg.model_dump(exclude_unset=True)
     for key, value in settings.items():
         set_dotted(data, key, value)
     return RunConfig.model_validate(data)

@@ -149,6 +149,8 @@ def test_a_sample_that_does_not_fit_names_the_smallest_sp_and_fit_applies_it():
     assert not new.model.gradient_checkpointing  # SP is preferred: no recomputation
     after = make_plan(new, p.layout, model_config=QWEN7B)
     assert after.memory.fits and "sample-too-long" not in rules(after) and after.dp_size == 2
+    # nothing else (no data.path here): the fitted copy keeps which fields were given (no lora-off)
+    assert [f.rule for f in after.findings] == ["data-path"], render(after)
 
 
 def test_sample_too_long_falls_back_to_checkpointing_then_says_none_fits():

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from e2e import ENV
 from evenrl.config import RunConfig
 from evenrl.core.aggregation import Denominators
 from evenrl.core.batch import Batch, Ragged
@@ -208,3 +211,29 @@ def test_hostile_agents_cost_their_own_trajectory(tools_model, monkeypatch, capf
     printed = capfd.readouterr()
     assert len(printed.out) + len(printed.err) < 1 << 20  # 100 MB printed, a few KiB shown
     assert printed.out.count("rollout.agent: trajectory") == len(expected)
+
+
+def test_the_plan_refuses_what_the_endpoint_cannot_serve_without_importing_the_agent(tools_model):
+    """Worst-case samples are prompt + the trajectory cap; vLLM, a sharded model without rollout ranks, rollout.env
+    as well, reward models, the sandbox for everything and a plain function are errors; a cap short of
+    agent_max_calls calls is a note; the agent's module (which imports openai) is never imported, nor torch."""
+    code = f"""
+import sys, json
+from evenrl.config import load_config
+from evenrl.planner.layout import make_layout
+from evenrl.planner.plan import make_plan
+common = ["model.path={tools_model}", "rollout.agent=toy_agents:two_tools", "rollout.max_new_tokens=100",
+          "rollout.max_trajectory_tokens=1000", "rollout.agent_max_calls=16"]
+p = make_plan(load_config(None, common), make_layout(1, 2))
+bad = make_plan(load_config(None, common + ["rollout.engine=vllm", "parallel.sharding=fsdp", "rollout.env=feedback",
+                                            "rewards.functions=[{{model: /m}}]", "rewards.sandbox=all",
+                                            "rollout.agent=toy_agents:not_async"]), make_layout(1, 2))
+print(json.dumps([p.sample_tokens, [(f.level, f.rule) for f in p.findings if f.rule.startswith("agent")],
+                  sorted(f.rule for f in bad.findings if f.level == "error" and f.rule.startswith("agent")),
+                  [m for m in ("torch", "openai", "toy_agents") if m in sys.modules]]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
+    tokens, findings, errors, imported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert tokens == 256 + 1000 and findings == [["note", "agent-cap"]] and imported == []
+    assert errors == ["agent-engine", "agent-env", "agent-name", "agent-reward-models", "agent-sandbox",
+                      "agent-sharding"]

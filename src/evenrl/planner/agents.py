@@ -32,6 +32,11 @@ def rule_agent(p: Plan) -> list[Finding]:
                            "ranks: agents call at their own pace, but every call to a sharded model is a collective "
                            "all ranks must join", "parallel.rollout_devices>=1 (the endpoint on whole copies), or "
                            "parallel.sharding=replicated"))
+    models = [s.model or "judge" for s in c.rewards.functions if s.model or s.judge is not None]
+    if models:
+        out.append(Finding("error", "agent-reward-models", f"rollout.agent with reward models or judges in "
+                           f"rewards.functions ({', '.join(models)}): the agent's None reward is scored by reward "
+                           "functions only", "score in the agent (return a number), or reward functions only"))
     if c.rewards.sandbox == "all":
         out.append(Finding("error", "agent-sandbox", "rollout.agent with rewards.sandbox=all: the sandbox's private "
                            "/tmp and file system view hide the endpoint's socket from the agents",

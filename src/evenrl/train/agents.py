@@ -53,6 +53,9 @@ class Agents:
         problem = agent_problem(cfg.rollout.agent)
         if problem:
             raise bad("rollout.agent", cfg.rollout.agent, problem)
+        if any(s.model or s.judge is not None for s in cfg.rewards.functions):
+            raise UsageError("rollout.agent with reward models or judges in rewards.functions: an agent's None reward "
+                             "is scored by reward functions only; score in the agent, or use reward functions")
         if cfg.rewards.sandbox == "all":
             raise UsageError("rollout.agent with rewards.sandbox=all: the sandbox's private /tmp and file system view "
                              "hide the endpoint's socket from the agents; use rewards.sandbox=tools")

@@ -177,3 +177,14 @@ def test_verl_micro_batch_spellings_are_checked_as_current_verl_does(tmp_path):
     assert any(m.startswith("[actor_rollout_ref.ref] Please set at least one of") for m in msgs)  # KL needs ref
     old, _ = translate("verl", read_foreign("verl", str(f), []), ns(nproc_per_node=4, peer_version="logic-rl"))
     assert not any("Please set at least one of" in c.message for c in old.checks)  # the fork had defaults
+
+
+def test_openrlhf_micro_batch_defaults_follow_the_version(tmp_path):
+    """--micro_train_batch_size defaults to 4 in OpenRLHF 0.7 and to 1 since 0.10 (train_ppo_ray.py): the same
+    flags pass DeepSpeed's batch check in one and fail it in the other."""
+    f = tmp_path / "args.txt"
+    f.write_text("--actor_num_gpus_per_node 4 --train_batch_size 8 --rollout_batch_size 8 --n_samples_per_prompt 2\n")
+    new, _ = translate("openrlhf", read_foreign("openrlhf", str(f), []), ns())
+    assert not any("train_batch_size is not equal" in c.message for c in new.checks)  # 8 = 1 x 2 x 4
+    old, _ = translate("openrlhf", read_foreign("openrlhf", str(f), []), ns(peer_version="0.7"))
+    assert any("Gradient accumulation steps: 0" in c.message for c in old.checks)  # 8 // (4 x 4) = 0

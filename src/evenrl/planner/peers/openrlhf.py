@@ -18,6 +18,7 @@ from evenrl.planner.plan import count_rows
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, set_critic, set_data, set_dynamic_sampling, set_kl, set_lengths,
     set_lora, set_model, set_overlong, set_parallel, set_reward_models, split_layout)
+from evenrl.planner.peers.tables import peer_default
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -33,12 +34,16 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     t.layout = split_layout(ns, nodes, per, rollout)
     aw = nodes * per
     rbs, n = src.int("rollout_batch_size", 1024), src.int("n_samples_per_prompt", 1)
-    tbs, micro = src.int("train_batch_size", 128), src.int("micro_train_batch_size", 8)
-    mroll = src.int("micro_rollout_batch_size", 8)
+    tbs = src.int("train_batch_size", 128)
+    micro = src.int("micro_train_batch_size", peer_default("openrlhf", t.version, "micro_train_batch_size", 1))
+    mroll = src.int("micro_rollout_batch_size", peer_default("openrlhf", t.version, "micro_rollout_batch_size", 1))
     ring, dstp = src.int("ring_attn_size", 1), src.int("ds_tensor_parallel_size", 1)
     glen = src.int("max_new_tokens", None) or src.int("generate_max_len", 1024)  # 0.10+: max_new_tokens, max_len
     total = src.int("max_len", None)
     plen = src.int("prompt_max_len", None) or (total - glen if total and total > glen else 1024)
+    if total and not src.has("max_new_tokens") and not src.has("generate_max_len"):
+        t.notes.append(f"max_len={total} without max_new_tokens: OpenRLHF generates up to max_len minus each prompt's "
+                       f"length; evenrl caps the two apart: {plen} prompt + {glen} new tokens")
     if rbs % aw:
         t.checks.append(Check("config", "AssertionError",
                               f"rollout_bach_size must be divisible by actor_world_size, got {rbs} and {aw}",

@@ -77,6 +77,11 @@ def detect_version(peer: str, keys: set[str], asked: str | None) -> tuple[str, s
     return table(peer)["default_version"], "no key tells the version apart; the current release's rules"
 
 
+def peer_default(peer: str, version: str, key: str, fallback: Any) -> Any:
+    """The peer's default for a key in this version, where the table says it changed between versions."""
+    return table(peer).get("defaults", {}).get(key, {}).get(version, fallback)
+
+
 def check_applies(peer: str, version: str, tag: str) -> bool:
     """A check tagged with a version text applies to the versions the table lists for that text (untagged: all)."""
     listed = table(peer).get("check_versions", {}).get(tag)

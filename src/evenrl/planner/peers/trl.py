@@ -12,11 +12,10 @@ from pathlib import Path
 
 from evenrl.errors import UsageError
 from evenrl.planner.layout import apply_layout_flags, has_shape_flags, layout_from_args
-from evenrl.planner.peers.tables import table, version_name
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_model,
-    set_reward_models,
+    Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_model, set_reward_models,
     set_steps)
+from evenrl.planner.peers.tables import table, version_name
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:

@@ -18,12 +18,11 @@ import argparse
 import math
 
 from evenrl.errors import UsageError
-from evenrl.planner.peers.tables import first_mapped
-
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_critic, set_data, set_dynamic_sampling, set_kl,
     set_lengths, set_lora, set_model, set_overlong, set_parallel, set_reward_models,
     set_steps, split_layout, trainer_layout)
+from evenrl.planner.peers.tables import first_mapped
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:

@@ -181,3 +181,19 @@ def test_environment_steps_leave_no_process_behind(mode, monkeypatch):
     assert "worker killed" in results[1][1] and time.monotonic() - started < 5
     time.sleep(0.2)
     assert running_with(marker) == []
+
+
+@needs_sandbox
+def test_orphans_of_each_call_are_reaped_so_the_process_cap_holds_step_after_step(monkeypatch):
+    """Killed orphans left as zombies would count against the sandbox's RLIMIT_NPROC until no call could fork."""
+    from evenrl.isolation import pool
+    from evenrl.rewards.pool import score_all
+    from toy_rewards import orphans
+
+    monkeypatch.setattr(pool, "WORKER_PROCESSES", 64)
+    pool._pool().close()
+    for _ in range(3):
+        scores, stats = score_all([(orphans, 1.0)], ["40"], [{}], timeout_s=10, sandbox="all")
+        assert scores == [40.0] and stats["failures"] == 0
+    pool._pool().close()
+    assert running_with("77.25") == []

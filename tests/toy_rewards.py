@@ -21,3 +21,23 @@ def mostly_solved(completion: str, sample: dict) -> float:
     if int(sample["prompt"].split("+")[0]) < 7:
         return 1.0
     return digit_fraction(completion, sample)
+
+
+def orphans(completion: str, sample: dict) -> float:
+    """Starts int(completion) children that each fork a grandchild (`sleep 77.25`) and exit: orphans, reparented to
+    the PID 1 of the worker's namespace. Returns how many it started."""
+    import os
+
+    n = 0
+    for _ in range(int(completion)):
+        try:
+            pid = os.fork()
+        except OSError:
+            break
+        if pid == 0:
+            if os.fork() == 0:
+                os.execv("/bin/sleep", ["sleep", "77.25"])
+            os._exit(0)
+        os.waitpid(pid, 0)
+        n += 1
+    return float(n)

@@ -161,14 +161,15 @@ def main(settings: dict) -> None:
         os.execve(settings["argv"][0], settings["argv"], env)
     for fd in (0, 1, 2):  # PID 1 keeps no pipe open: when the child closes them, the trainer sees the end
         os.dup2(os.open("/dev/null", os.O_RDWR), fd)
-    while True:
+    while True:  # reaps orphans reparented to PID 1 too: a zombie would count against RLIMIT_NPROC
         try:
-            _, status = os.waitpid(child, 0)
-            break
+            pid, status = os.wait()
         except ChildProcessError:
             os._exit(EXIT_SETUP)
         except InterruptedError:
             continue
+        if pid == child:
+            break
     # Exiting ends the namespace: the kernel kills every process left in it.
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 

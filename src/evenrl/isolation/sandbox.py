@@ -2,7 +2,7 @@
 machine can make one (`unavailable`), and the one line that says what to do where it cannot (`refusal`).
 
 Built from what the kernel and every Linux distribution provide: util-linux `unshare` (in Debian's and Ubuntu's
-essential set, so on every machine that runs evenrl) makes new PID, mount, network, IPC and UTS namespaces (and a
+essential set, and in the base system of nearly every other distribution) makes new PID, mount, network, IPC and UTS namespaces (and a
 user namespace when the trainer is not root), and evenrl.isolation.jail, run as that namespace's PID 1, builds a
 read-only file system view and drops to an unprivileged uid. bubblewrap would do the same but is one more package to
 install and keep; nothing it offers here (a seccomp filter needs a compiled BPF program either way) is missing.
@@ -23,8 +23,6 @@ from pathlib import Path
 
 from evenrl.isolation import jail
 
-# How a sandbox's settings are named in config (rewards.sandbox) and what each means.
-MODES = ("tools", "all", "none")
 # Host directories the code sees, read-only (those that exist); plus the Python installation evenrl runs on.
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 # Unprivileged uids for sandboxes started by a root trainer: numbers no account uses, one drawn per sandbox so two

@@ -134,8 +134,9 @@ def _read(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, str
 def _kill(proc: subprocess.Popen) -> None:
     """End the sandbox: SIGKILL to `unshare` takes its child, the namespace's PID 1, and with it every process in the
     namespace (unshare --kill-child, then the kernel). Its process group too, for sandbox none."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    if proc.poll() is None:  # once reaped, its pid may belong to another process
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     proc.wait()

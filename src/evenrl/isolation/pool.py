@@ -149,10 +149,11 @@ class _Worker:
             pass
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if self.proc.poll() is None:  # once reaped, its pid may belong to another process
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.proc.wait()
         self.conn.close()
         if self.root is not None:

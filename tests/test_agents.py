@@ -214,8 +214,8 @@ def test_hostile_agents_cost_their_own_trajectory(tools_model, monkeypatch, capf
 
 
 def test_the_plan_refuses_what_the_endpoint_cannot_serve_without_importing_the_agent(tools_model):
-    """Worst-case samples are prompt + the trajectory cap; vLLM, a sharded model without rollout ranks, rollout.env
-    as well, reward models, the sandbox for everything and a plain function are errors; a cap short of
+    """Worst-case samples are prompt + the trajectory cap; a sharded model without rollout ranks, rollout.env as
+    well, reward models, the sandbox for everything and a plain function are errors (vLLM is not); a cap short of
     agent_max_calls calls is a note; the agent's module (which imports openai) is never imported, nor torch."""
     code = f"""
 import sys, json
@@ -235,5 +235,4 @@ print(json.dumps([p.sample_tokens, [(f.level, f.rule) for f in p.findings if f.r
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
     tokens, findings, errors, imported = json.loads(out.stdout.strip().splitlines()[-1])
     assert tokens == 256 + 1000 and findings == [["note", "agent-cap"]] and imported == []
-    assert errors == ["agent-engine", "agent-env", "agent-name", "agent-reward-models", "agent-sandbox",
-                      "agent-sharding"]
+    assert errors == ["agent-env", "agent-name", "agent-reward-models", "agent-sandbox", "agent-sharding"]

@@ -1,6 +1,6 @@
 """The planner's rules for agent rollouts (rollout.agent, docs/agents.md): the function found without importing it,
-the settings the endpoint cannot serve, and the call and token caps against rollout.max_trajectory_tokens. Listed in
-evenrl.planner.rules.RULES; torch-free like every rule."""
+the settings the endpoint cannot serve (either engine serves it, hf or vllm), and the call and token caps against
+rollout.max_trajectory_tokens. Listed in evenrl.planner.rules.RULES; torch-free like every rule."""
 
 from __future__ import annotations
 
@@ -24,9 +24,6 @@ def rule_agent(p: Plan) -> list[Finding]:
     if r.env:
         out.append(Finding("error", "agent-env", f"rollout.agent and rollout.env ({r.env}) are both set: a "
                            "trajectory comes from one of them", "rollout.env='' (or rollout.agent='')"))
-    if r.engine == "vllm":
-        out.append(Finding("error", "agent-engine", "rollout.agent with rollout.engine=vllm: the endpoint samples "
-                           "from the hf engine only in this version", "rollout.engine=hf"))
     if c.parallel.sharding == "fsdp" and not c.parallel.rollout_devices:
         out.append(Finding("error", "agent-sharding", "rollout.agent with parallel.sharding=fsdp on the training "
                            "ranks: agents call at their own pace, but every call to a sharded model is a collective "

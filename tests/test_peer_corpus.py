@@ -87,7 +87,10 @@ def test_openrlhf_dotted_reinforce_baseline_keeps_kl_estimator_and_lengths():
     assert (cfg.algo.kl_coef, cfg.algo.kl_in, cfg.algo.kl_estimator) == (1e-5, "loss", "k2")
     assert cfg.rollout.max_new_tokens == 64000 and cfg.data.max_prompt_tokens == 74240 - 64000
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.train.lr) == (128, 8, 5e-7)
-    assert cfg.parallel.sequence_parallel_size == 2 and cfg.rollout.tensor_parallel_size == 2
+    assert cfg.parallel.sequence_parallel_size == 2 and cfg.rollout.engine == "vllm"
+    # vLLM TP 2: evenrl's engines over several devices are not built yet, so the plan keeps TP 1 and says so
+    assert cfg.rollout.tensor_parallel_size == 1 and any("vllm.tensor_parallel_size=2" in n for n in t.notes)
+    assert cfg.rollout.memory_fraction == 0.7  # --vllm.gpu_memory_utilization
     assert (cfg.algo.importance_correction, cfg.algo.importance_mode) == ("all", "mask")
     assert any("ring attention" in n for n in t.notes)
     # colocated: 4 actor GPUs == 2 engines x TP 2, so OpenRLHF's colocation assert passes; no reserved devices
@@ -113,7 +116,8 @@ def test_easyr1_dapo_script_layered_on_the_bundled_base():
     assert origin["data.max_prompt_length"] == "file"  # the script's value over the base config's
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens) == (512, 16, 20480)
     assert cfg.algo.clip_ratio_c == 10.0 and (cfg.algo.clip_low, cfg.algo.clip_high) == (0.2, 0.28)
-    assert cfg.parallel.sequence_parallel_size == 8 and cfg.rollout.tensor_parallel_size == 4
+    assert cfg.parallel.sequence_parallel_size == 8 and cfg.rollout.engine == "vllm"  # EasyR1 samples with vLLM
+    assert cfg.rollout.tensor_parallel_size == 1 and any("tensor_parallel_size=4" in n for n in t.notes)
     assert cfg.algo.filter_groups and cfg.rewards.overlong_buffer == 4096 and cfg.algo.kl_coef == 0
     assert cfg.algo.minibatches_per_step == 512 // 32 and cfg.train.weight_decay == 0.1
 
@@ -135,7 +139,8 @@ def test_verl_cispo_and_grpo_examples():
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt) == (1024, 5)
     assert (cfg.algo.kl_coef, cfg.algo.kl_estimator, cfg.algo.entropy_coef) == (0.001, "k3", 0.0)
     assert cfg.algo.clip_ratio_c == 3.0  # verl's default dual clip, not silently dropped
-    assert cfg.rollout.tensor_parallel_size == 2 and cfg.train.weight_decay == 0.01
+    assert (cfg.rollout.engine, cfg.rollout.memory_fraction) == ("vllm", 0.6) and cfg.train.weight_decay == 0.01
+    assert cfg.rollout.tensor_parallel_size == 1 and any("tensor_model_parallel_size=2" in n for n in t.notes)
 
 
 def test_verl_megatron_parallelism_is_named_not_dropped():

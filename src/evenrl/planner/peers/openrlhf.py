@@ -32,6 +32,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     shared = src.bool("colocate_all_models", False) and not async_train  # async engines get their own GPUs
     rollout = ns.rollout_devices if ns.rollout_devices is not None else (0 if shared else engines * tp)
     t.layout = split_layout(ns, nodes, per, rollout)
+    if engines:  # OpenRLHF samples with vLLM engines when it has any (else with the training model)
+        t.set("rollout.engine", "vllm", "vllm_num_engines")
     aw = nodes * per
     rbs, n = src.int("rollout_batch_size", 1024), src.int("n_samples_per_prompt", 1)
     tbs = src.int("train_batch_size", 128)

@@ -156,6 +156,9 @@ def apply_maps(peer: str, version: str, src, t) -> None:
             value = _coerce(peer, key, field, value)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and "min" in spec:
                 value = max(value, spec["min"])
+            if "evenrl_max" in spec and isinstance(value, (int, float)) and value > spec["evenrl_max"]:
+                t.notes.append(f"{shown}: {spec['over_max']}")  # a setting evenrl plans but cannot run yet
+                continue
             targets[field] = list(value) if isinstance(value, tuple) else value
         for to, v in targets.items():
             if to not in _fields():

@@ -136,9 +136,6 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     _importance(src, t)
     if src.bool("actor_rollout_ref.rollout.multi_turn.enable", False):
         _multi_turn(src, t, rlen)
-    if src.has("actor_rollout_ref.rollout.gpu_memory_utilization"):
-        t.notes.append("rollout.gpu_memory_utilization sizes vLLM's KV cache; evenrl's 'hf' sampler uses the "
-                       "training model, so its KV cache is part of the memory estimate instead")
 
 
 def _rewards(src: Source, t: Translation) -> None:

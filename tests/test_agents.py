@@ -41,10 +41,11 @@ def tools_model(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("agent-model")), chat_template="tools", seed=3)
 
 
-def run_agent(model, spec, rows, samples=2, **rollout):
+def run_agent(model, spec, rows, samples=2, rewards_functions=None, **rollout):
     """Agents.generate on `rows` x `samples`, as a training rank's rollout runs it: (trajectories [row][sample],
     the Agents, the policy, its tokenizer)."""
-    cfg = RunConfig.model_validate({"model": {"path": model}, "data": {"max_prompt_tokens": 64},
+    rewards = {"functions": rewards_functions} if rewards_functions else {}
+    cfg = RunConfig.model_validate({"model": {"path": model}, "data": {"max_prompt_tokens": 64}, "rewards": rewards,
                                     "rollout": {"agent": spec, "samples_per_prompt": samples, "max_new_tokens": 8,
                                                 "agent_timeout_s": 20.0, **rollout}})
     policy, tok = load_policy(model)
@@ -167,6 +168,22 @@ def test_an_agent_with_two_tool_calls_trains_exactly_the_engines_tokens(tools_mo
         grad = outputs.grad[j][width - len(t.token_ids):, 0]  # the log-probs (column 1: entropies)
         mask = torch.tensor(t.loss_mask)
         assert float(grad[~mask].abs().max()) == 0.0 and float(grad[mask].abs().min()) > 0
+
+
+def test_completions_continue_on_their_text_and_a_none_reward_is_scored_by_the_reward_functions(tools_model):
+    """/v1/completions twice, the second prompt the first + its text + more (streamed): one sample whose prompt is the
+    first call's and whose middle is the added text alone; the agent returns None, so rewards.functions score the
+    last reply (a reward that is the reply's length, so the score is seen to come from it)."""
+    out, _, _, tok = run_agent(tools_model, "toy_agents:completions", ROWS[:1],
+                               rewards_functions=[{"name": "toy_agents:reply_length"}])
+    for t in out[0]:
+        assert not t.failed and not t.splits and t.turns == 2, t.error
+        assert tok.decode(t.prompt_ids) == "user: 2+3=\nassistant: "
+        first = t.loss_mask.index(False)
+        middle = t.token_ids[first:first + t.loss_mask[first:].index(True)]
+        assert tok.decode(middle) == "\nuser: more\nassistant: "
+        last = [x for x, m in zip(t.token_ids[first + len(middle):], t.loss_mask[first + len(middle):]) if m]
+        assert t.reward == len(tok.decode([x for x in last if x != tok.eos_token_id]))
 
 
 def test_history_rewrites_split_into_samples_or_are_refused(tools_model, monkeypatch):

@@ -37,12 +37,14 @@ async def rewrites_history(row, *, base_url, model, api_key):
 
 
 async def completions(row, *, base_url, model, api_key):
-    """The completions endpoint, continued on its own text: one sample; reward None (rewards.functions score)."""
+    """The completions endpoint, continued on its own text (the second call streamed): one sample; reward None
+    (rewards.functions score the last reply)."""
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     prompt = f"user: {row['prompt']}\nassistant: "
     first = await client.completions.create(model=model, prompt=prompt, max_tokens=4)
-    await client.completions.create(model=model, prompt=prompt + first.choices[0].text + "\nuser: more\nassistant: ",
-                                    max_tokens=4)
+    stream = await client.completions.create(model=model, prompt=prompt + first.choices[0].text + "\nuser: more\n"
+                                             "assistant: ", max_tokens=4, stream=True)
+    assert "".join([c.choices[0].text async for c in stream])
     return None
 
 
@@ -99,3 +101,8 @@ async def polite(row, *, base_url, model, api_key):
 async def by_row(row, **endpoint):
     """The agent its row's prompt names (the hostile tests: one row per behaviour)."""
     return await globals()[row["prompt"]](row, **endpoint)
+
+
+def reply_length(completion: str, sample: dict) -> float:
+    """A reward function (rewards.functions) for agents that return None: the last reply's length."""
+    return float(len(completion))

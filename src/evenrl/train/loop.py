@@ -49,16 +49,20 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     dist.barrier()
     found = checkpoint.latest(run_dir / "checkpoints") if resume or restarted else None
     with Stopping(cfg) as stopping:
-        if dist.is_rollout_rank():
-            try:
-                serve(cfg, info, found)
-            except Exception:
-                if stopping.signal is None:
-                    raise
-                # signalled, it lost its trainers when they stopped and saved: theirs is the run's one line
-                raise Interrupted("", stopping.signal) from None
-        else:
-            train_here(cfg, info, plan, found, stopping, earlier, resume=resume or restarted, restarted=restarted)
+        try:
+            if dist.is_rollout_rank():
+                try:
+                    serve(cfg, info, found)
+                except Exception:
+                    if stopping.signal is None:
+                        raise
+                    # signalled, it lost its trainers when they stopped and saved: theirs is the run's one line
+                    raise Interrupted("", stopping.signal) from None
+            else:
+                train_here(cfg, info, plan, found, stopping, earlier, resume=resume or restarted, restarted=restarted)
+        except Interrupted:
+            dist.shutdown()  # as after a finished run (below): not left to the interpreter's exit
+            raise
     dist.barrier_all()  # a rollout rank waits for the trainers to finish and save before leaving the group
     # Left to the interpreter's exit, the process group's threads can be torn down mid-use: seen once in a full
     # test suite as SIGABRT ("terminate called without an active exception") on a rank that had finished and saved.

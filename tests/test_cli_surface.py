@@ -64,3 +64,11 @@ def test_help_and_unknown_command():
     bad = subprocess.run([sys.executable, "-m", "evenrl", "bogus"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
     assert "unknown command 'bogus'" in bad.stderr and "plan" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_flags_are_spelled_out(capsys):
+    """No abbreviations: `--nproc` is not --nproc-per-node (argparse's allow_abbrev would take it, and break the
+    day another flag starts the same way)."""
+    for argv in (["plan", "x.yaml", "--nproc", "2"], ["train", "x.yaml", "--nproc", "2"], ["train", "x.yaml", "--res"]):
+        assert cli.main(argv) == 2
+        assert "unrecognized arguments: --" in capsys.readouterr().err

@@ -39,11 +39,11 @@ LEAN_ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")  # the ones models.decoder
 
 
 def model_dir(path: str) -> Path:
-    """The model directory as a Path; a missing one is a UsageError (evenrl never downloads)."""
+    """The model directory as a Path; a missing one is a UsageError (hub ids are resolved before: models.hub)."""
     p = Path(path).expanduser()
     if not path or not p.is_dir():
         raise bad("model.path", path, "expected a local directory with config.json (a model saved with "
-                                      "save_pretrained); evenrl never downloads")
+                                      "save_pretrained), or a hub id (org/name)")
     return p
 
 

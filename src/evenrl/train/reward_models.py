@@ -94,7 +94,7 @@ def _load_judge(cfg: RunConfig, info, spec: JudgeSpec, weight: float, i: int) ->
     path = spec.model or cfg.model.path
     if spec.model and not Path(spec.model).expanduser().is_dir():
         raise UsageError(f"{field}.model: got {spec.model!r}; a local directory holding a causal LM saved with "
-                         "save_pretrained; evenrl never downloads")
+                         "save_pretrained, or a hub id (org/name)")
     parser = resolve_parser(spec.parser, f"{field}.parser")
     positions = int(read_model_config(path).get("max_position_embeddings") or 1 << 20)
     name = f"judge:{Path(path).name}"

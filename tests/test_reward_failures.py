@@ -55,7 +55,7 @@ def _naive_grpo_over_valid(everyone: Batch) -> list[float]:
 @pytest.mark.parametrize("overrides", [[], ["algo.kl_coef=0.05"], ["train.skip_zero_gradient_samples=false"]])
 def test_masked_samples_have_no_advantage_no_denominator_and_run_nowhere(seed, overrides):
     cfg = load_config(None, ["rewards.on_failure=mask", "algo.minibatches_per_step=2", *overrides])
-    run, everyone = SimpleNamespace(cfg=cfg, balance=Balance()), _everyone(seed)
+    run, everyone = SimpleNamespace(cfg=cfg, balance=Balance(), model=torch.nn.Identity()), _everyone(seed)
     local = everyone.select(list(range(len(everyone))))
     add_advantages(run, local, everyone)
     assert torch.allclose(everyone["advantage"].double(), torch.tensor(_naive_grpo_over_valid(everyone),

@@ -187,3 +187,22 @@ def test_sp_groups_move_at_their_slowest_rank():
     p = plan(["parallel.sequence_parallel_size=2"], TINY, capacity_weights=[1, 3, 1, 1, 2, 2, 2, 2])
     s = [r.samples for r in p.ranks]
     assert len(s) == 4 and s[0] == s[1] < s[2] == s[3] and sum(s) == 32, s
+
+
+def test_attention_the_packed_path_does_not_implement_is_refused():
+    """A sliding window the model uses (Mistral whenever set; Qwen2 with use_sliding_window from max_window_layers
+    on) or logit softcapping: the packed attention of SP > 1, and of checkpointing, refuses it at the first forward,
+    so the plan does first; Qwen2.5-7B's sliding_window with use_sliding_window false is not one."""
+    mistral = {**TINY, "model_type": "mistral", "sliding_window": 4096}
+    f = rules(plan(["parallel.sequence_parallel_size=2"], mistral))["packed-attention"]
+    assert f.level == "error" and "sliding_window=4096" in f.message and "sequence parallelism" in f.message
+    assert "activation checkpointing" in rules(plan(["model.gradient_checkpointing=true"], mistral))[
+        "packed-attention"].message
+    assert "packed-attention" not in rules(plan([], mistral))
+    qwen = {**TINY, "model_type": "qwen2", "sliding_window": 4096, "max_window_layers": 1}
+    assert "packed-attention" not in rules(plan(["parallel.sequence_parallel_size=2"], qwen))
+    assert "packed-attention" in rules(plan(["parallel.sequence_parallel_size=2"], {**qwen, "use_sliding_window": True}))
+    soft = {**TINY, "attn_logit_softcapping": 50.0}
+    assert "attn_logit_softcapping=50.0" in rules(plan(["parallel.sequence_parallel_size=2"], soft))[
+        "packed-attention"].message
+    assert "packed-attention" not in rules(plan(["parallel.sequence_parallel_size=2"], QWEN7B))

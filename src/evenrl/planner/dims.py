@@ -36,6 +36,9 @@ class ModelDims:
     qk_norm: bool
     max_positions: int | None
     vision: VisionDims | None = None  # a vision-language model's encoder (evenrl.planner.vision)
+    # what evenrl's packed attention (sequence parallelism, a checkpointed model's packed rows) does not implement,
+    # as config.json says it, e.g. "sliding_window=4096"; "" when nothing
+    attention_extras: str = ""
 
     @property
     def layer_params(self) -> int:
@@ -91,7 +94,24 @@ def dims_from_config(hf: dict, preprocessor: dict | None = None) -> ModelDims:
     return ModelDims(kind, hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], heads, int(kv),
                      int(head_dim), hf["vocab_size"], bool(hf.get("tie_word_embeddings", tied)),
                      bool(hf.get("attention_bias", kind in QKV_BIAS_TYPES)), kind in ("qwen3",),
-                     hf.get("max_position_embeddings"), vision)
+                     hf.get("max_position_embeddings"), vision, _attention_extras(hf, kind))
+
+
+def _attention_extras(hf: dict, kind: str) -> str:
+    """Attention features transformers applies for this config that the packed attention does not: logit
+    softcapping, or a sliding window where the model uses it (Qwen2/Qwen3: use_sliding_window from layer
+    max_window_layers on, or sliding layers in layer_types; Mistral: whenever sliding_window is set)."""
+    if hf.get("attn_logit_softcapping"):
+        return f"attn_logit_softcapping={hf['attn_logit_softcapping']}"
+    window, layers = hf.get("sliding_window"), hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if isinstance(types, list):
+        sliding = "sliding_attention" in types
+    elif kind.startswith(("qwen2", "qwen3")):
+        sliding = bool(hf.get("use_sliding_window")) and (hf.get("max_window_layers") or 0) < layers
+    else:
+        sliding = kind == "mistral"
+    return f"sliding_window={window}" if window and sliding else ""
 
 
 def read_model_dims(model_path: str) -> ModelDims:

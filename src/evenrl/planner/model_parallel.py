@@ -39,8 +39,16 @@ def divisors_near(n: int, want: int, ok=lambda d: True) -> list[int]:
 def rule_sequence_parallel(p: Plan) -> list[Finding]:
     c, lay, d = p.config, p.layout, p.dims
     sp, t, out = c.parallel.sequence_parallel_size, lay.training_ranks, []
+    packed = sp > 1 or (c.model.gradient_checkpointing and d is not None and d.vision is None)
+    if d and d.attention_extras and packed:  # evenrl.distributed.sequence refuses it at the first forward
+        out.append(Finding("error", "packed-attention",
+                           f"the model's attention uses {d.attention_extras} (config.json), which the packed "
+                           "attention of " + ("sequence parallelism" if sp > 1 else
+                                              "activation checkpointing (rows packed back to back)") +
+                           " does not implement", "parallel.sequence_parallel_size=1 "
+                           "model.gradient_checkpointing=false"))
     if sp == 1 or t < 1:
-        return _sample_too_long(p)
+        return out + _sample_too_long(p)
     heads_ok = (lambda s: d.heads % s == 0) if d else (lambda s: True)
     key = "parallel.sequence_parallel_size"
     if t % sp:

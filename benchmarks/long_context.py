@@ -107,13 +107,13 @@ def worker(length: int, out_dir: str) -> None:
     from memory import phase_peaks
 
     torch.set_num_threads(1)  # the arm's ranks share the cores
-    info = groups.init("gloo")  # one process: no process group
+    sp = int(os.environ.get("WORLD_SIZE", "1"))  # the arm is one SP group (one process: no process group)
+    info = groups.init("gloo", sequence_parallel=sp)
 
     def barrier():
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
-    sp = info.world
     cfg = run_config(length, sp)
     ids = torch.randint(0, MODEL["vocab_size"], (length,), generator=torch.Generator().manual_seed(0))
     batch = Batch({"tokens": Ragged.of([ids], torch.long), "response_len": torch.tensor([length - PROMPT])})
@@ -122,8 +122,9 @@ def worker(length: int, out_dir: str) -> None:
         conf = Qwen2Config(**{k: v for k, v in MODEL.items() if k != "model_type"})
         model = AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa", dtype=torch.float32)
         prepare_model(model, cfg)  # the trainer's: applies parallel.sequence_parallel_size
-        if sp > 1 and not hasattr(model, "evenrl_sequence_group"):
-            raise SystemExit("prepare_model did not split the sequence: the runtime is not this checkout's")
+        split = getattr(model, "evenrl_sequence_group", None)
+        if sp > 1 and (split is None or split.size != sp):
+            raise SystemExit(f"prepare_model did not split the sequence over {sp} ranks (runtime: {split})")
         model.train()
 
         def step():

@@ -7,11 +7,15 @@ Sequence parallelism (SP): the training ranks are data-parallel groups of SP con
 all-to-all stays inside a node where SP <= processes per node); each sample's tokens are split evenly over its
 group, and attention trades tokens for heads with an all-to-all, so each rank computes heads / SP query heads
 over the whole sequence. Hence: SP divides the training ranks, SP divides the query heads, KV heads that SP does
-not divide are repeated (lcm(KV heads, SP) of them), and vision-language models are not supported yet. The memory
-it saves is evenrl.planner.memory's; the smallest SP that fits is evenrl.planner.memory_fixes'.
+not divide are repeated (lcm(KV heads, SP) of them), vision-language models are not supported yet, and neither is
+attention the packed path does not implement (a sliding window, logit softcapping; also under checkpointing, which
+packs rows the same way). The memory it saves is evenrl.planner.memory's; the smallest SP that fits is found here
+and offered by evenrl.planner.memory_fixes.
 Tensor parallelism (TP): one vLLM engine over TP devices (vLLM's tensor_parallel_size), on the reserved rollout
-devices or, colocated, on all of them; GPU only (vLLM's CPU build runs it as worker processes pinned to cores of
-their own, which evenrl's in-process CPU engine does not give it).
+devices or, colocated, on all of them: planned, and refused above 1 for now (evenrl starts one engine per
+generating rank; engines spanning several ranks' devices are not placed yet), on CPU for a reason of its own
+(vLLM's CPU build runs it as worker processes pinned to cores of their own, which evenrl's in-process CPU engine
+does not give it).
 Pure Python: never imports torch.
 """
 

@@ -211,17 +211,19 @@ def test_history_rewrites_split_into_samples_or_are_refused(tools_model, monkeyp
 
 
 def test_hostile_agents_cost_their_own_trajectory(tools_model, monkeypatch, capfd):
-    """Agents in one worker, on one event loop: hanging, allocating 10 GB, printing 100 MB, sending 300 requests 100
-    at a time, connecting elsewhere, never calling; each is one logged failure and the well-behaved one is not.
+    """Agents in two workers, each on one event loop: hanging, allocating 10 GB, printing 100 MB, sending 300 requests 100
+    at a time, connecting elsewhere, never calling; each is one logged failure and the well-behaved ones are not (one
+    of them sends malformed requests first, each answered 400 without disturbing the rollout).
     (An agent that blocks its event loop fails the agents sharing its worker: the worker's own time limit; the
     pool's tests cover that limit.)"""
-    kinds = ["hang_async", "hog", "shout", "flood", "elsewhere", "silent", "polite"]
-    monkeypatch.setattr(pool, "WORKERS", 1)
+    kinds = ["hang_async", "hog", "shout", "flood", "elsewhere", "silent", "malformed", "polite"]
+    monkeypatch.setattr(pool, "WORKERS", 2)  # agents k::2 share a worker: the flood (3) not with "malformed" (6)
     out, _, _, _ = run_agent(tools_model, "toy_agents:by_row", [{"prompt": k, "answer": "", "rounds": 3}
-                                                                 for k in kinds], samples=1, agent_timeout_s=3.0)
+                                                                 for k in kinds], samples=1, agent_timeout_s=6.0)
     got = {k: ts[0] for k, ts in zip(kinds, out)}
     assert not got["polite"].failed and got["polite"].reward == 1.0
-    expected = {"hang_async": "took longer than 3 s", "hog": "out of memory", "shout": "no call",
+    assert not got["malformed"].failed and got["malformed"].reward == 1.0  # seven bad requests answered 400
+    expected = {"hang_async": "took longer than 6 s", "hog": "out of memory", "shout": "no call",
                 "flood": "more than 16 calls", "elsewhere": "Network is unreachable", "silent": "no call"}
     for kind, words in expected.items():
         assert got[kind].failed and got[kind].reward == 0.0 and words in got[kind].error, (kind, got[kind].error)

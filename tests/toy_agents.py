@@ -106,3 +106,23 @@ async def by_row(row, **endpoint):
 def reply_length(completion: str, sample: dict) -> float:
     """A reward function (rewards.functions) for agents that return None: the last reply's length."""
     return float(len(completion))
+
+
+async def malformed(row, *, base_url, model, api_key):
+    """Requests the endpoint must answer 400, not raise on: bad max_tokens, bad messages, unknown tools shape, a
+    template that cannot render; then one good call."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}) as http:
+        codes = [(await http.post(path, json=body)).status_code for path, body in [
+            ("/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}),
+            ("/chat/completions", {"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
+            ("/chat/completions", {"model": model, "messages": "hi"}),
+            ("/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}], "tools": [7]}),
+            ("/completions", {"model": model, "prompt": [10 ** 9]}),
+            ("/completions", {"model": model, "prompt": {"a": 1}, "n": 2}),
+        ]]
+        content = await http.post("/chat/completions", content=b"not json", headers={"content-type": "application/json"})
+    assert codes == [400] * 6 and content.status_code == 400, codes
+    await polite(row, base_url=base_url, model=model, api_key=api_key)
+    return 1.0

@@ -26,7 +26,7 @@ from evenrl.envs.agent_job import AgentRunner, agent_problem
 from evenrl.envs.openai_api import (BadRequest, chat_body, chat_chunks, completion_body, completion_chunks,
                                     finish_reason, reply_message, sse)
 from evenrl.envs.template import file_render, tokenizer_render
-from evenrl.errors import UsageError, bad
+from evenrl.errors import UsageError, bad, describe_error
 from evenrl.isolation import pool
 from evenrl.isolation.pool import Limits, run_contained
 from evenrl.rewards import score_all
@@ -166,19 +166,21 @@ class Agents:
             try:
                 if p.body.get("n", 1) not in (1, None):
                     raise BadRequest("n must be 1: each call is one sample (call again for another)")
+                asked = p.body.get("max_completion_tokens") or p.body.get("max_tokens") or r.max_new_tokens
+                if not (isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1):
+                    raise BadRequest("max_tokens must be an integer >= 1")
                 if p.kind == "chat":
                     ids, conv, tools, root = self.prompts.chat(rec, p.body)
                 else:
                     (ids, conv, root), tools = self.prompts.completion(rec, p.body), None
-            except BadRequest as e:
-                p.future.set_result(error(400, str(e)))
+            except Exception as e:  # anything an agent sends is answered, never raised into the rollout
+                p.future.set_result(error(400, str(e) if isinstance(e, BadRequest) else describe_error(e)))
                 continue
             if root > self.cfg.data.max_prompt_tokens and root == len(ids):
                 p.future.set_result(error(400, f"the prompt has {len(ids)} tokens, over data.max_prompt_tokens "
                                                f"({self.cfg.data.max_prompt_tokens})"))
                 continue
-            asked = p.body.get("max_completion_tokens") or p.body.get("max_tokens") or r.max_new_tokens
-            budget = min(int(asked), r.max_new_tokens, cap - (len(ids) - root), cap - rec.sampled)
+            budget = min(asked, r.max_new_tokens, cap - (len(ids) - root), cap - rec.sampled)
             if budget < 1:  # the trajectory's cap is reached: an empty reply cut for length, no call recorded
                 rec.truncated = True
                 p.future.set_result(self._answer(p, rec, [], False, len(ids)))

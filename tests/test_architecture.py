@@ -134,3 +134,9 @@ def test_architecture_doc_names_every_module():
         if not re.search(rf"(?<![\w/.]){re.escape(rel)}(?!\w)", doc):
             missing.append(rel)
     assert not missing, "docs/architecture.md does not name: " + ", ".join(missing)
+
+
+def test_no_module_over_450_lines():
+    """One job per module: a module that grows past 450 lines is split by job (docs/CONTRIBUTING.md)."""
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, f"modules over 450 lines: {long}"

@@ -32,6 +32,15 @@ def tool_call(source: str) -> str:
     return step.messages[0]["content"]
 
 
+def gone(marker: str, within_s: float = 5.0) -> bool:
+    """Whether every process with `marker` in its command line has ended within `within_s`: a SIGKILL'd namespace
+    takes a moment to be torn down by the kernel (the check right after the kill raced it under load in CI)."""
+    deadline = time.monotonic() + within_s
+    while running_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return running_with(marker) == []
+
+
 def running_with(marker: str) -> list[int]:
     """Processes on this machine whose command line contains `marker`."""
     found = []
@@ -91,8 +100,7 @@ def test_nothing_the_code_starts_survives_the_call():
     started = time.monotonic()
     result = code.run_code("import os, time; os.close(1); os.close(2); time.sleep(30)", timeout_s=1)
     assert result.status == "timeout" and time.monotonic() - started < 3
-    time.sleep(0.2)
-    assert running_with(marker) == []
+    assert gone(marker)
 
 
 def test_sandbox_none_runs_the_code_unsandboxed_and_says_so(monkeypatch):
@@ -179,8 +187,7 @@ def test_environment_steps_leave_no_process_behind(mode, monkeypatch):
     results = session(0.5).steps([(None, row, 1, f"hang 5 {marker}"), (None, row, 2, f"swallow 5 {marker}")])
     assert [kind for kind, _ in results] == ["timeout", "timeout"], results
     assert "worker killed" in results[1][1] and time.monotonic() - started < 5
-    time.sleep(0.2)
-    assert running_with(marker) == []
+    assert gone(marker)
 
 
 @needs_sandbox
@@ -196,4 +203,4 @@ def test_orphans_of_each_call_are_reaped_so_the_process_cap_holds_step_after_ste
         scores, stats = score_all([(orphans, 1.0)], ["40"], [{}], timeout_s=10, sandbox="all")
         assert scores == [40.0] and stats["failures"] == 0
     pool._pool().close()
-    assert running_with("77.25") == []
+    assert gone("77.25")

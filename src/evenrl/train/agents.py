@@ -16,7 +16,6 @@ import json
 import queue
 import secrets
 import threading
-import time
 from dataclasses import replace
 
 from evenrl.config import RunConfig
@@ -33,8 +32,7 @@ from evenrl.rewards import score_all
 from evenrl.rewards.registry import resolve as resolve_reward
 from evenrl.train.agent_prompts import Prompts, Record, Turn
 from evenrl.train.agent_server import AgentServer, Answer, Pending, error
-from evenrl.train.data import filter_by_length, load_prompts
-from evenrl.train.trajectories import Trajectory, Turns
+from evenrl.train.trajectories import Trajectory, Turns, load_openings
 
 # Requests are served in batches: after the first of a batch arrives, more are taken until none has come for this
 # long (agents that are between calls, running a tool, are not waited for). Batching changes speed, never tokens.
@@ -43,6 +41,13 @@ _QUIET_S = 0.01
 # (the agent's module is imported before, when the worker loads it: evenrl.envs.agent_job.AgentRunner).
 _JOB_SLACK_S = 3.0
 MODEL_NAME = "evenrl-policy"
+
+
+def user_openings(rows: list[dict]) -> list[list[dict]]:
+    """Each row's prompt as one user message: what weighs and filters a row (the agent renders its own
+    conversation)."""
+    return [[{"role": "user", "content": r["prompt"] if isinstance(r["prompt"], str) else str(r["prompt"])}]
+            for r in rows]
 
 
 class Agents:
@@ -68,21 +73,8 @@ class Agents:
     def load(self, tokenizer, path: str | None = None) -> tuple[list[dict], list[list[int]], list[list[dict]], int]:
         """(rows, prompt tokens, openings, rows skipped) as Turns.load gives them; a row's prompt tokens (its
         prompt as a user message, rendered) only weigh and filter it: the agent renders its own conversation."""
-        cfg, self.tokenizer = self.cfg, tokenizer
-        path = path or cfg.data.path
-        if not path:
-            raise UsageError("data.path: empty; give a .jsonl/.parquet file or a dataset directory")
-        rows = load_prompts(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field,
-                            extra_fields=cfg.data.extra_fields)
-        openings = [[{"role": "user", "content": r["prompt"] if isinstance(r["prompt"], str) else str(r["prompt"])}]
-                    for r in rows]
-        render = tokenizer_render(tokenizer)
-        tokens = [list(tokenizer(render(m, None, True), add_special_tokens=False)["input_ids"]) for m in openings]
-        kept, skipped = filter_by_length(list(range(len(rows))), [len(t) for t in tokens], cfg.data.max_prompt_tokens)
-        if not kept:
-            raise UsageError(f"data.max_prompt_tokens: got {cfg.data.max_prompt_tokens}; all {len(rows)} prompts of "
-                             f"{path} are longer (rendered with the chat template) — raise it")
-        return [rows[i] for i in kept], [tokens[i] for i in kept], [openings[i] for i in kept], skipped
+        self.tokenizer = tokenizer
+        return load_openings(self.cfg, tokenizer, path, user_openings, None)
 
     def generate(self, engine: Engine, prompts: list[list[int]], keys: list[int], params: SamplingParams, *,
                  step: int, sample_ranges: list[tuple[int, int]], rows: list[dict],

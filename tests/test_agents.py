@@ -107,6 +107,8 @@ def test_the_plan_finds_the_function_without_importing_it():
     assert "no function 'nothing'" in agent_problem("toy_agents:nothing")
     assert "not on the Python path" in agent_problem("no_such_module_here:fn")
     assert "package.module:function" in agent_problem("two_tools")
+    assert "rollout.agent_args (split) are for an environment library" in agent_problem("toy_agents:two_tools",
+                                                                                       {"split": "test"})
 
 
 # ------------------------------------------------------------------------------------------ the endpoint, end to end

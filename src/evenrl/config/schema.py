@@ -160,6 +160,11 @@ class RolloutConfig(Section):
                         "number of chat.completions / completions calls and returns its reward (a number, or null to "
                         "have rewards.functions score the last reply). Its calls become trajectories by token prefix, "
                         "only sampled tokens trained (docs/agents.md). Empty: no agent.")
+    agent_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="With agent naming an environment library ('verifiers:ENV_ID', 'openenv:...'): keyword "
+                    "arguments for the environment it loads (verifiers: load_environment's; openenv: the "
+                    "environment class's), as JSON values. Empty: none.")
     agent_timeout_s: float = Field(
         60.0, gt=0.0, le=86400.0,
         description="With agent: wall-clock seconds one agent call (a whole trajectory) may take; past it the "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import importlib
 import inspect
 import math
 import numbers
@@ -19,9 +20,26 @@ from evenrl.rewards.registry import load_named
 
 ALLOWED = "'package.module:function', an async function (row, *, base_url, model, api_key) -> float | None"
 
+# rollout.agent "LIBRARY:TARGET": an environment library's own agent loop run against the endpoint, so environments
+# written for verifiers or OpenEnv train as they are (docs/agents.md, "Environments you already have"). Each adapter
+# module has `make_agent(target, args) -> async function` (the library imported there, in the worker) and
+# `problem(target, args) -> str | None` (torch-free, imports nothing of the user's: `evenrl plan`).
+ADAPTERS: dict[str, str] = {}
 
-def load_agent(spec: str):
-    """The async function rollout.agent names (imported: in a worker, or by the trainer's check)."""
+
+def _adapter(spec: str):
+    """(the adapter module, its target) when `spec` names an environment library's adapter, else None."""
+    library, sep, target = spec.partition(":")
+    return (importlib.import_module(ADAPTERS[library]), target) if sep and library in ADAPTERS else None
+
+
+def load_agent(spec: str, args: dict | None = None):
+    """The async function rollout.agent names (imported: in a worker, or by the trainer's check); `args` are
+    rollout.agent_args, for an adapter."""
+    adapter = _adapter(spec)
+    if adapter:
+        module, target = adapter
+        return module.make_agent(target, dict(args or {}))
     fn = load_named("rollout.agent", spec, ALLOWED)
     if not inspect.iscoroutinefunction(fn):
         what = "nothing" if fn is None else f"a {type(fn).__name__}, not an async function"
@@ -34,21 +52,22 @@ class AgentRunner:
     so that importing the user's module (openai and the rest: seconds) counts against the worker's load time, not
     against the agents' own time limit."""
 
-    def __init__(self, spec: str):
-        self.spec, self.fn = spec, None
+    def __init__(self, spec: str, args: dict | None = None):
+        self.spec, self.args, self.fn = spec, dict(args or {}), None
 
     def __getstate__(self):
-        return {"spec": self.spec}
+        return {"spec": self.spec, "args": self.args}
 
     def __setstate__(self, state):
-        self.spec, self.fn = state["spec"], load_agent(state["spec"])
+        self.spec, self.args = state["spec"], state["args"]
+        self.fn = load_agent(self.spec, self.args)
 
     def __call__(self, socket_path: str, items: list[tuple[str, dict]], model: str,
                  timeout_s: float) -> list[tuple[str, object]]:
         """(In a worker) the agent on each (trajectory token, row), concurrently: per item ("ok", reward or None)
         or (failure kind, one-line message). Each agent gets base_url http://127.0.0.1:PORT/t/TOKEN/v1, its own."""
         port = open_endpoint(socket_path)
-        fn = self.fn or load_agent(self.spec)
+        fn = self.fn or load_agent(self.spec, self.args)
 
         async def one(token: str, row: dict) -> tuple[str, object]:
             try:
@@ -72,9 +91,17 @@ class AgentRunner:
         return asyncio.run(every())
 
 
-def agent_problem(spec: str) -> str | None:
-    """Why rollout.agent `spec` cannot run, as far as reading files tells (no user code imported): its module is
-    found on sys.path and defines the function with `async def` at top level; None if it may work."""
+def agent_problem(spec: str, args: dict | None = None) -> str | None:
+    """Why rollout.agent `spec` (with rollout.agent_args `args`) cannot run, as far as reading files tells (no user
+    code imported): its module is found on sys.path and defines the function with `async def` at top level, or the
+    adapter it names says; None if it may work."""
+    adapter = _adapter(spec)
+    if adapter:
+        module, target = adapter
+        return module.problem(target, dict(args or {}))
+    if args:
+        return (f"is a function, and rollout.agent_args ({', '.join(sorted(args))}) are for an environment library's "
+                f"adapter ({', '.join(f'{k}:...' for k in ADAPTERS) or 'none installed'})")
     module, sep, name = spec.partition(":")
     if not (sep and module and name) or not all(p.isidentifier() for p in module.split(".")):
         return f"is not {ALLOWED}"

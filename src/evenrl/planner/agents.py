@@ -18,7 +18,7 @@ def rule_agent(p: Plan) -> list[Finding]:
     if not r.agent:
         return []
     out = []
-    problem = agent_problem(r.agent)
+    problem = agent_problem(r.agent, r.agent_args)
     if problem:
         out.append(Finding("error", "agent-name", f"rollout.agent {r.agent!r} {problem}", ALLOWED))
     if r.env:

@@ -55,7 +55,7 @@ class Agents:
 
     def __init__(self, cfg: RunConfig, tokenizer=None):
         self.cfg, self.tokenizer = cfg, tokenizer
-        problem = agent_problem(cfg.rollout.agent)
+        problem = agent_problem(cfg.rollout.agent, cfg.rollout.agent_args)
         if problem:
             raise bad("rollout.agent", cfg.rollout.agent, problem)
         if any(s.model or s.judge is not None for s in cfg.rewards.functions):
@@ -111,7 +111,8 @@ class Agents:
 
         def work():
             try:
-                results.update(run_contained([AgentRunner(r.agent)], jobs, limits, isolate=True, what="agent")[0])
+                results.update(run_contained([AgentRunner(r.agent, r.agent_args)], jobs, limits, isolate=True,
+                                             what="agent")[0])
             except BaseException as e:  # the pool itself failed: every job fails with it
                 results.update({j: ("raised", f"{type(e).__name__}: {e}") for j, _, _ in jobs})
         runner = threading.Thread(target=work, name="evenrl-agents", daemon=True)

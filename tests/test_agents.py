@@ -257,3 +257,40 @@ print(json.dumps([p.sample_tokens, [(f.level, f.rule) for f in p.findings if f.r
     tokens, findings, errors, imported = json.loads(out.stdout.strip().splitlines()[-1])
     assert tokens == 256 + 1000 and findings == [["note", "agent-cap"]] and imported == []
     assert errors == ["agent-env", "agent-name", "agent-reward-models", "agent-sandbox", "agent-sharding"]
+
+
+def test_an_agent_gone_while_sending_is_no_error(caplog):
+    import logging
+    """An agent killed at its time limit half-way through a request body: the endpoint drops the request quietly
+    (no 'Exception in ASGI application' traceback in the run's output) and keeps serving."""
+    import socket
+    import time
+
+    from evenrl.train.agent_server import AgentServer
+
+    server = AgentServer("tiny")
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's own handlers: it does not propagate to the root
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING"):
+            conn = socket.socket(socket.AF_UNIX)
+            conn.connect(server.socket_path)
+            conn.sendall(b"POST /t/x/v1/chat/completions HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\n"
+                         b"content-length: 1000\r\n\r\n{\"messages\": [")
+            time.sleep(0.2)
+            conn.close()
+            time.sleep(0.5)
+            probe = socket.socket(socket.AF_UNIX)
+            probe.connect(server.socket_path)
+            probe.sendall(b"GET /t/x/v1/models HTTP/1.1\r\nhost: e\r\n\r\n")
+            probe.settimeout(10)
+            reply = b""
+            while b"}" not in reply and (chunk := probe.recv(4096)):
+                reply += chunk
+            probe.close()
+        assert reply.startswith(b"HTTP/1.1 200") and b'"tiny"' in reply
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+        assert server.requests.empty()
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+        server.stop()

@@ -80,6 +80,7 @@ class AgentServer:
     def _app(self):
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse, Response
+        from starlette.requests import ClientDisconnect
 
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
         requests, model_name = self.requests, self.model_name
@@ -93,6 +94,8 @@ class AgentServer:
                     body = await request.json()
                 except ValueError:
                     body = None
+                except ClientDisconnect:  # the agent went (killed at its time limit) while sending: nobody to answer
+                    return Response(status_code=499)
                 if not isinstance(body, dict):
                     answer = error(400, "the request body must be a JSON object")
                 else:

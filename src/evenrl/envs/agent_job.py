@@ -24,13 +24,19 @@ ALLOWED = "'package.module:function', an async function (row, *, base_url, model
 # written for verifiers or OpenEnv train as they are (docs/agents.md, "Environments you already have"). Each adapter
 # module has `make_agent(target, args) -> async function` (the library imported there, in the worker) and
 # `problem(target, args) -> str | None` (torch-free, imports nothing of the user's: `evenrl plan`).
-ADAPTERS: dict[str, str] = {}
+ADAPTERS: dict[str, str] = {"openenv": "evenrl.envs.openenv_agent"}
 
 
 def _adapter(spec: str):
     """(the adapter module, its target) when `spec` names an environment library's adapter, else None."""
     library, sep, target = spec.partition(":")
     return (importlib.import_module(ADAPTERS[library]), target) if sep and library in ADAPTERS else None
+
+
+def allowed(spec: str) -> str:
+    """What rollout.agent may be, as a finding's fix says it: the adapter's own form for 'LIBRARY:...'."""
+    adapter = _adapter(spec)
+    return getattr(adapter[0], "ALLOWED", ALLOWED) if adapter else ALLOWED
 
 
 def load_agent(spec: str, args: dict | None = None):

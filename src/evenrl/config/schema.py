@@ -159,7 +159,9 @@ class RolloutConfig(Section):
                         "OpenAI-compatible endpoint evenrl serves on 127.0.0.1 from the rollout engine; it makes any "
                         "number of chat.completions / completions calls and returns its reward (a number, or null to "
                         "have rewards.functions score the last reply). Its calls become trajectories by token prefix, "
-                        "only sampled tokens trained (docs/agents.md). Empty: no agent.")
+                        "only sampled tokens trained (docs/agents.md). 'openenv:package.module:EnvClass': an OpenEnv "
+                        "MCPEnvironment, one episode per trajectory through OpenEnv's own harness, its reward the "
+                        "environment's (docs/agents.md, OpenEnv environments). Empty: no agent.")
     agent_args: dict[str, Any] = Field(
         default_factory=dict,
         description="With agent naming an environment library ('verifiers:ENV_ID', 'openenv:...'): keyword "

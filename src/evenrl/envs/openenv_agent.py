@@ -83,8 +83,9 @@ def make_agent(target: str, args: dict):
     module, _, name = target.partition(":")
     env_class = getattr(importlib.import_module(module), name, None)
     if not (isinstance(env_class, type) and issubclass(env_class, MCPEnvironment)):
-        raise TypeError(f"rollout.agent openenv:{target}: names {type(env_class).__name__}, not a subclass of "
-                        f"openenv's MCPEnvironment; expected {ALLOWED}")
+        what = "nothing" if env_class is None else getattr(env_class, "__name__", type(env_class).__name__)
+        raise TypeError(f"rollout.agent openenv:{target}: names {what}, not a subclass of openenv's MCPEnvironment; "
+                        f"expected {ALLOWED}")
 
     async def agent(row, *, base_url, model, api_key):
         # OpenEnv's harness, its model step and its environments are synchronous (each runs its coroutines on a
@@ -99,10 +100,14 @@ def make_agent(target: str, args: dict):
 
         def run():
             try:
-                value = run_episode(env_class, args, dict(row), endpoint_client(loop, base_url, model, api_key))
-                loop.call_soon_threadsafe(settle, True, value)
+                llm = endpoint_client(loop, base_url, model, api_key)
+                outcome = True, run_episode(env_class, args, dict(row), llm)
             except BaseException as e:
-                loop.call_soon_threadsafe(settle, False, e)
+                outcome = False, e
+            try:
+                loop.call_soon_threadsafe(settle, *outcome)
+            except RuntimeError:  # the worker's loop is gone: the agent timed out and its job ended without it
+                pass
         threading.Thread(target=run, name="evenrl-openenv-episode", daemon=True).start()
         return await done
     return agent
@@ -144,7 +149,7 @@ def run_episode(env_class, args: dict, row: dict, llm) -> float | None:
         return ToolResult(data=tool_text(result.observation), done=result.done, metadata={"reward": result.reward})
 
     env = env_class(**args)
-    try:
+    try:  # tools listed before reset (StepEnvSessionAdapter resets), so an environment counting steps counts none
         tools = env.step(ListToolsAction()).tools
         seed, episode_id, fields = reset_arguments(env.reset, row)
     except BaseException:

@@ -1,8 +1,8 @@
 """rollout.agent 'openenv:module:EnvClass' (evenrl.envs.openenv_agent): an OpenEnv MCPEnvironment
-(examples/arith_env.py, as OpenEnv users write them) trained as it is written. Its tools reach the model as OpenAI tools, each tool call is
-one CallToolAction step, the reward is the environment's; the plan reads the spec without importing openenv or the
-environment; one `evenrl train` step of examples/openenv.yaml, on a tiny model taught to call the tools (the random
-tiny model never does), trains the sampled tokens only, on the environment's rewards."""
+(examples/arith_env.py, as OpenEnv users write them) trained as it is written. Its tools reach the model as OpenAI
+tools, each tool call is one CallToolAction step, the reward is the environment's; the plan reads the spec without
+importing openenv or the environment; one `evenrl train` step of examples/openenv.yaml, on a tiny model taught to
+call the tools (the random tiny model never does), trains the sampled tokens only, on the environment's rewards."""
 
 from __future__ import annotations
 

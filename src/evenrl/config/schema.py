@@ -161,12 +161,14 @@ class RolloutConfig(Section):
                         "have rewards.functions score the last reply). Its calls become trajectories by token prefix, "
                         "only sampled tokens trained (docs/agents.md). 'openenv:package.module:EnvClass': an OpenEnv "
                         "MCPEnvironment, one episode per trajectory through OpenEnv's own harness, its reward the "
-                        "environment's (docs/agents.md, OpenEnv environments). Empty: no agent.")
+                        "environment's (docs/agents.md, OpenEnv environments). 'verifiers:ENV_ID': a verifiers "
+                        "environment's own rollout and rubric (rows from its exported tasks). Empty: no agent.")
     agent_args: dict[str, Any] = Field(
         default_factory=dict,
         description="With agent naming an environment library ('verifiers:ENV_ID', 'openenv:...'): keyword "
-                    "arguments for the environment it loads (verifiers: load_environment's; openenv: the "
-                    "environment class's), as JSON values. Empty: none.")
+                    "arguments for the environment it loads (verifiers: the environment's config, its TOML's "
+                    "[env] table: taskset options, roles; openenv: the environment class's), as JSON values. "
+                    "Empty: none.")
     agent_timeout_s: float = Field(
         60.0, gt=0.0, le=86400.0,
         description="With agent: wall-clock seconds one agent call (a whole trajectory) may take; past it the "

@@ -1,0 +1,82 @@
+"""rollout.agent "verifiers:ENV_ID" (evenrl.envs.verifiers_agent): a verifiers taskset (examples/vf_arith.py) trained
+as it is on a tiny model, one process, one step. The rewards are the environment's own rubric on the replies the
+endpoint sampled (with the reward weight rollout.agent_args gave it), the trained tokens are the endpoint's, and the
+plan names a bad ENV_ID or a runtime the workers cannot run in one line each. Layout on 1 vs N processes is the
+generic agent path's (tests/test_agents_runs.py): the adapter is only an agent function, whose calls depend on its
+row and the replies alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from e2e import ENV, evenrl, evenrl_here, metrics
+from evenrl.envs import verifiers_agent
+from evenrl.testing import make_tiny_model
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SPECIAL = ("<bos>", "<|endoftext|>", "<pad>", "<unk>")  # make_tiny_model's; the endpoint's replies decode without
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verifiers")
+    cfg = root / "cfg.yaml"
+    cfg.write_text(f"""
+model: {{path: {make_tiny_model(str(root / 'model'), chat_template=True, seed=0)}}}
+data: {{path: {EXAMPLES / 'vf_arith.jsonl'}, extra_fields: [task], prompts_per_step: 2, max_prompt_tokens: 64}}
+rollout: {{samples_per_prompt: 2, max_new_tokens: 12, max_trajectory_tokens: 12, agent_max_calls: 1,
+          agent: "verifiers:vf_arith", agent_timeout_s: 120,
+          agent_args: {{taskset: {{task: {{rewards: {{digits: {{weight: 0.5}}}}}}}}}}}}
+algo: {{advantage: grpo, entropy_coef: 0.1}}
+train: {{steps: 1, lr: 1.0e-3, token_cap_per_micro_batch: 512}}
+log: {{progress: false, tensorboard: false, samples_every_steps: 1, run_dir: {root / 'run'}}}
+""")
+    return cfg
+
+
+def test_a_verifiers_environment_trains_with_its_own_rubric(config, tmp_path, monkeypatch):
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), ENV["PYTHONPATH"]])}
+    evenrl("train", config, env=env)
+    run = config.parent / "run"
+    (m,) = metrics(run)
+    assert m["reward/failures"] == 0 and m["agent/calls_per_trajectory"] == 1 and m["agent/history_breaks"] == 0
+    assert m["response/sampled_length_mean"] > 0
+    assert 0 <= m["rollout/logprob_mismatch"] < 1e-5 and m["rollout/mismatch_fraction"] == 0  # the endpoint's tokens
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import vf_arith  # the environment's own reward functions, and its taskset: the committed rows are its export
+
+    verifiers_agent.export_tasks("vf_arith", str(tmp_path / "tasks.jsonl"))
+    assert (tmp_path / "tasks.jsonl").read_text() == (EXAMPLES / "vf_arith.jsonl").read_text()
+    rows = [json.loads(x) for x in (EXAMPLES / "vf_arith.jsonl").read_text().splitlines()]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4
+    for s in samples:
+        reply, answer = s["completion"], rows[s["row_id"]]["task"]["answer"]
+        for token in SPECIAL:
+            reply = reply.replace(token, "")
+        want = float(vf_arith.last_number(reply.strip()) == answer) + 0.5 * vf_arith.digit_share(reply, answer)
+        assert s["reward"] == pytest.approx(want, abs=1e-6), s
+    assert any(s["reward"] > 0 for s in samples)  # the rubric scored something: the 0.5 weight is agent_args'
+
+
+@pytest.mark.parametrize("override, says", [
+    ("rollout.agent=verifiers:no_such_env", "no module 'no_such_env' on the Python path"),
+    ("rollout.agent_args={agent: {runtime: {type: prime}}}", "agent.runtime.type 'prime'"),
+])
+def test_the_plan_names_what_cannot_run(config, capsys, monkeypatch, override, says):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    code, out, err = evenrl_here(capsys, "plan", config, override)
+    assert code == 1, (out, err)
+    assert out.count("ERROR") == 1 and "ERROR   agent-name: rollout.agent" in out, out
+    assert says in " ".join(out.split()), out  # the finding's line, as the plan wraps it
+
+
+def test_without_verifiers_the_plan_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # find_spec of a module set to None raises ValueError
+    assert "pip install -e '.[environments]'" in verifiers_agent.problem("vf_arith", {})

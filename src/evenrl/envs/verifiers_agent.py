@@ -46,6 +46,7 @@ from pathlib import Path
 from evenrl.rewards.registry import findable
 
 PIP = "pip install -e '.[environments]'"
+ALLOWED = f"'verifiers:ENV_ID': ENV_ID a verifiers taskset, its module on the Python path; verifiers installed ({PIP})"
 # The environment variable verifiers' client reads its key from: not PRIME_API_KEY, whose presence makes verifiers
 # read the Prime CLI config. Unset: the client sends "EMPTY"; the endpoint knows the trajectory by its URL.
 API_KEY_VAR = "EVENRL_VERIFIERS_API_KEY"

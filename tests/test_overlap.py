@@ -147,15 +147,28 @@ SHAPE = ["rollout.samples_per_prompt=3", "data.prompts_per_step=7", "train.steps
          "checkpoint.every_steps=1", "checkpoint.keep=2"]
 
 
+@pytest.fixture(scope="module")
+def overlapped(assets, tmp_path_factory):
+    """The uninterrupted overlapped runs, two at a time, longest first: k = 1 with 1 rollout rank on 2 trainers
+    ("two") and on 1 ("k1"), and k = 2 on 1 trainer ("k2"). The tests below compare against them: k1 serves both
+    the layout test and the resume of k = 1 (the same command)."""
+    root = tmp_path_factory.mktemp("overlap")
+    evenrl_many({"two": [*overlap_args(assets, 1), f"log.run_dir={root / 'two'}", "--nproc-per-node", 3],
+                 **{f"k{k}": [*overlap_args(assets, k), f"log.run_dir={root / f'k{k}'}", "--nproc-per-node", 2]
+                    for k in (1, 2)}})
+    return root
+
+
+def overlap_args(assets, k: int) -> list:
+    return ["train", assets["cfg"], *SHAPE, f"rollout.max_staleness={k}", "--rollout-devices", 1]
+
+
 @pytest.mark.slow
-def test_overlapped_run_is_the_same_on_any_layout(assets, tmp_path, capsys):
+def test_overlapped_run_is_the_same_on_any_layout(overlapped, capsys):
     """k = 1 with 1 rollout rank, on 1 and on 2 trainers: the same samples (rewards, lengths), staleness 0 for step
     1 and 1 after it, importance weights in use, and the same model within the rounding of a different number of
     trainers (the bound of the synchronous reserved test)."""
-    args = ["train", assets["cfg"], *SHAPE, "rollout.max_staleness=1", "--rollout-devices", 1]
-    evenrl_many({"one": [*args, f"log.run_dir={tmp_path / 'one'}", "--nproc-per-node", 2],
-                 "two": [*args, f"log.run_dir={tmp_path / 'two'}", "--nproc-per-node", 3]})
-    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    one, two = metrics(overlapped / "k1"), metrics(overlapped / "two")
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4, 5]
     for x, y in zip(one, two):
         for k in ("reward/mean", "reward/std", "response/length_mean", "samples"):
@@ -166,34 +179,32 @@ def test_overlapped_run_is_the_same_on_any_layout(assets, tmp_path, capsys):
     assert one[0]["policy/is_weight"] == pytest.approx(1.0, abs=1e-6) and one[0]["rollout/logprob_mismatch"] < 1e-5
     assert any(abs(r["policy/is_weight"] - 1.0) > 1e-4 for r in one[1:])
     assert min(r["rollout/logprob_mismatch"] for r in one[1:]) > 1e-4  # the policy moved between sampling and training
-    assert max_diff(final_params(tmp_path / "one"), final_params(tmp_path / "two")) < 1e-5
+    assert max_diff(final_params(overlapped / "k1"), final_params(overlapped / "two")) < 1e-5
     from e2e import evenrl_here
 
-    assert evenrl_here(capsys, "report", tmp_path / "one")[0] == 0
-    assert (tmp_path / "one" / "plots" / "off_policy.png").exists()
+    assert evenrl_here(capsys, "report", overlapped / "k1")[0] == 0
+    assert (overlapped / "k1" / "plots" / "off_policy.png").exists()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
-def test_resume_regenerates_in_flight_steps(assets, tmp_path, k):
+def test_resume_regenerates_in_flight_steps(assets, overlapped, tmp_path, k):
     """Killed at the start of step 3 (checkpoint 2 written, up to k steps generated ahead and lost), then resumed:
     the steps that were in flight are regenerated with the versions they were meant to use (kept by checkpoint 2),
-    so the resumed run is bit-identical to the uninterrupted one."""
-    args = ["train", assets["cfg"], *SHAPE, f"rollout.max_staleness={k}", "--rollout-devices", 1,
-            "--nproc-per-node", 2]
-    evenrl_many({"whole": [*args, f"log.run_dir={tmp_path / 'whole'}"]}, parallel=1)
+    so the resumed run is bit-identical to the uninterrupted one (overlapped / f"k{k}")."""
+    args = [*overlap_args(assets, k), "--nproc-per-node", 2]
     crashed = evenrl(*args, f"log.run_dir={tmp_path / 'run'}", env=fault_env(crash_at_step=3),
                      check=False)
     assert crashed.returncode != 0
     kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-000002" / "versions").iterdir())
     assert kept == [f"v{v}" for v in versions_needed(2, k)]
     evenrl(*args, f"log.run_dir={tmp_path / 'run'}", "--resume")
-    whole, run = metrics(tmp_path / "whole"), metrics(tmp_path / "run")
+    whole, run = metrics(overlapped / f"k{k}"), metrics(tmp_path / "run")
     assert [r["step"] for r in run] == [1, 2, 3, 4, 5]
     for x, y in zip(whole, run):
         for name in ("reward/mean", "response/length_mean", "policy/is_weight", "policy/loss", "rollout/staleness_hist"):
             assert x[name] == y[name], (x["step"], name)
-    assert max_diff(final_params(tmp_path / "whole"), final_params(tmp_path / "run")) == 0.0
+    assert max_diff(final_params(overlapped / f"k{k}"), final_params(tmp_path / "run")) == 0.0
 
 
 def test_staleness_needs_reserved_rollout_devices(assets, tmp_path, capsys):

@@ -66,7 +66,7 @@ def test_a_stalled_rollout_rank_ends_the_job_naming_it(assets, tmp_path):
     lines = [x for x in proc.stderr.splitlines() if x.startswith("evenrl train: rank 0 failed: ")]
     assert len(lines) == 1, proc.stderr[-3000:]
     assert "step 2" in lines[0] and "rank 1 was last in step 2 weights (rollout rank)" in lines[0], lines[0]
-    assert took < 60 + seconds + 30, f"the job took {took:.0f} s to end"
+    assert took < 60 + seconds, f"the job took {took:.0f} s to end"  # the hung rank dies on the agent's SIGTERM
 
 
 def test_rollout_devices_must_leave_a_trainer(assets, tmp_path, capsys):

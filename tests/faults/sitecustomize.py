@@ -52,6 +52,12 @@ def _stall_at(n):
     def wrap(generate_and_send):
         def stall(cfg, engine, prompt_tokens, step, *args, **kwargs):
             if step == n:
+                # SIGTERM's default action, not evenrl's stop-after-the-step handler (which a sleep outlasts): the
+                # trainers see the same silence, and torch's agent ends the hung rank once they have failed instead
+                # of waiting its fixed 30 s (PContext.close) for it, a wait that is torch's and not under test
+                import signal
+
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 time.sleep(3600)
             return generate_and_send(cfg, engine, prompt_tokens, step, *args, **kwargs)
         return stall

@@ -3,6 +3,7 @@ PYTHONPATH). They run in the trainer process (rewards.isolate=false) so that wha
 
 import os
 import signal
+import time
 
 
 def huge(completion: str, sample: dict) -> float:
@@ -16,9 +17,13 @@ def constant(completion: str, sample: dict) -> float:
 
 
 def stop_rank_1(completion: str, sample: dict) -> float:
-    """Rank 1 stops (SIGSTOP) while scoring: a hung peer, as a stuck reward or a frozen node would leave it."""
+    """Rank 1 stops while scoring: a hung peer, as a stuck reward or a frozen node would leave it. It hangs with
+    SIGTERM's default action (not evenrl's stop-after-the-step handler, which a hang outlasts, nor SIGSTOP, which
+    defers SIGTERM): its peers see the same silence, and once rank 0 has failed torch's agent ends it with its SIGTERM
+    instead of waiting a fixed 30 s (PContext.close) for a process that never exits, a wait that is torch's."""
     if os.environ.get("RANK") == "1":
-        os.kill(os.getpid(), signal.SIGSTOP)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(3600)
     return 0.0
 
 

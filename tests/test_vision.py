@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -277,7 +278,8 @@ def vl_runs(vl, tmp_path_factory):
                "data.max_prompt_tokens=16", "train.steps=1", "rewards.functions=[{name: exact_match}, "
                "{name: 'toy_rewards:digit_fraction', weight: 0.5}]"]
     runs = {"three": [*base, "--nproc-per-node", "3"],
-            "fsdp3": [*base, "--nproc-per-node", "3", "parallel.sharding=fsdp", "model.gradient_checkpointing=true"],
+            "fsdp3": [*base, "--nproc-per-node", "3", "parallel.sharding=fsdp", "model.gradient_checkpointing=true",
+                      "checkpoint.every_steps=1"],  # its step-1 checkpoint: the resume test's start
             "frozen_reserved": ["train", vl["cfg"], "--nproc-per-node", "3", "--rollout-devices", "1",
                                 "model.freeze_vision_tower=true", "model.dtype=bfloat16"],
             "text_fsdp2": [*on_text, "--nproc-per-node", "2", "parallel.sharding=fsdp"],
@@ -320,12 +322,16 @@ def test_a_vision_model_on_text_under_fsdp(vl_runs):
 
 @pytest.mark.slow
 def test_resume_with_images_on_3_then_2_processes(vl, vl_runs, tmp_path):
+    """Step 1 on 3 FSDP2 processes (vl_runs' fsdp3 run, checkpointed after it), step 2 resumed from that checkpoint
+    on 2 replicated processes: the one-process run's rewards and model."""
     run = tmp_path / "run"
-    common = ["train", vl["cfg"], f"log.run_dir={run}", "checkpoint.every_steps=1"]
-    evenrl(*common, "train.steps=1", "--nproc-per-node", "3", "parallel.sharding=fsdp")
-    evenrl(*common, "--nproc-per-node", "2", "--resume")
+    shutil.copytree(vl_runs["fsdp3"] / "checkpoints" / "step-000001", run / "checkpoints" / "step-000001")
+    (run / "checkpoints" / "latest").write_text("step-000001\n")
+    shutil.copy(vl_runs["fsdp3"] / "metrics.jsonl", run / "metrics.jsonl")
+    evenrl("train", vl["cfg"], f"log.run_dir={run}", "checkpoint.every_steps=1", "--nproc-per-node", "2", "--resume")
     assert max_diff(final_params(vl_runs["one"]), final_params(run)) <= TOL
-    assert [r["reward/mean"] for r in metrics(run)] == [r["reward/mean"] for r in metrics(vl_runs["one"])[1:]]
+    assert [r["step"] for r in metrics(run)] == [0, 1, 2]  # fsdp3's evaluation (row 0) and step 1, then step 2
+    assert [r["reward/mean"] for r in metrics(run)[1:]] == [r["reward/mean"] for r in metrics(vl_runs["one"])[1:]]
 
 
 def test_image_placeholders_sampled_in_a_response_are_plain_tokens(vl):

@@ -1,5 +1,6 @@
 """Fixtures shared by the end-to-end tests: a tiny model and data, and the uninterrupted runs of one shared config
-that several tests compare against (each run once per session); one thread for the sampler tests."""
+that several tests compare against (each run once per session); the demo, run once; one thread for the sampler
+tests."""
 
 from __future__ import annotations
 
@@ -86,3 +87,19 @@ def shared_runs(assets, tmp_path_factory) -> SharedRuns:
     done = evenrl_many({name: ["train", *args, f"log.run_dir={root / name}", *more] for name, more in extra.items()})
     return SharedRuns(args=args, stdout={name: p.stdout for name, p in done.items()},
                       **{name: root / name for name in extra})
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """`evenrl demo` as tests/test_demo.py checks it (150 SFT steps, then 60 GRPO steps on 1 process), run once:
+    (its --out directory, the finished process). Its SFT warm start (OUT/sft/final) and data (OUT/data) also serve
+    tests/test_ppo_family.py's runs on the demo task."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("demo_run") / "demo"
+    proc = subprocess.run([sys.executable, "-m", "evenrl.cli", "demo", "--out", str(out), "sft.steps=150",
+                           "train.steps=60", "log.progress=false"], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    return out, proc

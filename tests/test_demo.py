@@ -1,20 +1,14 @@
 """The demo task learns: a short SFT warm start, then GRPO raises the exact-match reward (fixed seeds)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 
 @pytest.mark.slow
-def test_demo_reward_rises(tmp_path):
-    out = tmp_path / "demo"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "evenrl.cli", "demo", "--out", str(out), "sft.steps=150",
-                           "train.steps=60", "log.progress=false"], capture_output=True, text=True, env=env,
-                          timeout=900)
+def test_demo_reward_rises(demo_run):
+    """tests/conftest.py's demo_run: `evenrl demo --out OUT sft.steps=150 train.steps=60 log.progress=false`."""
+    out, proc = demo_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]

@@ -110,10 +110,11 @@ def test_dynamic_sampling_keeps_the_step_full(assets, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def demo_warm_start(tmp_path_factory):
-    """The demo's model, data and a short SFT warm start (greedy answers mostly right, samples often wrong)."""
-    out = tmp_path_factory.mktemp("demo")
-    evenrl("demo", "--out", out, "sft.steps=150", "train.steps=1", "log.progress=false", "eval.path=''")
+def demo_warm_start(demo_run):
+    """The demo's model, data and a short SFT warm start (greedy answers mostly right, samples often wrong): those of
+    tests/conftest.py's demo_run (150 SFT steps), which tests/test_demo.py checks."""
+    out, proc = demo_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from evenrl.envs import ToolEnv
 from evenrl.envs.tools import python
-from evenrl.isolation import code, sandbox
+from evenrl.isolation import code, jail, sandbox, syscalls
 
 
 class Coder(ToolEnv):
@@ -55,6 +56,8 @@ def running_with(marker: str) -> list[int]:
 
 
 needs_sandbox = pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"{sandbox.unavailable()}")
+needs_seccomp = pytest.mark.skipif(not syscalls.program()[0], reason=f"{syscalls.program()[1]}")
+needs_landlock = pytest.mark.skipif(jail.landlock_abi() < 4, reason="Landlock ABI < 4 (Linux 6.7+)")
 
 
 @needs_sandbox
@@ -83,7 +86,84 @@ def test_code_cannot_read_write_or_signal_outside_its_sandbox(tmp_path):
         outside.wait()
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        assert "unreachable" in tool_call(f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)")
+        answer = tool_call(f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)")
+        assert ("Permission denied" if jail.landlock_abi() >= 4 else "unreachable") in answer  # Landlock, else no route
+
+
+@needs_sandbox
+@needs_seccomp
+def test_every_system_call_the_filter_refuses_fails_and_ordinary_code_still_runs():
+    """Each refused call (zero arguments) fails with EPERM, clone3 with ENOSYS (libc falls back to clone), clone with a
+    namespace flag with EPERM; a call through another ABI (x32) kills the code and says so; threads, fork,
+    subprocess and numpy, whose threads and processes come from clone without namespace flags, run as before."""
+    import pyseccomp
+
+    numbers = {n: pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, n) for n in syscalls.names()}
+    numbers = {n: nr for n, nr in numbers.items() if nr >= 0}  # negative: not a call of this architecture
+    assert "ptrace" in numbers and "io_uring_setup" in numbers and "bpf" in numbers
+    clone = pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, "clone")
+    source = (f"import ctypes, os, subprocess, sys, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+              f"def errno(nr, *args):\n    ctypes.set_errno(0)\n    done = libc.syscall(nr, *args)\n"
+              f"    return -1 if done != -1 else ctypes.get_errno()\n"
+              f"print({{name: errno(nr, 0, 0, 0, 0, 0, 0) for name, nr in {numbers!r}.items()}})\n"
+              f"print(errno({clone}, 0x10000000 | 17, 0, 0, 0, 0), errno({clone}, 0x40000000 | 17, 0, 0, 0, 0))\n"
+              f"out = []\nt = threading.Thread(target=out.append, args=(1,))\nt.start()\nt.join()\n"
+              f"pid = os.fork()\nif pid == 0:\n    os._exit(7)\n"
+              f"run = subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, text=True)\n"
+              f"print(out, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), run.stdout.strip())\n"
+              f"try:\n    import numpy\n    print(int(numpy.arange(10).sum()))\nexcept ImportError:\n    print(45)\n")
+    result = code.run_code(source, timeout_s=10)
+    assert result.status == "ok", result
+    refused, cloned, ordinary, summed = result.output.splitlines()
+    assert eval(refused) == {n: (38 if n == "clone3" else 1) for n in numbers}  # ENOSYS, EPERM
+    assert cloned == "1 1" and ordinary == "[1] 7 42" and summed == "45"
+    if platform.machine() == "x86_64":  # the x32 ABI: getpid with the x32 bit, a different architecture to seccomp
+        x32 = code.run_code("import ctypes; ctypes.CDLL(None).syscall(0x40000000 | 39); print('not reached')")
+        assert x32.status == "blocked" and "another ABI" in x32.output and "not reached" not in x32.output
+
+
+@needs_sandbox
+@needs_landlock
+def test_landlock_refuses_writes_the_mount_view_allows_and_tcp():
+    """A process that makes itself dumpable again owns its /proc files, which the mount view lets it write (checked
+    without Landlock: /proc/self/mem opens read-write); Landlock allows writing under /tmp only. TCP bind and
+    connect are refused before the network namespace is reached."""
+    source = ("import ctypes, socket\nctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE\n"
+              "for name in ('/proc/self/mem', '/proc/self/comm'):\n    try:\n        open(name, 'r+b')\n"
+              "        print(name, 'opened')\n    except PermissionError as e:\n        print(name, e.strerror)\n"
+              "for act in (lambda s: s.bind(('127.0.0.1', 0)), lambda s: s.connect(('127.0.0.1', 9))):\n"
+              "    try:\n        act(socket.socket())\n    except OSError as e:\n        print('tcp', e.strerror)\n"
+              "open('/tmp/f', 'w').write('kept')\nprint(open('/tmp/f').read())")
+    result = code.run_code(source)
+    assert result.output.splitlines() == ["/proc/self/mem Permission denied", "/proc/self/comm Permission denied",
+                                          "tcp Permission denied", "tcp Permission denied", "kept"], result
+
+
+@needs_sandbox
+@needs_seccomp
+def test_a_machine_without_pyseccomp_or_landlock_runs_the_sandbox_and_says_so_once(monkeypatch, capsys):
+    """The sandbox runs with the layers it has and the run says once which it lacks and what to install."""
+    import pyseccomp
+
+    keyctl = pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, "keyctl")
+    monkeypatch.setitem(sys.modules, "pyseccomp", None)  # import pyseccomp raises ImportError
+    monkeypatch.setattr(jail, "landlock_abi", lambda: 0)
+    for cached in (syscalls.program, sandbox.missing_layers, sandbox.warn_missing):
+        cached.cache_clear()
+    try:
+        sandbox.warn_missing()
+        sandbox.warn_missing()
+        said = capsys.readouterr().out
+        assert said.count("\n") == 1 and said.startswith("evenrl: warning: the sandbox runs without its seccomp")
+        assert "pip install pyseccomp" in said and "Landlock (the kernel has none" in said
+        result = code.run_code("import ctypes, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                               f"print(libc.syscall({keyctl}, 0, -3, 0) >= 0 or ctypes.get_errno() != 1, os.getuid())\n"
+                               "socket.create_connection(('127.0.0.1', 9), timeout=2)")
+        unfiltered, uid = result.output.splitlines()[0].split()
+        assert unfiltered == "True" and int(uid) not in (0, os.getuid()) and "unreachable" in result.output
+    finally:
+        for cached in (syscalls.program, sandbox.missing_layers, sandbox.warn_missing):
+            cached.cache_clear()
 
 
 @needs_sandbox

@@ -85,8 +85,8 @@ class RewardsConfig(Section):
     sandbox: Literal["tools", "all", "none"] = Field(
         "tools",
         description="tools: code the model writes (the python tool) runs in a sandbox (its own unprivileged user, "
-                    "PID, mount and network namespaces, a read-only system and a private /tmp, rlimits; "
-                    "docs/sandbox.md); a run that offers the tool on a machine that cannot make one stops at start "
+                    "PID, mount and network namespaces, a read-only system and a private /tmp, rlimits, Landlock "
+                    "and a seccomp filter where the machine has them; docs/sandbox.md); a run that offers the tool on a machine that cannot make one stops at start "
                     "with the reason. all: reward and environment workers run in it too (needs isolate; they see "
                     "the directories on the trainer's Python path read-only and nothing else of its files). none: "
                     "model-written code runs unsandboxed (rlimits and the time limit only), logged at every step: "

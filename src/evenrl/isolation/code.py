@@ -1,9 +1,9 @@
 """Model-written Python (the `python` tool) run in the sandbox (evenrl.isolation.sandbox, docs/sandbox.md): as its own
 unprivileged user, in its own PID, mount, network, IPC and UTS namespaces, seeing a read-only system and a private
-size-capped /tmp only, under rlimits on processes, CPU time, memory, open files and file size, with its output
-(whatever it writes to file descriptors 1 and 2) read up to a cap and a wall-clock limit enforced from here: at the
-limit, at the output cap or when the code's main process ends, the whole PID namespace is killed, whatever the code
-did with its pipes or its children.
+size-capped /tmp only, under Landlock rules and a seccomp filter where the machine has them, under rlimits on
+processes, CPU time, memory, open files and file size, with its output (whatever it writes to file descriptors 1 and
+2) read up to a cap and a wall-clock limit enforced from here: at the limit, at the output cap or when the code's
+main process ends, the whole PID namespace is killed, whatever the code did with its pipes or its children.
 
     result = run_code("print(2 + 2)")        # CodeResult(status="ok", output="4\\n", sandbox="namespaces")
 
@@ -87,6 +87,8 @@ def _run(argv: list[str], code: str, timeout_s: float, cap: int, cwd: str | None
             try:  # the pipe can close long before the process ends (code that closes fds 1 and 2, then sleeps)
                 code_ = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 status = _status(code_)
+                if code_ in (128 + signal.SIGSYS, -signal.SIGSYS):  # the seccomp filter's kill: say so
+                    out += b"[killed: a system call through another ABI, which the sandbox refuses]\n"
             except subprocess.TimeoutExpired:
                 status = "timeout"
     finally:
@@ -99,7 +101,7 @@ def _status(code: int) -> str:
         return "ok"
     if code == jail.EXIT_MEMORY:
         return "memory"
-    if code == jail.EXIT_BLOCKED:
+    if code in (jail.EXIT_BLOCKED, 128 + signal.SIGSYS, -signal.SIGSYS):
         return "blocked"
     if code == jail.EXIT_SETUP:
         return "refused"

@@ -7,10 +7,13 @@ read-only, nosuid, nodev bind mounts of the system directories and the Python in
 data, checkpoints or home), a fresh size-capped tmpfs at /tmp (the only writable place), a minimal /dev and the
 namespace's own /proc. Then it forks the child that runs the untrusted code: the child chroots into that root, sets
 its rlimits, drops to an unprivileged uid (a uid no account uses when the trainer is root; uid 65534 of a nested user
-namespace otherwise) with no capabilities and no_new_privs, and runs the code (settings "code": Python read from
-stdin) or execs a program ("argv"). PID 1 waits for that child only and exits with its status; when PID 1 exits
-the kernel kills everything left in the namespace (daemons, forked children), and `unshare --kill-child` makes PID 1
-die with its parent, so the trainer ends the whole sandbox by killing the one process it started.
+namespace otherwise) with no capabilities and no_new_privs, restricts itself with Landlock (settings "landlock": the
+kernel's ABI, 0 for none) and loads the seccomp filter (settings "seccomp": the BPF program libseccomp compiled in
+the trainer, evenrl.isolation.syscalls; empty for none), and runs the code (settings "code": Python read from
+stdin) or execs a program ("argv"); both layers hold for everything it starts. PID 1 waits for that child only and
+exits with its status; when PID 1 exits the kernel kills everything left in the namespace (daemons, forked
+children), and `unshare --kill-child` makes PID 1 die with its parent, so the trainer ends the whole sandbox by
+killing the one process it started.
 """
 
 import ctypes
@@ -24,12 +27,30 @@ MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 # statvfs flags of a mount that a user namespace may not clear on remount: keep them (else EPERM).
 _KEPT = {8: MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # noexec, noatime, nodiratime, relatime
 CLONE_NEWUSER = 0x10000000
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+# Landlock (linux/landlock.h): its system calls have these numbers on every architecture; access rights by the ABI
+# version that brought them (1: the first 13 file-system rights, 2: REFER, 3: TRUNCATE, 4: TCP, 5: IOCTL_DEV,
+# 6: scoping abstract unix sockets and signals to the sandbox's own processes).
+LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR, FS_MAKE_CHAR, FS_MAKE_BLOCK = 1, 2, 4, 8, 64, 2048
+FS_REFER, FS_TRUNCATE, FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+FS_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+NET_BIND_TCP, NET_CONNECT_TCP, SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2, 1, 2
 EXIT_SETUP = 125  # the sandbox could not be built; its one-line reason is on stderr
 EXIT_MEMORY, EXIT_BLOCKED = 90, 91
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.syscall.restype = ctypes.c_long
+
+
+class _PathBeneath(ctypes.Structure):  # struct landlock_path_beneath_attr (packed)
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _SockFprog(ctypes.Structure):  # struct sock_fprog: a BPF program's length (instructions) and address
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
 def _mount(source, target, fstype, flags, data=None) -> None:
@@ -115,6 +136,64 @@ def enter(root: str, uid: int | None, limits: dict) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
+def _syscall(number: int, *args) -> int:
+    done = _libc.syscall(ctypes.c_long(number), *args)
+    if done < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"system call {number}: {os.strerror(err)}")
+    return done
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 where it has none (Linux older than 5.13, or Landlock not enabled)."""
+    return max(0, _libc.syscall(ctypes.c_long(LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
+
+
+def landlock(paths: list, abi: int) -> None:
+    """(In the child, after no_new_privs) restrict this process and all it starts with Landlock ABI `abi` (the
+    kernel's, landlock_abi(); 0: no Landlock, nothing done): read and execute under the read-only system `paths`,
+    read /proc, list any directory, read and write /tmp and /dev/null and /dev/zero, read /dev/random and
+    /dev/urandom, nothing else of the file system; from ABI 4 no TCP bind or connect; from ABI 6 no abstract unix
+    socket or signal reaching a process outside the sandbox's code."""
+    if abi < 1:
+        return
+    fs = (1 << 13) - 1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0)
+    fs |= FS_IOCTL_DEV if abi >= 5 else 0
+    handled = (ctypes.c_uint64 * 3)(fs, NET_BIND_TCP | NET_CONNECT_TCP, SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24  # the kernel reads the fields its ABI knows
+    ruleset = _syscall(LANDLOCK_CREATE_RULESET, ctypes.byref(handled), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    read = FS_READ_FILE | FS_READ_DIR
+    rules = [("/", FS_READ_DIR), ("/proc", read), ("/tmp", fs & ~(FS_MAKE_CHAR | FS_MAKE_BLOCK | FS_IOCTL_DEV)),
+             ("/dev/null", FS_READ_FILE | FS_WRITE_FILE | FS_TRUNCATE), ("/dev/zero", FS_READ_FILE | FS_WRITE_FILE),
+             ("/dev/random", FS_READ_FILE), ("/dev/urandom", FS_READ_FILE)] + [(p, read | FS_EXECUTE) for p in paths]
+    try:
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:  # not in this sandbox's view (a path that did not exist, no /proc)
+                continue
+            try:
+                if not os.path.isdir(path):
+                    access &= FS_FILE_RIGHTS
+                rule = _PathBeneath(access & fs, fd)
+                _syscall(LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(1), ctypes.byref(rule),
+                         ctypes.c_uint32(0))  # 1: LANDLOCK_RULE_PATH_BENEATH
+            finally:
+                os.close(fd)
+        _syscall(LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0))
+    finally:
+        os.close(ruleset)
+
+
+def seccomp(program: bytes) -> None:
+    """(In the child, after no_new_privs) load the seccomp filter libseccomp compiled (evenrl.isolation.syscalls)."""
+    code = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(len(program) // 8, ctypes.addressof(code))  # a BPF instruction is 8 bytes
+    if _libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog),
+                   ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+
+
 def run_code(code: str) -> None:
     """Run Python source as __main__; the exit code says which limit it met (EXIT_MEMORY, EXIT_BLOCKED)."""
     sys.stderr = sys.stdout
@@ -151,6 +230,9 @@ def main(settings: dict) -> None:
     if child == 0:
         try:
             enter(settings["root"], settings["uid"], settings["limits"])
+            landlock(settings["paths"], settings["landlock"])
+            if settings["seccomp"]:
+                seccomp(bytes.fromhex(settings["seccomp"]))
         except OSError as e:
             print(f"evenrl sandbox: {e}", file=sys.stderr, flush=True)
             os._exit(EXIT_SETUP)

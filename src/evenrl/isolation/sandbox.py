@@ -4,8 +4,10 @@ machine can make one (`unavailable`), and the one line that says what to do wher
 Built from what the kernel and every Linux distribution provide: util-linux `unshare` (in Debian's and Ubuntu's
 essential set, and in the base system of nearly every other distribution) makes new PID, mount, network, IPC and UTS namespaces (and a
 user namespace when the trainer is not root), and evenrl.isolation.jail, run as that namespace's PID 1, builds a
-read-only file system view and drops to an unprivileged uid. bubblewrap would do the same but is one more package to
-install and keep; nothing it offers here (a seccomp filter needs a compiled BPF program either way) is missing.
+read-only file system view, drops to an unprivileged uid, restricts the code with Landlock (the kernel's, where it
+has it) and loads a seccomp filter that libseccomp compiled here (evenrl.isolation.syscalls, through pyseccomp).
+bubblewrap would do the same but is one more package to install and keep; it too takes its seccomp program compiled.
+A machine without Landlock or libseccomp still gets the other layers, and the run says so once (`warn_missing`).
 What each layer stops, and what was measured: docs/sandbox.md.
 """
 
@@ -21,7 +23,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from evenrl.isolation import jail
+from evenrl.isolation import jail, syscalls
 
 # Host directories the code sees, read-only (those that exist); plus the Python installation evenrl runs on.
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
@@ -55,6 +57,7 @@ def command(root: str, *, mode: str, limits: dict, tmp_bytes: int, extra_paths: 
             extra.append(path)
     settings = {"root": root, "paths": system + extra,
                 "tmp_bytes": tmp_bytes, "limits": limits, "mode": mode, "argv": list(argv), "env": env or {},
+                "seccomp": syscalls.program()[0].hex(), "landlock": jail.landlock_abi(),
                 "uid": _UID_BASE + secrets.randbelow(_UID_SPAN) if outside_root else None}
     user = [] if outside_root else ["--user", "--map-root-user"]
     return ["unshare", *user, "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts",
@@ -85,3 +88,30 @@ def refusal(field: str, why: str) -> str:
     return (f"{field}: model-written code runs only in a sandbox, and {why}; allow unprivileged user namespaces "
             f"(sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces>0; in Docker run with "
             f"--security-opt seccomp=unconfined or as root) or set {field}: none to run it unsandboxed knowingly")
+
+
+# What each Landlock ABI below the one evenrl uses lacks, and the kernel that brings it.
+_LANDLOCK_SINCE = ((4, "TCP rules", "6.7"), (6, "signal and abstract-socket scoping", "6.12"))
+
+
+@functools.lru_cache(maxsize=1)
+def missing_layers() -> str | None:
+    """What this machine's sandboxes run without, of the seccomp filter and Landlock (one clause; None: nothing)."""
+    missing = []
+    program, why = syscalls.program()
+    if why is not None:
+        missing.append(f"{'part of ' if program else ''}its seccomp filter ({why})")
+    abi = jail.landlock_abi()
+    if abi == 0:
+        missing.append("Landlock (the kernel has none: Linux 5.13+ with landlock in its lsm= list)")
+    missing += [f"Landlock's {what} (Landlock ABI {abi} < {needs}: Linux {kernel}+)"
+                for needs, what, kernel in _LANDLOCK_SINCE if 0 < abi < needs]
+    return " and without ".join(missing) or None
+
+
+@functools.lru_cache(maxsize=1)
+def warn_missing() -> None:
+    """Say once per process, at the start of a run that uses the sandbox, which of its layers this machine lacks."""
+    if (missing := missing_layers()) is not None:
+        print(f"evenrl: warning: the sandbox runs without {missing}; its namespaces, read-only view, uid and "
+              f"rlimits still hold (docs/sandbox.md)", flush=True)

@@ -80,6 +80,94 @@ def test_replies_become_openai_tool_calls_and_come_back_as_template_messages():
         "tool_calls"
 
 
+def test_responses_requests_are_chat_requests_and_replies_come_back_as_items_the_sdk_reads():
+    """A Responses request becomes the chat request it means (instructions first, echoed function_call items the
+    reply's tool calls, outputs tool messages, flat tools the chat form), its reply output items that, echoed, are
+    the same reply; the body and every stream event validate as the openai SDK's types, and the SDK parses the
+    body, the stream and `responses.stream`'s final response into the same output. What the endpoint cannot
+    honour is refused, naming it."""
+    import asyncio
+
+    import httpx
+    from openai import AsyncOpenAI
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from evenrl.envs.openai_api import BadRequest
+    from evenrl.envs.openai_responses import (chat_request, input_messages, output_items, response_body,
+                                              response_events, sse_events)
+
+    text = 'Adding. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    content, calls = reply_message(text)
+    items = output_items("resp_abc", content, calls, True)
+    assert [i["type"] for i in items] == ["message", "function_call"] and items[1]["call_id"] == calls[0]["id"]
+    tools = [{"type": "function", "name": "add", "parameters": {"type": "object"}, "strict": True}]
+    chat, history = chat_request({"instructions": "Be brief.", "tools": tools, "max_output_tokens": 5, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "1+2"}]}, *items,
+        {"type": "function_call_output", "call_id": calls[0]["id"], "output": "3"}]}, {})
+    assert chat["tools"] == [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"},
+                                                               "strict": True}}] and chat["max_tokens"] == 5
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "tool"] and history == \
+        chat["messages"][1:]
+    sent = template_messages([{"role": "assistant", "content": content, "tool_calls": calls}])[0]
+    assert same_reply(sent, template_messages(chat["messages"])[2])
+    assert chat_request({"input": "more", "previous_response_id": "resp_1"}, {"resp_1": history})[0]["messages"] == \
+        history + [{"role": "user", "content": "more"}]
+    assert input_messages([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]) == [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]}]
+    refused = {"tools[0] of type 'web_search' is not served": {"tools": [{"type": "web_search"}]},
+               "n must be 1": {"n": 2}, "input item type 'reasoning' is not served": {"input": [{"type": "reasoning"}]},
+               "content part 'input_image' is not served": {"input": [{"role": "user", "content": [
+                   {"type": "input_image", "image_url": "x"}]}]},
+               "tool_choice 'required' is not honoured": {"tool_choice": "required"},
+               "previous_response_id 'resp_9' is not a response of this trajectory": {"previous_response_id": "resp_9"},
+               "include": {"include": ["reasoning.encrypted_content"]}, "background": {"background": True},
+               "text.format 'json_schema' is not honoured": {"text": {"format": {"type": "json_schema"}}},
+               "max_output_tokens must be an integer": {"max_output_tokens": 0}}
+    for words, more in refused.items():
+        with pytest.raises(BadRequest, match=words.replace("[", r"\[").replace("(", r"\(")):
+            chat_request({"input": "x"} | more, {})
+
+    bodies = {cut: response_body("resp_abc", "m", {"tools": tools}, *(("Adding.", calls) if not cut else ("Add", [])),
+                                 not cut, 7, 4) for cut in (False, True)}
+    assert bodies[True]["status"] == "incomplete" and bodies[True]["incomplete_details"]["reason"] == \
+        "max_output_tokens"
+    events = TypeAdapter(ResponseStreamEvent)
+    for body in bodies.values():
+        Response.model_validate(body)
+        stream = response_events(body)
+        assert [e["sequence_number"] for e in stream] == list(range(len(stream)))
+        for e in stream:
+            events.validate_python(e)
+
+    async def parse(body):
+        def answer(request):
+            streamed = json.loads(request.content).get("stream")
+            return httpx.Response(200, content=sse_events(response_events(body)) if streamed else json.dumps(body),
+                                  headers={"content-type": "text/event-stream" if streamed else "application/json"})
+        client = AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k",
+                             http_client=httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+        whole = await client.responses.create(model="m", input="x")
+        kinds = [e.type async for e in await client.responses.create(model="m", input="x", stream=True)]
+        async with client.responses.stream(model="m", input="x", tools=tools) as s:
+            deltas = [e async for e in s]
+            final = await s.get_final_response()
+        return whole, kinds, deltas, final
+    whole, kinds, deltas, final = asyncio.run(parse(bodies[False]))
+    dump = [o.model_dump(exclude_none=True) for o in whole.output]
+    assert [e.item.model_dump(exclude_none=True) for e in deltas if e.type == "response.output_item.done"] == dump
+    assert [o.model_dump(exclude_none=True, exclude={"parsed_arguments"}) for o in final.output] == dump
+    streamed = [(e.snapshot, e.delta) for e in deltas if e.type.endswith(".delta")]  # the SDK's own accumulation
+    assert streamed == [("Adding.", "Adding."), (whole.output[1].arguments, whole.output[1].arguments)]
+    assert final.output_text == whole.output_text == "Adding."
+    assert whole.output[1].arguments == '{"a": 1, "b": 2}' and final.output[1].call_id == "call_0"
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed" and \
+        "response.function_call_arguments.done" in kinds and len(deltas) == len(kinds)
+    whole, _, _, final = asyncio.run(parse(bodies[True]))
+    assert final.status == whole.status == "incomplete" and final.output_text == whole.output_text == "Add"
+
+
 def test_calls_assemble_by_token_prefix_whatever_order_they_arrived_in():
     a = Call([1, 2, 3], [10, 11], [-0.1, -0.2], True, 1)
     b = Call([1, 2, 3, 10, 11, 7, 8], [12], [-0.3], True)        # extends a: one sample
@@ -113,12 +201,14 @@ def test_the_plan_finds_the_function_without_importing_it():
 
 # ------------------------------------------------------------------------------------------ the endpoint, end to end
 
-def test_an_agent_with_two_tool_calls_trains_exactly_the_engines_tokens(tools_model):
-    """Three chat calls over real HTTP (two answered with tool results, the last streamed): one sample each, the
+@pytest.mark.parametrize("spec", ["toy_agents:two_tools", "toy_agents:responses_two_tools"])
+def test_an_agent_with_two_tool_calls_trains_exactly_the_engines_tokens(tools_model, spec):
+    """Three chat calls over real HTTP (two answered with tool results, the last streamed), through chat completions
+    or the Responses API (its second call by previous_response_id, its bad requests refused first): one sample each, the
     sampled stretches are what the engine samples for that exact prefix and key (never re-tokenised text), the tool
     turns are the template's text, the engine's log-probs are a direct forward's within 1e-6, and the loss gives
     the tool tokens exactly zero gradient."""
-    out, agents, policy, tok = run_agent(tools_model, "toy_agents:two_tools", ROWS)
+    out, agents, policy, tok = run_agent(tools_model, spec, ROWS)
     engine = HFEngine(policy, eos_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id)
     cfg = agents.cfg
     trajectories = [t for ts in out for t in ts]

@@ -126,3 +126,40 @@ async def malformed(row, *, base_url, model, api_key):
     assert codes == [400] * 6 and content.status_code == 400, codes
     await polite(row, base_url=base_url, model=model, api_key=api_key)
     return 1.0
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "add", "description": "Add two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}]
+
+
+async def responses_two_tools(row, *, base_url, model, api_key):
+    """two_tools through the Responses API, as the OpenAI Agents SDK drives it: instructions, flat function tools,
+    the output items echoed back with function_call_output items. The second call continues the first by
+    previous_response_id, the third sends the whole input again and streams (client.responses.stream). Requests
+    the endpoint cannot honour are refused first, each a 400 the agent reads."""
+    import openai
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    bad = [{"tools": [{"type": "web_search"}]}, {"extra_body": {"n": 2}},
+           {"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}]
+    for more in bad:
+        try:
+            await client.responses.create(**({"model": model, "input": row["prompt"]} | more))
+        except openai.BadRequestError as e:
+            assert "not served" in e.message or "n must be 1" in e.message, e.message
+        else:
+            raise AssertionError(f"{more} was answered")
+    items = [{"role": "user", "content": row["prompt"]}]
+    common = {"model": model, "instructions": "Add.", "tools": RESPONSES_TOOLS, "max_output_tokens": 6}
+    first = await client.responses.create(input=items, **common)
+    items += [o.model_dump(exclude_none=True) for o in first.output]
+    items.append({"type": "function_call_output", "call_id": "call_0", "output": "40"})
+    second = await client.responses.create(input=items[-1:], previous_response_id=first.id, **common)
+    items += [o.model_dump(exclude_none=True) for o in second.output]
+    items.append({"type": "function_call_output", "call_id": "call_1", "output": "41"})
+    del common["max_output_tokens"]
+    async with client.responses.stream(input=items, **common) as stream:
+        deltas = "".join([e.delta async for e in stream if e.type == "response.output_text.delta"])
+        final = await stream.get_final_response()
+    assert final.output_text == deltas and final.status in ("completed", "incomplete")
+    return len(final.output_text) / 10

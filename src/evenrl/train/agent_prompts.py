@@ -48,6 +48,7 @@ class Record:
     calls: list[Call] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     repeats: dict = field(default_factory=dict)  # prompt digest -> requests seen with it
+    responses: dict = field(default_factory=dict)  # Responses API: response id -> its conversation (input, reply)
     sampled: int = 0
     truncated: bool = False  # a request found the trajectory's token cap reached
     failure: str | None = None  # set by the endpoint (calls cap) or from the agent's outcome

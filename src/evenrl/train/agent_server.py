@@ -2,8 +2,8 @@
 process, listening on a Unix socket that the contained agent workers reach through their own loopback
 (evenrl.isolation.loopback).
 
-The server only carries requests: each POST to /t/TOKEN/v1/chat/completions or /t/TOKEN/v1/completions (TOKEN
-names the trajectory) is queued as a `Pending` with a future, and the rollout's main thread (evenrl.train.agents)
+The server only carries requests: each POST to /t/TOKEN/v1/chat/completions, /t/TOKEN/v1/completions or
+/t/TOKEN/v1/responses (TOKEN names the trajectory) is queued as a `Pending` with a future, and the rollout's main thread (evenrl.train.agents)
 takes the queue in batches, renders, samples on the engine, records and answers; the handler then sends the answer,
 whole or as server-sent events. So the engine, the tokenizer and every record stay on one thread.
 """
@@ -39,7 +39,7 @@ class Answer:
 @dataclass
 class Pending:
     token: str
-    kind: str  # "chat" or "completion"
+    kind: str  # "chat", "completion" or "responses"
     body: dict
     future: concurrent.futures.Future
 
@@ -113,6 +113,10 @@ class AgentServer:
         @app.post("/t/{token}/v1/completions")
         async def completions(token: str, request: Request):
             return await handle(token, "completion", request)
+
+        @app.post("/t/{token}/v1/responses")
+        async def responses(token: str, request: Request):
+            return await handle(token, "responses", request)
 
         @app.get("/t/{token}/v1/models")
         async def models(token: str):

@@ -24,6 +24,7 @@ from evenrl.envs.agent_calls import Call, assemble
 from evenrl.envs.agent_job import AgentRunner, agent_problem
 from evenrl.envs.openai_api import (BadRequest, chat_body, chat_chunks, completion_body, completion_chunks,
                                     finish_reason, reply_message, sse)
+from evenrl.envs.openai_responses import chat_request, reply_chat_message, response_body, response_events, sse_events
 from evenrl.envs.template import file_render, tokenizer_render
 from evenrl.errors import UsageError, bad, describe_error
 from evenrl.isolation import pool
@@ -157,15 +158,16 @@ class Agents:
                 p.future.set_result(error(400, rec.failure))
                 continue
             try:
-                if p.body.get("n", 1) not in (1, None):
+                body, history = (p.body, None) if p.kind != "responses" else chat_request(p.body, rec.responses)
+                if body.get("n", 1) not in (1, None):
                     raise BadRequest("n must be 1: each call is one sample (call again for another)")
-                asked = p.body.get("max_completion_tokens") or p.body.get("max_tokens") or r.max_new_tokens
+                asked = body.get("max_completion_tokens") or body.get("max_tokens") or r.max_new_tokens
                 if not (isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1):
                     raise BadRequest("max_tokens must be an integer >= 1")
-                if p.kind == "chat":
-                    ids, conv, tools, root = self.prompts.chat(rec, p.body)
+                if p.kind != "completion":
+                    ids, conv, tools, root = self.prompts.chat(rec, body)
                 else:
-                    (ids, conv, root), tools = self.prompts.completion(rec, p.body), None
+                    (ids, conv, root), tools = self.prompts.completion(rec, body), None
             except Exception as e:  # anything an agent sends is answered, never raised into the rollout
                 p.future.set_result(error(400, str(e) if isinstance(e, BadRequest) else describe_error(e)))
                 continue
@@ -176,37 +178,45 @@ class Agents:
             budget = min(asked, r.max_new_tokens, cap - (len(ids) - root), cap - rec.sampled)
             if budget < 1:  # the trajectory's cap is reached: an empty reply cut for length, no call recorded
                 rec.truncated = True
-                p.future.set_result(self._answer(p, rec, [], False, len(ids)))
+                answer = self._answer(p, rec, [], False, len(ids), history)
+                p.future.set_result(self._stream(p, answer) if p.kind == "responses" else answer)
                 continue
-            todo.append((p, rec, ids, conv, tools, root, budget))
+            todo.append((p, rec, ids, conv, tools, root, budget, history))
         if not todo:
             return
         call = replace(params, max_new_tokens=max(t[6] for t in todo))
         got = engine.generate([t[2] for t in todo], [t[1].call_key(t[2]) for t in todo], call, step=step,
                               sample_ranges=[(t[1].sample, 1) for t in todo])
-        for (p, rec, ids, conv, tools, root, budget), (c,) in zip(todo, got):
+        for (p, rec, ids, conv, tools, root, budget, history), (c,) in zip(todo, got):
             sampled, lps = c.token_ids[:budget], c.logprobs[:budget]
             eos = bool(sampled) and sampled[-1] in self.prompts.eos_ids
-            answer = self._answer(p, rec, sampled, eos, len(ids))
-            content = answer.body["choices"][0].get("message") if answer.body else None
-            rec.calls.append(Call(ids, sampled, lps, eos, len((content or {}).get("tool_calls") or [])))
-            rec.sampled += len(sampled)
+            answer = self._answer(p, rec, sampled, eos, len(ids), history)
             text = self.prompts.reply_text(sampled)
-            if p.kind == "chat":
-                reply = {"role": "assistant", "content": content["content"] or ""}
-                if content.get("tool_calls"):
+            content, calls = reply_message(text) if p.kind != "completion" else (None, [])
+            rec.calls.append(Call(ids, sampled, lps, eos, len(calls)))
+            rec.sampled += len(sampled)
+            if p.kind != "completion":  # a Responses call is a chat call: either kind continues the other
+                reply = {"role": "assistant", "content": content or ""}
+                if calls:
                     reply["tool_calls"] = [{"type": "function", "function": {
                         "name": tc["function"]["name"], "arguments": json.loads(tc["function"]["arguments"])}}
-                        for tc in content["tool_calls"]]
+                        for tc in calls]
                 conv = conv + [reply]
             elif conv is not None:
                 conv = (conv, text)
-            rec.turns.append(Turn(p.kind, conv, tools, ids, sampled, eos, root))
+            rec.turns.append(Turn("completion" if p.kind == "completion" else "chat", conv, tools, ids, sampled,
+                                  eos, root))
             p.future.set_result(self._stream(p, answer))
 
-    def _answer(self, p: Pending, rec: Record, sampled: list[int], eos: bool, prompt_len: int) -> Answer:
+    def _answer(self, p: Pending, rec: Record, sampled: list[int], eos: bool, prompt_len: int,
+                history: list[dict] | None = None) -> Answer:
         rid = f"{p.kind}-{secrets.token_hex(8)}"
         text = self.prompts.reply_text(sampled)
+        if p.kind == "responses":  # kept for a later previous_response_id of this trajectory
+            content, calls = reply_message(text)
+            rid = f"resp_{secrets.token_hex(12)}"
+            rec.responses[rid] = history + [reply_chat_message(content, calls)]
+            return Answer(200, response_body(rid, MODEL_NAME, p.body, content, calls, eos, prompt_len, len(sampled)))
         if p.kind == "chat":
             content, calls = reply_message(text)
             return Answer(200, chat_body(rid, MODEL_NAME, content, calls, finish_reason(eos, calls), prompt_len,
@@ -216,6 +226,8 @@ class Agents:
     def _stream(self, p: Pending, answer: Answer) -> Answer:
         if not p.body.get("stream"):
             return answer
+        if p.kind == "responses":
+            return Answer(200, stream=sse_events(response_events(answer.body)))
         chunks = chat_chunks(answer.body) if p.kind == "chat" else completion_chunks(answer.body)
         return Answer(200, stream=sse(chunks))
 

@@ -27,7 +27,8 @@ from evenrl.isolation import pool
 from evenrl.models.forward import response_logprobs
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
-from evenrl.train.agent_prompts import Record
+from evenrl.envs.template import tokenizer_render
+from evenrl.train.agent_prompts import Prompts, Record
 from evenrl.train.agents import Agents
 from evenrl.train.objectives import STAT_NAMES, rl_objective
 from evenrl.train.trajectories import trajectory_columns
@@ -260,6 +261,47 @@ def test_an_agent_with_two_tool_calls_trains_exactly_the_engines_tokens(tools_mo
         grad = outputs.grad[j][width - len(t.token_ids):, 0]  # the log-probs (column 1: entropies)
         mask = torch.tensor(t.loss_mask)
         assert float(grad[~mask].abs().max()) == 0.0 and float(grad[mask].abs().min()) > 0
+
+
+def test_a_responses_agent_echoing_its_function_calls_chains_onto_them(tools_model):
+    """The tiny model never writes a tool call, so a scripted engine does (a Hermes call, then EOS): the Responses
+    reply is one function_call item (no message item), and the agent's next request, its input + that item + its
+    output, continues the call: one sample, the tool output untrained, the call counted."""
+    import concurrent.futures
+
+    from evenrl.engines.base import Completion
+    from evenrl.train.agent_server import Pending
+
+    cfg = RunConfig.model_validate({"model": {"path": tools_model}, "rollout": {"agent": "toy_agents:two_tools"}})
+    agents = Agents(cfg)
+    _, agents.tokenizer = load_policy(tools_model)
+    tok = agents.tokenizer
+    agents.prompts = Prompts(tok, tokenizer_render(tok), {tok.eos_token_id})
+    said = agents.prompts.encode('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>')
+    scripted = [said + [tok.eos_token_id], agents.prompts.encode("5") + [tok.eos_token_id]]
+
+    class Scripted:
+        def generate(self, prompts, keys, params, *, step, sample_ranges):
+            return [[Completion(0, 0, ids := scripted.pop(0), [-1.0] * len(ids), True)] for _ in prompts]
+    rec = Record(0, 0, {})
+
+    def ask(body):
+        p = Pending("t", "responses", body, concurrent.futures.Future())
+        agents._serve([p], {"t": rec}, Scripted(), sampling_params(cfg), 1)
+        return p.future.result().body
+    tools = [{"type": "function", "name": "calculator", "parameters": {"type": "object", "properties": {
+        "expression": {"type": "string"}}}}]
+    first = ask({"input": "2+3=", "tools": tools})
+    assert [(o["type"], o["name"], o["arguments"]) for o in first["output"]] == \
+        [("function_call", "calculator", '{"expression": "2+3"}')]
+    second = ask({"tools": tools, "input": [{"role": "user", "content": "2+3="}, *first["output"], {
+        "type": "function_call_output", "call_id": first["output"][0]["call_id"], "output": "5"}]})
+    assert second["status"] == "completed" and second["output"][0]["content"][0]["text"] == "5"
+    (seg,) = assemble(rec.calls)
+    assert (seg.calls, seg.tool_calls) == (2, 1)
+    assert seg.token_ids[:len(scripted_first := said + [tok.eos_token_id])] == scripted_first
+    between = [x for x, m in zip(seg.token_ids, seg.loss_mask) if not m]
+    assert tok.decode(between).strip() == "<tool_response>5</tool_response>\nassistant:"
 
 
 def test_completions_continue_on_their_text_and_a_none_reward_is_scored_by_the_reward_functions(tools_model):

@@ -212,10 +212,11 @@ class Agents:
                 history: list[dict] | None = None) -> Answer:
         rid = f"{p.kind}-{secrets.token_hex(8)}"
         text = self.prompts.reply_text(sampled)
-        if p.kind == "responses":  # kept for a later previous_response_id of this trajectory
+        if p.kind == "responses":
             content, calls = reply_message(text)
             rid = f"resp_{secrets.token_hex(12)}"
-            rec.responses[rid] = history + [reply_chat_message(content, calls)]
+            if sampled:  # a recorded call: kept for a later previous_response_id (as many as the calls cap allows)
+                rec.responses[rid] = history + [reply_chat_message(content, calls)]
             return Answer(200, response_body(rid, MODEL_NAME, p.body, content, calls, eos, prompt_len, len(sampled)))
         if p.kind == "chat":
             content, calls = reply_message(text)

@@ -320,6 +320,16 @@ def test_completions_continue_on_their_text_and_a_none_reward_is_scored_by_the_r
         assert t.reward == len(tok.decode([x for x in last if x != tok.eos_token_id]))
 
 
+def test_a_streamed_call_past_the_trajectory_cap_is_still_a_stream(tools_model):
+    """Once rollout.max_trajectory_tokens is spent, a call is an empty reply cut for length, recorded as no call;
+    asked for with stream=true it comes as server-sent events like any streamed reply (the client parses it)."""
+    out, _, _, _ = run_agent(tools_model, "toy_agents:streams_past_the_cap", ROWS[:1], samples=1,
+                             max_trajectory_tokens=12)
+    (t,) = out[0]
+    assert not t.failed and t.reward == 1.0, t.error
+    assert sum(t.loss_mask) <= 12
+
+
 def test_history_rewrites_split_into_samples_or_are_refused(tools_model, monkeypatch):
     """An agent that drops its first reply: its second call is a sample of its own (its own prompt, the
     trajectory's reward, counted), the same whether the agents share a worker or not; with

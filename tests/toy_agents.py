@@ -163,3 +163,20 @@ async def responses_two_tools(row, *, base_url, model, api_key):
         final = await stream.get_final_response()
     assert final.output_text == deltas and final.status in ("completed", "incomplete")
     return len(final.output_text) / 10
+
+
+async def streams_past_the_cap(row, *, base_url, model, api_key):
+    """Chat calls until rollout.max_trajectory_tokens is spent, then one more, streamed: it must come back as
+    server-sent events (an empty reply cut for length), which the client parses; reward 1.0 when it does."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(8):
+        reply = (await client.chat.completions.create(model=model, messages=messages)).choices[0]
+        if not reply.message.content and reply.finish_reason == "length":
+            break  # the cap: nothing more is sampled
+        messages += [{"role": "assistant", "content": reply.message.content}, {"role": "user", "content": "more"}]
+    stream = await client.chat.completions.create(model=model, messages=messages, stream=True)
+    chunks = [c async for c in stream]
+    assert chunks and chunks[-1].choices[0].finish_reason == "length", chunks
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    return 1.0

@@ -179,7 +179,7 @@ class Agents:
             if budget < 1:  # the trajectory's cap is reached: an empty reply cut for length, no call recorded
                 rec.truncated = True
                 answer = self._answer(p, rec, [], False, len(ids), history)
-                p.future.set_result(self._stream(p, answer) if p.kind == "responses" else answer)
+                p.future.set_result(self._stream(p, answer))
                 continue
             todo.append((p, rec, ids, conv, tools, root, budget, history))
         if not todo:

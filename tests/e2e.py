@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,6 +167,17 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def copy_checkpoint(run_dir: Path, step: int, to: Path) -> Path:
+    """A new run directory `to` holding `run_dir`'s checkpoint of `step` (as its latest) and metrics, so that
+    `evenrl train ... log.run_dir=TO --resume` continues that run from `step` (at another layout, say) without
+    running its first steps again; its metrics rows after `step` are dropped on resume."""
+    name = f"step-{step:06d}"
+    shutil.copytree(Path(run_dir) / "checkpoints" / name, to / "checkpoints" / name)
+    (to / "checkpoints" / "latest").write_text(name + "\n")
+    shutil.copy(Path(run_dir) / "metrics.jsonl", to / "metrics.jsonl")
+    return to
 
 
 def max_diff(a: dict, b: dict) -> float:

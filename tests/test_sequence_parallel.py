@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 
 import pytest
 import torch
@@ -133,12 +132,9 @@ def test_packed_rows_of_a_group_of_one_equal_the_padded_forward():
 def test_sequence_parallel_run_resumes_a_one_process_checkpoint(shared_runs, tmp_path):
     """The shared config's 1-process run (shared_runs.one) checkpointed at step 2; its steps 3-4 then run on an SP
     group of 2 with FSDP2 (--resume at another layout): the same rewards and the same model within 1e-5."""
-    from e2e import evenrl, final_params, max_diff, metrics
+    from e2e import copy_checkpoint, evenrl, final_params, max_diff, metrics
 
-    run = tmp_path / "sp"
-    shutil.copytree(shared_runs.one / "checkpoints" / "step-000002", run / "checkpoints" / "step-000002")
-    (run / "checkpoints" / "latest").write_text("step-000002\n")
-    shutil.copy(shared_runs.one / "metrics.jsonl", run / "metrics.jsonl")
+    run = copy_checkpoint(shared_runs.one, 2, tmp_path / "sp")
     evenrl("train", *shared_runs.args, f"log.run_dir={run}", "--resume", "--nproc-per-node", 2,
            "parallel.sequence_parallel_size=2", "parallel.sharding=fsdp")
     one, split = metrics(shared_runs.one), metrics(run)

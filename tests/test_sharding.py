@@ -17,28 +17,38 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import evenrl, evenrl_many, final_params, max_diff, metrics
+from e2e import copy_checkpoint, evenrl, evenrl_many, final_params, max_diff, metrics
 
 FSDP = "parallel.sharding=fsdp"
 TOL = 1e-5
 
 
+SHARDED = {"w3": ["--nproc-per-node", "3"], "w2_ckpt": ["--nproc-per-node", "2", "model.gradient_checkpointing=true"],
+           "w1": []}
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(shared_runs, tmp_path_factory):
+    """The shared config (4 steps, a checkpoint every 2) under FSDP on 3, 2 (activation checkpointing) and 1 ranks,
+    two at a time. w3's step-2 checkpoint also starts test_resume_on_other_rank_counts_and_sharding_modes."""
+    root = tmp_path_factory.mktemp("sharded")
+    evenrl_many({name: ["train", *shared_runs.args, FSDP, f"log.run_dir={root / name}", *more]
+                 for name, more in SHARDED.items()})
+    return root
+
+
 @pytest.mark.slow
-def test_fsdp_gives_the_replicated_model_on_1_2_and_3_ranks(shared_runs, tmp_path):
+def test_fsdp_gives_the_replicated_model_on_1_2_and_3_ranks(shared_runs, sharded_runs):
     """FSDP on 1, 2 (with activation checkpointing per block) and 3 ranks (7 prompts x 3 samples split unevenly)
     ends where the replicated run does; the step metrics agree too."""
-    runs = {"w3": ["--nproc-per-node", "3"], "w2_ckpt": ["--nproc-per-node", "2", "model.gradient_checkpointing=true"],
-            "w1": []}
-    evenrl_many({name: ["train", *shared_runs.args, FSDP, f"log.run_dir={tmp_path / name}", *more]
-                 for name, more in runs.items()})
     want = final_params(shared_runs.one)
-    for name in runs:
-        diff = max_diff(want, final_params(tmp_path / name))
+    for name in SHARDED:
+        diff = max_diff(want, final_params(sharded_runs / name))
         assert diff <= TOL, (name, diff)
-        got = metrics(tmp_path / name)
+        got = metrics(sharded_runs / name)
         assert [r.get("eval/reward") for r in got] == [r.get("eval/reward") for r in metrics(shared_runs.one)]
         assert [r["samples"] for r in got if r["step"] > 0] == [21] * 4
-    assert "sharding: fsdp" in (tmp_path / "w3" / "config.yaml").read_text()
+    assert "sharding: fsdp" in (sharded_runs / "w3" / "config.yaml").read_text()
 
 
 @pytest.mark.slow
@@ -62,19 +72,22 @@ def _start(assets) -> dict:
     return load_file(str(Path(assets["model"]) / "model.safetensors"))
 
 
-def _chain(shared_runs, run_dir, hops):
-    """Run the shared config in hops: [(steps, processes, extra args)], each hop resuming the previous one."""
+def _chain(shared_runs, run_dir, hops, resumed: bool = False):
+    """Run the shared config in hops: [(steps, processes, extra args)], each hop resuming the previous one (the first
+    too when `resumed`: run_dir already holds a checkpoint)."""
     for i, (steps, procs, extra) in enumerate(hops):
         evenrl("train", *shared_runs.args, f"log.run_dir={run_dir}", f"train.steps={steps}",
-               "--nproc-per-node", procs, *extra, *(["--resume"] if i else []))
+               "--nproc-per-node", procs, *extra, *(["--resume"] if i or resumed else []))
 
 
 @pytest.mark.slow
-def test_resume_on_other_rank_counts_and_sharding_modes(shared_runs, tmp_path):
-    """Saved sharded on 3 ranks, resumed replicated on 2, then sharded on 1: the same model as the uninterrupted
-    run (the checkpoint holds optimizer moments too: a resume that lost them would move the weights differently)."""
+def test_resume_on_other_rank_counts_and_sharding_modes(shared_runs, sharded_runs, tmp_path):
+    """Saved sharded on 3 ranks (sharded_runs' w3 at step 2), resumed replicated on 2, then sharded on 1: the same
+    model as the uninterrupted run (the checkpoint holds optimizer moments too: a resume that lost them would move
+    the weights differently)."""
     run = tmp_path / "run"
-    _chain(shared_runs, run, [(2, 3, [FSDP]), (3, 2, []), (4, 1, [FSDP])])
+    copy_checkpoint(sharded_runs / "w3", 2, run)
+    _chain(shared_runs, run, [(3, 2, []), (4, 1, [FSDP])], resumed=True)
     diff = max_diff(final_params(shared_runs.one), final_params(run))
     assert diff <= TOL, diff
     assert [r["step"] for r in metrics(run)] == [0, 1, 2, 3, 4]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import evenrl, evenrl_here, evenrl_many, final_params, max_diff, metrics
+from e2e import copy_checkpoint, evenrl, evenrl_here, evenrl_many, final_params, max_diff, metrics
 from evenrl.config import RunConfig
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.schedule import make_schedule
@@ -325,9 +324,7 @@ def test_resume_with_images_on_3_then_2_processes(vl, vl_runs, tmp_path):
     """Step 1 on 3 FSDP2 processes (vl_runs' fsdp3 run, checkpointed after it), step 2 resumed from that checkpoint
     on 2 replicated processes: the one-process run's rewards and model."""
     run = tmp_path / "run"
-    shutil.copytree(vl_runs["fsdp3"] / "checkpoints" / "step-000001", run / "checkpoints" / "step-000001")
-    (run / "checkpoints" / "latest").write_text("step-000001\n")
-    shutil.copy(vl_runs["fsdp3"] / "metrics.jsonl", run / "metrics.jsonl")
+    copy_checkpoint(vl_runs["fsdp3"], 1, run)
     evenrl("train", vl["cfg"], f"log.run_dir={run}", "checkpoint.every_steps=1", "--nproc-per-node", "2", "--resume")
     assert max_diff(final_params(vl_runs["one"]), final_params(run)) <= TOL
     assert [r["step"] for r in metrics(run)] == [0, 1, 2]  # fsdp3's evaluation (row 0) and step 1, then step 2

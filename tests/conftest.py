@@ -77,11 +77,10 @@ def shared_runs(assets, tmp_path_factory) -> SharedRuns:
     The four runs go two at a time (a 1-process run leaves a core of a 2-core machine idle); the fixture returns
     when all have finished, so nothing runs behind the other tests' backs.
     """
-    from e2e import evenrl_many
+    from e2e import evenrl_many, shared_args
 
     root = tmp_path_factory.mktemp("shared")
-    args = [assets["cfg"], "train.steps=4", "checkpoint.every_steps=2", f"eval.path={assets['data']}",
-            "eval.max_prompts=11"]
+    args = shared_args(assets)
     extra = {"three": ["--nproc-per-node", "3"], "one": [], "grad_ckpt": ["model.gradient_checkpointing=true"],
              "no_skip": ["train.skip_zero_gradient_samples=false", "rollout.decoder=static"]}  # longest first
     done = evenrl_many({name: ["train", *args, f"log.run_dir={root / name}", *more] for name, more in extra.items()})

@@ -161,6 +161,14 @@ def evenrl_here(capsys, *args) -> tuple[int, str, str]:
     return code, out, err
 
 
+def shared_args(assets: dict) -> list:
+    """The shared config (tests/conftest.py's shared_runs): `evenrl train *shared_args(assets) log.run_dir=...` is
+    the assets' config for 4 steps, a checkpoint every 2 steps, a greedy eval of 11 prompts before the first and
+    after the last step."""
+    return [assets["cfg"], "train.steps=4", "checkpoint.every_steps=2", f"eval.path={assets['data']}",
+            "eval.max_prompts=11"]
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

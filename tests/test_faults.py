@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from e2e import ENV, Saved, evenrl
+from e2e import ENV, Saved, copy_checkpoint, evenrl
 from evenrl import cli
 
 
@@ -81,13 +81,14 @@ def test_restarts_need_periodic_checkpoints(assets, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------- training faults
 
 @pytest.mark.slow
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(assets, tmp_path):
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(assets, shared_runs, tmp_path):
+    """Two good steps (shared_runs.one's step-2 checkpoint), then resumed with a reward whose advantages overflow:
+    the run stops at step 3 with one line and keeps step 2 as its latest checkpoint, its weights finite."""
     from evenrl.models.loading import load_policy
     from evenrl.train import checkpoint
 
-    run = tmp_path / "run"
+    run = copy_checkpoint(shared_runs.one, 2, tmp_path / "run")
     common = [assets["cfg"], f"log.run_dir={run}", "checkpoint.every_steps=1", "rewards.isolate=false"]
-    evenrl("train", *common, "train.steps=2")
     proc = evenrl("train", *common, "train.steps=4", "--resume", "algo.advantage=dr_grpo",
                   "rewards.functions=[{name: 'fault_rewards:huge'}]", check=False)
     err = [x for x in proc.stderr.splitlines() if x.strip()]

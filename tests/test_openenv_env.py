@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from e2e import ENV, evenrl, metrics
+from e2e import ENV, Job, final_params, max_diff, metrics
 from evenrl.envs import openenv_agent
 from evenrl.envs.agent_job import agent_problem
 from evenrl.envs.openenv_agent import episode_seed, reset_arguments, run_episode
@@ -179,15 +180,33 @@ def test_evenrl_trains_the_example_on_the_environments_rewards_and_only_the_samp
     every trajectory is the model's two calls chained into one sample (the harness sends the history back as the
     endpoint gave it), none fails, the trained tokens are the two replies and the tool turn between them is not
     trained, and the mean reward is the environment's verdict (5 is right for 2+3, wrong for 3+4), not the math
-    reward's on the last reply (which the final tool call leaves empty: 0)."""
+    reward's on the last reply (which the final tool call leaves empty: 0). The same run on 2 processes, beside it, gives
+the same rewards and samples and weights within 1e-5: every sample of a row gets the same episode (reset's seed is
+the row's), whichever rank plays it. At train.lr=1e-4, not the example's 1e-3: the taught model earns the same reward
+on every sample of a row, so the only gradient is the entropy bonus's, small, and Adam's first step g / (|g| + eps)
+turns the fp32 rounding of a near-zero gradient entry into lr-sized weight differences (at 1e-3: 1.3e-5 and 1.5e-5,
+one entry of 4096 in a q_proj, every other within 1e-6)."""
     model, sampled, tool_turn = caller
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    run = evenrl("train", EXAMPLES / "openenv.yaml", f"model.path={model}", f"data.path={data}",
-                 "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=40",
-                 "rollout.temperature=0.5", "train.steps=2", f"log.run_dir={tmp_path / 'run'}", "log.progress=false",
-                 "log.tensorboard=false", env={**ENV, "PYTHONPATH": f"{EXAMPLES}:{ENV['PYTHONPATH']}"})
+    args = ["train", EXAMPLES / "openenv.yaml", f"model.path={model}", f"data.path={data}", "data.prompts_per_step=2",
+            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=40", "rollout.temperature=0.5", "train.steps=2",
+            "algo.entropy_coef=0.1", "train.lr=1e-4", "log.progress=false", "log.tensorboard=false"]
+    env = {**ENV, "PYTHONPATH": f"{EXAMPLES}:{ENV['PYTHONPATH']}"}
+    jobs = [Job(*args, f"log.run_dir={tmp_path / 'run'}", env=env),
+            Job(*args, f"log.run_dir={tmp_path / 'two'}", "--nproc-per-node", 2, env=env)]
+    try:
+        run, _ = [job.wait() for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
     assert "Traceback" not in run.stdout + run.stderr
+    for x, y in zip(metrics(tmp_path / "run"), metrics(tmp_path / "two"), strict=True):
+        for k in ("reward/mean", "reward/std", "samples", "response/sampled_length_mean", "agent/chained_calls"):
+            assert x[k] == y[k], (x["step"], k)
+    assert max_diff(final_params(tmp_path / "run"), final_params(tmp_path / "two")) < 1e-5
+    taught = load_file(str(Path(model) / "model.safetensors"))
+    assert max_diff(taught, final_params(tmp_path / "run")) > 5e-5  # the weights moved: the comparison means something
     m, after = metrics(tmp_path / "run")
     assert after["reward/failures"] == 0 and after["agent/history_breaks"] == 0
     assert m["reward/mean"] == 0.5 and m["reward/failures"] == 0 and m["samples"] == 4

@@ -107,7 +107,7 @@ def agent_problem(spec: str, args: dict | None = None) -> str | None:
         return module.problem(target, dict(args or {}))
     if args:
         return (f"is a function, and rollout.agent_args ({', '.join(sorted(args))}) are for an environment library's "
-                f"adapter ({', '.join(f'{k}:...' for k in ADAPTERS) or 'none installed'})")
+                f"adapter ({', '.join(f'{k}:...' for k in ADAPTERS)})")
     module, sep, name = spec.partition(":")
     if not (sep and module and name) or not all(p.isidentifier() for p in module.split(".")):
         return f"is not {ALLOWED}"

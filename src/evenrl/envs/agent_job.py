@@ -111,13 +111,10 @@ def agent_problem(spec: str, args: dict | None = None) -> str | None:
     module, sep, name = spec.partition(":")
     if not (sep and module and name) or not all(p.isidentifier() for p in module.split(".")):
         return f"is not {ALLOWED}"
-    source = _module_file(module)
-    if source is None:
-        return f"names module {module!r}, which is not on the Python path here (PYTHONPATH?)"
-    try:
-        tree = ast.parse(source.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError) as e:
-        return f"cannot read {source} ({describe_error(e)})"
+    read = module_tree(module)
+    if isinstance(read, str):
+        return read
+    source, tree = read
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
             if isinstance(node, ast.FunctionDef):
@@ -126,6 +123,18 @@ def agent_problem(spec: str, args: dict | None = None) -> str | None:
         if isinstance(node, (ast.Assign, ast.ImportFrom, ast.Import)) and name in ast.unparse(node):
             return None  # defined by assignment or imported: only the trainer can tell
     return f"{source} defines no function {name!r} at top level"
+
+
+def module_tree(module: str) -> tuple[Path, ast.Module] | str:
+    """(its file, its syntax tree) of `module`, found on sys.path and parsed, never imported; or why not, as a
+    finding's line says it."""
+    source = _module_file(module)
+    if source is None:
+        return f"names module {module!r}, which is not on the Python path here (PYTHONPATH?)"
+    try:
+        return source, ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError) as e:
+        return f"cannot read {source} ({describe_error(e)})"
 
 
 def _module_file(module: str) -> Path | None:

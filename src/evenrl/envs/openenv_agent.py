@@ -24,8 +24,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from evenrl.envs.agent_job import _module_file
-from evenrl.errors import describe_error
+from evenrl.envs.agent_job import module_tree
 from evenrl.rewards.registry import findable
 
 ALLOWED = "'openenv:package.module:EnvClass', an OpenEnv MCPEnvironment subclass (its MCP tools are the model's)"
@@ -219,13 +218,10 @@ def problem(target: str, args: dict) -> str | None:
         json.dumps(args, allow_nan=False)
     except (TypeError, ValueError) as e:
         return f"has rollout.agent_args that are not JSON values ({e}); they are {name}'s keyword arguments"
-    source = _module_file(module)
-    if source is None:
-        return f"names module {module!r}, which is not on the Python path here (PYTHONPATH?)"
-    try:
-        tree = ast.parse(source.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError) as e:
-        return f"cannot read {source} ({describe_error(e)})"
+    read = module_tree(module)
+    if isinstance(read, str):
+        return read
+    source, tree = read
     where = _shown(source)
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     if name not in classes:

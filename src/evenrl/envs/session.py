@@ -74,9 +74,7 @@ class EnvSession:
         code.MODE = rewards.sandbox  # for calls run inline (isolate=false); workers get it with each batch
         self.unsandboxed = rewards.sandbox == "none" and python in tools
         if rewards.sandbox != "none" and python in tools:
-            if (why := sandbox.unavailable()) is not None:
-                raise UsageError(sandbox.refusal("rewards.sandbox", why))
-            sandbox.warn_missing()
+            sandbox.require("rewards.sandbox")
 
     def openings(self, rows: list[dict]) -> list[list[dict]]:
         """Every row's first messages; an opening that fails stops the run (it is the environment's bug, and no

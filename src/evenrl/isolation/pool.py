@@ -49,9 +49,7 @@ def run_contained(fns: list[Callable], jobs: list[Job], limits: Limits, *, isola
     wall-clock limit only (main thread only). `what` names the calls in errors ("reward", "environment step")."""
     _check_limits(limits, what)
     if limits.sandbox == "all" and isolate:
-        if (why := sandbox.unavailable()) is not None:
-            raise UsageError(sandbox.refusal("rewards.sandbox", why))
-        sandbox.warn_missing()
+        sandbox.require("rewards.sandbox")
     main_thread = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
     blobs = [_pickle_by_reference(fn) for fn in fns] if (isolate or not main_thread) else [None] * len(fns)
     pooled = [job for job in jobs if blobs[job[1]] is not None]

@@ -23,6 +23,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from evenrl.errors import UsageError
 from evenrl.isolation import jail, syscalls
 
 # Host directories the code sees, read-only (those that exist); plus the Python installation evenrl runs on.
@@ -88,6 +89,14 @@ def refusal(field: str, why: str) -> str:
     return (f"{field}: model-written code runs only in a sandbox, and {why}; allow unprivileged user namespaces "
             f"(sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces>0; in Docker run with "
             f"--security-opt seccomp=unconfined or as root) or set {field}: none to run it unsandboxed knowingly")
+
+
+def require(field: str) -> None:
+    """At the start of a run that will sandbox code: stop with `refusal` if this machine cannot make a sandbox, else
+    say once which of its layers it lacks (`warn_missing`)."""
+    if (why := unavailable()) is not None:
+        raise UsageError(refusal(field, why))
+    warn_missing()
 
 
 # What each Landlock ABI below the one evenrl uses lacks, and the kernel that brings it.

@@ -11,18 +11,21 @@ trace_bf16_step.json.gz and trace_bf16_step.txt.
 
 Model and batch: benchmarks/gpu.py's (Qwen2.5-0.5B's dimensions, random weights, 494 M parameters; 16 prompts x 4
 samples x 128 new tokens, token cap 4096, 2 mini-batches per step), built once and shared by every section.
-Sections, in this order:
-  step-fp32, step-bf16-autocast   `evenrl train` (gpu.py's runs): step, rollout / log-prob / update seconds and
-               peak GiB per phase, `evenrl plan` beside
+Sections, in this order (the budget cuts from the end: the issue's four targets come first):
   ceiling .. sampler   one process, one model load (gpu_suite_kernels.py): the bf16 matmul ceiling; the step's
                phases in-process per precision scheme (gpu_suite_schemes.py: fp32, fp32+TF32, bf16 autocast, bf16
                parameters with fp32 master weights) with the update's TFLOP/s and MFU against the chip's bf16 peak;
-               log-probs, loss and gradient of each scheme against float64; fused vs foreach AdamW; a
-               torch.profiler trace of one bf16 step; the sampler alone (lean vs static x fp32 vs bf16: tokens/s
-               and the share of the time the device is busy, the rest being Python and launches)
+               log-probs, loss and gradient of each scheme against float64; a torch.profiler trace of one bf16 step;
+               the training forward's paths on a long-tail micro-batch (packed, segment-wise, right-padded, masked)
+               and a Qwen3-30B-A3B-shaped MoE block by experts backend (gpu_suite_paths.py); fused vs foreach AdamW;
+               the sampler alone (lean vs static x fp32 vs bf16: tokens/s and the share of the time the device is
+               busy, the rest being Python and launches)
   vs-trl       evenrl vs TRL GRPO in bf16: grpo_vs_trl.py's alternating pairs (>= 2 pairs if they fit)
+  step-bf16-autocast, step-fp32   `evenrl train` (gpu.py's runs): step, rollout / log-prob / update seconds and
+               peak GiB per phase, `evenrl plan` beside
   compile      the bf16 update with the packed training forward under torch.compile (compile time apart)
   step-fsdp-bf16, step-fp32-tf32  `evenrl train` with FSDP2 bf16, and fp32 with TF32 (cuBLAS override variable)
+Tensor parallelism has no row: it is not built yet (issue 41), so its overhead at TP = 1 cannot be measured.
 """
 
 from __future__ import annotations
@@ -52,16 +55,18 @@ SCHEMA = "evenrl.gpu_suite/1"
 # name: (group, estimated seconds on one H100, on the 2-core CPU with --tiny). Order = value: the budget cuts
 # from the end. GPU estimates from the 2026-11-23 H100 runs (process start + load ~20 s, steps 4-7 s).
 SECTIONS = {
-    "step-fp32": ("train", 60, 25),
-    "step-bf16-autocast": ("train", 65, 25),
-    "ceiling": ("kernels", 3, 1),
+    "ceiling": ("kernels", 3, 2),
     "schemes": ("kernels", 70, 8),
     "precision": ("kernels", 25, 3),
-    "adamw": ("kernels", 5, 1),
     "trace": ("kernels", 30, 5),
+    "attention": ("kernels", 20, 6),
+    "moe": ("kernels", 20, 4),
+    "adamw": ("kernels", 5, 1),
     "sampler": ("kernels", 50, 8),  # last of its process: a CUDA graph capture gone wrong can break the context
     "vs-trl": ("trl", 170, 70),
-    "compile": ("kernels", 140, 40),  # after TRL: a target beside a candidate; a second process (load ~20 s)
+    "step-bf16-autocast": ("train", 65, 25),
+    "step-fp32": ("train", 60, 25),
+    "compile": ("kernels", 140, 40),  # a second kernels process (load ~20 s)
     "step-fsdp-bf16": ("train", 65, 25),
     "step-fp32-tf32": ("train", 60, 25),
 }

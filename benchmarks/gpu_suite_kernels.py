@@ -29,6 +29,7 @@ from evenrl.models import forward as forward_module
 from evenrl.models.forward import response_logits, response_logprobs
 from evenrl.models.loading import load_policy, set_autocast
 from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update
+from gpu_suite_paths import sec_attention, sec_moe
 from gpu_suite_schemes import BF16_BOUNDS, SCHEMES, scheme_model, set_tf32
 
 GIB = 2**30
@@ -338,16 +339,28 @@ def sec_compile(ctx: Ctx) -> dict:
 
 
 def sec_ceiling(ctx: Ctx) -> dict:
-    # the bf16 matrix-product ceiling as measured here (METHOD.md: measure the ceilings once)
-    n = 8192 if ctx.dev.type == "cuda" else 512
+    # the bf16 matrix-product ceiling as measured here (METHOD.md: measure the ceilings once). Timed by repeats until
+    # 0.25 s have passed, so the section's time does not depend on the machine's speed or load (a loaded 2-core CPU
+    # took over its 11.5 s cap for 51 fixed products of 512 x 512)
+    n = 8192 if ctx.dev.type == "cuda" else 256
     a, b = (torch.randn(n, n, device=ctx.dev, dtype=torch.bfloat16) for _ in range(2))
     a @ b
-    secs = [ctx.timed(lambda: [a @ b for _ in range(10)])[0] / 10 for _ in range(5)]
+    secs = []
+    for _ in range(5):
+        count, t0 = 0, time.perf_counter()
+        while True:
+            a @ b
+            count += 1
+            ctx.sync()
+            if time.perf_counter() - t0 > 0.25:
+                break
+        secs.append((time.perf_counter() - t0) / count)
     return {"n": n, "bf16_matmul_tflops": 2 * n**3 / statistics.median(secs) / 1e12}
 
 
 SECTIONS = {"ceiling": sec_ceiling, "schemes": sec_schemes, "precision": sec_precision, "adamw": sec_adamw,
-            "trace": sec_trace, "sampler": sec_sampler, "compile": sec_compile}
+            "trace": sec_trace, "attention": sec_attention, "moe": sec_moe, "sampler": sec_sampler,
+            "compile": sec_compile}
 
 
 def one_line(e: BaseException) -> str:

@@ -79,6 +79,29 @@ def _precision(secs: dict) -> list[str]:
     return lines
 
 
+def _paths(secs: dict) -> list[str]:
+    lines = []
+    if (r := _ran(secs, "attention")):
+        lines += [f"Training forward + backward by path ({r['precision']}): {r['rows']} rows, responses up to "
+                  f"{r['longest_response']} tokens (lognormal), {r['real_tokens']} real tokens, padding "
+                  f"{f(r['padding_share'], '.0%')} of the right-padded shape", "",
+                  "| path | fwd+bwd s | real tokens/s | max abs dlogp vs masked |", "|---|---|---|---|"]
+        for name, p in r["paths"].items():
+            lines.append(f"| {name} | failed: {p['error']} | | |" if "error" in p else
+                         f"| {name} | {f(p['fwd_bwd_s'], '.4f')} | {f(p['real_tokens_per_s'], ',.0f')} | "
+                         f"{f(p['max_abs_dlogp_vs_masked'], '.2e')} |")
+    if (r := _ran(secs, "moe")):
+        lines += ([""] if lines else []) + [
+            f"MoE block forward + backward ({r['dtype']}): {r['experts']} experts, top-{r['top_k']}, hidden "
+            f"{r['hidden']}, expert width {r['expert_width']}, {r['tokens']} tokens", "",
+            "| experts backend | fwd+bwd s | tokens/s | expert TFLOP/s | max abs dy vs first |", "|---|---|---|---|---|"]
+        for name, p in r["backends"].items():
+            lines.append(f"| {name} | failed: {p['error']} | | | |" if "error" in p else
+                         f"| {name} | {f(p['fwd_bwd_s'], '.4f')} | {f(p['tokens_per_s'], ',.0f')} | "
+                         f"{f(p['expert_tflops'], '.3g')} | {f(p['max_abs_dy_vs_first'], '.2e')} |")
+    return lines
+
+
 def _misc(secs: dict) -> list[str]:
     lines = []
     if (r := _ran(secs, "ceiling")):
@@ -153,7 +176,7 @@ def markdown(res: dict) -> str:
     for s in res["sections"]:
         lines.append(f"| {s['name']} | {s['status']} | {f(s['seconds'], '.1f')} | {f(s['estimate_s'], '.0f')} | "
                      f"{s['reason'] or ''} |")
-    parts = (_steps(secs), _sampler(secs), _precision(secs), _misc(secs), ["Targets and defaults:"] + verdicts(res))
+    parts = (_steps(secs), _sampler(secs), _precision(secs), _paths(secs), _misc(secs), ["Targets and defaults:"] + verdicts(res))
     for part in parts:
         if part:
             lines += [""] + part

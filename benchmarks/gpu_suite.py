@@ -58,11 +58,11 @@ SECTIONS = {
     "ceiling": ("kernels", 3, 2),
     "schemes": ("kernels", 70, 8),
     "precision": ("kernels", 25, 3),
-    "trace": ("kernels", 30, 5),
+    "trace": ("kernels", 40, 5),
     "attention": ("kernels", 20, 6),
     "moe": ("kernels", 20, 4),
     "adamw": ("kernels", 5, 1),
-    "sampler": ("kernels", 50, 8),  # last of its process: a CUDA graph capture gone wrong can break the context
+    "sampler": ("kernels", 70, 8),  # last of its process: a CUDA graph capture gone wrong can break the context
     "vs-trl": ("trl", 170, 70),
     "step-bf16-autocast": ("train", 65, 25),
     "step-fp32": ("train", 60, 25),

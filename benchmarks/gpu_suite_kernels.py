@@ -33,6 +33,10 @@ from gpu_suite_paths import sec_attention, sec_moe
 from gpu_suite_schemes import BF16_BOUNDS, SCHEMES, scheme_model, set_tf32
 
 GIB = 2**30
+# Profiled rollouts generate this many new tokens, not the step's: every decoding step is the same work, and a
+# profile of 128 steps x 4 arms (its events walked in Python) took the sampler section over its cap on an H200
+# (2026-11-27: 86 s; the trace section 55 s)
+PROFILED_NEW_TOKENS = 16
 SPANS = ("sampler", "rollout", "logprobs", "update")  # the record_function ranges busy_share measures
 
 
@@ -75,8 +79,8 @@ class Ctx:
         self.sync()
         return time.perf_counter() - t0, out
 
-    def rollout(self, model, decoder="auto"):
-        params = SamplingParams(max_new_tokens=self.new, samples_per_prompt=self.samples, seed=0)
+    def rollout(self, model, decoder="auto", new_tokens=None):
+        params = SamplingParams(max_new_tokens=new_tokens or self.new, samples_per_prompt=self.samples, seed=0)
         return generate(model, self.prompts, list(range(len(self.prompts))), params, step=0, eos_token_ids=set(),
                         pad_token_id=self.pad, decoder=decoder)
 
@@ -206,7 +210,7 @@ def sec_sampler(ctx: Ctx) -> dict:
                 ctx.rollout(ctx.model, decoder)  # warm-up: first launches, the graph's capture path
                 secs = [ctx.timed(lambda: ctx.rollout(ctx.model, decoder))[0] for _ in range(ctx.spec["reps"])]
                 with profile(activities=acts) as prof, record_function("sampler"):
-                    ctx.rollout(ctx.model, decoder)
+                    ctx.rollout(ctx.model, decoder, PROFILED_NEW_TOKENS)
                     ctx.sync()
                 s = statistics.median(secs)
                 arm.update(seconds=s, tokens_per_s=len(ctx.prompts) * ctx.samples * ctx.new / s,
@@ -215,7 +219,8 @@ def sec_sampler(ctx: Ctx) -> dict:
                 arm["error"] = one_line(e)
             out[f"{decoder}-{precision}"] = arm
         ctx.model.evenrl_autocast = None
-    return {"rows": len(ctx.prompts) * ctx.samples, "new_tokens": ctx.new, "arms": out}
+    return {"rows": len(ctx.prompts) * ctx.samples, "new_tokens": ctx.new,
+            "busy_share_new_tokens": min(ctx.new, PROFILED_NEW_TOKENS), "arms": out}
 
 
 def sec_precision(ctx: Ctx) -> dict:
@@ -281,13 +286,13 @@ def sec_trace(ctx: Ctx) -> dict:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.dev.type == "cuda" else [])
     model, opt, undo = scheme_model(ctx.model, "bf16-autocast")
-    batch = ctx.step_batch()
+    batch = ctx.step_batch()  # the step's shapes: every row a prompt + new_tokens random response tokens
     ctx.update(model, opt, batch)  # warm-up outside the trace
+    ctx.rollout(model, new_tokens=PROFILED_NEW_TOKENS)
     with profile(activities=acts) as prof:
         with record_function("rollout"):
-            comps = ctx.rollout(model)
+            ctx.rollout(model, new_tokens=PROFILED_NEW_TOKENS)
             ctx.sync()
-        batch = ctx.step_batch(comps)
         with record_function("logprobs"):
             compute_logprobs(model, batch, ctx.micro_rows(list(range(len(batch))), batch), temperature=1.0,
                              pad_token_id=ctx.pad)
@@ -307,8 +312,9 @@ def sec_trace(ctx: Ctx) -> dict:
         gz.unlink()
     sort = "self_device_time_total" if ctx.dev.type == "cuda" else "self_cpu_time_total"  # torch >= 2.4's names
     text = prof.key_averages().table(sort_by=sort, row_limit=60)
-    (out_dir / "trace_bf16_step.txt").write_text(f"one bf16-autocast step (rollout, log-probs, update), sorted by "
-                                                 f"{sort}\n{text}\n")
+    (out_dir / "trace_bf16_step.txt").write_text(f"one bf16-autocast step (a rollout of {PROFILED_NEW_TOKENS} new "
+                                                 f"tokens, the step's log-probs and update), sorted by {sort}\n"
+                                                 f"{text}\n")
     phases = {p: busy_share(prof, p) for p in ("rollout", "logprobs", "update")}
     del opt
     ctx.free()

@@ -54,7 +54,8 @@ def _sampler(secs: dict) -> list[str]:
     r = _ran(secs, "sampler")
     if not r:
         return []
-    lines = [f"Sampler alone: {r['rows']} rows x {r['new_tokens']} new tokens, no EOS", "",
+    lines = [f"Sampler alone: {r['rows']} rows x {r['new_tokens']} new tokens, no EOS (busy share: over a profiled "
+             f"rollout of {r.get('busy_share_new_tokens', r['new_tokens'])} new tokens)", "",
              "| decoder | precision | tokens/s | seconds | busy share (what is busy) |", "|---|---|---|---|---|"]
     for a in r["arms"].values():
         if "error" in a:

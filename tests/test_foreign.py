@@ -153,6 +153,9 @@ def test_open_r1_trl_4_gpus_one_for_vllm(tmp_path):
     assert messages(t) == ["generation_batch_size (12) must be divisible by num_generations (8)."]
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt) == (2, 8)  # 12 samples = 1.5 prompts -> 2
     assert cfg.train.steps == 500 and cfg.model.gradient_checkpointing is False
+    assert cfg.model.tf32 is False  # TRL leaves TF32 off unless asked; evenrl's own default is on (CUDA)
+    tf32, tf32_cfg, _ = run(tmp_path, "trl", {**OPEN_R1, "tf32": True}, nproc_per_node=4, peer_version="0.18")
+    assert tf32_cfg.model.tf32 is True
     assert plan.runnable and sorted(r.samples for r in plan.ranks) == [5, 5, 6]
     assert "rollout-reserved" in {f.rule for f in plan.findings}  # evenrl train --rollout-devices 1 runs it
     assert (cfg.rollout.engine, cfg.parallel.rollout_devices) == ("vllm", 1)

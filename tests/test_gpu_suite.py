@@ -54,12 +54,19 @@ def test_a_budget_too_small_for_anything_skips_every_section_and_says_why(tmp_pa
 
 def test_one_cheap_section_runs_and_the_rest_are_not_asked(tmp_path):
     out = tmp_path / "out"
+    asked = {"precision", "adamw", "attention", "moe"}
     assert gpu_suite.main(["--tiny", "--device", "cpu", "--out", str(out), "--budget-s", "300",
-                           "--sections", "precision,adamw"]) == 0
+                           "--sections", ",".join(sorted(asked))]) == 0
     res = load(out)
     secs = {s["name"]: s for s in res["sections"]}
-    assert {n for n, s in secs.items() if s["status"] == "ran"} == {"precision", "adamw"}
-    assert all(s["reason"] == "not asked (--sections)" for n, s in secs.items() if n not in ("precision", "adamw"))
+    assert {n for n, s in secs.items() if s["status"] == "ran"} == asked
+    assert all(s["reason"] == "not asked (--sections)" for n, s in secs.items() if n not in asked)
+    att = secs["attention"]["result"]
+    assert set(att["paths"]) == {"masked", "packed", "segments", "padded"} and 0 < att["padding_share"] < 1
+    for p in att["paths"].values():  # every training-forward path computes the masked path's log-probs (fp32)
+        assert p["max_abs_dlogp_vs_masked"] < 1e-5 and p["real_tokens_per_s"] > 0
+    moe = secs["moe"]["result"]["backends"]
+    assert set(moe) == {"grouped_mm", "eager"} and moe["eager"]["max_abs_dy_vs_first"] < 1e-5
     v = secs["precision"]["result"]["variants"]
     assert set(v) == {"fp32", "fp32-tf32", "bf16-autocast", "bf16-params"}
     assert v["fp32"]["mean_abs_dlogp"] < 1e-5 and v["fp32"]["grad_rel_err"] < 1e-4  # fp32 against float64

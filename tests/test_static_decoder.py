@@ -129,3 +129,12 @@ def test_lean_decoder_under_autocast_casts_weights_once_per_call(tmp_path, stati
                 full = model(input_ids=torch.tensor([p + c.token_ids])).logits[0, len(p) - 1 : -1].float()
                 want = torch.log_softmax(full, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
                 assert (want - torch.tensor(c.logprobs)).abs().max() < 0.05
+
+
+def test_auto_decoder_is_lean_on_cpu_and_forward_where_lean_does_not_apply(tmp_path):
+    from evenrl.engines.hf import _auto_decoder
+
+    model, _ = load_policy(make_tiny_model(str(tmp_path / "m")))
+    assert _auto_decoder(model) == "lean"  # static on CUDA (measured there: docs/performance.md); no CUDA here
+    model.config.use_sliding_window = True  # a model LeanDecoder does not cover
+    assert _auto_decoder(model) == "forward"

@@ -127,6 +127,12 @@ def _check_vocabulary(tokenizer, path: str) -> None:
                          "are missing or empty); save the model's tokenizer beside it (tokenizer.save_pretrained)")
 
 
+def set_tf32(on: bool) -> None:
+    """model.tf32: TF32 for float32 matrix products on CUDA (a process-wide switch; CPU products are unaffected)."""
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+
+
 def set_autocast(model, dtype: torch.dtype) -> None:
     """Mixed precision for a replicated model: its fp32 parameters stay the master weights and every forward of it
     (response_logits, the sampler) runs under torch.autocast(dtype). FSDP2 models get it from their policy."""

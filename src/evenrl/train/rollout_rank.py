@@ -19,7 +19,7 @@ from evenrl.engines import Engine, make_engine
 from evenrl.engines.base import sampling_params
 from evenrl.engines.payload import make_payload
 from evenrl.engines.sync import Broadcast
-from evenrl.models.loading import load_policy
+from evenrl.models.loading import load_policy, set_tf32
 from evenrl.models.lora import add_adapters
 from evenrl.models.vision import prompt_image_inputs
 from evenrl.train import checkpoint
@@ -34,6 +34,7 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
     turns = make_turns(cfg)  # checks the chat template before any weights load
     # one whole copy in the engine's dtype: the hf engine samples from it, and it gives the push its layout
     model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
+    set_tf32(cfg.model.tf32)  # the trainers' matmul precision: the same products on both sides
     if cfg.model.lora.rank:  # the trainers' adapters, overwritten by every push; the base is the trainers' already
         add_adapters(model, cfg.model.lora)
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -22,7 +22,7 @@ from evenrl.distributed.sequence import sequence_parallel
 from evenrl.distributed.sharding import shard
 from evenrl.errors import RunStopped, UsageError
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
-from evenrl.models.loading import is_sharded, set_autocast
+from evenrl.models.loading import is_sharded, set_autocast, set_tf32
 from evenrl.models.vision import freeze_tower, is_vision_model
 
 
@@ -48,6 +48,7 @@ def prepare_model(model, cfg: RunConfig) -> None:
         # transformers 5 renamed it; the old name warns and goes in v6
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
+    set_tf32(cfg.model.tf32)
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     if cfg.parallel.sharding == "fsdp":
         shard(model, compute_dtype=compute, offload=cfg.parallel.cpu_offload == "full")

@@ -78,7 +78,7 @@ def main() -> None:
     from evenrl.envs.builtin import addition_rows
     from evenrl.models.loading import load_policy
     from evenrl.testing import make_tiny_model
-    from evenrl.train.agents import make_turns
+    from evenrl.train.trajectories import make_turns
 
     root = tempfile.mkdtemp(prefix="evenrl-bench-agents-")
     model = make_tiny_model(f"{root}/model", chat_template="tools", seed=0)

@@ -15,23 +15,22 @@ import pytest
 import torch
 
 from e2e import ENV
+from evenrl.agents.calls import Call, assemble
+from evenrl.agents.job import agent_problem
+from evenrl.agents.openai_api import chat_chunks, reply_message, same_reply, sse, template_messages
+from evenrl.agents.prompts import Prompts, Record
 from evenrl.config import RunConfig
 from evenrl.core.aggregation import Denominators
 from evenrl.core.batch import Batch, Ragged
 from evenrl.engines.base import sampling_params
 from evenrl.engines.hf import HFEngine
-from evenrl.envs.agent_calls import Call, assemble
-from evenrl.envs.agent_job import agent_problem
-from evenrl.envs.openai_api import chat_chunks, reply_message, same_reply, sse, template_messages
+from evenrl.envs.template import tokenizer_render
 from evenrl.isolation import pool
 from evenrl.models.forward import response_logprobs
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
-from evenrl.envs.template import tokenizer_render
-from evenrl.train.agent_prompts import Prompts, Record
-from evenrl.train.agents import Agents
 from evenrl.train.objectives import STAT_NAMES, rl_objective
-from evenrl.train.trajectories import trajectory_columns
+from evenrl.train.trajectories import make_turns, trajectory_columns
 from evenrl.train.update import minibatch_update
 
 ROWS = [{"prompt": "2+3=", "answer": "5"}, {"prompt": "7+1=", "answer": "8"}]
@@ -50,7 +49,7 @@ def run_agent(model, spec, rows, samples=2, rewards_functions=None, **rollout):
                                     "rollout": {"agent": spec, "samples_per_prompt": samples, "max_new_tokens": 8,
                                                 "agent_timeout_s": 20.0, **rollout}})
     policy, tok = load_policy(model)
-    agents = Agents(cfg)
+    agents = make_turns(cfg)
     path = model + f"/rows-{len(rows)}.jsonl"
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -94,8 +93,8 @@ def test_responses_requests_are_chat_requests_and_replies_come_back_as_items_the
     from openai.types.responses import Response, ResponseStreamEvent
     from pydantic import TypeAdapter
 
-    from evenrl.envs.openai_api import BadRequest
-    from evenrl.envs.openai_responses import (chat_request, input_messages, output_items, response_body,
+    from evenrl.agents.openai_api import BadRequest
+    from evenrl.agents.openai_responses import (chat_request, input_messages, output_items, response_body,
                                               response_events, sse_events)
 
     text = 'Adding. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -270,10 +269,10 @@ def test_a_responses_agent_echoing_its_function_calls_chains_onto_them(tools_mod
     import concurrent.futures
 
     from evenrl.engines.base import Completion
-    from evenrl.train.agent_server import Pending
+    from evenrl.agents.server import Pending
 
     cfg = RunConfig.model_validate({"model": {"path": tools_model}, "rollout": {"agent": "toy_agents:two_tools"}})
-    agents = Agents(cfg)
+    agents = make_turns(cfg)
     _, agents.tokenizer = load_policy(tools_model)
     tok = agents.tokenizer
     agents.prompts = Prompts(tok, tokenizer_render(tok), {tok.eos_token_id})
@@ -408,7 +407,7 @@ def test_an_agent_gone_while_sending_is_no_error(caplog):
     import socket
     import time
 
-    from evenrl.train.agent_server import AgentServer
+    from evenrl.agents.server import AgentServer
 
     server = AgentServer("tiny")
     uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's own handlers: it does not propagate to the root

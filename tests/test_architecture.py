@@ -19,9 +19,11 @@ LAYERS = {
     "config": 1, "isolation": 1,
     "core": 2, "data": 2, "rewards": 2,
     "distributed": 3, "models": 3, "envs": 3,
-    "engines": 4, "planner": 4, "testing": 4,
-    "train": 5,
-    "report": 6, "demo": 7, "cli": 8, "__main__": 9, "__init__": 9,
+    "engines": 4, "testing": 4,
+    "agents": 5,
+    "planner": 6,
+    "train": 7,
+    "report": 8, "demo": 9, "cli": 10, "__main__": 11, "__init__": 11,
 }
 
 

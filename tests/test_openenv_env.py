@@ -1,4 +1,4 @@
-"""rollout.agent 'openenv:module:EnvClass' (evenrl.envs.openenv_agent): an OpenEnv MCPEnvironment
+"""rollout.agent 'openenv:module:EnvClass' (evenrl.agents.openenv_adapter): an OpenEnv MCPEnvironment
 (examples/arith_env.py, as OpenEnv users write them) trained as it is written. Its tools reach the model as OpenAI
 tools, each tool call is one CallToolAction step, the reward is the environment's; the plan reads the spec without
 importing openenv or the environment; one `evenrl train` step of examples/openenv.yaml, on a tiny model taught to
@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from e2e import ENV, Job, final_params, max_diff, metrics
-from evenrl.envs import openenv_agent
-from evenrl.envs.agent_job import agent_problem
-from evenrl.envs.openenv_agent import episode_seed, reset_arguments, run_episode
+from evenrl.agents import openenv_adapter
+from evenrl.agents.job import agent_problem
+from evenrl.agents.openenv_adapter import episode_seed, reset_arguments, run_episode
 from evenrl.envs.template import tokenizer_render
 from evenrl.testing import make_tiny_model
 
@@ -114,8 +114,8 @@ def test_the_agent_runs_the_episode_off_its_loop_and_closes_its_client(monkeypat
         async def aclose(self):
             closed.append(asyncio.get_running_loop())
 
-    monkeypatch.setattr(openenv_agent, "endpoint_client", lambda *_: Closing(("submit_answer", {"answer": "84"})))
-    agent = openenv_agent.make_agent("arith_env:ArithmeticEnv", {"max_steps": 2})
+    monkeypatch.setattr(openenv_adapter, "endpoint_client", lambda *_: Closing(("submit_answer", {"answer": "84"})))
+    agent = openenv_adapter.make_agent("arith_env:ArithmeticEnv", {"max_steps": 2})
 
     async def main():
         endpoint = {"base_url": "http://127.0.0.1:9/t/x/v1", "model": "m", "api_key": "x"}
@@ -124,7 +124,7 @@ def test_the_agent_runs_the_episode_off_its_loop_and_closes_its_client(monkeypat
     rewards, loop = asyncio.run(main())
     assert rewards == [1.0, 0.0] and closed == [loop, loop]
     with pytest.raises(TypeError, match="names _value, not a subclass of openenv's MCPEnvironment"):
-        openenv_agent.make_agent("arith_env:_value", {})
+        openenv_adapter.make_agent("arith_env:_value", {})
 
 
 def test_the_row_resets_the_episode_with_a_seed_of_its_own():
@@ -149,7 +149,7 @@ def test_the_plan_names_what_is_wrong_without_importing_openenv(tmp_path):
         "class Louder(Echo):\n    def __init__(self, volume=1):\n        pass\n")
     code = """
 import json, sys
-from evenrl.envs.agent_job import agent_problem
+from evenrl.agents.job import agent_problem
 specs = [("openenv:arith_env:ArithmeticEnv", {"max_steps": 3}), ("openenv:arith_env:Nope", {}),
          ("openenv:no_such_env:Env", {}), ("openenv:arith_env", {}), ("openenv:typed_env:Louder", {}),
          ("openenv:arith_env:ArithmeticEnv", {"steps": 3}), ("openenv:arith_env:ArithmeticEnv", {"x": float("nan")})]
@@ -170,7 +170,7 @@ print(json.dumps([agent_problem(s, a) for s, a in specs] + [[m for m in ("openen
 
 
 def test_without_openenv_the_plan_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr(openenv_agent, "findable", lambda module: module != "openenv")
+    monkeypatch.setattr(openenv_adapter, "findable", lambda module: module != "openenv")
     assert agent_problem(SPEC) == "needs openenv-core, which is not installed here: pip install -e '.[environments]'"
 
 

@@ -1,4 +1,4 @@
-"""rollout.agent "verifiers:ENV_ID" (evenrl.envs.verifiers_agent): a verifiers taskset (examples/vf_arith.py) trained
+"""rollout.agent "verifiers:ENV_ID" (evenrl.agents.verifiers_adapter): a verifiers taskset (examples/vf_arith.py) trained
 as it is on a tiny model, one process, one step. The rewards are the environment's own rubric on the replies the
 endpoint sampled (with the reward weight rollout.agent_args gave it), the trained tokens are the endpoint's, and the
 plan names a bad ENV_ID or a runtime the workers cannot run in one line each. The same step on 2 processes (run beside
@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from e2e import ENV, Job, evenrl_here, final_params, max_diff, metrics
-from evenrl.envs import verifiers_agent
+from evenrl.agents import verifiers_adapter
 from evenrl.testing import make_tiny_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -66,7 +66,7 @@ def test_a_verifiers_environment_trains_with_its_own_rubric(config, tmp_path, mo
     monkeypatch.syspath_prepend(str(EXAMPLES))
     import vf_arith  # the environment's own reward functions, and its taskset: the committed rows are its export
 
-    verifiers_agent.export_tasks("vf_arith", str(tmp_path / "tasks.jsonl"))
+    verifiers_adapter.export_tasks("vf_arith", str(tmp_path / "tasks.jsonl"))
     assert (tmp_path / "tasks.jsonl").read_text() == (EXAMPLES / "vf_arith.jsonl").read_text()
     rows = [json.loads(x) for x in (EXAMPLES / "vf_arith.jsonl").read_text().splitlines()]
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
@@ -94,12 +94,12 @@ def test_the_plan_names_what_cannot_run(config, capsys, monkeypatch, override, s
 
 def test_without_verifiers_the_plan_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers", None)  # find_spec of a module set to None raises ValueError
-    assert "pip install -e '.[environments]'" in verifiers_agent.problem("vf_arith", {})
+    assert "pip install -e '.[environments]'" in verifiers_adapter.problem("vf_arith", {})
 
 
 def test_a_row_without_its_task_fails_its_trajectory_saying_how_to_write_one():
     with pytest.raises(ValueError, match=r"no 'task' object .*export_tasks .*extra_fields: \[task\]"):
-        asyncio.run(verifiers_agent._episode(None, {"prompt": "1+1", "id": 0}, "http://127.0.0.1:9/v1", "m"))
+        asyncio.run(verifiers_adapter._episode(None, {"prompt": "1+1", "id": 0}, "http://127.0.0.1:9/v1", "m"))
 
 
 def test_the_plan_imports_neither_verifiers_nor_the_environment():

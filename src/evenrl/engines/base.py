@@ -1,5 +1,5 @@
-"""What every rollout engine shares: the sampling settings, a completion, the keyed random stream of a sample and
-the `Engine` interface the trainer and the weight sync call.
+"""What every rollout engine shares: the sampling settings, a completion (and a trajectory: a completion of many
+turns), the keyed random stream of a sample and the `Engine` interface the trainer and the weight sync call.
 
 A sample's randomness is keyed by (train.seed, step, prompt position, sample index[, turn]): `row_seed` names its
 stream, so which rank or engine replica makes a sample does not change it. A multi-turn trajectory's later turns
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
 import torch
@@ -45,6 +45,29 @@ class Completion:
     token_ids: list[int]  # generated tokens only; ends with the EOS token when finished
     logprobs: list[float]  # one per token in token_ids
     finished: bool  # stopped at EOS (False: hit max_new_tokens)
+
+
+@dataclass
+class Trajectory(Completion):
+    """A Completion whose token_ids hold every token after the prompt (sampled and environment turns); logprobs
+    hold the engine's log-prob of each sampled token and 0 for environment tokens. What both trajectory loops
+    return, rollout.env's (evenrl.train.trajectories) and rollout.agent's (evenrl.agents.rollout), so it lives
+    below both."""
+
+    loss_mask: list[bool] = field(default_factory=list)
+    reward: float = 0.0  # the turns' rewards, discounted by algo.turn_discount
+    failed: bool = False  # an environment step failed (rewards.on_failure decides what that costs)
+    error: str | None = None  # how, in one line
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    # rollout.agent (evenrl.agents.rollout): the sample's own prompt (None: the dataset prompt's tokens), the samples a
+    # trajectory was split into after its first (calls that did not extend it), which of them this is, and on the
+    # first how many splits there were
+    prompt_ids: list[int] | None = None
+    splits: list[Trajectory] = field(default_factory=list)
+    segment: int = 0
+    history_breaks: int = 0
 
 
 def row_seed(seed: int, step: int, key: int, sample_index: int, turn: int = 0) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from evenrl.envs.agent_job import agent_problem, allowed
+from evenrl.agents.job import agent_problem, allowed
 from evenrl.envs.template import file_render
 from evenrl.planner.text import plural
 from evenrl.planner.types import Finding, Plan

@@ -25,8 +25,8 @@ from evenrl.models.vision import prompt_image_inputs
 from evenrl.train import checkpoint
 from evenrl.train.data import PromptSampler
 from evenrl.train.trainer import Prompts, load_prompt_set, vision_setup
-from evenrl.train.agents import Agents, make_turns
-from evenrl.train.trajectories import Turns
+from evenrl.agents.rollout import Agents
+from evenrl.train.trajectories import Turns, make_turns
 
 
 def serve(cfg: RunConfig, info, found: Path | None) -> None:

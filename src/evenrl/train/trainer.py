@@ -31,8 +31,8 @@ from evenrl.train import checkpoint
 from evenrl.train.balance import Balance
 from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.reward_models import Scorer, load_scorers
-from evenrl.train.agents import Agents, make_turns
-from evenrl.train.trajectories import Turns
+from evenrl.agents.rollout import Agents
+from evenrl.train.trajectories import Turns, make_turns
 from evenrl.train.update import prepare_model, split_sequences
 
 

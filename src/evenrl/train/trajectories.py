@@ -20,9 +20,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from evenrl.agents.rollout import Agents
 from evenrl.config import RunConfig
 from evenrl.core.batch import Ragged
-from evenrl.engines.base import Completion, Engine, SamplingParams, keyed_seed
+from evenrl.engines.base import Engine, SamplingParams, Trajectory, keyed_seed
 from evenrl.envs.registry import resolve
 from evenrl.envs.session import EnvSession
 from evenrl.envs.template import (PREFIX_FIX, TemplateDrift, check_template, env_turn_text, file_render,
@@ -30,27 +31,6 @@ from evenrl.envs.template import (PREFIX_FIX, TemplateDrift, check_template, env
 from evenrl.envs.toolcalls import tool_schemas
 from evenrl.errors import RunStopped, UsageError
 from evenrl.train.data import filter_by_length, load_prompts
-
-
-@dataclass
-class Trajectory(Completion):
-    """A Completion whose token_ids hold every token after the prompt (sampled and environment turns); logprobs
-    hold the engine's log-prob of each sampled token and 0 for environment tokens."""
-
-    loss_mask: list[bool] = field(default_factory=list)
-    reward: float = 0.0  # the turns' rewards, discounted by algo.turn_discount
-    failed: bool = False  # an environment step failed (rewards.on_failure decides what that costs)
-    error: str | None = None  # how, in one line
-    turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    # rollout.agent (evenrl.train.agents): the sample's own prompt (None: the dataset prompt's tokens), the samples a
-    # trajectory was split into after its first (calls that did not extend it), which of them this is, and on the
-    # first how many splits there were
-    prompt_ids: list[int] | None = None
-    splits: list[Trajectory] = field(default_factory=list)
-    segment: int = 0
-    history_breaks: int = 0
 
 
 @dataclass
@@ -180,6 +160,14 @@ class Turns:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def make_turns(cfg: RunConfig) -> Turns | Agents | None:
+    """The trajectory loop of the run: rollout.agent's (evenrl.agents), rollout.env's (its template checked before
+    any weights load), or None for one completion per prompt."""
+    if cfg.rollout.agent:
+        return Agents(cfg, load_openings)
+    return Turns(cfg) if cfg.rollout.env else None
 
 
 def load_openings(cfg: RunConfig, tokenizer, path: str | None, openings_of, tools

@@ -191,7 +191,7 @@ async def _episode(env, row: dict, base_url: str, model: str) -> float:
 
     if not isinstance(row.get("task"), dict):
         raise ValueError("the row has no 'task' object (the task's data): write data.path with "
-                         "evenrl.envs.verifiers_agent.export_tasks and set data.extra_fields: [task]")
+                         "evenrl.agents.verifiers_adapter.export_tasks and set data.extra_fields: [task]")
     task_type = type(env.taskset).task_type()
     task = task_type(task_type.data_type().model_validate(row["task"]), env.config.taskset.task)
     ctx = vf.ModelContext(client=vf.EvalClientConfig(base_url=base_url, api_key_var=API_KEY_VAR), model=model,

@@ -3,9 +3,10 @@ process, listening on a Unix socket that the contained agent workers reach throu
 (evenrl.isolation.loopback).
 
 The server only carries requests: each POST to /t/TOKEN/v1/chat/completions, /t/TOKEN/v1/completions or
-/t/TOKEN/v1/responses (TOKEN names the trajectory) is queued as a `Pending` with a future, and the rollout's main thread (evenrl.train.agents)
-takes the queue in batches, renders, samples on the engine, records and answers; the handler then sends the answer,
-whole or as server-sent events. So the engine, the tokenizer and every record stay on one thread.
+/t/TOKEN/v1/responses (TOKEN names the trajectory) is queued as a `Pending` with a future, and the rollout's main
+thread (evenrl.agents.rollout) takes the queue in batches, renders, samples on the engine, records and answers; the
+handler then sends the answer, whole or as server-sent events. So the engine, the tokenizer and every record stay on
+one thread.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations as objects (Request, imported

@@ -2,12 +2,13 @@
 and its calls become trajectories, token for token (docs/agents.md).
 
 `Agents` has the interface of evenrl.train.trajectories.Turns (load, generate), so the step, reserved rollout
-ranks, evaluation and every algorithm take its trajectories as they take rollout.env's. Per generate: each
-trajectory gets a token naming it, the agents run in the reward workers (evenrl.envs.agent_job, contained, their
+ranks, evaluation and every algorithm take its trajectories as they take rollout.env's (evenrl.train.trajectories.
+make_turns picks one). Per generate: each
+trajectory gets a token naming it, the agents run in the reward workers (evenrl.agents.job, contained, their
 only way out the endpoint), and this thread serves their requests in batches on the engine until every agent has
-returned: each request's prompt is rendered and spliced (evenrl.train.agent_prompts), sampled from the stream keyed
+returned: each request's prompt is rendered and spliced (evenrl.agents.prompts), sampled from the stream keyed
 by (seed, step, prompt position, sample, the call's key), recorded, and answered in the template's tool-call format.
-The recorded calls are then assembled by token prefix (evenrl.envs.agent_calls).
+The recorded calls are then assembled by token prefix (evenrl.agents.calls).
 """
 
 from __future__ import annotations
@@ -18,28 +19,27 @@ import secrets
 import threading
 from dataclasses import replace
 
+from evenrl.agents.calls import Call, assemble
+from evenrl.agents.job import AgentRunner, agent_problem
+from evenrl.agents.openai_api import (BadRequest, chat_body, chat_chunks, completion_body, completion_chunks,
+                                      finish_reason, reply_message, sse)
+from evenrl.agents.openai_responses import chat_request, reply_chat_message, response_body, response_events, sse_events
+from evenrl.agents.prompts import Prompts, Record, Turn
+from evenrl.agents.server import AgentServer, Answer, Pending, error
 from evenrl.config import RunConfig
-from evenrl.engines.base import Engine, SamplingParams
-from evenrl.envs.agent_calls import Call, assemble
-from evenrl.envs.agent_job import AgentRunner, agent_problem
-from evenrl.envs.openai_api import (BadRequest, chat_body, chat_chunks, completion_body, completion_chunks,
-                                    finish_reason, reply_message, sse)
-from evenrl.envs.openai_responses import chat_request, reply_chat_message, response_body, response_events, sse_events
+from evenrl.engines.base import Engine, SamplingParams, Trajectory
 from evenrl.envs.template import file_render, tokenizer_render
 from evenrl.errors import UsageError, bad, describe_error
 from evenrl.isolation import pool
 from evenrl.isolation.pool import Limits, run_contained
 from evenrl.rewards import score_all
 from evenrl.rewards.registry import resolve as resolve_reward
-from evenrl.train.agent_prompts import Prompts, Record, Turn
-from evenrl.train.agent_server import AgentServer, Answer, Pending, error
-from evenrl.train.trajectories import Trajectory, Turns, load_openings
 
 # Requests are served in batches: after the first of a batch arrives, more are taken until none has come for this
 # long (agents that are between calls, running a tool, are not waited for). Batching changes speed, never tokens.
 _QUIET_S = 0.01
 # The worker's own limit on a job of agents: their time limit plus this, so that the agents' own timeouts fire first
-# (the agent's module is imported before, when the worker loads it: evenrl.envs.agent_job.AgentRunner).
+# (the agent's module is imported before, when the worker loads it: evenrl.agents.job.AgentRunner).
 _JOB_SLACK_S = 3.0
 MODEL_NAME = "evenrl-policy"
 
@@ -54,8 +54,10 @@ def user_openings(rows: list[dict]) -> list[list[dict]]:
 class Agents:
     """rollout.agent for one process: the function's spec checked, the endpoint started at the first rollout."""
 
-    def __init__(self, cfg: RunConfig, tokenizer=None):
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, cfg: RunConfig, load_openings, tokenizer=None):
+        # load_openings: the trainer's reading of a prompt set as openings (evenrl.train.trajectories.load_openings,
+        # shared with rollout.env; given by make_turns because the trainer's data reading sits above this package)
+        self.cfg, self.tokenizer, self.load_openings = cfg, tokenizer, load_openings
         problem = agent_problem(cfg.rollout.agent, cfg.rollout.agent_args)
         if problem:
             raise bad("rollout.agent", cfg.rollout.agent, problem)
@@ -75,7 +77,7 @@ class Agents:
         """(rows, prompt tokens, openings, rows skipped) as Turns.load gives them; a row's prompt tokens (its
         prompt as a user message, rendered) only weigh and filter it: the agent renders its own conversation."""
         self.tokenizer = tokenizer
-        return load_openings(self.cfg, tokenizer, path, user_openings, None)
+        return self.load_openings(self.cfg, tokenizer, path, user_openings, None)
 
     def generate(self, engine: Engine, prompts: list[list[int]], keys: list[int], params: SamplingParams, *,
                  step: int, sample_ranges: list[tuple[int, int]], rows: list[dict],
@@ -282,10 +284,3 @@ class Agents:
     def _eos_ids(self) -> set[int]:
         return {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
 
-
-def make_turns(cfg: RunConfig) -> Turns | Agents | None:
-    """The trajectory loop of the run: rollout.agent's, rollout.env's (its template checked before any weights
-    load), or None for one completion per prompt."""
-    if cfg.rollout.agent:
-        return Agents(cfg)
-    return Turns(cfg) if cfg.rollout.env else None

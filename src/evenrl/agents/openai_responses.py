@@ -2,7 +2,7 @@
 request it means (its `instructions` a system message first, its input items messages, an agent's echoed
 `function_call` items an assistant message's tool calls, `function_call_output` items tool messages, its flat
 function tools the chat form), so it is rendered, spliced and recorded exactly as a chat request is
-(evenrl.train.agent_prompts); a sampled reply becomes a `response` object whose output is a `message` item with
+(evenrl.agents.prompts); a sampled reply becomes a `response` object whose output is a `message` item with
 an `output_text` part and a `function_call` item per tool call, whole or as the Responses stream events. What the
 endpoint cannot honour (built-in tools, forced tool choices, structured output, background mode, stored
 conversations of OpenAI's own) is refused with a BadRequest naming it. The shapes follow the `openai` SDK's
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 
-from evenrl.envs.openai_api import BadRequest
+from evenrl.agents.openai_api import BadRequest
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")

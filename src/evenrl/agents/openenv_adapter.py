@@ -1,5 +1,5 @@
 """rollout.agent "openenv:package.module:EnvClass": an OpenEnv environment (openenv-core >= 0.3, Meta's) trained as it
-is written. Per trajectory, in the contained worker (evenrl.envs.agent_job), the class is instantiated in-process
+is written. Per trajectory, in the contained worker (evenrl.agents.job), the class is instantiated in-process
 with rollout.agent_args (no docker, no environment server) and one episode is driven by OpenEnv's own harness:
 `MCPHarnessAdapter.run_white_box` with `build_model_step` over OpenEnv's `OpenAIClient` pointed at evenrl's
 endpoint, the environment seen through OpenEnv's `StepEnvSessionAdapter` (tools listed with `ListToolsAction`, each
@@ -24,7 +24,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from evenrl.envs.agent_job import module_tree
+from evenrl.agents.job import module_tree
 from evenrl.rewards.registry import findable
 
 ALLOWED = "'openenv:package.module:EnvClass', an OpenEnv MCPEnvironment subclass (its MCP tools are the model's)"

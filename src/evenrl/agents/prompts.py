@@ -8,7 +8,7 @@ template's end of the assistant turn (after its EOS, if the reply ended with one
 renders after that turn. That holds only if the template renders the conversation with the new messages as an
 extension of the conversation up to the reply; where it does not (a thinking template that strips earlier
 <think> blocks once a user message arrives), and for requests that continue nothing, the prompt is the whole
-conversation rendered and tokenised, and evenrl.envs.agent_calls makes it a sample of its own. A completions
+conversation rendered and tokenised, and evenrl.agents.calls makes it a sample of its own. A completions
 request continues an earlier one when its prompt text starts with that prompt + the returned text.
 """
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from evenrl.agents.calls import Call
+from evenrl.agents.openai_api import BadRequest, same_reply, template_messages, template_tools
 from evenrl.engines.base import keyed_seed
-from evenrl.envs.agent_calls import Call
-from evenrl.envs.openai_api import BadRequest, same_reply, template_messages, template_tools
 
 _SENTINEL = "\u2063evenrl-reply\u2063"
 

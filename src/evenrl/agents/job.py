@@ -24,7 +24,8 @@ ALLOWED = "'package.module:function', an async function (row, *, base_url, model
 # written for verifiers or OpenEnv train as they are (docs/agents.md, "Environments you already have"). Each adapter
 # module has `make_agent(target, args) -> async function` (the library imported there, in the worker) and
 # `problem(target, args) -> str | None` (torch-free, imports nothing of the user's: `evenrl plan`).
-ADAPTERS: dict[str, str] = {"openenv": "evenrl.envs.openenv_agent", "verifiers": "evenrl.envs.verifiers_agent"}
+ADAPTERS: dict[str, str] = {"openenv": "evenrl.agents.openenv_adapter",
+                            "verifiers": "evenrl.agents.verifiers_adapter"}
 
 
 def _adapter(spec: str):

@@ -1,4 +1,4 @@
-"""The OpenAI chat and completions formats as evenrl's agent endpoint speaks them (evenrl.train.agent_server):
+"""The OpenAI chat and completions formats as evenrl's agent endpoint speaks them (evenrl.agents.server):
 request messages as the chat template takes them, a sampled reply as an assistant message with `tool_calls` (the
 template's Hermes format read by evenrl.envs.toolcalls), and the response bodies and stream chunks the `openai`
 client reads. Torch-free and stateless: text and dicts in, text and dicts out.

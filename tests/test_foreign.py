@@ -428,3 +428,20 @@ def test_verl_multi_turn_and_trl_tools_map_to_trajectory_caps(tmp_path):
                                       "max_completion_length": 1024})
     assert (cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens) == (3, 1024)
     assert any("tools=" in n and "3 assistant turns" in n for n in t.notes)
+
+
+def test_trl_fractional_epochs_become_the_steps_they_mean(tmp_path):
+    """open-r1's recipes train on a share of an epoch (num_train_epochs: 0.1), which TRL accepts. 1000 local rows,
+    generation batches of 2 x 3 x 2 = 12 samples = 2 prompts (rounded up from 1.5) a step: 500 steps an epoch;
+    0.1 of it is 50 steps; 0.013 is 6.5, rounded up as transformers' Trainer rounds (math.ceil): 7. Whole epochs stay
+    whole; a share that is no number of epochs is one line."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}"}}\n' for i in range(1000)))
+    base = {k: v for k, v in OPEN_R1.items() if k != "max_steps"} | {"dataset_name": str(data)}
+    for epochs, steps in ((0.1, 50), (0.013, 7), (2, 1000)):
+        t, cfg, _ = run(tmp_path, "trl", {**base, "num_train_epochs": epochs}, nproc_per_node=4, peer_version="0.18")
+        assert cfg.data.prompts_per_step == 2 and cfg.train.steps == steps
+        assert any("rounded up" in n for n in t.notes) == (steps == 7)
+    for bad in (0, -1, "a tenth"):
+        with pytest.raises(UsageError, match="num_train_epochs"):
+            run(tmp_path, "trl", {**base, "num_train_epochs": bad}, nproc_per_node=4)

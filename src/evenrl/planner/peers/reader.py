@@ -15,6 +15,7 @@ import argparse
 import math
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -312,20 +313,39 @@ def set_data(t: Translation, path: str, key: str, prompt_field: str, answer_fiel
         t.set("data.answer_field", answer_field, keys[1] or key)
 
 
-def set_steps(src: Source, t: Translation, steps_key: str, epochs_key: str, epochs_default: int, prompts: int) -> None:
-    """train.steps from the peer's step count, else its epochs over the local dataset's rows; with neither, a
-    note says the plan's step count is evenrl's default, not the peer's."""
+def set_steps(src: Source, t: Translation, steps_key: str, epochs_key: str, epochs_default: int, prompts: int,
+              fractional: bool = False) -> None:
+    """train.steps from the peer's step count, else its epochs over the local dataset's rows (steps per epoch:
+    rows // prompts per step); with neither, a note says the plan's step count is evenrl's default, not the
+    peer's. fractional: the peer takes a share of an epoch (TRL's num_train_epochs=0.1, as transformers' Trainer
+    does): epochs x steps per epoch, rounded up as the Trainer rounds its max_steps (math.ceil), computed on the
+    decimal the file wrote so that 0.1 x 30 is 3, not 4."""
     steps = src.int(steps_key, None) if steps_key else None
     if steps:
         t.set("train.steps", steps, steps_key)
         return
     rows = count_rows(t.settings.get("data.path", ""))
-    epochs = src.int(epochs_key, epochs_default)
+    epochs = _epochs(src, epochs_key, epochs_default) if fractional else src.int(epochs_key, epochs_default)
     if rows:
-        t.set("train.steps", max(1, rows // prompts) * epochs, epochs_key)
+        per_epoch = max(1, rows // prompts)
+        exact = Fraction(str(epochs)) * per_epoch
+        total = max(1, math.ceil(exact))
+        t.set("train.steps", total, epochs_key)
+        if total != exact:
+            t.notes.append(f"{epochs_key}={epochs:g}: {epochs:g} x {per_epoch} steps an epoch ({rows} rows, "
+                           f"{prompts} prompts a step) = {float(exact):g}, rounded up as transformers' Trainer "
+                           f"rounds its steps: train.steps={total}")
     elif src.has(epochs_key):
-        t.notes.append(f"{epochs_key}={epochs}: the dataset is not here, so its steps per epoch are unknown; the plan "
+        t.notes.append(f"{epochs_key}={epochs:g}: the dataset is not here, so its steps per epoch are unknown; the plan "
                        "takes evenrl's train.steps=100 (set train.steps=N for the run's length)")
+
+
+def _epochs(src: Source, key: str, default: int) -> int | float:
+    """A number of epochs that may be a share of one (> 0, at most 10^6); a whole number stays an int."""
+    value = src.float(key, default)
+    if not 0 < value <= 10**6:
+        raise UsageError(f"{src.fw} {key}: got {src.raw(key, default)!r}; need a number of epochs in (0, 10^6]")
+    return int(value) if value.is_integer() else value
 
 
 def check_dataloader(src: Source, t: Translation, key: str, prompts: int, error: str, message: str) -> None:

@@ -118,7 +118,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if steps and steps > 0:
         t.set("train.steps", max(1, math.ceil(steps / (m * mu))), "max_steps")
     else:  # TRL runs num_train_epochs (default 3) over the dataset when max_steps is not set
-        set_steps(src, t, "", "num_train_epochs", 3, prompts)
+        set_steps(src, t, "", "num_train_epochs", 3, prompts, fractional=True)
 
 
 def _lora(src: Source, t: Translation) -> None:

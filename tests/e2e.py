@@ -14,6 +14,7 @@ import time
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -191,6 +192,25 @@ def copy_checkpoint(run_dir: Path, step: int, to: Path) -> Path:
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def same_on_n_processes(assets: dict, tmp_path: Path, args: list, n: int, keys: tuple) -> tuple[list, list]:
+    """The assets' config with `args` trained on 1 and on n processes: the final models within 1e-5 (and moved from
+    the start, else the test is weak) and the metrics `keys` of every step equal; -> (1-process, n-process) rows of
+    the steps, for the caller's checks that the objective bit."""
+    runs = {name: ["train", assets["cfg"], *args, f"log.run_dir={tmp_path / name}", *more]
+            for name, more in (("many", ["--nproc-per-node", str(n)]), ("one", []))}
+    evenrl_many(runs)
+    one, many = tmp_path / "one", tmp_path / "many"
+    assert max_diff(final_params(one), final_params(many)) <= 1e-5
+    start = load_file(str(Path(assets["model"]) / "model.safetensors"))
+    assert max_diff(final_params(one), start) > 1e-5, "training did not move the policy: weak test"
+    m1, mn = [r for r in metrics(one) if r["step"] > 0], [r for r in metrics(many) if r["step"] > 0]
+    assert len(m1) == len(mn) > 0
+    for a, b in zip(m1, mn):
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    return m1, mn
 
 
 def with_random_adapters(model, rank: int = 4):

@@ -31,6 +31,8 @@ def naive(values: list[torch.Tensor], masks: list[torch.Tensor], mode: str) -> f
         return sum(sum(s) for s in seqs) / sum(len(s) for s in seqs)
     if mode == "seq-mean-token-mean":
         return sum(sum(s) / len(s) for s in seqs) / len(seqs)
+    if mode == "token-sum-norm":  # the constant C is 1 here
+        return sum(sum(s) for s in seqs)
     return sum(sum(s) for s in seqs) / len(seqs)
 
 

@@ -11,11 +11,15 @@ from hypothesis import strategies as st
 
 from evenrl.core import advantages, losses
 from evenrl.core.losses import LossInputs, LossSettings, entropy_from_logits, kl_penalty, rl_loss, token_logprobs
-from evenrl.core.surrogates import ppo_clip as policy_loss
+from evenrl.core.surrogates import PolicyParams, ppo_clip
 from evenrl.core.advantages import compute_advantages, grpo_advantages, reinforce_pp_baseline_advantages, rloo_advantages
 from evenrl.errors import UsageError
 
 EPS = 1e-6
+
+
+def policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.2, clip_ratio_c=0.0, **kw):
+    return ppo_clip(logp, old, adv, PolicyParams(clip_low, clip_high, clip_ratio_c), **kw)
 
 
 # ----------------------------------------------------------------------------------------------- naive references

@@ -3,7 +3,6 @@ estimators and advantage options), each against a plain-Python loop on random in
 of the peer's published definition (verl's core_algos, TRL's GRPO trainer, OpenRLHF), plus their config checks."""
 
 import math
-from pathlib import Path
 import random
 
 import pytest
@@ -15,7 +14,7 @@ from evenrl.core.advantages import (compute_advantages, dr_grpo_advantages, grpo
 from evenrl.core.aggregation import Denominators, aggregate, row_sums
 from evenrl.core.importance import importance_weights
 from evenrl.core.losses import LossInputs, LossSettings, kl_penalty, rl_loss
-from evenrl.core.surrogates import cispo, gspo, ppo_clip, sequence_ratio, surrogate
+from evenrl.core.surrogates import PolicyParams as P, cispo, gspo, ppo_clip, sequence_ratio, surrogate
 from evenrl.errors import UsageError
 
 
@@ -103,14 +102,14 @@ def naive_importance(old, beh, mask, level, mode, floor, cap):
 def test_dual_clip_matches_naive_loop_and_zero_is_plain_ppo(seed):
     logp, old, adv, mask = random_batch(seed, spread=1.5)  # wide ratios: the dual bound bites
     adv[2] = -2.0
-    loss, stats = ppo_clip(logp, old, adv, 0.2, 0.28, 3.0, mask=mask)
+    loss, stats = ppo_clip(logp, old, adv, P(0.2, 0.28, 3.0), mask=mask)
     want = naive_dual_clip(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28, 3.0)
     close(loss, [[v if m else 0.0 for v, m in zip(r, mr)] for r, mr in zip(want, mask.tolist())])
     ratio = (logp - old).exp()
     held = ((adv[:, None] < 0) & (ratio > 3.0) & mask).sum()
     assert int(stats["dual_clipped_tokens"]) == int(held)
-    plain, _ = ppo_clip(logp, old, adv, 0.2, 0.28, mask=mask)
-    big, _ = ppo_clip(logp, old, adv, 0.2, 0.28, 1e9, mask=mask)
+    plain, _ = ppo_clip(logp, old, adv, P(0.2, 0.28), mask=mask)
+    big, _ = ppo_clip(logp, old, adv, P(0.2, 0.28, 1e9), mask=mask)
     assert torch.equal(plain, big)  # a bound never reached changes nothing
 
 
@@ -119,7 +118,7 @@ def test_dual_clip_hand_values_of_verls_definition():
     ratio 2 -> 2 (below the bound); A = +1, ratio 5 -> max(-5, -1.2) = -1.2 (dual clip only for A < 0)."""
     logp = torch.log(t64([[5.0, 2.0, 5.0]])).requires_grad_()
     adv = t64([[-1.0, -1.0, 1.0]])
-    loss, stats = ppo_clip(logp, torch.zeros(1, 3, dtype=torch.float64), adv, 0.2, 0.2, 3.0)
+    loss, stats = ppo_clip(logp, torch.zeros(1, 3, dtype=torch.float64), adv, P(0.2, 0.2, 3.0))
     close(loss, [[3.0, 2.0, -1.2]])
     loss.sum().backward()
     close(logp.grad, [[0.0, 2.0, 0.0]])  # d(-A r)/dlogp = -A r on the unclipped branch only
@@ -132,14 +131,14 @@ def test_gspo_matches_naive_loop_and_trls_sequence_form(seed):
     log-ratio broadcast over the row, clipped like PPO) under token-mean and seq-mean-token-mean aggregation."""
     logp, old, adv, mask = random_batch(seed, spread=0.05)
     lo, hi = 0.02, 0.03
-    loss, stats = gspo(logp, old, adv, lo, hi, mask=mask)
+    loss, stats = gspo(logp, old, adv, P(lo, hi), mask=mask)
     close(loss, naive_gspo(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), lo, hi))
     clipped_rows = {b for b, row in enumerate(loss.tolist()) if mask[b].any()}
     assert int(stats["clipped_tokens"]) <= int(mask.sum()) and clipped_rows
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         denom = Denominators(tokens=float(mask.sum()), seqs=float((mask.sum(-1) > 0).sum()), norm_tokens=8.0)
         x = logp.detach().clone().requires_grad_()
-        aggregate(gspo(x, old, adv, lo, hi, mask=mask)[0], mask, mode, denom).backward()
+        aggregate(gspo(x, old, adv, P(lo, hi), mask=mask)[0], mask, mode, denom).backward()
         y = logp.detach().clone().requires_grad_()
         m = mask.double()
         seq = ((y - old) * m).sum(-1) / m.sum(-1).clamp(min=1)       # TRL: mean log-ratio per row, with gradient
@@ -155,7 +154,7 @@ def test_gspo_hand_values():
     A = -1 -> 1.2214 (the unclipped branch is larger)."""
     old = torch.zeros(2, 2, dtype=torch.float64)
     logp = t64([[0.1, 0.3], [0.1, 0.3]])
-    loss, stats = gspo(logp, old, t64([1.0, -1.0]), 0.2, 0.2)
+    loss, stats = gspo(logp, old, t64([1.0, -1.0]), P(0.2, 0.2))
     close(loss, [[-1.2, -1.2], [math.exp(0.2)] * 2])
     assert int(stats["clipped_tokens"]) == 2
     close(sequence_ratio(logp, old, torch.ones(2, 2, dtype=torch.bool)), [[math.exp(0.2)] * 2] * 2)
@@ -174,7 +173,7 @@ def test_sequence_ratio_from_row_sums_of_a_split_row():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cispo_matches_naive_loop_and_its_gradient_is_the_clipped_weight(seed):
     logp, old, adv, mask = random_batch(seed, spread=0.5)
-    loss, stats = cispo(logp, old, adv, 10.0, 0.1, mask=mask)
+    loss, stats = cispo(logp, old, adv, P(10.0, 0.1), mask=mask)
     want, grads, cut = [], [], 0
     for b, row in enumerate(logp.tolist()):
         vals, gs = [], []
@@ -198,7 +197,7 @@ def test_cispo_hand_values_of_trls_definition():
     logp -0.5, old -1.0 -> ratio e^0.5 = 1.6487 -> weight 1.5; A = 2: loss -1.5 * 2 * -0.5 = 1.5, gradient -3.
     A ratio of e^-3 = 0.0498 stays unclipped below (verl's recipe clip_ratio_low=10)."""
     logp = t64([[-0.5, -4.0]]).requires_grad_()
-    loss, _ = cispo(logp, t64([[-1.0, -1.0]]), t64([2.0]), 10.0, 0.5)
+    loss, _ = cispo(logp, t64([[-1.0, -1.0]]), t64([2.0]), P(10.0, 0.5))
     close(loss, [[1.5, -math.exp(-3.0) * 2 * -4.0]])
     loss.sum().backward()
     close(logp.grad, [[-3.0, -2 * math.exp(-3.0)]])
@@ -206,11 +205,11 @@ def test_cispo_hand_values_of_trls_definition():
 
 def test_surrogates_refuse_dual_clip_and_unknown_names():
     x = torch.zeros(1, 1, dtype=torch.float64)
-    for fn in (gspo, cispo):
+    for name in ("gspo", "cispo", "sapo", "gpg", "geo_mean", "clip_cov", "kl_cov"):
         with pytest.raises(UsageError, match="clip_ratio_c"):
-            fn(x, x, x[0], 0.2, 0.2, 3.0)
+            surrogate(name)(x, x, x[0], P(0.2, 0.2, 3.0))
     with pytest.raises(UsageError, match="policy_loss"):
-        surrogate("sapo")
+        surrogate("vanilla")
 
 
 # ----------------------------------------------------------------------------------------------- importance weights
@@ -261,12 +260,12 @@ def test_rl_loss_weights_each_surrogate_and_default_settings_are_todays():
                          importance_mode="mask", importance_cap=1.5)
         got, stats = rl_loss(LossInputs(logp=logp, old_logp=old, advantages=adv, mask=mask, entropy=ent,
                                         behavior_logp=beh), s)
-        plain, _ = fn(logp, old, adv, 0.2, 0.28, mask=mask)
+        plain, _ = fn(logp, old, adv, P(0.2, 0.28), mask=mask)
         w, _ = importance_weights(old, beh, 1.5, mask, level="geometric", mode="mask")
         close(got, (plain * w).tolist())
         assert "policy/dual_clip_fraction" not in stats and "policy/is_masked_seq_fraction" in stats
     default = rl_loss(LossInputs(logp=logp, old_logp=old, advantages=adv, mask=mask, entropy=ent), LossSettings())[0]
-    assert torch.equal(default, ppo_clip(logp, old, adv, 0.2, 0.2, mask=mask)[0])
+    assert torch.equal(default, ppo_clip(logp, old, adv, mask=mask)[0])
 
 
 # ----------------------------------------------------------------------------------------------- aggregation, KL
@@ -397,20 +396,10 @@ SEQUENCE_LEVEL = ["algo.advantage=reinforce_pp_baseline", "algo.reinforce_pp_bas
 
 @pytest.mark.slow
 def test_sequence_level_objectives_are_the_same_on_one_and_three_processes(assets, tmp_path):
-    from safetensors.torch import load_file
+    from e2e import same_on_n_processes
 
-    from e2e import evenrl_many, final_params, max_diff, metrics
-
-    runs = {n: ["train", assets["cfg"], *SEQUENCE_LEVEL, f"log.run_dir={tmp_path / n}", *more]
-            for n, more in (("three", ["--nproc-per-node", "3"]), ("one", []))}
-    evenrl_many(runs)
-    one, three = tmp_path / "one", tmp_path / "three"
-    assert max_diff(final_params(one), final_params(three)) <= 1e-5
-    start = load_file(str(Path(assets["model"]) / "model.safetensors"))
-    assert max_diff(final_params(one), start) > 1e-5, "training did not move the policy: weak test"
-    m1, m3 = [r for r in metrics(one) if r["step"] > 0], [r for r in metrics(three) if r["step"] > 0]
-    for a, b in zip(m1, m3):
-        for k in ("policy/clip_fraction", "policy/is_weight", "policy/is_masked_seq_fraction", "kl", "policy/loss"):
-            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    m1, m3 = same_on_n_processes(assets, tmp_path, SEQUENCE_LEVEL, 3, ("policy/clip_fraction", "policy/is_weight",
+                                                                      "policy/is_masked_seq_fraction", "kl",
+                                                                      "policy/loss"))
     assert any(r["policy/clip_fraction"] > 0 for r in m1), "GSPO's clip never bit: weak test"
     assert all(abs(r["policy/is_weight"] - 1) < 1e-5 and r["policy/is_masked_seq_fraction"] == 0 for r in m1 + m3)

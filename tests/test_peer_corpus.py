@@ -234,13 +234,18 @@ def test_verl_gspo_example_keeps_its_tiny_clip_and_aggregation():
 
 
 def test_verl_rollout_correction_with_two_rejection_criteria():
-    """rollout_rs="token_k1,seq_max_k2" with thresholds "0.6_1.6,2.5": evenrl masks tokens whose ratio leaves
-    [0.6, 1.6] (token_k1, the first criterion it has) and names seq_max_k2, which it does not apply."""
+    """rollout_rs="token_k1,seq_max_k2" with thresholds "0.6_1.6,2.5" in bypass mode with loss_type=ppo_clip: both
+    criteria chained; token_k1's "0.6_1.6" bounds pi_rollout / pi = 1/w, so evenrl keeps 1/1.6 <= w <= 1/0.6; the
+    ratio is taken against the engine (old_policy=engine) and, as in verl's bypass PPO-clip, no weight is applied
+    (rollout_is=token is verl's metric only)."""
     _, t, cfg, _ = plan_file("verl__examples__rollout_correction__run_with_rollout_corr_multi_rs.sh", "verl")
-    assert (cfg.algo.importance_correction, cfg.algo.importance_mode, cfg.algo.importance_level) == \
-        ("all", "mask", "token")
-    assert (cfg.algo.importance_floor, cfg.algo.importance_cap) == (0.6, 1.6)
-    assert any("seq_max_k2" in n and "no evenrl equivalent" in n for n in t.notes)
+    a = cfg.algo
+    assert (a.importance_correction, a.importance_mode, a.old_policy, a.policy_loss) == ("all", "none", "engine", "ppo")
+    assert [(r.criterion, r.low, r.high) for r in a.rejection] == [("token_k1", 1 / 1.6, 1 / 0.6),
+                                                                   ("seq_max_k2", 0.0, 2.5)]
+    assert any("metrics only" in n for n in t.notes)
+    assert {"algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs_threshold",
+            "algorithm.rollout_correction.bypass_mode"} <= set(one(t, "mapped"))
     # no layout stated: verl's 1 x 8 GPUs; ppo_mini_batch_size 32 x rollout.n 1 (verl's default) // 8 = 4 per GPU,
     # which micro-batches of 8 do not divide: verl's worker stops there
     assert [c.message for c in t.checks] == [
@@ -261,9 +266,12 @@ def test_open_r1_code_recipe_generation_batch_by_layout():
 
 def test_verl_sapo_script_branches_and_pattern_substitution():
     """A Slurm script that picks its config by if/else on its own variables and builds the critic's keys with
-    ${VAR//actor/critic}: the fsdp branch is taken and said so; SAPO has no evenrl equivalent and is named."""
+    ${VAR//actor/critic}: the fsdp branch is taken and said so; SAPO with its tau_pos 1 / tau_neg 1.05, aggregated
+    by seq-mean-token-mean as verl's SAPO loss does whatever loss_agg_mode says."""
     _, t, cfg, _ = plan_file("verl__examples__sapo_trainer__run_qwen30b_sapo.sh", "verl")
     assert any("passed over the branch of `if fsdp == megatron`" in n for n in t.notes)
-    assert any("loss_mode=sapo" in n and "PPO-clip" in n for n in t.notes) and cfg.algo.policy_loss == "ppo"
+    assert (cfg.algo.policy_loss, cfg.algo.sapo_tau_pos, cfg.algo.sapo_tau_neg) == ("sapo", 1.0, 1.05)
+    assert cfg.algo.loss_aggregation == "seq-mean-token-mean" and cfg.algo.clip_ratio_c == 0
+    assert any("loss_mode=sapo" in n and "seq-mean-token-mean" in n for n in t.notes)
     assert cfg.parallel.sequence_parallel_size == 4 and cfg.rollout.samples_per_prompt == 16
     assert "trainer.n_gpus_per_node" in {k["key"] for k in t.keys if "unresolved" in k["why"]}  # $SLURM_GPUS_PER_NODE

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from evenrl.core.importance import importance_weights
-from evenrl.core.surrogates import surrogate
+from evenrl.core.importance import importance_weights, normalized, rejection_keep
+from evenrl.core.surrogates import SELECTING, PolicyParams, surrogate
 from evenrl.errors import bad
 
 # Log-ratios and KL arguments are clamped before exp(), like verl, so one wild token cannot produce inf/NaN.
@@ -131,6 +131,8 @@ class LossInputs:
     # the engine's log-probs of the sampled tokens when the policy-gradient term is importance-weighted (an older
     # policy sampled, or the engine's numbers differ from the trainer's); None: no correction
     behavior_logp: torch.Tensor | None = None
+    selected: torch.Tensor | None = None  # [B, R] bool: the tokens clip_cov / kl_cov single out (evenrl.core.selection)
+    weight_mean: float | None = None  # the step's mean importance weight (algo.importance_normalize); None: as they are
 
 
 @dataclass(frozen=True)
@@ -139,38 +141,58 @@ class LossSettings:
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_ratio_c: float = 0.0     # dual clip (ppo only); 0 = off
+    tau_pos: float = 1.0          # sapo's gate temperatures
+    tau_neg: float = 1.05
+    kl_cov_coef: float = 0.1      # kl_cov's |log-ratio| weight
+    old_policy: str = "trainer"   # trainer: old_logp is the trainer's; engine: the engine's, and importance weights
+    #                               are then taken from the current policy (verl's bypass mode)
     kl_coef: float = 0.0          # weight of the per-token KL term; 0 measures KL (when ref_logp is given) only
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0     # weight of the entropy bonus; 0 only measures entropy
     importance_cap: float = 2.0   # upper threshold of the importance weight (with behavior_logp)
     importance_floor: float = 0.0  # lower threshold; 0 = none
     importance_level: str = "token"  # token | sequence | geometric (evenrl.core.importance)
-    importance_mode: str = "truncate"  # truncate | mask
+    importance_mode: str = "truncate"  # truncate | mask | none
+    rejection: tuple = ()         # (criterion, low, high) triples, evenrl.core.importance.CRITERIA
 
 
 def rl_loss(inp: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """The policy-gradient surrogate s.policy_loss (times the importance weight when behavior_logp is given) +
-    kl_coef x KL(policy || reference) - entropy_coef x entropy, per token.
+    """The policy-gradient surrogate s.policy_loss (times the importance weight and the rejection criteria when
+    behavior_logp is given) + kl_coef x KL(policy || reference) - entropy_coef x entropy, per token.
     -> (loss [B, R], stats {name: (sum over masked tokens, token count)}).
 
     Stats are (sum, count) pairs so a global mean over ranks and micro-batches is exact: policy/loss,
-    policy/clip_fraction, policy/dual_clip_fraction (with clip_ratio_c), policy/approx_kl, entropy, kl when ref_logp
-    is given, and evenrl.core.importance's with behavior_logp. Reducing the loss to a scalar with global denominators is
-    evenrl.core.aggregation's job.
+    policy/clip_fraction, policy/dual_clip_fraction (with clip_ratio_c), policy/selected_fraction (clip_cov, kl_cov),
+    policy/approx_kl, entropy, kl when ref_logp is given, and evenrl.core.importance's with behavior_logp (with
+    weight_mean: policy/is_batch_mean, the mean the weights were divided by). Reducing the loss to a scalar with
+    global denominators is evenrl.core.aggregation's job.
     """
-    per_token, pstats = surrogate(s.policy_loss)(inp.logp, inp.old_logp, inp.advantages, clip_low=s.clip_low,
-                                                 clip_high=s.clip_high, clip_ratio_c=s.clip_ratio_c, mask=inp.mask)
+    params = PolicyParams(clip_low=s.clip_low, clip_high=s.clip_high, clip_ratio_c=s.clip_ratio_c, tau_pos=s.tau_pos,
+                          tau_neg=s.tau_neg, kl_cov_coef=s.kl_cov_coef)
+    per_token, pstats = surrogate(s.policy_loss)(inp.logp, inp.old_logp, inp.advantages, params, mask=inp.mask,
+                                                 selected=inp.selected)
     n = inp.mask.sum()
     is_stats = {}
     if inp.behavior_logp is not None:
-        w, is_stats = importance_weights(inp.old_logp, inp.behavior_logp, s.importance_cap, inp.mask,
+        # bypass (old_policy=engine): old_logp is the engine's own, so the weights correct the current policy to it
+        target = inp.logp.detach() if s.old_policy == "engine" else inp.old_logp
+        w, is_stats = importance_weights(target, inp.behavior_logp, s.importance_cap, inp.mask,
                                          level=s.importance_level, mode=s.importance_mode, floor=s.importance_floor)
+        if inp.weight_mean is not None:
+            w = normalized(w, inp.weight_mean)
+            is_stats["policy/is_batch_mean"] = (torch.tensor(inp.weight_mean, dtype=torch.float64) * n, n)
+        if s.rejection:
+            keep, rs_stats = rejection_keep(target.detach() - inp.behavior_logp.to(target.dtype), inp.mask, s.rejection)
+            w = torch.where(keep, w, torch.zeros((), dtype=w.dtype, device=w.device))
+            is_stats.update(rs_stats)
         per_token = per_token * w.to(per_token.dtype)
     stats = {"policy/loss": ((per_token * inp.mask).sum().detach(), n),
              "policy/clip_fraction": (pstats["clipped_tokens"], n),
              "policy/approx_kl": (pstats["approx_kl_sum"], n), **is_stats}
     if s.clip_ratio_c > 0:
         stats["policy/dual_clip_fraction"] = (pstats["dual_clipped_tokens"], n)
+    if s.policy_loss in SELECTING:
+        stats["policy/selected_fraction"] = (pstats["selected_tokens"], n)
     if inp.ref_logp is not None:
         kl = kl_penalty(inp.logp, inp.ref_logp, s.kl_estimator)
         if s.kl_coef > 0:

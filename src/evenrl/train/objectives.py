@@ -2,16 +2,23 @@
 (`value_objective`), each building the pure loss's inputs from the forward's outputs and the micro-batch's columns, plus the
 engine/trainer log-prob mismatch they report on the way; and the settings the pure functions get from the config
 (`loss_settings`, `advantage_settings`, `norm_tokens`), so that an algorithm is a value and never a branch of the loop.
-The losses themselves are evenrl.core.losses."""
+The losses themselves are evenrl.core.losses. What some objectives take from the whole mini-batch or step (`Pooled`:
+Clip-Cov / KL-Cov's covariance and threshold, the mean importance weight) is pooled over the ranks before the update
+(evenrl.train.pooled) and turned into each micro-batch's inputs here (`selected_tokens`)."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
 from evenrl.config import RunConfig
-from evenrl.core.batch import Batch
+from evenrl.core import selection
+from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import LossInputs, LossSettings, rl_loss, value_loss
 from evenrl.core.masking import counted_lengths, masked_rows
+from evenrl.engines.base import keyed_seed
 from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.train.runlog import MISMATCH_THRESHOLD
 
@@ -23,35 +30,83 @@ IS_STAT_NAMES = ["policy/is_weight", "policy/is_clipped_fraction", "policy/is_ma
 CRITIC_STAT_NAMES = ["critic/loss", "critic/clip_fraction", "critic/values"]
 
 
-def rl_objective(cfg: RunConfig, step: int, outputs, targets, mask, mb: Batch):
+@dataclass(frozen=True)
+class Pooled:
+    """What an objective takes from more than its micro-batch, the same on every rank (evenrl.train.pooled):
+    the mini-batch's [sum A, sum logp, tokens] and the selection threshold (clip_cov: the n-th smallest eligible
+    key; kl_cov: the k-th largest covariance), and the step's mean importance weight (importance_normalize)."""
+    totals: torch.Tensor | None = None
+    threshold: float = math.inf
+    weight_mean: float | None = None
+
+
+def rl_objective(cfg: RunConfig, step: int, outputs, targets, mask, mb: Batch, pooled: Pooled = Pooled()):
     """A micro-batch's policy loss at RL step `step`: its LossInputs from the forward's log-probs and entropies
-    (`outputs` [B, R, 2], models.forward.response_logprobs) and its columns, then the pure objective
-    (evenrl.core.losses.rl_loss). Each row is a whole sample, so sequence-level terms (GSPO's ratio, sequence
-    importance weights) see all of its tokens."""
+    (`outputs` [B, R, 2], models.forward.response_logprobs), its columns and what was pooled from the whole
+    mini-batch, then the pure objective (evenrl.core.losses.rl_loss). Each row is a whole sample, so
+    sequence-level terms (GSPO's ratio, sequence importance weights) see all of its tokens."""
     keep, mask = kept_rows(cfg, mb, mask)
     logp, entropy = outputs[..., 0], outputs[..., 1]
-    adv = ragged_to_right_aligned(mb, "token_advantage", logp.device) if "token_advantage" in mb else mb["advantage"]
-    old_logp = ragged_to_right_aligned(mb, "old_logp", logp.device) if "old_logp" in mb else logp.detach()
-    engine_logp = ragged_to_right_aligned(mb, "engine_logp", logp.device)
+    adv, old_logp, engine_logp = columns(cfg, mb, logp.device, logp.detach())
     inputs = LossInputs(
-        logp=logp, mask=mask, entropy=entropy, advantages=adv.to(logp.device), old_logp=old_logp,
+        logp=logp, mask=mask, entropy=entropy, advantages=adv, old_logp=old_logp,
         ref_logp=ragged_to_right_aligned(mb, "ref_logp", logp.device) if "ref_logp" in mb else None,
-        behavior_logp=behavior_logprobs(cfg, step, mb, old_logp, engine_logp))
+        behavior_logp=behavior_logprobs(cfg, step, mb, old_logp if cfg.algo.old_policy == "trainer" else logp,
+                                        engine_logp),
+        selected=selected_tokens(cfg, step, mb, adv, old_logp, mask, pooled), weight_mean=pooled.weight_mean)
     per_token, stats = rl_loss(inputs, loss_settings(cfg))
-    stats.update(logprob_mismatch(old_logp, engine_logp, mask))
+    stats.update(logprob_mismatch(old_logp if cfg.algo.old_policy == "trainer" else logp, engine_logp, mask))
     if keep is not None:
         per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
     return per_token, stats
+
+
+def columns(cfg: RunConfig, mb: Batch, device, current=None):
+    """(advantages [B] or [B, R], old_logp [B, R], engine_logp [B, R]) of a micro-batch: old_logp is the engine's
+    with old_policy=engine (verl's bypass), else the trainer's at the start of the step (`current`, the forward's own
+    log-probs detached, where no pass computed them: one update per step, ratio exactly 1)."""
+    adv = ragged_to_right_aligned(mb, "token_advantage", device) if "token_advantage" in mb else mb["advantage"]
+    engine_logp = ragged_to_right_aligned(mb, "engine_logp", device)
+    if cfg.algo.old_policy == "engine":
+        old_logp = engine_logp
+    else:
+        old_logp = ragged_to_right_aligned(mb, "old_logp", device) if "old_logp" in mb else current
+    return adv.to(device), old_logp, engine_logp
+
+
+def selected_tokens(cfg: RunConfig, step: int, mb: Batch, adv, old_logp, mask, pooled: Pooled):
+    """clip_cov / kl_cov: the micro-batch's tokens that the whole mini-batch's covariance singles out, [B, R] bool
+    (evenrl.core.selection, from the pooled totals and threshold); None for the other losses."""
+    algo = cfg.algo
+    if algo.policy_loss not in ("clip_cov", "kl_cov") or pooled.totals is None:
+        return None
+    cov = selection.covariance(adv, old_logp, mask, pooled.totals)
+    if algo.policy_loss == "kl_cov":
+        return mask & selection.kl_cov_selected(cov, pooled.threshold)
+    keys = selection_keys(cfg, step, mb).to(cov.device)
+    return mask & selection.clip_cov_selected(cov, keys, algo.clip_cov_low, algo.clip_cov_high, pooled.threshold)
+
+
+def selection_keys(cfg: RunConfig, step: int, mb: Batch) -> torch.Tensor:
+    """Clip-Cov's random choice as numbers: a uniform key per response token, keyed by (seed, step, sample), so the
+    choice is the same on any layout; [B, R] float64, right-aligned like the forward's outputs."""
+    rows = []
+    for index, n in zip(mb["sample_index"].tolist(), mb["response_len"].tolist()):
+        gen = torch.Generator().manual_seed(keyed_seed("evenrl-clip-cov", cfg.train.seed, step, index) >> 1)
+        rows.append(torch.rand(n, generator=gen, dtype=torch.float64))
+    return Batch({"keys": Ragged.of(rows, torch.float64)}).padded("keys", 2.0, side="left")[0]
 
 
 def loss_settings(cfg: RunConfig) -> LossSettings:
     """The pure objective's settings from the config: every algorithm choice is a value here, none a branch."""
     algo = cfg.algo
     return LossSettings(policy_loss=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
-                        clip_ratio_c=algo.clip_ratio_c, entropy_coef=algo.entropy_coef,
+                        clip_ratio_c=algo.clip_ratio_c, tau_pos=algo.sapo_tau_pos, tau_neg=algo.sapo_tau_neg,
+                        kl_cov_coef=algo.kl_cov_coef, old_policy=algo.old_policy, entropy_coef=algo.entropy_coef,
                         kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0, kl_estimator=algo.kl_estimator,
                         importance_cap=algo.importance_cap, importance_floor=algo.importance_floor,
-                        importance_level=algo.importance_level, importance_mode=algo.importance_mode)
+                        importance_level=algo.importance_level, importance_mode=algo.importance_mode,
+                        rejection=tuple((r.criterion, r.low, r.high) for r in algo.rejection))
 
 
 def advantage_settings(cfg: RunConfig, everyone: Batch) -> dict:
@@ -75,9 +130,14 @@ def norm_tokens(cfg: RunConfig) -> float:
 
 def policy_stat_names(cfg: RunConfig) -> list[str]:
     """The statistics every rank reduces for the policy, in one order: the importance weights' with
-    importance_correction, the dual clip's share with clip_ratio_c."""
-    return (STAT_NAMES + (IS_STAT_NAMES if importance_weighted(cfg) else [])
-            + (["policy/dual_clip_fraction"] if cfg.algo.clip_ratio_c > 0 else []))
+    importance_correction (with their batch mean and rejection shares where on), the dual clip's share with
+    clip_ratio_c, the selected tokens' share with clip_cov and kl_cov."""
+    algo, weighted = cfg.algo, importance_weighted(cfg)
+    return (STAT_NAMES + (IS_STAT_NAMES if weighted else [])
+            + (["policy/is_batch_mean"] if weighted and algo.importance_normalize else [])
+            + (["policy/rejected_fraction", "policy/rejected_seq_fraction"] if weighted and algo.rejection else [])
+            + (["policy/dual_clip_fraction"] if algo.clip_ratio_c > 0 else [])
+            + (["policy/selected_fraction"] if algo.policy_loss in ("clip_cov", "kl_cov") else []))
 
 
 def importance_weighted(cfg: RunConfig) -> bool:
@@ -88,16 +148,16 @@ def importance_weighted(cfg: RunConfig) -> bool:
     return mode == "all" or (mode == "stale" and cfg.rollout.max_staleness > 0)
 
 
-def behavior_logprobs(cfg: RunConfig, step: int, mb: Batch, old_logp, engine_logp):
+def behavior_logprobs(cfg: RunConfig, step: int, mb: Batch, target_logp, engine_logp):
     """The log-probs the importance weight divides by, [B, R], or None for no weighting: the engine's where the
-    sample is corrected, old_logp itself elsewhere (weight exp(0) = 1 exactly). 'stale' corrects the samples of
-    an older policy than the one the step trains (version < step - 1)."""
+    sample is corrected, the weight's own numerator (`target_logp`) elsewhere (weight exp(0) = 1 exactly). 'stale'
+    corrects the samples of an older policy than the one the step trains (version < step - 1)."""
     if not importance_weighted(cfg):
         return None
     if cfg.algo.importance_correction == "all":
         return engine_logp
     stale = (mb["version"] < step - 1).to(engine_logp.device)[:, None]
-    return torch.where(stale, engine_logp, old_logp.detach())
+    return torch.where(stale, engine_logp, target_logp.detach())
 
 
 def value_objective(cfg: RunConfig, logits, targets, mask, mb: Batch):

@@ -31,6 +31,7 @@ from evenrl.models.forward import ragged_to_right_aligned, response_logits, resp
 from evenrl.models.loading import is_sharded
 from evenrl.train.balance import rebalance
 from evenrl.train.metrics import Timer, step_metrics
+from evenrl.train.pooled import needs_pooling, pool
 from evenrl.train.objectives import (CRITIC_STAT_NAMES, advantage_settings, norm_tokens, policy_stat_names,
                                      rl_objective, value_objective)
 from evenrl.train.sampling import sample
@@ -68,8 +69,9 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
                 add_logprobs(trainer, batch, "ref_logp", reference, flat(micro))
         if needs_old_logprobs(cfg):
             add_logprobs(trainer, batch, "old_logp", trainer.model, flat(micro))
+        pooled = pool(cfg, step, batch, micro)                                  # whole-mini-batch numbers, if any
     with timer("update"):
-        stats = update(trainer, step, batch, micro, denoms)
+        stats = update(trainer, step, batch, micro, denoms, pooled)
     load = rebalance(trainer.balance, timer, local)                             # busy times; auto: next weights
 
     lr = trainer.policy.optimizer.param_groups[0]["lr"]
@@ -269,11 +271,15 @@ def on_group_rows(trainer: Trainer, local: Batch, add, names: tuple[str, ...]) -
 
 def needs_old_logprobs(cfg: RunConfig) -> bool:
     # With one optimizer step per rollout the policy that sampled is the one being updated: ratio == 1
-    # exactly, so old log-probs are the current ones detached and a whole forward pass is saved.
-    return cfg.algo.minibatches_per_step > 1 or cfg.algo.epochs_per_step > 1
+    # exactly, so old log-probs are the current ones detached and a whole forward pass is saved, unless an
+    # objective needs them from the whole mini-batch before its update. old_policy=engine: the engine's are pi_old.
+    algo = cfg.algo
+    return algo.old_policy == "trainer" and (algo.minibatches_per_step > 1 or algo.epochs_per_step > 1
+                                             or needs_pooling(cfg))
 
 
-def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]]], denoms: list) -> dict:
+def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]]], denoms: list,
+           pooled: list) -> dict:
     cfg, algo = trainer.cfg, trainer.cfg.algo
     stat_names = policy_stat_names(cfg)
     busy = trainer.balance.busy if trainer.balance.measured else None  # parallel.capacity_weights set: timed
@@ -281,13 +287,13 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(algo.epochs_per_step):
-        for rows, denom in zip(micro, denoms):
+        for rows, denom, common in zip(micro, denoms, pooled):
             policy, critic = trainer.policy, trainer.critic
             stats = minibatch_update(policy.model, policy.optimizer, policy.lr_scheduler, batch, rows, denom,
                                      forward=functools.partial(response_logprobs, pad_token_id=trainer.pad_id,
                                                                temperature=trainer.temperature, entropy=True,
                                                                entropy_grad=algo.entropy_coef > 0),
-                                     loss_fn=functools.partial(rl_objective, cfg, step),
+                                     loss_fn=functools.partial(rl_objective, cfg, step, pooled=common),
                                      stat_names=stat_names, aggregation=algo.loss_aggregation,
                                      max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id, busy=busy)
             if critic is not None:  # same rows, same global denominators: exact on any layout too

@@ -86,6 +86,14 @@ class Source:
     def has(self, key: str) -> bool:
         return self.raw(key) is not None
 
+    def given(self, key: str) -> bool:
+        """Whether the file sets `key`, without counting the key as read (the accounting's "read")."""
+        seen = key in self.reads
+        out = self.has(key)
+        if not seen:
+            self.reads.discard(key)
+        return out
+
     def int(self, key: str, default: int | None, lo: int = 1) -> int | None:
         v = self.raw(key, default)
         if v is None:

@@ -131,6 +131,8 @@ def apply_maps(peer: str, version: str, src, t) -> None:
     for key, spec in table(peer).get("map", {}).items():
         field = spec["to"]
         if field in t.settings:
+            if src.given(key) and key not in re.findall(r"[A-Za-z0-9_.+-]+", t.source.get(field, key)):
+                t.unused[key] = f"unused: {field} follows {t.source[field]}"  # e.g. a loss mode's own aggregation
             continue
         off = ("when" in spec and not _truthy(src.raw(spec["when"]))) or \
             ("when_not" in spec and _truthy(src.raw(spec["when_not"])))
@@ -149,7 +151,8 @@ def apply_maps(peer: str, version: str, src, t) -> None:
             if v is None:
                 continue
             targets[field] = spec["values"][v]
-            for extra, to in (("level", "algo.importance_level"), ("policy", "algo.policy_loss")):
+            for extra, to in (("level", "algo.importance_level"), ("policy", "algo.policy_loss"),
+                              ("aggregation", "algo.loss_aggregation")):
                 if v in spec.get(extra, {}):
                     targets[to] = spec[extra][v]
         else:
@@ -216,11 +219,19 @@ def _enumerated(peer: str, spec: dict, key: str, text: str, shown: str, t) -> st
     return chosen
 
 
-def first_mapped(peer: str, key: str, value: Any) -> int | None:
-    """Which item of a `multi` enumeration (e.g. verl's rollout_rs="token_k1,seq_max_k2") evenrl applies."""
-    spec = table(peer)["map"][key]
-    parts = [p.strip().strip("'\"") for p in _text(value).split(spec.get("multi", "\0"))]
-    return next((i for i, v in enumerate(parts) if v in spec.get("values", {})), None)
+def rejection_options(peer: str) -> dict[str, str]:
+    """The peer's rollout-correction rejection options -> evenrl's algo.rejection criteria (the values of the map
+    entry whose field is algo.rejection)."""
+    return next(dict(spec["values"]) for spec in table(peer)["map"].values() if spec["to"] == "algo.rejection")
+
+
+def forced_aggregation(peer: str, loss_mode: str) -> str | None:
+    """The aggregation the peer's loss mode imposes whatever its aggregation key says (verl's gspo, sapo,
+    geo_mean), or None."""
+    for spec in table(peer).get("map", {}).values():
+        if spec.get("to") == "algo.policy_loss" and "aggregation" in spec:
+            return spec["aggregation"].get(loss_mode)
+    return None
 
 
 def _coerce(peer: str, key: str, field: str, value: Any) -> Any:

@@ -22,7 +22,7 @@ from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_critic, set_data, set_dynamic_sampling, set_kl,
     set_lengths, set_lora, set_model, set_overlong, set_parallel, set_reward_models,
     set_steps, split_layout, trainer_layout)
-from evenrl.planner.peers.tables import first_mapped
+from evenrl.planner.peers.tables import forced_aggregation, rejection_options
 
 
 def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
@@ -134,6 +134,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if src.has("rollout.n_gpus_per_node"):
         _staleness(src, t)
     _importance(src, t)
+    _aggregation(src, t, rlen, mini, n, micro, dyn, max(dp // sp, 1))
     if src.bool("actor_rollout_ref.rollout.multi_turn.enable", False):
         _multi_turn(src, t, rlen)
 
@@ -203,41 +204,135 @@ def _multi_turn(src: Source, t: Translation, response: int) -> None:
 
 def _importance(src: Source, t: Translation) -> None:
     """verl's rollout correction (pi_old / pi_rollout) in its spellings: truncated weights (tis_imp_ratio_cap;
-    algorithm.rollout_is + rollout_is_threshold; rollout_correction.rollout_is) and masking (rollout_correction.
-    rollout_rs with rollout_rs_threshold, the ratio's bounds for the k1 options). Levels and modes are the tables'."""
+    algorithm.rollout_is + rollout_is_threshold; rollout_correction.rollout_is) times chained rejection criteria
+    (rollout_correction.rollout_rs with rollout_rs_threshold), verl's bypass mode (old_policy=engine; loss_type
+    reinforce: gpg) and batch-normalised weights. Levels: the tables'."""
     c = "algorithm.rollout_correction."
     cap = src.float("actor_rollout_ref.actor.tis_imp_ratio_cap", -1)
-    key, floor = "actor_rollout_ref.actor.tis_imp_ratio_cap", 0.0
+    key = "actor_rollout_ref.actor.tis_imp_ratio_cap"
     if cap <= 0 and src.bool("algorithm.rollout_is", False) and src.has("algorithm.rollout_is_threshold"):
         key = "algorithm.rollout_is_threshold"
         cap = src.float(key, 2.0)
-    elif cap <= 0 and first_mapped("verl", c + "rollout_rs", src.raw(c + "rollout_rs")) is not None:
-        key = c + "rollout_rs_threshold"  # one threshold per rollout_rs criterion, comma-separated
-        floor, cap = _bounds(src, key, first_mapped("verl", c + "rollout_rs", src.raw(c + "rollout_rs")))
-        if src.has(c + "rollout_is"):
-            t.notes.append(f"{c}rollout_is with rollout_rs: verl truncates the weights and masks by rollout_rs; "
-                           "evenrl does one of the two: it masks")
-    elif cap <= 0 and src.has(c + "rollout_is"):
-        key = c + "rollout_is_threshold"
-        cap = src.float(key, 2.0)
-    if cap <= 0:
+    if cap > 0:  # the older spellings: truncated token weights only
+        t.set("algo.importance_correction", "all", key)
+        t.set("algo.importance_cap", min(max(cap, 1.0), 1000.0), key)
         return
-    t.set("algo.importance_correction", "all", key)
-    t.set("algo.importance_cap", min(max(cap, 1.0), 1000.0), key)
-    if 0 < floor < 1:
-        t.set("algo.importance_floor", floor, key)
+    level, rs = _off_if_null(src.str(c + "rollout_is", "")), _off_if_null(src.str(c + "rollout_rs", ""))
+    bypass = src.bool(c + "bypass_mode", False)
+    reinforce = bypass and src.str(c + "loss_type", "ppo_clip") == "reinforce"
+    if bypass:
+        t.set("algo.old_policy", "engine", c + "bypass_mode")
+        if reinforce:  # -w A log pi, w = pi / pi_rollout truncated: evenrl's gpg weighted against the engine
+            t.set("algo.policy_loss", "gpg", c + "loss_type")
+    if not level and not rs:
+        return
+    t.set("algo.importance_correction", "all", c + ("rollout_is" if level else "rollout_rs"))
+    normalize = src.bool(c + "rollout_is_batch_normalize", False)
+    if level and (reinforce or not bypass):
+        t.set("algo.importance_cap", min(max(src.float(c + "rollout_is_threshold", 2.0), 1.0), 1000.0),
+              c + "rollout_is_threshold")
+        if normalize and bypass:
+            t.notes.append(f"{c}rollout_is_batch_normalize: in bypass mode verl normalises each micro-batch's "
+                           "weights of the current policy; evenrl normalises over the whole step, and not in bypass "
+                           "mode: the weights stay as they are")
+        elif normalize:
+            t.set("algo.importance_normalize", True, c + "rollout_is_batch_normalize")
+    else:
+        t.set("algo.importance_mode", "none", c + ("loss_type" if level else "rollout_rs"))
+        if level:
+            t.notes.append(f"{c}rollout_is={level} with bypass_mode and loss_type=ppo_clip: verl computes the "
+                           "weights for its metrics only (the ratio against the rollout policy corrects already); "
+                           "evenrl applies none either (importance_mode=none)")
+    if rs:
+        criteria = _rejection(src, t, c, rs)
+        if criteria:
+            t.set("algo.rejection", criteria, f"{c}rollout_rs {c}rollout_rs_threshold")
 
 
-def _bounds(src: Source, key: str, index: int) -> tuple[float, float]:
-    """The index-th criterion's rollout_rs_threshold: one number (the upper bound) or "lower_upper" (both)."""
-    raw = src.raw(key, 2.0)
-    spec = str(raw).strip("'\"").split(",")
-    parts = [p for p in spec[min(index, len(spec) - 1)].strip().strip("'\"").split("_") if p]
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        raise UsageError(f"verl {key}: got {raw!r}; need a number or 'lower_upper'") from None
-    return (values[0], values[1]) if len(values) == 2 else (0.0, values[0])
+def _off_if_null(value: str) -> str:
+    value = value.strip().strip("'\"")
+    return "" if value.lower() in ("", "null", "none", "~") else value
+
+
+def _rejection(src: Source, t: Translation, c: str, options: str) -> list[dict]:
+    """rollout_rs's criteria with rollout_rs_threshold, read by verl's rules (_parse_rollout_rs_thresholds): one
+    threshold for all or one per criterion; k1 takes "lower_upper" or one number u meaning [1/u, u], bounds on
+    -log(pi_old / pi_rollout), i.e. on 1 / w: evenrl's bounds on w are low = 1/upper, high = 1/lower. k2, k3: an
+    upper bound."""
+    known = rejection_options("verl")
+    names = list(dict.fromkeys(o.strip().strip("'\"") for o in options.split(",") if o.strip()))
+    for n in names:
+        if n not in known:
+            t.notes.append(f"{c}rollout_rs={n}: not a value verl has ({', '.join(known)}); evenrl does not apply it")
+    names = [n for n in names if n in known]
+    raw = src.raw(c + "rollout_rs_threshold")
+    if raw is None:
+        t.checks.append(Check("rollout", "ValueError", "rollout_rs_threshold must be explicitly provided when "
+                              "rollout_rs is enabled. Set rollout_rs_threshold to the desired threshold value.",
+                              f"rollout_rs={options} has no rollout_rs_threshold (verl's default: null)"))
+        t.notes.append(f"{c}rollout_rs={options}: no rollout_rs_threshold, so evenrl applies no rejection")
+        return []
+    specs = [x.strip() for x in str(raw).strip("'\"").split(",") if x.strip()]
+    if len(specs) not in (1, len(names)):
+        t.checks.append(Check("rollout", "ValueError", "rollout_rs_threshold expects either one threshold shared by "
+                              f"all options or exactly {len(names)} thresholds to match the provided rollout_rs "
+                              "options.", f"{len(specs)} thresholds for {len(names)} criteria"))
+        return []
+    out = []
+    for name, spec in zip(names, specs * len(names) if len(specs) == 1 else specs):
+        k1 = name.endswith("k1")
+        try:
+            parts = [float(x) for x in spec.split("_", 1)]
+        except ValueError:
+            parts = []
+        if not parts or min(parts) <= 0 or not all(map(math.isfinite, parts)) or (len(parts) == 2 and not k1):
+            raise UsageError(f"verl {c}rollout_rs_threshold: got {spec!r} for {name}; need "
+                             f"{'a positive number or positive lower_upper' if k1 else 'one positive number'}")
+        if not k1:
+            out.append({"criterion": known[name], "high": parts[0]})
+            continue
+        lower, upper = parts if len(parts) == 2 else (1.0 / parts[0], parts[0])
+        low, high = 1.0 / upper, 1.0 / lower
+        if low > 1.0 or high < 1.0:
+            t.notes.append(f"{c}rollout_rs={name} with threshold {spec}: verl keeps weights in [{low:.4g}, "
+                           f"{high:.4g}], which rejects exactly on-policy tokens (weight 1); evenrl's bounds hold 1, "
+                           "so it does not apply this criterion")
+            continue
+        out.append({"criterion": known[name], "low": low, "high": high})
+    return out
+
+
+def _aggregation(src: Source, t: Translation, rlen: int, mini: int, n: int, micro: int | None, dyn: bool,
+                 dp: int) -> None:
+    """verl's seq-mean-token-sum-norm at 0.8.0.dev: agg_loss returns the sum over rows of token sums / C (C =
+    loss_scale_factor, else the padded response width, max_response_length), no mean over rows. Its default actor
+    (use_legacy_worker_impl auto) scales each micro-batch by 1 / the rank's micro-batches per mini-batch and FSDP
+    averages over data-parallel ranks; its newer engine sums micro-batches and averages over ranks. Either way a
+    mini-batch's loss is the sum / (C x k), k = the mini-batch's micro-batches over all ranks (or the ranks): evenrl's
+    token-sum-norm with loss_norm_tokens = C x k, the same loss on any evenrl layout."""
+    a = "actor_rollout_ref.actor."
+    if forced_aggregation("verl", src.str(a + "policy_loss.loss_mode", "vanilla")) or \
+            src.str(a + "loss_agg_mode", "token-mean") != "seq-mean-token-sum-norm":
+        return  # (a forced mode first: loss_agg_mode is then unused, and not read)
+    scale = src.int(a + "loss_scale_factor", None)
+    width = scale or rlen
+    legacy = src.str("trainer.use_legacy_worker_impl", "auto") != "disable"
+    if legacy and not dyn and micro:
+        per_rank = max(mini * n // dp, 1)
+        steps = max(per_rank // micro, 1)
+        k, how = steps * dp, (f"its default actor scales each micro-batch ({micro} rows) by 1/{steps} (a rank's "
+                              f"{per_rank} rows per mini-batch) and averages over {dp} data-parallel ranks")
+    elif legacy:
+        k, how = dp, (f"with use_dynamic_bsz its default actor scales each micro-batch by its share of the rank's "
+                      f"rows, which depends on how rows pack (no constant matches it; evenrl takes one micro-batch "
+                      f"per rank), and averages over {dp} data-parallel ranks")
+    else:
+        k, how = dp, f"its newer engine sums micro-batches and averages over {dp} data-parallel ranks"
+    t.set("algo.loss_norm_tokens", min(width * k, 10_000_000),
+          a + "loss_agg_mode" + (f" {a}loss_scale_factor" if scale else ""))
+    t.notes.append(f"{a}loss_agg_mode=seq-mean-token-sum-norm: verl's agg_loss divides the sum over rows of token "
+                   f"sums by {width} ({'loss_scale_factor' if scale else 'max_response_length'}), with no mean over "
+                   f"rows, and {how}: evenrl's token-sum-norm with loss_norm_tokens = {width} x {k}")
 
 
 def _data_parallel(src: Source, t: Translation, world: int, micro: int | None) -> tuple[int, int, str]:

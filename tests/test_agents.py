@@ -41,11 +41,13 @@ def tools_model(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("agent-model")), chat_template="tools", seed=3)
 
 
-def run_agent(model, spec, rows, samples=2, rewards_functions=None, **rollout):
+def run_agent(model, spec, rows, samples=2, rewards_functions=None, extra_fields=(), **rollout):
     """Agents.generate on `rows` x `samples`, as a training rank's rollout runs it: (trajectories [row][sample],
-    the Agents, the policy, its tokenizer)."""
+    the Agents, the policy, its tokenizer). `extra_fields`: the rows' fields the agents get besides prompt and
+    answer (data.extra_fields)."""
     rewards = {"functions": rewards_functions} if rewards_functions else {}
-    cfg = RunConfig.model_validate({"model": {"path": model}, "data": {"max_prompt_tokens": 64}, "rewards": rewards,
+    data = {"max_prompt_tokens": 64, "extra_fields": list(extra_fields)}
+    cfg = RunConfig.model_validate({"model": {"path": model}, "data": data, "rewards": rewards,
                                     "rollout": {"agent": spec, "samples_per_prompt": samples, "max_new_tokens": 8,
                                                 "agent_timeout_s": 20.0, **rollout}})
     policy, tok = load_policy(model)
@@ -353,21 +355,35 @@ def test_history_rewrites_split_into_samples_or_are_refused(tools_model, monkeyp
     assert refused.failed and "agent_history=refuse" in refused.error and refused.reward == 0.0
 
 
-def test_hostile_agents_cost_their_own_trajectory(tools_model, monkeypatch, capfd):
+def test_hostile_agents_cost_their_own_trajectory(tools_model, monkeypatch, capfd, tmp_path):
     """Agents in two workers, each on one event loop: hanging, allocating 10 GB, printing 100 MB, sending 300 requests 100
-    at a time, connecting elsewhere, never calling; each is one logged failure and the well-behaved ones are not (one
-    of them sends malformed requests first, each answered 400 without disturbing the rollout).
+    at a time, connecting elsewhere (an address, another process's Unix socket file), never calling; each is one
+    logged failure and the well-behaved ones are not (one of them sends malformed requests first, each answered 400
+    without disturbing the rollout; one leaves a task calling after it returned: that call is refused, not recorded).
     (An agent that blocks its event loop fails the agents sharing its worker: the worker's own time limit; the
     pool's tests cover that limit.)"""
-    kinds = ["hang_async", "hog", "shout", "flood", "elsewhere", "silent", "malformed", "polite"]
-    monkeypatch.setattr(pool, "WORKERS", 2)  # agents k::2 share a worker: the flood (3) not with "malformed" (6)
-    out, _, _, _ = run_agent(tools_model, "toy_agents:by_row", [{"prompt": k, "answer": "", "rounds": 3}
-                                                                 for k in kinds], samples=1, agent_timeout_s=6.0)
+    import socket
+
+    kinds = ["hang_async", "hog", "shout", "flood", "elsewhere", "silent", "malformed", "polite", "lingers",
+             "unix_elsewhere"]
+    monkeypatch.setattr(pool, "WORKERS", 2)  # agents k::2 share a worker: the flood (3) not with "malformed" (6);
+    # "lingers" (8) with "hang_async" (0), so its worker runs on after it returned
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(tmp_path / "other.sock"))
+    listening.listen()
+    out, _, _, _ = run_agent(tools_model, "toy_agents:by_row", [{"prompt": k, "answer": "", "rounds": 3,
+                                                                  "path": str(tmp_path / "other.sock")}
+                                                                 for k in kinds], samples=1, agent_timeout_s=6.0,
+                             extra_fields=["rounds", "path"])
+    listening.close()
     got = {k: ts[0] for k, ts in zip(kinds, out)}
     assert not got["polite"].failed and got["polite"].reward == 1.0
-    assert not got["malformed"].failed and got["malformed"].reward == 1.0  # seven bad requests answered 400
+    assert not got["malformed"].failed and got["malformed"].reward == 1.0  # nine bad requests answered 400
+    assert not got["lingers"].failed and got["lingers"].reward == 1.0
+    assert got["lingers"].turns == 1 and not got["lingers"].splits  # the call after it returned is not in it
     expected = {"hang_async": "took longer than 6 s", "hog": "out of memory", "shout": "no call",
-                "flood": "more than 16 calls", "elsewhere": "Network is unreachable", "silent": "no call"}
+                "flood": "more than 16 calls", "elsewhere": "Network is unreachable", "silent": "no call",
+                "unix_elsewhere": "Permission denied"}
     for kind, words in expected.items():
         assert got[kind].failed and got[kind].reward == 0.0 and words in got[kind].error, (kind, got[kind].error)
     printed = capfd.readouterr()
@@ -410,6 +426,7 @@ def test_an_agent_gone_while_sending_is_no_error(caplog):
     from evenrl.agents.server import AgentServer
 
     server = AgentServer("tiny")
+    server.live.add("x")  # a running agent's key
     uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's own handlers: it does not propagate to the root
     uvicorn_log.addHandler(caplog.handler)
     try:
@@ -430,6 +447,71 @@ def test_an_agent_gone_while_sending_is_no_error(caplog):
                 reply += chunk
             probe.close()
         assert reply.startswith(b"HTTP/1.1 200") and b'"tiny"' in reply
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+        assert server.requests.empty()
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+        server.stop()
+
+
+def _post(server, head: bytes, body_parts, timeout_s: float = 30.0) -> bytes:
+    """A raw HTTP POST over the endpoint's socket: `head` (request line and headers), then the body's parts sent
+    from a thread (a server that stops reading must not block the test), the reply read until it is whole or the
+    connection ends."""
+    import socket
+    import threading
+
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(server.socket_path)
+    conn.settimeout(timeout_s)
+
+    def send():
+        try:
+            conn.sendall(head)
+            for part in body_parts:
+                conn.sendall(part)
+        except OSError:  # the server answered and closed while we sent
+            pass
+    threading.Thread(target=send, daemon=True).start()
+    reply = b""
+    try:
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    except TimeoutError:
+        pass
+    conn.close()
+    return reply
+
+
+def test_hostile_request_bodies_are_refused_in_one_line_and_read_no_further_than_the_cap(caplog):
+    """A body nested 100,000 levels deep is a 400 (not a RecursionError traceback and a 500); a chunked body (no
+    Content-Length) over the size cap is a 413 as soon as the cap is passed, read no further (here the body never
+    ends: the answer comes anyway)."""
+    import logging
+
+    from evenrl.agents.server import MAX_BODY_BYTES, AgentServer
+
+    server = AgentServer("tiny")
+    server.live.add("x")  # a running agent's key
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING"):
+            deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+            reply = _post(server, b"POST /t/x/v1/chat/completions HTTP/1.1\r\nhost: e\r\ncontent-type: "
+                          b"application/json\r\ncontent-length: %d\r\n\r\n" % len(deep), [deep])
+            assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+            assert b"too deeply" in reply and reply.count(b"\n") < 20
+
+            mib = b"x" * (1 << 20)
+            chunk = b"%x\r\n" % len(mib) + mib + b"\r\n"
+            parts = [b'1\r\n{\r\n'] + [chunk] * (MAX_BODY_BYTES // len(mib) + 2)  # no last chunk: it never ends
+            reply = _post(server, b"POST /t/x/v1/chat/completions HTTP/1.1\r\nhost: e\r\ncontent-type: "
+                          b"application/json\r\ntransfer-encoding: chunked\r\n\r\n", parts, timeout_s=20)
+            assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
         assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
         assert server.requests.empty()
     finally:

@@ -116,6 +116,8 @@ async def malformed(row, *, base_url, model, api_key):
     async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}) as http:
         codes = [(await http.post(path, json=body)).status_code for path, body in [
             ("/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}),
+            ("/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+            ("/completions", {"model": model, "prompt": "x", "max_tokens": 0}),
             ("/chat/completions", {"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
             ("/chat/completions", {"model": model, "messages": "hi"}),
             ("/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}], "tools": [7]}),
@@ -123,7 +125,7 @@ async def malformed(row, *, base_url, model, api_key):
             ("/completions", {"model": model, "prompt": {"a": 1}, "n": 2}),
         ]]
         content = await http.post("/chat/completions", content=b"not json", headers={"content-type": "application/json"})
-    assert codes == [400] * 6 and content.status_code == 400, codes
+    assert codes == [400] * 8 and content.status_code == 400, codes
     await polite(row, base_url=base_url, model=model, api_key=api_key)
     return 1.0
 
@@ -179,4 +181,27 @@ async def streams_past_the_cap(row, *, base_url, model, api_key):
     chunks = [c async for c in stream]
     assert chunks and chunks[-1].choices[0].finish_reason == "length", chunks
     assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    return 1.0
+
+
+async def lingers(row, *, base_url, model, api_key):
+    """One call, then a task left running that calls again after the agent returned: that call must be refused
+    (the trajectory is one call), not recorded into the finished trajectory."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
+
+    async def later():
+        await asyncio.sleep(0.5)
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "after"}])
+    _LEFT.append(asyncio.get_running_loop().create_task(later()))
+    return 1.0
+
+
+_LEFT: list = []
+
+
+async def unix_elsewhere(row, **_):
+    """A Unix socket of another process on the shared file system (row["path"]): out of reach like the network."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(row["path"])
     return 1.0

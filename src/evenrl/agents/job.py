@@ -1,6 +1,7 @@
 """rollout.agent's user function, run in a reward worker (evenrl.isolation.pool: time, CPU, memory and output caps,
-no network): several trajectories' agents at once on one event loop, each reaching only the endpoint, each under
-its own time limit. `agent_problem` checks a spec without importing user code (`evenrl plan`).
+no network; evenrl.isolation.loopback.seal: no Unix socket but the endpoint's): several trajectories' agents at once
+on one event loop, each reaching only the endpoint, each under its own time limit, each saying when it returned.
+`agent_problem` checks a spec without importing user code (`evenrl plan`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ import importlib
 import inspect
 import math
 import numbers
+import socket
 import sys
 from pathlib import Path
 
 from evenrl.errors import describe_error
-from evenrl.isolation.loopback import open_endpoint
+from evenrl.isolation.loopback import open_endpoint, seal
 from evenrl.rewards.registry import load_named
 
+# How long a worker waits for the endpoint to take an agent's "returned" note (it answers without the rollout).
+_NOTE_TIMEOUT_S = 10.0
 ALLOWED = "'package.module:function', an async function (row, *, base_url, model, api_key) -> float | None"
 
 # rollout.agent "LIBRARY:TARGET": an environment library's own agent loop run against the endpoint, so environments
@@ -67,6 +71,7 @@ class AgentRunner:
 
     def __setstate__(self, state):
         self.spec, self.args = state["spec"], state["args"]
+        seal()  # before the module's own code runs: a thread it starts on import is held by the filter too
         self.fn = load_agent(self.spec, self.args)
 
     def __call__(self, socket_path: str, items: list[tuple[str, dict]], model: str,
@@ -77,6 +82,12 @@ class AgentRunner:
         fn = self.fn or load_agent(self.spec, self.args)
 
         async def one(token: str, row: dict) -> tuple[str, object]:
+            try:
+                return await timed(token, row)
+            finally:
+                _say_returned(port, token)
+
+        async def timed(token: str, row: dict) -> tuple[str, object]:
             try:
                 value = await asyncio.wait_for(
                     fn(dict(row), base_url=f"http://127.0.0.1:{port}/t/{token}/v1", model=model, api_key=token),
@@ -96,6 +107,19 @@ class AgentRunner:
         async def every():
             return await asyncio.gather(*(one(token, row) for token, row in items))
         return asyncio.run(every())
+
+
+def _say_returned(port: int, token: str) -> None:
+    """Tell the endpoint that this trajectory's agent returned, blocking the event loop for that round trip (the
+    endpoint answers at once): no task the agent left running gets a turn before, so its later calls are refused,
+    never recorded. Where the endpoint cannot be reached, the rollout is over and nothing more is recorded anyway."""
+    note = f"POST /t/{token}/returned HTTP/1.1\r\nhost: evenrl\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=_NOTE_TIMEOUT_S) as conn:
+            conn.sendall(note.encode())
+            conn.recv(64)  # the status line: the endpoint has taken the note
+    except OSError:
+        pass
 
 
 def agent_problem(spec: str, args: dict | None = None) -> str | None:

@@ -52,6 +52,7 @@ class Record:
     sampled: int = 0
     truncated: bool = False  # a request found the trajectory's token cap reached
     failure: str | None = None  # set by the endpoint (calls cap) or from the agent's outcome
+    returned: bool = False  # its agent returned: later calls are refused, never recorded
 
     def call_key(self, prompt_ids: list[int]) -> int:
         """The key of this request's random stream: the trajectory (position; the sample rides in the engine's

@@ -25,7 +25,7 @@ from evenrl.agents.openai_api import (BadRequest, chat_body, chat_chunks, comple
                                       finish_reason, reply_message, sse)
 from evenrl.agents.openai_responses import chat_request, reply_chat_message, response_body, response_events, sse_events
 from evenrl.agents.prompts import Prompts, Record, Turn
-from evenrl.agents.server import AgentServer, Answer, Pending, error
+from evenrl.agents.server import GONE, AgentServer, Answer, Pending, error
 from evenrl.config import RunConfig
 from evenrl.engines.base import Engine, SamplingParams, Trajectory
 from evenrl.envs.template import file_render, tokenizer_render
@@ -90,7 +90,11 @@ class Agents:
         for key, (first, count), row in zip(keys, sample_ranges, rows):
             for s in range(first, first + count):
                 records[secrets.token_hex(16)] = Record(key, s, row)
-        outcomes = self._run(records, engine, params, step)
+        self.server.live.update(records)
+        try:
+            outcomes = self._run(records, engine, params, step)
+        finally:  # agents that never said they returned (a worker killed) are done too: nothing more is recorded
+            self.server.live.difference_update(records)
         out, at, unscored = [], iter(records.items()), []
         for prompt, (_, count) in zip(prompts, sample_ranges):
             out.append([])
@@ -149,8 +153,12 @@ class Agents:
         todo = []  # (pending, record, prompt ids, conversation, tools, root length, budget)
         for p in batch:
             rec = records.get(p.token)
-            if rec is None:
-                p.future.set_result(error(404, "unknown trajectory (the base_url names it)"))
+            if p.kind == "returned":
+                if rec is not None:
+                    rec.returned = True
+                continue
+            if rec is None or rec.returned:  # queued before the endpoint knew (the agent returned since)
+                p.future.set_result(GONE)
                 continue
             if rec.failure is not None:
                 p.future.set_result(error(400, rec.failure))
@@ -163,9 +171,11 @@ class Agents:
                 body, history = (p.body, None) if p.kind != "responses" else chat_request(p.body, rec.responses)
                 if body.get("n", 1) not in (1, None):
                     raise BadRequest("n must be 1: each call is one sample (call again for another)")
-                asked = body.get("max_completion_tokens") or body.get("max_tokens") or r.max_new_tokens
+                # the first given (0 is given: a 400, not the default)
+                named = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+                asked = body[named] if named else r.max_new_tokens
                 if not (isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1):
-                    raise BadRequest("max_tokens must be an integer >= 1")
+                    raise BadRequest(f"{named}: got {asked!r:.20}; must be an integer >= 1")
                 if p.kind != "completion":
                     ids, conv, tools, root = self.prompts.chat(rec, body)
                 else:

@@ -80,6 +80,36 @@ def test_a_verifiers_environment_trains_with_its_own_rubric(config, tmp_path, mo
     assert any(s["reward"] > 0 for s in samples)  # the rubric scored something: the 0.5 weight is agent_args'
 
 
+LONG_ID = "primeintellect/" + "no-such-env-" * 20 + "@0.1.0"
+
+
+@pytest.mark.parametrize("override", [
+    f"rollout.agent=verifiers:{LONG_ID}",
+    "rollout.agent=verifiers:primeintellect/does-not-exist-env@0.1.0",
+    "rollout.agent=verifiers:a b",
+    f"rollout.agent_args={{taskset: {{id: {'x' * 300}}}}}",
+    f"rollout.agent_args={{agent: {{runtime: {{type: {'p' * 300}}}}}}}",
+    f"rollout.agent_args={{agent: {{harness: {{id: {'h' * 300}}}}}}}",
+])
+def test_a_bad_environment_is_one_short_line(config, monkeypatch, override):
+    """`evenrl train`'s refusal of a bad ENV_ID or agent_args, by its plan and by the agents' own check: one line
+    of at most 250 characters naming the field, its value cut short and what is allowed (a 49-character ENV_ID made
+    a line of 407, a long one of 1,106)."""
+    from evenrl.config import load_config
+    from evenrl.errors import UsageError
+    from evenrl.planner.layout import make_layout
+    from evenrl.train.preflight import preflight
+    from evenrl.train.trajectories import make_turns
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    cfg = load_config(str(config), [override])
+    for refuse in (lambda: preflight(cfg, make_layout(1, 1)), lambda: make_turns(cfg)):
+        with pytest.raises(UsageError) as e:
+            refuse()
+        line = str(e.value)
+        assert "\n" not in line and len(line) <= 250 and "rollout.agent" in line, (len(line), line)
+
+
 @pytest.mark.parametrize("override, says", [
     ("rollout.agent=verifiers:no_such_env", "no module 'no_such_env' on the Python path"),
     ("rollout.agent_args={agent: {runtime: {type: prime}}}", "agent.runtime.type 'prime'"),

@@ -9,10 +9,13 @@ class UsageError(Exception):
 
 def bad(field: str, value, allowed: str) -> UsageError:
     """Build the standard one-line message: `<field>: got <value>; <allowed>`."""
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return UsageError(f"{field}: got {shown}; {allowed}")
+    return UsageError(f"{field}: got {shown(value)}; {allowed}")
+
+
+def shown(value, limit: int = 80) -> str:
+    """A user's value as a one-line message shows it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def first_line(e: BaseException) -> str:

@@ -16,7 +16,7 @@ import socket
 import sys
 from pathlib import Path
 
-from evenrl.errors import describe_error
+from evenrl.errors import describe_error, shown
 from evenrl.isolation.loopback import open_endpoint, seal
 from evenrl.rewards.registry import load_named
 
@@ -155,7 +155,7 @@ def module_tree(module: str) -> tuple[Path, ast.Module] | str:
     finding's line says it."""
     source = _module_file(module)
     if source is None:
-        return f"names module {module!r}, which is not on the Python path here (PYTHONPATH?)"
+        return f"names module {shown(module, 50)}, which is not on the Python path here (PYTHONPATH?)"
     try:
         return source, ast.parse(source.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, ValueError) as e:

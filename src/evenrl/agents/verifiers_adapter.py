@@ -43,10 +43,11 @@ import re
 import sys
 from pathlib import Path
 
+from evenrl.errors import shown
 from evenrl.rewards.registry import findable
 
 PIP = "pip install -e '.[environments]'"
-ALLOWED = f"'verifiers:ENV_ID': ENV_ID a verifiers taskset, its module on the Python path; verifiers installed ({PIP})"
+ALLOWED = "'verifiers:ENV_ID', a verifiers taskset on the Python path"
 # The environment variable verifiers' client reads its key from: not PRIME_API_KEY, whose presence makes verifiers
 # read the Prime CLI config. Unset: the client sends "EMPTY"; the endpoint knows the trajectory by its URL.
 API_KEY_VAR = "EVENRL_VERIFIERS_API_KEY"
@@ -62,7 +63,7 @@ def problem(target: str, args: dict) -> str | None:
     try:
         json.dumps(args)
     except (TypeError, ValueError) as e:
-        return f"has rollout.agent_args that are not JSON ({e}); they are the environment's config"
+        return f"with rollout.agent_args that are not JSON ({type(e).__name__}): they are the environment's config"
     try:
         spec = importlib.util.find_spec("verifiers")
     except (ImportError, ValueError):
@@ -71,13 +72,12 @@ def problem(target: str, args: dict) -> str | None:
         return f"needs the verifiers package, which is not installed here ({PIP})"
     module = _module_name(target)
     if not module.isidentifier():
-        return "names no environment; expected verifiers:ENV_ID, the taskset id (a module on the Python path)"
+        return "names no environment (verifiers:ENV_ID)"
     if not (_builtin(spec, module) or findable(module)):
-        return (f"names environment {target!r}: no module {module!r} on the Python path here, nor a taskset built "
-                f"into verifiers (PYTHONPATH? an Environments Hub package must be installed first)")
+        return f"names no module {shown(module, 30)} on the Python path nor a verifiers taskset (PYTHONPATH?)"
     taskset = args.get("taskset", {})
     if not isinstance(taskset, dict) or taskset.get("id", target) != target:
-        return f"has rollout.agent_args taskset {taskset!r}: the taskset is the one rollout.agent names ({target})"
+        return f"with rollout.agent_args taskset {shown(taskset, 30)}: its id must be the ENV_ID"
     for role, settings in args.items():
         if isinstance(settings, dict) and (why := _role_problem(role, settings)):
             return why
@@ -134,12 +134,12 @@ def _role_problem(role: str, settings: dict) -> str | None:
     runtime, harness = settings.get("runtime"), settings.get("harness")
     kind = runtime.get("type") if isinstance(runtime, dict) else None
     if kind not in (None, RUNTIME):
-        return (f"has rollout.agent_args {role}.runtime.type {kind!r}: the agent workers have no network and no "
-                f"container engine; only {RUNTIME!r} runs there")
+        return (f"with rollout.agent_args {shown(role, 20)[1:-1]}.runtime.type {shown(kind, 30)}: only {RUNTIME!r} "
+                "runs in the workers")
     name = harness.get("id") if isinstance(harness, dict) else None
     if name not in (None, HARNESS):
-        return (f"has rollout.agent_args {role}.harness.id {name!r}: only {HARNESS!r} (the chat program) runs in the "
-                "agent workers (others run model-written commands on the host or install programs from the network)")
+        return (f"with rollout.agent_args {shown(role, 20)[1:-1]}.harness.id {shown(name, 30)}: only {HARNESS!r} (the "
+                "chat program) runs in the workers")
     return None
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from evenrl.agents.job import agent_problem, allowed
 from evenrl.envs.template import file_render
+from evenrl.errors import shown
 from evenrl.planner.text import plural
 from evenrl.planner.types import Finding, Plan
 
@@ -20,7 +21,7 @@ def rule_agent(p: Plan) -> list[Finding]:
     out = []
     problem = agent_problem(r.agent, r.agent_args)
     if problem:
-        out.append(Finding("error", "agent-name", f"rollout.agent {r.agent!r} {problem}", allowed(r.agent)))
+        out.append(Finding("error", "agent-name", f"rollout.agent {shown(r.agent, 40)} {problem}", allowed(r.agent)))
     if r.env:
         out.append(Finding("error", "agent-env", f"rollout.agent and rollout.env ({r.env}) are both set: a "
                            "trajectory comes from one of them", "rollout.env='' (or rollout.agent='')"))

@@ -76,11 +76,13 @@ def test_versions_a_checkpoint_keeps():
 
 # ----------------------------------------------------------------------------------------- the weighted update
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["sample_versions", "token_versions"])
 @pytest.mark.parametrize("cap", [1.0, 3.0])
-def test_importance_weighted_update_matches_naive_computation(tmp_path, cap):
-    """One optimizer step on a mini-batch where some samples came from an older policy (version < step - 1):
+def test_importance_weighted_update_matches_naive_computation(tmp_path, cap, per_token):
+    """One optimizer step on a mini-batch where some samples came from an older policy (version < step - 1), or
+    with per_token, some tokens (rollout.partial: a sample carried across steps, token_version):
     evenrl's update (rl_objective through minibatch_update) against a naive one: per sample a plain forward of the
-    whole sequence, per token w = min(exp(old - engine), cap) for stale samples and 1 for fresh ones, the clipped
+    whole sequence, per token w = min(exp(old - engine), cap) for stale tokens and 1 for fresh ones, the clipped
     surrogate w x max(-A r, -A clip(r)), summed and divided by the token count, then the same optimizer step (SGD
     with lr 1, so the weights move by exactly the gradient: AdamW's first step, g / (|g| + eps), would blow float32
     rounding of near-zero gradients up to lr)."""
@@ -105,6 +107,10 @@ def test_importance_weighted_update_matches_naive_computation(tmp_path, cap):
                    "old_logp": Ragged.of(old, torch.float32), "engine_logp": Ragged.of(engine, torch.float32),
                    "version": version, "reward_failed": torch.zeros(4, dtype=torch.bool),
                    "finished": torch.ones(4, dtype=torch.bool)})
+    # per token: each row's tokens from its version up to 2, one more each token (1, 2 or 3 versions per row)
+    token_version = [[min(int(v) + t, 2) for t in range(n)] for v, n in zip(version, resp)]
+    if per_token:
+        batch["token_version"] = Ragged.of([torch.tensor(v) for v in token_version], torch.long)
     cfg = RunConfig.model_validate({"model": {"path": path}, "rollout": {"max_staleness": 2},
                                     "algo": {"importance_cap": cap, "clip_low": 0.2, "clip_high": 0.28}})
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -121,7 +127,7 @@ def test_importance_weighted_update_matches_naive_computation(tmp_path, cap):
         logp = torch.log_softmax(naive(r[None]).logits[0, :-1].float(), -1).gather(-1, r[1:, None])[:, 0][-n:]
         for t in range(n):
             raw = math.exp(float(old[i][t]) - float(engine[i][t]))
-            stale = int(version[i]) < 2
+            stale = (token_version[i][t] if per_token else int(version[i])) < 2
             w = min(raw, cap) if stale else 1.0
             weights.append(w)
             cut += int(stale and raw > cap)

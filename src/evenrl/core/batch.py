@@ -71,8 +71,11 @@ COLUMNS: dict[str, Column] = {
                                             "k: the k-th split off where a call did not extend the conversation)"),
     "history_breaks": Column("sample", torch.long, "rollout.agent: on a trajectory's first sample, how many samples "
                                                    "were split off it (0 elsewhere)"),
-    "version": Column("sample", torch.long, "the policy version that sampled: the weights after this many steps "
+    "version": Column("sample", torch.long, "the policy version that sampled (of its first token, where its tokens "
+                                            "have several): the weights after this many steps "
                                             "(rollout.max_staleness)"),
+    "token_version": Column("token", torch.long, "the policy version that sampled each response token, where a "
+                                                 "sample's tokens have several (a sample carried across steps)"),
     "old_logp": Column("token", torch.float32, "response log-probs under the policy at the start of the step (the PPO "
                                                "ratio's denominator; the sampling policy unless max_staleness >= 1)"),
     "ref_logp": Column("token", torch.float32, "response log-probs under the frozen reference (kl_in=loss)"),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from evenrl.config import RunConfig
-from evenrl.core import selection
+from evenrl.core import offpolicy, selection
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import LossInputs, LossSettings, rl_loss, value_loss
 from evenrl.core.masking import counted_lengths, masked_rows
@@ -149,15 +149,17 @@ def importance_weighted(cfg: RunConfig) -> bool:
 
 
 def behavior_logprobs(cfg: RunConfig, step: int, mb: Batch, target_logp, engine_logp):
-    """The log-probs the importance weight divides by, [B, R], or None for no weighting: the engine's where the
-    sample is corrected, the weight's own numerator (`target_logp`) elsewhere (weight exp(0) = 1 exactly). 'stale'
-    corrects the samples of an older policy than the one the step trains (version < step - 1)."""
+    """The log-probs the importance weight divides by, [B, R], or None for no weighting: per token
+    (evenrl.core.offpolicy), the engine's where the token is corrected, the weight's own numerator (`target_logp`)
+    elsewhere (weight exp(0) = 1 exactly). 'stale' corrects the tokens of an older policy than the one the step
+    trains (version < step - 1): each token's own version (token_version), else its sample's."""
     if not importance_weighted(cfg):
         return None
-    if cfg.algo.importance_correction == "all":
-        return engine_logp
-    stale = (mb["version"] < step - 1).to(engine_logp.device)[:, None]
-    return torch.where(stale, engine_logp, target_logp.detach())
+    if "token_version" in mb:
+        version = ragged_to_right_aligned(mb, "token_version", engine_logp.device)
+    else:
+        version = mb["version"].to(engine_logp.device)[:, None].expand(engine_logp.shape)
+    return offpolicy.behavior_logprobs(target_logp, engine_logp, version, step - 1, cfg.algo.importance_correction)
 
 
 def value_objective(cfg: RunConfig, logits, targets, mask, mb: Batch):

@@ -27,6 +27,58 @@ def cfg(**sections) -> RunConfig:
     return RunConfig.model_validate(base)
 
 
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "tie_word_embeddings": False}
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+               "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "vocab_size": 129280, "n_routed_experts": 256, "num_experts_per_tok": 8,
+               "n_shared_experts": 1, "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+
+
+def test_moe_counts_match_published_sizes():
+    """Mixtures of experts by total (held) and active (computed per token) parameters: Qwen3-30B-A3B 30.5 B / 3.3 B,
+    DeepSeek-V3 671 B / 37 B (its latent attention counted by its low-rank projections, 3 dense layers first)."""
+    q = dims_from_config(QWEN3_30B_A3B)
+    assert round(q.params / 1e9, 1) == 30.5 and round(q.active_params / 1e9, 1) == 3.4
+    assert (q.experts, q.top_k, q.moe_layers) == (128, 8, 48)
+    d = dims_from_config(DEEPSEEK_V3)
+    assert round(d.params / 1e9) == 671 and round(d.active_params / 1e9) == 38 and d.moe_layers == 58
+
+
+def test_expert_parallel_divides_the_experts_state():
+    """EP (a parameter of the formulas until the mesh sets it): replicated, each rank holds 1/EP of the routed experts'
+    weights, gradients and moments; sharded, FSDP already spreads them over every rank, and EP shrinks the gathered
+    unit (E/EP experts) instead; an MoE's micro-batch activations count its top-k dispatch buffers."""
+    lay = make_layout(nproc_per_node=8, device="cuda", device_memory_gib=80)
+    dims = dims_from_config(QWEN3_30B_A3B)
+    one, ep8 = (estimate_memory(cfg(), lay, dims, expert_parallel=e) for e in (1, 8))
+    experts_gib = 16 * dims.experts_total / GIB
+    assert abs((one.breakdown["parameters"] + one.breakdown["optimizer"] - ep8.breakdown["parameters"]
+                - ep8.breakdown["optimizer"]) - 12 * dims.experts_total * (1 - 1 / 8) / GIB) < 1e-6
+    assert experts_gib > 400 and one.breakdown["expert dispatch"] == 0 < ep8.breakdown["expert dispatch"]
+    fsdp = cfg(parallel={"sharding": "fsdp"})
+    s1, s8 = (estimate_memory(fsdp, lay, dims, expert_parallel=e) for e in (1, 8))
+    assert s1.breakdown["parameters"] == s8.breakdown["parameters"]
+    gathered = 4 * 2 * (128 - 128 // 8) * dims.expert_params / GIB  # two blocks in fp32: 112 of 128 experts fewer
+    assert abs(s1.breakdown["fsdp units"] - s8.breakdown["fsdp units"] - gathered) < 1e-9 and gathered > 3
+    assert "30,532.1 M parameters held, 3,353.0 M active" in " ".join(one.assumptions)
+
+
+def test_route_records_are_counted():
+    """rollout.router_replay: each token's M x k expert ids in one byte each (<= 256 experts), and one layer widened
+    to int64 by the router's hook."""
+    lay = make_layout(nproc_per_node=1, device="cuda", device_memory_gib=80)
+    dims = dims_from_config(QWEN3_30B_A3B)
+    off = estimate_memory(cfg(), lay, dims)
+    on = estimate_memory(cfg(rollout={"router_replay": "engine"}), lay, dims)
+    t = on.micro_tokens
+    assert off.breakdown["route records"] == 0
+    assert on.breakdown["route records"] * GIB == t * 48 * 8 * 1 + t * 8 * 8
+    assert any("carry their routes on the host" in a for a in on.assumptions)
+
+
 def test_param_count_by_hand():
     d = dims_from_config(TINY)
     # per layer: q 64*64 + k,v 2*64*(2*16) + o 64*64 + MLP 3*64*128 + 2 RMSNorms 2*64 = 36,992
@@ -146,7 +198,6 @@ def test_worst_case_shape(overrides, layout, shape):
 
 
 @pytest.mark.parametrize("hf, match", [
-    ({**QWEN7B, "num_experts": 64}, "mixture-of-experts"),
     ({"model_type": "t5", "d_model": 512}, "lacks hidden_size"),
     ([1, 2], "not a JSON object"),
     ({**TINY, "hidden_size": "64"}, "lacks hidden_size"),

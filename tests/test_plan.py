@@ -24,6 +24,7 @@ QWEN7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944
           "max_position_embeddings": 32768}
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 128}
+MOE = {**TINY, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "plan_512x8.yaml")
 BASE = ["data.prompts_per_step=8", "rollout.samples_per_prompt=4", "data.max_prompt_tokens=64",
@@ -78,7 +79,18 @@ CASES = [
      {"device_memory_gib": 18}, QWEN7B, ["> 90%"]),
     ("memory-unknown", "note", [], {"device_memory_gib": 0}, TINY, ["device memory unknown", "--device-memory-gib"]),
     ("memory-skipped", "note", [], {}, None, ["model.path is empty"]),
-    ("memory-skipped", "note", [], {}, {**QWEN7B, "num_experts": 8}, ["mixture-of-experts"]),
+    ("router-replay-engine", "error", ["rollout.router_replay=engine", "rollout.engine=vllm"], {}, MOE,
+     ["vLLM's CPU build returns none", "rollout.engine=hf"]),
+    ("moe-vllm-cpu", "error", ["rollout.engine=vllm"], {"device": "cpu"}, MOE, ["reload leaves the experts wrong"]),
+    ("router-replay-agent", "error", ["rollout.router_replay=engine", "rollout.agent=m:f"], {}, MOE,
+     ["joined from its calls", "rollout.router_replay=trainer"]),
+    ("router-replay-dense", "error", ["rollout.router_replay=trainer"], {}, QWEN7B, ["not a mixture of experts"]),
+    ("router-aux-dense", "error", ["algo.router_aux_loss_coef=0.01"], {}, QWEN7B, ["algo.router_aux_loss_coef=0"]),
+    ("router-aux-free", "error", ["algo.router_aux_loss_coef=0.01"], {},
+     {**MOE, "model_type": "deepseek_v3", "n_group": 1}, ["aux-loss-free", "correction biases"]),
+    ("router-unknown", "error", ["rollout.router_replay=trainer"], {}, {**MOE, "model_type": "jamba"},
+     ["does not record or replay", "qwen3_moe"]),
+    ("router-replay-off", "note", [], {}, MOE, ["8 experts, top 2", "rollout.router_replay=engine"]),
     ("max-positions", "warning", ["rollout.max_new_tokens=100"], {}, TINY, ["164", "128",
                                                                              "rollout.max_new_tokens=64"]),
     ("offload-replicated", "error", ["parallel.cpu_offload=full"], {}, None,

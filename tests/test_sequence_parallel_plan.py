@@ -190,19 +190,19 @@ def test_sp_groups_move_at_their_slowest_rank():
 
 
 def test_attention_the_packed_path_does_not_implement_is_refused():
-    """A sliding window the model uses (Mistral whenever set; Qwen2 with use_sliding_window from max_window_layers
-    on) or logit softcapping: the packed attention of SP > 1, and of checkpointing, refuses it at the first forward,
-    so the plan does first; Qwen2.5-7B's sliding_window with use_sliding_window false is not one."""
-    mistral = {**TINY, "model_type": "mistral", "sliding_window": 4096}
-    f = rules(plan(["parallel.sequence_parallel_size=2"], mistral))["packed-attention"]
-    assert f.level == "error" and "sliding_window=4096" in f.message and "sequence parallelism" in f.message
-    assert "activation checkpointing" in rules(plan(["model.gradient_checkpointing=true"], mistral))[
-        "packed-attention"].message
-    assert "packed-attention" not in rules(plan([], mistral))
-    qwen = {**TINY, "model_type": "qwen2", "sliding_window": 4096, "max_window_layers": 1}
-    assert "packed-attention" not in rules(plan(["parallel.sequence_parallel_size=2"], qwen))
-    assert "packed-attention" in rules(plan(["parallel.sequence_parallel_size=2"], {**qwen, "use_sliding_window": True}))
+    """Logit softcapping: the packed attention of SP > 1, of checkpointing and of a mixture of experts (always packed)
+    refuses it at the first forward, so the plan does first. Sliding windows it implements (Mistral whenever set,
+    Qwen2 with use_sliding_window; tests/test_moe.py compares them with the model's own forward): no finding."""
     soft = {**TINY, "attn_logit_softcapping": 50.0}
-    assert "attn_logit_softcapping=50.0" in rules(plan(["parallel.sequence_parallel_size=2"], soft))[
+    f = rules(plan(["parallel.sequence_parallel_size=2"], soft))["packed-attention"]
+    assert f.level == "error" and "attn_logit_softcapping=50.0" in f.message and "sequence parallelism" in f.message
+    assert "activation checkpointing" in rules(plan(["model.gradient_checkpointing=true"], soft))[
         "packed-attention"].message
+    assert "a mixture of experts" in rules(plan([], {**soft, "num_experts": 8, "num_experts_per_tok": 2}))[
+        "packed-attention"].message
+    assert "packed-attention" not in rules(plan([], soft))
+    mistral = {**TINY, "model_type": "mistral", "sliding_window": 4096}
+    qwen = {**TINY, "model_type": "qwen2", "sliding_window": 4096, "max_window_layers": 1, "use_sliding_window": True}
+    for windowed in (mistral, qwen):
+        assert "packed-attention" not in rules(plan(["parallel.sequence_parallel_size=2"], windowed))
     assert "packed-attention" not in rules(plan(["parallel.sequence_parallel_size=2"], QWEN7B))

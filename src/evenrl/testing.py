@@ -3,6 +3,7 @@
     from evenrl.testing import make_tiny_model, make_tiny_reward_model
     path = make_tiny_model("/tmp/tiny", arch="qwen2", seed=0)      # config.json, safetensors, tokenizer
     path = make_tiny_model("/tmp/vl", arch="qwen2_vl", seed=0)     # + a vision tower and preprocessor_config.json
+    path = make_tiny_model("/tmp/moe", arch="qwen3_moe", seed=0)   # a mixture of experts (MOE_ARCHS), 8 experts, top 2
     rm = make_tiny_reward_model("/tmp/tiny-rm", seed=0)            # the same, with a one-label score head
 
 Same arguments, identical weights; nothing is downloaded.
@@ -25,6 +26,10 @@ SPECIAL_TOKENS = [PAD, EOS, BOS, UNK]
 # Qwen2-VL's vision tokens, named as in its tokenizer: an image is <|vision_start|> <|image_pad|> x n <|vision_end|>.
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+# Mixtures of experts, one per router family evenrl knows (evenrl.models.routing): softmax top-k (Qwen3-MoE, OLMoE),
+# with a gated shared expert (Qwen2-MoE), renormalised (Mixtral), sigmoid with correction biases and a shared expert
+# (DeepSeek-V3), top-k then softmax with biased experts, attention sinks and sliding windows (gpt-oss).
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
 # Pixel bounds of the tiny image processor: 56x56 (4 image tokens) up to 224x224 (64 image tokens).
 TINY_MIN_PIXELS, TINY_MAX_PIXELS = 56 * 56, 224 * 224
 
@@ -77,6 +82,8 @@ def make_tiny_model(
     chat_template: bool | str = False,
     max_positions: int = 512,
     vision_width: int = 32,
+    experts: int = 8,
+    top_k: int = 2,
 ) -> str:
     """Write a random tiny causal LM with a character-level tokenizer to `out_dir`; return the path.
 
@@ -91,11 +98,19 @@ def make_tiny_model(
     (ids 4-7: <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>) and Qwen2-VL's image processor
     (preprocessor_config.json, patch 14, merge 2: one image token per 28x28 pixels, bounded to
     TINY_MIN_PIXELS..TINY_MAX_PIXELS); its chat template renders image parts as Qwen2-VL's does.
+
+    arch in MOE_ARCHS: a mixture of experts of that family with `experts` routed experts of width hidden / 2, `top_k`
+    of them per token, in transformers' fused layout (3-D gate_up_proj / down_proj). DeepSeek-V3 keeps layer 0 dense
+    (first_k_dense_replace 1, as the real model keeps its first three) and gets random correction biases (its
+    checkpoint's e_score_correction_bias, which training must leave as they are); gpt-oss alternates sliding-window
+    (8 tokens) and full attention, with sinks.
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    if arch not in ("qwen2", "llama", *VISION_ARCHS):
-        raise bad("arch", arch, f"one of qwen2, llama, {', '.join(VISION_ARCHS)}")
+    if arch not in ("qwen2", "llama", *VISION_ARCHS, *MOE_ARCHS):
+        raise bad("arch", arch, f"one of qwen2, llama, {', '.join(VISION_ARCHS + MOE_ARCHS)}")
+    if not 1 <= top_k <= experts:
+        raise bad("top_k", top_k, f"an integer in 1..experts ({experts})")
     chars = list(dict.fromkeys(vocab))  # keep order, drop duplicates
     if not chars:
         raise bad("vocab", vocab, "a non-empty string of characters")
@@ -125,6 +140,8 @@ def make_tiny_model(
     )
     if vision:
         config = _vision_config(arch, common, token_to_id, vision_width)
+    elif arch in MOE_ARCHS:
+        config = _moe_config(arch, common, experts, top_k)
     else:
         config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
     # A private RNG stream so building a model never shifts the caller's torch RNG.
@@ -136,6 +153,9 @@ def make_tiny_model(
             model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        for m in model.modules():  # DeepSeek-V3's routers: biases a trained checkpoint has, ~ the scores' spread
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.copy_(0.05 * torch.randn(m.e_score_correction_bias.shape))
     os.makedirs(out_dir, exist_ok=True)
     from transformers.utils import logging as hf_logging
 
@@ -239,6 +259,29 @@ def _vision_config(arch: str, text: dict, token_to_id: dict[str, int], width: in
     ids = {f"{name}_token_id": token_to_id[tok] for name, tok in
            zip(("vision_start", "vision_end", "image", "video"), VISION_TOKENS)}
     return cls(text_config=text_config, vision_config=vision_config, tie_word_embeddings=True, **ids)
+
+
+def _moe_config(arch: str, text: dict, experts: int, top_k: int):
+    """A mixture-of-experts config of family `arch` around the tiny text model's dimensions."""
+    from transformers import AutoConfig
+
+    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    head = hidden // heads
+    rope = {"rope_type": "default", "rope_theta": 10000.0}  # DeepSeek-V3 and gpt-oss default to YaRN
+    width = dict(moe_intermediate_size=hidden // 2, num_experts=experts)
+    family = {
+        "qwen3_moe": dict(width, norm_topk_prob=True),
+        "qwen2_moe": dict(width, shared_expert_intermediate_size=hidden),
+        "olmoe": dict(intermediate_size=hidden // 2, num_experts=experts),
+        "mixtral": dict(intermediate_size=hidden // 2, num_local_experts=experts),
+        "deepseek_v3": dict(moe_intermediate_size=hidden // 2, n_routed_experts=experts, n_shared_experts=1,
+                            n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+                            kv_lora_rank=hidden // 2, qk_nope_head_dim=head // 2, qk_rope_head_dim=head // 2,
+                            v_head_dim=head, num_key_value_heads=heads, rope_parameters=rope),
+        "gpt_oss": dict(intermediate_size=hidden // 2, num_local_experts=experts, head_dim=head, sliding_window=8,
+                        rope_parameters=rope),
+    }[arch]
+    return AutoConfig.for_model(arch, **{**text, "num_experts_per_tok": top_k, **family})
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -169,6 +169,14 @@ class AlgoConfig(Section):
                     "term is 0 (it still counts in the loss denominators): verl's rollout_rs, chained; e.g. "
                     "[{criterion: token_k1, low: 0.5, high: 2}, {criterion: seq_max_k2, high: 2.5}]. Shares per "
                     "step: policy/rejected_fraction, policy/rejected_seq_fraction.")
+    router_aux_loss_coef: float = Field(
+        0.0, ge=0.0, le=1000.0,
+        description="A mixture of experts' load-balancing loss (transformers' router_aux_loss_coef: Switch "
+                    "Transformer's, every MoE layer's tokens pooled), added with this weight; 0: off, as verl, slime "
+                    "and prime-rl run RL. It is the whole mini-batch's: expert counts and tokens summed over all ranks "
+                    "before each update (a forward without gradient first when nothing recorded them), so it is the "
+                    "same on any layout (docs/moe.md). Not for a sigmoid router (DeepSeek-V3), balanced by its "
+                    "correction biases, which stay as the checkpoint has them.")
     turn_discount: float = Field(
         1.0, ge=0.0, le=1.0,
         description="With rollout.env: a trajectory's reward is the sum over its turns t = 0, 1, ... of "

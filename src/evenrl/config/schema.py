@@ -42,7 +42,9 @@ class LoraConfig(Section):
         default_factory=list, max_length=64,
         description="Names of the linear layers that get adapters (peft target_modules: a module matches when its "
                     "name ends with one). Empty: every linear layer inside the model's decoder blocks, found from "
-                    "the model (attention and MLP projections: q/k/v/o_proj, gate/up/down_proj for Qwen2/Llama).")
+                    "the model (attention and MLP projections: q/k/v/o_proj, gate/up/down_proj for Qwen2/Llama; a "
+                    "mixture of experts' attention and shared experts, not its fused experts, which evenrl does not "
+                    "adapt yet: docs/moe.md).")
 
 
 class ModelConfig(Section):
@@ -189,6 +191,14 @@ class RolloutConfig(Section):
                              "(the agent edited history, or the template rewrote it). split: it starts another "
                              "sample of the same group, with the trajectory's reward; refuse: the trajectory fails "
                              "(rewards.on_failure). Counted in agent/history_breaks either way.")
+    router_replay: Literal["off", "trainer", "engine"] = Field(
+        "off", description="A mixture of experts' routing in the trainer's forwards (docs/moe.md). off: each "
+                           "forward routes by its own router. engine: the rollout engine records the experts each "
+                           "token went to (the hf engine; vLLM's CPU build cannot) and every trainer forward of the "
+                           "sample (old and reference log-probs, the update; each slice under sequence parallelism) "
+                           "uses them, the routing weights still the router's own and trained (R3; verl "
+                           "router_replay.mode=R3). trainer: the step's first trainer forward records them and the "
+                           "others replay (R2). A dense model ignores it.")
     memory_fraction: float = Field(
         0.0, ge=0.0, lt=1.0,
         description="vllm: the engine's memory share: gpu_memory_utilization on GPU (0: 0.3), on CPU this share of "

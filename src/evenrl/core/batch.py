@@ -22,10 +22,12 @@ from typing import Any, Literal, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from evenrl.core.moe import ROUTE_DTYPES
+
 
 class Column(NamedTuple):
     kind: Literal["sample", "token", "list"]
-    dtype: torch.dtype | None  # None for list columns
+    dtype: torch.dtype | tuple[torch.dtype, ...] | None  # None for list columns; a tuple: any of these
     meaning: str
 
 
@@ -79,6 +81,9 @@ COLUMNS: dict[str, Column] = {
     "old_logp": Column("token", torch.float32, "response log-probs under the policy at the start of the step (the PPO "
                                                "ratio's denominator; the sampling policy unless max_staleness >= 1)"),
     "ref_logp": Column("token", torch.float32, "response log-probs under the frozen reference (kl_in=loss)"),
+    "routes": Column("token", ROUTE_DTYPES, "a mixture of experts' routes: per token but the last, the expert ids "
+                                            "each MoE layer chose, [tokens - 1, layers, top-k] per row, in the "
+                                            "smallest integer dtype that holds them (rollout.router_replay)"),
     "pixel_values": Column("token", torch.float32, "the prompt's images as its image processor's patches, one row "
                                                    "of channels x temporal_patch x patch^2 values per patch "
                                                    "(vision-language models; every sample carries its prompt's)"),
@@ -133,7 +138,8 @@ def _check_declared(name: str, col: Tensor | Ragged | list) -> None:
         return
     kind = "token" if isinstance(col, Ragged) else "sample" if isinstance(col, Tensor) else "list"
     dtype = col.values.dtype if isinstance(col, Ragged) else col.dtype if isinstance(col, Tensor) else None
-    if kind != spec.kind or dtype != spec.dtype or (kind == "sample" and col.dim() != 1):
+    allowed = spec.dtype if isinstance(spec.dtype, tuple) else (spec.dtype,)
+    if kind != spec.kind or dtype not in allowed or (kind == "sample" and col.dim() != 1):
         raise TypeError(f"column {name!r} ({spec.meaning}): declared {spec.kind} {spec.dtype}, "
                         f"got {kind} {dtype}" + (f" with shape {tuple(col.shape)}" if kind == "sample" else ""))
 

@@ -15,7 +15,7 @@ from evenrl.core.batch import Batch, Ragged
 
 def zero_gradient_rows(cfg: RunConfig, everyone: Batch) -> list[bool] | None:
     """Samples whose loss gradient is exactly zero, so nobody needs to run them: samples masked out of learning
-    (masked_rows: their loss is dropped), and, with no per-token KL or entropy term and no objective that pools
+    (masked_rows: their loss is dropped), and, with no per-token KL, entropy or load-balancing term and no objective that pools
     statistics over the mini-batch (clip_cov, kl_cov, importance_normalize), samples with advantage 0 (the
     policy loss is advantage x f(ratio); a GRPO group with equal rewards, with 0/1 rewards every all-right and
     all-wrong group). None when nothing may be skipped: min_rows > 1 (the schedule cannot drop rows; masked rows
@@ -29,7 +29,8 @@ def zero_gradient_rows(cfg: RunConfig, everyone: Batch) -> list[bool] | None:
     # kl_cov penalises tokens with advantage 0 too; clip_cov, kl_cov and importance_normalize count every sample's
     # tokens in their whole-mini-batch statistics (evenrl.train.pooled), as one device running them all would
     pooled = algo.policy_loss in ("clip_cov", "kl_cov") or algo.importance_normalize
-    if not train.skip_zero_gradient_samples or kl_in_loss or algo.entropy_coef > 0 or per_token or pooled:
+    balance = algo.router_aux_loss_coef > 0  # a mixture of experts' load-balancing loss: every token has a gradient
+    if not train.skip_zero_gradient_samples or kl_in_loss or algo.entropy_coef > 0 or per_token or pooled or balance:
         return None if masked is None else masked.tolist()
     zero = everyone["advantage"] == 0
     return (zero if masked is None else zero | masked).tolist()

@@ -34,12 +34,12 @@ def barrier_all() -> None:
             tdist.barrier()
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """SUM over ranks, in place; returns t."""
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """SUM over the ranks of `group` (None: the training ranks), in place; returns t."""
     if world() > 1:
         x = _on_comm_device(t)
         with guard("all-reduce"):
-            tdist.all_reduce(x, op=tdist.ReduceOp.SUM, group=G.trainers)
+            tdist.all_reduce(x, op=tdist.ReduceOp.SUM, group=G.trainers if group is None else group)
         if x is not t:
             t.copy_(x)
     return t

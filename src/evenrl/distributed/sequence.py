@@ -7,6 +7,10 @@ the model), so any model whose attention calls the interface (Qwen2, Qwen2.5, Qw
 model's own forward does everything else, with activation checkpointing, LoRA and FSDP2 as usual. A forward without
 the `evenrl_segments` keyword (generation, a plain padded forward) falls through to transformers' SDPA attention.
 
+Sliding-window layers and attention sinks (gpt-oss) run as the model defines them, within each row; a model whose
+own attention is eager (no SDPA: gpt-oss) keeps its eager attention for the forwards that are not split
+(generation), under a second registered name whose masks are eager ones.
+
 What evenrl.models.forward hands the attention (`Segments`): the micro-batch's rows packed back to back into one
 row, padded at the end to a multiple of S, cut into S contiguous slices; and the packed row's segment bounds, so
 that attention after the all-to-all (the whole sequence, H/S heads) runs causal within each row only — no rank ever
@@ -24,6 +28,7 @@ every buffer here is made contiguous first.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +39,7 @@ from torch import Tensor
 from evenrl.errors import UsageError
 
 NAME = "evenrl_ulysses"  # the attention implementation's name in transformers' registries
+NAME_EAGER = "evenrl_ulysses_eager"  # the same for a model whose own attention is eager: eager masks and fall-through
 
 
 @dataclass(frozen=True)
@@ -121,15 +127,19 @@ def ulysses_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     """transformers' attention signature: query [1, H, Ls, D], key/value [1, Hk, Ls, D] of this rank's slice ->
     ([1, Ls, H, D], None). Without `evenrl_segments`: SDPA attention, as the model would run it."""
     if evenrl_segments is None:
+        if getattr(getattr(module, "config", None), "_attn_implementation", None) == NAME_EAGER:
+            # the model family's own eager attention (gpt-oss: with its sinks), as the model would run it
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
-    if unsupported:  # silently full causal attention would train a different model
-        raise UsageError(f"parallel.sequence_parallel_size: this model's attention uses {unsupported[0]}, which the "
+    if kwargs.get("softcap") is not None:  # silently plain attention would train a different model
+        raise UsageError("parallel.sequence_parallel_size: this model's attention uses softcap, which the "
                          "sequence-parallel attention does not implement; use parallel.sequence_parallel_size=1 and "
                          "model.gradient_checkpointing=false")
+    window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
     seg, sp = evenrl_segments, evenrl_segments.sp
     H, Hk = query.shape[1], key.shape[1]
     if Hk % sp.size:  # the plan says so: each rank needs whole KV heads for its query heads
@@ -139,8 +149,9 @@ def ulysses_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     q, k, v = query[0], key[0], value[0]
     if sp.size > 1:
         q, k, v = (_AllToAll.apply(t, sp, True) for t in (q, k, v))
-    outs = [F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b], is_causal=True,
-                                           dropout_p=dropout, scale=scaling, enable_gqa=H != Hk)[0]
+    if sinks is not None:  # this rank's heads' sinks
+        sinks = sinks.reshape(-1)[sp.index * q.shape[0]:(sp.index + 1) * q.shape[0]]
+    outs = [_segment_attention(q[:, a:b], k[:, a:b], v[:, a:b], scaling, dropout, window, sinks)
             for a, b in zip(seg.bounds[:-1], seg.bounds[1:]) if b > a]
     o = torch.cat(outs, dim=1)  # [H/S, L, D]
     if sp.size > 1:
@@ -148,14 +159,46 @@ def ulysses_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     return o.transpose(0, 1)[None].contiguous(), None
 
 
+def _segment_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float | None, dropout: float, window: int | None,
+                       sinks: Tensor | None) -> Tensor:
+    """Causal attention within one row: q [h, n, D], k/v [hk, n, D] -> [h, n, Dv]. A sliding window lets a query see
+    the last `window` keys (itself included), as transformers' sliding_window_overlay; sinks (one logit per head)
+    join each softmax as an extra column that is then dropped, computed as the model's eager attention computes
+    them."""
+    if window is None and sinks is None:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, dropout_p=dropout,
+                                              scale=scaling, enable_gqa=q.shape[0] != k.shape[0])[0]
+    n = q.shape[1]
+    i = torch.arange(n, device=q.device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed &= i[None, :] > i[:, None] - window
+    if sinks is None:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, dropout_p=dropout,
+                                              scale=scaling, enable_gqa=q.shape[0] != k.shape[0])[0]
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    scores = torch.cat([scores, sinks.reshape(-1, 1, 1).expand(-1, n, 1).to(scores.dtype)], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1]
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 def register() -> None:
     """Make NAME a valid attention implementation (and its mask transformers' SDPA mask, for the fall-through)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
+    from transformers.masking_utils import eager_mask
+
     if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         AttentionInterface.register(NAME, ulysses_attention)
         AttentionMaskInterface.register(NAME, sdpa_mask)
+        AttentionInterface.register(NAME_EAGER, ulysses_attention)
+        AttentionMaskInterface.register(NAME_EAGER, eager_mask)
 
 
 def sequence_parallel(model, sp: SequenceGroup) -> None:
@@ -164,5 +207,6 @@ def sequence_parallel(model, sp: SequenceGroup) -> None:
     of one rank (rows back to back, attention within each row): what activation checkpointing uses."""
     register()
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
-        config._attn_implementation = NAME
+        if config._attn_implementation not in (NAME, NAME_EAGER):
+            config._attn_implementation = NAME_EAGER if config._attn_implementation == "eager" else NAME
     model.evenrl_sequence_group = sp

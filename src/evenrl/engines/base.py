@@ -45,6 +45,9 @@ class Completion:
     token_ids: list[int]  # generated tokens only; ends with the EOS token when finished
     logprobs: list[float]  # one per token in token_ids
     finished: bool  # stopped at EOS (False: hit max_new_tokens)
+    # rollout.router_replay=engine: the experts each token of prompt + token_ids but the last went to, as ids
+    # [tokens - 1, MoE layers, top-k] in the smallest integer dtype (evenrl.models.routing)
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -98,8 +101,9 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], keys: list[int], params: SamplingParams, *, step: int,
                  sample_ranges: list[tuple[int, int]] | None = None, images: list | None = None,
                  turn: int = 0) -> list[list[Completion]]:
-        """[prompt][sample] completions: token ids, finished (stopped at EOS) and the engine's own log-prob of each
-        sampled token under softmax(logits / temperature). `sample_ranges` and `turn` as in engines.hf.generate;
+        """[prompt][sample] completions: token ids, finished (stopped at EOS), the engine's own log-prob of each
+        sampled token under softmax(logits / temperature) and, where the engine records them, the routes of a
+        mixture of experts. `sample_ranges` and `turn` as in engines.hf.generate;
         `images`, per prompt, its evenrl.models.vision.ImageInputs or None (a vision-language model's prompts)."""
 
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:

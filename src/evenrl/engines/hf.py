@@ -19,6 +19,7 @@ from evenrl.errors import bad
 from evenrl.models.decode_graph import DecodeStep
 from evenrl.models.decoder import LeanDecoder
 from evenrl.models.forward_decoder import ForwardDecoder
+from evenrl.models import routing
 from evenrl.models.loading import autocast
 
 
@@ -112,6 +113,7 @@ def generate(
     sample_ranges: list[tuple[int, int]] | None = None,
     images: list | None = None,
     turn: int = 0,
+    record_routes: bool = False,
 ) -> list[list[Completion]]:
     """Sample `params.samples_per_prompt` completions per prompt; returns [prompt][sample].
     `sample_ranges` [(first, count)] per prompt samples only those indices of the prompt's streams (a rank's part of
@@ -129,6 +131,8 @@ def generate(
     "auto" (static on CUDA and lean elsewhere when the model supports them, else forward).
     `images`: per prompt, its evenrl.models.vision.ImageInputs or None; prompts with images prefill with their
     pixels and the model's multimodal positions (the forward decoder).
+    `record_routes`: a mixture of experts' completions carry the experts each of their tokens went to (routes: the
+    prompt's in its prefill, each sampled token's when it was fed; evenrl.models.routing).
     """
     if len(keys) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(keys)} keys")
@@ -168,7 +172,7 @@ def generate(
                 out.extend(
                     _generate_batch(model, prompts[s : s + chunk], keys[s : s + chunk], ranges[s : s + chunk],
                                     params, step, set(eos_token_ids), pad_token_id, decoder,
-                                    None if images is None else images[s : s + chunk], turn)
+                                    None if images is None else images[s : s + chunk], turn, record_routes)
                 )
         return out
     finally:
@@ -186,7 +190,15 @@ def _auto_decoder(model) -> str:
 
 
 def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, eos_ids, pad_token_id, decoder: str,
-                    images=None, turn: int = 0):
+                    images=None, turn: int = 0, record_routes: bool = False):
+    # every forward here runs with no training plan on the routers: recording, or passing through
+    with routing.recording(model, record_routes) as recorder:
+        return _generate_recorded(model, prompts, keys, ranges, params, step, eos_ids, pad_token_id, decoder,
+                                  images, turn, recorder)
+
+
+def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, step, eos_ids, pad_token_id,
+                       decoder: str, images, turn: int, recorder):
     device = next(model.parameters()).device
     n_prompts = len(prompts)
     lens = [len(p) for p in prompts]
@@ -211,6 +223,7 @@ def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, 
         logits = dec.prefill(input_ids, attn, position_ids)
     else:
         logits, shift = dec.prefill_images(input_ids, attn, images)
+    prefill_routes = None if recorder is None else recorder.take().unflatten(0, (n_prompts, width))
     # batch row -> (prompt, sample index)
     row_of = [(i, a + j) for i, (a, c) in enumerate(ranges) for j in range(c)]
     n_rows = len(row_of)
@@ -228,18 +241,36 @@ def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, 
         is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)
         is_eos[eos_in_vocab] = True
     decode = _decode_static if decoder == "static" else _decode_shrinking
-    toks, lps, lens_out = decode(dec, logits, seeds, next_pos, is_eos, params)
+    fed = [] if recorder is not None else None  # per decoding step: (global rows fed, their routes)
+    toks, lps, lens_out = decode(dec, logits, seeds, next_pos, is_eos, params,
+                                 **({} if fed is None else {"on_step": lambda rows: fed.append((rows, recorder.take()))}))
+    routes = None if fed is None else _routes(prefill_routes, fed, [(i, lens[i]) for i, _ in row_of], lens_out)
     eos_set = set(eos_in_vocab)
     out: list[list[Completion]] = [[] for _ in range(n_prompts)]
     for r, (i, s) in enumerate(row_of):
         m = lens_out[r]
-        out[i].append(Completion(keys[i], s, toks[r][:m], lps[r][:m], toks[r][m - 1] in eos_set))
+        out[i].append(Completion(keys[i], s, toks[r][:m], lps[r][:m], toks[r][m - 1] in eos_set,
+                                 None if routes is None else routes[r]))
     return out
 
 
-def _decode_shrinking(dec, logits, seeds, next_pos, is_eos, params: SamplingParams):
+def _routes(prefill, fed, prompt_of_row, lengths) -> list[torch.Tensor]:
+    """Each row's routes: its prompt's from the prefill (prefill [prompts, width, L, k], left-padded), then those of
+    its first length - 1 sampled tokens, in the order the decoding steps fed them (`fed`: per step the global rows of
+    its batch and their routes [rows, L, k]; a finished row fed until it was dropped has more, ignored)."""
+    width = prefill.shape[1]
+    rows = np.concatenate([r for r, _ in fed]) if fed else np.zeros(0, dtype=np.int64)
+    ids = torch.cat([x for _, x in fed]) if fed else prefill.new_zeros((0, *prefill.shape[2:]))
+    order = np.argsort(rows, kind="stable")  # each row's steps in time order
+    starts = np.searchsorted(rows[order], np.arange(len(lengths)))
+    return [torch.cat([prefill[i, width - n:], ids[torch.from_numpy(order[a:a + m - 1])]])
+            for (i, n), a, m in zip(prompt_of_row, starts, lengths)]
+
+
+def _decode_shrinking(dec, logits, seeds, next_pos, is_eos, params: SamplingParams, on_step=None):
     """Samples max_new_tokens steps, dropping finished rows as it goes; returns per row its tokens, log-probs
-    (lists, max_new_tokens long, padded) and length (through its EOS)."""
+    (lists, max_new_tokens long, padded) and length (through its EOS). on_step(rows): called after each decoding
+    step with the global row of each of its batch rows."""
     device, n_rows, max_new = logits.device, len(seeds), params.max_new_tokens
     # Per-token bookkeeping stays in numpy/Python and the sampled tokens are written out once at the end: each torch
     # op costs microseconds on CPU, where a 32-row step is only ~3 ms.
@@ -282,6 +313,8 @@ def _decode_shrinking(dec, logits, seeds, next_pos, is_eos, params: SamplingPara
         else:
             live_idx = None
         logits = dec.step(tok_in, next_pos)
+        if on_step is not None:
+            on_step(rows)
         next_pos = next_pos + 1
 
     # One scatter for the whole generation: record[t] holds the tokens of the rows sampled at step t.
@@ -347,8 +380,10 @@ class HFEngine:
     name = "hf"
     needs_weights = False
 
-    def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, decoder: str = "auto"):
+    def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, decoder: str = "auto",
+                 record_routes: bool = False):
         self.model, self.eos_ids, self.pad_id, self.decoder = model, set(eos_token_ids), pad_token_id, decoder
+        self.record_routes = record_routes  # rollout.router_replay=engine
 
     def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None, turn=0):
         # every rank enters gathered() even with no prompts: with FSDP2 it is an all-gather all ranks must join
@@ -357,7 +392,7 @@ class HFEngine:
                 return []
             return generate(self.model, prompts, keys, params, step=step, eos_token_ids=self.eos_ids,
                             pad_token_id=self.pad_id, decoder=self.decoder, sample_ranges=sample_ranges, images=images,
-                            turn=turn)
+                            turn=turn, record_routes=self.record_routes)
 
     def update_weights(self, buckets) -> None:
         state = self.model.state_dict(keep_vars=True)

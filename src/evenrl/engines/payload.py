@@ -1,7 +1,8 @@
 """What of the trainer's policy reaches an engine that holds its own copy (engines.sync calls it for every push):
 
     full weights   full fine-tuning: the whole state dict in model.dtype (distributed.weights.full_weights), a
-                   frozen vision tower left out (model.freeze_vision_tower)
+                   frozen vision tower left out (model.freeze_vision_tower); to vLLM under its checkpoint's names
+                   (models.loading.checkpoint_names: a mixture of experts' fused experts split back)
     adapters       model.lora: only the adapter tensors, fp32, under their state-dict names; the engine's copy has
                    the same adapters (a rollout rank's hf copy) or loads them as a LoRA (vLLM, engines.vllm_lora).
                    The base never moves, so a push is ~2 x rank x (in + out) numbers per adapted layer
@@ -25,6 +26,7 @@ import torch
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.weights import BUCKET_BYTES, buckets, full_weights, gathered
+from evenrl.models.loading import checkpoint_names
 from evenrl.models.lora import adapted_layers, has_adapters, is_adapter, merged, merged_name
 from evenrl.models.vision import frozen_names
 
@@ -49,9 +51,11 @@ def make_payload(cfg: RunConfig, model: torch.nn.Module) -> Payload:
     """What a push of `model` sends (module docstring). With adapters, rank 0 says once which form reaches the
     engine."""
     dtype = getattr(torch, cfg.model.dtype)
+    # vLLM reads weights as checkpoint files name them (a mixture of experts' experts one by one, not fused)
+    named = (lambda b: checkpoint_names(model, b)) if cfg.rollout.engine == "vllm" else (lambda b: b)
     if not has_adapters(model):
         skip = frozen_names(model, cfg.model.freeze_vision_tower)
-        return lambda: full_weights(model, dtype=dtype, skip=skip)
+        return lambda: map(named, full_weights(model, dtype=dtype, skip=skip))
     adapters, why = takes_adapters(cfg)
     if dist.is_main() and (cfg.rollout.engine != "hf" or dist.rollout_ranks()):
         print(f"evenrl: LoRA: the {cfg.rollout.engine} engine gets "
@@ -60,7 +64,7 @@ def make_payload(cfg: RunConfig, model: torch.nn.Module) -> Payload:
     if adapters:
         base = frozenset(name for name in model.state_dict() if not is_adapter(name))
         return lambda: full_weights(model, skip=base)
-    return lambda: merged_weights(model, dtype=dtype)
+    return lambda: map(named, merged_weights(model, dtype=dtype))
 
 
 def merged_weights(model: torch.nn.Module, *, dtype: torch.dtype,

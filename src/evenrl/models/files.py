@@ -85,6 +85,17 @@ def is_vision_config(cfg: dict | None) -> bool:
     return isinstance(cfg, dict) and cfg.get("model_type") in VISION_TYPES
 
 
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # config.json's routed-expert count
+
+
+def routed_experts(cfg: dict | None) -> int:
+    """A mixture of experts' routed experts per MoE layer from its config.json (a text_config's too); 0 if dense."""
+    if not isinstance(cfg, dict):
+        return 0
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    return next((text[k] for k in EXPERT_KEYS if isinstance(text.get(k), int) and text[k] > 0), 0)
+
+
 def check_weights(path: str) -> None:
     """The weights transformers would load exist and, for safetensors, are complete: every tensor the header
     describes lies inside the file and the file ends where the last one does (an empty or truncated download

@@ -52,8 +52,8 @@ def load_policy(path: str, *, dtype="float32", device="cpu"):
     try:
         try:
             model = auto.from_pretrained(path, **kwargs)
-        except ValueError as e:
-            if "sdpa" not in str(e).lower():
+        except ValueError as e:  # a model without SDPA attention (gpt-oss: its sinks) says so in one of two ways
+            if not any(w in str(e).lower() for w in ("sdpa", "scaled_dot_product_attention")):
                 raise
             kwargs["attn_implementation"] = "eager"
             model = auto.from_pretrained(path, **kwargs)
@@ -171,3 +171,16 @@ def is_checkpointing(model) -> bool:
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
         else "is_gradient_checkpointing"
     return bool(getattr(model, flag, False))
+
+
+def checkpoint_names(model, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A bucket of the model's tensors (state-dict names) under the names and layout its checkpoint files use:
+    transformers 5 fuses some weights when it loads them (a mixture of experts' per-expert projections into 3-D
+    gate_up_proj / down_proj) and save_pretrained splits them back (revert_weight_conversion); an engine that reads
+    checkpoint files (vLLM) needs that form. Each fused tensor converts alone, so any bucketing works; a model with
+    nothing fused comes back as it is."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    converted = revert_weight_conversion(model, dict(bucket))
+    return list(converted.items()) if converted is not None else bucket
+

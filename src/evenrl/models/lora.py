@@ -34,14 +34,30 @@ def _blocks(model) -> torch.nn.Module | None:
 def default_targets(model) -> list[str]:
     """The names of the linear layers inside the decoder blocks (the attention and MLP projections), as peft's
     target_modules: every leaf name of an nn.Linear there, so the output head and the embeddings are never
-    adapted."""
+    adapted. A name peft would map onto a mixture of experts' fused expert weights (its conversion of the
+    transformers 4 names, e.g. DeepSeek-V3's down_proj, which its shared experts share) is left out: evenrl trains
+    no adapters on the experts (see add_adapters)."""
     blocks = _blocks(model)
     names = sorted({name.rsplit(".", 1)[-1] for name, m in (blocks.named_modules() if blocks is not None else [])
                     if isinstance(m, torch.nn.Linear)})
+    names = [n for n in names if n not in _onto_experts(model, names)]
     if not names:
         raise UsageError(f"model.lora.target_modules: {type(model).__name__} has no linear layers inside a decoder "
                          "to find; name them, e.g. model.lora.target_modules=[q_proj,v_proj]")
     return names
+
+
+def _onto_experts(model, names: list[str]) -> set[str]:
+    """The target names peft would move onto the model's fused expert weights (its transformers-5 conversion)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    probe = PeftLoraConfig(r=1, target_modules=list(names), task_type="CAUSAL_LM")
+    try:
+        convert_peft_config_for_transformers(probe, model, None)
+    except ValueError:  # a fused pair named in part: peft refuses it itself when the adapter is added
+        return set()
+    return set(names) - set(probe.target_modules or ())
 
 
 def add_adapters(model, lora: LoraConfig) -> None:
@@ -65,6 +81,12 @@ def add_adapters(model, lora: LoraConfig) -> None:
     inside = {id(m) for m in blocks.modules()} if blocks is not None else set()
     outside = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                if isinstance(m, LoraLayer) and (id(m) not in inside or not isinstance(m, Linear))}
+    if any(type(m).__name__ == "ParamWrapper" for m in model.modules()):
+        raise UsageError(f"model.lora.target_modules: got {targets}; peft maps "
+                         f"{', '.join(sorted(_onto_experts(model, targets))) or 'some of them'} onto "
+                         f"{model.config.model_type}'s fused expert weights (LoRA on the experts), which evenrl does "
+                         "not train yet; name the attention projections (e.g. q_proj, v_proj) or leave the list "
+                         "empty (docs/moe.md)")
     if outside:
         raise UsageError(f"model.lora.target_modules: got {targets}; {', '.join(sorted(outside))}: not a linear "
                          "layer of the decoder blocks, the only layers evenrl adapts; name those (e.g. q_proj, "

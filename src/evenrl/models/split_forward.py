@@ -9,6 +9,10 @@ No rank holds a row padded to the longest sample: the only padding is at the pac
 the group size. The model's own forward keeps activation checkpointing, LoRA and FSDP2 working; with a group of one
 this is the packed path of a checkpointed model.
 
+A mixture of experts' routers get the plan of this call (evenrl.models.routing.packed_plan): the micro-batch's
+recorded routes replayed at this slice's positions, and with recording on, the routes used gathered back to whole
+rows.
+
 The group (`model.evenrl_sequence_group`, set by evenrl.distributed.sequence.sequence_parallel) is used through
 `size`, `index`, `attention_kwargs(bounds)` and `gather_outputs(x, counts)`.
 """
@@ -22,6 +26,7 @@ from torch import Tensor
 
 from evenrl.core.batch import Batch
 from evenrl.models.loading import compute_device
+from evenrl.models.routing import packed_plan, route_rows
 
 # A 4-D mask is passed through transformers' mask builders untouched: the attention masks by segment itself, so no
 # [L, L] mask is built for a long packed row.
@@ -53,10 +58,13 @@ def split_forward(model, batch: Batch, head: Callable | None, output_layer_compu
     lo = sp.index * per_rank
     mine = predicting[(predicting >= lo) & (predicting < lo + per_rank)]
     bounds = [0, *ends.tolist()] + ([padded] if padded > T else [])
+    plan = packed_plan(model, batch, lo, per_rank, padded)  # a mixture of experts' routes (None: dense)
     with output_layer_computes(model, head, ids[mine + 1][None]):
         out = model(input_ids=ids[None, lo:lo + per_rank], position_ids=pos[None, lo:lo + per_rank],
                     attention_mask=_NO_MASK.to(device), logits_to_keep=mine - lo, use_cache=False,
                     **sp.attention_kwargs(bounds))
+    if plan is not None and plan.record:  # every rank of the group gets the routes of the whole rows
+        plan.rows = route_rows(sp.gather_outputs(plan.stacked("used"), [per_rank] * S).cpu(), tok.lengths.cpu())
     gathered = sp.gather_outputs(out.logits[0], counts)  # [response tokens of the micro-batch, k]
     outputs = gathered.new_zeros(len(lengths), width, gathered.shape[-1])
     outputs[mask] = gathered

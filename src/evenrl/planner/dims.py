@@ -4,7 +4,10 @@ terms count with (evenrl.planner.memory, evenrl.planner.timing).
 
 Decoder-only Llama/Qwen2/Qwen3/Mistral-like models (hidden_size, intermediate_size, num_hidden_layers,
 num_attention_heads, num_key_value_heads, vocab_size, tie_word_embeddings; a text_config inside a vision-language
-config); mixture-of-experts and configs without these are refused with a one-line reason (ValueError).
+config), and their mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss: routed experts
+of their own width, top-k per token, shared experts, dense layers among the MoE ones), counted by total parameters
+(what memory holds) and active ones (what a token computes); configs without these are refused with a one-line
+reason (ValueError). DeepSeek-V3's latent attention (MLA) is counted by its low-rank projections.
 Pure Python: never imports torch.
 """
 
@@ -14,11 +17,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from evenrl.models.files import routed_experts
 from evenrl.models.vision_config import VisionDims, vision_dims_from_config
 
 # Model types whose attention projections have biases when config.json does not say (Qwen2 and its VL text models).
-QKV_BIAS_TYPES = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+QKV_BIAS_TYPES = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text", "qwen2_moe")
+# Families whose experts are as wide as intermediate_size (the others: moe_intermediate_size)
+_EXPERT_WIDTH_IS_INTERMEDIATE = ("mixtral", "olmoe", "gpt_oss")
+# Routers balanced without a loss: sigmoid scores with correction biases the checkpoint fixes (DeepSeek-V3's)
+AUX_FREE_TYPES = ("deepseek_v3", "glm4_moe", "kimi_k2")
+# Mixtures of experts whose routers evenrl.models.routing knows (record, replay, the load-balancing loss)
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -36,20 +45,79 @@ class ModelDims:
     qk_norm: bool
     max_positions: int | None
     vision: VisionDims | None = None  # a vision-language model's encoder (evenrl.planner.vision)
-    # what evenrl's packed attention (sequence parallelism, a checkpointed model's packed rows) does not implement,
-    # as config.json says it, e.g. "sliding_window=4096"; "" when nothing
+    # what evenrl's packed attention (sequence parallelism, a checkpointed model's or a mixture of experts' packed
+    # rows) does not implement, as config.json says it, e.g. "attn_logit_softcapping=50"; "" when nothing
     attention_extras: str = ""
+    # a mixture of experts: routed experts per MoE layer (0: dense), chosen per token, each expert's width, the
+    # shared experts' width (0: none), MoE layers (the others dense), expert biases (gpt-oss)
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    moe_layers: int = 0
+    expert_bias: bool = False
+    # multi-head latent attention (DeepSeek-V3): (q_lora_rank or 0, kv_lora_rank, qk_nope, qk_rope, v head dims)
+    mla: tuple[int, ...] = ()
+
+    @property
+    def attention_params(self) -> int:
+        """An attention block's parameters with the block's two norms."""
+        h = self.hidden
+        if self.mla:
+            q_rank, kv_rank, nope, rope, v = self.mla
+            H = self.heads
+            q = (h * q_rank + q_rank + q_rank * H * (nope + rope)) if q_rank else h * H * (nope + rope)
+            return q + h * (kv_rank + rope) + kv_rank + kv_rank * H * (nope + v) + H * v * h + 2 * h
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        return attn + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert: gate, up and down projections (and their biases)."""
+        h, i = self.hidden, self.expert_intermediate
+        return 3 * h * i + ((2 * i + h) if self.expert_bias else 0)
+
+    @property
+    def moe_mlp_params(self) -> int:
+        """An MoE layer's MLP: the routed experts, the router, the shared experts."""
+        h, e = self.hidden, self.experts
+        shared = 3 * h * self.shared_intermediate + (h if self.shared_intermediate and self.model_type == "qwen2_moe"
+                                                     else 0)  # Qwen2-MoE gates its shared expert
+        return e * self.expert_params + e * h + (e if self.expert_bias else 0) + shared
 
     @property
     def layer_params(self) -> int:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
-        return attn + 3 * h * self.intermediate + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        """The largest decoder block's parameters (an MoE block when there is one): an FSDP unit."""
+        mlp = self.moe_mlp_params if self.moe_layers else 3 * self.hidden * self.intermediate
+        return self.attention_params + mlp
+
+    @property
+    def experts_total(self) -> int:
+        """Every routed expert's parameters: what expert parallelism divides."""
+        return self.moe_layers * self.experts * self.expert_params
+
+    @property
+    def idle_expert_params(self) -> int:
+        """Routed experts' parameters a token does not compute with (E - k per MoE layer)."""
+        return self.moe_layers * (self.experts - self.top_k) * self.expert_params
 
     @property
     def params(self) -> int:
         embed = self.vocab * self.hidden
-        return embed * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+        dense = (self.layers - self.moe_layers) * (self.attention_params + 3 * self.hidden * self.intermediate)
+        moe = self.moe_layers * (self.attention_params + self.moe_mlp_params)
+        return embed * (1 if self.tied else 2) + dense + moe + self.hidden
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: all but the routed experts it is not sent to."""
+        return self.params - self.idle_expert_params
+
+    @property
+    def active_layer_params(self) -> int:
+        """A token's work per layer, in multiply-adds (averaged over dense and MoE layers)."""
+        return (self.active_params - self.root_params) // max(self.layers, 1)
 
     @property
     def root_params(self) -> int:
@@ -64,10 +132,23 @@ class ModelDims:
         return self.params - norms - (0 if self.tied else self.vocab * self.hidden)
 
     @property
+    def active_linear_params(self) -> int:
+        """linear_params a token multiplies by: the FLOPs per token are 2x this."""
+        return self.linear_params - self.idle_expert_params
+
+    @property
     def act_elems(self) -> int:
-        """Saved activation elements per token per layer (module docstring)."""
+        """Saved activation elements per token per layer (module docstring; planner.memory). An MoE layer keeps, per
+        chosen expert, the token's gathered input, its gate/up output, their product and the weighted output
+        (k x (3h + 4i), the dispatch buffers of the grouped GEMM), the shared experts' intermediates and the router's
+        logits and probabilities (2E); averaged over the dense and MoE layers."""
         h = self.hidden
-        return 4 * h + 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim + 4 * self.intermediate
+        attn = 4 * h + 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
+        if not self.moe_layers:
+            return attn + 4 * self.intermediate
+        moe = self.top_k * (3 * h + 4 * self.expert_intermediate) + 4 * self.shared_intermediate + 2 * self.experts
+        dense = 4 * self.intermediate
+        return attn + -(-(self.moe_layers * moe + (self.layers - self.moe_layers) * dense) // self.layers)
 
 
 def dims_from_config(hf: dict, preprocessor: dict | None = None) -> ModelDims:
@@ -79,10 +160,6 @@ def dims_from_config(hf: dict, preprocessor: dict | None = None) -> ModelDims:
     tied = hf.get("tie_word_embeddings", False)  # a vision-language config says it at the top
     hf = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     kind = str(hf.get("model_type", "unknown"))
-    moe = [k for k in _MOE_KEYS if hf.get(k)]
-    if moe:
-        raise ValueError(f"model_type {kind!r} is a mixture-of-experts model ({moe[0]}); "
-                         "the estimate covers dense decoder-only models")
     need = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
     missing = [k for k in need if not isinstance(hf.get(k), int) or hf.get(k) <= 0]
     if missing:
@@ -90,28 +167,42 @@ def dims_from_config(hf: dict, preprocessor: dict | None = None) -> ModelDims:
                          "Llama/Qwen2/Mistral-like decoder-only models")
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    head_dim = hf.get("head_dim") or hf.get("qk_nope_head_dim", 0) + hf.get("qk_rope_head_dim", 0) \
+        or hf["hidden_size"] // heads
     return ModelDims(kind, hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], heads, int(kv),
                      int(head_dim), hf["vocab_size"], bool(hf.get("tie_word_embeddings", tied)),
-                     bool(hf.get("attention_bias", kind in QKV_BIAS_TYPES)), kind in ("qwen3",),
-                     hf.get("max_position_embeddings"), vision, _attention_extras(hf, kind))
+                     bool(hf.get("attention_bias", kind in QKV_BIAS_TYPES)), kind in ("qwen3", "qwen3_moe"),
+                     hf.get("max_position_embeddings"), vision, _attention_extras(hf), **_experts(hf, kind))
 
 
-def _attention_extras(hf: dict, kind: str) -> str:
+def _experts(hf: dict, kind: str) -> dict:
+    """A mixture of experts' ModelDims fields from its config.json ({} for a dense model)."""
+    experts = routed_experts(hf)
+    if not experts:
+        return {}
+    layers = hf["num_hidden_layers"]
+    width = hf["intermediate_size"] if kind in _EXPERT_WIDTH_IS_INTERMEDIATE else \
+        hf.get("moe_intermediate_size") or hf["intermediate_size"]
+    shared = hf.get("shared_expert_intermediate_size") or (hf.get("n_shared_experts") or 0) * width
+    if "first_k_dense_replace" in hf:  # DeepSeek-V3: its first k layers dense
+        moe_layers = layers - min(int(hf["first_k_dense_replace"] or 0), layers)
+    else:  # Qwen-MoE: every decoder_sparse_step-th layer not in mlp_only_layers
+        step, only = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or [])
+        moe_layers = sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)
+    mla = ()
+    if isinstance(hf.get("kv_lora_rank"), int):
+        mla = tuple(int(hf.get(k) or 0) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                  "qk_rope_head_dim", "v_head_dim"))
+    return dict(experts=int(experts), top_k=int(hf.get("num_experts_per_tok") or 1), expert_intermediate=int(width),
+                shared_intermediate=int(shared), moe_layers=moe_layers, expert_bias=kind == "gpt_oss", mla=mla)
+
+
+def _attention_extras(hf: dict) -> str:
     """Attention features transformers applies for this config that the packed attention does not: logit
-    softcapping, or a sliding window where the model uses it (Qwen2/Qwen3: use_sliding_window from layer
-    max_window_layers on, or sliding layers in layer_types; Mistral: whenever sliding_window is set)."""
+    softcapping (sliding windows and sinks it implements: evenrl.distributed.sequence)."""
     if hf.get("attn_logit_softcapping"):
         return f"attn_logit_softcapping={hf['attn_logit_softcapping']}"
-    window, layers = hf.get("sliding_window"), hf["num_hidden_layers"]
-    types = hf.get("layer_types")
-    if isinstance(types, list):
-        sliding = "sliding_attention" in types
-    elif kind.startswith(("qwen2", "qwen3")):
-        sliding = bool(hf.get("use_sliding_window")) and (hf.get("max_window_layers") or 0) < layers
-    else:
-        sliding = kind == "mistral"
-    return f"sliding_window={window}" if window and sliding else ""
+    return ""
 
 
 def read_model_dims(model_path: str) -> ModelDims:

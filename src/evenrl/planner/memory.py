@@ -2,8 +2,8 @@
 
     evenrl plan CONFIG --nproc-per-node 4 --device cuda --device-memory-gib 80   # shows the breakdown
 
-Model: decoder-only Llama/Qwen2/Qwen3/Mistral-like, its dimensions read by evenrl.planner.dims. Mixture-of-experts
-and encoder-decoder configs are refused with a message; the planner then skips the estimate.
+Model: decoder-only Llama/Qwen2/Qwen3/Mistral-like and their mixtures of experts, the dimensions read by
+evenrl.planner.dims; encoder-decoder configs are refused with a message and the planner then skips the estimate.
 
 Precision: the trained weights, their gradients and AdamW's two moments are fp32 whatever model.dtype says
 (model.dtype=bfloat16 is mixed precision: bf16 compute over fp32 master weights), so the state is 16 bytes per
@@ -73,6 +73,17 @@ rank's slice. Attention trades tokens for heads with an all-to-all of q, k, v an
 Where SP does not divide the KV heads the runtime repeats them to lcm(KV heads, SP), and k, v count that many
 heads. Weights, gradients and optimizer state are sharded over all T ranks as before (FSDP does not see SP);
 generation is not split (every rank generates its own samples).
+A mixture of experts: P counts every expert (memory holds them all; a token computes with its top-k, the step-time
+estimate's active weights), an MoE layer's activations add its dispatch buffers (planner.dims.ModelDims.act_elems)
+and the largest FSDP unit is an MoE block. Expert parallelism (EP, a parameter of these formulas, 1 until the mesh
+sets it: an EP group of ranks holds 1/EP of every layer's experts each, and FSDP shards them over the other T/EP):
+the routed experts' share Pe of P is held /EP replicated (/T with fsdp, as before), an FSDP unit gathers E/EP
+experts, and each MoE layer's tokens go out and come back by all-to-all:
+  expert dispatch  2 * t * k * h * c     log-probs (one layer's send and receive), twice that in the update
+With rollout.router_replay (off: none) the step's routes travel with its rows in the smallest integer type (b bytes:
+1 up to 256 experts): a micro-batch's on the device while it runs, and one layer's widened to int64 by the hook:
+  route records    t * M * k * b + t * k * 8   (M MoE layers, k experts per token); on the host the rank's rows'
+                   records, g * len * M * k * b, counted in the plan's assumptions
 With model.lora (A adapter parameters: planner.adapters) the base is frozen in the compute dtype and only the
 adapters train: parameters cP/S + 4A/S, optimizer 8A/S, gradients 4A/S, autocast copies 2A, gradient buckets 4A, no
 reference model; units and the gathered model hold the adapters too; activations add their rank-wide middles.
@@ -119,9 +130,9 @@ RESIDENT = ("parameters", "optimizer", "reference model", "critic", "reward mode
 PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache", "rollout engine"),
           "reward": ("reward models in use", "reward activations"),  # only with reward models or judges
           "log-probs": ("fsdp units", "autocast copies", "layer activations", "vision layer activations",
-                        "log-prob logits", "log-prob all-to-all"),
+                        "log-prob logits", "log-prob all-to-all", "log-prob expert dispatch", "route records"),
           "update": ("gradients", "fsdp units", "autocast copies", "activations", "vision activations", "logits",
-                     "all-to-all", "gradient buckets")}
+                     "all-to-all", "expert dispatch", "route records", "gradient buckets")}
 
 
 # ------------------------------------------------------------------------------------------ estimate
@@ -222,8 +233,9 @@ def compute_bytes(dtype: str) -> int:
 
 
 def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
-                    ranks: tuple[int, ...] | None = None) -> MemoryEstimate:
-    """The peak of the busiest of `ranks` (default: every training rank) on layout.device_memory_gib."""
+                    ranks: tuple[int, ...] | None = None, *, expert_parallel: int = 1) -> MemoryEstimate:
+    """The peak of the busiest of `ranks` (default: every training rank) on layout.device_memory_gib;
+    `expert_parallel`: a mixture of experts' EP size (module docstring; 1 until the mesh sets it)."""
     c = compute_bytes(cfg.model.dtype)
     t = max(layout.training_ranks, 1)
     par = cfg.parallel
@@ -252,9 +264,20 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         trained, held = A, 4 * A + c * (P + Pv)
         notes[0] = lora_note(cfg, A, t if fsdp else 1)
     device_state = 0 if offload else 1
+    # the routed experts' share: held /EP replicated, /T sharded (EP x the FSDP shards over the other T/EP ranks)
+    ep = max(1, expert_parallel)
+    Pe = dims.experts_total
+    spread = shard if fsdp else ep
+    experts_saved = 1 - shard / spread  # the share of the experts' state that EP takes off this rank
+    held -= (4 if not lora.rank else c) * Pe * experts_saved
     params_b = held / shard * device_state
-    opt_b = 8 * trained / shard * device_state
-    grads_b = 4 * trained / shard * device_state
+    trained_here = trained - (0 if lora.rank else Pe * experts_saved)
+    opt_b = 8 * trained_here / shard * device_state
+    grads_b = 4 * trained_here / shard * device_state
+    if dims.experts:
+        notes.append(f"mixture of experts: {dims.experts} experts, top {dims.top_k}, in {dims.moe_layers} of {L} "
+                     f"layers: {P / 1e6:,.1f} M parameters held, {dims.active_params / 1e6:,.1f} M active per token"
+                     + (f"; expert parallelism {ep}" if ep > 1 else ""))
     ref_full = c * (P + Pv) if cfg.algo.kl_coef > 0 and not lora.rank else 0
     ref = ref_full / shard * device_state
     host = ((held + 12 * trained) / shard + ref_full / shard) if offload else 0
@@ -279,8 +302,9 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     overhead = OVERHEAD_GIB[layout.device] * GIB
     block_adapters = A // L
     copies = 2 * (A if lora.rank else dims.linear_params) if (c == 2 and not fsdp) else 0
-    units = c * (dims.root_params + 2 * (dims.layer_params + block_adapters)) if fsdp else 0
-    largest = max(dims.root_params, dims.layer_params + block_adapters)
+    block = dims.layer_params - (dims.experts - dims.experts // ep) * dims.expert_params  # E/EP experts gathered
+    units = c * (dims.root_params + 2 * (block + block_adapters)) if fsdp else 0
+    largest = max(dims.root_params, block + block_adapters)
     trained_unit = block_adapters if lora.rank else largest  # the largest unit's parameters that get gradients
     unit_grads = trained_unit * (c + (4 if c < 4 else 0)) if fsdp else 0
     sp = sequence_groups(cfg, layout)[0]
@@ -324,6 +348,9 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         "logits": min(tokens * V, HEAD_CHUNK) * (2 * c + 12),
         "log-prob all-to-all": 4 * tokens * dims.hidden * c if sp > 1 else 0,
         "all-to-all": 2 * 4 * tokens * dims.hidden * c if sp > 1 else 0,
+        "log-prob expert dispatch": 2 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
+        "expert dispatch": 4 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
+        "route records": route_record_bytes(cfg, dims, tokens),
         "gradient buckets": 4 * trained if (not fsdp and t > 1) else 0,
     }
     scorers = scorer_memory(cfg, layout, dims, tokens, samples_rank=math.ceil(cfg.samples_per_step() * share_of(
@@ -333,15 +360,30 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     phases = {
         "rollout": resident + parts["gathered model"] + (copies if sampler else 0) + parts["KV cache"] + engine,
         "log-probs": resident + units + copies + parts["layer activations"] + parts["vision layer activations"]
-        + parts["log-prob logits"] + parts["log-prob all-to-all"],
+        + parts["log-prob logits"] + parts["log-prob all-to-all"] + parts["log-prob expert dispatch"]
+        + parts["route records"],
         "update": resident + grads_b + max(units + unit_grads + copies + act + vision_act + parts["logits"]
-                                           + parts["all-to-all"], parts["gradient buckets"]),
+                                           + parts["all-to-all"] + parts["expert dispatch"] + parts["route records"],
+                                           parts["gradient buckets"]),
     }
+    if parts["route records"]:
+        rows = math.ceil(cfg.samples_per_step() * share_of(cfg, layout))
+        notes.append(f"router replay: the rank's {rows} rows carry their routes on the host, "
+                     f"{route_record_bytes(cfg, dims, rows * length) / GIB * 1024:.1f} MiB at most")
     if any(spec.model or spec.judge for spec in cfg.rewards.functions):
         phases["reward"] = resident + scorers[1] + scorers[2]
     total = max(phases.values())
     return MemoryEstimate({k: v / GIB for k, v in parts.items()}, total / GIB, layout.device_memory_gib, P + Pv,
                           tokens, gen, host / GIB, {k: v / GIB for k, v in phases.items()}, notes)
+
+
+def route_record_bytes(cfg: RunConfig, dims: ModelDims, tokens: int) -> int:
+    """Routes of `tokens` tokens (rollout.router_replay): M x k ids each in the smallest integer type, and one
+    layer's widened to int64 by the router's hook; 0 without replay or experts."""
+    if cfg.rollout.router_replay == "off" or not dims.experts:
+        return 0
+    width = 1 if dims.experts <= 256 else 2 if dims.experts <= 1 << 15 else 4  # evenrl.core.moe.route_dtype
+    return tokens * dims.moe_layers * dims.top_k * width + tokens * dims.top_k * 8
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,8 +8,8 @@ all-to-all stays inside a node where SP <= processes per node); each sample's to
 group, and attention trades tokens for heads with an all-to-all, so each rank computes heads / SP query heads
 over the whole sequence. Hence: SP divides the training ranks, SP divides the query heads, KV heads that SP does
 not divide are repeated (lcm(KV heads, SP) of them), vision-language models are not supported yet, and neither is
-attention the packed path does not implement (a sliding window, logit softcapping; also under checkpointing, which
-packs rows the same way). The memory it saves is evenrl.planner.memory's; the smallest SP that fits is found here
+attention the packed path does not implement (logit softcapping; also under checkpointing and for a mixture of
+experts, which pack rows the same way; sliding windows and attention sinks it implements). The memory it saves is evenrl.planner.memory's; the smallest SP that fits is found here
 and offered by evenrl.planner.memory_fixes.
 Tensor parallelism (TP): one vLLM engine over TP devices (vLLM's tensor_parallel_size), on the reserved rollout
 devices or, colocated, on all of them: planned, and refused above 1 for now (evenrl starts one engine per
@@ -43,14 +43,15 @@ def divisors_near(n: int, want: int, ok=lambda d: True) -> list[int]:
 def rule_sequence_parallel(p: Plan) -> list[Finding]:
     c, lay, d = p.config, p.layout, p.dims
     sp, t, out = c.parallel.sequence_parallel_size, lay.training_ranks, []
-    packed = sp > 1 or (c.model.gradient_checkpointing and d is not None and d.vision is None)
+    packed = sp > 1 or (d is not None and d.vision is None and (c.model.gradient_checkpointing or d.experts > 0))
     if d and d.attention_extras and packed:  # evenrl.distributed.sequence refuses it at the first forward
+        why = ("sequence parallelism" if sp > 1 else "a mixture of experts (rows packed back to back, always)"
+               if d.experts else "activation checkpointing (rows packed back to back)")
         out.append(Finding("error", "packed-attention",
                            f"the model's attention uses {d.attention_extras} (config.json), which the packed "
-                           "attention of " + ("sequence parallelism" if sp > 1 else
-                                              "activation checkpointing (rows packed back to back)") +
-                           " does not implement", "parallel.sequence_parallel_size=1 "
-                           "model.gradient_checkpointing=false"))
+                           f"attention of {why} does not implement",
+                           "none: a mixture of experts trains packed whatever the settings" if d.experts and sp == 1 else
+                           "parallel.sequence_parallel_size=1 model.gradient_checkpointing=false"))
     if sp == 1 or t < 1:
         return out + _sample_too_long(p)
     heads_ok = (lambda s: d.heads % s == 0) if d else (lambda s: True)

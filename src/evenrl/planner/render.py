@@ -184,7 +184,8 @@ def _memory_lines(p: Plan) -> list[str]:
     precision = "fp32" if c.model.dtype == "float32" else f"{c.model.dtype} compute over fp32 weights"
     if c.model.lora.rank:
         precision = f"LoRA rank {c.model.lora.rank} (fp32 adapters) on a frozen {c.model.dtype} base"
-    lines = [_row("memory", f"{d.model_type} {count_unit(mem.params)} params, {precision}, "
+    active = f" ({count_unit(d.active_params)} active)" if d.experts else ""  # a mixture of experts
+    lines = [_row("memory", f"{d.model_type} {count_unit(mem.params)} params{active}, {precision}, "
                             f"{c.parallel.sharding}, {off[c.parallel.cpu_offload]}, "
                             f"{'checkpointing' if c.model.gradient_checkpointing else 'no checkpointing'}"),
              *(_group_lines(p) if len(p.groups) > 1 else []),

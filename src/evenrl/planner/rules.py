@@ -2,10 +2,8 @@
 
     evenrl plan examples/plan_512x8.yaml data.prompts_per_step=2 rollout.samples_per_prompt=1 --nproc-per-node 4
 
-Every rule in RULES runs on every plan, so all problems are reported at once. A rule is a plain function
-`Plan -> list[Finding]`; add one by writing it here and listing it in RULES (and a row in tests/test_plan.py).
-Pure Python: never imports torch.
-"""
+Every rule in RULES runs on every plan, so all problems are reported at once. A rule is a plain torch-free
+function `Plan -> list[Finding]`, here or in its topic's module, listed in RULES (and a row in tests/test_plan.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +18,7 @@ from evenrl.models.files import LEAN_ARCHS, check_tokenizer_files, check_weights
 from evenrl.planner.groups import rule_group_memory, rule_mixed_speeds, rule_unknown_models
 from evenrl.planner.lora import rule_lora
 from evenrl.planner.memory import PHASES, RESIDENT
+from evenrl.planner.moe import rule_moe
 from evenrl.planner.model_parallel import rule_rollout_parallel, rule_sequence_parallel
 from evenrl.planner.rewards import rule_reward_models, rule_rewards
 from evenrl.planner.text import plural, seconds, size_text
@@ -447,4 +446,5 @@ def rule_trackers(p: Plan) -> list[Finding]:
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_reward_models, rule_groups,
          rule_algorithms, rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory,
          rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_vision, rule_lora, rule_trackers,
-         rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent, rule_sequence_parallel, rule_rollout_parallel]
+         rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent, rule_sequence_parallel, rule_rollout_parallel,
+         rule_moe]

@@ -8,7 +8,8 @@ An estimate from FLOPs and bytes at assumed device rates, printed with the plan,
 compare splits of one world and to see which side of a step dominates, not to predict wall-clock time.
 
 Symbols: N = the model's matmul weights (ModelDims.linear_params: every weight a token multiplies, the LM head
-included, an untied input embedding not), P = all parameters, c = bytes of model.dtype (4 or 2), L = layers,
+included, an untied input embedding not; in FLOPs a mixture of experts' active ones, Na: a token's top-k experts
+of each MoE layer, while a weight read or pushed is every expert's), P = all parameters, c = bytes of model.dtype (4 or 2), L = layers,
 kv = 2 * kv_heads * head_dim (keys and values per layer and token); p = data.max_prompt_tokens,
 g = tokens sampled per sample (rollout.max_new_tokens; with rollout.env the most its turns sample),
 n = rollout.samples_per_prompt, S = samples per step, R = rollout devices, T = training ranks. Rates per device:
@@ -18,8 +19,8 @@ environment turns are prefilled, not decoded: they count in the training length,
 
 Generation, on each of the R engine replicas (the step's samples spread evenly; the busiest holds b = ceil(S / R),
 all in one batch; a prompt's samples share one prefill):
-  prefill   max(2N * ceil(b / n) * p / F,  cN / B,  f)
-  decode    g steps of  max(2N * b / F,  (cN + b * (p + g/2) * L * kv * c) / B,  f)
+  prefill   max(2Na * ceil(b / n) * p / F,  cN / B,  f)
+  decode    g steps of  max(2Na * b / F,  (cN + b * (p + g/2) * L * kv * c) / B,  f)
             every step reads the weights once and the KV cache (its mean length over the g steps), or runs b
             tokens through the weights, whichever is slower: memory-bound at small batches, compute-bound at large
   generation = prefill + decode
@@ -30,7 +31,7 @@ Training, on the busiest of the T ranks: each mini-batch of m samples gives it c
             minibatches_per_step or epochs_per_step > 1, 1 for the reference when algo.kl_coef > 0 (kl_in=loss
             and kl_in=reward both run it), and with algo.advantage=gae the critic's values (1) and its own update
             (the policy's count again per epoch)
-  training  max(2N * t * passes / F,  u * passes * f)
+  training  max(2Na * t * passes / F,  u * passes * f)
 Weight push: one broadcast of the model in model.dtype, trainer 0 to the rollout ranks, after each update:
   push      cP / link            (model.lora: its fp32 adapters, 4A / link)
 Step: synchronous (max_staleness=0)  generation + push + training: each side waits for the other;
@@ -212,10 +213,10 @@ def step_time(cfg: RunConfig, dims: ModelDims, minibatch_sizes: list[int], world
     """The estimate for `rollout` reserved devices out of `world` (module docstring); `rates` are the generating
     side's (and the push's), `train_rates` the training side's when they differ (mixed devices)."""
     c = compute_bytes(cfg.model.dtype)
-    N, F, B, f = dims.linear_params, rates.tflops * 1e12, rates.gbps * 1e9, rates.floor_s
+    N, F, B, f = dims.active_linear_params, rates.tflops * 1e12, rates.gbps * 1e9, rates.floor_s
     p, g, n = cfg.data.max_prompt_tokens, cfg.sampled_tokens(), cfg.rollout.samples_per_prompt
     b = math.ceil(cfg.samples_per_step() / rollout)
-    weights = c * N
+    weights = c * dims.linear_params  # every expert is read: a batch's tokens pick most of them
     prefill = max(2 * N * math.ceil(b / n) * p / F, weights / B, f)
     kv = b * (p + g / 2) * dims.layers * 2 * dims.kv_heads * dims.head_dim * c
     decode = g * max(2 * N * b / F, (weights + kv) / B, f)

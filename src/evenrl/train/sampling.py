@@ -12,6 +12,7 @@ from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
 from evenrl.engines.base import sampling_params
 from evenrl.errors import RunStopped
+from evenrl.models.routing import routing
 from evenrl.models.vision import pixel_dim, prompt_image_inputs
 from evenrl.rewards import FAILURE_KINDS, score_all
 from evenrl.rewards.overlong import overlong_penalty
@@ -122,6 +123,7 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
                                                  openings=[trainer.prompts.openings[i] for i in ids])
         trainer.engine.sleep()  # vLLM on GPU: its KV cache is freed while the trainer needs the memory
     tokens, resp_len, index, group, row_ids, texts, finished, engine_lp = [], [], [], [], [], [], [], []
+    routes = []  # rollout.router_replay=engine: each sample's routes, as the engine recorded them
     image_rows = []  # per sample, its prompt's ImageInputs (None: a text prompt)
     stride = index_stride(cfg)
     completions = [[part for c in samples for part in (c, *getattr(c, "splits", ()))] for samples in completions]
@@ -138,6 +140,7 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
             texts.append(trainer.tokenizer.decode(c.token_ids, skip_special_tokens=trainer.turns is None))
             finished.append(c.finished)
             engine_lp.append(torch.tensor(c.logprobs, dtype=torch.float32))
+            routes.append(c.routes)
     batch = Batch({
         "sample_index": torch.tensor(index, dtype=torch.long),
         "tokens": Ragged.of(tokens, torch.long),
@@ -149,12 +152,24 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
         "row_id": row_ids,
         "completion": texts,
     })
+    if cfg.rollout.router_replay == "engine":  # every rank carries the column, some with no rows
+        batch["routes"] = engine_routes(routes, trainer.model)
     if images is not None:  # a vision-language model: every rank carries the image columns, some rows empty
         add_image_columns(batch, image_rows, trainer.vision_weight, pixel_dim(trainer.image_processor))
     if trainer.turns is not None:
         for name, col in trajectory_columns([c for samples in completions for c in samples]).items():
             batch[name] = col
     return batch
+
+
+def engine_routes(routes: list, model) -> Ragged:
+    """The samples' routes as the routes column (rollout.router_replay=engine); every sample must have them."""
+    state = routing(model)
+    if any(r is None for r in routes):
+        raise RunStopped("rollout.router_replay=engine: the engine returned samples without their routes")
+    if not routes:
+        return Ragged(torch.zeros((0, state.layers, state.top_k), dtype=state.dtype), torch.zeros(0, dtype=torch.long))
+    return Ragged.of(routes, state.dtype)
 
 
 def add_image_columns(batch: Batch, inputs: list, weight: float, dim: int) -> None:

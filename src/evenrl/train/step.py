@@ -29,6 +29,10 @@ from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import is_sharded
+from evenrl.models import routing
+from evenrl.models.routing import is_moe
+from evenrl.planner.dims import dims_from_config
+from evenrl.train import moe
 from evenrl.train.balance import rebalance
 from evenrl.train.metrics import Timer, step_metrics
 from evenrl.train.pooled import needs_pooling, pool
@@ -50,7 +54,7 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
     local, failures, sampling = sample(trainer, step, timer)                    # rollout + rewards: this rank's rows
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "reward":
         with timer("logprobs"):
-            on_group_rows(trainer, local, add_reward_kl, ("reward_kl", "kl_sum"))
+            on_group_rows(trainer, local, add_reward_kl, ("reward_kl", "kl_sum", "routes"))
     if trainer.critic is not None:
         with timer("values"):
             on_group_rows(trainer, local, add_values, ("old_values",))          # the critic at sampling time
@@ -64,14 +68,19 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
         lens = counted_lengths(cfg, everyone)                                   # 0 for masked samples
         denoms = [minibatch_denominators(lens, mb.rows, norm_tokens(cfg)) for mb in schedule.minibatches]
     with timer("logprobs"):
+        if needs_old_logprobs(cfg):                                             # router_replay=trainer: records
+            add_logprobs(trainer, batch, "old_logp", trainer.model, flat(micro))
         if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "loss":
             with trainer.reference_policy() as reference:                       # with LoRA: the adapters disabled
                 add_logprobs(trainer, batch, "ref_logp", reference, flat(micro))
-        if needs_old_logprobs(cfg):
-            add_logprobs(trainer, batch, "old_logp", trainer.model, flat(micro))
+        if cfg.rollout.router_replay == "engine":                              # the trainer's own routing
+            routed = moe.probe(trainer.model, batch, flat(micro), temperature=trainer.temperature,
+                               pad_token_id=trainer.pad_id)
         pooled = pool(cfg, step, batch, micro)                                  # whole-mini-batch numbers, if any
     with timer("update"):
         stats = update(trainer, step, batch, micro, denoms, pooled)
+        if cfg.rollout.router_replay == "engine":
+            stats.update(routed)
     load = rebalance(trainer.balance, timer, local)                             # busy times; auto: next weights
 
     lr = trainer.policy.optimizer.param_groups[0]["lr"]
@@ -82,8 +91,19 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
 # ------------------------------------------------------------------------------------------ named pieces
 
 def add_logprobs(trainer: Trainer, batch: Batch, name: str, model, micro_rows: list[list[int]]) -> None:
-    logps = compute_logprobs(model, batch, micro_rows, temperature=trainer.temperature, pad_token_id=trainer.pad_id)
+    """Per-token log-probs as column `name`; the policy's first pass records its routes with router_replay=trainer."""
+    kw = dict(temperature=trainer.temperature, pad_token_id=trainer.pad_id)
+    if name == "old_logp" and records_routes(trainer, batch):
+        logps, batch["routes"] = moe.record_routes(model, batch, micro_rows, **kw)
+    else:
+        logps = compute_logprobs(model, batch, micro_rows, **kw)
     batch[name] = Ragged.of(logps, torch.float32)
+
+
+def records_routes(trainer: Trainer, batch: Batch) -> bool:
+    """router_replay=trainer (R2): a pass of the policy records the routes the later passes replay, the first one
+    that runs (routes not yet in the batch)."""
+    return trainer.cfg.rollout.router_replay == "trainer" and "routes" not in batch
 
 
 def add_reward_kl(trainer: Trainer, batch: Batch) -> None:
@@ -93,7 +113,11 @@ def add_reward_kl(trainer: Trainer, batch: Batch) -> None:
     # one sample per forward; a sharded model makes as many forwards as the rank with the most samples
     passes = max(dist.all_gather_object(len(batch))) if is_sharded(trainer.model) else len(batch)
     micro = singles(len(batch)) + [[]] * (passes - len(batch))
-    logp = compute_logprobs(trainer.model, batch, micro, temperature=trainer.temperature, pad_token_id=trainer.pad_id)
+    kw = dict(temperature=trainer.temperature, pad_token_id=trainer.pad_id)
+    if records_routes(trainer, batch):  # the step's first policy pass: the routes the later passes replay
+        logp, batch["routes"] = moe.record_routes(trainer.model, batch, micro, **kw)
+    else:
+        logp = compute_logprobs(trainer.model, batch, micro, **kw)
     with trainer.reference_policy() as reference:
         ref = compute_logprobs(reference, batch, micro, temperature=trainer.temperature, pad_token_id=trainer.pad_id)
     kl = [kl_penalty(a, b, trainer.cfg.algo.kl_estimator) for a, b in zip(logp, ref)]
@@ -111,7 +135,8 @@ def add_values(trainer: Trainer, batch: Batch) -> None:
     micro = capped_runs(batch["tokens"].lengths.tolist(), trainer.balance.token_cap(trainer.cfg, dist.rank()))
     if is_sharded(trainer.critic.model):  # every rank as many forwards as the busiest (empty ones are fillers)
         micro += [[]] * (max(dist.all_gather_object(len(micro))) - len(micro))
-    values = compute_values(trainer.critic.model, batch, micro, pad_token_id=trainer.pad_id)
+    with routing.options(trainer.critic.model, replay=False):  # an MoE critic routes by its own routers
+        values = compute_values(trainer.critic.model, batch, micro, pad_token_id=trainer.pad_id)
     batch["old_values"] = Ragged.of(values, torch.float32)
 
 
@@ -224,8 +249,11 @@ def plan_step(trainer: Trainer, everyone: Batch):
 
 def attention_cost(model) -> float:
     """A token pair's attention work relative to a token's projections and MLP (~12 x hidden^2 multiply-adds per
-    layer against ~hidden for each earlier token): what makes a long sample cost more than its length."""
-    return 1.0 / (12 * model.config.get_text_config().hidden_size)
+    layer against ~hidden for each earlier token): what makes a long sample cost more than its length. A mixture of
+    experts' token computes with its top-k experts only (planner.dims: its active parameters per layer)."""
+    hidden = model.config.get_text_config().hidden_size
+    dims = dims_from_config(model.config.to_dict()) if is_moe(model) else None
+    return hidden / dims.active_layer_params if dims is not None else 1.0 / (12 * hidden)
 
 
 def exchange(trainer: Trainer, local: Batch, schedule) -> tuple[Batch, list[list[list[int]]]]:
@@ -286,6 +314,7 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
 
     totals: dict[str, float] = {}
     updates = 0
+    experts = moe.Experts(cfg, trainer.model, trainer.pad_id) if is_moe(trainer.model) else None
     for _ in range(algo.epochs_per_step):
         for rows, denom, common in zip(micro, denoms, pooled):
             policy, critic = trainer.policy, trainer.critic
@@ -295,19 +324,23 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
                                                                entropy_grad=algo.entropy_coef > 0),
                                      loss_fn=functools.partial(rl_objective, cfg, step, pooled=common),
                                      stat_names=stat_names, aggregation=algo.loss_aggregation,
-                                     max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id, busy=busy)
+                                     max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id, busy=busy,
+                                     experts=experts)
             if critic is not None:  # same rows, same global denominators: exact on any layout too
-                values = minibatch_update(critic.model, critic.optimizer, critic.lr_scheduler, batch, rows, denom,
-                                          forward=functools.partial(response_logits, pad_token_id=trainer.pad_id),
-                                          loss_fn=functools.partial(value_objective, cfg),
-                                          stat_names=CRITIC_STAT_NAMES, aggregation=algo.loss_aggregation,
-                                          max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id,
-                                          busy=busy)
+                with routing.options(critic.model, replay=False):  # the policy's routes are not the critic's
+                    values = minibatch_update(critic.model, critic.optimizer, critic.lr_scheduler, batch, rows,
+                                              denom, forward=functools.partial(response_logits,
+                                                                               pad_token_id=trainer.pad_id),
+                                              loss_fn=functools.partial(value_objective, cfg),
+                                              stat_names=CRITIC_STAT_NAMES, aggregation=algo.loss_aggregation,
+                                              max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id,
+                                              busy=busy)
                 stats.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in values.items()})
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
             updates += 1
-    return {k: v / updates for k, v in totals.items()}  # mean over the step's optimizer steps
+    means = {k: v / updates for k, v in totals.items()}  # mean over the step's optimizer steps
+    return means if experts is None else {**means, **experts.metrics()}
 
 
 # ------------------------------------------------------------------------------------------ small helpers

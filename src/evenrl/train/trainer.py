@@ -27,7 +27,7 @@ from evenrl.models.vision import is_vision_model, load_image_processor
 from evenrl.models.vision_config import vision_dims_from_config, vision_token_weight
 from evenrl.planner.dims import dims_from_config
 from evenrl.rewards import RewardFn, resolve
-from evenrl.train import checkpoint
+from evenrl.train import checkpoint, moe
 from evenrl.train.balance import Balance
 from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.reward_models import Scorer, load_scorers
@@ -140,6 +140,7 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
     torch.manual_seed(cfg.train.seed)
     turns = make_turns(cfg)  # checks the chat template before any weights load
     model, tokenizer = trainable_model(cfg, cfg.model.path, info)
+    moe.check(cfg, model)  # router replay and the load-balancing loss on what the routers can do
     critic = None
     if cfg.algo.advantage == "gae":  # built like the policy: whatever is applied to one applies to the other
         critic_model, _ = trainable_model(cfg, cfg.critic.path or cfg.model.path, info,

@@ -128,6 +128,8 @@ class Turns:
         out = []
         for i, x in enumerate(live):
             ids, logprobs = got[i].token_ids[:budget[i]], got[i].logprobs[:budget[i]]
+            if got[i].routes is not None:  # this call saw the whole trajectory so far: its routes cover all of it
+                x.traj.routes = got[i].routes[:len(x.prompt) + len(x.traj.token_ids) + len(ids) - 1]
             x.traj.token_ids += ids
             x.traj.logprobs += logprobs
             x.traj.loss_mask += [True] * len(ids)

@@ -8,6 +8,7 @@ response, with each row's response right-aligned.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -23,6 +24,7 @@ from evenrl.distributed.sharding import shard
 from evenrl.errors import RunStopped, UsageError
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import is_sharded, set_autocast, set_tf32
+from evenrl.models.routing import is_moe
 from evenrl.models.vision import freeze_tower, is_vision_model
 
 
@@ -31,10 +33,11 @@ Forward = Callable[[torch.nn.Module, Batch], tuple[Tensor, Tensor, Tensor]]
 
 
 def compute_logprobs(model, batch: Batch, micro_rows: list[list[int]], *, temperature: float,
-                     pad_token_id: int) -> list[Tensor]:
-    """Per-row response log-probs (1-D tensors, in batch row order) computed micro-batch by micro-batch."""
+                     pad_token_id: int, after: Callable[[list[int]], None] | None = None) -> list[Tensor]:
+    """Per-row response log-probs (1-D tensors, in batch row order) computed micro-batch by micro-batch;
+    after(rows) runs after each micro-batch's forward (a mixture of experts' routes are read there)."""
     return _per_response_token(model, batch, micro_rows, pad_token_id,
-                               lambda m, mb: response_logprobs(m, mb, pad_token_id, temperature=temperature))
+                               lambda m, mb: response_logprobs(m, mb, pad_token_id, temperature=temperature), after)
 
 
 def prepare_model(model, cfg: RunConfig) -> None:
@@ -60,12 +63,13 @@ def prepare_model(model, cfg: RunConfig) -> None:
 def split_sequences(model, cfg: RunConfig) -> None:
     """Sequence parallelism (parallel.sequence_parallel_size > 1): the model's training forwards split each packed
     micro-batch over this rank's group (evenrl.distributed.sequence). A checkpointed text model packs its rows the
-    same way on one rank (a group of one), instead of padding them to the longest."""
+    same way on one rank (a group of one), instead of padding them to the longest, and so does a mixture of experts
+    (its routes are then recorded and replayed by packed position: evenrl.models.routing)."""
     size = cfg.parallel.sequence_parallel_size
     if size > 1 and is_vision_model(model):  # the plan says so first ("sp-vision")
         raise UsageError(f"parallel.sequence_parallel_size: got {size} for a vision-language model; not supported "
                          "yet (its images' positions and vision tower are not split); use 1")
-    if size > 1 or (cfg.model.gradient_checkpointing and not is_vision_model(model)):
+    if size > 1 or ((cfg.model.gradient_checkpointing or is_moe(model)) and not is_vision_model(model)):
         sequence_parallel(model, dist.sequence_group())
 
 
@@ -84,7 +88,7 @@ def compute_values(critic, batch: Batch, micro_rows: list[list[int]], *, pad_tok
 
 @torch.no_grad()
 def _per_response_token(model, batch: Batch, micro_rows: list[list[int]], pad_token_id: int,
-                        forward: Forward) -> list[Tensor]:
+                        forward: Forward, after: Callable[[list[int]], None] | None = None) -> list[Tensor]:
     """The first output per token (a log-prob, a value) of forward(model, micro_batch) -> (outputs [B, R, k],
     targets, mask) for each micro-batch, cut to each row's response tokens: 1-D float32 tensors in batch row order.
     A sharded model runs a filler forward for an empty micro-batch (every rank the same number of forwards)."""
@@ -98,6 +102,8 @@ def _per_response_token(model, batch: Batch, micro_rows: list[list[int]], pad_to
                 response_logits(model, filler_row(pad_token_id), pad_token_id)
             continue
         outputs, _, mask = forward(model, batch.select(rows))
+        if after is not None:
+            after(rows)
         per_token = outputs[..., 0]
         for j, r in enumerate(rows):
             out[r] = per_token[j][mask[j]].float().cpu()
@@ -120,18 +126,22 @@ LossFn = Callable[[Tensor, Tensor, Tensor, Batch], tuple[Tensor, dict]]
 
 def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: list[list[int]], denom: Denominators,
                      *, forward: Forward, loss_fn: LossFn, stat_names: list[str], aggregation: str,
-                     max_grad_norm: float, pad_token_id: int, busy=None) -> dict:
+                     max_grad_norm: float, pad_token_id: int, busy=None, experts=None) -> dict:
     """One optimizer step over this rank's micro-batches of one mini-batch, exact across ranks:
     losses are divided by the mini-batch's GLOBAL token/sequence counts (`denom`, from minibatch_denominators)
     and gradients are SUM-reduced, so the step equals the one a single device would take on the whole mini-batch.
     Under sequence parallelism every rank of a group runs the group's micro-batches (each its slice of the tokens)
     and computes the same loss and statistics: its first rank alone counts them.
     busy: an evenrl.train.balance.Busy that gets the time and tokens of the forward and backward passes (the
-    rank's own work, before it waits for the others in the gradient reduction)."""
+    rank's own work, before it waits for the others in the gradient reduction).
+    experts: a mixture of experts' evenrl.train.moe.Experts: the mini-batch's expert counts gathered first (a
+    collective), then each micro-batch's share of the load-balancing loss and its expert load."""
     started = time.perf_counter()
     sums: dict[str, list[float]] = {}
     sharded = is_sharded(model)
     ran = 0
+    if experts is not None:
+        experts.begin(model, batch, micro_rows)
     for rows in micro_rows:
         if not rows:
             if sharded:  # zero-weight filler: FSDP's gathers and reduce-scatters must meet on every rank
@@ -139,11 +149,13 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
                 (logits.sum() * 0.0).backward()
             continue  # replicated: nothing to forward; collectives happen once per mini-batch below
         mb = batch.select(rows)
-        outputs, targets, mask = forward(model, mb)
+        with experts.forward(model, mb, rows) if experts is not None else contextlib.nullcontext():
+            outputs, targets, mask = forward(model, mb)
         if "loss_mask" in mb:  # a trajectory's environment tokens: no loss, no statistic, no count
             mask = mask & ragged_to_right_aligned(mb, "loss_mask", mask.device)
         per_token, stats = loss_fn(outputs, targets, mask, mb)
-        aggregate(per_token, mask, aggregation, denom).backward()
+        loss = aggregate(per_token, mask, aggregation, denom)
+        (loss if experts is None else loss + experts.balance_loss(model)).backward()
         ran += 1
         for k, (s, c) in stats.items():
             acc = sums.setdefault(k, [0.0, 0.0])

@@ -274,7 +274,7 @@ log: {{progress: false, tensorboard: false}}
     runs = {
         "three": ["--nproc-per-node", 3, "rollout.router_replay=trainer"],
         "sp": ["--nproc-per-node", 2, "parallel.sequence_parallel_size=2", "model.gradient_checkpointing=true",
-               "rollout.router_replay=engine"],
+               "rollout.router_replay=trainer"],
         "fsdp": ["--nproc-per-node", 2, "parallel.sharding=fsdp"],
         "one": ["rollout.router_replay=engine"],
         "one_off": [],
@@ -294,7 +294,8 @@ log: {{progress: false, tensorboard: false}}
 def test_moe_runs_are_the_same_on_any_layout(layout_runs, moe_paths):
     """Final weights within 1e-5 of the 1-process run after 2 steps, identical rewards, the same load-balancing
     loss: 3 replicated ranks (router_replay=trainer), 2 sequence-parallel ranks with activation checkpointing
-    (engine), 2 FSDP2 ranks (off, each mini-batch's counts from a recording pass) against its own 1-process run.
+    (trainer: each rank records its slice's routes, gathered to whole rows, and replays its slice), 2 FSDP2 ranks
+    (off, each mini-batch's counts from a recording pass) against its own 1-process run.
     The weights moved, and the engine's fp32 routes are the trainer's own choice (no token differs)."""
     from safetensors.torch import load_file
 

@@ -53,7 +53,7 @@ def test_every_file_plans_and_every_key_is_accounted_for(name, framework, tmp_pa
     assert len(t.keys) == len(keys)  # each key once
     if plan.runnable:  # --write-config's file is what `evenrl train` validates, paths as the file gave them
         out = tmp_path / "evenrl.yaml"
-        write_config(str(out), cfg, plan, t.paths)
+        write_config(str(out), cfg, plan, t.paths, str(CORPUS / name))
         written = load_config(str(out), [])
         assert written.model_copy(update={"model": cfg.model.model_copy(update={"path": cfg.model.path}),
                                           "data": cfg.data.model_copy(update={"path": cfg.data.path})}) == cfg

@@ -188,3 +188,85 @@ def test_openrlhf_micro_batch_defaults_follow_the_version(tmp_path):
     assert not any("train_batch_size is not equal" in c.message for c in new.checks)  # 8 = 1 x 2 x 4
     old, _ = translate("openrlhf", read_foreign("openrlhf", str(f), []), ns(peer_version="0.7"))
     assert any("Gradient accumulation steps: 0" in c.message for c in old.checks)  # 8 // (4 x 4) = 0
+
+
+# ------------------------------------------------------------------------------------ hostile scripts
+
+TRAINER = "python3 -m verl.trainer.main_ppo"
+
+
+def plan_from(tmp_path, capsys, text: str, *more) -> tuple[int, str, str]:
+    script = tmp_path / "run.sh"
+    script.write_text(text)
+    code = cli_main(["plan", "--from", "verl", str(script), *more])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def refused_in_one_line(code: int, err: str, needle: str) -> None:
+    assert code == 2 and "Traceback" not in err, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and needle in lines[0], err
+
+
+HOSTILE = [
+    # 64 doublings would hold 2**64 characters
+    ("doubling", "A=x\n" + "A=$A$A\n" * 64 + f"{TRAINER} a=$A\n", "longer than"),
+    # 3,000 levels of defaults inside defaults
+    ("nested-default", f"{TRAINER} a=" + "${A:-" * 3000 + "x" + "}" * 3000 + "\n", "nested deeper than"),
+    # a pattern that a backtracking matcher tries in every way on every start: refused by the work bound
+    ("quadratic-replace", "A=" + "a" * 20_000 + f"\n{TRAINER} a=${{A//a*a*a*b/x}}\n", "more work than"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("text, needle", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_expansion_past_its_bounds_is_one_line(tmp_path, capsys, text, needle):
+    refused_in_one_line(*plan_from(tmp_path, capsys, text)[::2], needle)
+
+
+@pytest.mark.timeout(60)
+def test_wrappers_and_globs_that_once_hung_are_read(tmp_path):
+    """What recursed or backtracked without bound now reads as bash would: 3,000 wrapper words before the trainer,
+    a 30-star pattern (55 s in a backtracking matcher), ${A%%*b} on 200,000 characters (past 60 s)."""
+    launch = read_script("nohup env " * 1500 + f"{TRAINER} a=1\n")
+    assert launch.program == TRAINER and launch.args == ["a=1"]
+    launch = read_script("A=" + "a" * 40 + f"\n{TRAINER} a=${{A//" + "*a" * 30 + "b/x} b=${A//a*a/x}\n")
+    assert launch.args == ["a=" + "a" * 40, "b=x"]  # no match: unchanged; a match: the longest, replaced
+    launch = read_script("A=" + "a" * 200_000 + f"b\n{TRAINER} a=${{A%%*b}}\n")
+    assert launch.args == ["a="]
+    launch = read_script("A=" + "a" * 2000 + f"b\n{TRAINER} b=${{A%a*}} c=${{A#*a}} d=${{A##*a}} e=${{A%%a*}}\n")
+    assert launch.args == ["b=" + "a" * 1999, "c=" + "a" * 1999 + "b", "d=b", "e="]
+
+
+def test_edits_match_bash(tmp_path):
+    """${v/pat/rep}, ${v//pat/rep}, ${v#pat}, ${v##pat}, ${v%pat}, ${v%%pat} and $((...)): bash 5's results."""
+    launch = read_script("P=/models/Qwen2.5-7B-Instruct.tar.gz\n"
+                         f"{TRAINER} a=${{P##*/}} b=${{P#*/}} c=${{P%.*}} d=${{P%%.*}} e=${{P//[.]/_}} "
+                         "f=${P/Q?en/X} g=${P//e/E} h=${P/#\\/models/M}\n")
+    assert launch.args == ["a=Qwen2.5-7B-Instruct.tar.gz", "b=models/Qwen2.5-7B-Instruct.tar.gz",
+                           "c=/models/Qwen2.5-7B-Instruct.tar", "d=/models/Qwen2", "e=/models/Qwen2_5-7B-Instruct_tar_gz",
+                           "f=/models/X2.5-7B-Instruct.tar.gz", "g=/modEls/QwEn2.5-7B-Instruct.tar.gz",
+                           "h=M/Qwen2.5-7B-Instruct.tar.gz"]
+    launch = read_script(f"{TRAINER} a=$((-7/2)) b=$((-7%2)) c=$((7%-2)) d=$((9223372036854775807+1))\n")
+    assert launch.args == ["a=-3", "b=-1", "c=1", "d=-9223372036854775808"]  # 64-bit, truncating, as bash
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_is_not_read(tmp_path, capsys):
+    import os
+    fifo = tmp_path / "run.sh"
+    os.mkfifo(fifo)
+    code = cli_main(["plan", "--from", "verl", str(fifo)])
+    refused_in_one_line(code, capsys.readouterr().err, "not a regular file")
+
+
+def test_write_config_never_writes_over_the_script(tmp_path, capsys):
+    script = tmp_path / "run.sh"
+    script.write_text(VERL)
+    link = tmp_path / "link.yaml"
+    link.symlink_to(script)
+    for target in (script, link):
+        code = cli_main(["plan", "--from", "verl", str(script), "--write-config", str(target)])
+        refused_in_one_line(code, capsys.readouterr().err, "is the file being read")
+        assert script.read_text() == VERL

@@ -5,6 +5,7 @@ slow or large, and reading text files with one-line errors that name the file. P
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -137,16 +138,22 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
 
 
 def read_text_file(path: str | os.PathLike, what: str, utf8_what: str, max_bytes: int = MAX_YAML_BYTES) -> str:
-    """A UTF-8 text file's contents, at most `max_bytes` of them; a missing file, a directory, a larger file or
-    unreadable bytes is a one-line UsageError naming the file and `what` was expected there."""
+    """A UTF-8 text file's contents, at most `max_bytes` of them; a missing file, a directory, anything but a
+    regular file (a FIFO, a device: opening or reading one may never end), a larger file or unreadable bytes is a
+    one-line UsageError naming the file and `what` was expected there."""
     p = Path(path)
     if not p.exists():
         raise UsageError(f"{p}: no such file; give {what}")
     if p.is_dir():
         raise UsageError(f"{p}: is a directory; give {what}")
     try:
-        with p.open("rb") as f:
-            raw = f.read(max_bytes + 1)  # bounded: a device or a pipe may never end
+        # O_NONBLOCK: opening a FIFO without a writer returns at once (a plain open waits for one forever); the
+        # type is then checked on what was opened, so nothing swapped in after a check is read
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UsageError(f"{p}: not a regular file (a FIFO, a device or a socket); give {what}")
+            raw = f.read(max_bytes + 1)
         if len(raw) > max_bytes:
             raise UsageError(f"{p}: larger than {max_bytes:,} bytes, the limit for {what}")
         return raw.decode("utf-8")

@@ -116,7 +116,7 @@ def run_foreign(ns: argparse.Namespace) -> int:
         lines.append(f"  {name} would pass its batch checks on this layout")
     lines += [f"  note: {n}" for n in t.notes]
     lines += key_lines(t.keys)
-    written = write_config(ns.write_config, cfg, plan, t.paths) if ns.write_config else ""
+    written = write_config(ns.write_config, cfg, plan, t.paths, ns.config) if ns.write_config else ""
     lines.append("equivalent evenrl config (keys that differ from the defaults; any batch runs on any ranks):")
     lines.append(minimal_yaml(cfg).rstrip())
     if written:
@@ -152,15 +152,21 @@ def key_lines(keys: list[dict]) -> list[str]:
     return out
 
 
-def write_config(path: str, cfg, plan: Plan, paths: dict[str, str]) -> str:
+def write_config(path: str, cfg, plan: Plan, paths: dict[str, str], source: str) -> str:
     """The equivalent config as a file `evenrl train` reads as is (only when the plan has no error finding), with
-    the model and data paths as the user gave them, even where they are not on this machine."""
+    the model and data paths as the user gave them, even where they are not on this machine. Never over `source`,
+    the peer's file being read (under any name), nor into anything but a regular file."""
+    target = Path(path)
+    if target.exists() and os.path.samefile(target, source):
+        raise UsageError(f"--write-config {path}: is the file being read ({source}); give another path for the "
+                         "evenrl config")
+    if target.exists() and not target.is_file():
+        raise UsageError(f"--write-config {path}: not a regular file; give a path for the evenrl config")
     if not plan.runnable:
         raise UsageError(f"--write-config {path}: the equivalent config has an error finding (see the plan "
                          "without --write-config); nothing written")
     cfg = with_settings(cfg, {k: v for k, v in paths.items() if not getattr(cfg, k.split(".")[0]).path})
     text = minimal_yaml(cfg)
-    target = Path(path)
     try:
         target.write_text(text, encoding="utf-8")
     except OSError as e:

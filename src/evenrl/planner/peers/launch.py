@@ -16,6 +16,7 @@ import yaml
 from evenrl.config import apply_overrides, flatten, parse_yaml, read_text_file
 from evenrl.errors import UsageError
 from evenrl.planner.peers.script import Launch, read_script
+from evenrl.planner.peers.shell import MAX_CHARS
 from evenrl.planner.peers.tables import base_config
 
 
@@ -33,7 +34,7 @@ class Loaded:
 
 def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
     """A launch script (or a bare list of flags / key=value overrides) as the trainer's settings."""
-    launch = read_script(text)
+    launch = read_script(text, str(path))
     args = launch.args if launch.program else bare_tokens(text)
     notes = ([f"read the launch script's command `{launch.program}` (not run)"] if launch.program else []) \
         + launch.notes
@@ -53,6 +54,8 @@ def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
 
 
 def bare_tokens(text: str) -> list[str]:
+    if len(text) > MAX_CHARS:  # shlex's time grows with the square of a word's length
+        raise UsageError(f"{len(text):,} characters of arguments; at most {MAX_CHARS:,} are read")
     try:
         return [t for t in shlex.split(text.replace("\\\n", " "), comments=True) if t.strip()]
     except ValueError as e:

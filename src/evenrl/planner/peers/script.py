@@ -9,7 +9,8 @@ script's own values select, and says which), the script's arguments (`$@`, `$1`:
 and the wrappers around the trainer (env assignments, srun, ray job submit, bash -c, torchrun, accelerate launch,
 nohup, pipes and redirections). Loops, functions and case blocks are skipped: they start workers, not trainers.
 Tokens are shlex's (the standard library's); only what shlex cannot do is here: expansion and branches.
-Command substitutions `$(...)` are never run: a value that needs one stays unresolved and is named.
+Command substitutions `$(...)` are never run: a value that needs one stays unresolved and is named. Reading is
+bounded (peers.shell: value length, nesting, steps of work): a script past a bound is one line, not a hang.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from evenrl.errors import UsageError
 from evenrl.planner.peers.shell import (
-    arith, balanced_parens, condition, matching, open_quote, scan, statements, strip_comment, tokens)
+    MAX_CHARS, MAX_DEPTH, Budget, TooMuch, arith, balanced_parens, condition, edited, matching, open_quote, scan,
+    statements, strip_comment, tokens)
 
 _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
 _ARRAY_OPEN = re.compile(r"^\s*(?:(?:export|local|declare(?:\s+-[a-zA-Z]+)*|readonly)\s+)?([A-Za-z_]\w*)=\((.*)$", re.S)
@@ -46,13 +49,18 @@ def looks_like_script(text: str) -> bool:
                           r"^\s*(export\s+)?[A-Za-z_]\w*=|\$\{?[A-Za-z_@*0-9])", text, re.M))
 
 
-def read_script(text: str) -> Launch:
-    """The trainer command of a launch script (the first one, when it runs several)."""
+def read_script(text: str, source: str = "the launch script") -> Launch:
+    """The trainer command of a launch script (the first one, when it runs several). A script that passes a bound
+    of peers.shell is a one-line UsageError naming `source`."""
     state = _State()
-    for line in _logical_lines(text, state):
-        state.line(line)
-        if state.found:
-            break
+    try:
+        for line in _logical_lines(text, state):
+            state.line(line)
+            if state.found:
+                break
+    except TooMuch as e:
+        raise UsageError(f"{source}: {e}; evenrl reads a launch script as text, not as a program: write the "
+                         "trainer's arguments plainly (or give its config file)") from None
     out = state.launch
     if not state.found:
         out.notes.append("no trainer command found in the script (python -m ..., accelerate launch, trl, torchrun)")
@@ -65,26 +73,6 @@ def read_script(text: str) -> Launch:
 
 
 # ------------------------------------------------------------------------------------------ lines
-
-def _edited(value: str, op: str, arg: str) -> str:
-    """${v//pat/rep}, ${v/pat/rep}, ${v#pat}, ${v##pat}, ${v%pat}, ${v%%pat}, with glob patterns as bash's."""
-    if op in ("//", "/"):
-        pat, _, rep = arg.partition("/")
-        rx = _glob(pat)
-        return rx.sub(rep.replace("\\", "\\\\"), value, count=0 if op == "//" else 1) if pat else value
-    shortest = op in ("#", "%")
-    ends = range(len(value) + 1) if shortest else range(len(value), -1, -1)
-    rx = _glob(arg)
-    for n in ends:
-        piece = value[:n] if op.startswith("#") else value[len(value) - n:]
-        if rx.fullmatch(piece):
-            return value[n:] if op.startswith("#") else value[:len(value) - n]
-    return value
-
-
-def _glob(pattern: str) -> re.Pattern:
-    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern), re.S)
-
 
 def _logical_lines(text: str, state: _State):
     """Lines with continuations joined, comments removed, multi-line quotes, arrays and heredocs whole."""
@@ -110,6 +98,7 @@ def _logical_lines(text: str, state: _State):
             continue
         line = strip_comment(raw)
         while open_quote(line) and i < len(lines):
+            state.budget.spend(len(line), "a quote that spans many lines")
             line += "\n" + lines[i]
             i += 1
             line = strip_comment(line)
@@ -128,6 +117,8 @@ class _State:
         self.found = False
         self.frames: list[list] = []  # if blocks: [parent_active, taken, active]
         self.skip = 0  # depth inside loops, functions and case blocks
+        self.budget = Budget()
+        self.depth = 0  # expansions inside expansions, `bash -c` inside `bash -c`
 
     @property
     def active(self) -> bool:
@@ -153,6 +144,8 @@ class _State:
                 return
 
     def statement(self, toks: list[str], line: str) -> None:
+        while len(toks) > 1 and toks[0] in ("then", "do"):
+            toks = toks[1:]  # `then CMD`, `do CMD`: CMD
         head = toks[0]
         if head in ("for", "while", "until", "case", "select") or (head.endswith("()") or toks[-1] == "{"):
             self.skip += 1
@@ -181,8 +174,6 @@ class _State:
             self.frames.pop()
             return
         if head in ("then", "do") or not self.active:
-            if head in ("then", "do") and len(toks) > 1:
-                self.statement(toks[1:], line)
             return
         while toks and toks[0] in ("export", "local", "readonly", "declare", "typeset") or toks and \
                 toks[0].startswith("-") and toks[0] != "--":
@@ -192,35 +183,44 @@ class _State:
             for t in toks:
                 name, plus, value = _ASSIGN.match(t).groups()
                 old = self.vars.get(name, "") if plus else ""
-                self.vars[name] = (old if isinstance(old, str) else " ".join(old)) + value
+                value = (old if isinstance(old, str) else " ".join(old)) + value
+                if len(value) > MAX_CHARS:
+                    raise TooMuch(f"${name} would be longer than {MAX_CHARS:,} characters")
+                self.vars[name] = value
             return
         self.command(toks)
 
     # -------------------------------------------------------------------------------------- commands
 
     def command(self, toks: list[str]) -> None:
-        while toks and _ASSIGN.match(toks[0]):
-            toks = toks[1:]  # `CUDA_VISIBLE_DEVICES=0,1 python ...`: the environment of that one command
-        if not toks:
-            return
-        name = toks[0].rsplit("/", 1)[-1]
-        rest = toks[1:]
-        if name in ("nohup", "time", "exec", "env", "command", "stdbuf", "numactl", "taskset", "uv", "poetry"):
-            if name in ("uv", "poetry") and rest[:1] == ["run"]:
-                rest = rest[1:]
-            self.command([t for t in rest if not t.startswith("-")] if name == "env" else rest)
-        elif name in ("bash", "sh") and "-c" in rest:
+        while True:  # the wrappers around the command, one by one (a loop: a script may stack thousands)
+            while toks and _ASSIGN.match(toks[0]):
+                toks = toks[1:]  # `CUDA_VISIBLE_DEVICES=0,1 python ...`: the environment of that one command
+            if not toks:
+                return
+            name, rest = toks[0].rsplit("/", 1)[-1], toks[1:]
+            if name in ("nohup", "time", "exec", "env", "command", "stdbuf", "numactl", "taskset", "uv", "poetry"):
+                if name in ("uv", "poetry") and rest[:1] == ["run"]:
+                    rest = rest[1:]
+                while name == "env" and rest[:1] and rest[0].startswith("-"):  # env's own options, not the command's
+                    rest = rest[2:] if rest[0] in ("-u", "--unset", "-C", "--chdir") else rest[1:]
+                toks = rest
+            elif name == "srun":
+                toks = rest[self.layout(rest, until_command=True):]
+            elif name == "ray":
+                if "--" not in rest:
+                    return
+                toks = rest[rest.index("--") + 1:]
+            else:
+                break
+        if name in ("bash", "sh") and "-c" in rest:
             inner = rest[rest.index("-c") + 1] if rest.index("-c") + 1 < len(rest) else ""
+            self.enter("`bash -c` inside `bash -c`")
             for line in _logical_lines(inner, self):
                 self.line(line)
                 if self.found:
-                    return
-        elif name == "srun":
-            i = self.layout(rest, until_command=True)
-            self.command(rest[i:])
-        elif name == "ray":
-            if "--" in rest:
-                self.command(rest[rest.index("--") + 1:])
+                    break
+            self.depth -= 1
         elif name == "torchrun" or name == "deepspeed":
             i = self.layout(rest, until_command=True)
             self.trainer(f"{name} {rest[i] if i < len(rest) else ''}".strip(), rest[i + 1:])
@@ -278,8 +278,24 @@ class _State:
 
     # -------------------------------------------------------------------------------------- expansion
 
+    def enter(self, what: str) -> None:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise TooMuch(f"{what} nested deeper than {MAX_DEPTH} levels")
+
     def expand(self, s: str, empty_unset: bool = False) -> str:
-        out, i = [], 0
+        self.enter("expansions (${A:-${B:-...}}, $((...)))")
+        self.budget.spend(len(s), "expanding a line")
+        try:
+            out = self._expand(s, empty_unset)
+        finally:
+            self.depth -= 1
+        if len(out) > MAX_CHARS:  # shlex's time grows with the square of a word's length
+            raise TooMuch(f"a line would be longer than {MAX_CHARS:,} characters once expanded")
+        return out
+
+    def _expand(self, s: str, empty_unset: bool) -> str:
+        out, i, size = [], 0, 0
         quoted = {j: q for j, _, q in scan(s)}
         while i < len(s):
             c = s[i]
@@ -296,6 +312,9 @@ class _State:
             if q == '"':
                 value = value.replace("\\", "\\\\").replace('"', '\\"')
             out.append(value)
+            size += len(value)
+            if size > MAX_CHARS:  # before joining: `$A$A$A...` must not build gigabytes first
+                raise TooMuch(f"a line would be longer than {MAX_CHARS:,} characters once expanded")
         return "".join(out)
 
     def _dollar(self, s: str, i: int, empty_unset: bool) -> tuple[str, int]:
@@ -311,6 +330,8 @@ class _State:
             end = s.find("}", i)
             depth, j = 0, i + 2
             while j < len(s):  # nested ${A:-${B}}
+                if depth > MAX_DEPTH:
+                    raise TooMuch(f"expansions (${{A:-${{B:-...}}}}) nested deeper than {MAX_DEPTH} levels")
                 if s.startswith("${", j):
                     depth += 1
                 elif s[j] == "}":
@@ -330,7 +351,8 @@ class _State:
     def _braced(self, body: str, empty_unset: bool) -> str:
         edit = re.match(r"([A-Za-z_]\w*)(//|/|##|#|%%|%)(.*)$", body, re.S)
         if edit and edit.group(1) in self.vars:
-            return _edited(self._lookup(edit.group(1), empty_unset), edit.group(2), self.expand(edit.group(3)))
+            return edited(self._lookup(edit.group(1), empty_unset), edit.group(2), self.expand(edit.group(3)),
+                          self.budget)
         m = re.match(r"(#?)([A-Za-z_]\w*|[0-9]+|[@*])(\[[^\]]*\])?(?:(:?[-=+?])(.*))?$", body, re.S)
         if not m:
             return "${" + body + "}"

@@ -1,6 +1,7 @@
 """Shell text as a launch script reader needs it, never run: quotes, comments, words (shlex's), simple commands
-between operators, redirections dropped, if conditions on known values, and bash integer arithmetic.
-Used by peers.script; never imports torch.
+between operators, redirections dropped, if conditions on known values, bash integer arithmetic, and glob patterns
+matched without backtracking (for ${v#pat}, ${v//pat/rep}, ...). Reading is bounded (`Budget`): no script makes
+it slow or large. Used by peers.script; never imports torch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,31 @@ import re
 import shlex
 
 _OPS = {"|", "||", "&", "&&", ";", ";;"}
+
+# Bounds on reading one script, so that no text makes it slow or large (its file is at most 1 MiB): characters of a
+# variable's value or of one expanded line (shlex's time grows with the square of a word's length: 0.6 s at 200,000
+# characters), expansions nested in expansions and `bash -c` in `bash -c`, and steps of work (characters scanned,
+# pattern states advanced; the longest script of tests/peer_corpus takes 13,000). A count of steps, not a clock: a
+# script is read, or refused, the same on any machine.
+MAX_CHARS = 256 * 1024
+MAX_DEPTH = 32
+MAX_WORK = 4_000_000
+
+
+class TooMuch(Exception):
+    """Reading the script would pass one of the bounds above; the message says which and where."""
+
+
+class Budget:
+    """The steps of work left for one script."""
+
+    def __init__(self, steps: int = MAX_WORK):
+        self.left = steps
+
+    def spend(self, steps: int, what: str) -> None:
+        self.left -= steps
+        if self.left < 0:
+            raise TooMuch(f"{what} takes more work than the {MAX_WORK:,} steps a script may take to read")
 _REDIRECT = re.compile(r"^[0-9]*(>|>>|<|&>|&>>|>&|<<<)$")
 
 
@@ -72,19 +98,28 @@ _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, 
 
 
 def arith(expr: str, text: str) -> str:
-    """Bash integer arithmetic (+ - * / %); anything else stays as written."""
+    """Bash integer arithmetic (+ - * / %) in 64-bit integers as bash's (wrapping; / and % truncate toward zero);
+    anything else stays as written."""
     def ev(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
+            return _int64(node.value)
         if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
-            return _ARITH[type(node.op)](ev(node.left), ev(node.right))
+            a, b = ev(node.left), ev(node.right)
+            if type(node.op) in (ast.Div, ast.FloorDiv, ast.Mod):
+                q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)  # ZeroDivisionError: as written
+                return _int64(q if type(node.op) is not ast.Mod else a - q * b)
+            return _int64(_ARITH[type(node.op)](a, b))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -ev(node.operand)
+            return _int64(-ev(node.operand))
         raise ValueError
     try:
         return str(ev(ast.parse(expr.strip(), mode="eval").body))
     except (ValueError, SyntaxError, ZeroDivisionError, RecursionError):
         return text
+
+
+def _int64(v: int) -> int:
+    return (v + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def tokens(s: str) -> list[str]:
@@ -161,3 +196,134 @@ def _test(toks: list[str]) -> bool | None:
     elif not toks:
         out = False
     return None if out is None else out != neg
+
+
+# ------------------------------------------------------------------------------------------ glob patterns
+
+def glob_items(pattern: str) -> list:
+    """A bash glob as items: "*", "?", a literal character, or (negated, ranges) for a bracket expression; a
+    backslash makes the next character literal."""
+    items: list = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            items.append(("=", pattern[i + 1]))
+            i += 2
+            continue
+        if c == "[":
+            bracket = _bracket(pattern, i)
+            if bracket is not None:
+                item, i = bracket
+                items.append(item)
+                continue
+        if c != "*" or items[-1:] != ["*"]:  # ** is *
+            items.append(c if c in "*?" else ("=", c))
+        i += 1
+    return items
+
+
+def _bracket(pattern: str, i: int):
+    """((negated, ranges), index after it) for the bracket expression at pattern[i], or None if it has no end."""
+    j = i + 1
+    negated = j < len(pattern) and pattern[j] in "!^"
+    j += negated
+    ranges, first = [], True
+    while j < len(pattern) and (pattern[j] != "]" or first):
+        lo = pattern[j + 1] if pattern[j] == "\\" and j + 1 < len(pattern) else pattern[j]
+        j += 2 if pattern[j] == "\\" else 1
+        hi = lo
+        if j + 1 < len(pattern) and pattern[j] == "-" and pattern[j + 1] != "]":
+            hi, j = pattern[j + 1], j + 2
+        ranges.append((lo, hi))
+        first = False
+    if j >= len(pattern):
+        return None
+    return (negated, tuple(ranges)), j + 1
+
+
+def _fits(item, c: str) -> bool:
+    if item == "?":
+        return True
+    if item[0] == "=":
+        return item[1] == c
+    negated, ranges = item
+    return any(lo <= c <= hi for lo, hi in ranges) != negated
+
+
+def match_ends(items: list, s: str, start: int, budget: Budget) -> list[int]:
+    """Every end j >= start such that s[start:j] matches the glob `items`, ascending: the pattern run as a set of
+    states over s once (no backtracking: steps <= characters x pattern items)."""
+    m = len(items)
+
+    def closed(states):
+        out = set()
+        for k in states:
+            while k < m and items[k] == "*":
+                out.add(k)
+                k += 1
+            out.add(k)
+        return out
+
+    states, ends = closed({0}), []
+    j = start
+    while True:
+        if m in states:
+            ends.append(j)
+        if j == len(s) or not states:
+            return ends
+        budget.spend(len(states), "a pattern edit (${var//pattern/...}, ${var%%pattern}, ...)")
+        c = s[j]
+        states = closed({k if items[k] == "*" else k + 1 for k in states
+                         if k < m and (items[k] == "*" or _fits(items[k], c))})
+        j += 1
+
+
+def edited(value: str, op: str, arg: str, budget: Budget) -> str:
+    """${v//pat/rep}, ${v/pat/rep} (pat may start with # or %: anchored), ${v#pat}, ${v##pat}, ${v%pat},
+    ${v%%pat}: bash's results, with bash's glob patterns."""
+    if op in ("#", "##"):
+        ends = match_ends(glob_items(arg), value, 0, budget)
+        return value[(ends[0] if op == "#" else ends[-1]):] if ends else value
+    if op in ("%", "%%"):  # the suffix: the reversed pattern over the reversed value
+        ends = match_ends(glob_items(arg)[::-1], value[::-1], 0, budget)
+        return value[:len(value) - (ends[0] if op == "%" else ends[-1])] if ends else value
+    pat, rep = _split_replacement(arg)
+    anchor = pat[:1] if pat[:1] in ("#", "%") else ""
+    items = glob_items(pat[len(anchor):])
+    if anchor == "#":
+        ends = match_ends(items, value, 0, budget)
+        return rep + value[ends[-1]:] if ends else value
+    if anchor == "%":
+        ends = match_ends(items[::-1], value[::-1], 0, budget)
+        return value[:len(value) - ends[-1]] + rep if ends else value
+    if not items:
+        return value
+    out, i = [], 0
+    while i < len(value):
+        ends = match_ends(items, value, i, budget)
+        if ends and ends[-1] > i:  # the longest match from here, never an empty one
+            out.append(rep)
+            i = ends[-1]
+            if op == "/":
+                break
+            continue
+        if items[0] == "*":  # no match from here: none further on either (the leading * would have taken it)
+            break
+        out.append(value[i])
+        i += 1
+    out.append(value[i:])
+    return "".join(out)
+
+
+def _split_replacement(arg: str) -> tuple[str, str]:
+    """pattern/replacement at the first unescaped /; \\/ in the replacement is a /."""
+    i = 0
+    while i < len(arg):
+        if arg[i] == "\\":
+            i += 2
+            continue
+        if arg[i] == "/":
+            return arg[:i], arg[i + 1:].replace("\\/", "/")
+        i += 1
+    return arg, ""

@@ -425,3 +425,45 @@ def test_vocab_json_alone_must_hold_a_vocabulary(case, capsys):
     refused(*evenrl_here(capsys, "train", case.cfg)[::2], "vocab.json: the vocabulary is empty")
     assert evenrl_here(capsys, "plan", case.cfg)[0] == 1
     assert os.path.exists(case.model / "vocab.json")
+
+
+# ------------------------------------------------------------------------------------ 5. the run directory
+
+def symlink_loop(c: Case) -> str:
+    (c.run.parent / "loop").symlink_to(c.run.parent / "loop")
+    return str(c.run.parent / "loop")
+
+
+def dangling_symlink(c: Case) -> str:
+    (c.run.parent / "dangling").symlink_to(c.run.parent / "nowhere" / "run")
+    return str(c.run.parent / "dangling")
+
+
+RUN_DIRS = [
+    (lambda c: "/proc/evenrl_run", "log.run_dir: /proc/evenrl_run cannot be created"),
+    (lambda c: str(c.run.parent / ("x" * 5000)), "a name of 5,000 bytes"),
+    (lambda c: str(c.run.parent / "/".join(["y" * 200] * 25)), "bytes as an absolute path"),
+    (symlink_loop, "is a symlink loop"),
+    (dangling_symlink, "which does not exist"),
+    (lambda c: "", "log.run_dir: got ''"),
+    (lambda c: ".", "is the current directory"),
+    (lambda c: "..", "is above the current directory"),
+]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("run_dir, needle", RUN_DIRS, ids=["proc", "long-name", "long-path", "loop", "dangling",
+                                                          "empty", "cwd", "parent"])
+def test_a_run_directory_that_cannot_hold_a_run_is_refused_before_anything_loads(case, capsys, monkeypatch,
+                                                                                  run_dir, needle, processes):
+    """One line, exit 2, from N processes as from one (the launcher speaks for its workers), from sft too, nothing
+    written: a file system that makes no directories, names past the system's limits, symlinks that lead nowhere,
+    the current directory or above it (where --overwrite would delete the user's files)."""
+    monkeypatch.chdir(case.model)  # the current directory, for "." and ".."
+    d = run_dir(case)
+    before = sorted(os.listdir(case.run.parent)), tree(case.model)
+    more = ["--nproc-per-node", "2"] if processes == 2 else []
+    refused(*evenrl_here(capsys, "train", case.cfg, f"log.run_dir={d}", *more)[::2], needle)
+    if processes == 1:
+        refused(*evenrl_here(capsys, "sft", case.cfg, f"log.run_dir={d}")[::2], needle)
+    assert (sorted(os.listdir(case.run.parent)), tree(case.model)) == before

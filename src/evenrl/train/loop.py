@@ -35,7 +35,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     """Run `cfg.train.steps` RL steps (or continue to them from the latest checkpoint). Returns the run dir.
     restarted: this worker was started again by the elastic agent (continue from a checkpoint if there is one)."""
     run_dir = Path(cfg.log.run_dir)
-    rundir.check(run_dir, resume=resume, overwrite=overwrite, restarted=restarted)
+    rundir.check(cfg.log.run_dir, resume=resume, overwrite=overwrite, restarted=restarted)
     # read now: a broken line is one error, not a traceback once the header is half-written; trackers skip these
     earlier = read_metrics(run_dir) if resume or restarted else []
     plan = preflight(cfg)

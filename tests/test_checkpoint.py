@@ -140,3 +140,43 @@ def test_extra_models_are_saved_and_restored_by_name(tmp_path):
     plain = checkpoint.save(tmp_path, Saved({"policy": (policy, popt)}, {"n": 4}, step=4))
     with pytest.raises(UsageError, match="holds no critic"):
         load(plain, p2, popt2, critic=(c2, copt2))
+
+
+def test_a_kill_while_pruning_leaves_no_half_checkpoint(tmp_path, monkeypatch):
+    """kill -9 while step-000001 is pruned (keep 2, just after step-000003 was saved): no step-000001/ that holds
+    state/ without meta.json or trainer.pt is left to look like a checkpoint; the next start clears what is left,
+    and debris of an older prune (a step directory missing either file) is never the resume point."""
+    import shutil
+
+    from evenrl.train import rundir
+
+    run = tmp_path / "run"
+    m, opt = _trained()
+
+    def save(step):
+        checkpoint.save(run / "checkpoints", Saved({"policy": (m, opt)}, {"n": step}, step=step), keep=2)
+
+    save(1)
+    save(2)
+
+    def killed(path, *args, **kwargs):  # rmtree gets as far as the small files, then the process dies
+        for name in ("meta.json", "trainer.pt"):
+            (path / name).unlink()
+        raise KeyboardInterrupt("kill -9")
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save(3)
+    monkeypatch.undo()
+    ckpts = run / "checkpoints"
+    assert not (ckpts / "step-000001").exists()
+    assert checkpoint.latest(ckpts).name == "step-000003"
+    for name, keep in (("step-000004", "meta.json"), ("step-000005", "trainer.pt")):  # an older version's debris
+        shutil.copytree(ckpts / "step-000003", ckpts / name)
+        for f in ("meta.json", "trainer.pt"):
+            if f != keep:
+                (ckpts / name / f).unlink()
+    (ckpts / "latest").write_text("step-000005\n")
+    assert checkpoint.latest(ckpts).name == "step-000003"
+    rundir.prepare(run, overwrite=False)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-000002", "step-000003"]

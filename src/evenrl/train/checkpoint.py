@@ -16,7 +16,9 @@ A checkpoint is a directory `checkpoints/step-000010/` holding
                (evenrl.engines.sync, evenrl.engines.versions).
 Every rank writes under `checkpoints/.tmp-step-000010-<id>/`; when all have finished, rank 0 renames it into place
 (rename is atomic on POSIX) and replaces `checkpoints/latest` atomically, so a kill at any point leaves the previous
-checkpoint and `latest` valid. DCP's index file is a pickle: it is read with an unpickler that builds only DCP's
+checkpoint and `latest` valid. Old checkpoints leave the same way: renamed to `.old-*` first, then deleted, so a kill
+while pruning leaves no `step-N/` that looks like a checkpoint and is not one (the next start clears `.old-*`, and
+a step directory without meta.json and trainer.pt, an older version's debris, is never a resume point). DCP's index file is a pickle: it is read with an unpickler that builds only DCP's
 own metadata classes, torch sizes and dtypes (anything else is refused), and the tensor files with
 torch.load(weights_only=True).
 `final/` is a Hugging Face directory (safetensors, full state dict), gathered bucket by bucket
@@ -32,6 +34,7 @@ import os
 import pickle
 import random
 import re
+import secrets
 import shutil
 import time
 import warnings
@@ -124,19 +127,16 @@ def save(ckpt_root: str | os.PathLike, state: Checkpointed, *, keep: int = 2) ->
         (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), "world": dist.world(),
                                                    "versions": versions}))
         fsync_dir(tmp)
-        if final.exists():  # a re-run of the same step (after a resume) replaces it
-            old = root / f".old-{name}-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
+        old = _retired(final) if final.exists() else None  # a re-run of the same step (after a resume) replaces it
+        os.rename(tmp, final)
+        if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
         _write_text_atomic(root / "latest", name + "\n")
         fsync_dir(root)
         steps = sorted((int(m.group(1)), p) for p in root.iterdir()
                        if p.is_dir() and (m := STEP_DIR.fullmatch(p.name)))
         for _, old in steps[:-keep]:  # by number: step-1000000 is newer than step-999999
-            shutil.rmtree(old, ignore_errors=True)
+            discard(old)
     dist.barrier()
     return final
 
@@ -149,6 +149,24 @@ def _single_process_is_meant():
         yield
 
 
+def discard(path: Path) -> None:
+    """Delete a checkpoint directory so that a kill half-way leaves a `.old-*` directory (removed at the next
+    start), never a step directory with some of its files gone."""
+    shutil.rmtree(_retired(path), ignore_errors=True)
+
+
+def _retired(path: Path) -> Path:
+    """`path` renamed (atomically) to a `.old-*` name beside it; the new name."""
+    old = path.with_name(f".old-{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    os.rename(path, old)
+    return old
+
+
+def is_complete(path: Path) -> bool:
+    """A step directory holding the files a save writes last before its rename (meta.json, trainer.pt)."""
+    return (path / "meta.json").is_file() and (path / "trainer.pt").is_file()
+
+
 def _run_token() -> str:
     """The same temporary-directory suffix on every rank (rank 0's pid, agreed through the group)."""
     return str(dist.all_gather_object(os.getpid())[0])
@@ -159,8 +177,9 @@ _EARLIER = "delete it or resume from an earlier one"
 
 
 def latest(ckpt_root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint, or None. Half-written `.tmp-*` directories are ignored; a `latest`
-    pointer that cannot be read or names no checkpoint falls back to the highest step-N with a meta.json."""
+    """The newest complete checkpoint, or None. Half-written `.tmp-*` and half-deleted `.old-*` directories are
+    ignored; a `latest` pointer that cannot be read or names no complete checkpoint falls back to the highest
+    complete step-N (is_complete)."""
     root = Path(ckpt_root)
     pointer = root / "latest"
     if pointer.is_file():
@@ -169,9 +188,9 @@ def latest(ckpt_root: str | os.PathLike) -> Path | None:
         except (OSError, UnicodeDecodeError):
             name = ""
         cand = root / name
-        if STEP_DIR.fullmatch(name) and (cand / "meta.json").exists():
+        if STEP_DIR.fullmatch(name) and is_complete(cand):
             return cand
-    done = [p for p in root.glob("step-*") if STEP_DIR.fullmatch(p.name) and (p / "meta.json").exists()]
+    done = [p for p in root.glob("step-*") if STEP_DIR.fullmatch(p.name) and is_complete(p)]
     return max(done, key=lambda p: int(p.name[5:])) if done else None
 
 

@@ -9,7 +9,8 @@ worker (the check only reads the file system, so ranks started by torchrun or Sl
     directory where the run's would go: an empty name, the current directory or one above it (where --overwrite
     would delete the user's files), names past the system's limits, symlinks that lead nowhere, a file system
     that makes no directories (/proc);
-  * temp directories of saves that were killed half-way (.tmp-*, .old-*) are removed when the run starts.
+  * temp directories of saves and prunes that were killed half-way (.tmp-*, .old-*), and step directories an older
+    version's prune left half-deleted, are removed when the run starts.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def finished_step(run_dir: str | os.PathLike, steps: int) -> int | None:
 
 
 def prepare(run_dir: str | os.PathLike, *, overwrite: bool) -> None:
-    """On rank 0 once the run starts: remove the old run's files (--overwrite) and temp directories that killed
-    saves left behind."""
+    """On rank 0 once the run starts: remove the old run's files (--overwrite), temp directories that killed saves
+    and prunes left behind, and step directories that are not whole checkpoints (an older version's prune)."""
     d = Path(run_dir)
     if overwrite:
         for name in RUN_FILES:
@@ -81,6 +82,9 @@ def prepare(run_dir: str | os.PathLike, *, overwrite: bool) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 tmp.unlink(missing_ok=True)
+    for step in (d / "checkpoints").glob("step-*") if (d / "checkpoints").is_dir() else ():
+        if step.is_dir() and checkpoint.STEP_DIR.fullmatch(step.name) and not checkpoint.is_complete(step):
+            checkpoint.discard(step)
 
 
 def has_checkpoint(run_dir: str | os.PathLike) -> bool:

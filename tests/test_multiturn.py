@@ -146,7 +146,7 @@ def test_misbehaving_tools_and_environments_are_contained(capfd):
     assert shout[0] == "ok" and shout[1][1][0][0]["content"] == "done"
     assert hang[0] == "timeout"
     err = capfd.readouterr().err
-    assert "output of this call cut at 16,384 characters" in err and len(err) < 100_000
+    assert "output of this call cut at 16,384 bytes" in err and len(err) < 100_000
     for spec, needle in (("toy_envs:Unpicklable", "cannot be pickled"),
                          ("toy_envs:Broken", "expected evenrl.envs.Step")):
         (kind, message), = EnvSession(spec, RunConfig().rewards).steps([(None, row, 0, "hi")])

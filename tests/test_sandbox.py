@@ -284,3 +284,45 @@ def test_orphans_of_each_call_are_reaped_so_the_process_cap_holds_step_after_ste
         assert scores == [40.0] and stats["failures"] == 0
     pool._pool().close()
     assert gone("77.25")
+
+
+@pytest.mark.parametrize("mode", ["plain", "tools", "all"])
+def test_what_a_step_writes_to_its_file_descriptors_is_capped_and_forks_print_nothing(mode, monkeypatch, capfd):
+    """An environment step that writes 500 MB straight to file descriptor 1 costs the run's log at most the output
+    cap; one that forks 1,000 children and is stopped by its time limit prints no traceback (none from at-fork
+    hooks the limit interrupts, none from a child). In every mode of the workers: a plain process (no
+    namespaces on the machine), PID and network namespaces of its own (rewards.sandbox: tools), the sandbox (all)."""
+    from evenrl.config import RunConfig
+    from evenrl.envs.session import EnvSession
+    from evenrl.isolation import pool
+    from evenrl.isolation.worker import CALL_OUTPUT_CHARS
+
+    if mode != "plain" and sandbox.unavailable() is not None:
+        pytest.skip(sandbox.unavailable())
+    if mode == "plain":
+        monkeypatch.setattr(pool, "_namespaces", lambda: None)
+    monkeypatch.setattr(code, "MODE", code.MODE)  # EnvSession sets it for the process: restored after
+    pool._pool().close()  # fresh workers, started with this test's file descriptors
+    row = {"prompt": "p"}
+
+    marker = f"{time.time_ns() % 10**9}.75"
+
+    def steps(env, timeout_s, reply):
+        rewards = RunConfig.model_validate({"rewards": {"timeout_s": timeout_s,
+                                                        "sandbox": "all" if mode == "all" else "tools"}}).rewards
+        return EnvSession(f"toy_envs:{env}", rewards).steps([(None, row, 0, reply)])
+
+    try:
+        (kind, value), = steps("Flood", 30.0, "500")
+        assert kind == "ok" and value[1][2] == 1.0, value
+        (kind, value), = steps("Spawner", 1.0, f"hang 1000 {marker}")  # forks, then sleeps past the limit
+        assert kind == "timeout", value
+    finally:
+        pool._pool().close()
+    if mode == "plain":  # a plain worker cannot end what escapes its process group (docs/rewards.md)
+        for pid in running_with(marker):
+            os.kill(pid, 9)
+    assert gone(marker)
+    out, err = capfd.readouterr()
+    assert len(out) + len(err) < 4 * CALL_OUTPUT_CHARS, (len(out), len(err), err[-2000:])
+    assert "Traceback" not in out + err and "Exception ignored" not in out + err, err[-2000:]

@@ -110,3 +110,16 @@ class Spawner(Env):
                 if kind == "hang":
                     raise
         return Step([{"role": "user", "content": str(started)}], done=True, reward=0.0)
+
+
+class Flood(Env):
+    """An environment whose step writes int(reply) MiB straight to file descriptor 1, below Python's sys.stdout."""
+
+    def reset(self, row, seed):
+        pass
+
+    def step(self, reply):
+        block = b"x" * (1 << 20)
+        for _ in range(int(reply)):
+            os.write(1, block)
+        return Step([], done=True, reward=1.0)

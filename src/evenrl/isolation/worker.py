@@ -2,24 +2,30 @@
 the code as BaseExceptions, re-raised every 50 ms until the call ends, so code that swallows one does not outlast
 it; the pool's parent kills a worker that still does) and the loop of a worker process (`worker_main`). A worker
 started in its own PID namespace (the pool's default where util-linux `unshare` works) kills every process its
-call started once the call ends. docs/rewards.md says how each limit works and why.
+call started once the call ends. A worker's file descriptors 1 and 2 are a pipe it reads itself (`_Capture`), so
+what a call writes there, from Python, C or a child process, reaches the trainer's log only up to a cap. A process
+a call forks never returns into the worker and never prints a limit's traceback. docs/rewards.md says how each
+limit works and why.
 """
 
 from __future__ import annotations
 
 import ctypes
-import io
+import fcntl
 import os
 import pickle
 import resource
 import signal
 import sys
+import threading
+import time
 from typing import Callable
 
 from evenrl.errors import describe_error
 from evenrl.isolation import code
 
-# What one call may print (Python's sys.stdout and sys.stderr in a worker) before the rest is dropped.
+# What one call may write to file descriptors 1 and 2 (print, C code, the processes it starts), in bytes, before the
+# rest is read and dropped.
 CALL_OUTPUT_CHARS = 16_384
 # Processes (and threads) a worker and what its calls start may have at once: RLIMIT_NPROC, which the kernel applies
 # to every user but root (uid 0 is exempt from it, in user namespaces too: measured).
@@ -59,7 +65,18 @@ def call(fn: Callable, args: tuple, timeout_s: float, cpu_s: float | None = None
     """Run one call under an ITIMER_REAL limit (main thread, SIGALRM handler installed) -> (kind, value).
 
     With cpu_s (worker processes only, SIGPROF handler installed) also under an ITIMER_PROF limit: cpu_s seconds of
-    the process's CPU time (user + system, all threads) from the start of the call."""
+    the process's CPU time (user + system, all threads) from the start of the call. A child process the call forked
+    that comes back out of it (returning, raising, its parent's limit) ends here, silently: it must not go on as
+    the worker (or the trainer), answering on their pipes."""
+    caller = os.getpid()
+    try:
+        return _call(fn, args, timeout_s, cpu_s)
+    finally:
+        if os.getpid() != caller:
+            os._exit(0)
+
+
+def _call(fn: Callable, args: tuple, timeout_s: float, cpu_s: float | None) -> tuple[str, object]:
     global _alarm_armed
     try:
         try:
@@ -94,6 +111,20 @@ def _set_memory_cap(mib: int) -> None:
     resource.setrlimit(_MEMORY_RLIMIT, (soft, hard))
 
 
+def _disarm_in_child() -> None:
+    """(os.register_at_fork, in a child the call forks) no limit of the parent's call raises in the child."""
+    global _alarm_armed
+    _alarm_armed = False
+
+
+def _quiet_limits(unraisable) -> None:
+    """sys.unraisablehook: a limit that fired inside code whose exceptions cannot propagate (an at-fork hook, a
+    finaliser) is dropped silently; it fires again 50 ms later (_REPEAT_S) where it can. Anything else as Python
+    reports it."""
+    if not isinstance(unraisable.exc_value, (_Timeout, _CpuTime)):
+        sys.__unraisablehook__(unraisable)
+
+
 def _deny_network() -> str:
     """No network for the code a worker runs: the worker moves itself into new user and network namespaces (only
     a loopback device, down), or where the kernel refuses that, an audit hook (PEP 578) refuses every socket from
@@ -121,7 +152,9 @@ def worker_main(conn, own_namespace: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the trainer, which kills us
     signal.signal(signal.SIGALRM, on_alarm)
     signal.signal(signal.SIGPROF, _on_cpu_limit)  # its default action would end the worker
-    sys.stdout = sys.stderr = printed = _CappedOutput(sys.__stderr__)
+    os.register_at_fork(after_in_child=_disarm_in_child)
+    sys.unraisablehook = _quiet_limits
+    printed = _Capture()  # after _deny_network: a second thread would make CLONE_NEWUSER fail
     while True:
         try:
             message = conn.recv()
@@ -148,6 +181,7 @@ def worker_main(conn, own_namespace: bool) -> None:
             fn = fns[k]
             kind, value = ((fn.kind, fn.message) if isinstance(fn, _Unloadable)
                            else call(fn, args, limits.timeout_s, limits.cpu_s))
+            printed.flush()
             if own_namespace:
                 _end_leftovers()
             if kind == "memory" and limits.memory_mib:
@@ -171,29 +205,73 @@ def _end_leftovers() -> None:
             continue
 
 
-class _CappedOutput(io.TextIOBase):
-    """Where a worker's calls print: passed on to the worker's stderr (the trainer's) up to CALL_OUTPUT_CHARS per
-    call, then one line saying the rest was dropped, so a call that prints 100 MB costs a line, not the log.
-    Python-level output only: C code writing to file descriptor 1 or 2 directly is not capped."""
+class _Capture:
+    """File descriptors 1 and 2 of the worker, and so of every process a call starts, made one pipe that a thread
+    here reads: what a call writes (print, C code writing to fd 1, a child's output) is passed on to the trainer's
+    stderr up to CALL_OUTPUT_CHARS bytes per call, then one line saying the rest was dropped, and the rest is read
+    and dropped, so a call that writes 500 MB costs the log a line. Reading is this process's CPU time: a call that
+    floods its output spends its own CPU-time limit on it. With nobody reading, a writer would block at 64 KiB."""
 
-    def __init__(self, real):
-        self.real, self.left, self.cut = real, CALL_OUTPUT_CHARS, False
+    def __init__(self):
+        self.real = os.dup(2)  # the trainer's stderr, inherited
+        read, write = os.pipe()
+        try:
+            fcntl.fcntl(write, 1031, 1 << 20)  # F_SETPIPE_SZ: fewer, larger reads of a flood
+        except OSError:
+            pass
+        os.dup2(write, 1)
+        os.dup2(write, 2)
+        os.close(write)
+        self.read = read
+        self.lock = threading.Lock()
+        self.left, self.cut = CALL_OUTPUT_CHARS, False
+        threading.Thread(target=self._pump, name="evenrl-output", daemon=True).start()
 
     def begin(self) -> None:
-        self.left, self.cut = CALL_OUTPUT_CHARS, False
-
-    def write(self, text: str) -> int:
-        part = text[:max(self.left, 0)]
-        if part:
-            self.real.write(part)
-            self.left -= len(part)
-        if len(part) < len(text) and not self.cut:
-            self.cut = True
-            self.real.write(f"\n[evenrl: output of this call cut at {CALL_OUTPUT_CHARS:,} characters]\n")
-        return len(text)
+        """A new call: its own cap. What an earlier call wrote and is still in the pipe counts as the earlier's."""
+        self._drained()
+        with self.lock:
+            self.left, self.cut = CALL_OUTPUT_CHARS, False
 
     def flush(self) -> None:
-        self.real.flush()
+        """After a call: what Python buffered into the pipe, and the pipe read."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):  # closed or replaced by the call
+                pass
+        self._drained()
+
+    def _drained(self, within_s: float = 0.5) -> None:
+        """Wait until the pipe is empty (at most within_s: a process left writing keeps it full)."""
+        deadline = time.monotonic() + within_s
+        waiting = ctypes.c_int(0)
+        while time.monotonic() < deadline:
+            fcntl.ioctl(self.read, 0x541B, waiting)  # FIONREAD: bytes in the pipe
+            if waiting.value == 0:
+                return
+            time.sleep(0.001)
+
+    def _pump(self) -> None:
+        note = f"\n[evenrl: output of this call cut at {CALL_OUTPUT_CHARS:,} bytes]\n".encode()
+        while True:
+            try:
+                chunk = os.read(self.read, 1 << 20)
+            except OSError:
+                return
+            if not chunk:
+                return
+            with self.lock:
+                part = chunk[:max(self.left, 0)]
+                self.left -= len(part)
+                if len(part) < len(chunk) and not self.cut:
+                    self.cut = True
+                    part += note
+                try:
+                    while part:
+                        part = part[os.write(self.real, part):]
+                except OSError:  # the trainer's stderr is gone: keep reading, or the call would block
+                    pass
 
 
 class _Unloadable:

@@ -326,3 +326,27 @@ def test_what_a_step_writes_to_its_file_descriptors_is_capped_and_forks_print_no
     out, err = capfd.readouterr()
     assert len(out) + len(err) < 4 * CALL_OUTPUT_CHARS, (len(out), len(err), err[-2000:])
     assert "Traceback" not in out + err and "Exception ignored" not in out + err, err[-2000:]
+
+
+@needs_sandbox
+def test_memory_the_cap_cannot_see_is_refused_and_what_it_counts_is_capped(monkeypatch):
+    """The 256 MiB cap counts what the code can really hold: shared anonymous memory (mmap MAP_SHARED |
+    MAP_ANONYMOUS, which RLIMIT_DATA does not count) fails past it; memory that no process maps (a memfd written
+    with write(), SysV shared memory detached after filling) is refused outright; 200 MiB of ordinary memory, and
+    numpy with 100 MiB, still work."""
+    hold_shared = ("import mmap\nm = mmap.mmap(-1, 448 << 20, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)\n"
+                   "for i in range(0, len(m), 4096):\n    m[i] = 1\nprint('held 448 MiB')")
+    shared = tool_call(hold_shared)
+    assert "held" not in shared and "Cannot allocate memory" in shared, shared
+    monkeypatch.setattr(code, "MODE", "none")  # unsandboxed, the same cap
+    assert "Cannot allocate memory" in tool_call(hold_shared)
+    monkeypatch.undo()
+    if syscalls.program()[0]:
+        memfd = tool_call("import os\nfd = os.memfd_create('x')\nprint('made one')")
+        assert "made one" not in memfd and "PermissionError" in memfd, memfd
+        sysv = tool_call("import ctypes\nprint('shmget', ctypes.CDLL(None).shmget(0, 1 << 20, 0o1600))")
+        assert "shmget -1" in sysv, sysv
+    fine = tool_call("b = bytearray(200 << 20)\nprint(len(b) >> 20)")
+    assert fine.strip() == "200", fine
+    fine = tool_call("import numpy as np\nb = bytearray(100 << 20)\nprint(len(b) >> 20, int(np.ones(1000).sum()))")
+    assert fine.strip() == "100 1000", fine  # numpy's import takes ~120 MiB of address space of the 256

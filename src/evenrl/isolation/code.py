@@ -29,6 +29,9 @@ from evenrl.isolation import jail, sandbox
 # How `rewards.sandbox` reaches the tool inside a worker process: set by the worker per batch (evenrl.isolation.pool)
 # and by the trainer for inline calls.
 MODE = "tools"
+# One thread for numeric libraries: the CPU-time limit counts every thread, and OpenBLAS reserves address space
+# (which the memory cap counts) per thread it starts, one per core: ~40 MiB more per core for `import numpy`.
+_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class CodeResult(NamedTuple):
@@ -44,26 +47,26 @@ def run_code(code: str, *, timeout_s: float = 3.0, cpu_s: int = 2, memory_mib: i
     cpu = max(1, int(cpu_s))
     limits = {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_FSIZE": (file_bytes, file_bytes), "RLIMIT_CORE": (0, 0),
               "RLIMIT_NPROC": (processes, processes), "RLIMIT_NOFILE": (open_files, open_files)}
-    if memory_mib:
-        limits["RLIMIT_DATA"] = (memory_mib << 20, memory_mib << 20)
     if MODE == "none":
-        return _unsandboxed(code, limits, timeout_s, output_bytes)
+        return _unsandboxed(code, limits, memory_mib << 20, timeout_s, output_bytes)
     why = sandbox.unavailable()
     if why is not None:
         return CodeResult("refused", sandbox.refusal("rewards.sandbox", why), "namespaces")
     root = tempfile.mkdtemp(prefix="evenrl-sandbox-")  # stays empty: the sandbox mounts its own tmpfs over it
     try:
-        argv = sandbox.command(root, mode="code", limits=limits, tmp_bytes=file_bytes)
+        argv = sandbox.command(root, mode="code", limits=limits, tmp_bytes=file_bytes, memory_bytes=memory_mib << 20,
+                               env=_ONE_THREAD)
         return CodeResult(*_run(argv, code, timeout_s, output_bytes), "namespaces")
     finally:
         os.rmdir(root)
 
 
-def _unsandboxed(code: str, limits: dict, timeout_s: float, output_bytes: int) -> CodeResult:
-    """rewards.sandbox: none — the rlimits and the wall clock only, in a temporary directory deleted afterwards."""
+def _unsandboxed(code: str, limits: dict, memory_bytes: int, timeout_s: float, output_bytes: int) -> CodeResult:
+    """rewards.sandbox: none — the rlimits, the memory cap and the wall clock only, in a temporary directory deleted
+    afterwards."""
     setup = "".join(f"resource.setrlimit(resource.{k}, {v!r}); " for k, v in limits.items() if k != "RLIMIT_NPROC")
     runner = (f"import resource, sys; {setup}sys.path.insert(0, {os.path.dirname(jail.__file__)!r}); "
-              f"import jail; jail.run_code(sys.stdin.read())")
+              f"import jail; jail.cap_memory({memory_bytes}); jail.run_code(sys.stdin.read())")
     cwd = tempfile.mkdtemp(prefix="evenrl-code-")
     try:
         return CodeResult(*_run([sys.executable, "-I", "-c", runner], code, timeout_s, output_bytes, cwd), "none")
@@ -72,7 +75,8 @@ def _unsandboxed(code: str, limits: dict, timeout_s: float, output_bytes: int) -
 
 
 def _run(argv: list[str], code: str, timeout_s: float, cap: int, cwd: str | None = None) -> tuple[str, str]:
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd or "/tmp", "TMPDIR": cwd or "/tmp"}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd or "/tmp", "TMPDIR": cwd or "/tmp",
+           **_ONE_THREAD}
     deadline = time.monotonic() + timeout_s
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             cwd=cwd, env=env, start_new_session=True)

@@ -10,7 +10,8 @@ its rlimits, drops to an unprivileged uid (a uid no account uses when the traine
 namespace otherwise) with no capabilities and no_new_privs, restricts itself with Landlock (settings "landlock": the
 kernel's ABI, 0 for none) and loads the seccomp filter (settings "seccomp": the BPF program libseccomp compiled in
 the trainer, evenrl.isolation.syscalls; empty for none), and runs the code (settings "code": Python read from
-stdin) or execs a program ("argv"); both layers hold for everything it starts. PID 1 waits for that child only and
+stdin) or execs a program ("argv"); both layers hold for everything it starts. The code (mode "code") may hold
+"memory_bytes" beyond the interpreter that runs it, shared memory included (cap_memory). PID 1 waits for that child only and
 exits with its status; when PID 1 exits the kernel kills everything left in the namespace (daemons, forked
 children), and `unshare --kill-child` makes PID 1 die with its parent, so the trainer ends the whole sandbox by
 killing the one process it started.
@@ -111,8 +112,21 @@ def build_root(root: str, paths: list, tmp_bytes: int) -> None:
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def enter(root: str, uid: int | None, limits: dict) -> None:
-    """(In the child) chroot into `root`, take the rlimits and become an unprivileged user for good."""
+def cap_memory(memory_bytes: int) -> None:
+    """Cap what this process can hold at `memory_bytes` beyond what it holds now (the interpreter running the code):
+    RLIMIT_DATA (heap, private memory) and RLIMIT_AS (every mapping: shared anonymous memory, which RLIMIT_DATA does
+    not count, SysV segments and memfds while mapped). 0: no cap. Reads /proc/self/status: call before chroot."""
+    if not memory_bytes:
+        return
+    with open("/proc/self/status") as f:
+        size = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_AS, (size + memory_bytes, size + memory_bytes))
+
+
+def enter(root: str, uid: int | None, limits: dict, memory_bytes: int = 0) -> None:
+    """(In the child) chroot into `root`, take the rlimits and the memory cap (cap_memory) and become an
+    unprivileged user for good."""
     if uid is None:  # not root outside: a nested user namespace in which this process is uid/gid 65534
         outer_uid, outer_gid = os.geteuid(), os.getegid()
         if _libc.unshare(CLONE_NEWUSER) != 0:
@@ -121,6 +135,7 @@ def enter(root: str, uid: int | None, limits: dict) -> None:
                            ("gid_map", f"65534 {outer_gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
+    cap_memory(memory_bytes)
     os.chroot(root)
     os.chdir("/tmp")
     for name, (soft, hard) in limits.items():
@@ -229,7 +244,7 @@ def main(settings: dict) -> None:
     child = os.fork()
     if child == 0:
         try:
-            enter(settings["root"], settings["uid"], settings["limits"])
+            enter(settings["root"], settings["uid"], settings["limits"], settings.get("memory_bytes", 0))
             landlock(settings["paths"], settings["landlock"])
             if settings["seccomp"]:
                 seccomp(bytes.fromhex(settings["seccomp"]))

@@ -45,9 +45,10 @@ def python_paths() -> list[str]:
 
 
 def command(root: str, *, mode: str, limits: dict, tmp_bytes: int, extra_paths: tuple = (), argv: tuple = (),
-            env: dict | None = None) -> list[str]:
+            env: dict | None = None, memory_bytes: int = 0) -> list[str]:
     """argv that runs jail as PID 1 of new namespaces, building its file system at `root` (an empty directory).
-    mode "code": Python read from stdin; "argv": exec `argv`. limits: rlimit name -> value for the code."""
+    mode "code": Python read from stdin; "argv": exec `argv`. limits: rlimit name -> value for the code;
+    memory_bytes: what the code may hold (jail.cap_memory), 0: no cap."""
     outside_root = os.geteuid() == 0
     system = [p for p in SYSTEM_PATHS if os.path.lexists(p)]
     wanted = sorted({os.path.realpath(p) for p in (*python_paths(), *extra_paths) if os.path.exists(p)})
@@ -58,6 +59,7 @@ def command(root: str, *, mode: str, limits: dict, tmp_bytes: int, extra_paths: 
             extra.append(path)
     settings = {"root": root, "paths": system + extra,
                 "tmp_bytes": tmp_bytes, "limits": limits, "mode": mode, "argv": list(argv), "env": env or {},
+                "memory_bytes": memory_bytes,
                 "seccomp": syscalls.program()[0].hex(), "landlock": jail.landlock_abi(),
                 "uid": _UID_BASE + secrets.randbelow(_UID_SPAN) if outside_root else None}
     user = [] if outside_root else ["--user", "--map-root-user"]

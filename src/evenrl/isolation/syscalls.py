@@ -42,6 +42,9 @@ DENIED = (
      "NUMA placement (numpy and BLAS run without it, as in Docker)", "Docker (CAP_SYS_NICE)"),
     (("uselib", "ustat", "sysfs", "_sysctl", "nfsservctl", "afs_syscall", "getpmsg", "putpmsg", "security",
       "tuxcall", "vserver"), "obsolete or unimplemented calls", "Docker"),
+    (("memfd_create", "memfd_secret", "shmget", "shmat"),
+     "memory that no process needs to map (a memfd filled with write(), SysV segments left detached): no rlimit "
+     "counts it, so it would pass the memory cap", "evenrl (Docker allows them; it caps memory with a cgroup)"),
 )
 # clone and clone3 creating namespaces: clone is refused only with a namespace flag (threads and fork use none);
 # clone3 passes its flags in memory a filter cannot read, so it fails with ENOSYS and libc falls back to clone.

@@ -3,6 +3,7 @@ this process, read a run's metrics, compare final models."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -63,6 +64,25 @@ def fault_env(*, crash_at_step: int = 0, signal_at_step: str = "", rollout_stall
     if slow_rank:
         env["EVENRL_FAULT_SLOW_RANK"] = f"{slow_rank[0]}:{slow_rank[1]!r}"
     return env
+
+
+@contextlib.contextmanager
+def loaded_cpu(busy: int):
+    """This process, and every process it starts meanwhile, pinned to one CPU with `busy` processes spinning on the
+    same CPU: a machine loaded busy + 1 times over for the code under test, and not the machine's other CPUs.
+    Yields the CPU's number."""
+    cpu = max(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(busy)]
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, before)
+        for p in spinners:
+            p.kill()
+            p.wait()
 
 
 class Job:

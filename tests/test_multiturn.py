@@ -131,7 +131,7 @@ def test_misbehaving_tools_and_environments_are_contained(capfd):
     at the worker's output cap; one that hangs fails its step (the trajectory ends as a failure, rewards.on_failure
     decides its fate); an environment whose state does not pickle or whose step returns garbage fails its step."""
     pool._pool().close()  # fresh workers, so their output reaches this test's captured stderr
-    session = EnvSession("toy_envs:Faulty", RunConfig.model_validate({"rewards": {"timeout_s": 1.5}}).rewards)
+    session = EnvSession("toy_envs:Faulty", RunConfig.model_validate({"rewards": {"timeout_s": 3.0}}).rewards)
     row = {"prompt": "p", "answer": "a"}
 
     def call(name, args):

@@ -6,9 +6,11 @@ are what is trained (the trainer's log-probs of them agree with the engine's at 
 The model is the tiny random Qwen2 with the tool-calling template: its replies are noise, so the environment answers
 "That is not right. Try again." and most trajectories run all three turns, two of them environment turns; a few hit
 the answer (math reward on the last number). algo.entropy_coef > 0 gives every step a gradient on the sampled tokens
-alone, so a difference in any trajectory shows in the weights. An environment step's time limit (rewards.timeout_s)
-is 60 s, not 5: a step cut by the clock ends its trajectory, which on a loaded machine would differ between runs
-(seen once at load ~14: one run's turns per trajectory 2.71 vs 2.90, rewards equal). It is 0.1, not smaller: with gradients near AdamW's
+alone, so a difference in any trajectory shows in the weights. Environment steps run under the default limits: CPU
+time decides and the wall clock is a 60 s backstop that no step reaches (each run's limits/wall_clock_backstop is 0);
+when a 5 s wall-clock limit decided, a step cut by the clock on a loaded machine ended its trajectory and one run
+differed (seen once at load ~14: turns per trajectory 2.71 vs 2.90; tests/test_rewards.py shows the limits under an
+artificial load). entropy_coef is 0.1, not smaller: with gradients near AdamW's
 eps (1e-8) the update g / (|g| + eps) turns fp32 rounding of the gradient sum (~1e-10) into ~1e-5 of weight (measured
 2e-5 at 0.01, 3.4e-6 at 0.1, for 1 vs 3 processes).
 """
@@ -37,7 +39,6 @@ model: {{path: {make_tiny_model(str(root / 'model'), chat_template='tools', seed
 data: {{path: {data}, prompts_per_step: 7, max_prompt_tokens: 32}}
 rollout: {{samples_per_prompt: 3, max_new_tokens: 4, env: feedback, max_turns: 3, max_trajectory_tokens: 128}}
 algo: {{advantage: grpo, minibatches_per_step: 2, entropy_coef: 0.1}}
-rewards: {{timeout_s: 60.0}}
 train: {{steps: 3, lr: 1.0e-3, token_cap_per_micro_batch: 512}}
 log: {{progress: false, tensorboard: false, samples_every_steps: 1}}
 """)
@@ -81,6 +82,7 @@ def test_trajectories_and_model_are_the_same_on_any_layout(runs):
     one = metrics(runs / "one")
     assert all(r["rollout/turns_mean"] > 2 and r["response/length_mean"] > 3 * r["response/sampled_length_mean"]
                for r in one)  # most tokens are the environment's
+    assert all(r["limits/wall_clock_backstop"] == 0 for name in ("one", "three") for r in metrics(runs / name))
     for name in ("three", "reserved"):
         for x, y in zip(one, metrics(runs / name), strict=True):
             for k in SAME:

@@ -374,6 +374,14 @@ def burns_cpu(completion, sample):
     return 1.0
 
 
+def works(completion, sample):
+    """int(completion) steps of a fixed loop: the same CPU time on an idle or a loaded machine."""
+    x = 0
+    for i in range(int(completion)):
+        x += i & 7
+    return 1.0
+
+
 def ignores_cpu_limit(completion, sample):
     deadline = time.monotonic() + 3.0
     while completion == "slow" and time.monotonic() < deadline:
@@ -453,6 +461,15 @@ def test_worker_is_killed_and_replaced(fn, kind):
     assert score_all([(one, 1.0)], ["ok"] * 4, [{}] * 4, 5)[0] == [1.0] * 4  # the pool still works
 
 
+def test_code_stuck_in_c_is_ended_by_its_cpu_limit_not_the_wall_clock():
+    """sum(range(10**13)) runs no Python signal handler, so ITIMER_PROF cannot stop it; the per-call RLIMIT_CPU
+    (limit + 1 s, whole seconds) ends the worker, and the call fails as "cpu" long before the 60 s backstop."""
+    score_all([(one, 1.0)], ["warm"], [{}], 5)
+    scores, stats = score_all([(stuck_in_c, 1.0)], ["ok", "slow", "ok"], [{}] * 3, timeout_s=60, cpu_time_limit_s=0.5)
+    assert scores == [1.0, 0.0, 1.0] and stats["cpu"] == 1 and stats["timeout"] == 0
+    assert "stuck in C" in stats["by_reward"]["stuck_in_c"]["first_error"]
+
+
 def test_memory_cap_fails_the_call_and_keeps_the_worker():
     score_all([(one, 1.0)], ["warm"], [{}], 5)
     completions = ["ok", "slow", "ok", "leaky", "ok"]
@@ -476,6 +493,46 @@ def test_cpu_cap_fails_the_call_before_the_wall_clock_limit():
     # the limit is per call: many calls that each use a little CPU add up to far more than it without failing
     scores, stats = score_all([(sums, 1.0)], ["x"] * 4000, [{}] * 4000, timeout_s=5, cpu_time_limit_s=0.01)
     assert stats["failures"] == 0 and scores == [float(sum(range(2000)))] * 4000
+
+
+def test_cpu_time_decides_the_same_on_a_loaded_machine_and_the_wall_clock_backstop_is_counted(capfd):
+    """Calls that do a fixed amount of work: at the defaults (CPU time decides, the wall clock is a 60 s backstop)
+    their worker sharing one CPU with 5 spinning processes gives the results it gives alone, a call past the CPU
+    limit failing alike; the feedback environment's first steps in fresh workers (importing math-verify and sympy)
+    too. With the wall clock deciding, as before (timeout_s = cpu_time_limit_s = 0.5 s, 2.5x what the calls
+    take alone), the loaded machine fails calls, each counted (pool.backstop_hits, the step's
+    limits/wall_clock_backstop) and warned. (Not asserted: that those calls pass alone; on this shared machine that
+    too depends on the load.)"""
+    from e2e import loaded_cpu
+    from evenrl.config import RunConfig
+    from evenrl.envs.session import EnvSession
+    from evenrl.isolation import pool
+
+    rewards = RunConfig().rewards
+    assert (rewards.timeout_s, rewards.cpu_time_limit_s) == (60.0, 5.0)
+    work = ["4000000"] * 3 + ["100000000"]  # ~0.2 s of CPU each here (6 times that in wall time loaded); ~5 s
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "3+4=", "answer": "7"}]
+    steps = [(None, rows[i % 2], i, reply) for i, reply in enumerate(["3", "it is 7", "no", "\\boxed{7}"])]
+
+    def run():
+        pool._pool().close()  # fresh workers: the environment's first steps import math-verify and sympy
+        scores, stats = score_all([(works, 1.0)], work, [{}] * 4, rewards.timeout_s, cpu_time_limit_s=0.6)
+        return scores, stats["cpu"], stats["timeout"], EnvSession("feedback", rewards).steps(steps)
+
+    def wall_clock_decides():
+        return score_all([(works, 1.0)], work[:3], [{}] * 3, timeout_s=0.5, cpu_time_limit_s=0.5)[1]["timeout"]
+
+    pool.backstop_hits()
+    alone = run()
+    assert alone[:3] == ([1.0, 1.0, 1.0, 0.0], 1, 0) and [k for k, _ in alone[3]] == ["ok"] * 4
+    assert pool.backstop_hits() == 0
+    with loaded_cpu(busy=5):
+        assert run() == alone
+        assert pool.backstop_hits() == 0
+        timeouts = wall_clock_decides()
+    assert timeouts >= 1 and pool.backstop_hits() == timeouts
+    assert "ran past their wall-clock backstop (0.5 s)" in capfd.readouterr().out
+    pool._pool().close()
 
 
 def test_a_reward_that_swallows_the_cpu_signal_is_stopped_anyway():

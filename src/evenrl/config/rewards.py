@@ -74,9 +74,14 @@ class RewardsConfig(Section):
         description="Rewards summed with their weights, each entry one of: a function {name: ...}, a reward model "
                     "{model: PATH} or an LLM judge {judge: {template: ..., ...}} (docs/reward-models.md). Not used "
                     "with rollout.env: the environment scores its trajectories (under the limits below).")
-    timeout_s: float = Field(5.0, gt=0.0, le=3600.0,
-                             description="A reward call slower than this scores 0 and is counted (with rollout.env: "
-                                         "an environment step, which then ends its trajectory as failed).")
+    timeout_s: float = Field(
+        60.0, gt=0.0, le=3600.0,
+        description="Wall-clock backstop of one reward call (with rollout.env: one environment step): it stops code "
+                    "that waits without using CPU (a sleep, a lock, a socket). A call past it fails as a timeout "
+                    "(scored per on_failure; a step ends its trajectory as failed), counted in "
+                    "limits/wall_clock_backstop and warned about: where it fires depends on how busy the machine "
+                    "is, so keep it well above what calls take on a loaded machine; cpu_time_limit_s is the limit "
+                    "meant to decide. With isolate=false the only limit.")
     isolate: bool = Field(
         True, description="Score in worker processes without network, so a reward that crashes or hangs cannot "
                           "take the trainer down (costs ~5-10 ms a step on CPU); false scores in the trainer process, "
@@ -96,11 +101,13 @@ class RewardsConfig(Section):
         description="Memory cap of each reward worker process, in MiB (RLIMIT_DATA: its heap and private memory); "
                     "a call that allocates past it fails. 0: no cap. Not applied with isolate=false: it would cap "
                     "the trainer itself.")
-    cpu_time_limit_s: float | None = Field(
-        None, gt=0.0, le=3600.0,
-        description="CPU seconds one reward call may use in a worker (all its threads together); past it the call "
-                    "fails. null: the same as timeout_s. Not applied with isolate=false (the trainer's other "
-                    "threads would count).")
+    cpu_time_limit_s: float = Field(
+        5.0, gt=0.0, le=3600.0,
+        description="CPU seconds one reward call (or environment step) may use in a worker, all its threads "
+                    "together; past it the call fails (kind cpu). The limit that decides a call's fate: code that "
+                    "does the same work uses the same CPU time on an idle or a loaded machine (timeout_s is only "
+                    "the wall-clock backstop). Not applied with isolate=false (the trainer's other threads would "
+                    "count).")
     on_failure: Literal["zero", "mask"] = Field(
         "zero", description="A sample whose reward call failed (raised, non-number, timeout, memory, CPU): 'zero' "
                             "scores it 0 and trains on it; 'mask' leaves it out of learning (no advantage, not in "

@@ -69,8 +69,7 @@ class EnvSession:
     def __init__(self, spec: str, rewards: RewardsConfig, tools: list = ()):
         self.spec = spec
         self.isolate = rewards.isolate
-        cpu = rewards.timeout_s if rewards.cpu_time_limit_s is None else rewards.cpu_time_limit_s
-        self.limits = Limits(rewards.timeout_s, cpu, rewards.memory_limit_mib, rewards.sandbox)
+        self.limits = Limits(rewards.timeout_s, rewards.cpu_time_limit_s, rewards.memory_limit_mib, rewards.sandbox)
         code.MODE = rewards.sandbox  # for calls run inline (isolate=false); workers get it with each batch
         self.unsandboxed = rewards.sandbox == "none" and python in tools
         if rewards.sandbox != "none" and python in tools:

@@ -63,7 +63,7 @@ def _show(value: Fraction) -> str:
 
 def python(code: str) -> str:
     """Run Python code and return what it prints (stdout and stderr); in a sandbox without network or the trainer's
-    files, 2 s of CPU (3 s of wall time), 256 MiB of memory, 32 processes, 16 KiB of output.
+    files, 2 s of CPU (10 s of wall time), 256 MiB of memory, 32 processes, 16 KiB of output.
 
     Args:
         code: a Python program; print the results you need

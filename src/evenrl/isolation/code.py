@@ -40,10 +40,13 @@ class CodeResult(NamedTuple):
     sandbox: str   # "namespaces", or "none" where rewards.sandbox is none
 
 
-def run_code(code: str, *, timeout_s: float = 3.0, cpu_s: int = 2, memory_mib: int = 256,
+def run_code(code: str, *, timeout_s: float = 10.0, cpu_s: int = 2, memory_mib: int = 256,
              output_bytes: int = 16_384, file_bytes: int = 1 << 24, processes: int = 32,
              open_files: int = 64) -> CodeResult:
-    """Run `code` under the limits; never raises for anything the code does."""
+    """Run `code` under the limits; never raises for anything the code does. cpu_s (RLIMIT_CPU of each process)
+    decides; timeout_s is the wall-clock backstop for code that waits (a sleep, a pipe), generous because starting
+    the sandbox takes longer on a loaded machine, and said in a warning line when it fires: where it fires depends
+    on that load."""
     cpu = max(1, int(cpu_s))
     limits = {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_FSIZE": (file_bytes, file_bytes), "RLIMIT_CORE": (0, 0),
               "RLIMIT_NPROC": (processes, processes), "RLIMIT_NOFILE": (open_files, open_files)}
@@ -59,6 +62,12 @@ def run_code(code: str, *, timeout_s: float = 3.0, cpu_s: int = 2, memory_mib: i
         return CodeResult(*_run(argv, code, timeout_s, output_bytes), "namespaces")
     finally:
         os.rmdir(root)
+
+
+def _backstop_fired(timeout_s: float) -> None:
+    print(f"evenrl: warning: the python tool's code ran past its wall-clock backstop ({timeout_s:g} s) and was "
+          f"killed; where that limit fires depends on how busy the machine is (its CPU-time limit does not)",
+          flush=True)
 
 
 def _unsandboxed(code: str, limits: dict, memory_bytes: int, timeout_s: float, output_bytes: int) -> CodeResult:
@@ -97,6 +106,8 @@ def _run(argv: list[str], code: str, timeout_s: float, cap: int, cwd: str | None
                 status = "timeout"
     finally:
         _kill(proc)
+    if status == "timeout":
+        _backstop_fired(timeout_s)
     return status, out.decode("utf-8", "replace")
 
 

@@ -1,6 +1,9 @@
-"""Contained calls: each call of user or model code (a reward, an environment's step) under a wall-clock limit and,
-in a pool of persistent worker processes, a CPU-time limit and a memory cap, so that code that raises, hangs,
-crashes or runs out of memory costs its own result, not the run. `evenrl.rewards.pool.score_all` and
+"""Contained calls: each call of user or model code (a reward, an environment's step) in a pool of persistent worker
+processes under a CPU-time limit, a memory cap and a wall-clock backstop (inline: the wall clock only), so that code
+that raises, hangs, crashes or runs out of memory costs its own result, not the run. The CPU-time limit decides:
+code that does the same work uses the same CPU time however busy the machine is. The wall clock stops code that
+waits without using CPU; where it fires depends on the machine's load, so every call it ends is counted
+(`backstop_hits`, the step's limits/wall_clock_backstop) and warned about. `evenrl.rewards.pool.score_all` and
 `evenrl.envs.session` run their calls here. How each limit works, what was measured and why these mechanisms and not
 others: docs/rewards.md.
 """
@@ -25,7 +28,7 @@ from typing import Callable, NamedTuple
 
 from evenrl.errors import UsageError, bad
 from evenrl.isolation import sandbox
-from evenrl.isolation.worker import WORKER_PROCESSES, call, on_alarm
+from evenrl.isolation.worker import EXIT_CPU, WORKER_PROCESSES, call, on_alarm
 
 # Size of the worker pool; read when the pool (re)starts.
 WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -63,7 +66,32 @@ def run_contained(fns: list[Callable], jobs: list[Job], limits: Limits, *, isola
         results.update(_pool().run(blobs, pooled, limits))
     if inline:
         results.update(_run_inline(fns, inline, limits.timeout_s))
+    _count_backstop(results, limits, what)
     return results, bool(pooled)
+
+
+_backstop = 0  # calls of this process the wall clock ended, since backstop_hits() last read them
+
+
+def backstop_hits() -> int:
+    """Calls this process ran whose wall-clock limit (the backstop) ended them, since the last call of this."""
+    global _backstop
+    hits, _backstop = _backstop, 0
+    return hits
+
+
+def _count_backstop(results: dict, limits: Limits, what: str) -> None:
+    """Count the calls the wall clock ended, and say so: unlike the CPU-time limit's, their fate depended on how
+    busy the machine was."""
+    global _backstop
+    hits = sum(kind == "timeout" for kind, _ in results.values())
+    if hits:
+        _backstop += hits
+        print(f"evenrl: warning: {hits} of {len(results)} {what} calls ran past their wall-clock backstop "
+              f"({limits.timeout_s:g} s) and failed; where that limit fires depends on how busy the machine is "
+              f"(the CPU-time limit, {limits.cpu_s:g} s, does not): a call that waits (sleep, lock, socket), or a "
+              f"machine loaded far past its cores; raise rewards.timeout_s (rollout.agent_timeout_s for agents) if "
+              f"the calls were only slow", flush=True)
 
 
 def _check_limits(limits: Limits, what: str) -> None:
@@ -76,8 +104,8 @@ def _check_limits(limits: Limits, what: str) -> None:
 
 
 class Limits(NamedTuple):
-    timeout_s: float          # wall clock, per call
-    cpu_s: float              # CPU time, per call (worker only)
+    timeout_s: float          # wall clock, per call: the backstop
+    cpu_s: float              # CPU time, per call (worker only): the limit meant to decide
     memory_mib: int           # the worker's data segment; 0: no cap (worker only)
     sandbox: str = "tools"    # rewards.sandbox, for the python tool run by the calls (evenrl.isolation.code.MODE)
 
@@ -207,7 +235,7 @@ class _Pool:
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
-                    self._replace(worker, blobs, limits, results, *_death(worker.proc))
+                    self._replace(worker, blobs, limits, results, *_death(worker.proc, limits))
                     continue
                 if message == "loaded":
                     worker.loaded = True
@@ -254,9 +282,13 @@ class _Pool:
         self.workers = []
 
 
-def _death(proc: subprocess.Popen) -> tuple[str, str]:
-    """(kind, message) for a worker that died mid-job (a segfault, os._exit, the kernel's OOM killer)."""
+def _death(proc: subprocess.Popen, limits: Limits) -> tuple[str, str]:
+    """(kind, message) for a worker that died mid-job (a segfault, os._exit, the kernel's OOM killer, its CPU-time
+    rlimit: evenrl.isolation.worker.EXIT_CPU)."""
     code = _exit_code(proc)
+    if code == EXIT_CPU:
+        return "cpu", (f"used more than {limits.cpu_s:g} s of CPU time in code no signal interrupts (stuck in C); "
+                       f"worker killed")
     if code is not None and code < 0:
         try:
             return "raised", f"worker died (killed by {signal.Signals(-code).name})"

@@ -38,6 +38,12 @@ NETWORK = ""
 # After a limit fires, it fires again this often until the call has ended (a handler or an at-fork hook that
 # swallowed the first one does not swallow them all).
 _REPEAT_S = 0.05
+# Code stuck in C (a regex backtracking in the re module, sum(range(10**13))) runs no signal handler of Python's, so
+# ITIMER_PROF cannot stop it: RLIMIT_CPU, set before each call to the CPU time used so far + the call's limit + this,
+# rounded up to whole seconds, makes the kernel send SIGXCPU, whose handler is libc's _exit itself (no Python runs:
+# the worker exits with the signal's number, EXIT_CPU, and the parent reads that as the call's CPU limit).
+_RLIMIT_CPU_GRACE_S = 1.0
+EXIT_CPU = int(signal.SIGXCPU)
 
 
 class _Timeout(BaseException):
@@ -142,6 +148,27 @@ def _deny_network() -> str:
     return "audit-hook"
 
 
+def _exit_at_rlimit_cpu() -> None:
+    """SIGXCPU's handler: libc's _exit, called by the kernel with the signal's number (an installed handler, so it
+    reaches a worker that is PID 1 of its namespace, which ignores signals left at their default action)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(EXIT_CPU, ctypes.cast(libc._exit, ctypes.c_void_p).value)
+
+
+def _cpu_rlimit(cpu_s: float | None) -> None:
+    """RLIMIT_CPU's soft limit at the CPU time used so far + cpu_s + grace (None: back to the hard limit)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = hard
+    if cpu_s is not None:
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        soft = int(used.ru_utime + used.ru_stime + cpu_s + _RLIMIT_CPU_GRACE_S) + 1
+        if hard != resource.RLIM_INFINITY:
+            soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
 def worker_main(conn, own_namespace: bool) -> None:
     """Worker loop: receive (pickled fns, jobs, limits); reply "loaded", then one (job_id, kind, value) per job.
     own_namespace: started in new PID and network namespaces of its own (the pool's `unshare`, or the sandbox)."""
@@ -153,6 +180,7 @@ def worker_main(conn, own_namespace: bool) -> None:
     signal.signal(signal.SIGALRM, on_alarm)
     signal.signal(signal.SIGPROF, _on_cpu_limit)  # its default action would end the worker
     os.register_at_fork(after_in_child=_disarm_in_child)
+    _exit_at_rlimit_cpu()
     sys.unraisablehook = _quiet_limits
     printed = _Capture()  # after _deny_network: a second thread would make CLONE_NEWUSER fail
     while True:
@@ -179,8 +207,10 @@ def worker_main(conn, own_namespace: bool) -> None:
         for job_id, k, args in jobs:
             printed.begin()
             fn = fns[k]
+            _cpu_rlimit(limits.cpu_s)
             kind, value = ((fn.kind, fn.message) if isinstance(fn, _Unloadable)
                            else call(fn, args, limits.timeout_s, limits.cpu_s))
+            _cpu_rlimit(None)
             printed.flush()
             if own_namespace:
                 _end_leftovers()

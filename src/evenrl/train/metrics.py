@@ -45,6 +45,10 @@ class Timer:
         return _Ctx()
 
 
+# Calls (rewards, environment steps, agents) the wall-clock backstop ended in the step, all ranks' (the trainers').
+BACKSTOP = "limits/wall_clock_backstop"
+
+
 def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: dict, failures: dict[str, int],
                  timer: Timer) -> dict:
     """The step's metrics row: rewards, lengths, throughput, per-rank load, staleness and the phase times, from the
@@ -87,9 +91,11 @@ def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: di
     out.update({f"memory/{k}_peak_gib": v for k, v in timer.peak_gib.items()})  # empty without CUDA
     if "turns" in everyone:  # rollout.env: trajectories
         out.update(trajectory_metrics(everyone))
-    # summed over ranks by gather_rows: samples whose reward failed, and each entry's failed calls
+    # summed over ranks by gather_rows: samples whose reward failed, each entry's failed calls, and the calls of
+    # rewards, environment steps and agents that the wall-clock backstop ended (their fate depended on the load)
     out["reward/failures"] = int(failures.get("", 0))
-    out.update({f"reward/failures/{name}": int(n) for name, n in failures.items() if name})
+    out.update({f"reward/failures/{name}": int(n) for name, n in failures.items() if name and name != BACKSTOP})
+    out[BACKSTOP] = int(failures.get(BACKSTOP, 0))
     masked = masked_rows(cfg, everyone)
     out["reward/masked_samples"] = 0 if masked is None else int(masked.sum())  # left out of learning
     return out

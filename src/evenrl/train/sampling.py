@@ -12,11 +12,12 @@ from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
 from evenrl.engines.base import sampling_params
 from evenrl.errors import RunStopped
+from evenrl.isolation.pool import backstop_hits
 from evenrl.models.routing import routing
 from evenrl.models.vision import pixel_dim, prompt_image_inputs
 from evenrl.rewards import FAILURE_KINDS, score_all
 from evenrl.rewards.overlong import overlong_penalty
-from evenrl.train.metrics import Timer
+from evenrl.train.metrics import BACKSTOP, Timer
 from evenrl.train.reward_models import add_model_rewards
 from evenrl.train.trainer import Trainer
 from evenrl.train.trajectories import overlong_lengths, trajectory_columns
@@ -59,8 +60,11 @@ def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, dict[str, 
 
 def count_failures(stats: dict, failures: dict[str, int], errors: dict[str, str]) -> None:
     """Add a reward phase's failures to `failures` ("": samples, NAME: that entry's failed calls; every entry is
-    counted, 0 or not, so every rank has the same keys) and each entry's first error to `errors`."""
+    counted, 0 or not, so every rank has the same keys; BACKSTOP: this process's calls, of rewards, environment
+    steps and agents alike, that the wall clock ended since the last count) and each entry's first error to
+    `errors`."""
     failures[""] = failures.get("", 0) + int(stats.get("failures", 0))
+    failures[BACKSTOP] = failures.get(BACKSTOP, 0) + backstop_hits()
     for name, entry in stats.get("by_reward", {}).items():
         failures[name] = failures.get(name, 0) + sum(int(entry.get(kind, 0)) for kind in FAILURE_KINDS)
         if entry.get("first_error"):

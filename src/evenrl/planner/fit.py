@@ -24,11 +24,11 @@ import yaml
 from evenrl.config import MAX_COUNT, MAX_TOKENS, RunConfig, flatten, with_settings
 from evenrl.planner.layout import Layout
 from evenrl.planner.dims import ModelDims
+from evenrl.planner.batches import GROUP_ADVANTAGES
 from evenrl.planner.groups import plan_groups
 from evenrl.planner.memory import estimate_memory
 from evenrl.planner.memory_fixes import memory_fixes
 from evenrl.planner.plan import Plan
-from evenrl.planner.rules import GROUP_ADVANTAGES
 
 
 def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:

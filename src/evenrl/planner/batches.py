@@ -84,8 +84,9 @@ def rule_idle(p: Plan) -> list[Finding]:
     need_k = math.ceil(t * mrows * nmb / prompts)
     if need_k > k:
         fixes.append(f"rollout.samples_per_prompt>={need_k}")
-    if nmb > 1 and c.samples_per_step() // (t * mrows) >= 1:
-        fixes.append(f"algo.minibatches_per_step={max(1, c.samples_per_step() // (t * mrows))}")
+    fewer = c.samples_per_step() // (t * mrows)  # mini-batches that each give every rank its rows
+    if 1 <= fewer < nmb:
+        fixes.append(f"algo.minibatches_per_step={fewer}")
     fixes.append(f"or fewer training ranks ({max(1, per_mb // mrows)})")
     if mrows > 1:
         fixes.append("or SyncBatchNorm (CUDA, gathers statistics over ranks) with train.min_rows_per_micro_batch=1")
@@ -103,9 +104,10 @@ def rule_min_rows(p: Plan) -> list[Finding]:
     out = []
     if p.schedule_error:
         k, mbs, prompts = c.rollout.samples_per_prompt, c.algo.minibatches_per_step, c.data.prompts_per_step
+        fewer = max(1, prompts // math.ceil(m / k))  # mini-batches that each hold min_rows rows
         out.append(Finding("error", "min-rows", p.schedule_error,
                            f"data.prompts_per_step={mbs * math.ceil(m / k)} ({_prompts_for(p, m)} keeps every rank "
-                           f"busy); or algo.minibatches_per_step={max(1, prompts // math.ceil(m / k))}"))
+                           "busy)" + (f"; or algo.minibatches_per_step={fewer}" if fewer < mbs else "")))
     if m > 1 and m * length > cap:
         out.append(Finding("warning", "min-rows-token-cap",
                            f"min_rows_per_micro_batch={m} rows of up to {length:,} tokens need {m * length:,} "
@@ -124,8 +126,9 @@ def rule_token_cap(p: Plan) -> list[Finding]:
                     f"token_cap_per_micro_batch={cap:,}{f' x {sp} ranks' if sp > 1 else ''} is below max_prompt_"
                     f"tokens + max_new_tokens = {length:,}" + (f" + {v:,} vision-encoder tokens" if v else "")
                     + ": such samples run alone as oversize micro-batches (memory follows them, not the cap)",
-                    f"train.token_cap_per_micro_batch={-(-(length + v) // sp)}; or rollout.max_new_tokens="
-                    f"{max(1, cap * sp - v - c.data.max_prompt_tokens)}")]
+                    f"train.token_cap_per_micro_batch={-(-(length + v) // sp)}"
+                    + (f"; or rollout.max_new_tokens={new}" if (new := cap * sp - v - c.data.max_prompt_tokens) >= 1
+                       else ""))]
 
 
 
@@ -140,10 +143,12 @@ def rule_imbalance(p: Plan) -> list[Finding]:
                         "parallel.capacity_weights closer to 1, or more samples per step")]
     if p.imbalance < 1.10:
         return []
-    step = t * m // math.gcd(t * m, k)  # prompts_per_step a multiple of this splits evenly
+    # mini-batches hold whole prompt groups: an even split needs prompts_per_step a multiple of m, and each
+    # mini-batch's samples (prompts / m x k) a multiple of t
+    step = m * (t // math.gcd(t, k))
     even = math.ceil(c.data.prompts_per_step / step) * step
     return [Finding("note", "imbalance",
                     f"the busiest rank does {100 * (p.imbalance - 1):.0f}% more than an even split: "
                     f"{c.samples_per_step():,} whole samples over {plural(t, p.unit.removeprefix('training '))}"
                     + (f" in {m} mini-batches" if m > 1 else "") + " cannot split evenly (others wait)",
-                    f"data.prompts_per_step={even} splits evenly")]
+                    f"data.prompts_per_step={even} splits evenly" if even != c.data.prompts_per_step else "")]

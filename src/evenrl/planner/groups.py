@@ -26,7 +26,7 @@ from evenrl.planner.cluster import DATASHEET, achieved_rates, unknown_models
 from evenrl.planner.layout import Layout
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.memory import estimate_memory
-from evenrl.planner.memory_fixes import memory_fixes, row_tokens, rows_that_fit
+from evenrl.planner.memory_fixes import TIGHT, memory_fixes, row_tokens, rows_that_fit, tight_fix
 from evenrl.planner.text import plural, ranks_text
 from evenrl.planner.types import Finding, GroupPlan, Plan
 
@@ -50,8 +50,9 @@ def plan_groups(cfg: RunConfig, layout: Layout, dims: ModelDims | None) -> list[
         rows = cap // unit
         lay, ranks = group_layout(layout, g), g.ranks
         est = estimate_memory(cfg, lay, dims, ranks)
-        if est.fits is not False:
-            out.append(GroupPlan(g, cap, est))
+        if est.fits is not False:  # a tight fit gets its fixes too (memory-tight)
+            tight = est.fits and est.total_gib > TIGHT * g.device.memory_gib
+            out.append(GroupPlan(g, cap, est, fixes=tuple(memory_fixes(cfg, lay, dims, ranks)) if tight else ()))
             continue
         if g.device.memory_gib < largest and rows >= 2:  # a smaller device: fewer samples per micro-batch
             fit = rows_that_fit(cfg, lay, dims, rows - 1, ranks)
@@ -101,10 +102,10 @@ def rule_group_memory(p: Plan) -> list[Finding]:
                                f"{mem.total_gib:.1f} GiB) against {cap:,} on the others: its ranks get fewer rows "
                                "per micro-step, in as many micro-steps",
                                f"to keep {cap:,} there: {keep[0].text()}" if keep else ""))
-        elif mem.total_gib > 0.9 * g.group.device.memory_gib:
+        elif mem.total_gib > TIGHT * g.group.device.memory_gib:
             out.append(Finding("warning", "memory-tight",
-                               f"{where} of {g.group.device.memory_gib:.1f} GiB (> 90%; fragmentation may push it "
-                               "over)", "model.gradient_checkpointing=true; or a lower train.token_cap_per_micro_batch"))
+                               f"{where} of {g.group.device.memory_gib:.1f} GiB (> {TIGHT:.0%}; fragmentation may "
+                               "push it over)", tight_fix(list(g.fixes), g.group.device.memory_gib)))
     return out
 
 

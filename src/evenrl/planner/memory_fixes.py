@@ -14,6 +14,7 @@ from evenrl.planner.layout import Layout
 from evenrl.planner.memory import estimate_memory
 
 LORA_RANK = 16  # what memory_fixes proposes (TRL's default lora_r)
+TIGHT = 0.9  # of device memory: a peak above it is memory-tight, where fragmentation may push a run over
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,14 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
         add({"data.prompts_per_step": best or 1}, "fewer samples per rank")
     fixes.sort(key=lambda f: f.total_gib)
     return fixes
+
+
+def tight_fix(fixes: list[MemoryFix], memory_gib: float) -> str:
+    """memory-tight's fix: the fixes (each alone) that bring the peak under TIGHT of `memory_gib`, else those that
+    lower it most; at most three, best first. Each changes a setting (memory_fixes proposes none already set)."""
+    room = [f for f in fixes if f.total_gib <= TIGHT * memory_gib] or fixes
+    return "each alone, best first: " + "; ".join(f.text() for f in room[:3]) if room else \
+        "devices with more memory"
 
 
 def sequence_sizes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[int]:

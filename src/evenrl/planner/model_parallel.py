@@ -29,7 +29,7 @@ from evenrl.planner.dims import ModelDims
 from evenrl.planner.groups import group_layout
 from evenrl.planner.layout import Layout
 from evenrl.planner.memory import MemoryEstimate, estimate_memory
-from evenrl.planner.memory_fixes import sequence_settings, sequence_sizes
+from evenrl.planner.memory_fixes import TIGHT, sequence_settings, sequence_sizes
 from evenrl.planner.text import plural
 from evenrl.planner.types import Finding, Plan
 
@@ -84,17 +84,15 @@ def rule_sequence_parallel(p: Plan) -> list[Finding]:
         out.append(Finding("warning", "sequence-parallel-nodes",
                            f"{key}={sp} spans {math.ceil(sp / lay.nproc_per_node)} nodes of {lay.nproc_per_node} "
                            "processes: every layer's all-to-all crosses the inter-node link",
-                           f"{key}={math.gcd(sp, lay.nproc_per_node)} (inside a node), with "
-                           "model.gradient_checkpointing=true if it then does not fit"))
+                           f"{key}={math.gcd(sp, lay.nproc_per_node)} (inside a node)"
+                           + ("" if c.model.gradient_checkpointing else
+                              ", with model.gradient_checkpointing=true if it then does not fit")))
     return out + _sample_too_long(p)
 
 
 def _training_gib(est: MemoryEstimate) -> float:
     """The peak of the phases a sample's length sets: its log-probs and its update (generation is not split)."""
     return max(est.phases.get("update", 0.0), est.phases.get("log-probs", 0.0))
-
-
-TIGHT = 0.9  # of device memory: rule_memory's memory-tight line, where fragmentation may push a run over
 
 
 def _sample_too_long(p: Plan) -> list[Finding]:

@@ -19,6 +19,7 @@ from evenrl.planner.groups import rule_group_memory, rule_mixed_speeds, rule_unk
 from evenrl.planner.inputs import rule_data, rule_model, rule_trackers
 from evenrl.planner.lora import rule_lora
 from evenrl.planner.memory import PHASES, RESIDENT
+from evenrl.planner.memory_fixes import TIGHT, tight_fix
 from evenrl.planner.moe import rule_moe
 from evenrl.planner.model_parallel import rule_rollout_parallel, rule_sequence_parallel
 from evenrl.planner.rewards import rule_reward_models, rule_rewards
@@ -110,10 +111,10 @@ def rule_memory(p: Plan) -> list[Finding]:
                         f"estimated peak {mem.total_gib:.1f} GiB per rank > {lay.device_memory_gib:.1f} GiB "
                         f"device memory in {phase or 'the step'} ({parts} GiB)",
                         f"each alone, best first: {fixes}" if fixes else "use devices with more memory")]
-    if mem.total_gib > 0.9 * lay.device_memory_gib:
+    if mem.total_gib > TIGHT * lay.device_memory_gib:
         return [Finding("warning", "memory-tight", f"estimated peak {mem.total_gib:.1f} GiB of "
-                        f"{lay.device_memory_gib:.1f} GiB per rank (> 90%; fragmentation may push it over)",
-                        "model.gradient_checkpointing=true; or a lower train.token_cap_per_micro_batch")]
+                        f"{lay.device_memory_gib:.1f} GiB per rank (> {TIGHT:.0%}; fragmentation may push it over)",
+                        tight_fix(p.memory_fixes, lay.device_memory_gib))]
     return []
 
 

@@ -256,6 +256,15 @@ class ParallelConfig(Section):
                     "training ranks (attention exchanges heads for tokens with an all-to-all), data parallel across "
                     "the groups; it must divide the training ranks (verl/EasyR1 ulysses_sequence_parallel_size). "
                     "1: off. docs/long-context.md.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=1024,
+        description="Tensor parallelism in the trainer: each layer's weights are split over a group of this many "
+                    "consecutive training ranks (attention heads, MLP width and the vocabulary), which train the "
+                    "same samples together; data parallel (replicated or FSDP2 over parallel.sharding) across the "
+                    "groups. It must divide the attention and KV heads, the MLP width and the vocabulary, and "
+                    "sequence_parallel_size x tensor_parallel_size must divide the training ranks (verl "
+                    "actor fsdp tensor_parallel_size, Megatron tensor_model_parallel_size). The hf engine samples "
+                    "from the split model itself. 1: off. docs/parallelism.md.")
     collective_timeout_s: float = Field(
         600.0, gt=0.0, le=86400.0,
         description="How long a rank waits in one collective for a stopped peer before the job ends with one line "

@@ -1,5 +1,5 @@
 """What each rank computes on: its device's kind, model, memory and (CPU) threads, as one typed record per rank.
-`evenrl.distributed.groups.init` probes this rank's device and gathers every rank's record once, at start
+`evenrl.distributed.mesh.init` probes this rank's device and gathers every rank's record once, at start
 (`DistInfo.devices`); `evenrl plan --nodes "8xH100-80,8xA10-24"` builds the same records by hand for a cluster the
 planner cannot see (evenrl.planner.cluster). Pure Python: never imports torch (the planner uses it).
 

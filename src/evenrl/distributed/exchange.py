@@ -11,7 +11,7 @@ import torch
 import torch.distributed as tdist
 
 from evenrl.core.batch import SAMPLE_INDEX, Batch, Ragged
-from evenrl.distributed.groups import G, comm_device, rank, world
+from evenrl.distributed.mesh import G, comm_device, rank, world
 from evenrl.distributed.guard import guard
 from evenrl.distributed.ops import all_gather_object
 

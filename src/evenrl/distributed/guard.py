@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as tdist
 
-from evenrl.distributed.groups import G, active, rank
+from evenrl.distributed.mesh import G, active, rank
 from evenrl.errors import RunStopped
 
 def mark(phase: str) -> None:

@@ -1,7 +1,8 @@
 """The trainers' collectives: barriers, sums, gathers and the gradient all-reduce; and, once at start, every rank's
 device (`gather_devices`, over the whole job). One code path for 1 and N ranks: with one process there is no process
 group and every function here is the identity, so callers never branch on the world size. Each runs on the trainer
-group (evenrl.distributed.groups) inside `guard`, so a failure is one line.
+group (evenrl.distributed.mesh) or, where named, one of the mesh's dimensions, inside `guard`, so a failure is one
+line.
 
 Gradients are SUM-reduced (`all_reduce_grads`), never averaged: the loss shares of `evenrl.core.aggregation` are
 already divided by global counts, so the sum over ranks is the single-device gradient.
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as tdist
 
 from evenrl.distributed.devices import Device, cpu_share, host_memory_gib, model_of
-from evenrl.distributed.groups import G, active, comm_device, is_rollout_rank, world
+from evenrl.distributed.mesh import G, active, comm_device, group, is_rollout_rank, size, world
 from evenrl.distributed.guard import guard
 
 def barrier() -> None:
@@ -34,12 +35,12 @@ def barrier_all() -> None:
             tdist.barrier()
 
 
-def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """SUM over the ranks of `group` (None: the training ranks), in place; returns t."""
-    if world() > 1:
+def all_reduce_sum(t: torch.Tensor, over: str = "trainers") -> torch.Tensor:
+    """SUM over the training ranks (or over this rank's group of a mesh dimension, `over`), in place; returns t."""
+    if size(over) > 1:
         x = _on_comm_device(t)
         with guard("all-reduce"):
-            tdist.all_reduce(x, op=tdist.ReduceOp.SUM, group=G.trainers if group is None else group)
+            tdist.all_reduce(x, op=tdist.ReduceOp.SUM, group=group(over))
         if x is not t:
             t.copy_(x)
     return t
@@ -63,7 +64,10 @@ def all_gather_object(obj: Any) -> list:
 
 def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64.0, *,
                      extra: Sequence[torch.Tensor] = ()) -> None:
-    """SUM gradients over ranks in flat buckets (one collective per bucket, per device and dtype).
+    """SUM gradients over the ranks that hold the same parameters in flat buckets (one collective per bucket, per
+    device and dtype): the mesh's `data` group (every training rank without tensor parallelism; with it, the ranks
+    of this rank's tensor-parallel index, whose shards are this rank's: a DTensor's gradient is reduced as its local
+    shard).
 
     A parameter whose grad is None on some ranks is sent as zeros, so every rank issues the same collectives;
     afterwards it gets the summed grad. Each bucket also carries one 'had a grad' flag per parameter, so a
@@ -84,8 +88,9 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
     hook fires once per inner backward, before the grad is final. Splitting this model's one 9.6 MB bucket in
     two (two gloo threads) was within noise (~0.5 ms).
     """
-    if world() == 1:
+    if size("data") == 1:
         return
+    over = group("data")
     groups: dict[tuple, list[list[torch.nn.Parameter]]] = {}
     filled: dict[tuple, int] = {}
     for p in params:
@@ -102,30 +107,33 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
         pending = []
         for (device, dtype), buckets in groups.items():
             for ps in buckets:
-                n = sum(p.numel() for p in ps)
+                n = sum(_numel(p) for p in ps)
                 flat = torch.empty(n + len(ps), dtype=dtype, device=device)
                 at = 0
                 for p in ps:  # written in place: no temporaries, not even zeros for a missing grad
                     if p.grad is None:
-                        flat[at:at + p.numel()].zero_()
+                        flat[at:at + _numel(p)].zero_()
                     else:
-                        flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
-                    at += p.numel()
+                        flat[at:at + _numel(p)].copy_(_local(p.grad).reshape(-1))
+                    at += _numel(p)
                 flat[n:] = torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype)
-                work = tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, async_op=True, group=G.trainers)
+                work = tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, async_op=True, group=over)
                 pending.append((ps, flat, work))
         extra_comm = [_on_comm_device(t) for t in extra]
-        extra_work = [tdist.all_reduce(x, op=tdist.ReduceOp.SUM, async_op=True, group=G.trainers)
-                      for x in extra_comm]
+        extra_work = [tdist.all_reduce(x, op=tdist.ReduceOp.SUM, async_op=True, group=over) for x in extra_comm]
         for ps, flat, work in pending:
             work.wait()
             flags = flat[-len(ps):].tolist()
             at = 0
             for p, had in zip(ps, flags):
-                piece = flat[at:at + p.numel()].view(p.shape)
-                at += p.numel()
+                piece = flat[at:at + _numel(p)].view(_local(p).shape)
+                at += _numel(p)
                 if had > 0:
-                    if p.is_contiguous():
+                    if _is_dtensor(p):  # a tensor-parallel shard: the reduced local shard, in the DTensor's layout
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        _local(p.grad).copy_(piece)
+                    elif p.is_contiguous():
                         p.grad = piece
                     else:  # keep the parameter's own strides, as autograd would
                         if p.grad is None:
@@ -135,6 +143,50 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
             work.wait()
             if x is not t:
                 t.copy_(x)
+
+
+def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over parameters whose gradients are sharded over several mesh dimensions
+    (tensor parallelism, with or without FSDP2): each gradient's squared norm is summed over the dimensions it is
+    sharded on and counted once where it is replicated (a norm weight's gradient is whole on every rank of its
+    tensor-parallel group), then the total scales every gradient as torch does. Without tensor parallelism, torch's
+    own (every gradient plain, or every one a DTensor of the same mesh)."""
+    from torch.distributed.tensor import Shard
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(_is_dtensor(g) and "tp" in (g.device_mesh.mesh_dim_names or ()) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    by_dims: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        dims = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard)) if _is_dtensor(g) else ()
+        key = (id(g.device_mesh), dims) if dims else ()
+        by_dims.setdefault(key, [g.device_mesh if dims else None, dims, []])[2].append(_local(g))
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for mesh, dims, local in by_dims.values():
+        sq = torch.stack([torch.linalg.vector_norm(x.float()) ** 2 for x in local]).sum()
+        for d in dims:  # a sharded placement: this rank holds a part of the squares
+            with guard("gradient norm all-reduce"):
+                tdist.all_reduce(sq, op=tdist.ReduceOp.SUM, group=mesh.get_group(d))
+        total = total + sq
+    norm = total.sqrt()
+    if max_norm != float("inf"):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            _local(g).mul_(coef.to(g.dtype))
+    return norm
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor is its own)."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _numel(p: torch.Tensor) -> int:
+    return _local(p).numel()
 
 
 def probe_device(device: torch.device, local_world: int) -> Device:

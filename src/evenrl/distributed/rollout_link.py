@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as tdist
 
-from evenrl.distributed.groups import G, comm_device, rank, rollout_ranks
+from evenrl.distributed.mesh import G, comm_device, rank, rollout_ranks
 from evenrl.distributed.guard import guard, whereabouts
 from evenrl.errors import RunStopped
 

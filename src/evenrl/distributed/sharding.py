@@ -35,8 +35,10 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32, offload: bool = False) -> None:
-    """Shard `model` in place over all training ranks. Call after the model is on its device, before the
-    optimizer is built (the optimizer must see the sharded parameters)."""
+    """Shard `model` in place over the mesh's data dimension (every training rank without tensor parallelism; with
+    it, a tensor-parallel model's DTensors become 2-D: split on `tp`, sharded on `data`). Call after the model is on
+    its device and tensor-parallel, before the optimizer is built (the optimizer must see the sharded
+    parameters)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     device = next(model.parameters()).device
@@ -44,6 +46,7 @@ def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32,
         raise UsageError("parallel.cpu_offload: got 'full' on a CPU-only machine; FSDP2's offload gathers the host "
                          "shards on an accelerator (it fails at the first forward without one); use 'none' here")
     mesh = dist.device_mesh(device, host_collectives=offload)
+    mesh = mesh["data"] if "tp" in (mesh.mesh_dim_names or ()) else mesh  # tensor parallelism: FSDP2 over the rest
     mp = MixedPrecisionPolicy() if compute_dtype == torch.float32 else \
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()

@@ -48,8 +48,12 @@ def response_logprobs(model, batch: Batch, pad_token_id: int, *, temperature: fl
     entropy, as [B, R, 1 or 2]; targets; mask), computed by the output layer chunk by chunk from the hidden states
     (core.fused_head). The entropy is a measurement unless entropy_grad (an entropy bonus in the loss)."""
     def head(layer, hidden, targets):
-        logp, ent = head_logprobs(hidden, layer.weight, layer.bias, targets, temperature, entropy=entropy,
-                                  entropy_grad=entropy_grad)
+        split = getattr(layer, "evenrl_logprobs", None)  # a vocabulary split over a tensor-parallel group
+        if split is not None:
+            logp, ent = split(hidden, targets, temperature, entropy=entropy, entropy_grad=entropy_grad)
+        else:
+            logp, ent = head_logprobs(hidden, layer.weight, layer.bias, targets, temperature, entropy=entropy,
+                                      entropy_grad=entropy_grad)
         return torch.stack([logp, ent] if entropy else [logp], dim=-1)  # a new tensor: FSDP2 hooks its outputs
 
     return response_logits(model, batch, pad_token_id, head)

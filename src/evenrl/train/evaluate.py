@@ -25,7 +25,8 @@ def evaluate(run, prompts) -> dict:
     rollout.env openings)."""
     cfg, rows, prompt_tokens = run.cfg, prompts.rows, prompts.tokens
     costs = [len(t) + cfg.response_tokens() for t in prompt_tokens]
-    mine = balanced_partition(costs, dist.world(), weights=run.balance.rollout).parts[dist.rank()]
+    unit, units, keeps = dist.rollout_unit()  # a tensor-parallel group generates together; one rank scores
+    mine = balanced_partition(costs, units, weights=dist.unit_weights(run.balance.rollout)).parts[unit]
     total = torch.zeros(3, dtype=torch.float64)  # summed reward, prompts, summed response length
     if run.turns is not None:  # every rank runs the turn loop, prompts or not (its engine calls gather the model)
         engine = HFEngine(run.model, eos_token_ids=run.eos_ids, pad_token_id=run.pad_id)
@@ -50,7 +51,7 @@ def evaluate(run, prompts) -> dict:
             scores, _ = add_model_rewards(run.scorers, cfg, texts, [rows[i] for i in mine], mine, 0, scores, stats)
         total += torch.tensor([sum(scores), len(scores), sum(len(c.token_ids) for c in completions)],
                               dtype=torch.float64)
-    dist.all_reduce_sum(total)
+    dist.all_reduce_sum(total if keeps else total.zero_())
     n = max(float(total[1]), 1.0)
     return {"eval/reward": float(total[0]) / n, "eval/response_length": float(total[2]) / n,
             "eval/prompts": int(total[1])}

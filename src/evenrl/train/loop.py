@@ -22,7 +22,7 @@ from evenrl.train.balance import make_balance
 from evenrl.train.evaluate import evaluate
 from evenrl.train.metrics import Idle, phase_table
 from evenrl.train.plots import plots_for_trackers
-from evenrl.train.preflight import preflight
+from evenrl.train.preflight import mesh_sizes, preflight
 from evenrl.train.rollout_rank import serve
 from evenrl.train.runlog import RunLog, read_metrics
 from evenrl.train.step import rl_step
@@ -40,8 +40,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     earlier = read_metrics(run_dir) if resume or restarted else []
     plan = preflight(cfg)
     check_reachable(cfg)  # a tracker's server, before anything loads
-    info = dist.init(timeout=cfg.parallel.collective_timeout_s, rollout_devices=cfg.parallel.rollout_devices,
-                     sequence_parallel=cfg.parallel.sequence_parallel_size)
+    info = dist.init(**mesh_sizes(cfg))
     # the same plan on every rank's real device (one gather): per-device token caps, auto's starting weights
     plan = preflight(cfg, plan.layout.with_devices(dist.gather_devices(info.device, info.local_world)))
     if dist.is_main():

@@ -56,9 +56,10 @@ def check(cfg: RunConfig, model) -> None:
                          "checkpoint's correction biases); use 0")
 
 
-def global_counts(t: Tensor, group=None) -> Tensor:
-    """Expert counts summed over the ranks of `group` (None: the training ranks, every token of the step once)."""
-    return dist.all_reduce_sum(t, group=group)
+def global_counts(t: Tensor, over: str = "data") -> Tensor:
+    """Expert counts summed over the ranks that see different tokens (the mesh's `data` dimension: every training
+    rank but a tensor-parallel group's copies), every token of the mini-batch once."""
+    return dist.all_reduce_sum(t, over=over)
 
 
 def _collect(state: routing.Routing, into: dict[int, Tensor]):

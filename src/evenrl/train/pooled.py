@@ -7,7 +7,7 @@ Each rank computes its rows' pieces from the columns the loss will read (old_log
 then one float64 sum over ranks per mini-batch (the covariance means and the token count, with the weights' sum
 and count riding along), and for the selection one gather of each rank's k most extreme candidates, whose k-th is
 the global threshold. Under sequence parallelism a group's ranks hold the same rows: its first rank alone counts
-them. With none of these objectives configured, nothing is computed and no collective is made.
+them (and a tensor-parallel group's). With none of these objectives configured, nothing is computed and no collective is made.
 
     pooled = pool(cfg, step, batch, micro)        # one Pooled per mini-batch, after old_logp is on the batch
 """
@@ -37,7 +37,7 @@ def pool(cfg: RunConfig, step: int, batch: Batch, micro: list[list[list[int]]]) 
     """One Pooled per mini-batch (micro: this rank's micro-batch rows of each), the same on every rank."""
     if not needs_pooling(cfg):
         return [Pooled() for _ in micro]
-    counts = dist.sequence_group().index == 0  # a sequence group's ranks hold the same rows: count them once
+    counts = dist.counts_rows()  # a replica's ranks (sp x tp) hold the same rows: its first rank counts them
     views = [[_view(cfg, step, batch.select(rows)) for rows in mb if rows and counts] for mb in micro]
     sums = torch.stack([_sums(cfg, parts) for parts in views])  # [minibatches, 5]
     dist.all_reduce_sum(sums)

@@ -78,7 +78,10 @@ def generate_and_send(cfg: RunConfig, engine: Engine, prompts: Prompts, step: in
                                      openings=[prompts.openings[i] for i in ids])
     engine.sleep()
     made = {(c.prompt_key, c.sample_index): c for samples in completions for c in samples}
-    shares = rollout_shares(costs, n, dist.world(), cfg.parallel.fixed_capacity_weights())  # as the trainers split
+    # as the trainers split: by rollout unit (a tensor-parallel group), to the rank of each that keeps the samples
+    units = dist.shape().trainers // dist.shape().tp
+    shares = dist.per_trainer(rollout_shares(costs, n, units,
+                                             dist.unit_weights(cfg.parallel.fixed_capacity_weights())))
     dist.send_rollouts(step, policy_version(step, cfg.rollout.max_staleness),
                        [[made[(p, i)] for p, first, count in share for i in range(first, first + count)
                          if (p, i) in made] for share in shares])

@@ -104,7 +104,8 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
     cfg = trainer.cfg
     n = cfg.rollout.samples_per_prompt
     costs = [len(trainer.prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
-    mine = rollout_shares(costs, n, dist.world(), trainer.balance.rollout)[dist.rank()]
+    unit, units, keeps = dist.rollout_unit()  # a tensor-parallel group generates together; one rank keeps the rows
+    mine = rollout_shares(costs, n, units, dist.unit_weights(trainer.balance.rollout))[unit]
     ids = [prompt_ids[p] for p, _, _ in mine]
     images = prompt_image_inputs(trainer.image_processor, trainer.prompts.images, ids)
     version = step - 1  # the policy being trained sampled: colocated, or reserved with max_staleness 0
@@ -115,6 +116,7 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
             raise RunStopped(f"step {step}: rollout ranks sampled with policy versions {sorted({v for v, _ in parts})}"
                              f" where version {version} was due")
         made = {(c.prompt_key, c.sample_index): c for _, part in parts for c in part}
+        mine = mine if keeps else []  # the rollout ranks sent this unit's samples to its first rank
         completions = [[made[(first + p, s)] for s in range(a, a + count)] for p, a, count in mine]
     else:
         args = ([trainer.prompts.tokens[i] for i in ids], [first + p for p, _, _ in mine], sampling_params(cfg))
@@ -126,6 +128,8 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
                                                  rows=[trainer.prompts.rows[i] for i in ids],
                                                  openings=[trainer.prompts.openings[i] for i in ids])
         trainer.engine.sleep()  # vLLM on GPU: its KV cache is freed while the trainer needs the memory
+        if not keeps:  # this unit's samples are its first rank's: the step holds one copy of each
+            mine, completions = [], []
     tokens, resp_len, index, group, row_ids, texts, finished, engine_lp = [], [], [], [], [], [], [], []
     routes = []  # rollout.router_replay=engine: each sample's routes, as the engine recorded them
     image_rows = []  # per sample, its prompt's ImageInputs (None: a text prompt)

@@ -24,6 +24,7 @@ from evenrl.models.forward import response_logprobs
 from evenrl.train.data import PromptSampler, load_data
 from evenrl.train import rundir
 from evenrl.train.checkpoint import save_final
+from evenrl.train.preflight import mesh_sizes
 from evenrl.train.runlog import RunLog
 from evenrl.train.trackers import Trackers, check_reachable
 from evenrl.train.trainer import trainable_model
@@ -33,7 +34,7 @@ from evenrl.train.update import minibatch_denominators, minibatch_update
 def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     rundir.check(cfg.log.run_dir, resume=False, overwrite=overwrite)
     check_reachable(cfg)  # a tracker's server, before anything loads
-    info = dist.init(timeout=cfg.parallel.collective_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel_size)
+    info = dist.init(**mesh_sizes(cfg, rollout=False))
     if dist.is_main():
         rundir.prepare(cfg.log.run_dir, overwrite=overwrite)
     dist.barrier()

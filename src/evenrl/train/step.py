@@ -233,11 +233,11 @@ def plan_step(trainer: Trainer, everyone: Batch):
     sequence parallelism its "ranks" are the groups of S ranks: a group's micro-batch is packed (no padding) and
     split S ways, so it holds S times a rank's token cap, and its cost counts attention (quadratic in length)."""
     cfg = trainer.cfg
-    S = cfg.parallel.sequence_parallel_size
+    S, M = cfg.parallel.sequence_parallel_size, dist.replica_size()  # M: the replica's ranks, sp x tp
     caps, weights = trainer.balance.schedule_caps(cfg), trainer.balance.update
-    if S > 1:  # a group is as fast and holds as much as its weakest rank
-        caps = [S * min(caps[g:g + S]) for g in range(0, len(caps), S)] if isinstance(caps, list) else S * caps
-        weights = None if weights is None else [min(weights[g:g + S]) for g in range(0, len(weights), S)]
+    if M > 1:  # a replica is as fast and holds as much as its weakest rank; tensor parallelism splits no tokens
+        caps = [S * min(caps[g:g + M]) for g in range(0, len(caps), M)] if isinstance(caps, list) else S * caps
+        weights = None if weights is None else [min(weights[g:g + M]) for g in range(0, len(weights), M)]
     return make_schedule(everyone["total_len"].tolist(), world=dist.data_parallel()[1],
                          minibatches=cfg.algo.minibatches_per_step, token_cap=caps,
                          groups=everyone["group"].tolist(), weights=weights,
@@ -257,9 +257,10 @@ def attention_cost(model) -> float:
 
 
 def exchange(trainer: Trainer, local: Batch, schedule) -> tuple[Batch, list[list[list[int]]]]:
-    """Move each sample to the rank the schedule trains it on (every rank of its sequence-parallel group). Returns
-    the rank's rows and, per mini-batch, its micro-batches as positions into those rows."""
-    S = trainer.cfg.parallel.sequence_parallel_size
+    """Move each sample to the ranks the schedule trains it on (every rank of its replica: the sp x tp ranks of a
+    data-parallel index, consecutive). Returns the rank's rows and, per mini-batch, its micro-batches as positions
+    into those rows."""
+    S = dist.replica_size()
     owner = {}
     for mb in schedule.minibatches:
         for g, micros in enumerate(mb.per_rank):
@@ -279,10 +280,10 @@ def exchange(trainer: Trainer, local: Batch, schedule) -> tuple[Batch, list[list
 
 
 def on_group_rows(trainer: Trainer, local: Batch, add, names: tuple[str, ...]) -> None:
-    """add(trainer, rows) puts columns `names` on `rows`; under sequence parallelism the rows of every rank of the
-    group, since its ranks forward each micro-batch together (one exchange gathers them), of which each rank keeps
-    its own."""
-    S = trainer.cfg.parallel.sequence_parallel_size
+    """add(trainer, rows) puts columns `names` on `rows`; under sequence or tensor parallelism the rows of every rank
+    of the replica, since its ranks forward each micro-batch together (one exchange gathers them), of which each
+    rank keeps its own."""
+    S = dist.replica_size()
     if S == 1:
         add(trainer, local)
         return

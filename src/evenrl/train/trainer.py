@@ -33,7 +33,7 @@ from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.reward_models import Scorer, load_scorers
 from evenrl.agents.rollout import Agents
 from evenrl.train.trajectories import Turns, make_turns
-from evenrl.train.update import prepare_model, split_sequences
+from evenrl.train.update import prepare_model, split_sequences, split_tensors
 
 
 @dataclass
@@ -150,6 +150,7 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
     if cfg.algo.kl_coef > 0 and not cfg.model.lora.rank:  # frozen: held in the compute dtype, no master copy
         reference, _ = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
         reference.eval().requires_grad_(False)
+        split_tensors(reference, cfg)
         if cfg.parallel.sharding == "fsdp":
             shard(reference, offload=cfg.parallel.cpu_offload == "full")
         split_sequences(reference, cfg)
@@ -220,9 +221,13 @@ def trainable_model(cfg: RunConfig, path: str, info, head=None):
 
 def adamw(model, cfg: RunConfig, lr: float, warmup_steps: int):
     """(AdamW over the model's trainable parameters, linear warm-up over `warmup_steps` optimizer steps)."""
-    # fused: one kernel over all parameters; the default per-tensor loop cost ~15 ms a step for 2.4 M params on CPU
+    # fused: one kernel over all parameters; the default per-tensor loop cost ~15 ms a step for 2.4 M params on CPU.
+    # A tensor-parallel model mixes DTensors (split weights) with plain tensors (norms), or DTensors of two meshes
+    # under FSDP2, which one fused or foreach kernel refuses: each tensor is then stepped on its own
+    split = cfg.parallel.tensor_parallel_size > 1
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                  betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay, fused=True)
+                                  betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay,
+                                  fused=not split, foreach=False if split else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
     return optimizer, scheduler

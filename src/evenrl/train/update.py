@@ -21,6 +21,7 @@ from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.sequence import sequence_parallel
 from evenrl.distributed.sharding import shard
+from evenrl.distributed.tensor_parallel import tensor_parallel
 from evenrl.errors import RunStopped, UsageError
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import is_sharded, set_autocast, set_tf32
@@ -52,6 +53,7 @@ def prepare_model(model, cfg: RunConfig) -> None:
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
     set_tf32(cfg.model.tf32)
+    split_tensors(model, cfg)
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     if cfg.parallel.sharding == "fsdp":
         shard(model, compute_dtype=compute, offload=cfg.parallel.cpu_offload == "full")
@@ -60,16 +62,30 @@ def prepare_model(model, cfg: RunConfig) -> None:
     split_sequences(model, cfg)
 
 
+def split_tensors(model, cfg: RunConfig) -> None:
+    """Tensor parallelism (parallel.tensor_parallel_size > 1): the model's layers split over this rank's group
+    (evenrl.distributed.tensor_parallel), before FSDP2 shards what is left over the data dimension."""
+    size = cfg.parallel.tensor_parallel_size
+    if size == 1:
+        return
+    if is_vision_model(model):  # the plan says so first
+        raise UsageError(f"parallel.tensor_parallel_size: got {size} for a vision-language model; not supported yet "
+                         "(its vision tower is not split); use 1")
+    tensor_parallel(model, dist.device_mesh(next(model.parameters()).device)["tp"])
+
+
 def split_sequences(model, cfg: RunConfig) -> None:
     """Sequence parallelism (parallel.sequence_parallel_size > 1): the model's training forwards split each packed
     micro-batch over this rank's group (evenrl.distributed.sequence). A checkpointed text model packs its rows the
-    same way on one rank (a group of one), instead of padding them to the longest, and so does a mixture of experts
-    (its routes are then recorded and replayed by packed position: evenrl.models.routing)."""
+    same way on one rank (a group of one), instead of padding them to the longest, and so do a mixture of experts
+    (its routes are then recorded and replayed by packed position: evenrl.models.routing) and a tensor-parallel
+    model (the model's own forward is its only training path: no hand-written forward reads split weights)."""
     size = cfg.parallel.sequence_parallel_size
     if size > 1 and is_vision_model(model):  # the plan says so first ("sp-vision")
         raise UsageError(f"parallel.sequence_parallel_size: got {size} for a vision-language model; not supported "
                          "yet (its images' positions and vision tower are not split); use 1")
-    if size > 1 or ((cfg.model.gradient_checkpointing or is_moe(model)) and not is_vision_model(model)):
+    packs = cfg.model.gradient_checkpointing or cfg.parallel.tensor_parallel_size > 1 or is_moe(model)
+    if size > 1 or (packs and not is_vision_model(model)):
         sequence_parallel(model, dist.sequence_group())
 
 
@@ -164,13 +180,13 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     if busy is not None:
         busy.add(started, int(sum(batch["tokens"].lengths[rows].sum() for rows in micro_rows if rows)))
     params = [p for p in model.parameters() if p.requires_grad]
-    group = getattr(model, "evenrl_sequence_group", None)
-    if group is not None and group.index > 0:  # the group's first rank counts what all of its ranks computed
-        sums, ran = {}, 0
+    c = dist.coords()
+    if c is not None and c.sp > 0:  # the sequence group's first rank counts what all of its ranks computed (every
+        sums, ran = {}, 0         # tensor-parallel rank does: the statistics are summed over the data group only)
     # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names.
     flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])] + [ran], dtype=torch.float64)
     if sharded:  # gradients were reduce-scattered (summed) in each backward; only the statistics are left
-        dist.all_reduce_sum(flat)
+        dist.all_reduce_sum(flat, over="data")
         if flat[-1] == 0 and denom.seqs == 0:  # what one device has here: no gradient at all, no step
             for p in params:
                 p.grad = None
@@ -181,7 +197,7 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         # (momentum and weight decay still move the weights), so do exactly that.
         for p in params:
             p.grad = torch.zeros_like(p)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    grad_norm = dist.clip_grad_norm(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded: a DTensor
     # Both numbers are global (summed over ranks above), so every rank stops here together, before the optimizer
     # could write a NaN into the weights.

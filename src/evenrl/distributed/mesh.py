@@ -1,0 +1,328 @@
+"""The job's one mesh: who this process is and every process group evenrl uses, built once by `init` from the
+launch environment and the config's parallel sizes (`evenrl.distributed.mesh_shape.MeshShape`: dp x sp x tp over
+the training ranks, reserved rollout ranks after them, rollout engines over several devices). No other module
+builds a process group: the gradient reduction and FSDP2's shards (`data`), Ulysses (`sp`), tensor parallelism
+(`tp`), the ranks that train the same samples (`replica`), rollout engines (`engine`), the reserved ranks' push and
+sample groups, and the torch DeviceMesh FSDP2 and DTensor need (`device_mesh`) all come from here.
+
+Launch (see evenrl.train.launch): `torchrun --nproc-per-node 3 -m evenrl.cli train CONFIG`, or under Slurm
+`srun -N2 --ntasks-per-node 8 evenrl train CONFIG`. `init` reads the rank, world, node and master from
+torchrun's or Slurm's variables by the rules of `evenrl.distributed.env`, and joins a process group only when
+that environment launched this process as one of several ranks. Start Slurm ranks with srun: a batch script
+run without srun is one process. The store is built here, prefixed by the restart count, because a restarted
+gloo group otherwise trips over keys left in the shared store by the failed attempt (pytorch#135712).
+
+Reserved rollout ranks (`rollout_devices` R > 0, the last R ranks only generate): every training collective runs on
+the trainer group (ranks 0..T-1, so a trainer's rank in it is its global rank, and `world()` is T). Two more groups
+meet the rollout ranks: the push group (trainer 0 + the rollout ranks: the weight push,
+evenrl.distributed.rollout_link) and a gloo group over the whole world for the samples (point to point, so a rollout
+rank can run ahead of the trainers by rollout.max_staleness steps without waiting for them).
+With R = 0 the trainer group is the default group.
+
+Every rank builds every group in the same order (`new_group` is collective over the default group), reserved
+rollout ranks too; a dimension of size 1 builds none.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from evenrl.distributed.env import LaunchEnv, read_env
+from evenrl.distributed.mesh_shape import MeshShape
+from evenrl.errors import UsageError
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    node_rank: int
+    device: torch.device
+    backend: str | None  # None: world 1 without a process group
+
+
+@dataclass
+class Mesh:
+    """This process's place in the job, built by `init` and forgotten by `shutdown`: the mesh's shape, every process
+    group (a handle per dimension this rank belongs to; None where the dimension has size 1 for this rank), and the
+    state of this rank's collectives."""
+
+    info: DistInfo | None = None
+    shape: MeshShape = field(default_factory=lambda: MeshShape(1))
+    own_group: bool = False  # init (or device_mesh) built the default group, so shutdown destroys it
+    store: Any = None  # the group's store; each rank leaves its current phase there (guard.mark)
+    phase: str = "start"  # where this rank last said it was (guard.mark)
+    trainers: Any = None  # the trainer group when some ranks only generate; None: the default group
+    push: Any = None  # trainer 0 + the rollout ranks: the weight push
+    samples: Any = None  # gloo group over the whole world: rollouts travel from the rollout ranks to the trainers
+    host_group: Any = None  # the data group with gloo beside NCCL: FSDP2's mesh under CPU offload
+    dims: dict = field(default_factory=dict)  # MeshShape dimension -> this rank's group handle
+    mesh_groups: dict = field(default_factory=dict)  # with tp > 1: "data" and "tp" groups, of one rank too (DeviceMesh)
+    meshes: dict = field(default_factory=dict)  # the torch DeviceMesh objects, made once (device_mesh)
+    wait: timedelta = field(default_factory=lambda: timedelta(minutes=10))  # the collective timeout, for p2p waits
+    sending: list = field(default_factory=list)  # a rollout rank's sends in flight: (work, buffer) kept alive
+    sequence: Any = None  # this rank's sequence-parallel group (SequenceGroup), size 1 without Ulysses
+
+    def reset(self) -> None:
+        self.__dict__.update(Mesh().__dict__)
+
+
+G = Mesh()
+
+
+def active() -> bool:
+    """Whether a process group exists in this process (built by init, device_mesh or someone else)."""
+    return tdist.is_available() and tdist.is_initialized()
+
+
+def init(backend: str | None = None, *, timeout: float | None = None, rollout_devices: int = 0,
+         sequence_parallel: int = 1, tensor_parallel: int = 1, engine_tensor_parallel: int = 1) -> DistInfo:
+    """Join the process group described by the environment and build the mesh (idempotent). backend None: NCCL with
+    CUDA (one GPU per process), else gloo.
+    timeout: seconds the rendezvous and each collective may wait before failing (default 10 minutes).
+    rollout_devices: the last this many ranks only generate (reserved placement).
+    sequence_parallel, tensor_parallel: parallel.sequence_parallel_size and parallel.tensor_parallel_size;
+    engine_tensor_parallel: rollout.tensor_parallel_size. A shape that cannot be built (MeshShape.problems) is one
+    line, UsageError, before any group is joined; `evenrl plan` says the same before a run starts."""
+    if G.info is not None:
+        return G.info
+    env = read_env()
+    lay = env if env.launched else LaunchEnv()  # not one of several launched ranks: one plain process
+    shape = MeshShape(lay.world, rollout_devices if lay.world > 1 else 0, sequence_parallel, tensor_parallel,
+                      engine_tensor_parallel)
+    wrong = shape.problems()
+    if wrong:
+        raise UsageError(wrong[0])
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", lay.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if active():  # someone else built the group: adopt it
+        G.info = DistInfo(tdist.get_rank(), tdist.get_world_size(), lay.local_rank, lay.local_world,
+                         lay.node_rank, device, str(tdist.get_backend()))
+        _build_groups(shape)
+        return G.info
+    if lay.world > 1:
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): with more processes on a node than GPUs (a
+        # trainer and a rollout process sharing one, say) the collectives go through gloo, on host copies. CUDA
+        # only; run on one H100 by benchmarks/overlap.py --shape qwen2.5-0.5b.
+        shared = cuda and lay.local_world > torch.cuda.device_count()
+        backend = backend or ("nccl" if cuda and not shared else "gloo")
+        wait = timedelta(seconds=timeout) if timeout else timedelta(minutes=10)
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
+        store = tdist.TCPStore(lay.master_addr, lay.master_port, lay.world, is_master=lay.rank == 0 and not agent,
+                               timeout=wait, multi_tenant=not agent)
+        store = tdist.PrefixStore(f"evenrl/restart{lay.restart_count}", store)
+        tdist.init_process_group(backend, store=store, rank=lay.rank, world_size=lay.world, timeout=wait,
+                                 device_id=device if backend == "nccl" else None)
+        G.own_group, G.store, G.wait = True, store, wait
+    else:
+        backend = None
+    G.info = DistInfo(lay.rank, lay.world, lay.local_rank, lay.local_world, lay.node_rank, device, backend)
+    _build_groups(shape)
+    return G.info
+
+
+def _build_groups(shape: MeshShape) -> None:
+    """Every group of the mesh, in one fixed order on every rank (new_group is collective over the default group),
+    reserved rollout ranks too. A group of one rank builds nothing (None); one of every training rank is the trainer
+    group."""
+    from evenrl.distributed.sequence import SequenceGroup
+
+    G.shape = shape
+    if shape.rollout:
+        G.trainers = tdist.new_group(list(range(shape.trainers)), timeout=G.wait)
+        G.push = tdist.new_group([0, *range(shape.trainers, shape.world)], timeout=G.wait)
+        # samples are host-side token ids and log-probs: gloo whatever the training backend
+        G.samples = tdist.new_group(list(range(shape.world)), timeout=G.wait, backend="gloo")
+    me = rank()
+    for dim in ("tp", "sp", "data", "replica", "engine"):
+        G.dims[dim] = None
+        mesh_dim = shape.tp > 1 and dim in ("data", "tp")  # a DeviceMesh dimension needs a group even of one rank
+        for ranks in shape.groups(dim):
+            if len(ranks) == 1 and not mesh_dim:
+                continue
+            made = G.trainers if ranks == list(range(shape.trainers)) else tdist.new_group(ranks, timeout=G.wait)
+            if me in ranks:
+                G.dims[dim] = made if len(ranks) > 1 else None
+                if mesh_dim:
+                    G.mesh_groups[dim] = made if made is not None else tdist.group.WORLD
+    c = shape.coords(me)
+    G.sequence = None if c is None else SequenceGroup(G.dims["sp"], shape.sp, c.sp)
+
+
+def group(dim: str):
+    """This rank's process group along `dim` ("trainers" or a MeshShape dimension), for torch's collectives
+    (None: the default group; `size(dim)` says whether there is anything to reduce)."""
+    if dim == "trainers":
+        return G.trainers
+    if dim not in G.dims:
+        raise ValueError(f"mesh: no {dim!r} dimension ({G.shape.describe()})")
+    return G.dims[dim]
+
+
+def size(dim: str) -> int:
+    """How many ranks this rank's `dim` group holds (1: no collective is needed)."""
+    if dim == "trainers":
+        return world()
+    members = G.shape.group_of(dim, rank())
+    return len(members) if members else 1
+
+
+def shape() -> MeshShape:
+    """The mesh's sizes (MeshShape(1) before init: one process)."""
+    return G.shape
+
+
+def coords():
+    """This rank's (dp, sp, tp) (None on a reserved rollout rank)."""
+    return G.shape.coords(rank())
+
+
+def trainer_group():
+    """The process group of the training ranks (None: the default group, when no rank is reserved for rollout)."""
+    return G.trainers
+
+
+def rollout_ranks() -> list[int]:
+    """Global ranks that only generate ([] when every rank trains)."""
+    return list(range(G.shape.trainers, G.shape.world)) if G.shape.rollout else []
+
+
+def is_rollout_rank() -> bool:
+    return bool(G.shape.rollout) and rank() >= G.shape.trainers
+
+
+def device_mesh(device: torch.device, *, host_collectives: bool = False):
+    """The torch DeviceMesh over the training ranks that FSDP2 and DTensor work on, made once: one dimension,
+    "data" (the ranks FSDP2 shards over: every training rank when tp is 1), or two, ("data", "tp"), with tensor
+    parallelism; take `mesh["data"]` or `mesh["tp"]`. It is made from the mesh's own groups, so the reserved rollout
+    ranks (in no training group) need not take part. One process has no group of its own (see init), so one is
+    made here: FSDP2 needs a group even to shard over a single rank, and the sharded code path is then the same at
+    every world size.
+    host_collectives: the mesh's group reduces CPU tensors too (gloo beside NCCL). FSDP2's CPU offload needs it: its
+    sharded parameters and gradients live on the host, and the gradient norm and the whole-tensor gathers of such
+    DTensors are collectives on CPU tensors, which NCCL refuses ("No backend type associated with device type cpu",
+    pytorch#148532)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = ("host" if host_collectives else "device", device.type)
+    if key in G.meshes:
+        return G.meshes[key]
+    if host_collectives and device.type != "cpu":
+        if G.shape.tp > 1:
+            raise UsageError("parallel.cpu_offload: 'full' with parallel.tensor_parallel_size > 1 is not supported; "
+                             "use one of them")
+        if G.host_group is None:
+            hybrid = f"cpu:gloo,{device.type}:nccl"
+            if not active():  # one process: the default group itself gets both backends
+                tdist.init_process_group(hybrid, store=tdist.HashStore(), rank=0, world_size=1)
+                G.own_group, G.host_group = True, tdist.group.WORLD
+            else:  # the training ranks 0..T-1 again (new_group called by them alone)
+                G.host_group = tdist.new_group(list(range(world())), backend=hybrid, use_local_synchronization=True)
+        G.meshes[key] = DeviceMesh.from_group(G.host_group, device.type, mesh_dim_names=("data",))
+        return G.meshes[key]
+    if not active():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1,
+                                 device_id=device if backend == "nccl" else None)
+        G.own_group = True
+    s = G.shape
+    if s.tp == 1:
+        group = G.trainers if G.trainers is not None else tdist.group.WORLD
+        G.meshes[key] = DeviceMesh.from_group(group, device.type, mesh_dim_names=("data",))
+    else:
+        ranks = torch.arange(s.trainers).view(s.trainers // s.tp, s.tp)  # row: a data index, column: a tp index
+        G.meshes[key] = DeviceMesh.from_group([G.mesh_groups["data"], G.mesh_groups["tp"]], device.type,
+                                              mesh=ranks, mesh_dim_names=("data", "tp"))
+    return G.meshes[key]
+
+
+def sequence_group():
+    """This training rank's sequence-parallel group (a distributed.sequence.SequenceGroup; size 1 without
+    sequence parallelism)."""
+    if G.sequence is None:
+        from evenrl.distributed.sequence import SequenceGroup
+
+        return SequenceGroup(None, 1, 0)
+    return G.sequence
+
+
+def data_parallel() -> tuple[int, int]:
+    """(this rank's data-parallel index, data-parallel replicas): the step's schedule hands samples to replicas of
+    sp x tp ranks, which train them together."""
+    c = coords()
+    return (0 if c is None else c.dp), G.shape.dp
+
+
+def rollout_unit() -> tuple[int, int, bool]:
+    """(this rank's rollout unit, how many there are, whether this rank keeps its unit's samples): the ranks that
+    generate together. With tensor parallelism a tp group samples from the split model together and its first rank
+    keeps the samples, so the step holds one copy of each; otherwise every training rank is a unit of its own."""
+    c = coords()
+    if c is None:
+        return 0, 1, False
+    return rank() // G.shape.tp, G.shape.trainers // G.shape.tp, c.tp == 0
+
+
+def per_trainer(unit_items: list) -> list:
+    """Each training rank's part of a list with one entry per rollout unit: the unit's entry for the rank that keeps
+    its samples, an empty list for the others."""
+    tp = G.shape.tp
+    return [unit_items[r // tp] if r % tp == 0 else [] for r in range(G.shape.trainers)]
+
+
+def unit_weights(weights: list[float] | None) -> list[float] | None:
+    """Per-rank capacity weights as per-unit ones: a unit is as fast as its slowest rank."""
+    tp = G.shape.tp
+    return None if weights is None or tp == 1 else [min(weights[u:u + tp]) for u in range(0, len(weights), tp)]
+
+
+def counts_rows() -> bool:
+    """Whether this rank counts its replica's rows in a sum over the training ranks (its replica's first rank: the
+    sp x tp ranks of a replica hold the same rows after the exchange)."""
+    c = coords()
+    return c is not None and c.sp == 0 and c.tp == 0
+
+
+def replica_size() -> int:
+    """Ranks that train each sample together (sp x tp): the step sends every sample to all of them."""
+    return G.shape.replica
+
+
+def shutdown() -> None:
+    """Leave the process group `init` built (an adopted one stays) and forget `init`'s answer, so the next `init`
+    reads the environment again."""
+    if G.own_group and active():
+        tdist.destroy_process_group()
+    G.reset()
+
+
+def rank() -> int:
+    """This rank (global; a trainer's rank in the trainer group is the same number)."""
+    return tdist.get_rank() if active() else 0
+
+
+def world() -> int:
+    """Ranks that train: what the step's schedule, gradients and per-sample views span."""
+    return tdist.get_world_size() - G.shape.rollout if active() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def comm_device() -> torch.device:
+    """Where tensors must be for the trainer group's backend: the current GPU under NCCL, else the host."""
+    if "nccl" in str(tdist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

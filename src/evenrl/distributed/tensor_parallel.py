@@ -1,0 +1,200 @@
+"""Tensor parallelism applied to a model from outside it (parallel.tensor_parallel_size = T): free functions over the
+mesh's `tp` DeviceMesh, the model class untouched (torchtitan's `parallelize`, NeMo-RL's DTensor plans).
+
+    tensor_parallel(model, mesh["tp"])      # Qwen2 / Qwen2.5 / Qwen3 / Llama / Mistral-style decoders, LoRA too
+
+The plan (each rank holds 1/T of every projection and of the vocabulary; the residual stream, the norms and the
+rotary tables are whole on every rank of the group):
+  q_proj, k_proj, v_proj, gate_proj, up_proj   column-wise: each rank computes its heads / its slice of the MLP
+  o_proj, down_proj                            column-wise too, on the gathered input, output gathered whole: the
+                                               numerically stable plan (NeMo-RL): every output element is one
+                                               rank's full dot product, so no layer output is a sum of partial
+                                               products across ranks and the result does not move with T beyond
+                                               the matmul kernel's own blocking
+  embed_tokens                                 row-wise over the vocabulary (each token's row lives on one rank;
+                                               the others add exact zeros)
+  lm_head                                      an evenrl.distributed.tensor_parallel.VocabParallelHead over the same
+                                               vocabulary rows (tied embeddings stay one parameter): its plain
+                                               forward gathers whole logits (generation), and `evenrl_logprobs`
+                                               computes log-probs and entropies from the rank's own vocabulary slice
+                                               with one all-reduce of per-token numbers (no [tokens, vocabulary]
+                                               tensor is ever gathered; core.fused_head with a VocabShard)
+
+What the row-wise plan (Megatron's: o_proj and down_proj split by input, one all-reduce of partial outputs per
+block) would change: half the bytes per block (an all-reduce of [tokens, hidden] twice, against all-gathers of
+[tokens, heads x head_dim], [tokens, hidden], [tokens, intermediate] and [tokens, hidden]) and 1/T of the MLP's
+gathered input in memory, for outputs that are sums over T ranks in an order that changes with T
+(benchmarks/parallelism.py measures both).
+
+Every rank of a tensor-parallel group trains the same samples and computes the same loss; gradients of a sharded
+weight are its rank's own, of a whole one (norms) the same on every rank of the group: neither is summed across
+the group (the data-parallel reduction runs over the `data` dimension).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from evenrl.core.fused_head import VocabShard, head_logprobs
+from evenrl.errors import UsageError
+
+ATTENTION = ("q_proj", "k_proj", "v_proj")
+MLP_IN = ("gate_proj", "up_proj")
+
+
+def supports(model) -> bool:
+    """Whether the plan knows this model's modules: decoder blocks with self_attn.{q,k,v,o}_proj and
+    mlp.{gate,up,down}_proj, token embeddings and an output layer over the vocabulary."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not len(layers) or getattr(inner, "embed_tokens", None) is None:
+        return False
+    attn, mlp = getattr(layers[0], "self_attn", None), getattr(layers[0], "mlp", None)
+    return (attn is not None and mlp is not None and all(hasattr(attn, n) for n in (*ATTENTION, "o_proj"))
+            and all(hasattr(mlp, n) for n in (*MLP_IN, "down_proj")))
+
+
+def check(model, size: int) -> None:
+    """One line (UsageError) for a model the plan cannot split `size` ways."""
+    key = "parallel.tensor_parallel_size"
+    if not supports(model):
+        raise UsageError(f"{key}: got {size} for {type(model).__name__}; tensor parallelism covers decoders with "
+                         "q/k/v/o and gate/up/down projections (Qwen2, Qwen2.5, Qwen3, Llama, Mistral); use 1")
+    cfg = model.config.get_text_config()
+    dims = {"attention heads": cfg.num_attention_heads,
+            "KV heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            "intermediate size": cfg.intermediate_size, "vocabulary": cfg.vocab_size}
+    for what, n in dims.items():
+        if n % size:
+            raise UsageError(f"{key}: got {size}, which does not divide the model's {what} ({n}); use a divisor of "
+                             f"{n}")
+
+
+def tensor_parallel(model, tp_mesh) -> None:
+    """Split `model` in place over the tensor-parallel DeviceMesh `tp_mesh` (its parameters become DTensors sharded
+    on it). Call after the model is on its device and after LoRA adapters are added, before FSDP2 and before the
+    optimizer is built."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   parallelize_module)
+
+    check(model, tp_mesh.size())
+    inner = model.model
+    tied = model.get_output_embeddings() is not None and \
+        model.get_output_embeddings().weight is inner.embed_tokens.weight
+    for layer in inner.layers:
+        for block, names, out in ((layer.self_attn, ATTENTION, "o_proj"), (layer.mlp, MLP_IN, "down_proj")):
+            for name in names:
+                _colwise(block, name, tp_mesh, ColwiseParallel, parallelize_module)
+            # the stable plan's output projection: the input gathered whole, each rank's output columns gathered
+            proj = getattr(block, out)
+            base = getattr(proj, "base_layer", None)
+            if base is None:
+                parallelize_module(proj, tp_mesh, ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate()))
+            else:  # LoRA: the adapter's A reads the same gathered input as the base layer
+                parallelize_module(proj, tp_mesh, PrepareModuleInput(input_layouts=(Shard(-1),),
+                                                                     desired_input_layouts=(Replicate(),),
+                                                                     use_local_output=True))
+                parallelize_module(base, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+                for lora_b in _adapters(proj, "lora_B"):
+                    parallelize_module(lora_b, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    parallelize_module(inner.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.shape[0] == model.config.get_text_config().vocab_size:
+        weight = inner.embed_tokens.weight if tied else _shard_rows(head.weight, tp_mesh)
+        model.set_output_embeddings(VocabParallelHead(weight, head.bias, tp_mesh))
+    model.evenrl_tensor_parallel = tp_mesh
+
+
+def _colwise(block, name: str, tp_mesh, ColwiseParallel, parallelize_module) -> None:
+    """A projection split by output columns; with LoRA its base layer and the adapter's B (A stays whole: it reads
+    the replicated input)."""
+    proj = getattr(block, name)
+    base = getattr(proj, "base_layer", None)
+    parallelize_module(base if base is not None else proj, tp_mesh, ColwiseParallel())
+    for lora_b in _adapters(proj, "lora_B") if base is not None else ():
+        parallelize_module(lora_b, tp_mesh, ColwiseParallel())
+
+
+def _adapters(proj, kind: str) -> list:
+    return list(getattr(proj, kind, {}).values()) if hasattr(proj, kind) else []
+
+
+def _shard_rows(weight: Tensor, tp_mesh) -> torch.nn.Parameter:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return torch.nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [Shard(0)]),
+                              requires_grad=weight.requires_grad)
+
+
+def is_tensor_parallel(model) -> bool:
+    return getattr(model, "evenrl_tensor_parallel", None) is not None
+
+
+class VocabParallelHead(torch.nn.Module):
+    """The output layer over a vocabulary split by rows over a tensor-parallel group: `weight` a DTensor sharded on
+    dim 0 (the embedding's own parameter when tied). `forward(hidden)` returns whole logits (each rank's slice
+    all-gathered: generation); `evenrl_logprobs(...)` (what evenrl.models.forward's fused head calls) the log-probs
+    and entropies of targets from the local slice, exact up to float rounding (tests/test_tensor_parallel.py)."""
+
+    def __init__(self, weight: torch.nn.Parameter, bias: Tensor | None, tp_mesh):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias  # Qwen2/Llama heads have none; a bias would need the same row split
+        if bias is not None:
+            raise UsageError("parallel.tensor_parallel_size: an output layer with a bias is not split; use 1")
+        self.mesh = tp_mesh
+        self.group = tp_mesh.get_group()
+        rows = weight.to_local().shape[0]
+        self.offset = tp_mesh.get_local_rank() * rows  # Shard(0) of a divisible vocabulary: equal slices in order
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        local = torch.nn.functional.linear(hidden, self.weight.to_local())
+        return _GatherVocab.apply(local, self.group)
+
+    def evenrl_logprobs(self, hidden: Tensor, targets: Tensor, temperature: float, *, entropy: bool,
+                        entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+        return head_logprobs(_CopyToGroup.apply(hidden, self.group), self.weight.to_local(), None, targets,
+                             temperature, entropy=entropy, entropy_grad=entropy_grad,
+                             vocab_shard=VocabShard(self.offset, self.weight.shape[0],
+                                                    lambda t, op: _all_reduce(t, op, self.group)))
+
+
+def _all_reduce(t: Tensor, op: str, group) -> Tensor:
+    import torch.distributed as tdist
+
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX if op == "max" else tdist.ReduceOp.SUM, group=group)
+    return t
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the group: the hidden states are whole on every rank,
+    and each rank's vocabulary slice adds its part of their gradient (Megatron's copy-to-region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g.contiguous().clone(), "sum", ctx.group), None
+
+
+class _GatherVocab(torch.autograd.Function):
+    """Each rank's [..., V/T] logits -> [..., V] on every rank; the backward keeps this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        import torch.distributed as tdist
+
+        n = tdist.get_world_size(group)
+        parts = [torch.empty_like(local) for _ in range(n)]
+        tdist.all_gather(parts, local.contiguous(), group=group)
+        ctx.group, ctx.width, ctx.index = group, local.shape[-1], tdist.get_rank(group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[..., ctx.index * ctx.width:(ctx.index + 1) * ctx.width].contiguous(), None

@@ -82,6 +82,8 @@ def naive_value(x: torch.Tensor, m: torch.Tensor, mode: str) -> torch.Tensor:
     x = torch.where(m, x, 0.0)
     if mode == "token-mean":
         return x.sum() / m.sum()
+    if mode == "token-sum-norm":  # no mean over rows; the norm length is Denominators' default, 1
+        return x.sum()
     seq = m.sum(-1) > 0
     per_seq = x.sum(-1)[seq] / (m.sum(-1)[seq] if mode == "seq-mean-token-mean" else 1)
     return per_seq.mean()

@@ -276,7 +276,8 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
         for prefix, (m, opt) in models.items():
             set_state_dict(m, opt, model_state_dict=tensors[f"{prefix}model"],
                            optim_state_dict={"state": tensors[f"{prefix}optimizer"],
-                                             "param_groups": trainer_state[f"{prefix}param_groups"]},
+                                             "param_groups": _with_kernels(trainer_state[f"{prefix}param_groups"],
+                                                                           opt)},
                            options=_TRAINED)
     except (KeyError, ValueError, RuntimeError) as e:
         raise UsageError(f"{path}: checkpoint does not match this model or optimizer ({_last_line(e)[:160]}); "
@@ -288,6 +289,17 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
                          f"{str(e).splitlines()[0][:120] if str(e) else 'missing state'}); it was saved by "
                          "another model or optimizer, or is damaged") from None
     return step
+
+
+# how the optimizer runs, not what it has learned: this run's choice stands (a tensor-parallel run steps each tensor
+# on its own where a checkpoint from one process used the fused kernel)
+_KERNEL_KEYS = ("fused", "foreach")
+
+
+def _with_kernels(saved: list[dict], optimizer) -> list[dict]:
+    mine = optimizer.param_groups
+    return [{**g, **{k: mine[min(i, len(mine) - 1)][k] for k in _KERNEL_KEYS if k in mine[0]}}
+            for i, g in enumerate(saved)]
 
 
 def _trained_state(model, optimizer) -> tuple[dict, dict]:

@@ -77,7 +77,10 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    path: str = Field("", description="Prompt dataset: a .jsonl or .parquet file, or a local HF dataset directory.")
+    path: str = Field("", description="Prompt dataset: a .jsonl or .parquet file, a local HF dataset directory, or a "
+                                      "hub dataset ORG/NAME[:CONFIG][@SPLIT] (e.g. hiyouga/geometry3k@train; split "
+                                      "default train): found in the datasets cache, else downloaded by evenrl train "
+                                      "(not by evenrl plan, nor with HF_HUB_OFFLINE=1).")
     prompt_field: str = Field("prompt", description="Column holding the prompt text, in data.path and in eval.path "
                                                     "alike.")
     answer_field: str = Field("answer", description="Column holding the reference answer given to rewards, in "

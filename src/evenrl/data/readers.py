@@ -1,6 +1,9 @@
 """The prompt dataset, read and checked without torch: .jsonl lines, parquet and Arrow columns, rows.
 
     rows, complete = read_rows("data/train.jsonl", Fields("prompt", "answer"))
+    rows, complete = read_rows("hiyouga/geometry3k@train", Fields("problem", "answer"))   # from the HF cache
+
+A hub dataset id is read from the Arrow files of its split in the `datasets` cache (evenrl.data.hub).
 
 The trainer reads through these functions (evenrl.train.data) and `evenrl plan` reads the first rows the same way
 (evenrl.planner.rules), so the plan never calls runnable what the trainer refuses. Every problem is a one-line
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from evenrl.data import hub
 from evenrl.data.images import IMAGE_PLACEHOLDER, check_image, image_sources, message_images
 from evenrl.errors import UsageError, bad, first_line
 
@@ -52,10 +56,14 @@ class Fields:
 
 def dataset_sources(path: str) -> list[tuple[str, str]]:
     """(source, kind) pairs a dataset path stands for, in reading order: kind "jsonl" or "parquet" for files,
-    "arrow" for a directory written by datasets' save_to_disk (its train split for a DatasetDict)."""
+    "arrow" for a directory written by datasets' save_to_disk (its train split for a DatasetDict), "hub" for a hub
+    dataset id (its split's Arrow files in the `datasets` cache, one table: evenrl.data.hub)."""
     path = os.fspath(path)
+    if hub.parse(path) is not None:
+        return [(path, "hub")]
     if not os.path.exists(path):
-        raise bad("prompts path", path, "expected an existing .jsonl or .parquet file or a dataset directory")
+        raise bad("prompts path", path, "expected an existing .jsonl or .parquet file, a dataset directory or a "
+                                        "Hugging Face dataset id (ORG/NAME[:CONFIG][@SPLIT])")
     if not os.path.isdir(path):
         return [(path, _file_kind(path))]
     names = sorted(os.listdir(path))
@@ -166,8 +174,6 @@ def read_parquet(path: str, fields: Fields, max_rows: int | None = None) -> list
 def read_arrow_dir(path: str, fields: Fields, max_rows: int | None = None) -> list[dict]:
     """A directory written by `datasets` save_to_disk, read with pyarrow alone (no `datasets` dependency):
     `state.json` lists the split's Arrow stream files."""
-    import pyarrow as pa
-
     state = Path(path) / "state.json"
     doc = read_json(state, "a save_to_disk state ({\"_data_files\": [{\"filename\": ...}]})") \
         if state.is_file() else None
@@ -178,13 +184,23 @@ def read_arrow_dir(path: str, fields: Fields, max_rows: int | None = None) -> li
     except (TypeError, KeyError):
         raise UsageError(f"prompts path: {path!r} is not a readable save_to_disk dataset (state.json lists no "
                          "\"_data_files\")") from None
+    return read_arrow_files([os.path.join(path, name) for name in files], fields, max_rows,
+                            f"prompts path: {path!r} is not a readable save_to_disk dataset")
+
+
+def read_arrow_files(files: list[str], fields: Fields, max_rows: int | None = None,
+                     unreadable: str = "") -> list[dict]:
+    """Rows of Arrow stream files (as `datasets` writes them), each schema checked first; with max_rows, only the
+    first ones. A file pyarrow cannot read is a UsageError: `unreadable` (default: the file's name) and why."""
+    import pyarrow as pa
+
     rows: list = []
-    try:
-        for name in files:
-            with pa.memory_map(os.path.join(path, name)) as source:
+    for name in files:
+        try:
+            with pa.memory_map(name) as source:
                 reader = pa.ipc.open_stream(source)
-                check_columns(reader.schema.names, os.path.join(path, name), fields)
-                check_prompt_type(reader.schema.field(fields.prompt).type, os.path.join(path, name), fields)
+                check_columns(reader.schema.names, name, fields)
+                check_prompt_type(reader.schema.field(fields.prompt).type, name, fields)
                 if max_rows is None:
                     rows.extend(reader.read_all().to_pylist())
                     continue
@@ -192,9 +208,9 @@ def read_arrow_dir(path: str, fields: Fields, max_rows: int | None = None) -> li
                     rows.extend(batch.to_pylist()[: max_rows - len(rows)])
                     if len(rows) >= max_rows:
                         return rows
-    except (OSError, ValueError, pa.ArrowInvalid) as e:
-        raise UsageError(f"prompts path: {path!r} is not a readable save_to_disk dataset "
-                         f"({type(e).__name__}: {first_line(e)})") from None
+        except (OSError, ValueError, pa.ArrowInvalid) as e:
+            raise UsageError(f"{unreadable or f'{name}: not a readable Arrow file'} "
+                             f"({type(e).__name__}: {first_line(e)})") from None
     return rows
 
 
@@ -282,6 +298,8 @@ def read_rows(path: str, fields: Fields, *, max_bytes: int | None = None, max_ro
             continue
         if kind == "parquet":
             records = read_parquet(src, fields, max_rows)
+        elif kind == "hub":
+            records = read_arrow_files(hub.cached_files(hub.parse(src), "prompts path"), fields, max_rows)
         else:
             records = read_arrow_dir(src, fields, max_rows)
         complete &= max_rows is None or len(records) < max_rows

@@ -12,12 +12,11 @@ config and tokenizer files, safetensors weights, chat templates.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
+from evenrl.data.hub import REPO_ID  # hub ids are spelled alike for models and datasets
 from evenrl.errors import UsageError
 
-REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
 FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 
 

@@ -36,7 +36,6 @@ def rule_groups(p: Plan) -> list[Finding]:
     return []
 
 
-
 def rule_minibatches(p: Plan) -> list[Finding]:
     c, out = p.config, []
     want, got = c.algo.minibatches_per_step, len(p.minibatch_sizes)
@@ -58,13 +57,11 @@ def rule_minibatches(p: Plan) -> list[Finding]:
     return out
 
 
-
 def _prompts_for(p: Plan, rows_per_rank: int) -> int:
     """Smallest prompts_per_step whose smallest mini-batch gives every training rank (SP group) rows_per_rank rows."""
     c, t = p.config, p.dp_size
     m, k = c.algo.minibatches_per_step, c.rollout.samples_per_prompt
     return m * math.ceil(t * rows_per_rank / k)
-
 
 
 def rule_idle(p: Plan) -> list[Finding]:
@@ -97,7 +94,6 @@ def rule_idle(p: Plan) -> list[Finding]:
                     ", or ".join(fixes[:-2 if mrows > 1 else -1]) + "; " + "; ".join(fixes[-2 if mrows > 1 else -1:]))]
 
 
-
 def rule_min_rows(p: Plan) -> list[Finding]:
     c = p.config
     m, length, cap = c.train.min_rows_per_micro_batch, p.sample_tokens, c.train.token_cap_per_micro_batch
@@ -116,7 +112,6 @@ def rule_min_rows(p: Plan) -> list[Finding]:
     return out
 
 
-
 def rule_token_cap(p: Plan) -> list[Finding]:
     c, length, v = p.config, p.sample_tokens, p.vision_tokens
     cap, sp = c.train.token_cap_per_micro_batch, p.sequence_parallel  # an SP group's micro-batch: sp x the cap
@@ -129,7 +124,6 @@ def rule_token_cap(p: Plan) -> list[Finding]:
                     f"train.token_cap_per_micro_batch={-(-(length + v) // sp)}"
                     + (f"; or rollout.max_new_tokens={new}" if (new := cap * sp - v - c.data.max_prompt_tokens) >= 1
                        else ""))]
-
 
 
 def rule_imbalance(p: Plan) -> list[Finding]:

@@ -35,6 +35,7 @@ from evenrl.config import load_config, with_settings
 from evenrl.errors import ArgumentParser, UsageError
 from evenrl.models.hub import resolve_models
 from evenrl.planner.fit import fit, minimal_yaml
+from evenrl.planner.inputs import not_here
 from evenrl.planner.layout import add_layout_args, has_shape_flags, layout_from_args
 from evenrl.planner.peers import NAMES, read_foreign, translate
 from evenrl.planner.peers.tables import STATUSES
@@ -171,8 +172,8 @@ def write_config(path: str, cfg, plan: Plan, paths: dict[str, str], source: str)
         target.write_text(text, encoding="utf-8")
     except OSError as e:
         raise UsageError(f"--write-config {path}: cannot write ({e.strerror})") from None
-    missing = [f"{k}={v}" for k, v in (("model.path", cfg.model.path), ("data.path", cfg.data.path))
-               if v and not Path(v).expanduser().exists()]
+    missing = [f"{k}={v}" for k, v in (("model.path", cfg.model.path),) if v and not Path(v).expanduser().exists()]
+    missing += [f"data.path={cfg.data.path}"] if cfg.data.path and not_here(cfg.data.path, "data.path") else []
     return f"wrote {path}" + (f"; not on this machine: {', '.join(missing)}" if missing else "")
 
 

@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from evenrl.config import RunConfig
+from evenrl.data import hub
 from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError
 from evenrl.models.files import LEAN_ARCHS, check_tokenizer_files, check_weights, no_config_fix, read_model_config
@@ -20,11 +21,10 @@ def rule_data(p: Plan) -> list[Finding]:
     d = p.config.data
     if not d.path:
         return [Finding("warning", "data-path", "data.path is empty: no prompts to train on",
-                        "data.path=FILE.jsonl (or .parquet, or a local Hugging Face dataset directory)")]
+                        "data.path=FILE.jsonl (or .parquet, a dataset directory, or a hub dataset ORG/NAME@SPLIT)")]
     out = []  # every problem at once: a bad data.path does not hide a bad eval.path
-    if not Path(d.path).expanduser().exists():
-        out.append(Finding("error", "data-path", f"data.path {d.path!r} does not exist (evenrl never downloads)",
-                           "point data.path at a local .jsonl/.parquet file or dataset directory"))
+    if missing := not_here(d.path, "data.path"):
+        out.append(Finding("error", "data-path", *missing))
     elif p.dataset_rows == 0:
         out.append(Finding("error", "data-path", f"data.path {d.path!r} has no rows", "use a non-empty dataset"))
     elif problem := dataset_problem(p.config, d.path, "data.path"):
@@ -35,29 +35,39 @@ def rule_data(p: Plan) -> list[Finding]:
                            f"{plural(p.dataset_rows, 'row')}: every step repeats prompts",
                            f"data.prompts_per_step={p.dataset_rows}"))
     e = p.config.eval.path
-    if e and not Path(e).expanduser().exists():
-        out.append(Finding("error", "eval-path", f"eval.path {e!r} does not exist",
-                           "point eval.path at a local .jsonl/.parquet file or dataset directory, or eval.path=''"))
+    if e and (missing := not_here(e, "eval.path")):
+        out.append(Finding("error", "eval-path", missing[0], missing[1] + "; or eval.path=''"))
     elif e and (problem := dataset_problem(p.config, e, "eval.path")):
         out.append(Finding("error", "eval-file", problem[0], problem[1] + "; or eval.path=''"))
     return out
 
 
-
 # How much of a dataset the plan reads: the rows evenrl train would refuse are usually near the top (a wrong
 # field name, a header line); the trainer reads the rest, before it writes anything.
 PLAN_DATA_BYTES = 16 * 1024**2  # of each .jsonl file
-
-
 PLAN_DATA_ROWS = 1000  # of each parquet / Arrow table, after its schema
-
-
 PLAN_IMAGE_ROWS = 64  # rows whose images are decoded (a Geometry3K image takes milliseconds)
-
-
 _DATA_FIX = ("fix the file (evenrl train reads it the same way); or point {key} at another .jsonl/.parquet file "
              "or dataset directory, or set data.prompt_field / data.answer_field to its columns")
 
+
+def not_here(path: str, key: str) -> tuple[str, str] | None:
+    """(Why evenrl train would not find the dataset `key` names, its fix), or None: a local path that does not exist,
+    or a hub dataset id the `datasets` cache does not hold (the plan never downloads; evenrl train does)."""
+    ds = hub.parse(path)
+    if ds is None:
+        return None if Path(path).expanduser().exists() else (
+            f"{key} {path!r} does not exist", f"point {key} at a local .jsonl/.parquet file or dataset directory, "
+                                              f"or a hub dataset {hub.SYNTAX}")
+    try:
+        if not hub.is_cached(ds, key):
+            return (f"{key} {path!r} is not in the Hugging Face datasets cache ({hub.where()}); evenrl plan never "
+                    "downloads", f"`evenrl train` downloads it (unless HF_HUB_OFFLINE is set); or python -c "
+                                 f"\"import datasets; {ds.load_call()}\"")
+        hub.cached_files(ds, key)
+    except UsageError as e:  # several cached configurations and none named, a split it does not have
+        return str(e), f"{key}={hub.SYNTAX} naming a configuration and split the cache holds"
+    return None
 
 
 def dataset_problem(cfg: RunConfig, path: str, key: str) -> tuple[str, str] | None:
@@ -70,7 +80,6 @@ def dataset_problem(cfg: RunConfig, path: str, key: str) -> tuple[str, str] | No
     except UsageError as e:  # an image's own fix (evenrl.data.images.ImageError), else the file's
         return str(e), getattr(e, "fix", None) or _DATA_FIX.format(key=key)
     return None
-
 
 
 def rule_model(p: Plan) -> list[Finding]:
@@ -104,7 +113,6 @@ def rule_model(p: Plan) -> list[Finding]:
     return out
 
 
-
 def _decoder_findings(c: RunConfig, path: str) -> list[Finding]:
     r = c.rollout
     if r.engine != "hf" or r.decoder not in ("lean", "static"):
@@ -117,7 +125,6 @@ def _decoder_findings(c: RunConfig, path: str) -> list[Finding]:
         return []
     return [Finding("error", "rollout-decoder", f"rollout.decoder={r.decoder} runs {', '.join(LEAN_ARCHS)}; "
                     f"{path}/config.json names {archs}", "rollout.decoder=auto")]
-
 
 
 def rule_trackers(p: Plan) -> list[Finding]:

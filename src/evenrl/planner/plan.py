@@ -23,6 +23,7 @@ from evenrl.config import RunConfig
 from evenrl.core.capacity import cap_limited_weights
 from evenrl.core.partition import lower_bound
 from evenrl.core.schedule import ScheduleError, make_schedule
+from evenrl.data import hub
 from evenrl.planner.cluster import datasheet_weights
 from evenrl.planner.groups import plan_groups
 from evenrl.planner.layout import Layout
@@ -159,7 +160,10 @@ def _analytic(p: Plan) -> None:
 
 
 def count_rows(path: str) -> int | None:
-    """Rows of a local .jsonl (non-blank lines) or .parquet (footer metadata) file; None when unknown or costly."""
+    """Rows of a local .jsonl (non-blank lines) or .parquet (footer metadata) file, or of a hub dataset's split in
+    the `datasets` cache (its dataset_info.json); None when unknown or costly."""
+    if (ds := hub.parse(path)) is not None:
+        return hub.cached_rows(ds)
     f = Path(path).expanduser() if path else None
     if f is None or not f.is_file():
         return None

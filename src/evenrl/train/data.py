@@ -1,4 +1,5 @@
-"""Prompt datasets: loading rows from local files, length filtering, and a rank-independent sampler.
+"""Prompt datasets: loading rows from local files or the Hugging Face datasets cache, length filtering, and a
+rank-independent sampler.
 
 Does not import torch.
 """
@@ -27,9 +28,10 @@ def load_prompts(
     holds "images" (encoded bytes or absolute paths, evenrl.data.images), and a chat-message prompt is a list of
     messages.
 
-    `path` is a .jsonl or .parquet file, a directory of such files (read in sorted name order), or
+    `path` is a .jsonl or .parquet file, a directory of such files (read in sorted name order),
     a directory written by `datasets.Dataset.save_to_disk` (read with pyarrow; a DatasetDict must have a
-    "train" split). `id` is the row's index in that order, stable across
+    "train" split), or a hub dataset ORG/NAME[:CONFIG][@SPLIT] in the datasets cache (evenrl.data.hub; the
+    launcher downloads it). `id` is the row's index in that order, stable across
     runs. Answers are kept as stored (a number stays a number); `answer_field=None` means no answers.
     Reading and checking is evenrl.data.readers.read_rows, which `evenrl plan` runs on the first rows too:
     a line that is not a JSON object, a missing column or field is a one-line UsageError naming the file.
@@ -111,7 +113,8 @@ def load_data(cfg: RunConfig, tokenizer, path: str | None = None, vision=None
     with images need; their token ids hold each image's tokens."""
     path = cfg.data.path if path is None else path
     if not path:
-        raise UsageError("data.path: empty; give a .jsonl/.parquet file or a dataset directory")
+        raise UsageError("data.path: empty; give a .jsonl/.parquet file, a dataset directory or a hub dataset "
+                         "ORG/NAME[:CONFIG][@SPLIT]")
     rows = load_prompts(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field,
                         extra_fields=cfg.data.extra_fields, image_key=cfg.data.image_key,
                         max_images=cfg.data.max_images_per_prompt)

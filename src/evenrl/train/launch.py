@@ -103,9 +103,11 @@ def _already_finished(args: argparse.Namespace) -> bool:
 
 def run_worker(cmd: str, args: argparse.Namespace) -> int:
     from evenrl.config import load_config
+    from evenrl.data.hub import fetch_datasets
     from evenrl.models.hub import resolve_models
 
     cfg = resolve_models(load_config(args.config, args.overrides), download=True)
+    fetch_datasets(cfg)  # hub dataset ids into the datasets cache (the launcher's workers find them there)
     if cmd == "train":
         from evenrl.train.loop import train
 
@@ -144,12 +146,14 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str]) -> int:
     # Validate the config, the run directory and the plan once, before starting N processes that would all fail the
     # same way: the launcher speaks for them (one line, exit 2), in the time `evenrl plan` takes.
     from evenrl.config import load_config
+    from evenrl.data.hub import fetch_datasets
     from evenrl.models.hub import resolve_models
     from evenrl.train import rundir
     from evenrl.train.preflight import launch_layout, preflight
 
     cfg = resolve_models(load_config(args.config, args.overrides), download=True)  # downloaded once, here
     rundir.check(cfg.log.run_dir, resume=args.resume, overwrite=args.overwrite)
+    fetch_datasets(cfg)  # after the run directory's check: a bad one fails before a download
     if args.max_restarts > 0 and cmd == "train" and not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
         raise UsageError(f"--max-restarts {args.max_restarts}: checkpoint.every_steps and checkpoint.every_minutes are "
                          "0, so a restarted run would start over from step 1; set checkpoint.every_steps (e.g. 10)")

@@ -121,7 +121,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     set_parallel(t, aw, params=False, optimizer=src.bool("adam_offload", False), shard=zero == 3,
                  keys=("adam_offload", "adam_offload"))
     set_data(t, src.str("prompt_data"), "prompt_data", src.str("input_key", "input"), src.str("label_key", "answer"),
-             keys=("input_key", "label_key"))
+             keys=("input_key", "label_key"), split=("prompt_split", src.str("prompt_split")))
     rows = count_rows(t.settings.get("data.path", ""))
     if rows:
         t.set("train.steps", max(1, rows // rbs) * src.int("num_episodes", 1), "num_episodes")

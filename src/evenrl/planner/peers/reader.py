@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from evenrl.config import apply_overrides, parse_yaml, read_text_file, yaml_error_line
+from evenrl.data import hub
 from evenrl.errors import UsageError
 from evenrl.planner.layout import Layout, apply_layout_flags, has_shape_flags, make_layout
 from evenrl.planner.peers.launch import Loaded, bare_tokens, from_script, parse_tokens
@@ -307,13 +308,32 @@ def set_parallel(t: Translation, world: int, *, params: bool, optimizer: bool, s
 
 
 def set_data(t: Translation, path: str, key: str, prompt_field: str, answer_field: str | None = None,
-             keys: tuple[str, str] = ("", "")) -> None:
-    """data.path when the peer's data is a local file; keys name the peer's prompt and answer column keys."""
-    local = path.split("@")[0] if path else ""
-    if local:
-        t.paths["data.path"] = local
-    if local and Path(local).expanduser().exists():
-        t.set("data.path", local, key)
+             keys: tuple[str, str] = ("", ""), config: tuple[str, str] = ("", ""),
+             split: tuple[str, str] = ("", "")) -> None:
+    """data.path from the peer's data: a local file or directory, or a Hugging Face dataset (EasyR1's and verl's
+    NAME@SPLIT; TRL's and OpenRLHF's name with their config and split keys, each `(peer key, value)`), written as
+    evenrl reads it: ORG/NAME[:CONFIG][@SPLIT] (evenrl.data.hub). Set where the plan can read it (a local path, a
+    dataset in this machine's datasets cache); else a note says why, and --write-config writes it all the same.
+    keys name the peer's prompt and answer column keys."""
+    ds, src = hub.parse(path), key
+    if ds is not None:
+        ds = hub.HubDataset(ds.repo, config[1] or ds.config, split[1] or ds.split)
+        src = " ".join([key] + [k for k, v in (config, split) if v])
+        where = str(ds)
+        try:
+            here = hub.is_cached(ds, key)
+        except UsageError:  # several configurations cached and none named, or no datasets library: the plan says
+            here = False
+    else:
+        where = path.split("@")[0] if path else ""  # EasyR1's LOCAL@SPLIT: evenrl reads the local file whole
+        here = bool(where) and Path(where).expanduser().exists()
+    if where:
+        t.paths["data.path"] = where
+    if here:
+        t.set("data.path", where, src)
+    elif ds is not None:
+        t.notes.append(f"{src}={path!r}: the Hugging Face dataset {where}, not in this machine's datasets cache "
+                       f"({hub.where()}), so the plan cannot read its rows; `evenrl train` downloads it")
     elif path:
         t.notes.append(f"{key}={path!r} is not a local file or directory; set data.path to a local copy")
     t.set("data.prompt_field", prompt_field, keys[0] or key)

@@ -104,7 +104,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if t.layout.rollout_devices:  # `evenrl train --rollout-devices N` runs what `trl vllm-serve` did
         t.set("parallel.rollout_devices", t.layout.rollout_devices, "vllm_mode=server")
     set_data(t, src.str("dataset_name"), "dataset_name", src.str("dataset_prompt_column", "prompt"),
-             keys=("dataset_prompt_column", ""))
+             keys=("dataset_prompt_column", ""), config=("dataset_config", src.str("dataset_config")),
+             split=("dataset_train_split", src.str("dataset_train_split")))
     _rewards(src, t)
     if src.has("max_tool_calling_iterations"):  # GRPOTrainer(tools=[...]) runs them; the config counts rounds
         rounds = src.int("max_tool_calling_iterations", 1, lo=0)

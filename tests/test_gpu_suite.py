@@ -62,7 +62,7 @@ def test_one_cheap_section_runs_and_the_rest_are_not_asked(tmp_path):
     assert {n for n, s in secs.items() if s["status"] == "ran"} == asked
     assert all(s["reason"] == "not asked (--sections)" for n, s in secs.items() if n not in asked)
     att = secs["attention"]["result"]
-    assert set(att["paths"]) == {"masked", "packed", "segments", "padded"} and 0 < att["padding_share"] < 1
+    assert set(att["paths"]) == {"masked", "segments"} and 0 < att["padding_share"] < 1
     for p in att["paths"].values():  # every training-forward path computes the masked path's log-probs (fp32)
         assert p["max_abs_dlogp_vs_masked"] < 1e-5 and p["real_tokens_per_s"] > 0
     moe = secs["moe"]["result"]["backends"]

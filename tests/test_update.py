@@ -1,4 +1,5 @@
-"""The training forward: the shared-prefix path against the plain one, and the loss denominators."""
+"""The training forward: the packed path (the model's own forward over rows back to back) and the shared-prefix
+path against the model's own masked forward, which path a model takes, and the loss denominators."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import pytest
 import torch
 
 from e2e import with_random_adapters
+from evenrl.config import load_config
+from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
 from evenrl.models import forward as U
-from evenrl.train.update import minibatch_denominators
+from evenrl.train.update import minibatch_denominators, split_sequences
 from evenrl.core.batch import Batch, Ragged
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
@@ -49,31 +52,25 @@ def test_shared_prefix_forward_matches_plain(tmp_path, monkeypatch, arch):
     assert max(float((g_plain[k] - g_shared[k]).abs().max()) for k in g_plain) < 1e-5 * scale
 
 
-def _masked_path(monkeypatch):
-    monkeypatch.setattr(U, "_packs", lambda m: False)
-    monkeypatch.setattr(U.LeanDecoder, "supports", classmethod(lambda cls, m: False))
+def packed(model):
+    """`model` with the packed path of one rank (what evenrl.train.update.split_sequences gives a plain Qwen2/Llama)."""
+    sequence_parallel(model, SequenceGroup(None, 1, 0))
+    return model
 
 
-@pytest.mark.parametrize("path", ["packed", "right_padded"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2+lora"])
-def test_lean_forwards_match_the_models_masked_one(tmp_path, monkeypatch, arch, path):
-    """Also with LoRA adapters in the projections: both paths call the model's own modules, adapters included."""
+def test_the_packed_forward_matches_the_models_masked_one(tmp_path, monkeypatch, arch):
+    """Also with LoRA adapters in the projections: both paths are the model's own modules, adapters included."""
     model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch.split("+")[0], seed=2))
     if arch.endswith("+lora"):
         with_random_adapters(model)
     model.train()
     batch = _batch([9, 3, 14, 1], samples=2, max_resp=7, seed=3)  # unequal prompts and responses
-    assert U._packs(model)
+    plain, mask, g_plain = _logp_and_grads(model, batch, False, monkeypatch)
     used = []
-    monkeypatch.setattr(U, f"_response_logits_{path}",
-                        lambda *a, f=getattr(U, f"_response_logits_{path}"): used.append(path) or f(*a))
-    if path == "right_padded":
-        monkeypatch.setattr(U, "_packs", lambda m: False)
-    fast, mask, g_fast = _logp_and_grads(model, batch, False, monkeypatch)
-    assert used == [path]
-    _masked_path(monkeypatch)
-    plain, mask2, g_plain = _logp_and_grads(model, batch, False, monkeypatch)
-    assert torch.equal(mask, mask2)
+    monkeypatch.setattr(U, "split_forward", lambda *a, f=U.split_forward: used.append(1) or f(*a))
+    fast, mask2, g_fast = _logp_and_grads(packed(model), batch, False, monkeypatch)
+    assert used and torch.equal(mask, mask2)
     assert float((plain - fast).abs().max()) < 1e-5
     scale = max(float(g.abs().max()) for g in g_plain.values())
     assert max(float((g_plain[k] - g_fast[k]).abs().max()) for k in g_plain) < 1e-5 * scale
@@ -87,28 +84,26 @@ def test_packed_forward_with_biases_and_one_token_rows(tmp_path, monkeypatch):
                       num_key_value_heads=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).train()
-    assert U._packs(model)
     batch = _batch([1, 5, 1], samples=2, max_resp=6, seed=4)
-    fast, mask, g_fast = _logp_and_grads(model, batch, False, monkeypatch)
-    _masked_path(monkeypatch)
-    plain, mask2, g_plain = _logp_and_grads(model, batch, False, monkeypatch)
+    plain, mask, g_plain = _logp_and_grads(model, batch, False, monkeypatch)
+    fast, mask2, g_fast = _logp_and_grads(packed(model), batch, False, monkeypatch)
     assert torch.equal(mask, mask2)
     assert float((plain - fast).abs().max()) < 1e-5
     assert max(float((g_plain[k] - g_fast[k]).abs().max()) for k in g_plain) < 1e-5
 
 
-def test_packed_forward_leaves_checkpointing_and_dropout_to_the_model(tmp_path):
-    model, _ = load_policy(make_tiny_model(str(tmp_path / "m"), seed=1))
-    model.train()
-    assert U._packs(model)
-    model.config.attention_dropout = 0.1
-    assert not U._packs(model)
-    model.eval()  # dropout is off in eval mode (log-prob passes)
-    assert U._packs(model)
-    model.config.attention_dropout = 0.0
-    model.train()
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    assert not U._packs(model)
+def test_plain_qwen2_and_llama_train_packed_other_families_masked(tmp_path):
+    cfg = load_config(None, [])
+    for arch in ("qwen2", "llama"):
+        model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch, seed=1))
+        split_sequences(model, cfg)
+        assert model.evenrl_sequence_group.size == 1
+    from transformers import MistralConfig, MistralForCausalLM  # sliding-window attention: the model's own masks
+
+    model = MistralForCausalLM(MistralConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=8))
+    split_sequences(model, cfg)
+    assert not hasattr(model, "evenrl_sequence_group")
 
 
 def test_shared_prefix_only_when_it_saves_enough(tmp_path):
@@ -125,15 +120,13 @@ def test_minibatch_denominators_count_every_row():
     assert minibatch_denominators(torch.tensor([3]), ()).seqs == 0.0
 
 
-def _force_path(monkeypatch, path: str) -> None:
+def _force_path(monkeypatch, model, path: str) -> None:
     monkeypatch.setattr(U, "_MIN_SAVED_PER_ROW", 0 if path == "shared" else 10**9)
-    if path in ("right_padded", "model"):
-        monkeypatch.setattr(U, "_packs", lambda m: False)
-    if path == "model":
-        monkeypatch.setattr(U.LeanDecoder, "supports", classmethod(lambda cls, m: False))
+    if path == "packed":
+        packed(model)
 
 
-@pytest.mark.parametrize("path", ["shared", "packed", "right_padded", "model"])
+@pytest.mark.parametrize("path", ["shared", "packed", "model"])
 def test_fused_log_probs_equal_the_logits_path_on_every_forward(tmp_path, monkeypatch, path):
     """response_logprobs (the output layer computes log-probs and entropies chunk by chunk) against response_logits
     followed by core.losses on the full logits: values and gradients of a loss with an entropy bonus, per path."""
@@ -142,10 +135,10 @@ def test_fused_log_probs_equal_the_logits_path_on_every_forward(tmp_path, monkey
     model, _ = load_policy(make_tiny_model(str(tmp_path / "m"), arch="qwen2", seed=4))
     model.train()
     batch = _batch([9, 14, 9, 2], samples=3, max_resp=7, seed=5)
-    _force_path(monkeypatch, path)
+    _force_path(monkeypatch, model, path)
     used = []
-    monkeypatch.setattr(U, f"_response_logits_{path}",
-                        lambda *a, f=getattr(U, f"_response_logits_{path}"): used.append(path) or f(*a))
+    name = "split_forward" if path == "packed" else f"_response_logits_{path}"
+    monkeypatch.setattr(U, name, lambda *a, f=getattr(U, name): used.append(path) or f(*a))
     weights = torch.linspace(0.5, 1.5, 7)
 
     def loss_and_grads(fused: bool):

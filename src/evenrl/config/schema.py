@@ -218,7 +218,9 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(1.0, ge=0.0, description="Global gradient-norm clip; 0 disables.")
     token_cap_per_micro_batch: int = Field(
         4096, ge=1, le=MAX_TOKENS,
-        description="Most padded tokens (rows x longest row) in one forward/backward; bounds activation memory. "
+        description="Most tokens in one forward/backward: rows x longest row, or where the rows run back to back "
+                    "(Qwen2/Llama, activation checkpointing, experts, sequence parallelism) their own tokens; bounds "
+                    "activation memory. "
                     "On mixed devices this is the cap of those with the most memory; ranks with less get the "
                     "largest cap that evenrl plan's memory estimate fits into theirs, and fewer rows, so that "
                     "every rank runs the same number of micro-steps.")

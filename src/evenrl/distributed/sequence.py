@@ -151,12 +151,58 @@ def ulysses_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         q, k, v = (_AllToAll.apply(t, sp, True) for t in (q, k, v))
     if sinks is not None:  # this rank's heads' sinks
         sinks = sinks.reshape(-1)[sp.index * q.shape[0]:(sp.index + 1) * q.shape[0]]
-    outs = [_segment_attention(q[:, a:b], k[:, a:b], v[:, a:b], scaling, dropout, window, sinks)
-            for a, b in zip(seg.bounds[:-1], seg.bounds[1:]) if b > a]
-    o = torch.cat(outs, dim=1)  # [H/S, L, D]
+    spans = [(a, b) for a, b in zip(seg.bounds[:-1], seg.bounds[1:]) if b > a]
+    if window is None and sinks is None:
+        o = _rows_attention(q, k, v, spans, scaling, dropout)
+    else:
+        o = torch.cat([_segment_attention(q[:, a:b], k[:, a:b], v[:, a:b], scaling, dropout, window, sinks)
+                       for a, b in spans], dim=1)  # [H/S, L, D]
     if sp.size > 1:
         o = _AllToAll.apply(o, sp, False)
     return o.transpose(0, 1)[None].contiguous(), None
+
+
+def _rows_attention(q: Tensor, k: Tensor, v: Tensor, spans: list[tuple[int, int]], scaling: float | None,
+                    dropout: float) -> Tensor:
+    """Causal attention within each row [a, b) of the packed q [h, L, D], k/v [hk, L, D] -> [h, L, Dv], rows of
+    about one length in one SDPA call: right-padded to the bucket's longest (causal attention never lets a real
+    token see the pads after it), a bucket taking rows, longest first, while its padded work (rows x longest^2) is at
+    most twice its rows' own. One call per row cost ~0.5 ms per row and layer on CPU, so many short rows (GRPO
+    groups) were 1.6x slower than a padded forward (benchmarks/forward_paths.py)."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0] - spans[i][1])  # longest first
+    buckets: list[list[int]] = []
+    work = 0
+    for i in order:
+        n = spans[i][1] - spans[i][0]
+        if buckets:
+            top = spans[buckets[-1][0]][1] - spans[buckets[-1][0]][0]
+            if (len(buckets[-1]) + 1) * top * top <= 2 * (work + n * n):
+                buckets[-1].append(i)
+                work += n * n
+                continue
+        buckets.append([i])
+        work = n * n
+    gqa = q.shape[0] != k.shape[0]
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    for rows in buckets:
+        if len(rows) == 1:
+            a, b = spans[rows[0]]
+            o = F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b], is_causal=True,
+                                               dropout_p=dropout, scale=scaling, enable_gqa=gqa)[0]
+            out = out.index_copy(1, torch.arange(a, b, device=q.device), o)
+            continue
+        width = spans[rows[0]][1] - spans[rows[0]][0]
+        at = torch.cat([torch.arange(*spans[r], device=q.device) for r in rows])  # packed positions
+        slot = torch.cat([j * width + torch.arange(spans[r][1] - spans[r][0], device=q.device)
+                          for j, r in enumerate(rows)])  # their places in the [rows, width] block
+
+        def block(t: Tensor) -> Tensor:  # [heads, L, D] -> [rows, heads, width, D], right-padded
+            return t.new_zeros(t.shape[0], len(rows) * width, t.shape[-1]).index_copy(1, slot, t[:, at]) \
+                .unflatten(1, (len(rows), width)).transpose(0, 1)
+        o = F.scaled_dot_product_attention(block(q), block(k), block(v), is_causal=True, dropout_p=dropout,
+                                           scale=scaling, enable_gqa=gqa)  # [rows, h, width, Dv]
+        out = out.index_copy(1, at, o.transpose(0, 1).flatten(1, 2)[:, slot])
+    return out
 
 
 def _segment_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float | None, dropout: float, window: int | None,

@@ -1,13 +1,31 @@
 """The training forward: a micro-batch of prompt + response rows -> what predicts each response token.
 
 Rows are stored pad-free in a Batch: `tokens` (ragged: prompt + response ids) and `response_len` ([N]).
-`response_logits` forwards a micro-batch by the cheapest exact path the model allows (rows packed into one and split
-over a sequence-parallel group (models.split_forward), shared prompts, packed rows for Qwen2/Llama, right padding, or
-the model's own left-padded masked forward); only the positions that predict
-response tokens go through the output layer. `response_logprobs` takes the same paths but has the output layer
-compute log-probs and entropies straight from the hidden states (core.fused_head), so the logits tensor, tokens x
-vocabulary and the usual memory peak, never exists. Per-token tensors are then [B, R], R = the longest response,
-with each row's response right-aligned.
+`response_logits` forwards a micro-batch by one of four paths, each through the model's own forward:
+
+  packed   the rows back to back in one row, attention within each (models.split_forward), split over a
+           sequence-parallel group or on one rank: every plain Qwen2/Llama, and any text model with activation
+           checkpointing, tensor parallelism or experts (evenrl.train.update.split_sequences gives them the group);
+  shared   each distinct prompt run once and its keys/values copied to its samples, where that saves enough and
+           runs fewer tokens than the packed rows would (a GRPO group with a long prompt: 4 prompts of 96 tokens x 8
+           samples, 2.4x faster than packed on CPU);
+  vision   a vision-language model's left-padded forward with its images and M-RoPE positions;
+  masked   the model's own left-padded masked forward: any other causal LM, and the reference the tests compare with.
+
+Two more paths went (issue 43, benchmarks/forward_paths.py): a hand-written packed Qwen2/Llama forward (norms,
+projections and MLP on the real tokens, attention on right-padded rows) and the model's forward on right-padded
+rows. On this CPU (fp32, 1 thread, the fastest of 27) the packed path through the model's own forward took 0.061 s
+against 0.054 (hand-written) and 0.053 (right-padded) for 32 equal rows of 20 tokens, 0.148 against 0.155 and 0.212
+for 16 rows of 28-140, 0.365 against 0.557 and 1.018 for a 32-row long tail (67% padding); on one H200 (bf16, 32
+long-tail rows) 0.566 s against 0.674 and 0.824. Neither was clearly faster (the packed path runs rows of about one
+length in one attention call, evenrl.distributed.sequence, without which 32 equal rows took 0.088 s), and the
+model's own forward keeps LoRA, checkpointing, FSDP2 and any family's modules working without a second
+implementation. tests/test_golden.py's numbers held (within 1e-6).
+
+Only the positions that predict response tokens go through the output layer. `response_logprobs` takes the same
+paths but has the output layer compute log-probs and entropies straight from the hidden states (core.fused_head),
+so the logits tensor, tokens x vocabulary and the usual memory peak, never exists. Per-token tensors are then
+[B, R], R = the longest response, with each row's response right-aligned.
 """
 
 from __future__ import annotations
@@ -20,8 +38,8 @@ from torch import Tensor
 
 from evenrl.core.batch import Batch
 from evenrl.core.fused_head import head_logprobs
-from evenrl.models.decoder import LeanDecoder, rope_rotate, rope_table
 from evenrl.models.loading import autocast, compute_device, is_checkpointing, is_sharded
+from evenrl.models.routing import is_moe
 from evenrl.models.split_forward import split_forward
 from evenrl.models.vision import is_vision_model, mrope_positions, sampled_placeholders, with_blank_image
 
@@ -60,26 +78,19 @@ def response_logprobs(model, batch: Batch, pad_token_id: int, *, temperature: fl
 
 
 def _response_logits(model, batch: Batch, pad_token_id: int, head: Head | None) -> tuple[Tensor, Tensor, Tensor]:
-    if hasattr(model, "evenrl_sequence_group"):  # sequence parallelism, or a checkpointed model's packed rows
+    sp = getattr(model, "evenrl_sequence_group", None)  # evenrl.train.update.split_sequences
+    if sp is not None and (sp.size > 1 or is_sharded(model)):  # one forward call on every rank of a group
         return split_forward(model, batch, head, _output_layer_computes)
     if is_vision_model(model):
         return _response_logits_vision(model, batch, pad_token_id, head)
     if is_sharded(model):
         return _response_logits_model(model, batch, pad_token_id, head)
-    shared = _shared_prefixes(model, batch)
+    shared = _shared_prefixes(model, batch, packed=sp is not None)
     if shared is not None:
         return _response_logits_shared(model, batch, pad_token_id, head, *shared)
-    if _packs(model):
-        return _response_logits_packed(model, batch, head)
-    if LeanDecoder.supports(model):
-        return _response_logits_right_padded(model, batch, pad_token_id, head)
+    if sp is not None:
+        return split_forward(model, batch, head, _output_layer_computes)
     return _response_logits_model(model, batch, pad_token_id, head)
-
-
-def _output(model, hidden: Tensor, targets: Tensor, head: Head | None) -> Tensor:
-    """The output layer on hidden states we hold: its logits, or `head`'s output."""
-    layer = model.get_output_embeddings()
-    return layer(hidden) if head is None else head(layer, hidden, targets)
 
 
 @contextlib.contextmanager
@@ -145,97 +156,20 @@ def _response_logits_vision(model, batch: Batch, pad_token_id: int, head: Head |
     return out.logits[:rows, :-1], targets, _response_mask(resp_len, width)
 
 
-def _packs(model) -> bool:
-    """Whether _packed_forward may stand in for the model's own training forward: a plain Qwen2/Llama (what
-    LeanDecoder covers) without activation checkpointing (which packs through the model's own forward, see
-    models.split_forward) or attention dropout (which stays with the model's forward)."""
-    dropout = model.training and getattr(model.config, "attention_dropout", 0.0)
-    return LeanDecoder.supports(model) and not is_checkpointing(model) and not dropout
-
-
-def _response_logits_packed(model, batch: Batch, head: Head | None) -> tuple[Tensor, Tensor, Tensor]:
-    """response_logits for Qwen2/Llama without padding (_packed_forward); tests compare it with the model's own
-    masked forward."""
-    tok = batch["tokens"]
-    device = model.device
-    ids, lengths = tok.values.to(device), tok.lengths.to(device)
-    resp_len = batch["response_len"].to(device)
-    width = int(resp_len.max())
-    ends = torch.cumsum(lengths, 0)
-    # packed position of each response token, right-aligned; clamped columns (shorter responses) are masked out
-    target_at = torch.maximum(ends[:, None] - width + torch.arange(width, device=device)[None, :],
-                              (ends - lengths + 1)[:, None]).clamp_(max=len(ids) - 1)
-    targets = ids[target_at]
-    return _output(model, _packed_forward(model, ids, lengths, target_at - 1), targets, head), targets, \
-        _response_mask(resp_len, width)
-
-
-def _packed_forward(model, ids: Tensor, lengths: Tensor, pick: Tensor) -> Tensor:
-    """A Qwen2/Llama forward over rows stored back to back (`ids` [T], row lengths [B], each row's positions from 0),
-    returning the final hidden states (normed) at the packed positions `pick`. The model's own modules and
-    arithmetic, in its order.
-
-    Why: norms, projections and the MLP run on the T real tokens instead of B x longest; only attention sees the rows
-    padded (on the right, so causal attention never lets a real token see a pad). Longest-first micro-batches of GRPO
-    samples are ~12-22% padding at up to 128 new tokens; measured on 2 cores, 32 rows of 20-132 tokens: forward +
-    backward 366 -> 326 ms against the right-padded path below, equal at 32 rows of 17-20 tokens. Fusing q|k|v and
-    gate|up into one matmul each (as LeanDecoder.step does) bought nothing here, so the modules are called as they are.
-    """
-    F = torch.nn.functional
-    inner, cfg = model.model, model.config
-    H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, inner.layers[0].self_attn.head_dim
-    B, L, T = len(lengths), int(lengths.max()), ids.shape[0]
-    starts = torch.cumsum(lengths, 0) - lengths
-    pos = torch.arange(T, device=ids.device) - torch.repeat_interleave(starts, lengths, output_size=T)
-    slot = torch.repeat_interleave(torch.arange(0, B * L, L, device=ids.device), lengths, output_size=T) + pos
-    cs = rope_table(model, L)[pos]  # [T, 2, D]
-    cos, sin = cs[:, None, 0], cs[:, None, 1]
-    h = inner.embed_tokens(ids)  # [T, hidden]
-    for layer in inner.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        x = layer.input_layernorm(h)
-        qkv = torch.cat([rope_rotate(a.q_proj(x).unflatten(-1, (H, D)), cos, sin).flatten(1),
-                         rope_rotate(a.k_proj(x).unflatten(-1, (Hk, D)), cos, sin).flatten(1), a.v_proj(x)], dim=1)
-        padded = qkv.new_zeros(B * L, qkv.shape[1]).index_copy(0, slot, qkv).view(B, L, -1)
-        q, k, v = padded.split([H * D, Hk * D, Hk * D], dim=-1)
-        o = F.scaled_dot_product_attention(q.unflatten(-1, (H, D)).transpose(1, 2),
-                                           k.unflatten(-1, (Hk, D)).transpose(1, 2),
-                                           v.unflatten(-1, (Hk, D)).transpose(1, 2),
-                                           is_causal=L > 1, scale=a.scaling, enable_gqa=H != Hk)
-        h = h + a.o_proj(o.transpose(1, 2).reshape(B * L, H * D).index_select(0, slot))
-        h = h + mlp(layer.post_attention_layernorm(h))
-    return inner.norm(h[pick])
-
-
-def _response_logits_right_padded(model, batch: Batch, pad_token_id: int, head: Head | None
-                                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """response_logits for Qwen2/Llama without an attention mask: right padding sits after every real token, so
-    plain causal attention never lets a real token see it and SDPA runs its unmasked causal kernel (~7% faster
-    forward+backward than the masked one at 32 rows x 20-132 tokens on CPU). The LM head runs only on the
-    positions that predict response tokens, gathered right-aligned as the other paths return them."""
-    tokens, _ = batch.padded("tokens", pad_token_id, side="right")
-    tokens = tokens.to(model.device)
-    lengths = batch["tokens"].lengths.to(model.device)
-    resp_len = batch["response_len"].to(model.device)
-    width = int(resp_len.max())
-    hidden = model.model(input_ids=tokens, use_cache=False).last_hidden_state  # [B, L, H]; positions 0..L-1
-    col = torch.arange(width, device=tokens.device)[None, :]
-    target_at = (lengths[:, None] - width + col).clamp_(min=1)  # clamped columns are masked out below
-    picked = hidden.gather(1, (target_at - 1)[..., None].expand(-1, -1, hidden.shape[-1]))
-    targets = tokens.gather(1, target_at)
-    return _output(model, picked, targets, head), targets, _response_mask(resp_len, width)
-
-
 # A shared prefix pays for a second forward call and a key/value copy per row; below this many saved tokens per
 # row it does not pay on CPU (measured: 3 saved tokens of 20 per row was a wash for a 2.4 M-parameter Qwen2).
 _MIN_SAVED_PER_ROW = 4
 
 
-def _shared_prefixes(model, batch: Batch):
+def _shared_prefixes(model, batch: Batch, packed: bool = False):
     """(prefixes, prefix of each row) when rows repeat a prompt (the samples of a GRPO group) and running each
     distinct prompt once saves enough; else None. A row's prefix is its prompt minus the last token: that token's
-    logits predict the first response token, so it runs with the response."""
-    if is_checkpointing(model):  # checkpointed layers drop the cache
+    logits predict the first response token, so it runs with the response. Only where it runs fewer tokens than
+    the path it stands in for (the rows back to back when `packed`, else padded to the longest), and never for a
+    checkpointed model (its
+    layers drop the cache), a mixture of experts (routes are recorded and replayed by packed position) or a
+    tensor-parallel one: they train packed only."""
+    if is_checkpointing(model) or is_moe(model) or hasattr(model, "evenrl_tensor_parallel"):
         return None
     tok = batch["tokens"]
     seqs = torch.split(tok.values, tok.lengths.tolist())
@@ -249,6 +183,9 @@ def _shared_prefixes(model, batch: Batch):
         of_row.append(prefixes.setdefault(prefix, len(prefixes)))
     saved = sum(len(seq) - n - 1 for seq, n in zip(seqs, resp)) - sum(len(p) for p in prefixes)
     if saved < _MIN_SAVED_PER_ROW * len(seqs):
+        return None
+    run = len(prefixes) * max(map(len, prefixes)) + len(seqs) * (max(resp) + 1)  # both parts padded
+    if run > (sum(map(len, seqs)) if packed else len(seqs) * max(map(len, seqs))):
         return None
     return list(prefixes), of_row, seqs
 

@@ -23,6 +23,7 @@ from evenrl.distributed.sequence import sequence_parallel
 from evenrl.distributed.sharding import shard
 from evenrl.distributed.tensor_parallel import tensor_parallel
 from evenrl.errors import RunStopped, UsageError
+from evenrl.models.decoder import LeanDecoder
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import is_sharded, set_autocast, set_tf32
 from evenrl.models.routing import is_moe
@@ -76,15 +77,17 @@ def split_tensors(model, cfg: RunConfig) -> None:
 
 def split_sequences(model, cfg: RunConfig) -> None:
     """Sequence parallelism (parallel.sequence_parallel_size > 1): the model's training forwards split each packed
-    micro-batch over this rank's group (evenrl.distributed.sequence). A checkpointed text model packs its rows the
-    same way on one rank (a group of one), instead of padding them to the longest, and so do a mixture of experts
-    (its routes are then recorded and replayed by packed position: evenrl.models.routing) and a tensor-parallel
-    model (the model's own forward is its only training path: no hand-written forward reads split weights)."""
+    micro-batch over this rank's group (evenrl.distributed.sequence). On one rank (a group of one) a plain
+    Qwen2/Llama packs its rows the same way instead of padding them to the longest (evenrl.models.forward says why),
+    and so do a checkpointed text model, a mixture of experts (its routes are then recorded and replayed by packed
+    position: evenrl.models.routing) and a tensor-parallel model (the model's own forward is its only training
+    path). The step's schedule then counts a micro-batch's real tokens against the cap (packed)."""
     size = cfg.parallel.sequence_parallel_size
     if size > 1 and is_vision_model(model):  # the plan says so first ("sp-vision")
         raise UsageError(f"parallel.sequence_parallel_size: got {size} for a vision-language model; not supported "
                          "yet (its images' positions and vision tower are not split); use 1")
-    packs = cfg.model.gradient_checkpointing or cfg.parallel.tensor_parallel_size > 1 or is_moe(model)
+    packs = (cfg.model.gradient_checkpointing or cfg.parallel.tensor_parallel_size > 1 or is_moe(model)
+             or LeanDecoder.supports(model))
     if size > 1 or (packs and not is_vision_model(model)):
         sequence_parallel(model, dist.sequence_group())
 

@@ -144,10 +144,37 @@ def test_verl_cispo_and_grpo_examples():
 
 
 def test_verl_megatron_parallelism_is_named_not_dropped():
-    _, t, _, _ = plan_file("verl__examples__grpo_trainer__run_qwen2-7b_math_megatron.sh", "verl")
-    none = one(t, "no_equivalent")
-    assert any(k.endswith("megatron.tensor_model_parallel_size") for k in none)
+    """Megatron TP 2 x PP 2 on 8 GPUs: the actor's TP becomes parallel.tensor_parallel_size=2 (with a note on the
+    row-wise split and on the pipeline stages evenrl has not), the reference's is read as the policy's, PP has no
+    equivalent; the plan lays the 8 ranks out as 4 data-parallel TP groups of 2 (verl's dp: 8 / (2 x 2) = 2)."""
+    _, t, cfg, plan = plan_file("verl__examples__grpo_trainer__run_qwen2-7b_math_megatron.sh", "verl")
+    mapped, none, na = one(t, "mapped"), one(t, "no_equivalent"), one(t, "not_applicable")
+    tp = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"
+    assert cfg.parallel.tensor_parallel_size == 2 and mapped[tp]["evenrl"] == ["parallel.tensor_parallel_size=2"]
+    note = next(n for n in t.notes if n.startswith(tp))
+    assert "by rows" in note and "column-wise on gathered inputs" in note and "Pipeline parallelism" in note
+    assert "split as the policy" in na["actor_rollout_ref.ref.megatron.tensor_model_parallel_size"]["why"]
     assert any(k.endswith("megatron.pipeline_model_parallel_size") for k in none)
+    assert (plan.tensor_parallel, plan.dp_size) == (2, 4)
+    assert not [f for f in plan.findings if f.rule.startswith("tensor-parallel-") and f.level == "error"], \
+        [f.rule for f in plan.findings]
+
+
+def test_trainer_tensor_parallel_keys_of_each_peer():
+    """OpenRLHF's ds_tensor_parallel_size (DeepSpeed AutoTP) is parallel.tensor_parallel_size with a note on the
+    row-wise split; verl's FSDP actor has no TP key in the versions read (0.8's ppo_trainer.yaml), so an FSDP file's
+    megatron TP is unused; the engines' TP keys keep their note while vLLM engines over several devices are not
+    built, and that note names what runs instead."""
+    _, t, cfg, _ = plan_file("openrlhf__examples__scripts__train_ppo_ray_hybrid_engine.sh", "openrlhf")
+    assert not any("tensor_parallel" in k for k in table("verl")["map"] if "fsdp_config" in k)
+    assert cfg.rollout.tensor_parallel_size == 1
+    note = next(n for n in t.notes if "vllm_tensor_parallel_size" in n or "vllm.tensor_parallel_size" in n)
+    assert "rollout.engine=hf with parallel.tensor_parallel_size" in note
+    loaded = read_foreign("openrlhf", str(CORPUS / "openrlhf__examples__scripts__train_ppo_ray_hybrid_engine.sh"),
+                          ["ds_tensor_parallel_size=2"])
+    t, cfg = translate("openrlhf", loaded, ns())
+    assert cfg.parallel.tensor_parallel_size == 2
+    assert any(n.startswith("ds_tensor_parallel_size=2") and "AutoTP" in n for n in t.notes)
 
 
 def test_open_r1_recipe_is_trl_0_18_in_server_mode():

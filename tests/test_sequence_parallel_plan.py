@@ -115,6 +115,7 @@ def test_rule(overrides, layout, model, rule, level, texts):
     for text in texts:
         assert text in f.message + " | " + f.fix, (text, f)
     assert f"{level.upper():<7} {rule}:" in render(p)
+    json.dumps(p.to_dict())
 
 
 def flat(p):

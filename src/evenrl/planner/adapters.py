@@ -17,9 +17,10 @@ def adapted_projections(dims, targets: list[str]) -> dict[str, tuple[int, int]]:
     return {k: v for k, v in every.items() if not targets or k in targets}
 
 
-def adapter_params(dims, rank: int, targets: list[str]) -> int:
-    """LoRA's parameters: rank x (in + out) per adapted projection per layer."""
-    return dims.layers * sum(rank * (a + b) for a, b in adapted_projections(dims, targets).values())
+def adapter_params(dims, rank: int, targets: list[str], tp: int = 1) -> int:
+    """LoRA's parameters: rank x (in + out) per adapted projection per layer; `tp`: one rank's under tensor
+    parallelism, which splits B (rank x out) with its base layer and keeps A (rank x in) whole."""
+    return dims.layers * sum(rank * (a + b // tp) for a, b in adapted_projections(dims, targets).values())
 
 
 def lora_note(cfg: RunConfig, adapters: int, shards: int) -> str:

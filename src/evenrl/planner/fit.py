@@ -3,12 +3,14 @@
     evenrl plan examples/plan_512x8.yaml --nproc-per-node 6 --fit
 
 fit() changes only what a finding asks for: group size and temperature for group advantages, capacity weights
-that do not match the ranks, offload without sharding or on CPU, a rollout reserve the HF sampler cannot use, then the
-batch (enough prompts that every rank trains and generates, a multiple of ranks x mini-batches when the split
+that do not match the ranks, offload without sharding, on CPU or beside tensor parallelism, a rollout reserve the HF
+sampler cannot use, the parallel sizes the model and layout refuse and a vLLM engine that cannot hold its weights
+(_parallel_sizes), then the batch (enough prompts that every rank trains and generates, a multiple of ranks x mini-batches when the split
 is uneven) and the token cap (one sample, or min_rows samples, must fit); rollout.max_staleness=0 without reserved
 rollout devices, algo.filter_groups=false with them. Memory comes last: knobs from memory_fixes, least intrusive
 first, until the estimate fits every device group (a smaller device at its own, lower, token cap; LoRA,
-model.lora.rank=16, only when full fine-tuning fits no other way). Layout problems and missing files stay in the
+model.lora.rank=16, only when full fine-tuning fits no other way; the smallest tensor_parallel_size that fits
+before offload). Layout problems and missing files stay in the
 re-plan: no setting fixes them. The original config is never changed; the result is validated.
 Pure Python: never imports torch.
 """
@@ -22,7 +24,9 @@ from typing import Any
 import yaml
 
 from evenrl.config import MAX_COUNT, MAX_TOKENS, RunConfig, flatten, with_settings
+from evenrl.distributed import mesh_shape
 from evenrl.planner.layout import Layout
+from evenrl.planner.split_model import tensor_sizes
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.batches import GROUP_ADVANTAGES
 from evenrl.planner.groups import plan_groups
@@ -43,7 +47,8 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
     fixed = cfg.parallel.fixed_capacity_weights()
     if fixed and len(fixed) != t:
         s["parallel.capacity_weights"] = None
-    if cfg.parallel.cpu_offload == "full" and lay.device == "cpu":  # offload needs an accelerator
+    # offload needs an accelerator, and no tensor parallelism (the TP asked for stays)
+    if cfg.parallel.cpu_offload == "full" and (lay.device == "cpu" or cfg.parallel.tensor_parallel_size > 1):
         s["parallel.cpu_offload"] = "none"
     elif cfg.parallel.cpu_offload == "full" and cfg.parallel.sharding != "fsdp":  # and fsdp (even on one rank)
         s["parallel.sharding"] = "fsdp"
@@ -56,7 +61,8 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
         s["rollout.max_staleness"] = 0
     if cfg.algo.filter_groups and lay.rollout_devices:
         s["algo.filter_groups"] = False
-    t = t // s.get("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size)  # units: SP groups
+    t = t // (s.get("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size)  # units: replicas
+              * s.get("parallel.tensor_parallel_size", cfg.parallel.tensor_parallel_size))
     k = s.get("rollout.samples_per_prompt", cfg.rollout.samples_per_prompt)
     prompts, m, mrows = cfg.data.prompts_per_step, cfg.algo.minibatches_per_step, cfg.train.min_rows_per_micro_batch
     m = min(m, prompts)
@@ -84,26 +90,52 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
 
 
 def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict[str, Any]:
-    """sequence_parallel_size where rule_sequence_parallel refuses it: the nearest size the layout and model allow,
-    else 1; tensor_parallel_size 1 (rule_rollout_parallel refuses more)."""
+    """The parallel sizes the rules refuse, mended: parallel.tensor_parallel_size to the largest size up to it the
+    model and layout allow (planner.split_model.tensor_sizes), else 1; sequence_parallel_size to the nearest size
+    below it they allow beside that TP, else 1; rollout.tensor_parallel_size to 1 where the engine cannot span
+    devices (the hf engine, vLLM until its engine groups run, CPU), else to the largest size up to it that divides
+    the engines' devices and the heads; then, for a vLLM engine whose share of a GPU does not hold its weights
+    (planner.tensor_parallel.engine_check), the smallest engine that does where engines span devices, else the
+    share that does (up to 0.9), else the hf engine, which samples from the (split) training model."""
     from evenrl.planner.model_parallel import divisors_near  # it imports the planner's rules, as this module does
+    from evenrl.planner.tensor_parallel import MOST_SHARE, engine_check, engine_sizes
 
     s: dict[str, Any] = {}
-    t, sp, tp = max(lay.training_ranks, 1), cfg.parallel.sequence_parallel_size, cfg.rollout.tensor_parallel_size
-    heads = dims.heads if dims else 0
-    if sp > 1 and (dims and dims.vision or t % sp or heads % max(sp, 1)):
-        ok = [d for d in divisors_near(t, sp, lambda d: not heads or heads % d == 0) if d <= sp]
+    t, sp, tp = max(lay.training_ranks, 1), cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
+    if tp > 1:
+        ok = [d for d in (tensor_sizes(dims, t // sp if t % sp == 0 else t, lay.nproc_per_node, lay.nnodes) if dims
+                          else divisors_near(t, tp)) if d <= tp]
+        if max(ok, default=1) != tp:
+            tp = s["parallel.tensor_parallel_size"] = max(ok, default=1)
+    heads = dims.heads // tp if dims else 0
+    if sp > 1 and (dims and dims.vision or (t // tp) % sp or heads % max(sp, 1)):
+        ok = [d for d in divisors_near(t // tp, sp, lambda d: not heads or heads % d == 0) if d <= sp]
         s["parallel.sequence_parallel_size"] = 1 if dims and dims.vision else max(ok, default=1)
-    if tp > 1:  # refused everywhere for now (model_parallel.rule_rollout_parallel: no multi-device placement)
+    etp = cfg.rollout.tensor_parallel_size
+    if etp > 1 and (cfg.rollout.engine not in mesh_shape.ENGINES_OVER_DEVICES or lay.device == "cpu"):
         s["rollout.tensor_parallel_size"] = 1
-    return s
+    elif etp > 1 and dims:
+        s["rollout.tensor_parallel_size"] = max([d for d in engine_sizes(lay, dims) if d <= etp], default=1)
+    now = with_settings(cfg, s) if s else cfg
+    found = engine_check(now, lay, dims) if dims else None
+    if found:
+        smallest, fraction = found[3], found[4]
+        if smallest and now.rollout.engine in mesh_shape.ENGINES_OVER_DEVICES:
+            s["rollout.tensor_parallel_size"] = smallest
+        elif fraction <= MOST_SHARE:
+            s["rollout.memory_fraction"] = fraction
+        else:
+            s["rollout.engine"], s["rollout.memory_fraction"] = "hf", 0.0
+    return {k: v for k, v in s.items() if flatten(cfg.model_dump(mode="json")).get(k) != v}
 
 
 # Least intrusive first; what trains (LoRA) and algorithm-changing knobs (kl, prompts) only when nothing else fits.
 # Sequence parallelism before checkpointing: it recomputes nothing and its all-to-all is small next to the
 # attention of the long samples it is for (it is only offered for a sample over one rank's token cap).
+# Tensor parallelism before offload: its collectives stay on a node's links (a group inside a node), where offload
+# moves every step's state over PCIe and runs AdamW on the host; after the knobs that cost nothing per step.
 _PREFERENCE = ["parallel.sequence_parallel_size", "model.gradient_checkpointing", "parallel.sharding",
-               "train.token_cap_per_micro_batch", "model.dtype",
+               "train.token_cap_per_micro_batch", "model.dtype", "parallel.tensor_parallel_size",
                "parallel.cpu_offload", "rollout.memory_fraction", "model.lora.rank", "algo.kl_coef",
                "data.prompts_per_step"]
 

@@ -73,6 +73,13 @@ rank's slice. Attention trades tokens for heads with an all-to-all of q, k, v an
 Where SP does not divide the KV heads the runtime repeats them to lcm(KV heads, SP), and k, v count that many
 heads. Weights, gradients and optimizer state are sharded over all T ranks as before (FSDP does not see SP);
 generation is not split (every rank generates its own samples).
+Tensor parallelism (parallel.tensor_parallel_size = TP > 1): a replica is SP x TP consecutive ranks; a rank holds
+its share of the model (planner.split_model: every weight but the norms /TP, Pr parameters) for P wherever it
+appears above, and FSDP shards and gradient reduction span the data group, S = T/TP ranks (dp x sp); activations
+are planner.split_model's (q, k, v and the MLP width /TP, the residual stream and o_proj's and down_proj's gathered
+inputs whole), the output layer's chunk t x V/TP, the KV cache kv_dim/TP (with the hf engine a TP group generates
+its samples together: g is the group's), the all-to-all 4 t h c / TP, plus
+  tensor-parallel buffers  t * max(q, i) * c   log-probs, twice that in the update (split_model's docstring)
 A mixture of experts: P counts every expert (memory holds them all; a token computes with its top-k, the step-time
 estimate's active weights), an MoE layer's activations add its dispatch buffers (planner.dims.ModelDims.act_elems)
 and the largest FSDP unit is an MoE block. Expert parallelism (EP, a parameter of these formulas, 1 until the mesh
@@ -94,10 +101,7 @@ Models" (arXiv:2205.05198, sec. 4.1: 34*s*b*h + 5*a*s^2*b bytes per layer for GP
 inputs (2h), the inputs of the QKV and MLP projections (2h), no dropout masks, and SDPA/flash attention (no
 s^2 score matrix). Worst case: every sample is max_prompt_tokens + max_new_tokens long.
 benchmarks/memory.py measures the state and each phase on CPU beside this estimate (docs/performance.md).
-g comes from the trainer's own rollout split (evenrl.core.schedule.rollout_shares), so the estimate follows any
-change to it; past SPLIT_MAX samples per step that split costs too much time for a preflight (the planner sizes
-fixes by bisection, re-estimating each time), and g is the bound it keeps: within one sample of the busiest
-rank's weighted share.
+t and g: the busiest rank's worst case on the mesh (planner.rank_work, the trainer's own rollout split).
 Pure Python: the planner imports this without torch.
 """
 
@@ -109,11 +113,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evenrl.config import RunConfig
-from evenrl.core.schedule import rollout_shares
 from evenrl.models.vision_config import worst_image_tokens, worst_vision_tokens
 from evenrl.planner.dims import ModelDims, read_model_dims
 from evenrl.planner.layout import Layout
 from evenrl.planner.adapters import adapted_projections, adapter_params, lora_note
+from evenrl.planner.rank_work import replicas, share_of, worst_case_shape
+from evenrl.planner.split_model import rank_share
 
 GIB = 1024**3
 STATE_BYTES = 4 + 4 + 8  # fp32 parameters, fp32 gradients, AdamW's two fp32 moments, per parameter
@@ -121,7 +126,6 @@ STATE_BYTES = 4 + 4 + 8  # fp32 parameters, fp32 gradients, AdamW's two fp32 mom
 # the two equal): the output layer never holds more than this many logits at once.
 HEAD_CHUNK = 1 << 24
 OVERHEAD_GIB = {"cuda": 1.0, "cpu": 0.3}
-SPLIT_MAX = 20_000  # samples per step beyond which the rollout split is bounded, not computed (module docstring)
 # The three phases of a step and the components each holds on top of the resident ones (render shows them so).
 # vLLM's defaults where rollout.memory_fraction is 0 (engines.vllm_engine; the planner cannot import it)
 VLLM_GPU_SHARE = 0.3
@@ -130,9 +134,11 @@ RESIDENT = ("parameters", "optimizer", "reference model", "critic", "reward mode
 PHASES = {"rollout": ("gathered model", "autocast copies", "KV cache", "rollout engine"),
           "reward": ("reward models in use", "reward activations"),  # only with reward models or judges
           "log-probs": ("fsdp units", "autocast copies", "layer activations", "vision layer activations",
-                        "log-prob logits", "log-prob all-to-all", "log-prob expert dispatch", "route records"),
+                        "log-prob logits", "log-prob all-to-all", "log-prob tensor-parallel buffers",
+                        "log-prob expert dispatch", "route records"),
           "update": ("gradients", "fsdp units", "autocast copies", "activations", "vision activations", "logits",
-                     "all-to-all", "expert dispatch", "route records", "gradient buckets")}
+                     "all-to-all", "tensor-parallel buffers", "expert dispatch", "route records",
+                     "gradient buckets")}
 
 
 # ------------------------------------------------------------------------------------------ estimate
@@ -161,72 +167,6 @@ class MemoryEstimate:
                 "phases_gib": {k: round(v, 3) for k, v in self.phases.items()}, "assumptions": self.assumptions}
 
 
-def sequence_groups(cfg: RunConfig, layout: Layout) -> tuple[int, int]:
-    """(SP, data-parallel groups): parallel.sequence_parallel_size (at most the training ranks) and the groups of
-    that many consecutive training ranks. An SP that does not divide the ranks is rule_sequence_parallel's error;
-    the estimate then counts the whole groups."""
-    t = max(layout.training_ranks, 1)
-    sp = min(cfg.parallel.sequence_parallel_size, t)
-    return sp, t // sp
-
-
-def group_share(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...] | None = None) -> float:
-    """The busiest training unit's share of a step's samples, where a unit is an SP group (a rank when SP = 1)
-    that holds any of `ranks` (default all): its weakest rank's capacity weight over all groups' (the group moves
-    in lockstep), else 1 / groups."""
-    sp, groups = sequence_groups(cfg, layout)
-    if sp == 1:
-        return share_of(cfg, layout, ranks)
-    w = layout.capacity_weights or cfg.parallel.fixed_capacity_weights()
-    if not w or len(w) != layout.training_ranks:
-        return 1 / groups
-    slowest = [min(w[g * sp:(g + 1) * sp]) for g in range(groups)]
-    return max(slowest[min(r // sp, groups - 1)] for r in (ranks or range(groups * sp))) / sum(slowest)
-
-
-def share_of(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...] | None = None) -> float:
-    """The busiest of `ranks`' (default all training ranks') share of a step's samples: its capacity weight's
-    share, else 1 / T."""
-    t = max(layout.training_ranks, 1)
-    w = layout.capacity_weights or cfg.parallel.fixed_capacity_weights()
-    if not w or len(w) != t:
-        return 1 / t
-    return max(w[r] for r in (ranks or range(t))) / sum(w)
-
-
-def worst_case_shape(cfg: RunConfig, layout: Layout, extra: int = 0,
-                     ranks: tuple[int, ...] | None = None) -> tuple[int, int]:
-    """(tokens of the largest micro-batch on one rank, samples the busiest rank generates), all samples at max
-    length. `extra`: each sample's vision-encoder tokens (planner.vision.worst_vision_tokens), which share the
-    token cap; `ranks`: the busiest of these training ranks (default all). With SP > 1 the micro-batch is an SP
-    group's, SP x the cap, and a rank holds its 1/SP slice (module docstring)."""
-    t = max(layout.training_ranks, 1)
-    sp = sequence_groups(cfg, layout)[0]
-    w = layout.capacity_weights or cfg.parallel.fixed_capacity_weights()
-    weights = tuple(w) if w and len(w) == t else None
-    ranks = ranks or tuple(range(t))
-    length = cfg.sample_tokens()
-    per_mb = math.ceil(cfg.samples_per_step() / cfg.algo.minibatches_per_step)
-    rows_unit = max(1, math.ceil(per_mb * group_share(cfg, layout, ranks) - 1e-9))
-    rows = min(rows_unit, max(1, sp * cfg.train.token_cap_per_micro_batch // (length + extra),
-                              cfg.train.min_rows_per_micro_batch))
-    gen = _busiest_rollout(cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, length, t, weights, ranks)
-    return math.ceil(rows * length / sp), gen
-
-
-@functools.lru_cache(maxsize=256)
-def _busiest_rollout(prompts: int, k: int, length: int, world: int, weights: tuple[float, ...] | None,
-                     ranks: tuple[int, ...]) -> int:
-    """Samples the busiest of `ranks` generates: the trainer's own split (rollout_shares) with every prompt at
-    `length`. Past SPLIT_MAX samples, the bound that split keeps instead (within one sample of the rank's weighted
-    share)."""
-    if prompts * k > SPLIT_MAX:
-        share = max(weights[r] for r in ranks) / sum(weights) if weights else 1 / world
-        return max(1, math.ceil(prompts * k * share - 1e-9))
-    shares = rollout_shares([float(length)] * prompts, k, world, weights)
-    return max(1, max(sum(count for _, _, count in shares[r]) for r in ranks))
-
-
 def compute_bytes(dtype: str) -> int:
     """Bytes of the compute dtype: 4 for float32, 2 for the 16-bit ones."""
     return 4 if dtype == "float32" else 2
@@ -237,14 +177,19 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     """The peak of the busiest of `ranks` (default: every training rank) on layout.device_memory_gib;
     `expert_parallel`: a mixture of experts' EP size (module docstring; 1 until the mesh sets it)."""
     c = compute_bytes(cfg.model.dtype)
-    t = max(layout.training_ranks, 1)
     par = cfg.parallel
+    sp, tp, _ = replicas(cfg, layout)
+    share = rank_share(dims, tp)  # this rank's part of a tensor-parallel group's model (all of it at TP 1)
+    tp = share.tp  # 1 for a model the plan cannot split (planner.tensor_parallel refuses it)
+    t = max(layout.training_ranks, 1) // tp  # the data group: FSDP's shards and the gradient reduction
     fsdp = par.sharding == "fsdp"
     shard = t if fsdp else 1
-    # Offload needs fsdp and an accelerator (rule_parallel refuses it otherwise); such a plan is estimated as if
-    # nothing were offloaded, which is what a corrected config would hold.
-    offload = par.cpu_offload == "full" and fsdp and layout.device != "cpu"
+    # Offload needs fsdp and an accelerator, and no TP (the rules refuse it otherwise); such a plan is estimated as
+    # if nothing were offloaded, which is what a corrected config would hold.
+    offload = par.cpu_offload == "full" and fsdp and layout.device != "cpu" and tp == 1
     notes = ["fp32 master weights, fp32 gradients, AdamW's 2 fp32 moments: 16 bytes per parameter"
+             + (f"; tensor parallel {tp}: {share.params / 1e6:,.1f} M of {dims.params / 1e6:,.1f} M held per rank "
+                "(every weight but the norms split)" if tp > 1 else "")
              + (f", sharded over {t} ranks" if fsdp and t > 1 else "")
              + ("; bf16 compute" if c == 2 else ""),
              "attention via SDPA/flash (no s^2 scores); worst case: every sample at max length"]
@@ -253,13 +198,13 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     vision = dims.vision
     extra = worst_vision_tokens(cfg, dims.layers, dims.layer_params, vision)
     tokens, gen = worst_case_shape(cfg, layout, extra, ranks)
-    P, L, V = dims.params, dims.layers, dims.vocab
+    P, L, V = share.params, dims.layers, share.vocab
     # a vision encoder's weights are held like the rest; a frozen one has no gradients or optimizer moments
     Pv = vision.params if vision else 0
     trained = P + (0 if cfg.model.freeze_vision_tower else Pv)
     held = 4 * (P + Pv)  # bytes of the parameters
     lora = cfg.model.lora
-    A = adapter_params(dims, lora.rank, lora.target_modules) if lora.rank else 0
+    A = adapter_params(dims, lora.rank, lora.target_modules, tp) if lora.rank else 0
     if lora.rank:  # the adapters train, over the whole base frozen in the compute dtype
         trained, held = A, 4 * A + c * (P + Pv)
         notes[0] = lora_note(cfg, A, t if fsdp else 1)
@@ -292,25 +237,24 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     if reserved:  # the trainers generate nothing; the rollout devices hold the engines (a note sizes them)
         reserve, gen = 0.0, 0
         notes.append(f"training ranks only; each of the {layout.rollout_devices} rollout devices holds the "
-                     f"{cfg.rollout.engine} engine: the model in the compute dtype ({c * P / GIB:.2f} GiB) and its "
+                     f"{cfg.rollout.engine} engine: the model in the compute dtype ({c * dims.params / GIB:.2f} GiB) and its "
                      "KV cache")
     elif cfg.rollout.engine == "vllm" and layout.device == "cuda":
         engine, reserve = (cfg.rollout.memory_fraction or VLLM_GPU_SHARE) * layout.device_memory_gib * GIB, 0.0
     elif cfg.rollout.engine == "vllm":
-        reserve = c * (P + Pv) + (reserve or VLLM_CPU_KV_BYTES)
+        reserve = c * (dims.params + Pv) + (reserve or VLLM_CPU_KV_BYTES)  # the engine's own whole copy
     sampler = not reserved and cfg.rollout.engine == "hf"  # evenrl's sampler runs the training model here
     overhead = OVERHEAD_GIB[layout.device] * GIB
     block_adapters = A // L
-    copies = 2 * (A if lora.rank else dims.linear_params) if (c == 2 and not fsdp) else 0
-    block = dims.layer_params - (dims.experts - dims.experts // ep) * dims.expert_params  # E/EP experts gathered
-    units = c * (dims.root_params + 2 * (block + block_adapters)) if fsdp else 0
-    largest = max(dims.root_params, block + block_adapters)
+    copies = 2 * (A if lora.rank else share.linear) if (c == 2 and not fsdp) else 0
+    block = share.block - (dims.experts - dims.experts // ep) * dims.expert_params  # E/EP experts gathered
+    units = c * (share.root + 2 * (block + block_adapters)) if fsdp else 0
+    largest = max(share.root, block + block_adapters)
     trained_unit = block_adapters if lora.rank else largest  # the largest unit's parameters that get gradients
     unit_grads = trained_unit * (c + (4 if c < 4 else 0)) if fsdp else 0
-    sp = sequence_groups(cfg, layout)[0]
-    # SP not dividing the KV heads: the runtime repeats them to lcm(KV heads, SP), which k and v then hold
-    kv_repeat = 2 * (math.lcm(dims.kv_heads, sp) - dims.kv_heads) * dims.head_dim
-    act_elems = dims.act_elems + kv_repeat
+    # SP not dividing the (rank's) KV heads: the runtime repeats them to lcm(KV heads, SP), which k and v then hold
+    kv_repeat = 2 * (math.lcm(share.kv_heads, sp) - share.kv_heads) * dims.head_dim
+    act_elems = share.act_elems + kv_repeat
     if lora.rank:  # each adapter's rank-wide middle, and with dropout its own copy of the layer's input
         adapted = adapted_projections(dims, lora.target_modules).values()
         act_elems += lora.rank * len(adapted) + (sum(a for a, _ in adapted) if lora.dropout > 0 else 0)
@@ -336,18 +280,20 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         "rollout reserve": reserve, "overhead": overhead,
         "gathered model": c * (P + Pv + A + (largest if t > 1 else 0)) if fsdp and sampler else 0,
         "autocast copies": copies,
-        "KV cache": gen * length * L * 2 * dims.kv_heads * dims.head_dim * c if sampler else 0,
+        "KV cache": gen * length * L * 2 * share.kv_dim * c if sampler else 0,
         "rollout engine": engine,
         "fsdp units": units,
-        "layer activations": tokens * (dims.act_elems + kv_repeat) * c,
+        "layer activations": tokens * (share.act_elems + kv_repeat) * c,
         "vision layer activations": patches * vision.act_elems * c if vision else 0,
         "log-prob logits": min(tokens * V, HEAD_CHUNK) * (c + 8),
         "gradients": grads_b,
         "activations": act,
         "vision activations": vision_act,
         "logits": min(tokens * V, HEAD_CHUNK) * (2 * c + 12),
-        "log-prob all-to-all": 4 * tokens * dims.hidden * c if sp > 1 else 0,
-        "all-to-all": 2 * 4 * tokens * dims.hidden * c if sp > 1 else 0,
+        "log-prob all-to-all": 4 * tokens * dims.hidden // tp * c if sp > 1 else 0,
+        "all-to-all": 2 * 4 * tokens * dims.hidden // tp * c if sp > 1 else 0,
+        "log-prob tensor-parallel buffers": tokens * share.gather_elems * c,
+        "tensor-parallel buffers": 2 * tokens * share.gather_elems * c,
         "log-prob expert dispatch": 2 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
         "expert dispatch": 4 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
         "route records": route_record_bytes(cfg, dims, tokens),
@@ -360,10 +306,11 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     phases = {
         "rollout": resident + parts["gathered model"] + (copies if sampler else 0) + parts["KV cache"] + engine,
         "log-probs": resident + units + copies + parts["layer activations"] + parts["vision layer activations"]
-        + parts["log-prob logits"] + parts["log-prob all-to-all"] + parts["log-prob expert dispatch"]
-        + parts["route records"],
+        + parts["log-prob logits"] + parts["log-prob all-to-all"] + parts["log-prob tensor-parallel buffers"]
+        + parts["log-prob expert dispatch"] + parts["route records"],
         "update": resident + grads_b + max(units + unit_grads + copies + act + vision_act + parts["logits"]
-                                           + parts["all-to-all"] + parts["expert dispatch"] + parts["route records"],
+                                           + parts["all-to-all"] + parts["tensor-parallel buffers"]
+                                           + parts["expert dispatch"] + parts["route records"],
                                            parts["gradient buckets"]),
     }
     if parts["route records"]:
@@ -373,7 +320,8 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     if any(spec.model or spec.judge for spec in cfg.rewards.functions):
         phases["reward"] = resident + scorers[1] + scorers[2]
     total = max(phases.values())
-    return MemoryEstimate({k: v / GIB for k, v in parts.items()}, total / GIB, layout.device_memory_gib, P + Pv,
+    return MemoryEstimate({k: v / GIB for k, v in parts.items()}, total / GIB, layout.device_memory_gib,
+                          dims.params + Pv,
                           tokens, gen, host / GIB, {k: v / GIB for k, v in phases.items()}, notes)
 
 

@@ -4,6 +4,7 @@ applies. Pure Python."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,9 @@ from evenrl.config import RunConfig, with_settings
 from evenrl.models.vision_config import worst_vision_tokens
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.layout import Layout
-from evenrl.planner.memory import estimate_memory
+from evenrl.planner.memory import VLLM_GPU_SHARE, compute_bytes, estimate_memory
+from evenrl.planner.split_model import engine_need, share_needed, tensor_sizes
+from evenrl.planner.text import plural
 
 LORA_RANK = 16  # what memory_fixes proposes (TRL's default lora_r)
 TIGHT = 0.9  # of device memory: a peak above it is memory-tight, where fragmentation may push a run over
@@ -63,15 +66,22 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
     if tokens * sp <= length + sp and (split := sequence_parallel_fix(cfg, layout, dims, ranks)):
         add(sequence_settings(cfg, dims, split), f"each sample over {split} ranks, "
             f"{layout.training_ranks // split} data-parallel groups")
-    if cfg.parallel.sharding == "replicated" and layout.training_ranks > 1:
-        add({"parallel.sharding": "fsdp"}, f"over {layout.training_ranks} ranks")
-    if cfg.parallel.cpu_offload != "full" and layout.device != "cpu":  # offload needs fsdp and an accelerator
+    tp = cfg.parallel.tensor_parallel_size
+    data = layout.training_ranks // tp  # FSDP shards over the data group
+    if cfg.parallel.sharding == "replicated" and data > 1:
+        add({"parallel.sharding": "fsdp"}, f"over {data} ranks")
+    if (split := tensor_parallel_fix(cfg, layout, dims, ranks)) is not None:
+        add({"parallel.tensor_parallel_size": split}, f"each layer split over {split} ranks, "
+            f"{plural(layout.training_ranks // (split * sp), 'data-parallel group')}")
+    # offload needs fsdp and an accelerator, and no tensor parallelism (planner.tensor_parallel)
+    if cfg.parallel.cpu_offload != "full" and layout.device != "cpu" and tp == 1:
         add({"parallel.sharding": "fsdp", "parallel.cpu_offload": "full"} if cfg.parallel.sharding == "replicated"
             else {"parallel.cpu_offload": "full"}, "state on the host")
     if cfg.algo.kl_coef > 0:
         add({"algo.kl_coef": 0.0}, "no reference model")
-    if cfg.rollout.memory_fraction > 0:
-        add({"rollout.memory_fraction": 0.0})
+    if cfg.rollout.memory_fraction > 0:  # a vLLM engine on a GPU keeps the share its weights need
+        need = engine_fraction(cfg, layout, dims) if cfg.rollout.engine == "vllm" and layout.device == "cuda" else 0
+        add({"rollout.memory_fraction": 0.0 if need <= VLLM_GPU_SHARE else need})
     if cfg.model.dtype == "float32" and layout.device == "cuda":
         add({"model.dtype": "bfloat16"})
     if not cfg.model.lora.rank:  # LoRA trains adapters only: no full-size gradients, moments or reference
@@ -94,13 +104,36 @@ def tight_fix(fixes: list[MemoryFix], memory_gib: float) -> str:
 
 def sequence_sizes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[int]:
     """The sequence_parallel_size values the layout and model allow and a fix proposes: divisors of the training
-    ranks that divide the query heads (Ulysses gives each rank heads / SP of them), within one node (every layer's
-    all-to-all on the node's own links); none above 1 for a vision-language model (not supported yet:
-    rule_sequence_parallel)."""
-    t = max(layout.training_ranks, 1)
+    ranks over tensor parallelism that divide the query heads a rank holds (Ulysses gives each rank heads / SP of
+    them), an SP x TP replica within one node (every layer's all-to-all on the node's own links); none above 1 for
+    a vision-language model (not supported yet: rule_sequence_parallel)."""
+    tp = max(1, min(cfg.parallel.tensor_parallel_size, max(layout.training_ranks, 1)))
+    t, heads = max(layout.training_ranks, 1) // tp, dims.heads // tp
     if dims.vision is not None:
         return [1]
-    return [s for s in range(1, min(t, layout.nproc_per_node) + 1) if t % s == 0 and dims.heads % s == 0]
+    return [s for s in range(1, min(t, layout.nproc_per_node // tp) + 1) if t % s == 0 and heads % s == 0] or [1]
+
+
+def tensor_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
+                        ranks: tuple[int, ...] | None = None) -> int | None:
+    """The smallest parallel.tensor_parallel_size above the configured one that the model and layout allow
+    (planner.split_model.tensor_sizes over the training ranks left by sequence parallelism, the query heads a rank
+    holds divisible by SP) and that fits the device memory; where none fits, the largest (the lowest peak); None
+    when there is no larger one, or with cpu_offload=full (which tensor parallelism does not run with)."""
+    sp, t = cfg.parallel.sequence_parallel_size, max(layout.training_ranks, 1)
+    if cfg.parallel.cpu_offload == "full" or t % sp:
+        return None
+    sizes = [s for s in tensor_sizes(dims, t // sp, layout.nproc_per_node, layout.nnodes)
+             if s > cfg.parallel.tensor_parallel_size and (dims.heads // s) % sp == 0]
+    return next((s for s in sizes if _fits(cfg, layout, dims, {"parallel.tensor_parallel_size": s}, ranks)),
+                sizes[-1] if sizes else None)
+
+
+def engine_fraction(cfg: RunConfig, layout: Layout, dims: ModelDims) -> float:
+    """The smallest rollout.memory_fraction whose share of a device holds a vLLM engine's weights, one sample's KV
+    cache and its own activations there (planner.split_model.engine_need); 1.0 when no share does."""
+    need = engine_need(dims, compute_bytes(cfg.model.dtype), cfg.rollout.tensor_parallel_size, cfg.sample_tokens())
+    return share_needed(need, layout.device_memory_gib)
 
 
 def sequence_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,

@@ -11,11 +11,12 @@ not divide are repeated (lcm(KV heads, SP) of them), vision-language models are 
 attention the packed path does not implement (logit softcapping; also under checkpointing and for a mixture of
 experts, which pack rows the same way; sliding windows and attention sinks it implements). The memory it saves is evenrl.planner.memory's; the smallest SP that fits is found here
 and offered by evenrl.planner.memory_fixes.
-Tensor parallelism (TP): one vLLM engine over TP devices (vLLM's tensor_parallel_size), on the reserved rollout
-devices or, colocated, on all of them: planned, and refused above 1 for now (evenrl starts one engine per
-generating rank; engines spanning several ranks' devices are not placed yet), on CPU for a reason of its own
-(vLLM's CPU build runs it as worker processes pinned to cores of their own, which evenrl's in-process CPU engine
-does not give it).
+Tensor parallelism in the engine (rollout.tensor_parallel_size): one vLLM engine over that many devices (vLLM's
+tensor_parallel_size), on the reserved rollout devices or, colocated, on all of them: planned, and refused above 1
+for an engine that cannot span devices yet (evenrl.distributed.mesh_shape.ENGINES_OVER_DEVICES: the engines whose
+engine groups run), and on CPU for a reason of its own (vLLM's CPU build runs it as worker processes pinned to
+cores of their own, which evenrl's in-process CPU engine does not give it). The hf engine's is the trainer's
+(parallel.tensor_parallel_size, planner.tensor_parallel).
 Pure Python: never imports torch.
 """
 
@@ -25,6 +26,7 @@ import math
 from dataclasses import replace
 
 from evenrl.config import RunConfig, with_settings
+from evenrl.distributed import mesh_shape
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.groups import group_layout
 from evenrl.planner.layout import Layout
@@ -43,20 +45,25 @@ def divisors_near(n: int, want: int, ok=lambda d: True) -> list[int]:
 def rule_sequence_parallel(p: Plan) -> list[Finding]:
     c, lay, d = p.config, p.layout, p.dims
     sp, t, out = c.parallel.sequence_parallel_size, lay.training_ranks, []
-    packed = sp > 1 or (d is not None and d.vision is None and (c.model.gradient_checkpointing or d.experts > 0))
+    tp = p.tensor_parallel
+    packed = sp > 1 or (d is not None and d.vision is None and (c.model.gradient_checkpointing or d.experts > 0
+                                                                or tp > 1))
     if d and d.attention_extras and packed:  # evenrl.distributed.sequence refuses it at the first forward
         why = ("sequence parallelism" if sp > 1 else "a mixture of experts (rows packed back to back, always)"
-               if d.experts else "activation checkpointing (rows packed back to back)")
+               if d.experts else "tensor parallelism (rows packed back to back)" if tp > 1
+               else "activation checkpointing (rows packed back to back)")
         out.append(Finding("error", "packed-attention",
                            f"the model's attention uses {d.attention_extras} (config.json), which the packed "
                            f"attention of {why} does not implement",
                            "none: a mixture of experts trains packed whatever the settings" if d.experts and sp == 1 else
-                           "parallel.sequence_parallel_size=1 model.gradient_checkpointing=false"))
+                           "parallel.sequence_parallel_size=1 model.gradient_checkpointing=false"
+                           + (" parallel.tensor_parallel_size=1" if tp > 1 else "")))
     if sp == 1 or t < 1:
         return out + _sample_too_long(p)
-    heads_ok = (lambda s: d.heads % s == 0) if d else (lambda s: True)
+    heads = d.heads // tp if d else 0  # Ulysses splits the heads this rank holds under tensor parallelism
+    heads_ok = (lambda s: heads % s == 0) if d else (lambda s: True)
     key = "parallel.sequence_parallel_size"
-    if t % sp:
+    if t % sp and tp == 1:  # with TP, the mesh's product is rule_tensor_parallel's
         near = divisors_near(t, sp, heads_ok)
         out.append(Finding("error", "sequence-parallel-ranks",
                            f"{key}={sp} does not divide the {plural(t, 'training rank')}: the ranks form groups "
@@ -67,18 +74,20 @@ def rule_sequence_parallel(p: Plan) -> list[Finding]:
                            f"{key}={sp} with a vision-language model ({d.model_type}) is not supported yet: its "
                            "image tokens would need splitting with the text", f"{key}=1"))
         return out
-    if d and d.heads % sp:
-        near = divisors_near(d.heads, sp, lambda s: t % s == 0)
+    whose = "the model's" if tp == 1 else f"a tensor-parallel rank's (1/{tp} of the model's)"
+    kv_heads = d.kv_heads // tp if d else 0
+    if d and heads % sp:
+        near = divisors_near(heads, sp, lambda s: (t // tp) % s == 0)
         out.append(Finding("error", "sequence-parallel-heads",
-                           f"{key}={sp} does not divide the model's {d.heads} query heads: Ulysses gives each "
-                           f"rank heads / {sp} of them", "; ".join(f"{key}={s}" for s in near)))
-    elif d and d.kv_heads % sp:
-        kv = math.lcm(d.kv_heads, sp)
+                           f"{key}={sp} does not divide {whose} {heads} query heads: Ulysses gives each rank "
+                           f"heads / {sp} of them", "; ".join(f"{key}={s}" for s in near)))
+    elif d and kv_heads % sp:
+        kv = math.lcm(kv_heads, sp)
         out.append(Finding("note", "sequence-parallel-kv-heads",
-                           f"{key}={sp} does not divide the model's {d.kv_heads} KV heads: the runtime repeats each "
-                           f"{kv // d.kv_heads} times ({kv} KV heads, {kv // sp} per rank), so k and v cost "
-                           f"{kv // d.kv_heads}x in the all-to-all and in attention's memory (counted above)",
-                           "; ".join(f"{key}={s}" for s in divisors_near(t, sp, lambda s: d.kv_heads % s == 0
+                           f"{key}={sp} does not divide {whose} {kv_heads} KV heads: the runtime repeats each "
+                           f"{kv // kv_heads} times ({kv} KV heads, {kv // sp} per rank), so k and v cost "
+                           f"{kv // kv_heads}x in the all-to-all and in attention's memory (counted above)",
+                           "; ".join(f"{key}={s}" for s in divisors_near(t // tp, sp, lambda s: kv_heads % s == 0
                                                                          and s > 1)) or ""))
     if lay.nnodes > 1 and sp > lay.nproc_per_node and not t % sp:
         out.append(Finding("warning", "sequence-parallel-nodes",
@@ -154,10 +163,14 @@ def rule_rollout_parallel(p: Plan) -> list[Finding]:
     tp, key = c.rollout.tensor_parallel_size, "rollout.tensor_parallel_size"
     if tp == 1:
         return []
-    if c.rollout.engine != "vllm":
+    if c.rollout.engine != "vllm":  # the hf engine's tensor parallelism is the trainer's
+        trainer = "parallel.tensor_parallel_size"
+        alt = f"{key}=1 {trainer}={tp} (the hf engine samples from the split model); " \
+            if c.parallel.tensor_parallel_size == 1 else ""
         return [Finding("error", "tensor-parallel-engine",
-                        f"{key}={tp} needs rollout.engine=vllm: engine {c.rollout.engine!r} samples with each "
-                        "training rank's own model", f"rollout.engine=vllm; or {key}=1")]
+                        f"{key}={tp} needs rollout.engine=vllm: engine {c.rollout.engine!r} samples with the "
+                        f"training model itself, split as {trainer}={c.parallel.tensor_parallel_size} says",
+                        f"{alt}rollout.engine=vllm; or {key}=1")]
     if lay.device == "cpu":
         return [Finding("error", "tensor-parallel-cpu",
                         f"{key}={tp} on CPU: vLLM's CPU build runs tensor parallelism as one worker process per "
@@ -169,10 +182,19 @@ def rule_rollout_parallel(p: Plan) -> list[Finding]:
     # vLLM gets the size (engines.vllm_engine), but every generating rank starts an engine of its own on its own
     # device: an engine over tp devices needs one rank of each tp to start it and the others to hand it their
     # prompts. Until that placement exists a run would start tp-device engines on shared devices.
-    out = [Finding("error", "tensor-parallel-placement",
-                   f"{key}={tp}: evenrl starts one vLLM engine per generating rank, on that rank's device; "
-                   f"engines over {tp} devices (one per {tp} ranks, the others handing it their prompts) are not "
-                   "built yet", f"{key}=1")]
+    out = [] if c.rollout.engine in mesh_shape.ENGINES_OVER_DEVICES else [
+        Finding("error", "tensor-parallel-placement",
+                f"{key}={tp}: evenrl starts one vLLM engine per generating rank, on that rank's device; engines over "
+                f"{tp} devices (one per {tp} ranks, the others handing it their prompts) are not built yet",
+                f"{key}=1" + ("" if c.parallel.tensor_parallel_size > 1 or c.parallel.cpu_offload == "full" else
+                              f"; or rollout.engine=hf parallel.tensor_parallel_size={tp} (the hf engine samples "
+                              "from the trainer's split model)"))]
+    d = p.dims
+    if d and d.heads % tp:  # vLLM splits the query heads (KV heads it replicates where tp does not divide them)
+        near = divisors_near(d.heads, tp, lambda s: devices % s == 0 and s <= lay.nproc_per_node)
+        out.append(Finding("error", "tensor-parallel-engine-heads",
+                           f"{key}={tp} does not divide the model's {d.heads} query heads: each of an engine's "
+                           f"devices computes heads / {tp} of them", "; ".join(f"{key}={s}" for s in near)))
     if devices % tp:
         near = divisors_near(devices, tp, lambda s: s <= lay.nproc_per_node)
         flag = "--rollout-devices" if lay.rollout_devices else "--nproc-per-node"

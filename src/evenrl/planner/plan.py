@@ -90,15 +90,15 @@ def _weights(cfg: RunConfig, layout: Layout) -> list[float] | None:
 
 def _units(p: Plan, weights: list[float] | None) -> tuple[int, int, list[int] | None, list[float] | None]:
     """What the schedule balances over: (units, token cap, per-unit caps, per-unit weights). A unit is a training
-    rank, or with sequence parallelism an SP group of consecutive ranks, which takes samples as one and holds SP
-    ranks' token caps and has their weight, its weakest rank's in both (the group moves in lockstep; as
-    train.step.plan_step)."""
-    sp, t, cap = p.sequence_parallel, p.dp_size, p.config.train.token_cap_per_micro_batch
+    rank, or with sequence or tensor parallelism a replica of SP x TP consecutive ranks, which takes samples as
+    one and holds SP ranks' token caps (TP splits no tokens) and has their weight, its weakest rank's in both (the
+    replica moves in lockstep; as train.step.plan_step)."""
+    sp, m, t, cap = p.sequence_parallel, p.replica, p.dp_size, p.config.train.token_cap_per_micro_batch
     caps = p.token_caps
-    if sp == 1:
+    if m == 1:
         return t, cap, caps, weights
-    caps = caps and [sp * min(caps[g * sp:(g + 1) * sp]) for g in range(t)]
-    return t, sp * cap, caps, weights and [min(weights[g * sp:(g + 1) * sp]) for g in range(t)]
+    caps = caps and [sp * min(caps[g * m:(g + 1) * m]) for g in range(t)]
+    return t, sp * cap, caps, weights and [min(weights[g * m:(g + 1) * m]) for g in range(t)]
 
 
 def _simulate(p: Plan, weights: list[float] | None) -> None:

@@ -115,13 +115,18 @@ def _devices_text(p: Plan) -> str:
 
 
 def parallel_text(p: Plan) -> str:
-    """Sequence parallelism's groups and the vLLM engines' devices, where either is above 1 ('' otherwise)."""
-    c, lay, sp = p.config, p.layout, p.sequence_parallel
+    """The mesh's sizes (evenrl.distributed.mesh_shape: dp x sp x tp, tp fastest) and the vLLM engines' devices,
+    where any is above 1 ('' otherwise)."""
+    c, lay, sp, tp, m = p.config, p.layout, p.sequence_parallel, p.tensor_parallel, p.replica
     parts = []
-    if sp > 1:
-        groups = ", ".join(f"{g * sp}-{g * sp + sp - 1}" for g in range(min(p.dp_size, 4)))
-        parts.append(f"sequence parallel {sp}: {plural(p.dp_size, 'data-parallel group')} of {sp} ranks "
-                     f"({groups}{', ...' if p.dp_size > 4 else ''}), each sample's tokens split over its group")
+    if m > 1:
+        groups = ", ".join(f"{g[0]}-{g[-1]}" for g in p.mesh.groups("replica")[:4])
+        what = " x ".join(x for x, n in ((f"sequence parallel {sp}", sp), (f"tensor parallel {tp}", tp)) if n > 1)
+        parts.append(f"{what}: {plural(p.dp_size, 'data-parallel group')} of {m} ranks "
+                     f"({groups}{', ...' if p.dp_size > 4 else ''})"
+                     + (", each sample's tokens split over its SP group" if sp > 1 else "")
+                     + (f", each layer's heads, MLP width and vocabulary split over {tp} consecutive ranks"
+                        if tp > 1 else ""))
     tp = c.rollout.tensor_parallel_size
     if tp > 1:
         devices = lay.rollout_devices or lay.world
@@ -133,7 +138,7 @@ def parallel_text(p: Plan) -> str:
 
 def _rank_lines(p: Plan) -> list[str]:
     rows, nmb = p.ranks, len(p.minibatch_sizes)
-    mixed = len(p.groups) > 1 and p.sequence_parallel == 1  # device labels are per rank
+    mixed = len(p.groups) > 1 and p.replica == 1  # device labels are per rank
     device = {r: g.group.device.label for g in p.groups for r in g.group.ranks}
     # Consecutive ranks with the same numbers share a row: 64 equal ranks are one line.
     groups = [list(g) for _, g in itertools.groupby(
@@ -146,7 +151,7 @@ def _rank_lines(p: Plan) -> list[str]:
         names = [device.get(g[0].rank, "") for g in groups] if mixed else []
         dw = max(map(len, names), default=0)
         head = f"{'device':<{dw}} " if mixed else ""
-        what = "SP groups" if p.sequence_parallel > 1 else "ranks"
+        what = "ranks" if p.replica == 1 else p.unit + "s"
         lines.append(_row(f"per {p.unit.split()[-1]}",
                           f"{what:<{w}} {head}{'samples':>9} {'est. tokens':>13}{computed}"))
         for i, (label, (r, *_)) in enumerate(zip(labels, groups)):
@@ -161,7 +166,7 @@ def _rank_lines(p: Plan) -> list[str]:
                           f"{min(t):,}..{max(t):,} (mean {sum(t) / len(t):,.0f}); "
                           f"{len(groups)} kinds of {p.unit.split()[-1]} (--json lists each){computed}"))
     steps = {r.micro_steps for r in rows}
-    unit = p.unit.split()[-1] if p.sequence_parallel == 1 else p.unit
+    unit = p.unit.split()[-1] if p.replica == 1 else p.unit
     micro = (plural(rows[0].micro_steps, "micro-step") + " on every rank" if len(steps) == 1
              else f"{min(steps)}..{max(steps)} micro-steps per {unit}")
     per_mb = set(p.micro_steps)

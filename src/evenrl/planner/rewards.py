@@ -18,7 +18,8 @@ from pathlib import Path
 
 from evenrl.errors import UsageError
 from evenrl.models.files import check_model_dir, check_reward_model_dir
-from evenrl.planner.memory import scorer_dims, scorer_params, share_of
+from evenrl.planner.memory import scorer_dims, scorer_params
+from evenrl.planner.rank_work import share_of
 from evenrl.planner.text import count_unit, plural, seconds
 from evenrl.planner.timing import assumed_rates
 from evenrl.planner.types import Finding, Plan

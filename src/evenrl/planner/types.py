@@ -8,9 +8,9 @@ Plan.to_dict(), schema "evenrl.plan/1" (what --json prints):
           world, training_ranks, devices null | [{ranks[], kind, model, memory_gib, threads, role}]},
   step {prompts_per_step, samples_per_prompt, samples_per_step, minibatches_per_step, minibatch_sizes[],
         epochs_per_step, sample_tokens, token_cap, min_rows, simulated},
-  ranks {training, sequence_parallel, dp_groups (training / sequence_parallel),
-         per_rank[{rank, samples, tokens, micro_steps, idle_minibatches}] (with sequence_parallel > 1: one per SP
-         group, `rank` its index, ranks rank*SP .. rank*SP+SP-1; tokens the group's), samples{min,mean,max},
+  ranks {training, sequence_parallel, tensor_parallel, dp_groups (training / (sequence_parallel x tensor_parallel)),
+         per_rank[{rank, samples, tokens, micro_steps, idle_minibatches}] (with SP x TP = R > 1: one per replica
+         of R consecutive ranks, `rank` its index, ranks rank*R .. rank*R+R-1; tokens the replica's), samples{min,mean,max},
          tokens{min,mean,max}, micro_steps_per_minibatch[], idle[], imbalance (busiest / even split),
          bound_ratio (busiest / partition lower bound), oversize_samples,
          capacity_weights null | [per training rank] (simulated with: given, or where auto starts),
@@ -37,6 +37,7 @@ from typing import Literal
 
 from evenrl.config import RunConfig
 from evenrl.distributed.devices import DeviceGroup
+from evenrl.distributed.mesh_shape import MeshShape
 from evenrl.planner.layout import Layout
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.memory import MemoryEstimate
@@ -123,21 +124,43 @@ class Plan:
         return [caps[r] for r in range(len(caps))]
 
     @property
+    def tensor_parallel(self) -> int:
+        """parallel.tensor_parallel_size as planned: at most the training ranks (rule_tensor_parallel says when
+        it does not divide them; the plan then counts the whole replicas)."""
+        return max(1, min(self.config.parallel.tensor_parallel_size, self.layout.training_ranks))
+
+    @property
     def sequence_parallel(self) -> int:
-        """parallel.sequence_parallel_size as planned: at most the training ranks (rule_sequence_parallel says
-        when it does not divide them; the plan then counts the whole groups)."""
-        return max(1, min(self.config.parallel.sequence_parallel_size, self.layout.training_ranks))
+        """parallel.sequence_parallel_size as planned: at most the training ranks left over TP
+        (rule_sequence_parallel says when it does not divide them; the plan then counts the whole groups)."""
+        return max(1, min(self.config.parallel.sequence_parallel_size,
+                          self.layout.training_ranks // self.tensor_parallel))
+
+    @property
+    def replica(self) -> int:
+        """Consecutive training ranks that train the same samples: SP x TP (evenrl.distributed.mesh_shape)."""
+        return self.sequence_parallel * self.tensor_parallel
+
+    @property
+    def mesh(self) -> MeshShape:
+        """The run's mesh as planned (the object evenrl.distributed.mesh builds its groups from): dp x sp x tp over
+        the training ranks, tp fastest, the reserved rollout ranks last, the vLLM engines' groups."""
+        lay, c = self.layout, self.config
+        engine = c.rollout.tensor_parallel_size if c.rollout.engine == "vllm" else 1
+        return MeshShape(max(lay.world, 1), min(lay.rollout_devices, max(lay.world - 1, 0)), self.sequence_parallel,
+                         self.tensor_parallel, engine)
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel units the step is balanced over: the training ranks, or with SP > 1 the SP groups (each
-        row of `ranks` is one)."""
-        return max(self.layout.training_ranks, 1) // self.sequence_parallel
+        """Data-parallel units the step is balanced over: the training ranks, or with SP or TP > 1 the replicas of
+        SP x TP ranks (each row of `ranks` is one)."""
+        return self.mesh.dp
 
     @property
     def unit(self) -> str:
-        """What a row of `ranks` is, for messages: 'training rank' or 'SP group'."""
-        return "SP group" if self.sequence_parallel > 1 else "training rank"
+        """What a row of `ranks` is, for messages: 'training rank', 'SP group', 'TP group' or 'replica' (both)."""
+        sp, tp = self.sequence_parallel > 1, self.tensor_parallel > 1
+        return "replica" if sp and tp else "SP group" if sp else "TP group" if tp else "training rank"
 
     @property
     def idle(self) -> list[int]:
@@ -169,7 +192,8 @@ class Plan:
                      "minibatch_sizes": self.minibatch_sizes, "epochs_per_step": c.algo.epochs_per_step,
                      "sample_tokens": self.sample_tokens, "token_cap": c.train.token_cap_per_micro_batch,
                      "min_rows": c.train.min_rows_per_micro_batch, "simulated": self.simulated},
-            "ranks": {"training": t, "sequence_parallel": self.sequence_parallel, "dp_groups": self.dp_size,
+            "ranks": {"training": t, "sequence_parallel": self.sequence_parallel,
+                      "tensor_parallel": self.tensor_parallel, "dp_groups": self.dp_size,
                       "per_rank": [asdict(r) for r in self.ranks],
                       "samples": _stats([r.samples for r in self.ranks]),
                       "tokens": _stats([r.tokens for r in self.ranks]),

@@ -2,8 +2,8 @@
 
 EasyR1 counts rollout_batch_size and global_batch_size in prompts and the micro-batch sizes per device in samples.
 Its vision-language runs (the geometry example: Qwen2.5-VL on Geometry3K) map image_key, min/max_pixels,
-freeze_vision_tower and rollout.limit_images; rollout.tensor_parallel_size has no evenrl equivalent (a note says
-why).
+freeze_vision_tower and rollout.limit_images; rollout.tensor_parallel_size maps onto the vLLM engine's (the tables,
+with a note while such engines are not built), and a note says what a vision-language model cannot split.
 """
 
 from __future__ import annotations
@@ -127,10 +127,10 @@ def set_vision(src: Source, t: Translation) -> None:
     if limit:
         t.set("data.max_images_per_prompt", limit, "worker.rollout.limit_images")
     tp = src.int("worker.rollout.tensor_parallel_size", 1)
-    if tp > 1:
-        t.notes.append(f"worker.rollout.tensor_parallel_size={tp} splits each vLLM engine over {tp} GPUs; evenrl "
-                       "runs one whole engine per rank (or per reserved rollout device) and no tensor parallelism, "
-                       "so every rank holds the whole model in the compute dtype while it generates")
+    if tp > 1:  # the tables' note says what runs for a text model; a vision-language one has less
+        t.notes.append(f"worker.rollout.tensor_parallel_size={tp} with a vision-language model: evenrl's "
+                       "parallel.tensor_parallel_size does not split one yet (its vision tower), so with either "
+                       "engine every generating rank holds the whole model in the compute dtype")
     t.notes.append("images: EasyR1 resizes each image to min/max_pixels itself, then its processor rounds it to "
                    "28-pixel multiples; evenrl gives the bounds to the processor (one resize, the same bounds). "
                    "EasyR1 samples with vLLM; evenrl's vLLM engine takes images only where torchvision is "

@@ -351,6 +351,16 @@ def _data_parallel(src: Source, t: Translation, world: int, micro: int | None) -
                               f"n_gpus ({world}) must be divisible by model_parallel_size ({tp * pp}) times "
                               f"context_parallel_size ({cp})", f"TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp}",
                               "recent verl"))
+    if tp > 1:  # the same split of weights, heads and vocabulary; no pipeline stages (the plan's mesh is dp x sp x tp)
+        t.set("parallel.tensor_parallel_size", tp, m + "tensor_model_parallel_size")
+        t.notes.append(f"{m}tensor_model_parallel_size={tp}: Megatron splits o_proj and down_proj by rows and "
+                       "all-reduces their partial outputs; evenrl's parallel.tensor_parallel_size splits the same "
+                       "weights over as many consecutive ranks but keeps those two column-wise on gathered inputs "
+                       "(the numerically stable plan: about twice the bytes per block, outputs that do not move "
+                       "with the TP size; docs/parallelism.md)"
+                       + (f". Pipeline parallelism ({m}pipeline_model_parallel_size={pp}) has no evenrl equivalent: "
+                          f"each rank holds 1/{tp} of every layer, not 1/{tp * pp} of the model, and the plan's "
+                          f"data-parallel size is world / TP (verl's: world / (TP x PP x CP))" if pp > 1 else ""))
     dp = max(world // (tp * pp * cp), 1)
     return dp, dp * (micro or 1), (f"{dp} data-parallel ranks (world {world} / TP {tp} x PP {pp} x CP {cp}) x "
                                    f"ppo_micro_batch_size_per_gpu {micro or 1}")

@@ -1,0 +1,125 @@
+"""What one rank of a tensor-parallel group holds of a model (parallel.tensor_parallel_size = TP), as
+evenrl.distributed.tensor_parallel splits it: the numbers the memory estimate counts with (planner.memory), from a
+config.json's dimensions (planner.dims.ModelDims). At TP = 1 every number is the model's own.
+
+    share = rank_share(dims, tp=4)   # share.params, share.block, share.act_elems, ...
+
+Split over the group (1/TP each): q/k/v/o and gate/up/down (weights, and q/k/v biases), the token embeddings and
+the output layer over the vocabulary (rows). Whole on every rank: the norms (two per block, Qwen3's q/k norms, the
+final one) and the residual stream. The numerically stable plan computes o_proj and down_proj column-wise on their
+all-gathered inputs, so those inputs are whole and saved for the backward:
+  activations   4h + (2q + 2kv + 3i) / TP + q + i   per token per layer (TP > 1; planner.dims.ModelDims.act_elems
+                at TP = 1: 4h + 2q + 2kv + 4i), q = heads x head_dim, kv = KV heads x head_dim, i = MLP width:
+                the norms' and projections' inputs whole (4h); q, k, v, the attention output and gate, up, SiLU(gate)
+                of this rank's heads and MLP slice; the gathered attention output (o_proj's input, q) and the
+                gathered SwiGLU product (down_proj's input, i), whole. The rank's own slice of the product is only
+                the all-gather's input, which keeps nothing for the backward.
+  buffers       t x max(q, i) elements: the all-gather's staging copy of the widest gathered input (log-probs),
+                twice in the update (the backward's partial gradient of that input before its reduce-scatter,
+                and the staging copy)
+The plan covers dense decoders with those projections (evenrl.distributed.tensor_parallel.supports): a vision-language
+model, a mixture of experts or latent attention (MLA) is refused (planner.tensor_parallel), and estimated as TP = 1.
+Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from evenrl.planner.dims import ModelDims
+
+ENGINE_EXTRA_GIB = 1.0  # vLLM's own activations (its profiling forward) and CUDA graphs: a floor, not a measure
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's part of the model under tensor parallelism `tp` (module docstring); parameters in counts."""
+    tp: int
+    params: int  # every parameter this rank holds (the vision encoder aside)
+    linear: int  # of them, the weights a matmul reads (what autocast copies)
+    root: int  # FSDP's root unit: embeddings, untied output layer, final norm
+    block: int  # the largest decoder block: an FSDP unit
+    act_elems: int  # saved activation elements per token per layer
+    kv_dim: int  # KV heads x head_dim held here (the KV cache's and Ulysses' width)
+    kv_heads: int
+    heads: int  # query heads held here
+    vocab: int  # rows of the output layer held here (the log-prob chunk's width)
+    gather_elems: int  # per token, the widest all-gathered input (0 at TP = 1)
+
+
+def splittable(dims: ModelDims) -> str:
+    """Why the plan cannot split this model ('' when it can): what evenrl.distributed.tensor_parallel covers."""
+    if dims.vision is not None:
+        return f"a vision-language model ({dims.model_type}): its vision tower is not split"
+    if dims.experts:
+        return f"a mixture of experts ({dims.model_type}): its experts have no gate/up/down projections to split"
+    if dims.mla:
+        return f"latent attention (MLA, {dims.model_type}): no q/k/v projections to split"
+    return ""
+
+
+def split_sizes(dims: ModelDims) -> dict[str, int]:
+    """The model's sizes TP must divide (each rank holds 1/TP of them), by name."""
+    return {"attention heads": dims.heads, "KV heads": dims.kv_heads, "intermediate size": dims.intermediate,
+            "vocabulary": dims.vocab}
+
+
+def norm_params(dims: ModelDims) -> tuple[int, int]:
+    """(the norms' parameters in one block, in the whole model): what stays whole on every rank."""
+    block = 2 * dims.hidden + (2 * dims.head_dim if dims.qk_norm else 0)
+    return block, dims.layers * block + dims.hidden
+
+
+def rank_share(dims: ModelDims, tp: int) -> RankShare:
+    """What one rank of a tensor-parallel group of `tp` holds (module docstring); the whole model where tp is 1 or
+    the model cannot be split (splittable)."""
+    if tp > 1 and splittable(dims):
+        tp = 1
+    block_norms, norms = norm_params(dims)
+    q, kv, i, h = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate, dims.hidden
+    if tp == 1:
+        return RankShare(1, dims.params, dims.linear_params, dims.root_params, dims.layer_params, dims.act_elems, kv,
+                         dims.kv_heads, dims.heads, dims.vocab, 0)
+    return RankShare(
+        tp=tp,
+        params=norms + (dims.params - norms) // tp,
+        linear=dims.linear_params // tp,
+        root=h + (dims.root_params - h) // tp,
+        block=block_norms + (dims.layer_params - block_norms) // tp,
+        act_elems=4 * h + (2 * q + 2 * kv + 3 * i) // tp + q + i,
+        kv_dim=kv // tp, kv_heads=dims.kv_heads // tp, heads=dims.heads // tp, vocab=dims.vocab // tp,
+        gather_elems=max(q, i))
+
+
+def tensor_sizes(dims: ModelDims, ranks: int, per_node: int, nodes: int = 1) -> list[int]:
+    """The parallel.tensor_parallel_size values a model and layout allow: divisors of `ranks` (the training ranks
+    over sequence parallelism) that divide every split size, each group inside one node (`per_node` processes of
+    `nodes`: a group's per-layer collectives on the node's own links, so a size that divides per_node where the
+    ranks span nodes); [1] for a model the plan cannot split."""
+    if splittable(dims):
+        return [1]
+    sizes = split_sizes(dims).values()
+    return [s for s in range(1, min(ranks, per_node) + 1) if ranks % s == 0 and all(n % s == 0 for n in sizes)
+            and (nodes == 1 or per_node % s == 0)]
+
+
+def engine_bytes(dims: ModelDims, c: int, engine_tp: int, sample_tokens: int) -> tuple[float, float]:
+    """(weights, one sample's KV cache) in bytes on each device of a vLLM engine over `engine_tp` devices, in the
+    compute dtype's `c` bytes: the whole model (a vision encoder too) split engine_tp ways, and `sample_tokens` of
+    KV over the KV heads a device holds (vLLM replicates them where engine_tp does not divide them). What vLLM needs
+    at the least before its share of the device holds any batch (its own activations and graphs come on top)."""
+    weights = c * (dims.params + (dims.vision.params if dims.vision else 0)) / engine_tp
+    kv_heads = max(dims.kv_heads // engine_tp, 1)
+    return weights, float(sample_tokens * dims.layers * 2 * kv_heads * dims.head_dim * c)
+
+
+def engine_need(dims: ModelDims, c: int, engine_tp: int, sample_tokens: int) -> float:
+    """Bytes a vLLM engine needs of each of its devices at the least: engine_bytes, and ENGINE_EXTRA_GIB."""
+    return sum(engine_bytes(dims, c, engine_tp, sample_tokens)) + ENGINE_EXTRA_GIB * 1024**3
+
+
+def share_needed(need: float, memory_gib: float) -> float:
+    """The smallest rollout.memory_fraction, in hundredths, whose share of `memory_gib` holds `need` bytes (at most
+    1.0)."""
+    return min(1.0, math.ceil(100 * need / (memory_gib * 1024**3)) / 100) if memory_gib else 1.0

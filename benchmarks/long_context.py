@@ -147,15 +147,21 @@ def worker(length: int, out_dir: str) -> None:
 
 def measure(length: int, sp: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-            [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={sp}", __file__,
-               "--worker", str(length), d]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"arm length={length} sp={sp} failed:\n{done.stderr[-3000:]}")
-        ranks = [json.loads(Path(d, f"{r}.json").read_text()) for r in range(sp)]
+        ranks = run_arm(__file__, sp, [str(length)], d, f"length={length} sp={sp}")
     return {k: max(r[k] for r in ranks) for k in ("peak", "seconds")}
+
+
+def run_arm(script: str, nproc: int, args: list[str], out_dir: str, label: str) -> list[dict]:
+    """`script --worker *args out_dir` on `nproc` gloo processes (torch.distributed.run, one thread each); each rank's
+    JSON record from out_dir/RANK.json. A failing arm ends the benchmark with its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "src"), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
+           "--worker", *args, out_dir]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"arm {label} failed:\n{done.stderr[-3000:]}")
+    return [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(nproc)]
 
 
 # ------------------------------------------------------------------------------------------ padding

@@ -147,12 +147,14 @@ def test_two_nodes_80_and_24_gib_with_a_7b_model(seven_b, capsys):
     capsys.readouterr()
     assert cli_main(args + ["--fit", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert {"key": "parallel.cpu_offload", "from": "none", "to": "full"} in d["fit"]["changes"]
+    # tensor parallelism before offload (planner.fit's order): pairs of consecutive ranks, inside each group
+    assert d["fit"]["changes"] == [{"key": "parallel.tensor_parallel_size", "from": 1, "to": 2}]
     fitted = d["fit"]["plan"]["ranks"]["device_groups"]
     assert [g["fits"] for g in fitted] == [True, True] and fitted[1]["lowered"]
     assert (fitted[0]["token_cap"], fitted[1]["token_cap"]) == (9216, 1536)
     assert d["layout"]["devices"][0]["model"] == "H100"
-    assert d["ranks"]["device_groups"][1]["fixes"][0]["settings"] == {"parallel.cpu_offload": "full"}
+    fixes = [f["settings"] for f in d["ranks"]["device_groups"][1]["fixes"]]
+    assert fixes[0] == {"parallel.tensor_parallel_size": 2} and {"parallel.cpu_offload": "full"} in fixes
 
 
 def test_a_smaller_device_gets_fewer_rows_in_as_many_micro_steps(seven_b):

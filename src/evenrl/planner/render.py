@@ -124,7 +124,7 @@ def parallel_text(p: Plan) -> str:
         what = " x ".join(x for x, n in ((f"sequence parallel {sp}", sp), (f"tensor parallel {tp}", tp)) if n > 1)
         parts.append(f"{what}: {plural(p.dp_size, 'data-parallel group')} of {m} ranks "
                      f"({groups}{', ...' if p.dp_size > 4 else ''})"
-                     + (", each sample's tokens split over its SP group" if sp > 1 else "")
+                     + (f", each sample's tokens split over its {'SP ' if tp > 1 else ''}group" if sp > 1 else "")
                      + (f", each layer's heads, MLP width and vocabulary split over {tp} consecutive ranks"
                         if tp > 1 else ""))
     tp = c.rollout.tensor_parallel_size
@@ -196,6 +196,7 @@ def _memory_lines(p: Plan) -> list[str]:
              *(_group_lines(p) if len(p.groups) > 1 else []),
              _row("", f"per rank: largest micro-batch {mem.micro_tokens:,} tokens; generates "
                       f"{plural(mem.rollout_samples, 'sample')}"
+                      + (" with its TP group" if p.tensor_parallel > 1 and c.rollout.engine == "hf" else "")
                       + (f"; {mem.host_gib:.1f} GiB on the host" if mem.host_gib else ""))]
     b = mem.breakdown
     rows = [("resident", sum(b.get(k, 0.0) for k in RESIDENT), RESIDENT)]

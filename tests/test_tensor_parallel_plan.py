@@ -126,12 +126,9 @@ def test_the_plan_balances_over_replicas_of_the_mesh():
      ["does not divide a tensor-parallel rank's (1/2 of the model's) 4 query heads"]),
     (["parallel.tensor_parallel_size=2"], {}, {**TINY, "attn_logit_softcapping": 30.0}, "packed-attention", "error",
      ["tensor parallelism (rows packed back to back)", "parallel.tensor_parallel_size=1"]),
-    (["rollout.tensor_parallel_size=2"], {}, TINY, "tensor-parallel-engine", "error",
-     ["needs rollout.engine=vllm", "rollout.tensor_parallel_size=1 parallel.tensor_parallel_size=2 (the hf engine "
-      "samples from the split model)"]),
-    (["rollout.tensor_parallel_size=3", "rollout.engine=vllm"], {"nproc_per_node": 6}, TINY,
-     "tensor-parallel-engine-heads", "error", ["does not divide the model's 8 query heads",
-                                               "rollout.tensor_parallel_size=2"]),
+    (["rollout.tensor_parallel_size=2", "rollout.engine=vllm"], {}, TINY, "tensor-parallel-placement", "error",
+     ["not built yet", "rollout.engine=hf parallel.tensor_parallel_size=2 (the hf engine samples from the trainer's "
+      "split model)"]),
     (["rollout.engine=vllm", "model.dtype=bfloat16"], {}, QWEN32B, "engine-memory", "error",
      ["holds 61.0 GiB of weights", "over vLLM's share of 24.0 GiB", "an engine over 4 devices would hold it",
       "rollout.memory_fraction=0.78", "rollout.engine=hf"]),  # (61.0 + 0.03 + 1) / 80, up

@@ -98,7 +98,7 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
     (planner.tensor_parallel.engine_check), the smallest engine that does where engines span devices, else the
     share that does (up to 0.9), else the hf engine, which samples from the (split) training model."""
     from evenrl.planner.model_parallel import divisors_near  # it imports the planner's rules, as this module does
-    from evenrl.planner.tensor_parallel import MOST_SHARE, engine_check, engine_sizes
+    from evenrl.planner.tensor_parallel import MOST_SHARE, engine_check, engine_splits
 
     s: dict[str, Any] = {}
     t, sp, tp = max(lay.training_ranks, 1), cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
@@ -115,7 +115,7 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
     if etp > 1 and (cfg.rollout.engine not in mesh_shape.ENGINES_OVER_DEVICES or lay.device == "cpu"):
         s["rollout.tensor_parallel_size"] = 1
     elif etp > 1 and dims:
-        s["rollout.tensor_parallel_size"] = max([d for d in engine_sizes(lay, dims) if d <= etp], default=1)
+        s["rollout.tensor_parallel_size"] = max([d for d in engine_splits(lay, dims) if d <= etp], default=1)
     now = with_settings(cfg, s) if s else cfg
     found = engine_check(now, lay, dims) if dims else None
     if found:

@@ -163,14 +163,10 @@ def rule_rollout_parallel(p: Plan) -> list[Finding]:
     tp, key = c.rollout.tensor_parallel_size, "rollout.tensor_parallel_size"
     if tp == 1:
         return []
-    if c.rollout.engine != "vllm":  # the hf engine's tensor parallelism is the trainer's
-        trainer = "parallel.tensor_parallel_size"
-        alt = f"{key}=1 {trainer}={tp} (the hf engine samples from the split model); " \
-            if c.parallel.tensor_parallel_size == 1 else ""
+    if c.rollout.engine != "vllm":
         return [Finding("error", "tensor-parallel-engine",
-                        f"{key}={tp} needs rollout.engine=vllm: engine {c.rollout.engine!r} samples with the "
-                        f"training model itself, split as {trainer}={c.parallel.tensor_parallel_size} says",
-                        f"{alt}rollout.engine=vllm; or {key}=1")]
+                        f"{key}={tp} needs rollout.engine=vllm: engine {c.rollout.engine!r} samples with each "
+                        "training rank's own model", f"rollout.engine=vllm; or {key}=1")]
     if lay.device == "cpu":
         return [Finding("error", "tensor-parallel-cpu",
                         f"{key}={tp} on CPU: vLLM's CPU build runs tensor parallelism as one worker process per "
@@ -189,12 +185,6 @@ def rule_rollout_parallel(p: Plan) -> list[Finding]:
                 f"{key}=1" + ("" if c.parallel.tensor_parallel_size > 1 or c.parallel.cpu_offload == "full" else
                               f"; or rollout.engine=hf parallel.tensor_parallel_size={tp} (the hf engine samples "
                               "from the trainer's split model)"))]
-    d = p.dims
-    if d and d.heads % tp:  # vLLM splits the query heads (KV heads it replicates where tp does not divide them)
-        near = divisors_near(d.heads, tp, lambda s: devices % s == 0 and s <= lay.nproc_per_node)
-        out.append(Finding("error", "tensor-parallel-engine-heads",
-                           f"{key}={tp} does not divide the model's {d.heads} query heads: each of an engine's "
-                           f"devices computes heads / {tp} of them", "; ".join(f"{key}={s}" for s in near)))
     if devices % tp:
         near = divisors_near(devices, tp, lambda s: s <= lay.nproc_per_node)
         flag = "--rollout-devices" if lay.rollout_devices else "--nproc-per-node"

@@ -110,11 +110,12 @@ def engine_devices(lay: Layout) -> tuple[int, float]:
     return (lay.rollout_devices or lay.world), memory
 
 
-def engine_sizes(lay: Layout, d: ModelDims) -> list[int]:
-    """rollout.tensor_parallel_size values vLLM and the layout allow: divisors of the engines' devices within a
-    node that divide the query heads."""
+def engine_splits(lay: Layout, d: ModelDims) -> list[int]:
+    """rollout.tensor_parallel_size values vLLM and the layout allow: divisors of the engines' devices and of a
+    node's processes that divide the query heads and the MLP width (vLLM gives each worker an equal slice)."""
     devices = engine_devices(lay)[0]
-    return [s for s in range(1, min(devices, lay.nproc_per_node) + 1) if devices % s == 0 and d.heads % s == 0]
+    return [s for s in range(1, min(devices, lay.nproc_per_node) + 1)
+            if devices % s == 0 and lay.nproc_per_node % s == 0 and d.heads % s == 0 and d.intermediate % s == 0]
 
 
 def engine_check(c: RunConfig, lay: Layout, d: ModelDims) -> tuple[float, float, float, int | None, float] | None:
@@ -129,7 +130,7 @@ def engine_check(c: RunConfig, lay: Layout, d: ModelDims) -> tuple[float, float,
     etp = c.rollout.tensor_parallel_size
     if engine_need(d, c_bytes, etp, length) <= share:
         return None
-    smallest = next((s for s in engine_sizes(lay, d) if engine_need(d, c_bytes, s, length) <= share), None)
+    smallest = next((s for s in engine_splits(lay, d) if engine_need(d, c_bytes, s, length) <= share), None)
     weights, kv = engine_bytes(d, c_bytes, etp, length)
     return weights / GIB, kv / GIB, share / GIB, smallest, share_needed(engine_need(d, c_bytes, etp, length), memory)
 

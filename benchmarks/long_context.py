@@ -101,14 +101,14 @@ def worker(length: int, out_dir: str) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from evenrl.core.batch import Batch, Ragged
-    from evenrl.distributed import groups
+    from evenrl.distributed import mesh
     from evenrl.models.forward import response_logprobs
     from evenrl.train.update import prepare_model
     from memory import phase_peaks
 
     torch.set_num_threads(1)  # the arm's ranks share the cores
     sp = int(os.environ.get("WORLD_SIZE", "1"))  # the arm is one SP group (one process: no process group)
-    info = groups.init("gloo", sequence_parallel=sp)
+    info = mesh.init("gloo", sequence_parallel=sp)
 
     def barrier():
         if torch.distributed.is_initialized():
@@ -142,7 +142,7 @@ def worker(length: int, out_dir: str) -> None:
     step()
     seconds = time.perf_counter() - t0
     Path(out_dir, f"{info.rank}.json").write_text(json.dumps({"peak": peak, "seconds": seconds}))
-    groups.shutdown()
+    mesh.shutdown()
 
 
 def measure(length: int, sp: int) -> dict:

@@ -238,8 +238,62 @@ def gather_checks() -> dict:
     return out
 
 
+def exact_checks(sharded: bool) -> dict:
+    """train.reproducibility=bitwise's update on this layout: canonical micro-batches (core.canonical), each one's
+    gradient into fixed point (ExactGrads, or FSDP2's fixed-point reduce-scatter), statistics in canonical order,
+    the fixed-point clip norm, the weights' hash; every number must be the same bits on 1, 2 and 3 ranks. Gradients
+    over several scales (a micro-batch's loss x 1e-9 .. 1e3) so that the tensors' top bins move between
+    micro-batches."""
+    from torch.distributed.fsdp import fully_shard
+
+    from evenrl.core.canonical import canonical_schedule
+    from evenrl.distributed import exact, exact_fsdp
+
+    W, me = dist.world(), dist.rank()
+    data = make_data(40, seed=5)
+    sched = canonical_schedule(data["tokens"].lengths.tolist(), world=W, minibatches=2, token_cap=90)
+    model, opt = fresh_model()
+    if sharded:
+        fully_shard(model, mesh=dist.device_mesh(torch.device("cpu")))
+        model.set_gradient_divide_factor(1.0)
+        model.set_force_sum_reduction_for_comms(True)
+        if W > 1:
+            exact_fsdp.install(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    whole = (lambda t: None if t is None else (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone())
+    out = {"grads": [], "norms": [], "stats": [], "hashes": []}
+    for mb in sched.minibatches:
+        denom = local_counts([data.select(list(mb.rows)).padded("loss_mask", False)[0]])
+        bins = None if exact_fsdp.installed(model) else exact.ExactGrads(params, every=sharded)
+        keyed = []
+        for m in mb.per_rank[me]:
+            b = data.select(list(m.rows) or [0])
+            x, mask = per_token_loss(model, b)
+            scale = 10.0 ** (3 * (m.rows[0] % 5) - 9) if m.rows else 0.0
+            (aggregate(x, mask, "token-mean", denom) * scale).backward()
+            if bins is not None:
+                bins.deposit()
+            if m.rows:
+                keyed.append((m.rows[0], [float(x.detach()[mask].sum()), float(mask.sum())]))
+        out["stats"].append(exact.canonical_sum([k for k, _ in keyed], [v for _, v in keyed], 2))
+        if bins is not None:
+            bins.reduce()
+        else:
+            exact_fsdp.finish(model)
+        out["norms"].append(exact.clip_grad_norm(params, 1e-6))
+        out["grads"].append({k: whole(p.grad) for k, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["hashes"].append(exact.weights_hash(params))
+    out["params"] = {k: whole(p) for k, p in model.named_parameters()}
+    return out
+
+
 def run_all() -> dict:
     out = {f"{n},{m},{mode}": distributed(n, m, cap, mode) for n, m, cap in CASES for mode in MODES}
+    out["exact"] = exact_checks(sharded=False)
+    out["exact_fsdp"] = exact_checks(sharded=True)
     if dist.world() == 3:
         out["exchange"] = exchange_checks()
     if dist.world() > 1:
@@ -324,7 +378,9 @@ def test_world_one_without_env_has_no_process_group(monkeypatch):
         assert dist.exchange(b, [0, 0, 0])["sample_index"].tolist() == [0, 2, 3]
         with pytest.raises(ValueError):
             dist.exchange(b, [0, 1, 0])
-        check_against_reference([run_all()])
+        result = run_all()
+        check_against_reference([result])
+        _EXACT_ONE.update(exact=result["exact"], exact_fsdp=result["exact_fsdp"])
     finally:
         dist.shutdown()
         torch.set_num_threads(threads)
@@ -368,6 +424,78 @@ def test_exchange_on_three_ranks(tmp_path_factory):
     for r, res in enumerate(per_rank):
         assert same_batch(Batch.from_dict(res["got"]), data.select(dest_rows_of(r)))  # ascending sample_index
         assert res["same_transport"] and res["mismatch_raised"] and res["bad_dest_raised"]
+
+
+_EXACT_ONE: dict = {}  # one process's exact_checks, from test_world_one_without_env_has_no_process_group
+
+
+def same_bits(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bitwise_update_is_the_same_bits_on_any_world(world, tmp_path_factory):
+    """bitwise (distributed.exact): gradients, clip norm, statistics, hashes and the parameters after the AdamW
+    steps are identical on 1, 2 and 3 ranks, replicated or FSDP2 (its reduce-scatter in fixed point), and FSDP2 is
+    the replicated result itself, but for the parameter no forward uses (FSDP2 reduces every trainable parameter,
+    so it gets zeros and AdamW's weight decay where replicated it keeps grad None)."""
+    if not _EXACT_ONE:
+        test_world_one_without_env_has_no_process_group(pytest.MonkeyPatch())
+    one = _EXACT_ONE["exact"]
+    assert len(set(one["hashes"])) == 2 and min(one["norms"]) > 1e-6  # the hash moved; the clip cut
+    for r, res in enumerate(results(world, tmp_path_factory)):
+        for name in ("exact", "exact_fsdp"):
+            for key in ("grads", "norms", "stats", "hashes", "params"):
+                assert same_bits(res[name][key], _EXACT_ONE[name][key]), (world, r, name, key)
+    fsdp = _EXACT_ONE["exact_fsdp"]
+    used = [k for k in one["params"] if not k.startswith("unused")]
+    assert all(torch.equal(one["params"][k], fsdp["params"][k]) for k in used)
+    assert one["norms"] == fsdp["norms"] and one["stats"] == fsdp["stats"]
+    assert one["grads"][0]["unused.weight"] is None and torch.equal(fsdp["grads"][0]["unused.weight"],
+                                                                   torch.zeros(2, 2))
+
+
+def test_fixed_point_sum_ignores_grouping_and_order():
+    """ExactGrads' bins, without processes: the same terms cut into ranks and micro-batches in several ways, in
+    several orders, with top bins that move (terms from 1e-30 to 1e30, zeros, one tensor all zero), give the same
+    bits; and they are the float sum to 2^-32 of the largest term."""
+    from evenrl.distributed.exact import ExactGrads, combine, realign
+
+    g = torch.Generator().manual_seed(3)
+    terms = [torch.randn(7, generator=g) * 10.0 ** float(torch.randint(-30, 31, (), generator=g)) for _ in range(12)]
+    terms[4] = torch.zeros(7)
+
+    def summed(groups):
+        ranks = []
+        for group in groups:
+            p = nn.Parameter(torch.zeros(7))
+            bins = ExactGrads([p])
+            for i in group:
+                p.grad = terms[i].clone()
+                bins.deposit()
+            ranks.append(bins)
+        top = max(b.tops[0] for b in ranks)
+        hi, lo = torch.zeros(7, dtype=torch.float64), torch.zeros(7, dtype=torch.float64)
+        for b in ranks:
+            if b.buf is not None:
+                h, l_ = b._bins(0)
+                realign(h, l_, b.tops[0], top)
+                hi, lo = hi + h, lo + l_
+        return combine(hi, lo, top).float()
+
+    want = summed([list(range(12))])
+    for groups in ([[11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]], [[0, 5, 9], [1, 2, 3, 4], [6, 7, 8, 10, 11]],
+                   [[i] for i in range(12)], [[3, 1], [0, 2, 11, 4], [10, 9, 8, 7, 6, 5]]):
+        assert torch.equal(summed(groups), want), groups
+    exact_sum = torch.stack([t.double() for t in terms]).sum(0)
+    largest = max(float(t.abs().max()) for t in terms)
+    assert float((want.double() - exact_sum).abs().max()) <= 2 ** -23 * largest + 12 * 2 ** -32 * largest
 
 
 def test_naive_per_rank_mean_is_not_the_single_device_gradient():

@@ -107,6 +107,17 @@ CASES = [
      ["dropout=0.05", "differs from one layout", "model.lora.dropout=0"]),
     ("save-merged-without-lora", "warning", ["log.save_merged=true"], {}, None,
      ["model.lora.rank is 0", "log.save_merged=false"]),
+    ("bitwise", "note", ["train.reproducibility=bitwise"], {}, None, ["rollout.batch_prompts=1", "weights/hash"]),
+    ("bitwise-vllm-cpu", "error", ["train.reproducibility=bitwise", "rollout.engine=vllm"], {"device": "cpu"}, None,
+     ["no batch-invariant mode", "rollout.engine=hf", "train.reproducibility=rounding"]),
+    ("bitwise-model-parallel", "error", ["train.reproducibility=bitwise", "parallel.tensor_parallel_size=2"], {},
+     TINY, ["tensor_parallel_size=2", "parallel.tensor_parallel_size=1"]),
+    ("bitwise-model-parallel", "error", ["train.reproducibility=bitwise", "parallel.sequence_parallel_size=2"], {},
+     TINY, ["sequence_parallel_size=2"]),
+    ("bitwise-moe", "error", ["train.reproducibility=bitwise", "algo.router_aux_loss_coef=0.01"], {}, MOE,
+     ["not layout-free", "algo.router_aux_loss_coef=0"]),
+    ("bitwise-idle-generation", "warning", ["train.reproducibility=bitwise", "rollout.batch_prompts=4"], {}, None,
+     ["8 prompts into 2 generation batches for 4", "rollout.batch_prompts=2"]),
 ]
 
 

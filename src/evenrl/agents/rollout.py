@@ -196,9 +196,13 @@ class Agents:
             todo.append((p, rec, ids, conv, tools, root, budget, history))
         if not todo:
             return
-        call = replace(params, max_new_tokens=max(t[6] for t in todo))
-        got = engine.generate([t[2] for t in todo], [t[1].call_key(t[2]) for t in todo], call, step=step,
-                              sample_ranges=[(t[1].sample, 1) for t in todo])
+        if self.cfg.train.reproducibility == "bitwise":  # each request alone: its logits then do not depend on
+            got = [engine.generate([t[2]], [t[1].call_key(t[2])], replace(params, max_new_tokens=t[6]), step=step,
+                                   sample_ranges=[(t[1].sample, 1)])[0] for t in todo]  # which ones came together
+        else:
+            call = replace(params, max_new_tokens=max(t[6] for t in todo))
+            got = engine.generate([t[2] for t in todo], [t[1].call_key(t[2]) for t in todo], call, step=step,
+                                  sample_ranges=[(t[1].sample, 1) for t in todo])
         for (p, rec, ids, conv, tools, root, budget, history), (c,) in zip(todo, got):
             sampled, lps = c.token_ids[:budget], c.logprobs[:budget]
             eos = bool(sampled) and sampled[-1] in self.prompts.eos_ids

@@ -202,6 +202,13 @@ class RolloutConfig(Section):
                            "uses them, the routing weights still the router's own and trained (R3; verl "
                            "router_replay.mode=R3). trainer: the step's first trainer forward records them and the "
                            "others replay (R2). A dense model ignores it.")
+    batch_prompts: int = Field(
+        1, ge=1, le=MAX_COUNT,
+        description="train.reproducibility=bitwise: the step's prompts are generated (and evaluated) in batches of "
+                    "this many consecutive prompts, all their samples together, the same batches on any layout; "
+                    "each rank generates whole batches, so a sample's logits do not depend on the rank count. More: "
+                    "fewer, larger engine calls (faster per rank), fewer batches to spread over ranks. Unused under "
+                    "rounding, where a rank generates all its prompts in one call.")
     memory_fraction: float = Field(
         0.0, ge=0.0, lt=1.0,
         description="vllm: the engine's memory share: gpu_memory_utilization on GPU (0: 0.3), on CPU this share of "
@@ -231,6 +238,17 @@ class TrainConfig(Section):
                           "e.g. a group whose rewards are all equal, with no KL-in-loss or entropy term); they still "
                           "count in the loss denominators, so the update is unchanged. Off when min_rows > 1.")
     seed: int = Field(0, ge=-MAX_SEED - 1, le=MAX_SEED, description="Seed for sampling and initialisation.")
+    reproducibility: Literal["rounding", "bitwise"] = Field(
+        "rounding",
+        description="rounding: each update equals the single-device one up to the order of floating-point sums "
+                    "(within 1e-5 in fp32), so runs on different numbers of processes agree step by step but "
+                    "drift apart over a long run. bitwise: the whole run (sampled tokens, rewards, metrics, weights, "
+                    "optimizer state) is bit-identical on any number of training processes, replicated or fsdp, "
+                    "with or without reserved rollout devices, and after --resume on another number: batches for "
+                    "generation and training cut from the step's samples alone (rollout.batch_prompts, "
+                    "train.token_cap_per_micro_batch), gradients summed in fixed point, one CPU thread per "
+                    "process, deterministic CUDA kernels; each step logs weights/hash. What it costs and requires: "
+                    "docs/reproducibility.md.")
 
 
 class ParallelConfig(Section):

@@ -22,6 +22,7 @@ from pathlib import Path
 from evenrl.config import RunConfig
 from evenrl.core.capacity import cap_limited_weights
 from evenrl.core.partition import lower_bound
+from evenrl.core.canonical import canonical_schedule
 from evenrl.core.schedule import ScheduleError, make_schedule
 from evenrl.data import hub
 from evenrl.planner.cluster import datasheet_weights
@@ -43,13 +44,14 @@ COUNT_MAX_BYTES = 512 * 1024**2  # jsonl files larger than this are not line-cou
 
 
 def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = None,
-              rates: RateFlags | None = None) -> Plan:
+              rates: RateFlags | None = None, resumed: dict | None = None) -> Plan:
     """Everything derived from (cfg, layout); `model_config` is a config.json dict used instead of model.path,
-    `rates` the device rates the user gave for the step-time estimate (evenrl.planner.timing).
+    `rates` the device rates the user gave for the step-time estimate (evenrl.planner.timing), `resumed` the
+    settings a checkpoint being resumed recorded (planner.reproducibility).
     parallel.rollout_devices is the layout's when no flag set it (evenrl train reads the same field)."""
     if cfg.parallel.rollout_devices and not layout.rollout_devices:
         layout = replace(layout, rollout_devices=cfg.parallel.rollout_devices)
-    p = Plan(cfg, layout, cfg.sample_tokens(), rates=rates)
+    p = Plan(cfg, layout, cfg.sample_tokens(), rates=rates, resumed=resumed)
     p.dataset_rows = count_rows(cfg.data.path)
     try:
         if model_config is not None:
@@ -110,11 +112,14 @@ def _simulate(p: Plan, weights: list[float] | None) -> None:
         return _analytic(p)
     args = dict(world=t, minibatches=c.algo.minibatches_per_step, token_cap=caps or cap,
                 groups=[i // k for i in range(n)], weights=weights, extra=[p.vision_tokens] * n)
+    schedule = make_schedule
+    if c.train.reproducibility == "bitwise":  # whole micro-batches of the config's cap dealt to ranks, as it runs
+        schedule, args = canonical_schedule, {**args, "token_cap": cap}
     try:
-        sch = make_schedule([length] * n, min_rows=c.train.min_rows_per_micro_batch, **args)
+        sch = schedule([length] * n, min_rows=c.train.min_rows_per_micro_batch, **args)
     except ScheduleError as e:
         p.schedule_error = str(e)
-        sch = make_schedule([length] * n, min_rows=1, **args)
+        sch = schedule([length] * n, min_rows=1, **args)
     p.minibatch_sizes = [len(mb.rows) for mb in sch.minibatches]
     p.micro_steps = sch.micro_steps()
     loads = sch.rank_loads()

@@ -110,6 +110,7 @@ class Plan:
     groups: list[GroupPlan] = field(default_factory=list)  # the training ranks by device, each with its token cap
     overlap: Overlap | None = None  # also without reserved devices when max_staleness >= 1 (its best split)
     findings: list[Finding] = field(default_factory=list)
+    resumed: dict | None = None  # evenrl train --resume: the checkpoint's recorded settings (planner.reproducibility)
 
     @property
     def runnable(self) -> bool:

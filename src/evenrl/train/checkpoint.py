@@ -54,6 +54,7 @@ from evenrl.distributed.weights import full_weights
 from evenrl.engines.versions import fsync_dir
 from evenrl.errors import RunStopped, UsageError
 from evenrl.models.lora import has_adapters, is_adapter
+from evenrl.planner.reproducibility import recorded
 
 # Loading checks that every tensor of the template (_trained_state) is in the checkpoint (DCP) before set_state_dict,
 # which may then leave the frozen ones out.
@@ -124,8 +125,10 @@ def save(ckpt_root: str | os.PathLike, state: Checkpointed, *, keep: int = 2) ->
     if dist.is_main():
         torch.save({**state.state_dict(), **groups}, tmp / "trainer.pt")
         versions = state.sync.keep(tmp, step) if state.sync is not None else []
+        cfg = getattr(state, "cfg", None)  # what a bitwise resume compares (planner.reproducibility)
+        settings = {} if cfg is None else {"settings": recorded(cfg)}
         (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), "world": dist.world(),
-                                                   "versions": versions}))
+                                                   "versions": versions, **settings}))
         fsync_dir(tmp)
         old = _retired(final) if final.exists() else None  # a re-run of the same step (after a resume) replaces it
         os.rename(tmp, final)

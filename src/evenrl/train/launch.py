@@ -170,6 +170,9 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # torchrun sets 1 thread per process when nothing is set, with a warning on every launch; the same, silently
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from evenrl.train import determinism
+
+    determinism.environment(cfg)  # bitwise: the variables CUDA and vLLM read when they start, for every worker
     os.environ["EVENRL_COMMAND"] = shlex.join(["evenrl", *argv])  # the workers' resume hint names this command
     # torch's per-launch and per-failure banners (each module's logger has its own level): ours are below
     for name in list(logging.root.manager.loggerDict):

@@ -17,7 +17,7 @@ from pathlib import Path
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
 from evenrl.errors import Interrupted, RunStopped, UsageError
-from evenrl.train import checkpoint, rundir
+from evenrl.train import checkpoint, determinism, rundir
 from evenrl.train.balance import make_balance
 from evenrl.train.evaluate import evaluate
 from evenrl.train.metrics import Idle, phase_table
@@ -40,9 +40,14 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     earlier = read_metrics(run_dir) if resume or restarted else []
     plan = preflight(cfg)
     check_reachable(cfg)  # a tracker's server, before anything loads
+    determinism.environment(cfg)  # before CUDA or vLLM start (bitwise)
     info = dist.init(**mesh_sizes(cfg))
+    determinism.settle(cfg, info.device)
+    earlier_ckpt = checkpoint.latest(run_dir / "checkpoints") if resume or restarted else None
+    resumed = determinism.check_resumed(checkpoint.read_meta(earlier_ckpt)) if earlier_ckpt is not None else None
     # the same plan on every rank's real device (one gather): per-device token caps, auto's starting weights
-    plan = preflight(cfg, plan.layout.with_devices(dist.gather_devices(info.device, info.local_world)))
+    plan = preflight(cfg, plan.layout.with_devices(dist.gather_devices(info.device, info.local_world)),
+                     resumed=resumed)
     if dist.is_main():
         rundir.prepare(run_dir, overwrite=overwrite and not restarted)
     dist.barrier()

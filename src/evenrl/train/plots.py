@@ -143,6 +143,49 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     return written
 
 
+def first_difference(rows: list[dict], other: list[dict]) -> tuple[int | None, int]:
+    """(the first step whose weights/hash differs between two runs' metrics rows, or None; the steps both logged a
+    hash for), over the steps both runs reached."""
+    a = {r["step"]: r["weights/hash"] for r in rows if isinstance(r.get("weights/hash"), str)}
+    b = {r["step"]: r["weights/hash"] for r in other if isinstance(r.get("weights/hash"), str)}
+    common = sorted(set(a) & set(b))
+    return next((s for s in common if a[s] != b[s]), None), len(common)
+
+
+def write_comparison(run_dir: str | Path, other_dir: str | Path) -> tuple[Path, str]:
+    """RUN_DIR/plots/compare.png: both runs' sampled reward by step, the first step whose weights differ marked;
+    and the one-line verdict."""
+    run_dir, other_dir = Path(run_dir), Path(other_dir)
+    rows, other = read_metrics(run_dir), read_metrics(other_dir)
+    step, common = first_difference(rows, other)
+    if not common:
+        raise UsageError(f"{run_dir} and {other_dir}: no step logged weights/hash in both (a run logs it with "
+                         "train.reproducibility=bitwise)")
+    verdict = (f"weights identical at all {common} steps both runs logged" if step is None else
+               f"weights first differ at step {step} ({common} steps compared)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for rs, label, style in ((rows, run_dir.name, "-"), (other, other_dir.name, "--")):
+        pts = [(r["step"], r["reward/mean"]) for r in rs if _number(r.get("reward/mean"))]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], ls=style, lw=1.5, label=label)
+    if step is not None:
+        ax.axvline(step, color="r", lw=1, label=f"weights differ from step {step}")
+    ax.set_title(f"Sampled reward of two runs: {verdict}", fontsize=9)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = run_dir / "plots"
+    out.mkdir(exist_ok=True)
+    fig.savefig(out / "compare.png", dpi=100)
+    plt.close(fig)
+    return out / "compare.png", verdict
+
+
 def plots_for_trackers(run_dir: str | Path) -> list[Path]:
     """write_plots for the experiment trackers at the end of training: a failure is a warning and no plots, never
     a failed run."""

@@ -21,6 +21,7 @@ from evenrl.core import selection
 from evenrl.core.batch import Batch
 from evenrl.core.importance import importance_weights, weight_sums
 from evenrl.distributed import collectives as dist
+from evenrl.distributed import exact
 from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.train.objectives import (Pooled, behavior_logprobs, columns, importance_weighted, kept_rows,
                                      selection_keys)
@@ -39,8 +40,13 @@ def pool(cfg: RunConfig, step: int, batch: Batch, micro: list[list[list[int]]]) 
         return [Pooled() for _ in micro]
     counts = dist.counts_rows()  # a replica's ranks (sp x tp) hold the same rows: its first rank counts them
     views = [[_view(cfg, step, batch.select(rows)) for rows in mb if rows and counts] for mb in micro]
-    sums = torch.stack([_sums(cfg, parts) for parts in views])  # [minibatches, 5]
-    dist.all_reduce_sum(sums)
+    if cfg.train.reproducibility == "bitwise":  # each micro-batch's sums, added in canonical order: layout-free
+        sums = torch.tensor([exact.canonical_sum([int(v["mb"]["sample_index"][0]) for v in parts],
+                                                 [_sums(cfg, [v]).tolist() for v in parts], 5) for parts in views],
+                            dtype=torch.float64).reshape(len(views), 5)
+    else:
+        sums = torch.stack([_sums(cfg, parts) for parts in views])  # [minibatches, 5]
+        dist.all_reduce_sum(sums)
     step_weights = sums[:, 3:].sum(0)
     weight_mean = float(step_weights[0] / step_weights[1]) if cfg.algo.importance_normalize and step_weights[1] else None
     thresholds = _thresholds(cfg, step, views, sums)

@@ -11,9 +11,9 @@ from evenrl.config import RunConfig
 from evenrl.errors import UsageError
 
 
-def preflight(cfg: RunConfig, layout=None):
+def preflight(cfg: RunConfig, layout=None, resumed: dict | None = None):
     """The plan for `layout` (default: what the launch environment and this machine say); its error findings as
-    one UsageError, a line each."""
+    one UsageError, a line each. `resumed`: the settings the checkpoint being resumed recorded."""
     from evenrl.planner.layout import detect_local, layout_from_env
     from evenrl.planner.plan import make_plan
 
@@ -21,7 +21,7 @@ def preflight(cfg: RunConfig, layout=None):
         from evenrl.engines.vllm_engine import require
 
         require()
-    plan = make_plan(cfg, layout or layout_from_env(os.environ) or detect_local())
+    plan = make_plan(cfg, layout or layout_from_env(os.environ) or detect_local(), resumed=resumed)
     errors = [f for f in plan.findings if f.level == "error"]
     if errors:
         lines = [f"plan {e.rule}: {e.message}; fix: " + "; ".join(x.strip() for x in e.fix.splitlines() if x.strip())

@@ -159,7 +159,8 @@ def add_model_rewards(scorers: list[Scorer], cfg: RunConfig, completions: list[s
                                                  cfg.train.token_cap_per_micro_batch, cfg.parallel.capacity_weights)
             entry = _entry(values, errors)
         else:
-            outputs, errors = judge_outputs(scorer, rows, completions, keys, step)
+            outputs, errors = judge_outputs(scorer, rows, completions, keys, step,
+                                            alone=cfg.train.reproducibility == "bitwise")
             values, entry = _parse(scorer, cfg, outputs, errors, rows)
         for i, v in enumerate(values):
             if v is None:
@@ -225,8 +226,10 @@ def reward_model_input(tokenizer, prompt: str, completion: str) -> list[int]:
 
 
 def judge_outputs(judge: Judge, rows: list[dict], completions: list[str], keys: list[int],
-                  step: int) -> tuple[list[str | None], list[str | None]]:
-    """The judge's text for each sample (None with the reason where its prompt does not fit the judge)."""
+                  step: int, alone: bool = False) -> tuple[list[str | None], list[str | None]]:
+    """The judge's text for each sample (None with the reason where its prompt does not fit the judge). `alone`
+    (train.reproducibility=bitwise): one prompt per engine call, so a verdict does not depend on which samples a
+    rank holds; a sharded judge then makes as many calls on every rank as the busiest."""
     spec = judge.spec
     prompts = [encode_prompt(judge.tokenizer, fill_template(spec.template, r["prompt"], c, r.get("answer")),
                              spec.use_chat_template) for r, c in zip(rows, completions)]
@@ -236,8 +239,13 @@ def judge_outputs(judge: Judge, rows: list[dict], completions: list[str], keys: 
     fits = [i for i, e in enumerate(errors) if e is None]
     params = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, seed=judge.seed)
     judge.engine.wake()
+    calls = [[i] for i in fits] if alone else [fits]
+    if alone and judge.model is not None and is_sharded(judge.model):
+        calls += [[]] * (max(dist.all_gather_object(len(calls))) - len(calls))
+    made = []
     with on_device(judge.model, judge.device):  # every rank generates: with sharding it is a collective
-        made = judge.engine.generate([prompts[i] for i in fits], [keys[i] for i in fits], params, step=step)
+        for call in calls:
+            made += judge.engine.generate([prompts[i] for i in call], [keys[i] for i in call], params, step=step)
     judge.engine.sleep()
     outputs: list[str | None] = [None] * len(rows)
     for i, samples in zip(fits, made):

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from evenrl.config import RunConfig
-from evenrl.core.schedule import rollout_shares
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
 from evenrl.engines import Engine, make_engine
@@ -24,6 +23,7 @@ from evenrl.models.lora import add_adapters
 from evenrl.models.vision import prompt_image_inputs
 from evenrl.train import checkpoint
 from evenrl.train.data import PromptSampler
+from evenrl.train.sampling import unit_batches
 from evenrl.train.trainer import Prompts, load_prompt_set, vision_setup
 from evenrl.agents.rollout import Agents
 from evenrl.train.trajectories import Turns, make_turns
@@ -64,24 +64,25 @@ def generate_and_send(cfg: RunConfig, engine: Engine, prompts: Prompts, step: in
     the samples it starts from, as in a colocated step). A sample's key is what it is on any layout, so the samples
     equal the colocated ones; with rollout.env they are whole trajectories, the environments stepped here.
     `processor`: a vision-language model's image processor (the prompts' images go to the engine)."""
-    n, replicas = cfg.rollout.samples_per_prompt, dist.rollout_ranks()
+    replicas = dist.rollout_ranks()
     costs = [len(prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
-    mine = rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())]
     dist.mark(f"step {step} generate (rollout rank)")
-    ids = [prompt_ids[p] for p, _, _ in mine]
-    args = ([prompts.tokens[i] for i in ids], [p for p, _, _ in mine], sampling_params(cfg))
-    kw = dict(step=step, sample_ranges=[(first, count) for _, first, count in mine])
-    if turns is None:
-        completions = engine.generate(*args, **kw, images=prompt_image_inputs(processor, prompts.images, ids))
-    else:
-        completions = turns.generate(engine, *args, **kw, rows=[prompts.rows[i] for i in ids],
-                                     openings=[prompts.openings[i] for i in ids])
+    completions = []
+    for mine in unit_batches(cfg, costs, len(replicas), None)[replicas.index(dist.rank())]:  # engine calls
+        ids = [prompt_ids[p] for p, _, _ in mine]
+        args = ([prompts.tokens[i] for i in ids], [p for p, _, _ in mine], sampling_params(cfg))
+        kw = dict(step=step, sample_ranges=[(first, count) for _, first, count in mine])
+        if turns is None:
+            completions += engine.generate(*args, **kw, images=prompt_image_inputs(processor, prompts.images, ids))
+        else:
+            completions += turns.generate(engine, *args, **kw, rows=[prompts.rows[i] for i in ids],
+                                          openings=[prompts.openings[i] for i in ids])
     engine.sleep()
     made = {(c.prompt_key, c.sample_index): c for samples in completions for c in samples}
     # as the trainers split: by rollout unit (a tensor-parallel group), to the rank of each that keeps the samples
     units = dist.shape().trainers // dist.shape().tp
-    shares = dist.per_trainer(rollout_shares(costs, n, units,
-                                             dist.unit_weights(cfg.parallel.fixed_capacity_weights())))
+    shares = dist.per_trainer([[x for b in batches for x in b] for batches in unit_batches(
+        cfg, costs, units, dist.unit_weights(cfg.parallel.fixed_capacity_weights()))])
     dist.send_rollouts(step, policy_version(step, cfg.rollout.max_staleness),
                        [[made[(p, i)] for p, first, count in share for i in range(first, first + count)
                          if (p, i) in made] for share in shares])

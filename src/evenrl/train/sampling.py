@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from evenrl.core.batch import Batch, Ragged
+from evenrl.core.canonical import rollout_batches
 from evenrl.core.schedule import rollout_shares
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
@@ -105,7 +106,8 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
     n = cfg.rollout.samples_per_prompt
     costs = [len(trainer.prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
     unit, units, keeps = dist.rollout_unit()  # a tensor-parallel group generates together; one rank keeps the rows
-    mine = rollout_shares(costs, n, units, dist.unit_weights(trainer.balance.rollout))[unit]
+    batches = unit_batches(cfg, costs, units, dist.unit_weights(trainer.balance.rollout))
+    mine = [x for b in batches[unit] for x in b]
     ids = [prompt_ids[p] for p, _, _ in mine]
     images = prompt_image_inputs(trainer.image_processor, trainer.prompts.images, ids)
     version = step - 1  # the policy being trained sampled: colocated, or reserved with max_staleness 0
@@ -119,14 +121,13 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
         mine = mine if keeps else []  # the rollout ranks sent this unit's samples to its first rank
         completions = [[made[(first + p, s)] for s in range(a, a + count)] for p, a, count in mine]
     else:
-        args = ([trainer.prompts.tokens[i] for i in ids], [first + p for p, _, _ in mine], sampling_params(cfg))
-        kw = dict(step=step, sample_ranges=[(a, count) for _, a, count in mine])  # key: the prompt's position
-        if trainer.turns is None:
-            completions = trainer.engine.generate(*args, **kw, images=images)
-        else:  # whole trajectories, the environments stepped in between
-            completions = trainer.turns.generate(trainer.engine, *args, **kw,
-                                                 rows=[trainer.prompts.rows[i] for i in ids],
-                                                 openings=[trainer.prompts.openings[i] for i in ids])
+        completions, at = [], 0
+        # every rank as many engine calls as the unit with the most batches: with FSDP2 a call gathers the model
+        for b in batches[unit] + [[]] * (max(len(x) for x in batches) - len(batches[unit])):
+            part = slice(at, at + len(b))
+            completions += generate_batch(trainer, step, b, ids[part], first,
+                                          None if images is None else images[part])
+            at += len(b)
         trainer.engine.sleep()  # vLLM on GPU: its KV cache is freed while the trainer needs the memory
         if not keeps:  # this unit's samples are its first rank's: the step holds one copy of each
             mine, completions = [], []
@@ -168,6 +169,28 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
         for name, col in trajectory_columns([c for samples in completions for c in samples]).items():
             batch[name] = col
     return batch
+
+
+def unit_batches(cfg, costs: list[float], units: int, weights) -> list[list[list[tuple[int, int, int]]]]:
+    """Per generating unit, its engine calls' (prompt, first sample, count) lists: under bitwise the canonical
+    batches of rollout.batch_prompts prompts dealt whole (core.canonical), under rounding one call of the unit's
+    rollout_shares."""
+    n = cfg.rollout.samples_per_prompt
+    if cfg.train.reproducibility == "bitwise":
+        return rollout_batches(costs, n, units, cfg.rollout.batch_prompts, weights)
+    return [[share] for share in rollout_shares(costs, n, units, weights)]
+
+
+def generate_batch(trainer: Trainer, step: int, batch: list[tuple[int, int, int]], ids: list[int], first: int,
+                   images) -> list:
+    """One engine call: the samples of `batch` ((prompt position, first sample, count); `ids` their dataset rows),
+    or with rollout.env / rollout.agent their whole trajectories, the environments stepped in between."""
+    args = ([trainer.prompts.tokens[i] for i in ids], [first + p for p, _, _ in batch], sampling_params(trainer.cfg))
+    kw = dict(step=step, sample_ranges=[(a, count) for _, a, count in batch])  # key: the prompt's position
+    if trainer.turns is None:
+        return trainer.engine.generate(*args, **kw, images=images)
+    return trainer.turns.generate(trainer.engine, *args, **kw, rows=[trainer.prompts.rows[i] for i in ids],
+                                  openings=[trainer.prompts.openings[i] for i in ids])
 
 
 def engine_routes(routes: list, model) -> Ragged:

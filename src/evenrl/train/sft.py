@@ -18,11 +18,12 @@ import torch
 
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.core.batch import Batch, Ragged
+from evenrl.core.canonical import canonical_schedule
 from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
 from evenrl.models.forward import response_logprobs
 from evenrl.train.data import PromptSampler, load_data
-from evenrl.train import rundir
+from evenrl.train import determinism, rundir
 from evenrl.train.checkpoint import save_final
 from evenrl.train.preflight import mesh_sizes
 from evenrl.train.runlog import RunLog
@@ -34,7 +35,9 @@ from evenrl.train.update import minibatch_denominators, minibatch_update
 def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     rundir.check(cfg.log.run_dir, resume=False, overwrite=overwrite)
     check_reachable(cfg)  # a tracker's server, before anything loads
+    determinism.environment(cfg)
     info = dist.init(**mesh_sizes(cfg, rollout=False))
+    determinism.settle(cfg, info.device)  # bitwise: one CPU thread, deterministic kernels
     if dist.is_main():
         rundir.prepare(cfg.log.run_dir, overwrite=overwrite)
     dist.barrier()
@@ -61,7 +64,8 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
         seqs = [prompt_tokens[i] + targets[i] for i in ids]
         # sequence parallelism: a group of S ranks trains its rows together, each a slice of every micro-batch
         group, groups = dist.data_parallel()
-        schedule = make_schedule([len(s) for s in seqs], world=groups,
+        bitwise = cfg.train.reproducibility == "bitwise"  # micro-batches the same on any layout (core.canonical)
+        schedule = (canonical_schedule if bitwise else make_schedule)([len(s) for s in seqs], world=groups,
                                  token_cap=cfg.train.token_cap_per_micro_batch * cfg.parallel.sequence_parallel_size,
                                  min_rows=cfg.train.min_rows_per_micro_batch,
                                  packed=hasattr(model, "evenrl_sequence_group"))
@@ -69,6 +73,7 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
         batch = Batch({
             "tokens": Ragged.of([torch.tensor(seqs[i], dtype=torch.long) for i in mine], torch.long),
             "response_len": torch.tensor([len(targets[ids[i]]) for i in mine], dtype=torch.long),
+            "sample_index": torch.tensor(mine, dtype=torch.long),
         })
         pos = {row: j for j, row in enumerate(mine)}
         micro = [[pos[r] for r in m.rows] for m in schedule.minibatches[0].per_rank[group]]
@@ -76,7 +81,7 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
         stats = minibatch_update(model, opt, None, batch, micro, denom, loss_fn=loss_fn, stat_names=["sft/nll"],
                                  forward=functools.partial(response_logprobs, pad_token_id=tokenizer.pad_token_id),
                                  aggregation="token-mean", max_grad_norm=cfg.train.max_grad_norm,
-                                 pad_token_id=tokenizer.pad_token_id)
+                                 pad_token_id=tokenizer.pad_token_id, bitwise=bitwise)
         log.metrics(step, stats)
     save_final(model, tokenizer, run_dir / "final", merged=cfg.log.save_merged)
     log.close()

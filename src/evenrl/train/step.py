@@ -23,10 +23,14 @@ from evenrl.config import RunConfig
 from evenrl.core.advantages import (TOKEN_ADVANTAGES, compute_advantages, discounted_returns, gae_advantages,
                                     pooled_moments, token_moments, token_rewards, whiten)
 from evenrl.core.batch import Batch, Ragged
+from evenrl.core.canonical import canonical_schedule
 from evenrl.core.losses import kl_penalty
 from evenrl.core.masking import counted_lengths, masked_rows, sampled_view, spread_sampled, zero_gradient_rows
 from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
+from evenrl.distributed import exact
+from evenrl.engines.base import keyed_seed
+from evenrl.errors import RunStopped
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import is_sharded
 from evenrl.models import routing
@@ -82,6 +86,8 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
         if cfg.rollout.router_replay == "engine":
             stats.update(routed)
     load = rebalance(trainer.balance, timer, local)                             # busy times; auto: next weights
+    if bitwise(cfg):
+        stats["weights/hash"] = weights_hash(trainer, step)                     # the proof: equal logs, equal runs
 
     lr = trainer.policy.optimizer.param_groups[0]["lr"]
     metrics = step_metrics(cfg, lr, everyone, schedule, {**stats, **adv_stats, **sampling, **load}, failures, timer)
@@ -133,6 +139,8 @@ def add_values(trainer: Trainer, batch: Batch) -> None:
     """The critic's value of every response token's state at sampling time: GAE's baseline and the value loss's
     clipping centre."""
     micro = capped_runs(batch["tokens"].lengths.tolist(), trainer.balance.token_cap(trainer.cfg, dist.rank()))
+    if bitwise(trainer.cfg):  # a rank's rows at sampling time depend on the layout: one sample per forward
+        micro = singles(len(batch))
     if is_sharded(trainer.critic.model):  # every rank as many forwards as the busiest (empty ones are fillers)
         micro += [[]] * (max(dist.all_gather_object(len(micro))) - len(micro))
     with routing.options(trainer.critic.model, replay=False):  # an MoE critic routes by its own routers
@@ -238,7 +246,10 @@ def plan_step(trainer: Trainer, everyone: Batch):
     if M > 1:  # a replica is as fast and holds as much as its weakest rank; tensor parallelism splits no tokens
         caps = [S * min(caps[g:g + M]) for g in range(0, len(caps), M)] if isinstance(caps, list) else S * caps
         weights = None if weights is None else [min(weights[g:g + M]) for g in range(0, len(weights), M)]
-    return make_schedule(everyone["total_len"].tolist(), world=dist.data_parallel()[1],
+    if bitwise(cfg):  # whole micro-batches cut by the config's cap alone, the same on any layout (core.canonical)
+        caps = S * cfg.train.token_cap_per_micro_batch
+    return (canonical_schedule if bitwise(cfg) else make_schedule)(everyone["total_len"].tolist(),
+                                                                   world=dist.data_parallel()[1],
                          minibatches=cfg.algo.minibatches_per_step, token_cap=caps,
                          groups=everyone["group"].tolist(), weights=weights,
                          min_rows=cfg.train.min_rows_per_micro_batch, inert=zero_gradient_rows(cfg, everyone),
@@ -316,8 +327,9 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
     totals: dict[str, float] = {}
     updates = 0
     experts = moe.Experts(cfg, trainer.model, trainer.pad_id) if is_moe(trainer.model) else None
-    for _ in range(algo.epochs_per_step):
-        for rows, denom, common in zip(micro, denoms, pooled):
+    for epoch in range(algo.epochs_per_step):
+        for i, (rows, denom, common) in enumerate(zip(micro, denoms, pooled)):
+            seed = keyed_seed("evenrl-update", cfg.train.seed, step, epoch, i)  # bitwise: dropout per micro-batch
             policy, critic = trainer.policy, trainer.critic
             stats = minibatch_update(policy.model, policy.optimizer, policy.lr_scheduler, batch, rows, denom,
                                      forward=functools.partial(response_logprobs, pad_token_id=trainer.pad_id,
@@ -326,7 +338,7 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
                                      loss_fn=functools.partial(rl_objective, cfg, step, pooled=common),
                                      stat_names=stat_names, aggregation=algo.loss_aggregation,
                                      max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id, busy=busy,
-                                     experts=experts)
+                                     experts=experts, bitwise=bitwise(cfg), seed=seed)
             if critic is not None:  # same rows, same global denominators: exact on any layout too
                 with routing.options(critic.model, replay=False):  # the policy's routes are not the critic's
                     values = minibatch_update(critic.model, critic.optimizer, critic.lr_scheduler, batch, rows,
@@ -335,13 +347,28 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
                                               loss_fn=functools.partial(value_objective, cfg),
                                               stat_names=CRITIC_STAT_NAMES, aggregation=algo.loss_aggregation,
                                               max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id,
-                                              busy=busy)
+                                              busy=busy, bitwise=bitwise(cfg), seed=seed)
                 stats.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in values.items()})
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
             updates += 1
     means = {k: v / updates for k, v in totals.items()}  # mean over the step's optimizer steps
     return means if experts is None else {**means, **experts.metrics()}
+
+
+def weights_hash(trainer: Trainer, step: int) -> str:
+    """The trained weights' layout-free hash (distributed.exact.weights_hash: the policy's, then the critic's),
+    checked to be the same on every training rank."""
+    params = [p for m, _ in trainer.trained().values() for p in m.parameters() if p.requires_grad]
+    value = exact.weights_hash(params)
+    if not exact.group_agrees(value):
+        raise RunStopped(f"the training ranks' weights differ after step {step} (train.reproducibility=bitwise: "
+                         "every rank must hold the same bits); this is a bug, please report it")
+    return value
+
+
+def bitwise(cfg: RunConfig) -> bool:
+    return cfg.train.reproducibility == "bitwise"
 
 
 # ------------------------------------------------------------------------------------------ small helpers

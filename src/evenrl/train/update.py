@@ -19,9 +19,11 @@ from evenrl.core.aggregation import Denominators, aggregate
 from evenrl.core.batch import Batch, Ragged
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
+from evenrl.distributed import exact, exact_fsdp
 from evenrl.distributed.sequence import sequence_parallel
 from evenrl.distributed.sharding import shard
 from evenrl.distributed.tensor_parallel import tensor_parallel
+from evenrl.engines.base import keyed_seed
 from evenrl.errors import RunStopped, UsageError
 from evenrl.models.decoder import LeanDecoder
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
@@ -58,6 +60,8 @@ def prepare_model(model, cfg: RunConfig) -> None:
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     if cfg.parallel.sharding == "fsdp":
         shard(model, compute_dtype=compute, offload=cfg.parallel.cpu_offload == "full")
+        if cfg.train.reproducibility == "bitwise" and dist.size("data") > 1:
+            exact_fsdp.install(model)  # its reduce-scatters in fixed point (one process has none)
     elif compute != torch.float32:
         set_autocast(model, compute)
     split_sequences(model, cfg)
@@ -145,7 +149,8 @@ LossFn = Callable[[Tensor, Tensor, Tensor, Batch], tuple[Tensor, dict]]
 
 def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: list[list[int]], denom: Denominators,
                      *, forward: Forward, loss_fn: LossFn, stat_names: list[str], aggregation: str,
-                     max_grad_norm: float, pad_token_id: int, busy=None, experts=None) -> dict:
+                     max_grad_norm: float, pad_token_id: int, busy=None, experts=None, bitwise: bool = False,
+                     seed: int = 0) -> dict:
     """One optimizer step over this rank's micro-batches of one mini-batch, exact across ranks:
     losses are divided by the mini-batch's GLOBAL token/sequence counts (`denom`, from minibatch_denominators)
     and gradients are SUM-reduced, so the step equals the one a single device would take on the whole mini-batch.
@@ -154,11 +159,18 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     busy: an evenrl.train.balance.Busy that gets the time and tokens of the forward and backward passes (the
     rank's own work, before it waits for the others in the gradient reduction).
     experts: a mixture of experts' evenrl.train.moe.Experts: the mini-batch's expert counts gathered first (a
-    collective), then each micro-batch's share of the load-balancing loss and its expert load."""
+    collective), then each micro-batch's share of the load-balancing loss and its expert load.
+    bitwise (train.reproducibility): the micro-batches are canonical (core.canonical) and every sum over them is
+    layout-free (distributed.exact): each one's gradient goes into fixed-point bins, its statistics are added in
+    the micro-batches' canonical order, the clip norm is summed in fixed point; the global RNG (dropout) is seeded
+    per micro-batch from `seed` and the micro-batch's first sample."""
     started = time.perf_counter()
     sums: dict[str, list[float]] = {}
     sharded = is_sharded(model)
     ran = 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    bins = exact.ExactGrads(params, every=sharded) if bitwise and not exact_fsdp.installed(model) else None
+    keyed: list[tuple[int, list[float]]] = []  # bitwise: (canonical key, statistics) per micro-batch run here
     if experts is not None:
         experts.begin(model, batch, micro_rows)
     for rows in micro_rows:
@@ -166,8 +178,12 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
             if sharded:  # zero-weight filler: FSDP's gathers and reduce-scatters must meet on every rank
                 logits, _, _ = response_logits(model, filler_row(pad_token_id), pad_token_id)
                 (logits.sum() * 0.0).backward()
+                if bins is not None:
+                    bins.deposit()
             continue  # replicated: nothing to forward; collectives happen once per mini-batch below
         mb = batch.select(rows)
+        if bitwise:  # dropout's masks: the micro-batch's own, on any rank
+            torch.manual_seed(keyed_seed("evenrl-micro-batch", seed, int(mb["sample_index"][0])) >> 1)
         with experts.forward(model, mb, rows) if experts is not None else contextlib.nullcontext():
             outputs, targets, mask = forward(model, mb)
         if "loss_mask" in mb:  # a trajectory's environment tokens: no loss, no statistic, no count
@@ -176,19 +192,33 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         loss = aggregate(per_token, mask, aggregation, denom)
         (loss if experts is None else loss + experts.balance_loss(model)).backward()
         ran += 1
+        if bitwise:
+            if bins is not None:
+                bins.deposit()
+            keyed.append((int(mb["sample_index"][0]), [float(v) for k in stat_names for v in stats.get(k, (0, 0))]))
+            continue
         for k, (s, c) in stats.items():
             acc = sums.setdefault(k, [0.0, 0.0])
             acc[0] += float(s)
             acc[1] += float(c)
     if busy is not None:
         busy.add(started, int(sum(batch["tokens"].lengths[rows].sum() for rows in micro_rows if rows)))
-    params = [p for p in model.parameters() if p.requires_grad]
     c = dist.coords()
     if c is not None and c.sp > 0:  # the sequence group's first rank counts what all of its ranks computed (every
-        sums, ran = {}, 0         # tensor-parallel rank does: the statistics are summed over the data group only)
+        sums, ran, keyed = {}, 0, []  # tensor-parallel rank does: the statistics are summed over the data group only)
     # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names.
     flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])] + [ran], dtype=torch.float64)
-    if sharded:  # gradients were reduce-scattered (summed) in each backward; only the statistics are left
+    if bitwise:  # the same bits on any layout: statistics in canonical order, gradients in fixed point
+        flat = torch.tensor(exact.canonical_sum([k for k, _ in keyed], [v + [1.0] for _, v in keyed],
+                                                2 * len(stat_names) + 1), dtype=torch.float64)
+        if bins is not None:
+            bins.reduce()
+        else:
+            exact_fsdp.finish(model)
+        if flat[-1] == 0 and denom.seqs == 0:
+            for p in params:
+                p.grad = None
+    elif sharded:  # gradients were reduce-scattered (summed) in each backward; only the statistics are left
         dist.all_reduce_sum(flat, over="data")
         if flat[-1] == 0 and denom.seqs == 0:  # what one device has here: no gradient at all, no step
             for p in params:
@@ -200,7 +230,8 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         # (momentum and weight decay still move the weights), so do exactly that.
         for p in params:
             p.grad = torch.zeros_like(p)
-    grad_norm = dist.clip_grad_norm(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    clip = exact.clip_grad_norm if bitwise else dist.clip_grad_norm
+    grad_norm = clip(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded: a DTensor
     # Both numbers are global (summed over ranks above), so every rank stops here together, before the optimizer
     # could write a NaN into the weights.

@@ -1,0 +1,258 @@
+"""Layout-free reductions (train.reproducibility=bitwise): sums whose bits do not depend on how their terms were
+split over ranks and micro-batches, so that a run is the same on 1, 2, 3, ... processes.
+
+A float sum depends on its order: (a + b) + c is not a + (b + c) in the last bit, and which micro-batch gradients a
+rank adds before the all-reduce, and in which order the collective adds the ranks' (gloo's ring starts its chunks
+at different ranks), is the layout. Three ways were measured to remove it (docs/reproducibility.md): an fp64 sum
+rounded once (exact only while the terms' exponents stay within ~29 bits of each other: not a guarantee), gathering
+every micro-batch's gradient and summing in a fixed order (memory: a gradient per micro-batch), and fixed point,
+chosen here: integers add associatively, so any grouping, any collective, gives the same bits.
+
+Gradients (`ExactGrads`; FSDP2's reduce-scatter: distributed.exact_fsdp). Each micro-batch's fp32 gradient is cut
+at absolute bit positions into two integer "bins" of 32 bits under the tensor's top bin T (the one holding its
+largest magnitude so far, over every micro-batch of every rank): hi = trunc(g / 2^32T), lo = trunc(frac * 2^32),
+bits below 2^32(T-1) dropped. Each bin is summed exactly (as integer-valued fp64: exact below 2^53, i.e. up to 2^21
+terms). When a larger gradient raises T by one, the old hi bin becomes the lo bin and the old lo bin is dropped;
+since the bins sit at absolute positions, that equals cutting every earlier term at the new T, so the result is the
+exact sum of every term's bits at and above 2^32(T-1) for the final T, whatever the order or grouping: T is
+max-reduced over the ranks, then the bins SUM-reduced. Error against the exact sum: under 2^-32 of the tensor's
+largest magnitude per term (fp32 rounds at 2^-24 of each value).
+
+Statistics (`canonical_sum`): each micro-batch's vector, gathered and added in the micro-batches' canonical order.
+Gradient norm (`clip_grad_norm`): the squares' sum in fixed point (int64 bins), per tensor, then over tensors in
+order. Weights (`weights_hash`): a sum over elements of (bits x a weight of the element's index) modulo a prime,
+so shards add up to the whole tensor's hash.
+
+    exact = ExactGrads(params)
+    for micro_batch in mine: loss.backward(); exact.deposit()     # p.grad moved into the bins
+    exact.reduce()                                                 # p.grad = the layout-free sum
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as tdist
+
+from evenrl.distributed.guard import guard
+from evenrl.distributed.mesh import G, comm_device, group, size
+from evenrl.distributed.ops import _is_dtensor, _local, all_gather_object, all_gather_tensors
+
+BIN = 32  # bits per bin
+NONE = -(1 << 20)  # the top bin of a tensor that got no nonzero gradient yet
+LOWEST = -3  # bins below it are clamped to it (|g| < 2^-96); keeps 2^(32 * -T) an fp32 number
+P = (1 << 31) - 1  # the hash's prime (products of two residues fit int64)
+
+
+def top_bin(amax: float, lowest: int = LOWEST) -> int:
+    """The bin holding `amax`'s highest bit (bin T spans [2^32T, 2^32(T+1))); NONE for 0."""
+    if amax == 0.0:
+        return NONE
+    return max(lowest, (math.frexp(amax)[1] - 1) // BIN)
+
+
+def split(g: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo): g's bits in bins `top` and `top - 1` as integer-valued tensors, truncated toward zero, exactly.
+    fp32 arithmetic is exact for top <= 0 (scaling up); above, fp64 (scaling down could make subnormals)."""
+    a = g.double() * 2.0 ** (-BIN * top) if top > 0 or g.dtype != torch.float32 else g * 2.0 ** (-BIN * top)
+    hi = torch.trunc(a)
+    return hi, a.sub_(hi).mul_(2.0 ** BIN).trunc_()
+
+
+def realign(hi: torch.Tensor, lo: torch.Tensor, old: int, new: int) -> None:
+    """Bins of top `old` moved to top `new` >= old: what cutting every earlier term at `new` would have given."""
+    if new == old or old == NONE:
+        return
+    if new == old + 1:
+        lo.copy_(hi)
+    else:
+        lo.zero_()
+    hi.zero_()
+
+
+def combine(hi: torch.Tensor, lo: torch.Tensor, top: int) -> torch.Tensor:
+    """The bins' value as fp64: hi x 2^32T + lo x 2^32(T-1)."""
+    return hi * 2.0 ** (BIN * top) + lo * 2.0 ** (BIN * (top - 1))
+
+
+def all_reduce(t: torch.Tensor, op, over: str = "data") -> torch.Tensor:
+    """`op` over this rank's group of mesh dimension `over` (a no-op alone), in place on the comm device."""
+    if size(over) > 1:
+        x = t.to(comm_device())
+        with guard("exact reduction"):
+            tdist.all_reduce(x, op=op, group=group(over))
+        if x is not t:
+            t.copy_(x)
+    return t
+
+
+class ExactGrads:
+    """The fixed-point sum of each parameter's micro-batch gradients on this rank (one flat fp64 buffer, hi and lo
+    halves, 16 bytes per parameter element while a mini-batch runs), then over the `data` group. `every`: a
+    parameter no forward used gets zeros instead of None, as FSDP2's fixed-point reduce-scatter gives it
+    (distributed.exact_fsdp), so a sharded model is the same on one process as on several."""
+
+    def __init__(self, params, every: bool = False):
+        self.params = [p for p in params if p.requires_grad]
+        self.every = every
+        self.tops = [NONE] * len(self.params)
+        self.had = [False] * len(self.params)
+        self.bad = False
+        self.buf: torch.Tensor | None = None
+
+    def _bins(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.buf is None:
+            local = [_local(p) for p in self.params]
+            self.sizes = [x.numel() for x in local]
+            self.offsets = [0]
+            for n in self.sizes:
+                self.offsets.append(self.offsets[-1] + n)
+            self.buf = torch.zeros(2, self.offsets[-1], dtype=torch.float64, device=local[0].device)
+        a, b, shape = self.offsets[i], self.offsets[i + 1], _local(self.params[i]).shape
+        return self.buf[0, a:b].view(shape), self.buf[1, a:b].view(shape)
+
+    def deposit(self) -> None:
+        """Move every parameter's gradient (one micro-batch's) into its bins; its grad is None afterwards."""
+        have = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not have:
+            return
+        grads = [_local(self.params[i].grad).detach() for i in have]
+        amax = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads]).tolist()
+        for i, g, m in zip(have, grads, amax):
+            self.had[i] = True
+            if not math.isfinite(m):
+                self.bad = True
+                continue
+            new = max(self.tops[i], top_bin(m))
+            if new == NONE:
+                continue
+            hi, lo = self._bins(i)
+            realign(hi, lo, self.tops[i], new)
+            self.tops[i] = new
+            h, l_ = split(g, new)
+            hi.add_(h)
+            lo.add_(l_)
+        for i in have:
+            self.params[i].grad = None
+
+    def reduce(self, over: str = "data") -> None:
+        """The layout-free sum over the ranks of `over` into p.grad (None where no rank had a gradient; NaN
+        everywhere if any term was not finite, so the step's non-finite check stops the run)."""
+        n = len(self.params)
+        head = torch.tensor(self.tops + [int(h) for h in self.had] + [int(self.bad)], dtype=torch.long)
+        all_reduce(head, tdist.ReduceOp.MAX, over)
+        tops, had, bad = head[:n].tolist(), head[n:2 * n].tolist(), bool(head[-1])
+        if any(t != NONE for t in tops):
+            for i, t in enumerate(tops):
+                if self.buf is not None or t != NONE:
+                    hi, lo = self._bins(i)
+                    realign(hi, lo, self.tops[i], t)
+            all_reduce(self.buf, tdist.ReduceOp.SUM, over)
+        for i, p in enumerate(self.params):
+            if not had[i] and not self.every:
+                p.grad = None
+                continue
+            if tops[i] == NONE:
+                value = torch.zeros_like(_local(p))
+            else:
+                value = combine(*self._bins(i), tops[i]).to(p.dtype)
+            if bad:
+                value = torch.full_like(_local(p), float("nan"))
+            if _is_dtensor(p):
+                p.grad = torch.zeros_like(p)
+                _local(p.grad).copy_(value)
+            else:
+                p.grad = value
+        self.tops, self.had, self.bad, self.buf = [NONE] * n, [False] * n, False, None
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ with a layout-free norm: each gradient's sum of squares in fixed point (the
+    squares are exact in fp64; int64 bins under the tensor's top bin, summed exactly, and over a sharded
+    gradient's ranks), the tensors' sums then added in parameter order. Replicated gradients are whole on every
+    rank and need no collective; FSDP2's shards are summed over the data group."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    squares = [_local(g).detach().double().square() for g in grads]
+    sharded = [_is_dtensor(g) for g in grads]
+    amax = torch.stack([s.max() if s.numel() else s.new_zeros(()) for s in squares]).cpu()
+    if any(sharded):
+        all_reduce(amax, tdist.ReduceOp.MAX)
+    tops = [top_bin(float(m), lowest=-10) for m in amax.tolist()]
+    sums = torch.zeros(len(grads), 2, dtype=torch.long)
+    for i, (s, t) in enumerate(zip(squares, tops)):
+        if t != NONE and math.isfinite(float(amax[i])):
+            hi, lo = split(s, t)
+            sums[i, 0], sums[i, 1] = hi.long().sum(), lo.long().sum()
+    if any(sharded):
+        mask = torch.tensor(sharded, dtype=torch.long)[:, None]
+        shard_sums = all_reduce(sums * mask, tdist.ReduceOp.SUM)
+        sums = torch.where(mask.bool(), shard_sums, sums)
+    total = 0.0
+    for (h, l_), t, m in zip(sums.tolist(), tops, amax.tolist()):
+        if not math.isfinite(m):
+            total = float("nan") if math.isnan(m) else float("inf")
+            break
+        if t != NONE:
+            total += float(h) * 2.0 ** (BIN * t) + float(l_) * 2.0 ** (BIN * (t - 1))
+    norm = torch.tensor(math.sqrt(total) if total >= 0 else total, dtype=torch.float32)
+    if max_norm != float("inf"):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            _local(g).mul_(coef.to(g.dtype).to(_local(g).device))
+    return norm
+
+
+def canonical_sum(keys: list[int], rows: list[list[float]], width: int) -> list[float]:
+    """Every rank's `rows` (one vector of `width` numbers per micro-batch, `keys` its canonical place) added in
+    canonical order, as fp64: the same numbers on every rank and layout. Ranks that do not count their rows (a
+    sequence- or tensor-parallel group's later ranks) pass none."""
+    mine = {"key": torch.tensor(keys, dtype=torch.long),
+            "rows": torch.tensor(rows, dtype=torch.float64).reshape(len(rows), width)}
+    parts = all_gather_tensors(mine)
+    every = sorted(zip(torch.cat([p["key"] for p in parts]).tolist(), torch.cat([p["rows"] for p in parts]).tolist()))
+    total = [0.0] * width
+    for _, row in every:
+        total = [a + b for a, b in zip(total, row)]
+    return total
+
+
+def _global_offset(t: torch.Tensor) -> int:
+    """The flat index of a local shard's first element in its whole tensor (a Shard(0) DTensor: FSDP2's rows)."""
+    if not _is_dtensor(t):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    stride = math.prod(t.shape[1:]) if t.dim() > 1 else 1
+    return int(offset[0]) * stride if offset else 0
+
+
+def weights_hash(params) -> str:
+    """A short hash of the parameters' bits (16 hex digits), layout-free: per element (bits mod p) x (a weight of
+    its tensor and flat index) mod p, summed, for two weightings; a shard's sum is its part of the whole tensor's,
+    so FSDP2's shards add up over the data group and a replicated rank hashes what it holds."""
+    params = list(params)
+    sums = torch.zeros(len(params), 2, dtype=torch.long)
+    sharded = []
+    for j, p in enumerate(params):
+        x = _local(p).detach().contiguous().reshape(-1)
+        bits = (x.view(torch.int32) if x.element_size() == 4 else x.view(torch.int16)).long() & 0xFFFFFFFF
+        bits = (bits % P).cpu()
+        idx = torch.arange(_global_offset(p), _global_offset(p) + x.numel(), dtype=torch.long) % P
+        for k, (c, d) in enumerate(((48271, 16807), (69621, 40692))):
+            w = (idx * c + (j + 1) * d + 1) % P
+            sums[j, k] = int(((bits * w) % P).sum()) % P
+        sharded.append(_is_dtensor(p))
+    if any(sharded):
+        mask = torch.tensor(sharded, dtype=torch.long)[:, None]
+        sums = torch.where(mask.bool(), all_reduce(sums * mask, tdist.ReduceOp.SUM), sums)
+    h = (sums % P).sum(0) % P
+    return f"{int(h[0]):08x}{int(h[1]):08x}"
+
+
+def group_agrees(value: str) -> bool:
+    """Whether every training rank computed the same `value` (replicas' weights: a check, one small gather)."""
+    return len(set(all_gather_object(value))) == 1 if G.info is not None else True

@@ -1,0 +1,73 @@
+"""The rules of train.reproducibility=bitwise (docs/reproducibility.md): what it cannot make bit-identical yet is
+refused before anything loads, what it costs is said, and a resume that cannot continue the same run bit for bit is
+named.
+
+    evenrl plan CONFIG train.reproducibility=bitwise --nproc-per-node 3
+
+Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+from evenrl.core.canonical import prompt_batches
+from evenrl.planner.types import Finding, Plan
+
+# what a bitwise run records in its checkpoints (evenrl.train.checkpoint) and a resume compares
+RECORDED = ("train.reproducibility", "parallel.sequence_parallel_size", "parallel.tensor_parallel_size")
+_ROUNDING = "train.reproducibility=rounding"
+
+
+def recorded(cfg) -> dict:
+    """The settings of `cfg` a bitwise resume must find unchanged, by their dotted names."""
+    return {"train.reproducibility": cfg.train.reproducibility,
+            "parallel.sequence_parallel_size": cfg.parallel.sequence_parallel_size,
+            "parallel.tensor_parallel_size": cfg.parallel.tensor_parallel_size}
+
+
+def rule_reproducibility(p: Plan) -> list[Finding]:
+    c = p.config
+    if c.train.reproducibility != "bitwise":
+        return []
+    out = []
+    if c.rollout.engine == "vllm" and p.layout.device == "cpu":
+        out.append(Finding("error", "bitwise-vllm-cpu", "train.reproducibility=bitwise with rollout.engine=vllm on "
+                           "CPU: vLLM's CPU build has no batch-invariant mode (a sample's logits change with the "
+                           "requests that share its batch)", f"rollout.engine=hf; or {_ROUNDING}"))
+    for field, size in (("tensor_parallel_size", c.parallel.tensor_parallel_size),
+                        ("sequence_parallel_size", c.parallel.sequence_parallel_size)):
+        if size > 1:
+            out.append(Finding("error", "bitwise-model-parallel", f"train.reproducibility=bitwise with "
+                               f"parallel.{field}={size}: not made bit-identical yet (the split model's gradients "
+                               "and norm are not summed in fixed point across its group)",
+                               f"parallel.{field}=1; or {_ROUNDING}"))
+    if c.algo.router_aux_loss_coef > 0 or c.rollout.router_replay == "engine":
+        what = ("algo.router_aux_loss_coef > 0" if c.algo.router_aux_loss_coef > 0
+                else "rollout.router_replay=engine")
+        out.append(Finding("error", "bitwise-moe", f"train.reproducibility=bitwise with {what}: its sums over ranks "
+                           "(the loss's metric, the routing probe) are not layout-free yet",
+                           f"algo.router_aux_loss_coef=0 rollout.router_replay=trainer; or {_ROUNDING}"))
+    units = max(p.layout.training_ranks, 1) // max(c.parallel.tensor_parallel_size, 1)
+    if p.layout.rollout_devices:
+        units = p.layout.rollout_devices
+    batches = len(prompt_batches(c.data.prompts_per_step, c.rollout.batch_prompts))
+    if batches < units:
+        out.append(Finding("warning", "bitwise-idle-generation",
+                           f"rollout.batch_prompts={c.rollout.batch_prompts} cuts the step's "
+                           f"{c.data.prompts_per_step} prompts into {batches} generation batches for {units} "
+                           f"generating ranks: {units - batches} of them generate nothing",
+                           f"rollout.batch_prompts={max(1, c.data.prompts_per_step // units)}"))
+    out.append(Finding("note", "bitwise", "train.reproducibility=bitwise: the run is the same bits on any number "
+                       "of processes: generation in batches of rollout.batch_prompts="
+                       f"{c.rollout.batch_prompts} prompts, whole micro-batches of "
+                       f"train.token_cap_per_micro_batch={c.train.token_cap_per_micro_batch} tokens dealt to ranks, "
+                       "gradients summed in fixed point, one CPU thread per process; each step logs weights/hash "
+                       "(evenrl report RUN OTHER_RUN finds the first step two runs differ)", ""))
+    if p.resumed is not None:
+        now = recorded(c)
+        changed = [k for k in RECORDED if k in p.resumed and p.resumed[k] != now[k]]
+        if changed:
+            was = ", ".join(f"{k}={p.resumed[k]}" for k in changed)
+            out.append(Finding("warning", "bitwise-resume", f"resuming a checkpoint written with {was}: the steps "
+                               "from here are bit-identical on any layout, but not to the run that wrote it",
+                               " ".join(f"{k}={p.resumed[k]}" for k in changed)))
+    return out

@@ -1,0 +1,141 @@
+"""train.reproducibility=bitwise, the parts that need no run: canonical batches (core.canonical) are the same on
+any number of ranks, the plan's resume finding, the process settings' refusal, the weights' hash, `evenrl report`'s
+comparison of two runs. The runs themselves: tests/test_bitwise_runs.py; the reductions on gloo: tests/test_dist.py
+(test_bitwise_update_is_the_same_bits_on_any_world, test_fixed_point_sum_ignores_grouping_and_order)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from evenrl.config import load_config
+from evenrl.core.canonical import canonical_schedule, prompt_batches, rollout_batches
+from evenrl.core.schedule import make_schedule
+from evenrl.errors import UsageError
+from evenrl.planner.layout import make_layout
+from evenrl.planner.plan import make_plan
+
+
+def micro_batches(schedule) -> list[list[tuple[int, ...]]]:
+    """Per mini-batch, its non-empty micro-batches' rows, in a fixed order."""
+    return [sorted(m.rows for micros in mb.per_rank for m in micros if m.rows) for mb in schedule.minibatches]
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=0, max_size=40), minibatches=st.integers(1, 4),
+       cap=st.integers(20, 200), world=st.integers(2, 7), group=st.integers(1, 4), min_rows=st.integers(1, 2),
+       data=st.data())
+def test_canonical_micro_batches_do_not_depend_on_the_world(lengths, minibatches, cap, world, group, min_rows, data):
+    n = len(lengths)
+    inert = data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) if min_rows == 1 else None
+    kw = dict(minibatches=minibatches, token_cap=cap, groups=[i // group for i in range(n)], min_rows=min_rows,
+              inert=inert)
+    try:
+        one = canonical_schedule(lengths, world=1, **kw)
+    except UsageError:  # a mini-batch with fewer than min_rows rows: refused on every layout alike
+        with pytest.raises(UsageError):
+            canonical_schedule(lengths, world=world, **kw)
+        return
+    many = canonical_schedule(lengths, world=world, **kw)
+    assert micro_batches(many) == micro_batches(one) == micro_batches(make_schedule(lengths, world=1, **kw))
+    for mb in many.minibatches:
+        assert len({len(micros) for micros in mb.per_rank}) == 1  # every rank as many micro-steps (fillers)
+        ran = sorted(r for micros in mb.per_rank for m in micros for r in m.rows)
+        assert ran == [r for r in mb.rows if not (inert and inert[r])]
+    assert [mb.rows for mb in many.minibatches] == [mb.rows for mb in one.minibatches]
+
+
+def test_whole_micro_batches_balance_worse_than_rows_and_say_so():
+    """The price of whole micro-batches: 6 rows of 10 tokens under a cap of 30 over 3 ranks: the rounding schedule
+    gives each rank 2 rows, bitwise cuts 2 micro-batches of 3 rows and one rank waits."""
+    lengths = [10] * 6
+    rounding = make_schedule(lengths, world=3, token_cap=30)
+    bitwise = canonical_schedule(lengths, world=3, token_cap=30)
+    assert rounding.rank_loads() == [20, 20, 20] and sorted(bitwise.rank_loads()) == [0, 30, 30]
+
+
+@settings(max_examples=100, deadline=None)
+@given(costs=st.lists(st.integers(1, 300), min_size=1, max_size=12), n=st.integers(1, 5), units=st.integers(1, 7),
+       per_batch=st.integers(1, 4))
+def test_rollout_batches_hold_whole_prompts_the_same_on_any_layout(costs, n, units, per_batch):
+    got = rollout_batches(costs, n, units, per_batch)
+    assert len(got) == units
+    batches = sorted(tuple(b) for unit in got for b in unit)
+    one = sorted(tuple(b) for b in rollout_batches(costs, n, 1, per_batch)[0])
+    assert batches == one == sorted(tuple((p, 0, n) for p in b) for b in prompt_batches(len(costs), per_batch))
+
+
+def _plan(overrides=(), resumed=None):
+    cfg = load_config(None, ["data.prompts_per_step=8", "rollout.samples_per_prompt=4", *overrides])
+    return make_plan(cfg, make_layout(1, 4, device="cuda", device_memory_gib=80), resumed=resumed)
+
+
+def test_a_resume_that_changes_what_bitwise_records_is_a_plan_warning():
+    from evenrl.planner.reproducibility import recorded
+
+    cfg = load_config(None, ["train.reproducibility=bitwise"])
+    same = _plan(["train.reproducibility=bitwise"], resumed=recorded(cfg))
+    assert "bitwise-resume" not in {f.rule for f in same.findings}
+    was = {**recorded(cfg), "train.reproducibility": "rounding"}
+    found = {f.rule: f for f in _plan(["train.reproducibility=bitwise"], resumed=was).findings}["bitwise-resume"]
+    assert found.level == "warning" and "train.reproducibility=rounding" in found.message
+    assert "bitwise-resume" not in {f.rule for f in _plan(resumed=was).findings}  # rounding promises nothing here
+
+
+def test_bitwise_on_cpu_refuses_another_thread_count(monkeypatch):
+    from evenrl.train.determinism import settle
+
+    cfg = load_config(None, ["train.reproducibility=bitwise"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    with pytest.raises(UsageError, match="OMP_NUM_THREADS") as e:
+        settle(cfg, torch.device("cpu"))
+    assert "\n" not in str(e.value)
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        settle(cfg, torch.device("cpu"))
+        assert torch.get_num_threads() == 1
+        settle(load_config(None, []), torch.device("cpu"))  # rounding: nothing checked, nothing set
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_weights_hash_sees_every_bit_and_every_place():
+    from evenrl.distributed.exact import weights_hash
+
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 3), torch.randn(4)
+    h = weights_hash([a, b])
+    assert len(h) == 16 and weights_hash([a.clone(), b.clone()]) == h
+    flipped = a.clone()
+    flipped.view(torch.int32)[2, 1] ^= 1  # the last bit of one element
+    assert weights_hash([flipped, b]) != h
+    swapped = a.clone()
+    swapped[0, 0], swapped[0, 1] = a[0, 1], a[0, 0]
+    assert weights_hash([swapped, b]) != h and weights_hash([b, a]) != weights_hash([a, b])
+
+
+def _metrics(path, hashes):
+    path.mkdir()
+    rows = [{"step": s, "reward/mean": 0.1 * s, **({"weights/hash": h} if h else {})} for s, h in enumerate(hashes)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_names_the_first_step_two_runs_differ(tmp_path, capsys):
+    from e2e import evenrl_here
+
+    _metrics(tmp_path / "a", [None, "aa", "bb", "cc", "dd"])
+    _metrics(tmp_path / "b", [None, "aa", "bb", "xx", "yy"])
+    _metrics(tmp_path / "c", [None, "aa", "bb", "cc"])
+    _metrics(tmp_path / "d", [None, None])
+    code, out, _ = evenrl_here(capsys, "report", tmp_path / "a", tmp_path / "b")
+    assert code == 0 and "weights first differ at step 3 (4 steps compared)" in out
+    assert (tmp_path / "a" / "plots" / "compare.png").exists()
+    code, out, _ = evenrl_here(capsys, "report", tmp_path / "a", tmp_path / "c")
+    assert code == 0 and "weights identical at all 3 steps both runs logged" in out
+    code, _, err = evenrl_here(capsys, "report", tmp_path / "a", tmp_path / "d")
+    assert code == 2 and "no step logged weights/hash in both" in err and len(err.strip().splitlines()) == 1

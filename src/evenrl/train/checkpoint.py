@@ -29,6 +29,7 @@ peft or vLLM as is), and with log.save_merged the base with the adapter merged b
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -42,12 +43,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint import load as dcp_load
-from torch.distributed.checkpoint import save as dcp_save
-from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.weights import full_weights
@@ -56,9 +51,24 @@ from evenrl.errors import RunStopped, UsageError
 from evenrl.models.lora import has_adapters, is_adapter
 from evenrl.planner.reproducibility import recorded
 
-# Loading checks that every tensor of the template (_trained_state) is in the checkpoint (DCP) before set_state_dict,
-# which may then leave the frozen ones out.
-_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+def _dcp():
+    """torch.distributed.checkpoint, imported when a checkpoint is first saved or read, not with the trainer: it
+    brings DTensor, torch.fx's symbolic shapes and sympy (0.6-0.9 s of CPU per process on this machine, 4 s on a
+    loaded one), which a process that never checkpoints (a reserved rollout rank, a run stopped by bad input) pays
+    for nothing."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.api
+    import torch.distributed.checkpoint.metadata
+    import torch.distributed.checkpoint.state_dict  # noqa: F401 - submodules dcp.* reads
+
+    return dcp
+
+
+def _trained_options():
+    """Loading checks that every tensor of the template (_trained_state) is in the checkpoint (DCP) before
+    set_state_dict, which may then leave the frozen ones out."""
+    return _dcp().state_dict.StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -112,13 +122,14 @@ def save(ckpt_root: str | os.PathLike, state: Checkpointed, *, keep: int = 2) ->
         model_state, optim_state = _trained_state(m, opt)
         tensors.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
         groups[f"{prefix}param_groups"] = optim_state["param_groups"]
+    dcp = _dcp()
     try:
         with dist.guard("checkpoint save"), _single_process_is_meant():
-            dcp_save(tensors,
-                     storage_writer=FileSystemWriter(str(tmp / "state"), single_file_per_rank=True),
+            dcp.save(tensors,
+                     storage_writer=dcp.FileSystemWriter(str(tmp / "state"), single_file_per_rank=True),
                      no_dist=dist.world() == 1,
                      process_group=dist.trainer_group())  # reserved rollout ranks: not theirs
-    except CheckpointException as e:  # a BaseException: it would pass every `except Exception` on its way out
+    except dcp.api.CheckpointException as e:  # a BaseException: it would pass every `except Exception` on the way
         reasons = sorted({_last_line(f) for f in e.failures.values()}) or [_last_line(e)]
         raise RunStopped(f"checkpoint {name}: writing {tmp / 'state'} failed ({'; '.join(reasons)[:200]}); "
                          f"the previous checkpoint stays the latest") from None
@@ -258,17 +269,18 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
         model_state, optim_state = _trained_state(m, opt)
         tensors.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
     index = path / "state" / ".metadata"
+    dcp = _dcp()
     try:  # the index alone first: a refused or unreadable one is named here, not inside DCP's per-rank report
-        _SafeReader(str(path / "state")).read_metadata()
+        _safe_reader(str(path / "state")).read_metadata()
     except _Refused as e:
         raise UsageError(f"{index}: refused checkpoint index ({e}); {_EARLIER}") from None
     except (OSError, EOFError, ValueError, TypeError, AttributeError, pickle.UnpicklingError) as e:
         raise UsageError(f"{index}: unreadable checkpoint ({e.__class__.__name__}); {_EARLIER}") from None
     try:
         with _single_process_is_meant():
-            dcp_load(tensors, storage_reader=_SafeReader(str(path / "state")), no_dist=dist.world() == 1,
+            dcp.load(tensors, storage_reader=_safe_reader(str(path / "state")), no_dist=dist.world() == 1,
                      process_group=dist.trainer_group())
-    except (CheckpointException, Exception) as e:  # DCP reports a rank's failure as a CheckpointException
+    except (dcp.api.CheckpointException, Exception) as e:  # DCP reports a rank's failure as a CheckpointException
         text = _last_line(e)
         if "Missing key" in text or "size" in text.lower() or "mismatch" in text.lower():
             raise UsageError(f"{path}: checkpoint does not match model.path ({text[:160]}); resume with the same "
@@ -277,11 +289,11 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
                          f"{_EARLIER}") from None
     try:
         for prefix, (m, opt) in models.items():
-            set_state_dict(m, opt, model_state_dict=tensors[f"{prefix}model"],
-                           optim_state_dict={"state": tensors[f"{prefix}optimizer"],
-                                             "param_groups": _with_kernels(trainer_state[f"{prefix}param_groups"],
-                                                                           opt)},
-                           options=_TRAINED)
+            groups = _with_kernels(trainer_state[f"{prefix}param_groups"], opt)
+            dcp.state_dict.set_state_dict(m, opt, model_state_dict=tensors[f"{prefix}model"],
+                                          optim_state_dict={"state": tensors[f"{prefix}optimizer"],
+                                                            "param_groups": groups},
+                                          options=_trained_options())
     except (KeyError, ValueError, RuntimeError) as e:
         raise UsageError(f"{path}: checkpoint does not match this model or optimizer ({_last_line(e)[:160]}); "
                          "resume with the same model and settings") from None
@@ -308,7 +320,7 @@ def _with_kernels(saved: list[dict], optimizer) -> list[dict]:
 def _trained_state(model, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts of what trains: a LoRA policy's frozen base is model.path's, not saved (also
     under a tied name, which DCP's ignore_frozen_params keeps: it looks the frozen tensors up by their first name)."""
-    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED)
+    model_state, optim_state = _dcp().state_dict.get_state_dict(model, optimizer, options=_trained_options())
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {k: v for k, v in model_state.items() if k not in frozen}, optim_state
 
@@ -341,14 +353,26 @@ _SAFE_GLOBALS = {("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PureP
                  ("torch.serialization", "_get_layout")}  # looks a layout up by name
 
 
-class _SafeReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+@functools.cache
+def _safe_reader_class():
+    """DCP's file reader with its index read by _MetadataUnpickler (allowed globals only), made when first needed
+    (it subclasses a DCP class: _dcp says why not at import)."""
+    dcp = _dcp()
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = dcp.metadata.StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader
+
+
+def _safe_reader(path: str):
+    return _safe_reader_class()(path)
 
 
 def _last_line(e: BaseException) -> str:

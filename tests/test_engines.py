@@ -42,7 +42,7 @@ def tiny(path) -> str:
 def vllm_setup(tmp_path_factory):
     path = tiny(tmp_path_factory.mktemp("vllm-model"))
     model, tok = load_policy(path)
-    cfg = RunConfig.model_validate({"model": {"path": path}, "data": {"max_prompt_tokens": 16},
+    cfg = RunConfig.model_validate({"model": {"path": path}, "data": {"max_prompt_tokens": 160},
                                     "rollout": {"engine": "vllm", "max_new_tokens": 12}})
     engine = make_engine(cfg, model, eos_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id,
                          device=torch.device("cpu"))
@@ -122,6 +122,56 @@ def test_vllm_without_adapters_takes_a_lora_policy_merged(vllm_setup):
         assert engine_gap(engine, model, prompts_of(tok, 4), params, tok.pad_token_id) > 0.01  # not the base
     finally:
         engine.update_weights(full_weights(model))
+
+
+@needs_vllm
+def test_vllm_cpu_prefills_a_batch_longer_than_its_step_budget(vllm_setup):
+    """40 seeded requests of 150 prompt tokens (6,000 > the 4,096 tokens a CPU step prefills): vLLM 0.32's CPU
+    backend split such a prefill over steps and died on the seeded requests' generators ("CPU Generator does not
+    use offset"); the engine keeps prefills whole, and each sample is the one it is in a small batch."""
+    engine, _, _ = vllm_setup
+    prompts = [[3 + (i * 7 + j) % 40 for j in range(150)] for i in range(40)]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, samples_per_prompt=1, seed=2)
+    many = by_key(engine.generate(prompts, list(range(40)), params, step=1))
+    few = by_key(engine.generate(prompts[:3], [0, 1, 2], params, step=1))
+    assert len(many) == 40 and all(many[k] == v for k, v in few.items())
+
+
+@needs_vllm
+def test_vllm_continues_a_cut_sample_from_its_tokens(vllm_setup):
+    """Partial rollouts on vLLM: a sample cut at 4 tokens (its request's max_tokens) continues from prompt + those
+    tokens, re-prefilled, under its own keyed seed (step drawn, key, sample, tokens so far): each request stops at
+    its cap, the continuation is the same alone, in another batch and in another order, and its log-probs are the
+    trainer's given the re-prefilled prefix (< 2e-4)."""
+    from evenrl.core.batch import Batch
+    from evenrl.train.update import compute_logprobs
+
+    engine, model, tok = vllm_setup
+    engine.update_weights(full_weights(model))
+    prompts = prompts_of(tok, 3)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, samples_per_prompt=2, seed=5)
+    cut = engine.generate(prompts, [0, 1, 2], params, step=4, max_tokens=[4, 4, 4])
+    assert all(len(c.token_ids) == 4 or c.finished for r in cut for c in r)
+    rows = [(p + c.token_ids, (4, c.sample_index, k)) for p, k, r in zip(prompts, [0, 1, 2], cut) for c in r
+            if not c.finished]
+    assert len(rows) >= 4
+
+    def go(order):
+        out = engine.generate([rows[i][0] for i in order], [rows[i][1][2] for i in order], params,
+                              step=[rows[i][1][0] for i in order], sample_ranges=[(rows[i][1][1], 1) for i in order],
+                              first_token=[4] * len(order), max_tokens=[3 + i % 3 for i in order])
+        return {i: c for i, [c] in zip(order, out)}
+
+    together, backwards = go(list(range(len(rows)))), go(list(range(len(rows)))[::-1])
+    alone = {i: go([i])[i] for i in range(len(rows))}
+    for i, c in together.items():
+        assert len(c.token_ids) == 3 + i % 3 or c.finished
+        assert c.token_ids == backwards[i].token_ids == alone[i].token_ids
+    batch = Batch({"tokens": [torch.tensor(rows[i][0] + c.token_ids) for i, c in together.items()],
+                   "response_len": torch.tensor([len(c.token_ids) for c in together.values()])})
+    trainer = compute_logprobs(model, batch, [[i] for i in range(len(together))], temperature=1.0,
+                               pad_token_id=tok.pad_token_id)
+    assert max(float((t - torch.tensor(c.logprobs)).abs().max()) for t, c in zip(trainer, together.values())) < 2e-4
 
 
 @needs_vllm

@@ -98,13 +98,15 @@ class Engine(Protocol):
     # True when update_weights must be fed after each optimizer step (the engine holds its own copy of the weights).
     needs_weights: bool
 
-    def generate(self, prompts: list[list[int]], keys: list[int], params: SamplingParams, *, step: int,
+    def generate(self, prompts: list[list[int]], keys: list[int], params: SamplingParams, *, step: int | list[int],
                  sample_ranges: list[tuple[int, int]] | None = None, images: list | None = None,
-                 turn: int = 0) -> list[list[Completion]]:
+                 turn: int = 0, first_token: list[int] | None = None,
+                 max_tokens: list[int] | None = None) -> list[list[Completion]]:
         """[prompt][sample] completions: token ids, finished (stopped at EOS), the engine's own log-prob of each
         sampled token under softmax(logits / temperature) and, where the engine records them, the routes of a
         mixture of experts. `sample_ranges` and `turn` as in engines.hf.generate;
-        `images`, per prompt, its evenrl.models.vision.ImageInputs or None (a vision-language model's prompts)."""
+        `images`, per prompt, its evenrl.models.vision.ImageInputs or None (a vision-language model's prompts);
+        `step` per prompt, `first_token` and `max_tokens` continue samples cut earlier (partial rollouts), as there."""
 
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         """Load the trainer's weights, given as buckets of (Hugging Face name, whole tensor)."""

@@ -7,6 +7,7 @@ Benchmark: `python benchmarks/sampler.py` prints tokens/s on a tiny random model
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import get_args
 
 import numpy as np
@@ -28,9 +29,13 @@ from evenrl.models.loading import autocast
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
-def uniforms(seeds: np.ndarray, t: int) -> np.ndarray:
-    """The uniform in [0, 1) that picks token `t` of each stream (splitmix64 of seed + t·golden)."""
-    z = seeds.astype(np.uint64) + np.uint64(((t + 1) * _GOLDEN) & 0xFFFFFFFFFFFFFFFF)
+def uniforms(seeds: np.ndarray, t: int, offsets: np.ndarray | None = None) -> np.ndarray:
+    """The uniform in [0, 1) that picks token `t` of each stream (splitmix64 of seed + t·golden), or token
+    t + offsets[i] of stream i: a continued sample's draws go on where its earlier ones stopped."""
+    if offsets is None:
+        z = seeds.astype(np.uint64) + np.uint64(((t + 1) * _GOLDEN) & 0xFFFFFFFFFFFFFFFF)
+    else:  # uint64 arrays wrap modulo 2^64, as the mask above does for one Python integer
+        z = seeds.astype(np.uint64) + (offsets.astype(np.uint64) + np.uint64(t + 1)) * np.uint64(_GOLDEN)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
@@ -105,7 +110,7 @@ def generate(
     keys: list[int],
     params: SamplingParams,
     *,
-    step: int,
+    step: int | list[int],
     eos_token_ids: set[int],
     pad_token_id: int,
     max_batch_prompts: int | None = None,
@@ -114,12 +119,14 @@ def generate(
     images: list | None = None,
     turn: int = 0,
     record_routes: bool = False,
+    first_token: list[int] | None = None,
+    max_tokens: list[int] | None = None,
 ) -> list[list[Completion]]:
     """Sample `params.samples_per_prompt` completions per prompt; returns [prompt][sample].
     `sample_ranges` [(first, count)] per prompt samples only those indices of the prompt's streams (a rank's part of
     a prompt split over ranks); a sample is the same whichever part it is generated in.
 
-    `keys` name the prompts' random streams; a (key, sample index) pair must be unique within a call (a key may
+    `keys` name the prompts' random streams; a (step, key, sample index) must be unique within a call (a key may
     repeat when each repeat has its own samples: the trajectories of one prompt at a later turn); use something
     that does not depend on the rank layout, e.g. the prompt's position in the global batch (not its
     dataset row, which can repeat across an epoch boundary). `turn` names the turn of multi-turn trajectories
@@ -133,6 +140,10 @@ def generate(
     pixels and the model's multimodal positions (the forward decoder).
     `record_routes`: a mixture of experts' completions carry the experts each of their tokens went to (routes: the
     prompt's in its prefill, each sampled token's when it was fed; evenrl.models.routing).
+    Continuing samples (partial rollouts, evenrl.train.carry): a prompt is the sample's prompt + its tokens so far
+    (prefilled again), `step` per prompt the step that drew it, `first_token` per prompt how many tokens its stream
+    has drawn (its next draw is that position's uniform: cut and continued under unchanged weights, a sample is the
+    one never cut) and `max_tokens` per prompt its most new tokens in this call (<= max_new_tokens).
     """
     if len(keys) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(keys)} keys")
@@ -144,9 +155,17 @@ def generate(
     if len(ranges) != len(prompts) or any(a < 0 or c < 1 or a + c > n for a, c in ranges):
         raise bad("sample_ranges", sample_ranges, f"one (first, count) per prompt with 0 <= first, count >= 1, "
                                                   f"first + count <= samples_per_prompt ({n})")
-    streams = [(k, s) for k, (a, c) in zip(keys, ranges) for s in range(a, a + c)]
+    steps = [step] * len(prompts) if isinstance(step, int) else [int(x) for x in step]
+    first = [0] * len(prompts) if first_token is None else [int(x) for x in first_token]
+    caps = [params.max_new_tokens] * len(prompts) if max_tokens is None else [int(x) for x in max_tokens]
+    if not len(steps) == len(first) == len(caps) == len(prompts):
+        raise ValueError(f"generate: {len(prompts)} prompts but {len(steps)} steps, {len(first)} first tokens and "
+                         f"{len(caps)} token caps")
+    if any(f < 0 for f in first) or any(not 1 <= c <= params.max_new_tokens for c in caps):
+        raise bad("max_tokens", caps, f"per prompt 1..max_new_tokens ({params.max_new_tokens}), first_token >= 0")
+    streams = [(st, k, s) for st, k, (a, c) in zip(steps, keys, ranges) for s in range(a, a + c)]
     if len(set(streams)) != len(streams):
-        raise ValueError("generate: (prompt key, sample) pairs must be unique within a call (equal keys give equal "
+        raise ValueError("generate: (step, prompt key, sample) must be unique within a call (equal keys give equal "
                          "samples)")
     if decoder not in DECODERS:
         raise bad("decoder", decoder, f"one of {', '.join(DECODERS)}")
@@ -163,17 +182,23 @@ def generate(
     elif decoder == "auto":
         decoder = _auto_decoder(model)
     chunk = max_batch_prompts or len(prompts)
+    # continued samples apart from new prompts: left padding makes every row pay for the longest (676 ms -> 192 ms)
+    groups = [[i for i, f in enumerate(first) if f == 0], [i for i, f in enumerate(first) if f > 0]]
     was_training = model.training
     model.eval()  # dropout off: a sample must not depend on anything but its key
     try:
-        out: list[list[Completion]] = []
+        out: list[list[Completion] | None] = [None] * len(prompts)
         with autocast(model):  # mixed precision of a replicated model (models.loading.set_autocast)
-            for s in range(0, len(prompts), chunk):
-                out.extend(
-                    _generate_batch(model, prompts[s : s + chunk], keys[s : s + chunk], ranges[s : s + chunk],
-                                    params, step, set(eos_token_ids), pad_token_id, decoder,
-                                    None if images is None else images[s : s + chunk], turn, record_routes)
-                )
+            for group in groups:
+                for s in range(0, len(group), chunk):
+                    rows = group[s:s + chunk]
+                    pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
+                    made = _generate_batch(model, pick(prompts), pick(keys), pick(ranges), params, pick(steps),
+                                           set(eos_token_ids), pad_token_id, decoder,
+                                           None if images is None else pick(images), turn, record_routes,
+                                           pick(first), pick(caps))
+                    for i, samples in zip(rows, made):
+                        out[i] = samples
         return out
     finally:
         model.train(was_training)
@@ -189,16 +214,17 @@ def _auto_decoder(model) -> str:
     return "static" if next(model.parameters()).device.type == "cuda" else "lean"
 
 
-def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, step, eos_ids, pad_token_id, decoder: str,
-                    images=None, turn: int = 0, record_routes: bool = False):
+def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, steps, eos_ids, pad_token_id, decoder: str,
+                    images=None, turn: int = 0, record_routes: bool = False, first=None, caps=None):
     # every forward here runs with no training plan on the routers: recording, or passing through
     with routing.recording(model, record_routes) as recorder:
-        return _generate_recorded(model, prompts, keys, ranges, params, step, eos_ids, pad_token_id, decoder,
-                                  images, turn, recorder)
+        return _generate_recorded(model, prompts, keys, ranges, params, steps, eos_ids, pad_token_id, decoder,
+                                  images, turn, recorder, first or [0] * len(prompts),
+                                  caps or [params.max_new_tokens] * len(prompts))
 
 
-def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, step, eos_ids, pad_token_id,
-                       decoder: str, images, turn: int, recorder):
+def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, steps, eos_ids, pad_token_id,
+                       decoder: str, images, turn: int, recorder, first, caps):
     device = next(model.parameters()).device
     n_prompts = len(prompts)
     lens = [len(p) for p in prompts]
@@ -213,7 +239,7 @@ def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, ste
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
 
-    max_new = params.max_new_tokens
+    max_new = max(caps)
     if decoder == "forward":
         dec = ForwardDecoder(model)
     else:
@@ -231,7 +257,10 @@ def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, ste
         index = torch.tensor([i for i, _ in row_of], device=device)
         dec.repeat_rows(index)
         logits = logits.index_select(0, index)
-    seeds = np.array([row_seed(params.seed, step, keys[i], s, turn) for i, s in row_of], dtype=np.uint64)
+    seeds = np.array([row_seed(params.seed, steps[i], keys[i], s, turn) for i, s in row_of], dtype=np.uint64)
+    # a continued sample's draws start at its first new token's position; the rows of one call stop at their caps
+    offsets = np.array([first[i] for i, _ in row_of], dtype=np.uint64) if any(first) else None
+    row_caps = np.array([caps[i] for i, _ in row_of]) if min(caps) < max_new else None
     next_pos = torch.tensor([lens[i] + shift[i] for i, _ in row_of], device=device)
     # EOS test as one lookup in a vocabulary-sized table (ids outside the vocabulary are never sampled).
     vocab = logits.shape[-1]
@@ -242,7 +271,8 @@ def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, ste
         is_eos[eos_in_vocab] = True
     decode = _decode_static if decoder == "static" else _decode_shrinking
     fed = [] if recorder is not None else None  # per decoding step: (global rows fed, their routes)
-    toks, lps, lens_out = decode(dec, logits, seeds, next_pos, is_eos, params,
+    params = replace(params, max_new_tokens=max_new)
+    toks, lps, lens_out = decode(dec, logits, seeds, next_pos, is_eos, params, offsets, row_caps,
                                  **({} if fed is None else {"on_step": lambda rows: fed.append((rows, recorder.take()))}))
     routes = None if fed is None else _routes(prefill_routes, fed, [(i, lens[i]) for i, _ in row_of], lens_out)
     eos_set = set(eos_in_vocab)
@@ -267,10 +297,12 @@ def _routes(prefill, fed, prompt_of_row, lengths) -> list[torch.Tensor]:
             for (i, n), a, m in zip(prompt_of_row, starts, lengths)]
 
 
-def _decode_shrinking(dec, logits, seeds, next_pos, is_eos, params: SamplingParams, on_step=None):
+def _decode_shrinking(dec, logits, seeds, next_pos, is_eos, params: SamplingParams, offsets=None, caps=None,
+                      on_step=None):
     """Samples max_new_tokens steps, dropping finished rows as it goes; returns per row its tokens, log-probs
-    (lists, max_new_tokens long, padded) and length (through its EOS). on_step(rows): called after each decoding
-    step with the global row of each of its batch rows."""
+    (lists, max_new_tokens long, padded) and length (through its EOS). `offsets`: per row, the position in its
+    stream of its first token (None: 0); `caps`: per row, its most tokens (None: max_new_tokens). on_step(rows):
+    called after each decoding step with the global row of each of its batch rows."""
     device, n_rows, max_new = logits.device, len(seeds), params.max_new_tokens
     # Per-token bookkeeping stays in numpy/Python and the sampled tokens are written out once at the end: each torch
     # op costs microseconds on CPU, where a 32-row step is only ~3 ms.
@@ -282,14 +314,16 @@ def _decode_shrinking(dec, logits, seeds, next_pos, is_eos, params: SamplingPara
     tok_in = None
     for t in range(max_new):
         g = rows if live_idx is None else rows[live_idx[0]]  # global rows sampled at this step
-        u = torch.from_numpy(uniforms(seeds[g], t))
+        u = torch.from_numpy(uniforms(seeds[g], t, None if offsets is None else offsets[g]))
         tok, lp = sample_from_logits(logits if live_idx is None else logits.index_select(0, live_idx[1]), u,
                                      params.temperature, params.top_p)
         record.append((g, tok, lp))
         if t == max_new - 1:
             break
-        if is_eos is not None:
-            done = is_eos[tok].cpu().numpy()
+        if is_eos is not None or caps is not None:
+            done = is_eos[tok].cpu().numpy() if is_eos is not None else np.zeros(len(g), dtype=bool)
+            if caps is not None:  # a row at its cap is done as if it had ended
+                done = done | (caps[g] <= t + 1)
             n_done = int(done.sum())
             if n_done == len(g):
                 break
@@ -334,15 +368,16 @@ def _decode_shrinking(dec, logits, seeds, next_pos, is_eos, params: SamplingPara
 _EOS_CHECK_EVERY = 8
 
 
-def _decode_static(dec, logits, seeds, next_pos, is_eos, params: SamplingParams):
+def _decode_static(dec, logits, seeds, next_pos, is_eos, params: SamplingParams, offsets=None, caps=None):
     """_decode_shrinking's samples at fixed shapes: every row stays in the batch to the end (or until all have
     finished), tokens and log-probs are written into device tensors, the generation's uniforms go to the device in
-    one copy, and each step goes through DecodeStep (a replayed CUDA graph on CUDA)."""
+    one copy, and each step goes through DecodeStep (a replayed CUDA graph on CUDA). `offsets`, `caps` as there."""
     device, n_rows, max_new = logits.device, len(seeds), params.max_new_tokens
-    u_all = torch.from_numpy(np.stack([uniforms(seeds, t) for t in range(max_new)], axis=1)).to(device)
+    u_all = torch.from_numpy(np.stack([uniforms(seeds, t, offsets) for t in range(max_new)], axis=1)).to(device)
     toks = torch.zeros((n_rows, max_new), dtype=torch.long, device=device)
     lps = torch.zeros((n_rows, max_new), dtype=torch.float32, device=device)
-    done = None if is_eos is None else torch.zeros(n_rows, dtype=torch.bool, device=device)
+    cap_d = None if caps is None else torch.from_numpy(caps).to(device)
+    done = None if is_eos is None and caps is None else torch.zeros(n_rows, dtype=torch.bool, device=device)
     step = DecodeStep(dec, next_pos)
     n = max_new
     for t in range(max_new):
@@ -351,7 +386,10 @@ def _decode_static(dec, logits, seeds, next_pos, is_eos, params: SamplingParams)
         if t == max_new - 1:
             break
         if done is not None:
-            done |= is_eos[tok]
+            if is_eos is not None:
+                done |= is_eos[tok]
+            if cap_d is not None:
+                done |= cap_d <= t + 1
             if (t + 1) % _EOS_CHECK_EVERY == 0 and bool(done.all()):
                 n = t + 1
                 break
@@ -361,6 +399,8 @@ def _decode_static(dec, logits, seeds, next_pos, is_eos, params: SamplingParams)
     if is_eos is not None:  # a row ends at its first EOS
         hit = is_eos[toks]
         lens_out = torch.where(hit.any(1), hit.int().argmax(1) + 1, n).tolist()
+    if caps is not None:  # or at its cap (what it drew past it is dropped)
+        lens_out = np.minimum(lens_out, caps).tolist()
     return toks.cpu().tolist(), lps.cpu().tolist(), lens_out
 
 
@@ -385,14 +425,16 @@ class HFEngine:
         self.model, self.eos_ids, self.pad_id, self.decoder = model, set(eos_token_ids), pad_token_id, decoder
         self.record_routes = record_routes  # rollout.router_replay=engine
 
-    def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None, turn=0):
+    def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None, turn=0, first_token=None,
+                 max_tokens=None):
         # every rank enters gathered() even with no prompts: with FSDP2 it is an all-gather all ranks must join
         with gathered(self.model):
             if not prompts:
                 return []
             return generate(self.model, prompts, keys, params, step=step, eos_token_ids=self.eos_ids,
                             pad_token_id=self.pad_id, decoder=self.decoder, sample_ranges=sample_ranges, images=images,
-                            turn=turn, record_routes=self.record_routes)
+                            turn=turn, record_routes=self.record_routes, first_token=first_token,
+                            max_tokens=max_tokens)
 
     def update_weights(self, buckets) -> None:
         state = self.model.state_dict(keep_vars=True)

@@ -33,7 +33,7 @@ import torch
 
 from evenrl.engines import payload as engines_payload
 from evenrl.engines import vllm_lora
-from evenrl.engines.base import Completion, SamplingParams, row_seed
+from evenrl.engines.base import Completion, SamplingParams, keyed_seed, row_seed
 from evenrl.errors import UsageError
 from evenrl.models.files import VISION_TYPES, routed_experts
 
@@ -43,6 +43,8 @@ _SEED_MASK = (1 << 63) - 1
 _CPU_KV_DEFAULT_BYTES = 1 << 30
 # GPU share when rollout.memory_fraction is 0 and the engine shares the device with the trainer.
 _GPU_DEFAULT_FRACTION = 0.3
+# Tokens one CPU engine step may prefill (whole prompts): vLLM's own default for its LLM class on CPU.
+_CPU_BATCH_TOKENS = 4096
 # Images per prompt vLLM accepts when data.max_images_per_prompt is 0 (no limit): it sizes its encoder budget by it.
 _IMAGES_DEFAULT = 8
 
@@ -126,6 +128,10 @@ class VLLMEngine:
             # an explicit KV size is what VLLM_CPU_KVCACHE_SPACE sets, in bytes instead of whole GiB.
             kw.update(enforce_eager=True, kv_cache_memory_bytes=int(frac * _total_ram()) if frac else
                       _CPU_KV_DEFAULT_BYTES)
+            # vLLM 0.32's CPU backend fails a seeded request whose prefill is split over steps ("CPU Generator does
+            # not use offset", the engine dead): every request here is seeded, so prefills are never split (a
+            # batch's prompts past 4,096 tokens did it, e.g. partial rollouts re-prefilling carried samples)
+            kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, _CPU_BATCH_TOKENS))
         # model.lora: the engine loads each pushed adapter version (`adapter`: the policy's peft config), where it can
         self.slots = None
         if adapter is not None and engines_payload.takes_adapters(cfg)[0]:
@@ -142,8 +148,8 @@ class VLLMEngine:
         self.asleep = False
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts, keys, params: SamplingParams, *, step: int, sample_ranges=None, images=None,
-                 turn: int = 0):
+    def generate(self, prompts, keys, params: SamplingParams, *, step, sample_ranges=None, images=None,
+                 turn: int = 0, first_token=None, max_tokens=None):
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
 
@@ -153,6 +159,9 @@ class VLLMEngine:
             raise ValueError(f"generate: {len(prompts)} prompts, {len(keys)} keys, {len(ranges)} sample ranges")
         if not prompts:
             return []
+        steps = [step] * len(prompts) if isinstance(step, int) else list(step)
+        first = first_token or [0] * len(prompts)
+        caps = max_tokens or [params.max_new_tokens] * len(prompts)
         requests, sps, where = [], [], []
         for i, (p, k, (a, c)) in enumerate(zip(prompts, keys, ranges)):
             request = TokensPrompt(prompt_token_ids=list(p))
@@ -160,8 +169,8 @@ class VLLMEngine:
                 request["multi_modal_data"] = {"image": images[i].images}
             for s in range(a, a + c):
                 requests.append(request)
-                sps.append(VParams(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
-                                   top_p=params.top_p, seed=row_seed(params.seed, step, k, s, turn) & _SEED_MASK,
+                sps.append(VParams(n=1, max_tokens=caps[i], temperature=params.temperature, top_p=params.top_p,
+                                   seed=request_seed(row_seed(params.seed, steps[i], k, s, turn), first[i]),
                                    logprobs=0, stop_token_ids=self.eos_ids, detokenize=False))
                 where.append((i, s))
         outs = self.llm.generate(requests, sps, use_tqdm=False,
@@ -223,6 +232,14 @@ class VLLMEngine:
     def close(self) -> None:
         """Stop the engine and drop the 1-process torch.distributed group vLLM made in this process."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def request_seed(stream: int, first_token: int) -> int:
+    """A request's seed: its stream's (engines.base.row_seed), or for a continued sample (partial rollouts: prompt +
+    its tokens so far, re-prefilled) one keyed by the stream and how many tokens it has. vLLM draws from its own
+    generator per request, so a continuation cannot pick up the stream's draws where they stopped as the hf engine
+    does; keyed like this it is still a function of the sample and its length alone, never of the layout."""
+    return (stream if not first_token else keyed_seed("evenrl-continue", stream, first_token)) & _SEED_MASK
 
 
 def require_vision() -> None:

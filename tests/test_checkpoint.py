@@ -50,6 +50,26 @@ def test_round_trip_and_pruning(tmp_path):
     checkpoint.set_rng_state(state["rng"])
 
 
+def test_an_optimizer_saved_before_its_first_step_stays_unstepped(tmp_path):
+    """A checkpoint before the first optimizer step (rollout.partial: no group finished yet): DCP initialises the
+    optimizer's state to save it (a zero step), which would make Adam's next step its second; the save leaves the
+    optimizer as it was, and the resumed one is the same, so the next step is the first on both."""
+    m = _model(0)
+    opt = torch.optim.AdamW(m.parameters())
+    checkpoint.save(tmp_path, Saved({"policy": (m, opt)}, step=1))
+    assert not opt.state
+    other = _model(1)
+    opt2 = torch.optim.AdamW(other.parameters())
+    load(checkpoint.latest(tmp_path), other, opt2)
+    assert not opt2.state
+    x = torch.randn(2, 4)
+    for model, o in ((m, opt), (other, opt2)):
+        model(x).sum().backward()
+        o.step()
+    for p, q in zip(m.parameters(), other.parameters()):
+        assert torch.equal(p, q) and float(opt.state[p]["step"]) == float(opt2.state[q]["step"]) == 1.0
+
+
 def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     m, opt = _trained()
     checkpoint.save(tmp_path, Saved({"policy": (m, opt)}, {"n": 1}, step=1))

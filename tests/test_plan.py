@@ -118,6 +118,23 @@ CASES = [
      ["not layout-free", "algo.router_aux_loss_coef=0"]),
     ("bitwise-idle-generation", "warning", ["train.reproducibility=bitwise", "rollout.batch_prompts=4"], {}, None,
      ["8 prompts into 2 generation batches for 4", "rollout.batch_prompts=2"]),
+    ("partial-multi-turn", "error", ["rollout.partial=true", "rollout.env=calculator"], {}, None,
+     ["rollout.env=calculator", "carried across steps and checkpoints", "rollout.partial=false"]),
+    ("partial-multi-turn", "error", ["rollout.partial=true", "rollout.agent=m:f"], {}, None, ["rollout.agent=m:f"]),
+    ("partial-router-replay", "error", ["rollout.partial=true", "rollout.router_replay=engine"], {}, MOE,
+     ["rollout.router_replay=trainer", "rollout.partial=false"]),
+    ("partial-rounds", "error", ["rollout.partial=true", "algo.filter_groups=true"], {}, None,
+     ["algo.max_generation_rounds=4", "algo.max_generation_rounds=1"]),
+    ("partial-no-carry", "warning", ["rollout.partial=true", "rollout.tokens_per_round=64"], {}, None,
+     ["change nothing", "rollout.tokens_per_round=16"]),
+    ("partial-drops", "warning", ["rollout.partial=true", "rollout.tokens_per_round=10", "rollout.at_max_carry=drop"],
+     {}, None, ["reach 40 of max_new_tokens=64", "rollout.tokens_per_round=16", "rollout.max_carry_steps=6",
+                "rollout.at_max_carry=wait"]),
+    ("partial-waits", "warning", ["rollout.partial=true", "rollout.tokens_per_round=10",
+                                  "rollout.response_lengths.median=30"], {}, None, ["reach 40", "decodes ~",
+                                                                                   "rollout.max_carry_steps=6"]),
+    ("partial-estimate", "note", ["rollout.partial=true"], {}, TINY,
+     ["lognormal(median 16, sigma 1) cut at 64, assumed", "in flight", "host memory", "generation est."]),
 ]
 
 

@@ -114,6 +114,12 @@ class DataConfig(Section):
                                       "vision encoder's memory by it. 0: no limit.")
 
 
+class ResponseLengths(Section):
+    median: int = Field(0, ge=0, le=MAX_TOKENS, description="Median response tokens; 0: a quarter of max_new_tokens.")
+    sigma: float = Field(1.0, gt=0.0, le=5.0, description="Spread: the standard deviation of log(length) (1: a "
+                                                           "tenth of the responses over 3.6x the median).")
+
+
 class RolloutConfig(Section):
     samples_per_prompt: int = Field(
         8, ge=1, le=MAX_COUNT, description="Completions sampled per prompt (a GRPO group).")
@@ -143,6 +149,29 @@ class RolloutConfig(Section):
                     "overlaps this one's update; weights are picked up between steps, so every sample's policy "
                     "version is fixed by its step and a resumed run equals an uninterrupted one. Off-policy samples "
                     "are corrected by algo.importance_correction.")
+    partial: bool = Field(
+        False, description="Partial rollouts (docs/overlap.md): each step generates every in-flight sample by at most "
+                           "tokens_per_round new tokens under that step's policy; samples that end are trained on (a "
+                           "prompt's group once all its samples have), the others are carried to the next step and "
+                           "continued from their tokens (re-prefilled) under the next policy, each token keeping the "
+                           "version that sampled it and its log-prob (algo.importance_correction corrects per token). "
+                           "What continues, and under which version, follows from step numbers and the budget, never "
+                           "timing: the same run on any layout and after a resume. Not with env, agent or images.")
+    tokens_per_round: int = Field(
+        0, ge=0, le=MAX_TOKENS, description="partial: most new tokens an in-flight sample gets per step (a count, not "
+                                            "a time as slime's and verl's); 0: a quarter of max_new_tokens, rounded "
+                                            "up.")
+    max_carry_steps: int = Field(
+        3, ge=1, le=64, description="partial: most steps a sample is carried over (verl max_off_policy_threshold, "
+                                    "prime-rl max_off_policy_steps); in its last step at_max_carry decides.")
+    at_max_carry: Literal["wait", "drop"] = Field(
+        "wait", description="partial, a sample in its last step: wait (generated to its end, the step waits for it) "
+                            "or drop (if unfinished after tokens_per_round, dropped with its group: partial/"
+                            "dropped_groups, a bias against long answers).")
+    response_lengths: ResponseLengths = Field(
+        default_factory=ResponseLengths, description="What evenrl plan's estimate for partial rollouts assumes of "
+                                                     "response lengths: lognormal, cut at max_new_tokens; no effect on "
+                                                     "training.")
     env: str = Field(
         "", description="Multi-turn rollouts: a built-in environment (calculator: arithmetic word problems with a "
                         "calculator tool; feedback: the model answers, is told whether it is right and tries again) "

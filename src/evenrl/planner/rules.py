@@ -22,6 +22,7 @@ from evenrl.planner.memory import PHASES, RESIDENT
 from evenrl.planner.memory_fixes import TIGHT, tight_fix
 from evenrl.planner.moe import rule_moe
 from evenrl.planner.model_parallel import rule_rollout_parallel, rule_sequence_parallel
+from evenrl.planner.partial import rule_partial
 from evenrl.planner.reproducibility import rule_reproducibility
 from evenrl.planner.rewards import rule_reward_models, rule_rewards
 from evenrl.planner.tensor_parallel import rule_engine_memory, rule_tensor_parallel
@@ -211,6 +212,6 @@ def rule_overlap(p: Plan) -> list[Finding]:
 
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_reward_models, rule_groups,
          rule_algorithms, rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory,
-         rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_vision, rule_lora, rule_trackers,
-         rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent, rule_sequence_parallel, rule_rollout_parallel,
-         rule_tensor_parallel, rule_engine_memory, rule_moe, rule_reproducibility]
+         rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_partial, rule_vision, rule_lora,
+         rule_trackers, rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent, rule_sequence_parallel,
+         rule_rollout_parallel, rule_tensor_parallel, rule_engine_memory, rule_moe, rule_reproducibility]

@@ -118,10 +118,16 @@ def save(ckpt_root: str | os.PathLike, state: Checkpointed, *, keep: int = 2) ->
         tmp.mkdir()
     dist.barrier()
     tensors, groups = {}, {}
-    for prefix, (m, opt) in _prefixed(state.trained()).items():
+    models = _prefixed(state.trained())
+    # an optimizer that has not stepped yet (rollout.partial: steps before any group finished train nothing):
+    # reading its state initializes it with a zero step (DCP's _init_optim_state), which would make Adam's next
+    # step the second; it is put back as it was after the save, and a resume from here does the same
+    fresh = [prefix for prefix, (_, opt) in models.items() if not opt.state]
+    for prefix, (m, opt) in models.items():
         model_state, optim_state = _trained_state(m, opt)
         tensors.update({f"{prefix}model": model_state, f"{prefix}optimizer": optim_state["state"]})
         groups[f"{prefix}param_groups"] = optim_state["param_groups"]
+    groups["fresh_optimizers"] = fresh
     dcp = _dcp()
     try:
         with dist.guard("checkpoint save"), _single_process_is_meant():
@@ -133,8 +139,11 @@ def save(ckpt_root: str | os.PathLike, state: Checkpointed, *, keep: int = 2) ->
         reasons = sorted({_last_line(f) for f in e.failures.values()}) or [_last_line(e)]
         raise RunStopped(f"checkpoint {name}: writing {tmp / 'state'} failed ({'; '.join(reasons)[:200]}); "
                          f"the previous checkpoint stays the latest") from None
+    for prefix in fresh:
+        models[prefix][1].state.clear()
+    small = state.state_dict()  # on every rank: it may gather (rollout.partial's samples)
     if dist.is_main():
-        torch.save({**state.state_dict(), **groups}, tmp / "trainer.pt")
+        torch.save({**small, **groups}, tmp / "trainer.pt")
         versions = state.sync.keep(tmp, step) if state.sync is not None else []
         cfg = getattr(state, "cfg", None)  # what a bitwise resume compares (planner.reproducibility)
         settings = {} if cfg is None else {"settings": recorded(cfg)}
@@ -297,6 +306,8 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
     except (KeyError, ValueError, RuntimeError) as e:
         raise UsageError(f"{path}: checkpoint does not match this model or optimizer ({_last_line(e)[:160]}); "
                          "resume with the same model and settings") from None
+    for prefix in trainer_state.get("fresh_optimizers", []):  # saved before its first step: as it was (save)
+        models[prefix][1].state.clear()
     try:
         state.load_state_dict(trainer_state)
     except (KeyError, ValueError, TypeError, IndexError) as e:

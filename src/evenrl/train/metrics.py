@@ -9,6 +9,7 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.core.batch import Batch
+from evenrl.core.carry import oldest_token_age
 from evenrl.core.masking import masked_rows
 from evenrl.distributed import collectives as dist
 from evenrl.rewards.overlong import overlong_penalty
@@ -78,10 +79,11 @@ def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: di
         vision = everyone["vision_tokens"].tolist()
         out["load/rank_vision_tokens"] = [sum(vision[i] for mb in schedule.minibatches for m in mb.per_rank[r]
                                               for i in m.rows) for r in range(schedule.world)]
-    if cfg.rollout.max_staleness > 0:  # steps between the sampling policy and the one trained
-        staleness = (timer.step - 1 - everyone["version"]).tolist()
+    if cfg.rollout.max_staleness > 0 or cfg.rollout.partial:  # steps between the sampling policy and the trained one
+        staleness = (timer.step - 1 - everyone["version"]).tolist()  # partial: of a sample's first token
+        most = oldest_token_age(cfg.rollout.max_staleness, cfg.rollout.max_carry_steps if cfg.rollout.partial else 0)
         out["rollout/staleness_mean"] = sum(staleness) / max(len(staleness), 1)
-        out["rollout/staleness_hist"] = [staleness.count(d) for d in range(cfg.rollout.max_staleness + 1)]
+        out["rollout/staleness_hist"] = [staleness.count(d) for d in range(most + 1)]
     if cfg.rewards.overlong_buffer > 0:
         rc = cfg.rewards
         pen = overlong_penalty(*overlong_lengths(cfg, everyone), rc.overlong_buffer, rc.overlong_penalty)

@@ -142,10 +142,10 @@ def policy_stat_names(cfg: RunConfig) -> list[str]:
 
 def importance_weighted(cfg: RunConfig) -> bool:
     """Whether the policy-gradient term carries importance weights (algo.importance_correction): 'stale' only
-    when some step can sample from an older policy (rollout.max_staleness >= 1); with max_staleness 0 the loss
-    is then exactly the synchronous one."""
+    when some token can come from an older policy (rollout.max_staleness >= 1, or carried by rollout.partial); with
+    neither the loss is then exactly the synchronous one."""
     mode = cfg.algo.importance_correction
-    return mode == "all" or (mode == "stale" and cfg.rollout.max_staleness > 0)
+    return mode == "all" or (mode == "stale" and (cfg.rollout.max_staleness > 0 or cfg.rollout.partial))
 
 
 def behavior_logprobs(cfg: RunConfig, step: int, mb: Batch, target_logp, engine_logp):

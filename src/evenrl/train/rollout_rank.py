@@ -22,6 +22,7 @@ from evenrl.models.loading import load_policy, set_tf32
 from evenrl.models.lora import add_adapters
 from evenrl.models.vision import prompt_image_inputs
 from evenrl.train import checkpoint
+from evenrl.train.carry import Carry, serve_step
 from evenrl.train.data import PromptSampler
 from evenrl.train.sampling import unit_batches
 from evenrl.train.trainer import Prompts, load_prompt_set, vision_setup
@@ -42,17 +43,24 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
     processor, _ = vision_setup(cfg, model)
     prompts, _ = load_prompt_set(cfg, tokenizer, turns, vision=(processor, model.config) if processor else None)
     sampler = PromptSampler(len(prompts.rows), cfg.data.seed)
-    start = 0
+    start, carry = 0, Carry(cfg) if cfg.rollout.partial else None
     if found is not None:  # only where the run continues and which prompts come next; the weights come pushed
         start = checkpoint.read_meta(found)["step"]
-        sampler.load_state_dict(checkpoint.read_state(found)["sampler"])
+        state = checkpoint.read_state(found)
+        sampler.load_state_dict(state["sampler"])
+        if carry is not None:  # the in-flight samples this replica continues
+            replicas = dist.rollout_ranks()
+            carry.load_live(state["carry"], replicas.index(dist.rank()), len(replicas))
     sync = Broadcast(cfg, engine=engine, payload=make_payload(cfg, model),
                      ckpt_root=Path(cfg.log.run_dir) / "checkpoints")
     sync.begin(start, found)
     for step in range(start + 1, cfg.train.steps + 1):
         prompt_ids = sampler.next_prompts(cfg.data.prompts_per_step)
         sync.weights_for(step)
-        generate_and_send(cfg, engine, prompts, step, prompt_ids, turns, processor)
+        if carry is not None:
+            serve_step(cfg, carry, engine, prompts.tokens, step, prompt_ids)
+        else:
+            generate_and_send(cfg, engine, prompts, step, prompt_ids, turns, processor)
     dist.finish_sends()
     sync.finish()
 

@@ -18,6 +18,7 @@ from evenrl.models.routing import routing
 from evenrl.models.vision import pixel_dim, prompt_image_inputs
 from evenrl.rewards import FAILURE_KINDS, score_all
 from evenrl.rewards.overlong import overlong_penalty
+from evenrl.train.carry import carried_rows
 from evenrl.train.metrics import BACKSTOP, Timer
 from evenrl.train.reward_models import add_model_rewards
 from evenrl.train.trainer import Trainer
@@ -45,7 +46,7 @@ def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, dict[str, 
         count_failures(reward_stats, failures, errors)
         drawn, rounds = drawn + len(prompt_ids), rounds + 1
         if not algo.filter_groups:
-            return part, failures, errors
+            return part, failures, {**errors, **(trainer.carry.metrics if trainer.carry else {})}
         with timer("reward"):
             part, informative = informative_groups(part)
         kept += informative
@@ -56,7 +57,8 @@ def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, dict[str, 
                             index_stride(trainer.cfg))
     return local, failures, {"sampling/rounds": rounds, "sampling/groups_drawn": drawn,
                              "sampling/kept_fraction": len(kept) / max(drawn, 1),
-                             "sampling/groups_short": want - len(kept), **errors}
+                             "sampling/groups_short": want - len(kept), **errors,
+                             **(trainer.carry.metrics if trainer.carry else {})}
 
 
 def count_failures(stats: dict, failures: dict[str, int], errors: dict[str, str]) -> None:
@@ -101,8 +103,11 @@ def index_stride(cfg) -> int:
 def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) -> Batch:
     """Generate this rank's share of the samples of `prompt_ids`, which take the step's positions first,
     first + 1, ... (rollout_shares): whole prompts where the ranks divide them, a prompt's samples split over ranks
-    where they do not (2 prompts x 8 samples on 4 ranks: 4 samples each)."""
+    where they do not (2 prompts x 8 samples on 4 ranks: 4 samples each). With rollout.partial the rows are the
+    groups that are complete in this step, whenever their prompts were drawn (evenrl.train.carry)."""
     cfg = trainer.cfg
+    if trainer.carry is not None:
+        return carried_rows(trainer, step, prompt_ids)
     n = cfg.rollout.samples_per_prompt
     costs = [len(trainer.prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
     unit, units, keeps = dist.rollout_unit()  # a tensor-parallel group generates together; one rank keeps the rows

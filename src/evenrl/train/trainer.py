@@ -29,6 +29,7 @@ from evenrl.planner.dims import dims_from_config
 from evenrl.rewards import RewardFn, resolve
 from evenrl.train import checkpoint, moe
 from evenrl.train.balance import Balance
+from evenrl.train.carry import Carry
 from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.reward_models import Scorer, load_scorers
 from evenrl.agents.rollout import Agents
@@ -78,6 +79,7 @@ class Trainer:
     scorers: list[Scorer] = field(default_factory=list)  # reward models and judges (train.reward_models)
     balance: Balance = field(default_factory=Balance)  # token caps and capacity weights (mixed devices)
     turns: Turns | Agents | None = None  # rollout.env or rollout.agent: the trajectory loop (trajectories, agents)
+    carry: Carry | None = None  # rollout.partial: the samples carried across steps (train.carry)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -113,6 +115,8 @@ class Trainer:
                  "rng": checkpoint.rng_state(), "step": self.step, "balance": self.balance.state_dict()}
         if self.critic is not None:
             state["critic_lr_scheduler"] = self.critic.lr_scheduler.state_dict()
+        if self.carry is not None:  # every rank's in-flight and waiting samples (a collective)
+            state["carry"] = self.carry.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -122,6 +126,14 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state["rng"])
         self.balance.load_state_dict(state.get("balance"))  # absent from checkpoints of older runs
+        if self.carry is not None:
+            if "carry" not in state:
+                raise KeyError("carry: saved by a run without rollout.partial")
+            self.carry.load_pool(state["carry"], dist.rank(), dist.world())
+            if not dist.rollout_ranks():  # colocated: the samples this rank generated; reserved: trainer 0's copy
+                self.carry.load_live(state["carry"], dist.rank(), dist.world())
+            elif dist.is_main():
+                self.carry.load_live(state["carry"], None, 1)
         self.step = state["step"]
 
     def resume(self, found: Path | None) -> None:
@@ -177,7 +189,7 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
                                                 if spec.name],
                    engine=engine, sync=sync, skipped_prompts=skipped, eos_ids=eos_ids, image_processor=processor,
                    vision_weight=weight, scorers=[] if turns else load_scorers(cfg, info),
-                   balance=balance or Balance(), turns=turns)
+                   balance=balance or Balance(), turns=turns, carry=Carry(cfg) if cfg.rollout.partial else None)
 
 
 def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:

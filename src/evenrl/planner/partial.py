@@ -127,6 +127,15 @@ def rule_partial(p: Plan) -> list[Finding]:
                            "carried sample's routes would come from a prefill under the next weights, not from the "
                            "engine that sampled its tokens; not implemented", "rollout.router_replay=trainer; or "
                            + off))
+    if c.parallel.tensor_parallel_size > 1:
+        out.append(Finding("error", "partial-tensor-parallel", f"rollout.partial with parallel.tensor_parallel_size="
+                           f"{c.parallel.tensor_parallel_size}: a tensor-parallel group generates together, and the "
+                           "carried samples are kept per rank, not per group; not implemented",
+                           f"parallel.tensor_parallel_size=1; or {off}"))
+    if c.train.reproducibility == "bitwise":
+        out.append(Finding("error", "partial-bitwise", "rollout.partial with train.reproducibility=bitwise: a rank "
+                           "generates its new and carried samples in one batch whose rows depend on the layout, "
+                           "not in canonical batches", f"train.reproducibility=rounding; or {off}"))
     if c.algo.filter_groups and c.algo.max_generation_rounds > 1:
         out.append(Finding("error", "partial-rounds", f"rollout.partial draws data.prompts_per_step prompts once "
                            f"per step, and dynamic sampling filters the groups that finish in it; "

@@ -114,6 +114,8 @@ CASES = [
      TINY, ["tensor_parallel_size=2", "parallel.tensor_parallel_size=1"]),
     ("bitwise-model-parallel", "error", ["train.reproducibility=bitwise", "parallel.sequence_parallel_size=2"], {},
      TINY, ["sequence_parallel_size=2"]),
+    ("bitwise-model-parallel", "error", ["train.reproducibility=bitwise", "parallel.expert_parallel_size=2"], {},
+     MOE, ["expert_parallel_size=2", "parallel.expert_parallel_size=1"]),
     ("bitwise-moe", "error", ["train.reproducibility=bitwise", "algo.router_aux_loss_coef=0.01"], {}, MOE,
      ["not layout-free", "algo.router_aux_loss_coef=0"]),
     ("bitwise-idle-generation", "warning", ["train.reproducibility=bitwise", "rollout.batch_prompts=4"], {}, None,

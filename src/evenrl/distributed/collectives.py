@@ -2,8 +2,9 @@
 collectives as dist`). The work is done by one module per job:
 
   mesh          who this process is and every process group: the one mesh (init, rank, world, roles, the
-                DeviceMesh of FSDP2 and DTensor, the sequence-parallel group, data_parallel, replica_size, and a
-                group per dimension: group(dim), size(dim); mesh_shape has its sizes without torch)
+                DeviceMeshes of FSDP2 and DTensor (device_mesh, expert_mesh), the sequence-parallel group,
+                data_parallel, replica_size, and a group per dimension: group(dim), size(dim); mesh_shape has its
+                sizes without torch)
   guard         a failed collective as one line naming every rank's phase (mark, guard)
   ops           barriers, sums, gathers and the gradient all-reduce of the trainers; every rank's device
   exchange      a step's rows moved to the ranks that train them
@@ -14,9 +15,10 @@ One code path for 1 and N ranks: with one process there is no process group and 
 """
 
 from evenrl.distributed.exchange import exchange
-from evenrl.distributed.mesh import (DistInfo, coords, counts_rows, data_parallel, device_mesh, group, init, is_main,
-                                     is_rollout_rank, per_trainer, rank, replica_size, rollout_ranks, rollout_unit,
-                                     sequence_group, shape, shutdown, size, trainer_group, unit_weights, world)
+from evenrl.distributed.mesh import (DistInfo, coords, counts_rows, data_parallel, device_mesh, expert_mesh, group,
+                                     init, is_main, is_rollout_rank, per_trainer, rank, replica_size, rollout_ranks,
+                                     rollout_unit, sequence_group, shape, shutdown, size, trainer_group, unit_weights,
+                                     world)
 from evenrl.distributed.guard import guard, mark
 from evenrl.distributed.ops import (all_gather_object, all_gather_tensors, all_reduce_grads, all_reduce_sum, barrier,
                                     barrier_all, clip_grad_norm, gather_devices)
@@ -25,7 +27,7 @@ from evenrl.distributed.rollout_link import (WeightReceiver, WeightSender, finis
 
 __all__ = ["DistInfo", "coords", "counts_rows", "group", "per_trainer", "replica_size", "rollout_unit", "shape", "size",
            "unit_weights", "WeightReceiver", "WeightSender", "all_gather_object", "all_gather_tensors", "all_reduce_grads",
-           "all_reduce_sum", "barrier", "barrier_all", "clip_grad_norm", "data_parallel", "device_mesh", "exchange", "finish_sends",
-           "gather_devices",
+           "all_reduce_sum", "barrier", "barrier_all", "clip_grad_norm", "data_parallel", "device_mesh", "exchange",
+           "expert_mesh", "finish_sends", "gather_devices",
            "guard", "init", "is_main", "is_rollout_rank", "mark", "push_weights", "rank", "receive_rollouts",
            "rollout_ranks", "send_rollouts", "sequence_group", "shutdown", "trainer_group", "world"]

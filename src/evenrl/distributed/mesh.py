@@ -2,8 +2,9 @@
 launch environment and the config's parallel sizes (`evenrl.distributed.mesh_shape.MeshShape`: dp x sp x tp over
 the training ranks, reserved rollout ranks after them, rollout engines over several devices). No other module
 builds a process group: the gradient reduction and FSDP2's shards (`data`), Ulysses (`sp`), tensor parallelism
-(`tp`), the ranks that train the same samples (`replica`), rollout engines (`engine`), the reserved ranks' push and
-sample groups, and the torch DeviceMesh FSDP2 and DTensor need (`device_mesh`) all come from here.
+(`tp`), the ranks that train the same samples (`replica`), rollout engines (`engine`), expert parallelism (`ep`:
+the ranks that split a mixture's experts; `edata`: those holding the same experts), the reserved ranks' push and
+sample groups, and the torch DeviceMeshes FSDP2 and DTensor need (`device_mesh`, `expert_mesh`) all come from here.
 
 Launch (see evenrl.train.launch): `torchrun --nproc-per-node 3 -m evenrl.cli train CONFIG`, or under Slurm
 `srun -N2 --ntasks-per-node 8 evenrl train CONFIG`. `init` reads the rank, world, node and master from
@@ -64,7 +65,7 @@ class Mesh:
     samples: Any = None  # gloo group over the whole world: rollouts travel from the rollout ranks to the trainers
     host_group: Any = None  # the data group with gloo beside NCCL: FSDP2's mesh under CPU offload
     dims: dict = field(default_factory=dict)  # MeshShape dimension -> this rank's group handle
-    mesh_groups: dict = field(default_factory=dict)  # with tp > 1: "data" and "tp" groups, of one rank too (DeviceMesh)
+    mesh_groups: dict = field(default_factory=dict)  # DeviceMesh dims ("data"/"tp", "edata"/"ep"), of one rank too
     meshes: dict = field(default_factory=dict)  # the torch DeviceMesh objects, made once (device_mesh)
     wait: timedelta = field(default_factory=lambda: timedelta(minutes=10))  # the collective timeout, for p2p waits
     sending: list = field(default_factory=list)  # a rollout rank's sends in flight: (work, buffer) kept alive
@@ -83,20 +84,23 @@ def active() -> bool:
 
 
 def init(backend: str | None = None, *, timeout: float | None = None, rollout_devices: int = 0,
-         sequence_parallel: int = 1, tensor_parallel: int = 1, engine_tensor_parallel: int = 1) -> DistInfo:
+         sequence_parallel: int = 1, tensor_parallel: int = 1, engine_tensor_parallel: int = 1,
+         expert_parallel: int = 1) -> DistInfo:
     """Join the process group described by the environment and build the mesh (idempotent). backend None: NCCL with
     CUDA (one GPU per process), else gloo.
     timeout: seconds the rendezvous and each collective may wait before failing (default 10 minutes).
     rollout_devices: the last this many ranks only generate (reserved placement).
     sequence_parallel, tensor_parallel: parallel.sequence_parallel_size and parallel.tensor_parallel_size;
-    engine_tensor_parallel: rollout.tensor_parallel_size. A shape that cannot be built (MeshShape.problems) is one
-    line, UsageError, before any group is joined; `evenrl plan` says the same before a run starts."""
+    engine_tensor_parallel: rollout.tensor_parallel_size; expert_parallel: parallel.expert_parallel_size (whether
+    it divides the model's experts is checked where the model is: distributed.expert_parallel). A shape that cannot
+    be built (MeshShape.problems) is one line, UsageError, before any group is joined; `evenrl plan` says the same
+    before a run starts."""
     if G.info is not None:
         return G.info
     env = read_env()
     lay = env if env.launched else LaunchEnv()  # not one of several launched ranks: one plain process
     shape = MeshShape(lay.world, rollout_devices if lay.world > 1 else 0, sequence_parallel, tensor_parallel,
-                      engine_tensor_parallel)
+                      engine_tensor_parallel, expert_parallel)
     wrong = shape.problems()
     if wrong:
         raise UsageError(wrong[0])
@@ -145,9 +149,12 @@ def _build_groups(shape: MeshShape) -> None:
         # samples are host-side token ids and log-probs: gloo whatever the training backend
         G.samples = tdist.new_group(list(range(shape.world)), timeout=G.wait, backend="gloo")
     me = rank()
-    for dim in ("tp", "sp", "data", "replica", "engine"):
+    for dim in ("tp", "sp", "data", "replica", "engine", "ep", "edata"):
         G.dims[dim] = None
-        mesh_dim = shape.tp > 1 and dim in ("data", "tp")  # a DeviceMesh dimension needs a group even of one rank
+        if dim in ("ep", "edata") and shape.ep == 1:  # no expert parallelism: no groups (edata would be data's)
+            continue
+        # a DeviceMesh dimension needs a group even of one rank
+        mesh_dim = (shape.tp > 1 and dim in ("data", "tp")) or (shape.ep > 1 and dim in ("ep", "edata"))
         for ranks in shape.groups(dim):
             if len(ranks) == 1 and not mesh_dim:
                 continue
@@ -219,9 +226,10 @@ def device_mesh(device: torch.device, *, host_collectives: bool = False):
     if key in G.meshes:
         return G.meshes[key]
     if host_collectives and device.type != "cpu":
-        if G.shape.tp > 1:
-            raise UsageError("parallel.cpu_offload: 'full' with parallel.tensor_parallel_size > 1 is not supported; "
-                             "use one of them")
+        for key, size in (("tensor_parallel_size", G.shape.tp), ("expert_parallel_size", G.shape.ep)):
+            if size > 1:
+                raise UsageError(f"parallel.cpu_offload: 'full' with parallel.{key} > 1 is not supported; use one "
+                                 "of them")
         if G.host_group is None:
             hybrid = f"cpu:gloo,{device.type}:nccl"
             if not active():  # one process: the default group itself gets both backends
@@ -244,6 +252,24 @@ def device_mesh(device: torch.device, *, host_collectives: bool = False):
         ranks = torch.arange(s.trainers).view(s.trainers // s.tp, s.tp)  # row: a data index, column: a tp index
         G.meshes[key] = DeviceMesh.from_group([G.mesh_groups["data"], G.mesh_groups["tp"]], device.type,
                                               mesh=ranks, mesh_dim_names=("data", "tp"))
+    return G.meshes[key]
+
+
+def expert_mesh(device: torch.device):
+    """The 2-D torch DeviceMesh ("edata", "ep") over the training ranks, made once, with expert parallelism
+    (parallel.expert_parallel_size > 1): a mixture's expert weights are DTensors sharded on "ep" and FSDP2 shards
+    them over "edata"; row i of the mesh is the i-th ep group (consecutive ranks), column j the ranks holding the
+    j-th slice of the experts."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    s = G.shape
+    if s.ep == 1:
+        raise ValueError("mesh: expert_mesh without expert parallelism (parallel.expert_parallel_size is 1)")
+    key = ("experts", device.type)
+    if key not in G.meshes:
+        ranks = torch.tensor(s.groups("ep")).view(s.data // s.ep, s.ep)
+        G.meshes[key] = DeviceMesh.from_group([G.mesh_groups["edata"], G.mesh_groups["ep"]], device.type,
+                                              mesh=ranks, mesh_dim_names=("edata", "ep"))
     return G.meshes[key]
 
 

@@ -11,6 +11,18 @@ group strides by tp; a data-parallel index runs over the rest. The ranks of one 
 ranks) train the same samples together: the step's schedule has dp "ranks". Gradients are reduced over the `data`
 groups (dp x sp ranks of one tp index), which is also the dimension FSDP2 shards over.
 
+Expert parallelism (`parallel.expert_parallel_size` = ep, a mixture of experts) borrows data ranks, as torchtitan's
+and prime-rl's meshes do: each `data` group is cut into `ep` groups of ep consecutive ranks, each rank of one holding
+1/ep of every MoE layer's experts (the tokens of all of them are dispatched there by all-to-all), and the `edata`
+groups join the ranks of one ep index (the ranks holding the same experts: their gradient reduction and FSDP2
+shards). The dense layers keep the usual dimensions.
+
+    MeshShape(world=4, ep=2).groups("ep") -> [[0, 1], [2, 3]];  .groups("edata") -> [[0, 2], [1, 3]]
+
+Expert parallelism with tensor parallelism is refused: the tensor-parallel plan splits dense decoders only (an MoE
+block has no gate/up/down projections to split), so ep over the ranks of a tp group would hold split attention
+beside whole experts, a layout no model here can use yet.
+
 Rollout engines over several devices (`rollout.tensor_parallel_size` = N, vLLM): colocated, an engine group is N
 consecutive training ranks; reserved, N consecutive rollout ranks.
 
@@ -23,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-DIMS = ("tp", "sp", "data", "replica", "engine")  # the groups `groups(dim)` lists
+DIMS = ("tp", "sp", "data", "replica", "engine", "ep", "edata")  # the groups `groups(dim)` lists
 # The rollout.engine values whose engines can span rollout.tensor_parallel_size > 1 devices (an engine group, the
 # `engine` dimension, driven together): the planner's tensor-parallel-placement rule refuses the others above 1. The
 # hf engine's tensor parallelism is the trainer's (parallel.tensor_parallel_size: a TP group samples from its split
@@ -44,6 +56,7 @@ class MeshShape:
     sp: int = 1  # parallel.sequence_parallel_size
     tp: int = 1  # parallel.tensor_parallel_size
     engine_tp: int = 1  # rollout.tensor_parallel_size: devices per rollout engine
+    ep: int = 1  # parallel.expert_parallel_size: ranks of a data group that split the experts
 
     @property
     def trainers(self) -> int:
@@ -59,6 +72,11 @@ class MeshShape:
         """Data-parallel replicas: the step schedule's ranks."""
         return max(self.trainers // self.replica, 1)
 
+    @property
+    def data(self) -> int:
+        """Ranks that see different tokens (dp x sp): the gradient reduction's and FSDP2's group size."""
+        return self.dp * self.sp
+
     def problems(self) -> list[str]:
         """What makes this shape impossible, one line each (empty: it can be built)."""
         out = []
@@ -70,7 +88,8 @@ class MeshShape:
                        f"{self.world} processes (0 <= rollout devices < {self.world})")
             return out
         for name, v in (("parallel.sequence_parallel_size", self.sp), ("parallel.tensor_parallel_size", self.tp),
-                        ("rollout.tensor_parallel_size", self.engine_tp)):
+                        ("rollout.tensor_parallel_size", self.engine_tp),
+                        ("parallel.expert_parallel_size", self.ep)):
             if v < 1:
                 out.append(f"{name}: got {v}; needs >= 1")
         if out:
@@ -80,12 +99,33 @@ class MeshShape:
                                                        ("parallel.tensor_parallel_size", self.tp)) if v > 1)
             out.append(f"{what} = {self.replica} ranks per replica must divide the {self.trainers} training ranks "
                        f"(allowed: a divisor of {self.trainers})")
+        elif self.ep > 1 and self.tp > 1:
+            out.append(f"parallel.expert_parallel_size: got {self.ep} with parallel.tensor_parallel_size "
+                       f"{self.tp}; tensor parallelism splits dense decoders only, so use one of them")
+        elif self.ep > 1 and self.data % self.ep:
+            out.append(f"parallel.expert_parallel_size: got {self.ep}; it must divide the {self.data} data-parallel "
+                       f"ranks (dp {self.dp} x sp {self.sp}), which it borrows (allowed: a divisor of {self.data})")
         engines_on = self.rollout or self.trainers
         if self.engine_tp > 1 and engines_on % self.engine_tp:
             where = f"{self.rollout} rollout devices" if self.rollout else f"{self.trainers} training ranks"
             out.append(f"rollout.tensor_parallel_size: got {self.engine_tp}; each engine spans that many of the "
                        f"{where}, so it must divide {engines_on}")
         return out
+
+    def experts_problem(self, experts: int) -> str | None:
+        """What makes expert parallelism impossible for a model of `experts` routed experts per MoE layer (0: a dense
+        model), in one line; None when it can be built (or is off)."""
+        if self.ep == 1:
+            return None
+        if not experts:
+            return (f"parallel.expert_parallel_size: got {self.ep}, but model.path is not a mixture of experts (no "
+                    "experts to split); use 1")
+        if experts % self.ep:
+            fits = [d for d in range(1, self.data + 1) if not self.data % d and not experts % d]
+            return (f"parallel.expert_parallel_size: got {self.ep}, which does not divide the model's {experts} "
+                    f"experts; each rank of an ep group holds experts / ep of them (allowed: "
+                    f"{', '.join(map(str, fits))})")
+        return None
 
     def coords(self, rank: int) -> Coords | None:
         """(dp, sp, tp) of a training rank; None for a reserved rollout rank."""
@@ -102,7 +142,9 @@ class MeshShape:
         """Every group of a dimension, as global ranks in order (each rank in exactly one group of the dimension,
         except that rollout ranks are in no training group and training ranks in no reserved engine group):
         tp: one per (dp, sp); sp: one per (dp, tp); data: one per tp (dp x sp ranks: gradient reduction and the
-        FSDP2 shards); replica: one per dp (sp x tp ranks: the same samples); engine: rollout engines."""
+        FSDP2 shards); replica: one per dp (sp x tp ranks: the same samples); engine: rollout engines; ep: each data
+        group cut into groups of ep consecutive ranks (each holds 1/ep of the experts); edata: the ranks of a data
+        group at one ep index (they hold the same experts)."""
         r = lambda dp, sp, tp: self.rank_of(Coords(dp, sp, tp))  # noqa: E731
         if dim == "tp":
             return [[r(d, s, t) for t in range(self.tp)] for d in range(self.dp) for s in range(self.sp)]
@@ -112,6 +154,11 @@ class MeshShape:
             return [[r(d, s, t) for d in range(self.dp) for s in range(self.sp)] for t in range(self.tp)]
         if dim == "replica":
             return [[r(d, s, t) for s in range(self.sp) for t in range(self.tp)] for d in range(self.dp)]
+        if dim in ("ep", "edata"):
+            data = self.groups("data")
+            if dim == "ep":
+                return [g[i:i + self.ep] for g in data for i in range(0, len(g), self.ep)]
+            return [g[e::self.ep] for g in data for e in range(self.ep)]
         if dim == "engine":
             first, n = (self.trainers, self.rollout) if self.rollout else (0, self.trainers)
             return [list(range(first + i, first + i + self.engine_tp)) for i in range(0, n, self.engine_tp)]
@@ -125,4 +172,5 @@ class MeshShape:
         """'dp 2 x sp 1 x tp 2 = 4 training ranks (+ 1 rollout)'."""
         extra = f" (+ {self.rollout} rollout)" if self.rollout else ""
         engine = f"; engines of {self.engine_tp} devices" if self.engine_tp > 1 else ""
-        return f"dp {self.dp} x sp {self.sp} x tp {self.tp} = {self.trainers} training ranks{extra}{engine}"
+        experts = f"; experts over ep {self.ep} x edata {self.data // self.ep}" if self.ep > 1 else ""
+        return f"dp {self.dp} x sp {self.sp} x tp {self.tp} = {self.trainers} training ranks{extra}{experts}{engine}"

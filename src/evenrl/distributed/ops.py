@@ -65,9 +65,11 @@ def all_gather_object(obj: Any) -> list:
 def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64.0, *,
                      extra: Sequence[torch.Tensor] = ()) -> None:
     """SUM gradients over the ranks that hold the same parameters in flat buckets (one collective per bucket, per
-    device and dtype): the mesh's `data` group (every training rank without tensor parallelism; with it, the ranks
-    of this rank's tensor-parallel index, whose shards are this rank's: a DTensor's gradient is reduced as its local
-    shard).
+    group, device and dtype): the mesh's `data` group (every training rank without tensor parallelism; with it, the
+    ranks of this rank's tensor-parallel index, whose shards are this rank's: a DTensor's gradient is reduced as its
+    local shard), and for a mixture's experts split by expert parallelism (DTensors on the mesh's "ep" dimension)
+    the `edata` group only: the ranks holding the same experts. Their gradients are complete on each rank after the
+    backward all-to-all; a sum over the whole data group would add other experts' gradients to them.
 
     A parameter whose grad is None on some ranks is sent as zeros, so every rank issues the same collectives;
     afterwards it gets the summed grad. Each bucket also carries one 'had a grad' flag per parameter, so a
@@ -90,13 +92,12 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
     """
     if size("data") == 1:
         return
-    over = group("data")
     groups: dict[tuple, list[list[torch.nn.Parameter]]] = {}
     filled: dict[tuple, int] = {}
     for p in params:
-        if not p.requires_grad:
+        if not p.requires_grad or size(over := _reduced_over(p)) == 1:
             continue
-        k = (p.device, p.dtype)
+        k = (over, p.device, p.dtype)
         buckets = groups.setdefault(k, [[]])
         if buckets[-1] and filled[k] + p.nbytes > bucket_mb * 2**20:
             buckets.append([])
@@ -105,7 +106,7 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
         filled[k] = filled.get(k, 0) + p.nbytes
     with guard("gradient all-reduce"):
         pending = []
-        for (device, dtype), buckets in groups.items():
+        for (over, device, dtype), buckets in groups.items():
             for ps in buckets:
                 n = sum(_numel(p) for p in ps)
                 flat = torch.empty(n + len(ps), dtype=dtype, device=device)
@@ -117,10 +118,11 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
                         flat[at:at + _numel(p)].copy_(_local(p.grad).reshape(-1))
                     at += _numel(p)
                 flat[n:] = torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype)
-                work = tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, async_op=True, group=over)
+                work = tdist.all_reduce(flat, op=tdist.ReduceOp.SUM, async_op=True, group=group(over))
                 pending.append((ps, flat, work))
         extra_comm = [_on_comm_device(t) for t in extra]
-        extra_work = [tdist.all_reduce(x, op=tdist.ReduceOp.SUM, async_op=True, group=over) for x in extra_comm]
+        extra_work = [tdist.all_reduce(x, op=tdist.ReduceOp.SUM, async_op=True, group=group("data"))
+                      for x in extra_comm]
         for ps, flat, work in pending:
             work.wait()
             flags = flat[-len(ps):].tolist()
@@ -147,14 +149,15 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64
 
 def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over parameters whose gradients are sharded over several mesh dimensions
-    (tensor parallelism, with or without FSDP2): each gradient's squared norm is summed over the dimensions it is
-    sharded on and counted once where it is replicated (a norm weight's gradient is whole on every rank of its
-    tensor-parallel group), then the total scales every gradient as torch does. Without tensor parallelism, torch's
-    own (every gradient plain, or every one a DTensor of the same mesh)."""
+    (tensor parallelism, expert parallelism, either with or without FSDP2): each gradient's squared norm is summed
+    over the dimensions it is sharded on and counted once where it is replicated (a norm weight's gradient is whole
+    on every rank of its tensor-parallel group, a dense weight's on every rank of an ep group), then the total
+    scales every gradient as torch does. Otherwise torch's own (every gradient plain, or every one a DTensor of the
+    FSDP2 data mesh)."""
     from torch.distributed.tensor import Shard
 
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(_is_dtensor(g) and "tp" in (g.device_mesh.mesh_dim_names or ()) for g in grads):
+    if not any(_is_dtensor(g) and set(g.device_mesh.mesh_dim_names or ()) - {"data"} for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     by_dims: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
@@ -174,6 +177,11 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> tor
         for g in grads:
             _local(g).mul_(coef.to(g.dtype))
     return norm
+
+
+def _reduced_over(p: torch.Tensor) -> str:
+    """The mesh dimension a parameter's gradient is summed over: `edata` for experts split over "ep", else `data`."""
+    return "edata" if _is_dtensor(p) and "ep" in (p.device_mesh.mesh_dim_names or ()) else "data"
 
 
 def _is_dtensor(t) -> bool:

@@ -36,7 +36,8 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32, offload: bool = False) -> None:
     """Shard `model` in place over the mesh's data dimension (every training rank without tensor parallelism; with
-    it, a tensor-parallel model's DTensors become 2-D: split on `tp`, sharded on `data`). Call after the model is on
+    it, a tensor-parallel model's DTensors become 2-D: split on `tp`, sharded on `data`; an expert-parallel
+    model's experts: split on `ep`, sharded on `edata`). Call after the model is on
     its device and tensor-parallel, before the optimizer is built (the optimizer must see the sharded
     parameters)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -50,6 +51,10 @@ def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     mp = MixedPrecisionPolicy() if compute_dtype == torch.float32 else \
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    # expert parallelism: each experts module a unit of its own over the ranks holding the same experts (edata),
+    # its block's unit over the data ranks holding the rest (torchtitan's layout)
+    for experts in (m for m in model.modules() if getattr(m, "evenrl_ep", None) is not None):
+        fully_shard(experts, mesh=dist.expert_mesh(device)["edata"], mp_policy=mp, offload_policy=policy)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)

@@ -2,12 +2,13 @@
 whatever else needs the full model on a rank.
 
   gathered(model)      every parameter whole on every rank for the duration of a `with` block: generation and
-                       greedy evaluation with evenrl's own sampler on the training ranks.
+                       greedy evaluation with evenrl's own sampler on the training ranks (FSDP2's units unsharded,
+                       an expert-parallel model's experts gathered over their ep group).
   full_weights(model)  (name, full tensor) pairs in buckets of bounded size: weight pushes to a rollout engine and
                        the final Hugging Face save. One bucket at a time is whole, never the whole model twice.
 
-On a sharded model both are collectives (all-gathers): every training rank calls them at the same point, in the
-same order. On a replicated model they gather nothing and cost nothing.
+On a sharded or expert-parallel model both are collectives (all-gathers): every training rank calls them at the
+same point, in the same order. On a replicated model they gather nothing and cost nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from evenrl.distributed.expert_parallel import gathered_experts
 from evenrl.distributed.guard import guard
 
 # 256 MiB: a 7B model's largest tensor (the embedding, 152k x 3584 in bf16: 1 GiB) goes alone; the blocks go a few
@@ -40,7 +42,8 @@ def gathered(model: torch.nn.Module):
     tokens to keep them matched."""
     units = sharded_modules(model)
     if not units:
-        yield model
+        with gathered_experts(model):
+            yield model
         return
     with guard("weight all-gather"):
         for unit in units:
@@ -49,7 +52,8 @@ def gathered(model: torch.nn.Module):
             # the next token would gather them again, and every rank would have to decode as many tokens
             unit.set_reshard_after_forward(False, recurse=False)
     try:
-        yield model
+        with gathered_experts(model):  # expert parallelism: then every expert of the ep group, once
+            yield model
     finally:
         for unit in units:
             unit.set_reshard_after_forward(True, recurse=False)

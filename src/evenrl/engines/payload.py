@@ -84,8 +84,10 @@ def merged_weights(model: torch.nn.Module, *, dtype: torch.dtype,
             for name, t in zip(names, found):
                 out = made.get(id(t))
                 if out is None:
-                    # a copy: a gathered parameter's storage is freed when the block ends, and buckets may outlive it
-                    out = merged(layers[name], t).to(dtype) if name in layers else t.detach().to(dtype, copy=True)
+                    # a copy: a gathered parameter's storage is freed when the block ends, and buckets may outlive it;
+                    # an expert-parallel model's experts stay split in the block: whole here (a collective)
+                    whole = t.full_tensor() if hasattr(t, "full_tensor") and name not in layers else t
+                    out = merged(layers[name], t).to(dtype) if name in layers else whole.detach().to(dtype, copy=True)
                     if id(t) in tied:
                         made[id(t)] = out
                 yield merged_name(name), out

@@ -166,6 +166,13 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def forwards_meet(model) -> bool:
+    """Whether every forward of the model is a collective over the data ranks (FSDP2 gathers its units, expert
+    parallelism exchanges tokens: evenrl.distributed.expert_parallel marks the model), so every rank must run as
+    many forwards and backwards, a filler where it has no rows."""
+    return is_sharded(model) or getattr(model, "evenrl_expert_parallel", 1) > 1
+
+
 def is_checkpointing(model) -> bool:
     """Whether the model recomputes activations in backward (transformers 5 renamed the flag)."""
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \

@@ -34,7 +34,8 @@ def rule_reproducibility(p: Plan) -> list[Finding]:
                            "CPU: vLLM's CPU build has no batch-invariant mode (a sample's logits change with the "
                            "requests that share its batch)", f"rollout.engine=hf; or {_ROUNDING}"))
     for field, size in (("tensor_parallel_size", c.parallel.tensor_parallel_size),
-                        ("sequence_parallel_size", c.parallel.sequence_parallel_size)):
+                        ("sequence_parallel_size", c.parallel.sequence_parallel_size),
+                        ("expert_parallel_size", c.parallel.expert_parallel_size)):
         if size > 1:
             out.append(Finding("error", "bitwise-model-parallel", f"train.reproducibility=bitwise with "
                                f"parallel.{field}={size}: not made bit-identical yet (the split model's gradients "

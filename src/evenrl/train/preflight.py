@@ -49,5 +49,6 @@ def mesh_sizes(cfg: RunConfig, *, rollout: bool = True) -> dict:
             "rollout_devices": cfg.parallel.rollout_devices if rollout else 0,
             "sequence_parallel": cfg.parallel.sequence_parallel_size,
             "tensor_parallel": cfg.parallel.tensor_parallel_size,
+            "expert_parallel": cfg.parallel.expert_parallel_size,
             "engine_tensor_parallel": cfg.rollout.tensor_parallel_size
             if rollout and cfg.rollout.engine == "vllm" else 1}

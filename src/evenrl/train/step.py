@@ -32,7 +32,7 @@ from evenrl.distributed import exact
 from evenrl.engines.base import keyed_seed
 from evenrl.errors import RunStopped
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
-from evenrl.models.loading import is_sharded
+from evenrl.models.loading import forwards_meet
 from evenrl.models import routing
 from evenrl.models.routing import is_moe
 from evenrl.planner.dims import dims_from_config
@@ -116,8 +116,8 @@ def add_reward_kl(trainer: Trainer, batch: Batch) -> None:
     """KL as a reward penalty, per token KL(policy || reference) at sampling time: summed per sequence for the
     group estimators (kl_sum), kept per token for reinforce_pp and gae (reward_kl), which fold it into each
     token's reward."""
-    # one sample per forward; a sharded model makes as many forwards as the rank with the most samples
-    passes = max(dist.all_gather_object(len(batch))) if is_sharded(trainer.model) else len(batch)
+    # one sample per forward; a sharded or expert-parallel model makes as many forwards as the busiest rank
+    passes = max(dist.all_gather_object(len(batch))) if forwards_meet(trainer.model) else len(batch)
     micro = singles(len(batch)) + [[]] * (passes - len(batch))
     kw = dict(temperature=trainer.temperature, pad_token_id=trainer.pad_id)
     if records_routes(trainer, batch):  # the step's first policy pass: the routes the later passes replay
@@ -141,7 +141,7 @@ def add_values(trainer: Trainer, batch: Batch) -> None:
     micro = capped_runs(batch["tokens"].lengths.tolist(), trainer.balance.token_cap(trainer.cfg, dist.rank()))
     if bitwise(trainer.cfg):  # a rank's rows at sampling time depend on the layout: one sample per forward
         micro = singles(len(batch))
-    if is_sharded(trainer.critic.model):  # every rank as many forwards as the busiest (empty ones are fillers)
+    if forwards_meet(trainer.critic.model):  # every rank as many forwards as the busiest (empty ones are fillers)
         micro += [[]] * (max(dist.all_gather_object(len(micro))) - len(micro))
     with routing.options(trainer.critic.model, replay=False):  # an MoE critic routes by its own routers
         values = compute_values(trainer.critic.model, batch, micro, pad_token_id=trainer.pad_id)

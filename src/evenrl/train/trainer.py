@@ -235,8 +235,9 @@ def adamw(model, cfg: RunConfig, lr: float, warmup_steps: int):
     """(AdamW over the model's trainable parameters, linear warm-up over `warmup_steps` optimizer steps)."""
     # fused: one kernel over all parameters; the default per-tensor loop cost ~15 ms a step for 2.4 M params on CPU.
     # A tensor-parallel model mixes DTensors (split weights) with plain tensors (norms), or DTensors of two meshes
-    # under FSDP2, which one fused or foreach kernel refuses: each tensor is then stepped on its own
-    split = cfg.parallel.tensor_parallel_size > 1
+    # under FSDP2, which one fused or foreach kernel refuses: each tensor is then stepped on its own; so does an
+    # expert-parallel one (experts split over "ep" beside plain or data-sharded dense weights)
+    split = cfg.parallel.tensor_parallel_size > 1 or cfg.parallel.expert_parallel_size > 1
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                                   betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay,
                                   fused=not split, foreach=False if split else None)

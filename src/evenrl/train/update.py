@@ -20,6 +20,7 @@ from evenrl.core.batch import Batch, Ragged
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
 from evenrl.distributed import exact, exact_fsdp
+from evenrl.distributed.expert_parallel import expert_parallel
 from evenrl.distributed.sequence import sequence_parallel
 from evenrl.distributed.sharding import shard
 from evenrl.distributed.tensor_parallel import tensor_parallel
@@ -27,7 +28,7 @@ from evenrl.engines.base import keyed_seed
 from evenrl.errors import RunStopped, UsageError
 from evenrl.models.decoder import LeanDecoder
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
-from evenrl.models.loading import is_sharded, set_autocast, set_tf32
+from evenrl.models.loading import forwards_meet, is_sharded, set_autocast, set_tf32
 from evenrl.models.routing import is_moe
 from evenrl.models.vision import freeze_tower, is_vision_model
 
@@ -68,15 +69,19 @@ def prepare_model(model, cfg: RunConfig) -> None:
 
 
 def split_tensors(model, cfg: RunConfig) -> None:
-    """Tensor parallelism (parallel.tensor_parallel_size > 1): the model's layers split over this rank's group
-    (evenrl.distributed.tensor_parallel), before FSDP2 shards what is left over the data dimension."""
-    size = cfg.parallel.tensor_parallel_size
-    if size == 1:
-        return
-    if is_vision_model(model):  # the plan says so first
-        raise UsageError(f"parallel.tensor_parallel_size: got {size} for a vision-language model; not supported yet "
-                         "(its vision tower is not split); use 1")
-    tensor_parallel(model, dist.device_mesh(next(model.parameters()).device)["tp"])
+    """Tensor parallelism (parallel.tensor_parallel_size > 1: the model's layers split over this rank's tp group,
+    evenrl.distributed.tensor_parallel) or expert parallelism (parallel.expert_parallel_size > 1: a mixture's
+    experts split over its ep group, evenrl.distributed.expert_parallel), before FSDP2 shards what is left."""
+    device = next(model.parameters()).device
+    for key, size in (("tensor_parallel_size", cfg.parallel.tensor_parallel_size),
+                      ("expert_parallel_size", cfg.parallel.expert_parallel_size)):
+        if size > 1 and is_vision_model(model):  # the plan says so first
+            raise UsageError(f"parallel.{key}: got {size} for a vision-language model; not supported yet (its "
+                             "vision tower is not split); use 1")
+    if cfg.parallel.tensor_parallel_size > 1:
+        tensor_parallel(model, dist.device_mesh(device)["tp"])
+    if cfg.parallel.expert_parallel_size > 1:
+        expert_parallel(model, dist.expert_mesh(device))
 
 
 def split_sequences(model, cfg: RunConfig) -> None:
@@ -114,14 +119,15 @@ def _per_response_token(model, batch: Batch, micro_rows: list[list[int]], pad_to
                         forward: Forward, after: Callable[[list[int]], None] | None = None) -> list[Tensor]:
     """The first output per token (a log-prob, a value) of forward(model, micro_batch) -> (outputs [B, R, k],
     targets, mask) for each micro-batch, cut to each row's response tokens: 1-D float32 tensors in batch row order.
-    A sharded model runs a filler forward for an empty micro-batch (every rank the same number of forwards)."""
+    A model whose forwards are collectives (FSDP2, expert parallelism) runs a filler forward for an empty
+    micro-batch (every rank the same number of forwards)."""
     out: list[Tensor | None] = [None] * len(batch)
     was_training = model.training
     model.eval()
-    sharded = is_sharded(model)
+    meet = forwards_meet(model)
     for rows in micro_rows:
         if not rows:
-            if sharded:
+            if meet:
                 response_logits(model, filler_row(pad_token_id), pad_token_id)
             continue
         outputs, _, mask = forward(model, batch.select(rows))
@@ -166,7 +172,7 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     per micro-batch from `seed` and the micro-batch's first sample."""
     started = time.perf_counter()
     sums: dict[str, list[float]] = {}
-    sharded = is_sharded(model)
+    sharded, meet = is_sharded(model), forwards_meet(model)
     ran = 0
     params = [p for p in model.parameters() if p.requires_grad]
     bins = exact.ExactGrads(params, every=sharded) if bitwise and not exact_fsdp.installed(model) else None
@@ -175,7 +181,7 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         experts.begin(model, batch, micro_rows)
     for rows in micro_rows:
         if not rows:
-            if sharded:  # zero-weight filler: FSDP's gathers and reduce-scatters must meet on every rank
+            if meet:  # zero-weight filler: FSDP's gathers and reduce-scatters, EP's all-to-alls meet on every rank
                 logits, _, _ = response_logits(model, filler_row(pad_token_id), pad_token_id)
                 (logits.sum() * 0.0).backward()
                 if bins is not None:

@@ -1,0 +1,199 @@
+"""Expert parallelism (parallel.expert_parallel_size = EP) applied to a mixture of experts from outside it: each
+rank of an `ep` group (evenrl.distributed.mesh_shape) holds 1/EP of every MoE layer's experts, and every token goes
+to its experts' ranks and back by all-to-all.
+
+    expert_parallel(model, dist.expert_mesh(device))   # before FSDP2 (sharding.shard) and the optimizer
+
+The layout is torchtitan's and prime-rl's: the ep group borrows data-parallel ranks, the ranks holding the same
+experts (`edata`) reduce their gradients (or, with FSDP2, shard them), and the dense layers keep the usual mesh.
+- Weights stay in transformers' fused layout: each experts module's 3-D tensors (gate_up_proj [E, ...], down_proj
+  [E, ...], gpt-oss's biases [E, ...]) become DTensors sharded on dim 0 over "ep" (rank j of a group holds experts
+  j*E/EP .. (j+1)*E/EP - 1). DCP saves and loads them by global shape, so a checkpoint resumes at any EP, and
+  `full_tensor()` gives engines and the final save the whole tensors.
+- The forward goes through transformers' `ExpertsInterface`: the backend "evenrl_ep" is registered there and set
+  as the model's experts implementation; no class or forward is patched. Per MoE layer: the (token, expert) pairs
+  sorted by expert, their counts per expert exchanged by all-to-all; the tokens sent to their experts' ranks (a
+  differentiable all-to-all with uneven splits); the local experts run as one grouped GEMM (transformers'
+  `grouped_mm` backend, each pair top-1 with weight 1); the outputs sent back by the reverse all-to-all; then each
+  pair's output times its routing weight, summed per token as the `grouped_mm` backend sums them, so one process
+  and EP add the same products in the same order.
+- Every rank makes the same collectives whatever the routing. A rank that receives no tokens still runs its experts
+  on one zero row cut to none: its output then depends on the received tensor and the local weights, so its
+  backward reaches the reverse all-to-all (without that it skips it and the other ranks wait for ever).
+- The routers' hooks (evenrl.models.routing: record, replay, count) see the router's outputs before the experts are
+  called, so router replay and the load-balancing loss work unchanged.
+- Generation (evenrl's sampler on the training model, greedy evaluation) runs each rank on its own prompts for as
+  many tokens as they take, so it cannot meet in per-layer all-to-alls: `gathered_experts` (inside
+  distributed.weights.gathered, as FSDP2 gathers its units there) all-gathers every layer's experts once per
+  generation, and the backend runs them all locally until the block ends.
+- Gradients: an expert weight's gradient is complete on its rank after the backward all-to-all (every token routed
+  to the expert contributed), so it is summed over `edata` only (distributed.ops.all_reduce_grads; FSDP2
+  reduce-scatters it there), never over the whole data group; the clip norm sums its squares over "ep"
+  (distributed.ops.clip_grad_norm).
+
+transformers 5.19's own EP plan (a config's `base_model_ep_plan`, `ep_dispatch_experts`, DistributedConfig(ep_size))
+computes the same (measured here on 2 gloo ranks: logits equal, gradients within 1e-9) but replaces each experts
+module's forward with one that always dispatches, which generation cannot use: hence a backend of evenrl's own in
+the same interface. The local experts run through `grouped_mm` whatever the model's experts implementation was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import Tensor
+
+from evenrl.distributed.guard import guard
+from evenrl.errors import UsageError
+
+BACKEND = "evenrl_ep"  # the name registered in transformers' ExpertsInterface
+
+
+@dataclass
+class ExpertShard:
+    """What an experts module's forward needs under expert parallelism (the module's `evenrl_ep`)."""
+
+    group: Any  # this rank's ep process group
+    size: int  # EP
+    index: int  # this rank's place in its ep group: it holds experts index*local .. (index+1)*local - 1
+    local: int  # experts per rank (E / EP)
+    names: tuple[str, ...]  # the module's per-expert tensors (gate_up_proj, down_proj, biases)
+    whole: dict[str, Tensor] | None = None  # every expert, while gathered_experts holds them (generation)
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules of a mixture (transformers' `use_experts_implementation` classes: fused 3-D weights, a
+    forward through the ExpertsInterface); [] for a dense model."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
+
+
+def is_expert_parallel(model: torch.nn.Module) -> bool:
+    return getattr(model, "evenrl_expert_parallel", 1) > 1
+
+
+def expert_parallel(model: torch.nn.Module, mesh) -> None:
+    """Split every experts module of `model` over the "ep" dimension of `mesh` (distributed.mesh.expert_mesh), in
+    place: its per-expert tensors become DTensors sharded on dim 0, and its forward dispatches (module docstring).
+    Call after the model is on its device and after LoRA adapters are added, before FSDP2 and the optimizer. A
+    model whose experts EP does not divide is one line (UsageError), the mesh's own wording."""
+    from torch.distributed.tensor import DTensor, Shard
+    from transformers.integrations.moe import ExpertsInterface
+
+    from evenrl.distributed.mesh import shape
+
+    ep_mesh = mesh["ep"]
+    ep, index = ep_mesh.size(), ep_mesh.get_local_rank()
+    modules = experts_modules(model)
+    wrong = shape().experts_problem(modules[0].num_experts if modules else 0)
+    if wrong:
+        raise UsageError(wrong)
+    ExpertsInterface.register(BACKEND, experts_forward)
+    for m in modules:
+        experts = int(m.num_experts)
+        local = experts // ep
+        names = tuple(n for n, _ in m.named_parameters(recurse=False))
+        for n in names:
+            p = getattr(m, n)
+            if p.shape[0] != experts:
+                raise UsageError(f"parallel.expert_parallel_size: {type(m).__name__}.{n} is not laid out by expert "
+                                 f"(shape {tuple(p.shape)}, {experts} experts); use 1")
+            mine = p.detach()[index * local:(index + 1) * local].clone()
+            split = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+            m.register_parameter(n, torch.nn.Parameter(split, requires_grad=p.requires_grad))
+        m.evenrl_ep = ExpertShard(ep_mesh.get_group(), ep, index, local, names)
+    model.set_experts_implementation(BACKEND)
+    model.evenrl_expert_parallel = ep
+
+
+@contextlib.contextmanager
+def gathered_experts(model: torch.nn.Module):
+    """Within the block every experts module runs all its experts locally, gathered once over its ep group (a
+    collective every rank joins at the same point: generation, evaluation). A no-op without expert parallelism."""
+    shards = [(m, m.evenrl_ep) for m in model.modules() if getattr(m, "evenrl_ep", None) is not None]
+    if shards:
+        with torch.no_grad(), guard("expert all-gather"):
+            for m, s in shards:
+                s.whole = {n: getattr(m, n).full_tensor() for n in s.names}
+    try:
+        yield model
+    finally:
+        for _, s in shards:
+            s.whole = None
+
+
+class _Weights:
+    """An experts module seen with other weights (its local shard, or every expert gathered) by transformers'
+    grouped_mm backend, which reads the weights and num_experts from the object it is given; all else (the
+    activation, the gate, the layout flags) is the module's own."""
+
+    def __init__(self, module: torch.nn.Module, weights: dict[str, Tensor], experts: int):
+        self.__dict__.update(weights)
+        self.num_experts, self._is_expert_parallel, self._module = experts, False, module
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def experts_forward(module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """The "evenrl_ep" experts backend: hidden [N, H], top_k_index / top_k_weights [N, k] -> [N, H]."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    shard: ExpertShard | None = getattr(module, "evenrl_ep", None)
+    if shard is None:  # a model not split (a copy built from the same config object)
+        return grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
+    if shard.whole is not None:  # generation: every expert is here
+        return grouped_mm_experts_forward(_Weights(module, shard.whole, shard.local * shard.size), hidden,
+                                          top_k_index, top_k_weights)
+    return _dispatch(module, shard, hidden, top_k_index, top_k_weights)
+
+
+class _Exchange(torch.autograd.Function):
+    """Rows to the ranks of a group with uneven splits (send[i] rows to rank i, recv[i] from it); the backward sends
+    the gradients back the same way reversed. (torch.distributed.nn's differentiable all_to_all_single is
+    deprecated in torch 2.13, and _functional_collectives' is differentiable only in recent releases.)"""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, send: list[int], recv: list[int]) -> Tensor:
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        tdist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _Exchange.apply(g, ctx.group, ctx.recv, ctx.send), None, None, None
+
+
+def _dispatch(module, shard: ExpertShard, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    n, k = top_k_index.shape
+    ids = top_k_index.reshape(-1)
+    order = torch.argsort(ids, stable=True)  # pairs by expert, hence by the rank that holds it
+    send = hidden[order // k]
+    counts = torch.bincount(ids, minlength=shard.local * shard.size)
+    got = torch.empty_like(counts)
+    tdist.all_to_all_single(got, counts, group=shard.group)  # [source rank x local expert]
+    got = got.view(shard.size, shard.local)
+    send_sizes, recv_sizes = counts.view(shard.size, shard.local).sum(dim=1).tolist(), got.sum(dim=1).tolist()
+    received = _Exchange.apply(send, shard.group, send_sizes, recv_sizes)
+    local_ids = torch.arange(shard.local, device=ids.device).repeat(shard.size).repeat_interleave(got.reshape(-1))
+    out = _local_experts(module, shard, received, local_ids)
+    back = _Exchange.apply(out, shard.group, recv_sizes, send_sizes)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=order.device)
+    # each pair's output times its weight, summed over the token's k pairs: the grouped_mm backend's own arithmetic
+    return (back[inverse].view(n, k, -1) * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
+
+
+def _local_experts(module, shard: ExpertShard, tokens: Tensor, ids: Tensor) -> Tensor:
+    """This rank's experts over the tokens sent to them (ids: the local expert of each), one grouped GEMM."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    local = _Weights(module, {n: getattr(module, n).to_local() for n in shard.names}, shard.local)
+    if not len(tokens):  # nothing routed here: one zero row, cut to none, keeps this rank in the backward exchange
+        row = tokens.sum(dim=0, keepdim=True)
+        return grouped_mm_experts_forward(local, row, ids.new_zeros((1, 1)), row.new_ones((1, 1)))[:0]
+    return grouped_mm_experts_forward(local, tokens, ids[:, None], tokens.new_ones((len(tokens), 1)))

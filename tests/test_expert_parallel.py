@@ -1,5 +1,5 @@
 """Expert parallelism (parallel.expert_parallel_size, evenrl.distributed.expert_parallel; docs/moe.md): the mesh's ep
-and edata groups and their one-line problems; on gloo, every family's model with its experts
+and edata groups and their one-line problems; the planner's --fit; on gloo, every family's model with its experts
 split over 2 ranks against the unsplit model (logits bit for bit, gradients to rounding), a rank that receives no
 tokens, and generation on the gathered experts; `evenrl train` with EP = 2 on 2 processes against 1 process (the
 load-balancing loss on, engine replay, a KL reference split too), checkpoints resumed across EP sizes (2 -> 1, and
@@ -19,6 +19,9 @@ from e2e import copy_checkpoint, evenrl_many, final_params, max_diff, metrics
 from evenrl.demo import write_addition_data
 from evenrl.distributed.mesh_shape import MeshShape
 from evenrl.testing import MOE_ARCHS, make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def test_expert_groups_borrow_data_ranks():
     """ep: each data group cut into groups of ep consecutive ranks; edata: the ranks of one ep index (the same
@@ -42,6 +45,36 @@ def test_expert_groups_borrow_data_ranks():
 def test_expert_parallel_problems_are_one_line(shape, experts, says):
     wrong = shape.problems() or [shape.experts_problem(experts)]
     assert len(wrong) == 1 and says in wrong[0] and "\n" not in wrong[0]
+
+
+def test_fit_proposes_expert_parallelism_where_the_experts_do_not_fit(monkeypatch):
+    """Qwen3-30B-A3B trained whole, replicated, on 8 x 141 GB: 570 GiB per rank; expert parallelism over the 8 ranks
+    (16 of 128 experts each) fits, and --fit takes it before FSDP2 (it moves tokens instead of gathering every
+    block's experts), beside the vLLM share that holds the engine's weights. On 8 x 80 GB it does not fit alone
+    (the dense weights' AdamW state stays whole), and with the colocated engine's share of each device nothing
+    but FSDP2 with CPU offload does, which expert parallelism does not run with: --fit takes that, without EP."""
+    from evenrl.config import load_config
+    from evenrl.planner.fit import fit
+    from evenrl.planner.layout import make_layout
+    from evenrl.planner.plan import make_plan
+
+    monkeypatch.chdir(ROOT)  # the example's paths are the repository's
+    whole = ["model.lora.rank=0", "rollout.memory_fraction=0"]  # vLLM's own share (0.3) until a fix raises it
+    cfg = load_config("examples/moe_30b_a3b.yaml", whole + ["parallel.sharding=replicated",
+                                                            "parallel.expert_parallel_size=1"])
+    big = make_plan(cfg, make_layout(nproc_per_node=8, device="cuda", device_memory_gib=141))
+    assert big.memory.total_gib > 500
+    fixed, changes = fit(big)
+    assert dict((k, new) for k, _, new in changes) == {"parallel.expert_parallel_size": 8,
+                                                       "rollout.memory_fraction": 0.42}
+    replanned = make_plan(fixed, big.layout)
+    assert replanned.memory.total_gib < 141 and not [f for f in replanned.findings if f.level == "error"]
+    small = make_plan(cfg, make_layout(nproc_per_node=8, device="cuda", device_memory_gib=80))
+    ep8 = next(f for f in small.memory_fixes if f.settings == {"parallel.expert_parallel_size": 8})
+    assert not ep8.fits and 80 < ep8.total_gib < 200
+    assert dict((k, new) for k, _, new in fit(small)[1])["parallel.cpu_offload"] == "full"
+    with_ep = make_plan(load_config("examples/moe_30b_a3b.yaml", whole), small.layout)
+    assert not any("cpu_offload" in str(f.settings) for f in with_ep.memory_fixes)  # refused beside EP
 
 
 # ------------------------------------------------------------------------------------------ gloo, 2 ranks

@@ -445,3 +445,22 @@ def test_trl_fractional_epochs_become_the_steps_they_mean(tmp_path):
     for bad in (0, -1, "a tenth"):
         with pytest.raises(UsageError, match="num_train_epochs"):
             run(tmp_path, "trl", {**base, "num_train_epochs": bad}, nproc_per_node=4)
+
+
+def test_verl_megatron_expert_parallelism_maps_to_evenrls(tmp_path):
+    """verl's Megatron expert_model_parallel_size is evenrl's parallel.expert_parallel_size (the same split of the
+    experts over ranks borrowed from data parallelism), with a note; the reference's follows the policy's; expert
+    tensor parallelism has no equivalent (each expert stays whole on its rank)."""
+    peer = {**LOGIC_RL, "actor_rollout_ref": {
+        **LOGIC_RL["actor_rollout_ref"],
+        "actor": {**LOGIC_RL["actor_rollout_ref"]["actor"], "strategy": "megatron",
+                  "megatron": {"expert_model_parallel_size": 4, "expert_tensor_parallel_size": 1}},
+        "ref": {"megatron": {"expert_model_parallel_size": 4}}}}
+    t, cfg, _ = run(tmp_path, "verl", peer)
+    assert cfg.parallel.expert_parallel_size == 4
+    assert any("expert_model_parallel_size=4: evenrl's parallel.expert_parallel_size splits" in n for n in t.notes)
+    assert t.layout.training_ranks == 4  # Megatron's EP leaves the data-parallel size alone
+    rows = {r["key"]: r for r in t.keys}
+    assert rows["actor_rollout_ref.ref.megatron.expert_model_parallel_size"]["why"].startswith(
+        "the reference model follows")
+    assert "each expert whole" in rows["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size"]["why"]

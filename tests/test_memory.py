@@ -48,18 +48,20 @@ def test_moe_counts_match_published_sizes():
 
 
 def test_expert_parallel_divides_the_experts_state():
-    """EP (a parameter of the formulas until the mesh sets it): replicated, each rank holds 1/EP of the routed experts'
-    weights, gradients and moments; sharded, FSDP already spreads them over every rank, and EP shrinks the gathered
+    """parallel.expert_parallel_size: replicated, each rank holds 1/EP of the routed experts' weights, gradients,
+    moments and gradient buckets; sharded, FSDP already spreads them over every rank, and EP shrinks the gathered
     unit (E/EP experts) instead; an MoE's micro-batch activations count its top-k dispatch buffers."""
     lay = make_layout(nproc_per_node=8, device="cuda", device_memory_gib=80)
     dims = dims_from_config(QWEN3_30B_A3B)
-    one, ep8 = (estimate_memory(cfg(), lay, dims, expert_parallel=e) for e in (1, 8))
+    one, ep8 = (estimate_memory(cfg(parallel={"expert_parallel_size": e}), lay, dims) for e in (1, 8))
     experts_gib = 16 * dims.experts_total / GIB
     assert abs((one.breakdown["parameters"] + one.breakdown["optimizer"] - ep8.breakdown["parameters"]
                 - ep8.breakdown["optimizer"]) - 12 * dims.experts_total * (1 - 1 / 8) / GIB) < 1e-6
     assert experts_gib > 400 and one.breakdown["expert dispatch"] == 0 < ep8.breakdown["expert dispatch"]
-    fsdp = cfg(parallel={"sharding": "fsdp"})
-    s1, s8 = (estimate_memory(fsdp, lay, dims, expert_parallel=e) for e in (1, 8))
+    assert abs(one.breakdown["gradient buckets"] - ep8.breakdown["gradient buckets"]
+               - 4 * dims.experts_total * (1 - 1 / 8) / GIB) < 1e-6
+    s1, s8 = (estimate_memory(cfg(parallel={"sharding": "fsdp", "expert_parallel_size": e}), lay, dims)
+              for e in (1, 8))
     assert s1.breakdown["parameters"] == s8.breakdown["parameters"]
     gathered = 4 * 2 * (128 - 128 // 8) * dims.expert_params / GIB  # two blocks in fp32: 112 of 128 experts fewer
     assert abs(s1.breakdown["fsdp units"] - s8.breakdown["fsdp units"] - gathered) < 1e-9 and gathered > 3

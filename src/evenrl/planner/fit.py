@@ -31,7 +31,7 @@ from evenrl.planner.dims import ModelDims
 from evenrl.planner.batches import GROUP_ADVANTAGES
 from evenrl.planner.groups import plan_groups
 from evenrl.planner.memory import estimate_memory
-from evenrl.planner.memory_fixes import memory_fixes
+from evenrl.planner.memory_fixes import expert_parallel_sizes, memory_fixes
 from evenrl.planner.plan import Plan
 
 
@@ -96,7 +96,9 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
     devices (the hf engine, vLLM until its engine groups run, CPU), else to the largest size up to it that divides
     the engines' devices and the heads; then, for a vLLM engine whose share of a GPU does not hold its weights
     (planner.tensor_parallel.engine_check), the smallest engine that does where engines span devices, else the
-    share that does (up to 0.9), else the hf engine, which samples from the (split) training model."""
+    share that does (up to 0.9), else the hf engine, which samples from the (split) training model;
+    expert_parallel_size to the largest size up to it the model and layout allow (planner.memory_fixes
+    .expert_parallel_sizes: none above 1 beside TP), 1 with CPU offload."""
     from evenrl.planner.model_parallel import divisors_near  # it imports the planner's rules, as this module does
     from evenrl.planner.tensor_parallel import MOST_SHARE, engine_check, engine_splits
 
@@ -116,6 +118,10 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
         s["rollout.tensor_parallel_size"] = 1
     elif etp > 1 and dims:
         s["rollout.tensor_parallel_size"] = max([d for d in engine_splits(lay, dims) if d <= etp], default=1)
+    ep, offload = cfg.parallel.expert_parallel_size, cfg.parallel.cpu_offload == "full" and lay.device != "cpu"
+    allowed = expert_parallel_sizes(with_settings(cfg, s) if s else cfg, lay, dims) if dims else [ep]
+    if ep > 1 and (ep not in allowed or offload):  # (fit() turns offload off on CPU)
+        s["parallel.expert_parallel_size"] = 1 if offload else max(e for e in allowed if e <= ep)
     now = with_settings(cfg, s) if s else cfg
     found = engine_check(now, lay, dims) if dims else None
     if found:
@@ -132,9 +138,12 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
 # Least intrusive first; what trains (LoRA) and algorithm-changing knobs (kl, prompts) only when nothing else fits.
 # Sequence parallelism before checkpointing: it recomputes nothing and its all-to-all is small next to the
 # attention of the long samples it is for (it is only offered for a sample over one rank's token cap).
-# Tensor parallelism before offload: its collectives stay on a node's links (a group inside a node), where offload
-# moves every step's state over PCIe and runs AdamW on the host; after the knobs that cost nothing per step.
-_PREFERENCE = ["parallel.sequence_parallel_size", "model.gradient_checkpointing", "parallel.sharding",
+# Expert parallelism next: it recomputes nothing either, and where a mixture's experts are what does not fit, it
+# moves each token (k copies) instead of gathering every expert for every block as FSDP2 does. Tensor parallelism
+# before offload: its collectives stay on a node's links (a group inside a node), where offload moves every step's
+# state over PCIe and runs AdamW on the host; after the knobs that cost nothing per step.
+_PREFERENCE = ["parallel.sequence_parallel_size", "parallel.expert_parallel_size", "model.gradient_checkpointing",
+               "parallel.sharding",
                "train.token_cap_per_micro_batch", "model.dtype", "parallel.tensor_parallel_size",
                "parallel.cpu_offload", "rollout.memory_fraction", "model.lora.rank", "algo.kl_coef",
                "data.prompts_per_step"]

@@ -82,10 +82,12 @@ its samples together: g is the group's), the all-to-all 4 t h c / TP, plus
   tensor-parallel buffers  t * max(q, i) * c   log-probs, twice that in the update (split_model's docstring)
 A mixture of experts: P counts every expert (memory holds them all; a token computes with its top-k, the step-time
 estimate's active weights), an MoE layer's activations add its dispatch buffers (planner.dims.ModelDims.act_elems)
-and the largest FSDP unit is an MoE block. Expert parallelism (EP, a parameter of these formulas, 1 until the mesh
-sets it: an EP group of ranks holds 1/EP of every layer's experts each, and FSDP shards them over the other T/EP):
-the routed experts' share Pe of P is held /EP replicated (/T with fsdp, as before), an FSDP unit gathers E/EP
-experts, and each MoE layer's tokens go out and come back by all-to-all:
+and the largest FSDP unit is an MoE block. Expert parallelism (parallel.expert_parallel_size = EP: an ep group of
+ranks holds 1/EP of every layer's experts each, and FSDP shards them over the other T/EP): the routed experts'
+share Pe of P is held /EP replicated, with its autocast copies, gradient buckets and the reference model's (/T with
+fsdp, as before); an FSDP unit gathers E/EP experts, the hf sampler all (replicated: Pe (1 - 1/EP) more); and each
+MoE layer's tokens go out and come back by all-to-all (on average: a rank's experts get t * k of the group's pairs;
+routing all of them to one rank's experts would give it EP times that):
   expert dispatch  2 * t * k * h * c     log-probs (one layer's send and receive), twice that in the update
 With rollout.router_replay (off: none) the step's routes travel with its rows in the smallest integer type (b bytes:
 1 up to 256 experts): a micro-batch's on the device while it runs, and one layer's widened to int64 by the hook:
@@ -173,9 +175,8 @@ def compute_bytes(dtype: str) -> int:
 
 
 def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
-                    ranks: tuple[int, ...] | None = None, *, expert_parallel: int = 1) -> MemoryEstimate:
-    """The peak of the busiest of `ranks` (default: every training rank) on layout.device_memory_gib;
-    `expert_parallel`: a mixture of experts' EP size (module docstring; 1 until the mesh sets it)."""
+                    ranks: tuple[int, ...] | None = None) -> MemoryEstimate:
+    """The peak of the busiest of `ranks` (default: every training rank) on layout.device_memory_gib."""
     c = compute_bytes(cfg.model.dtype)
     par = cfg.parallel
     sp, tp, _ = replicas(cfg, layout)
@@ -184,9 +185,9 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     t = max(layout.training_ranks, 1) // tp  # the data group: FSDP's shards and the gradient reduction
     fsdp = par.sharding == "fsdp"
     shard = t if fsdp else 1
-    # Offload needs fsdp and an accelerator, and no TP (the rules refuse it otherwise); such a plan is estimated as
-    # if nothing were offloaded, which is what a corrected config would hold.
-    offload = par.cpu_offload == "full" and fsdp and layout.device != "cpu" and tp == 1
+    # Offload needs fsdp and an accelerator, and no TP or EP (the rules refuse it otherwise); such a plan is estimated
+    # as if nothing were offloaded, which is what a corrected config would hold.
+    offload = par.cpu_offload == "full" and fsdp and layout.device != "cpu" and tp == 1 == par.expert_parallel_size
     notes = ["fp32 master weights, fp32 gradients, AdamW's 2 fp32 moments: 16 bytes per parameter"
              + (f"; tensor parallel {tp}: {share.params / 1e6:,.1f} M of {dims.params / 1e6:,.1f} M held per rank "
                 "(every weight but the norms split)" if tp > 1 else "")
@@ -210,7 +211,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         notes[0] = lora_note(cfg, A, t if fsdp else 1)
     device_state = 0 if offload else 1
     # the routed experts' share: held /EP replicated, /T sharded (EP x the FSDP shards over the other T/EP ranks)
-    ep = max(1, expert_parallel)
+    ep = par.expert_parallel_size
     Pe = dims.experts_total
     spread = shard if fsdp else ep
     experts_saved = 1 - shard / spread  # the share of the experts' state that EP takes off this rank
@@ -223,7 +224,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         notes.append(f"mixture of experts: {dims.experts} experts, top {dims.top_k}, in {dims.moe_layers} of {L} "
                      f"layers: {P / 1e6:,.1f} M parameters held, {dims.active_params / 1e6:,.1f} M active per token"
                      + (f"; expert parallelism {ep}" if ep > 1 else ""))
-    ref_full = c * (P + Pv) if cfg.algo.kl_coef > 0 and not lora.rank else 0
+    ref_full = c * (P + Pv - Pe * experts_saved) if cfg.algo.kl_coef > 0 and not lora.rank else 0
     ref = ref_full / shard * device_state
     host = ((held + 12 * trained) / shard + ref_full / shard) if offload else 0
     critic = 0
@@ -246,7 +247,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     sampler = not reserved and cfg.rollout.engine == "hf"  # evenrl's sampler runs the training model here
     overhead = OVERHEAD_GIB[layout.device] * GIB
     block_adapters = A // L
-    copies = 2 * (A if lora.rank else share.linear) if (c == 2 and not fsdp) else 0
+    copies = 2 * (A if lora.rank else share.linear - Pe * experts_saved) if (c == 2 and not fsdp) else 0
     block = share.block - (dims.experts - dims.experts // ep) * dims.expert_params  # E/EP experts gathered
     units = c * (share.root + 2 * (block + block_adapters)) if fsdp else 0
     largest = max(share.root, block + block_adapters)
@@ -278,7 +279,8 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     parts = {
         "parameters": params_b, "optimizer": opt_b, "reference model": ref, "critic": critic,
         "rollout reserve": reserve, "overhead": overhead,
-        "gathered model": c * (P + Pv + A + (largest if t > 1 else 0)) if fsdp and sampler else 0,
+        "gathered model": (c * (P + Pv + A + (largest if t > 1 else 0)) if fsdp else
+                           (4 if not lora.rank else c) * Pe * experts_saved) if sampler else 0,
         "autocast copies": copies,
         "KV cache": gen * length * L * 2 * share.kv_dim * c if sampler else 0,
         "rollout engine": engine,
@@ -297,7 +299,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         "log-prob expert dispatch": 2 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
         "expert dispatch": 4 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
         "route records": route_record_bytes(cfg, dims, tokens),
-        "gradient buckets": 4 * trained if (not fsdp and t > 1) else 0,
+        "gradient buckets": 4 * (A if lora.rank else trained_here) if (not fsdp and t > 1) else 0,
     }
     scorers = scorer_memory(cfg, layout, dims, tokens, samples_rank=math.ceil(cfg.samples_per_step() * share_of(
         cfg, layout)))

@@ -68,13 +68,15 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
             f"{layout.training_ranks // split} data-parallel groups")
     tp = cfg.parallel.tensor_parallel_size
     data = layout.training_ranks // tp  # FSDP shards over the data group
+    if (ep := expert_parallel_fix(cfg, layout, dims, ranks)) is not None:
+        add({"parallel.expert_parallel_size": ep}, f"{dims.experts // ep} of {dims.experts} experts per rank")
     if cfg.parallel.sharding == "replicated" and data > 1:
         add({"parallel.sharding": "fsdp"}, f"over {data} ranks")
     if (split := tensor_parallel_fix(cfg, layout, dims, ranks)) is not None:
         add({"parallel.tensor_parallel_size": split}, f"each layer split over {split} ranks, "
             f"{plural(layout.training_ranks // (split * sp), 'data-parallel group')}")
-    # offload needs fsdp and an accelerator, and no tensor parallelism (planner.tensor_parallel)
-    if cfg.parallel.cpu_offload != "full" and layout.device != "cpu" and tp == 1:
+    # offload needs fsdp and an accelerator, and no tensor or expert parallelism (planner.tensor_parallel, .moe)
+    if cfg.parallel.cpu_offload != "full" and layout.device != "cpu" and tp == 1 == cfg.parallel.expert_parallel_size:
         add({"parallel.sharding": "fsdp", "parallel.cpu_offload": "full"} if cfg.parallel.sharding == "replicated"
             else {"parallel.cpu_offload": "full"}, "state on the host")
     if cfg.algo.kl_coef > 0:
@@ -143,6 +145,30 @@ def sequence_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
     sizes = [s for s in sequence_sizes(cfg, layout, dims) if s > cfg.parallel.sequence_parallel_size]
     return next((s for s in sizes if _fits(cfg, layout, dims, sequence_settings(cfg, dims, s), ranks)),
                 sizes[-1] if sizes else None)
+
+
+def expert_parallel_sizes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[int]:
+    """The expert_parallel_size values a layout and model allow, ascending: divisors of the data-parallel ranks
+    that divide the experts ([1] for a dense or vision-language model, or with tensor parallelism: the mesh refuses
+    it, evenrl.distributed.mesh_shape)."""
+    tp = cfg.parallel.tensor_parallel_size
+    if not dims.experts or dims.vision is not None or tp > 1:
+        return [1]
+    data = max(layout.training_ranks, 1)
+    return [e for e in range(1, data + 1) if not data % e and not dims.experts % e]
+
+
+def expert_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
+                        ranks: tuple[int, ...] | None = None) -> int | None:
+    """The smallest expert_parallel_size above the configured one that fits the device memory, within a node where
+    one does (every MoE layer's all-to-all on the node's own links); else the largest allowed (the lowest peak);
+    None when there is no larger one."""
+    sizes = [e for e in expert_parallel_sizes(cfg, layout, dims) if e > cfg.parallel.expert_parallel_size]
+    if cfg.parallel.cpu_offload == "full" or not sizes:
+        return None
+    near = [e for e in sizes if e <= layout.nproc_per_node] or sizes
+    key = "parallel.expert_parallel_size"
+    return next((e for e in near + sizes if _fits(cfg, layout, dims, {key: e}, ranks)), near[-1])
 
 
 def sequence_settings(cfg: RunConfig, dims: ModelDims, sp: int) -> dict[str, Any]:

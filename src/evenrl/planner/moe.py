@@ -7,14 +7,21 @@ What the runtime refuses (evenrl.train.moe.check, evenrl.engines.vllm_engine) is
 words where it can be: replay or a load-balancing loss on a dense model or on routers evenrl does not know; engine
 replay with an engine that returns no routes (vLLM: its CPU build cannot, and evenrl asks no GPU build yet) or with
 an agent's joined calls; the loss on an aux-loss-free router (sigmoid scores with correction biases); vLLM's CPU build
-as an MoE policy's engine (its weight reload leaves the experts wrong). The memory an MoE holds and its expert
-parallelism are planner.memory's.
+as an MoE policy's engine (its weight reload leaves the experts wrong). The memory an MoE holds is planner.memory's.
+
+Expert parallelism (parallel.expert_parallel_size, `rule_expert_parallel`): the mesh's own check
+(evenrl.distributed.mesh_shape: EP divides the data-parallel ranks and the experts; not with tensor parallelism), a
+dense or vision-language model, CPU offload, ep groups that cross nodes (every MoE layer's all-to-all then on the
+inter-node link), and what a rank holds and sends. memory_fixes offers the smallest size that fits where the experts
+do not (`--fit` proposes it).
 Pure Python: never imports torch.
 """
 
 from __future__ import annotations
 
 from evenrl.planner.dims import AUX_FREE_TYPES, MOE_TYPES
+from evenrl.planner.memory_fixes import expert_parallel_sizes
+from evenrl.planner.text import count_unit, plural, size_text
 from evenrl.planner.types import Finding, Plan
 
 # measured: a bf16 engine against an fp32 trainer (tests/test_moe.py), R3's Qwen3-30B-A3B numbers (docs/moe.md)
@@ -64,4 +71,53 @@ def rule_moe(p: Plan) -> list[Finding]:
                            f"{d.top_k}) with rollout.router_replay=off: the trainer routes each token itself, and "
                            f"an engine in other precision routes some elsewhere ({_WHY_REPLAY})",
                            "rollout.router_replay=engine (the hf engine records them); or trainer (R2)"))
+    return out
+
+
+def rule_expert_parallel(p: Plan) -> list[Finding]:
+    c, lay, d = p.config, p.layout, p.dims
+    ep, key = c.parallel.expert_parallel_size, "parallel.expert_parallel_size"
+    if ep == 1 or lay.training_ranks < 1:
+        return []
+    shape = p.mesh
+    allowed = expert_parallel_sizes(c, lay, d) if d else []
+    fix = "; ".join(f"{key}={e}" for e in sorted(allowed, key=lambda e: (abs(e - ep), e))[:2]) or f"{key}=1"
+    wrong = [w for w in shape.problems() if w.startswith(key)]
+    if d and not wrong and (why := shape.experts_problem(d.experts)):
+        wrong = [why]
+    out = [Finding("error", "expert-parallel", w, fix) for w in wrong]  # the runtime's own line
+    if d and d.vision is not None:
+        out.append(Finding("error", "expert-parallel-vision", f"{key}={ep} with a vision-language model "
+                           f"({d.model_type}) is not supported yet: its vision tower is not split", f"{key}=1"))
+    if c.parallel.cpu_offload == "full":
+        out.append(Finding("error", "expert-parallel-offload", f"{key}={ep} with parallel.cpu_offload=full is not "
+                           "supported: FSDP2's host copies would need gloo groups for the experts' ranks too",
+                           f"parallel.cpu_offload=none; or {key}=1"))
+    if out or not d:
+        return out
+    if lay.nnodes > 1 and ep > lay.nproc_per_node:
+        out.append(Finding("warning", "expert-parallel-nodes",
+                           f"{key}={ep} spans {-(-ep // lay.nproc_per_node)} nodes of {lay.nproc_per_node} "
+                           "processes: every MoE layer's all-to-alls (forward and backward) cross the inter-node "
+                           "link", "; ".join(f"{key}={e}" for e in allowed if 1 < e <= lay.nproc_per_node)
+                           or f"{key}=1"))
+    same, M, c_b = shape.data // ep, d.moe_layers, 2 if c.model.dtype != "float32" else 4
+    sent = (p.memory.micro_tokens if p.memory else 0) * d.top_k * d.hidden * c_b * M / 2 ** 30
+    T = shape.data
+    gather = c_b * d.experts_total * ((T - 1) / T - (same - 1) / same / ep) / 2 ** 30  # FSDP2's, without EP - with
+    out.append(Finding("note", "expert-parallel",
+                       f"{key}={ep}: each rank holds {d.experts // ep} of the {d.experts} experts of each of "
+                       f"{plural(M, 'MoE layer')} ({count_unit(d.experts_total // ep)} of "
+                       f"{count_unit(d.experts_total)} expert parameters), "
+                       + ("the only rank holding them" if same == 1 else
+                          f"{'sharded by FSDP2' if c.parallel.sharding == 'fsdp' else 'reduced'} over the "
+                          f"{same} ranks holding the same ones")
+                       + f"; a forward of the largest micro-batch sends its tokens' {d.top_k} expert inputs to "
+                       f"their ranks and gets the outputs back by all-to-all, {size_text(sent)} each way over the "
+                       f"{M} MoE layers (as much again in its backward"
+                       + (", twice with checkpointing's recompute)" if c.model.gradient_checkpointing else ")")
+                       + (f", where FSDP2 alone would gather {size_text(gather)} more of the experts"
+                          if c.parallel.sharding == "fsdp" else "")
+                       + ("; the hf sampler gathers every expert while it generates"
+                          if c.rollout.engine == "hf" and not lay.rollout_devices else ""), ""))
     return out

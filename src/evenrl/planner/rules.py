@@ -20,7 +20,7 @@ from evenrl.planner.inputs import rule_data, rule_model, rule_trackers
 from evenrl.planner.lora import rule_lora
 from evenrl.planner.memory import PHASES, RESIDENT
 from evenrl.planner.memory_fixes import TIGHT, tight_fix
-from evenrl.planner.moe import rule_moe
+from evenrl.planner.moe import rule_expert_parallel, rule_moe
 from evenrl.planner.model_parallel import rule_rollout_parallel, rule_sequence_parallel
 from evenrl.planner.partial import rule_partial
 from evenrl.planner.reproducibility import rule_reproducibility
@@ -214,4 +214,5 @@ RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards
          rule_algorithms, rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory,
          rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_partial, rule_vision, rule_lora,
          rule_trackers, rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent, rule_sequence_parallel,
-         rule_rollout_parallel, rule_tensor_parallel, rule_engine_memory, rule_moe, rule_reproducibility]
+         rule_rollout_parallel, rule_tensor_parallel, rule_engine_memory, rule_moe, rule_expert_parallel,
+         rule_reproducibility]

@@ -145,11 +145,12 @@ class Plan:
     @property
     def mesh(self) -> MeshShape:
         """The run's mesh as planned (the object evenrl.distributed.mesh builds its groups from): dp x sp x tp over
-        the training ranks, tp fastest, the reserved rollout ranks last, the vLLM engines' groups."""
+        the training ranks, tp fastest, the reserved rollout ranks last, the vLLM engines' groups, and the ep x
+        edata groups of a mixture's experts."""
         lay, c = self.layout, self.config
         engine = c.rollout.tensor_parallel_size if c.rollout.engine == "vllm" else 1
         return MeshShape(max(lay.world, 1), min(lay.rollout_devices, max(lay.world - 1, 0)), self.sequence_parallel,
-                         self.tensor_parallel, engine)
+                         self.tensor_parallel, engine, c.parallel.expert_parallel_size)
 
     @property
     def dp_size(self) -> int:

@@ -361,6 +361,12 @@ def _data_parallel(src: Source, t: Translation, world: int, micro: int | None) -
                        + (f". Pipeline parallelism ({m}pipeline_model_parallel_size={pp}) has no evenrl equivalent: "
                           f"each rank holds 1/{tp} of every layer, not 1/{tp * pp} of the model, and the plan's "
                           f"data-parallel size is world / TP (verl's: world / (TP x PP x CP))" if pp > 1 else ""))
+    ep = src.int(m + "expert_model_parallel_size", 1)
+    if ep > 1:  # Megatron's experts split over ranks of the data-parallel group, as evenrl's: its dp is unchanged
+        t.set("parallel.expert_parallel_size", ep, m + "expert_model_parallel_size")
+        t.notes.append(f"{m}expert_model_parallel_size={ep}: evenrl's parallel.expert_parallel_size splits each MoE "
+                       "layer's experts the same way, over ranks borrowed from data parallelism; the ranks holding "
+                       "the same experts reduce them (or FSDP2 shards them: parallel.sharding=fsdp) (docs/moe.md)")
     dp = max(world // (tp * pp * cp), 1)
     return dp, dp * (micro or 1), (f"{dp} data-parallel ranks (world {world} / TP {tp} x PP {pp} x CP {cp}) x "
                                    f"ppo_micro_batch_size_per_gpu {micro or 1}")

@@ -1,6 +1,7 @@
 """Partial rollouts against whole-sample steps on a long-tailed response-length workload, reserved rollout ranks.
 
-Run: .venv/bin/python benchmarks/partial_rollouts.py [--steps 30 --budgets 32,16 --median 16 --sigma 1 --new-tokens 128]
+Run: .venv/bin/python benchmarks/partial_rollouts.py [--steps 30 --budgets 32,16 --median 16 --sigma 1 --new-tokens 128
+     --window 5]
 
 The demo's model and task (one-digit addition after the demo's supervised warm start, so the reward can move), with
 response lengths drawn from a lognormal distribution instead of the model's EOS (benchmarks/partial_workload: each
@@ -15,9 +16,9 @@ partial run's pipeline is full; the same steps in every arm), the median step, a
 ranks: time (the share of their wall time outside generate calls: waiting for weights and for the trainers) and
 rows (the share of row x decode-step slots of their generate calls held by rows that had already finished: what a
 step pays for waiting on its longest sample when a decode step costs the same whatever its rows, as on a GPU in
-the memory-bound regime, or on this CPU with a tiny model, where a step is overhead). Then the reward of each arm
-over the same windows of steps, and `evenrl plan`'s estimate for the same shape. Prints numbers only; nothing
-here asserts speed.
+the memory-bound regime, or on this CPU with a tiny model, where a step is overhead). Then each arm's reward curve
+on the same step numbers, every round (--window steps a cell, 1: every step; '-' where an arm trained nothing),
+and `evenrl plan`'s estimate for the same shape. Prints numbers only; nothing here asserts speed.
 """
 
 from __future__ import annotations
@@ -57,7 +58,28 @@ def summary(run_dir: Path, record: Path, steady: int, generators: list[int]) -> 
             "step_s": statistics.median(r["time/step"] for r in late),
             "idle_time": 1 - busy / sum(spans), "idle_rows": 1 - sum(c["tokens"] for c in calls) / max(slots, 1),
             "in_flight": statistics.mean(r.get("partial/in_flight", 0) for r in late),
-            "rewards": [r["reward/mean"] for r in rows]}
+            "rewards": {r["step"]: r.get("reward/mean") for r in rows},  # None: a step that trained nothing
+            "trained": {r["step"]: r.get("samples", 0) for r in rows}}
+
+
+def print_reward_curve(results: dict[str, list[dict]], steps: int, window: int) -> None:
+    """Each arm's reward/mean over the same step numbers, per round, as windows of `window` steps: a window's mean
+    over the samples trained in it (each step's mean weighted by its samples), '-' where the arm trained nothing.
+    A partial arm's reward at step t is that of the groups complete at t, drawn at t or up to max_carry_steps
+    before."""
+    for rnd in range(len(next(iter(results.values())))):
+        print(f"\nreward/mean by step, round {rnd + 1} (a partial run trains nothing until its first groups are "
+              "complete):")
+        spans = [(a, min(a + window - 1, steps)) for a in range(1, steps + 1, window)]
+        print(f"{'steps':>26} " + " ".join(f"{f'{a}-{b}' if b > a else str(a):>7}" for a, b in spans))
+        for name, rs in results.items():
+            rw, n = rs[rnd]["rewards"], rs[rnd]["trained"]
+            cells = []
+            for a, b in spans:
+                got = [(rw[t], n[t]) for t in range(a, b + 1) if rw.get(t) is not None and n.get(t)]
+                total = sum(k for _, k in got)
+                cells.append(f"{sum(x * k for x, k in got) / total:7.3f}" if total else f"{'-':>7}")
+            print(f"{name:>26} " + " ".join(cells))
 
 
 def main() -> None:
@@ -77,6 +99,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="OMP threads per process")
     ap.add_argument("--decoder", default="auto", help="rollout.decoder: auto (lean on CPU: finished rows dropped) or "
                                                      "static (every row to the end, as CUDA graphs run on a GPU)")
+    ap.add_argument("--window", type=int, default=5, help="steps per cell of the reward curve (1: every step)")
     ap.add_argument("--out", default="", help="keep the runs here (default: a temporary directory)")
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -140,22 +163,11 @@ def main() -> None:
     print(f"{'arm':>26} {'samples/s':>10} {'vs whole':>9} {'step ms':>8} {'in flight':>10} {'idle time':>10} "
           f"{'idle rows':>10}")
     for name, rs in results.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "rewards"}
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("rewards", "trained")}
         ratio = statistics.median(r["samples_per_s"] / b["samples_per_s"] for r, b in zip(rs, results[base]))
         print(f"{name:>26} {med['samples_per_s']:10.1f} {ratio:8.2f}x {med['step_s'] * 1e3:8.0f} "
               f"{med['in_flight']:10.0f} {med['idle_time']:10.0%} {med['idle_rows']:10.0%}")
-    window = 5
-    print(f"\nreward/mean per {window} steps (round 1; a partial run trains nothing until its first groups are "
-          "complete):")
-    print(f"{'steps':>26} " + " ".join(f"{f'{a + 1}-{min(a + window, args.steps)}':>7}"
-                                       for a in range(0, args.steps, window)))
-    for name, rs in results.items():
-        rw = rs[0]["rewards"]
-        cells = []
-        for a in range(0, args.steps, window):
-            got = [x for x in rw[a:a + window] if x is not None]
-            cells.append(f"{sum(got) / len(got):7.3f}" if got else f"{'-':>7}")
-        print(f"{name:>26} " + " ".join(cells))
+    print_reward_curve(results, args.steps, args.window)
     for note in notes:
         print(f"\nevenrl plan's estimate for {list(arms)[1]}: {note}")
 

@@ -113,11 +113,15 @@ def rule_partial(p: Plan) -> list[Finding]:
     if not r.partial:
         return []
     out, off = [], "rollout.partial=false"
-    if r.env or r.agent:
-        what = f"rollout.env={r.env}" if r.env else f"rollout.agent={r.agent}"
-        out.append(Finding("error", "partial-multi-turn", f"rollout.partial with {what}: a trajectory cut between "
-                           "steps would need its environment's state carried across steps and checkpoints, which "
-                           "evenrl does not do yet", off))
+    if r.env:  # why not yet, and what it takes: docs/overlap.md, "Multi-turn environments and agents"
+        out.append(Finding("error", "partial-multi-turn", f"rollout.partial with rollout.env={r.env}: a trajectory "
+                           "cut between steps would need its turn loop's state (messages, the environment's pickle, "
+                           "the reply so far) carried across steps and checkpoints, which evenrl does not do yet",
+                           off))
+    if r.agent:
+        out.append(Finding("error", "partial-multi-turn", f"rollout.partial with rollout.agent={r.agent}: an agent "
+                           "is a running program, which no checkpoint can hold, and pausing it at a weight change "
+                           "would cut it where timing left it", off))
     if p.dims and p.dims.vision:
         out.append(Finding("error", "partial-vision", f"rollout.partial with the vision-language model "
                            f"{c.model.path}: continuing a sample would prefill its images again with the tokens so "

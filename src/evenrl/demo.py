@@ -125,8 +125,10 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "evenrl.cli", "train", str(cfg_path), *overrides,
            "--nproc-per-node", str(args.nproc_per_node), "--overwrite"]
     print("[demo] GRPO:", " ".join(cmd[2:]))
-    rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")
-                                   if args.nproc_per_node > 1 else os.environ.get("OMP_NUM_THREADS", "2")})
+    # one process gets both cores, unless bitwise, which computes with one thread per process (train.determinism)
+    alone = args.nproc_per_node == 1 and sft_cfg.train.reproducibility != "bitwise"
+    rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                                                                  "2" if alone else "1")})
     if rc != 0:
         print(f"[demo] training failed with exit code {rc}", file=sys.stderr)
         return rc

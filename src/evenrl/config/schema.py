@@ -38,7 +38,8 @@ class LoraConfig(Section):
     dropout: float = Field(
         0.0, ge=0.0, lt=1.0,
         description="Dropout on the adapters' input while training (peft lora_dropout). Above 0 the masks are "
-                    "drawn per micro-batch on each rank, so the update is no longer the same on every layout.")
+                    "drawn per micro-batch on each rank, so the update is no longer the same on every layout "
+                    "(under train.reproducibility=bitwise they are keyed by the micro-batch, and it is).")
     target_modules: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
         default_factory=list, max_length=64,
         description="Names of the linear layers that get adapters (peft target_modules: a module matches when its "

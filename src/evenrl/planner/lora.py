@@ -30,11 +30,11 @@ def rule_lora(p: Plan) -> list[Finding]:
                                "model.lora.rank is 0: LoRA is off, so these do nothing (every weight trains)",
                                "model.lora.rank=16 to train adapters; or drop them"))
         return out
-    if lora.dropout > 0:
+    if lora.dropout > 0 and c.train.reproducibility != "bitwise":  # bitwise seeds every micro-batch's masks
         out.append(Finding("warning", "lora-dropout",
                            f"model.lora.dropout={lora.dropout:g} draws dropout masks per micro-batch on each rank: "
                            "the update then differs from one layout to another (everything else stays exact)",
-                           "model.lora.dropout=0"))
+                           "model.lora.dropout=0; or train.reproducibility=bitwise (masks keyed per micro-batch)"))
     # adapters go on the decoder blocks' linear layers only (models.lora.add_adapters says why)
     blocks = {m for m in _modules(c.model.path) if ".layers." in m}
     missing = [t for t in lora.target_modules if blocks and not any(m.endswith("." + t) for m in blocks)]

@@ -21,6 +21,7 @@ from evenrl.core.batch import Batch, Ragged
 from evenrl.core.canonical import canonical_schedule
 from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.exact import ElementwiseAdamW
 from evenrl.models.forward import response_logprobs
 from evenrl.train.data import PromptSampler, load_data
 from evenrl.train import determinism, rundir
@@ -48,8 +49,8 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     targets = [tokenizer.encode(str(r["answer"]), add_special_tokens=False) + ([eos] if eos is not None else [])
                for r in rows]
     sampler = PromptSampler(len(rows), cfg.data.seed)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr,
-                            weight_decay=cfg.train.weight_decay)
+    kind = ElementwiseAdamW if cfg.train.reproducibility == "bitwise" else torch.optim.AdamW
+    opt = kind([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr, weight_decay=cfg.train.weight_decay)
     run_dir = Path(cfg.log.run_dir)
     log = RunLog(str(run_dir), enabled=dist.is_main(), trackers=Trackers(cfg, run_dir) if dist.is_main() else None,
                  progress_total=cfg.sft.steps, progress=cfg.log.progress, shown={"sft/nll": "nll"})

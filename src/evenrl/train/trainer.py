@@ -16,6 +16,7 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.exact import ElementwiseAdamW
 from evenrl.distributed.sharding import shard
 from evenrl.engines import Engine, make_engine
 from evenrl.engines.payload import make_payload
@@ -238,9 +239,12 @@ def adamw(model, cfg: RunConfig, lr: float, warmup_steps: int):
     # under FSDP2, which one fused or foreach kernel refuses: each tensor is then stepped on its own; so does an
     # expert-parallel one (experts split over "ep" beside plain or data-sharded dense weights)
     split = cfg.parallel.tensor_parallel_size > 1 or cfg.parallel.expert_parallel_size > 1
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                  betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay,
-                                  fused=not split, foreach=False if split else None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.train.reproducibility == "bitwise":  # an element's step whatever shard holds it (FSDP2 on any world)
+        optimizer = ElementwiseAdamW(params, lr=lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay,
+                                      fused=not split, foreach=False if split else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
     return optimizer, scheduler

@@ -92,6 +92,16 @@ def test_bitwise_keys_lora_dropout_so_the_plan_does_not_warn_of_it():
     assert "lora-dropout" not in {f.rule for f in _plan([*lora, "train.reproducibility=bitwise"]).findings}
 
 
+def test_bitwise_idle_ranks_are_fixed_by_a_smaller_token_cap():
+    """Whole micro-batches: a cap that holds the mini-batch in one leaves 3 of 4 ranks idle; the fix it names
+    gives every rank one."""
+    big = _plan(["train.reproducibility=bitwise", "train.token_cap_per_micro_batch=1000000"])
+    found = {f.rule: f for f in big.findings}["idle-ranks"]
+    assert "whole micro-batches" in found.message and found.fix.startswith("train.token_cap_per_micro_batch=")
+    fixed = _plan(["train.reproducibility=bitwise", found.fix])
+    assert "idle-ranks" not in {f.rule for f in fixed.findings} and not fixed.idle
+
+
 def test_bitwise_on_cpu_refuses_another_thread_count(monkeypatch):
     from evenrl.train.determinism import settle
 

@@ -7,7 +7,8 @@ unit's reduce-scatter (FSDPModule.set_custom_reduce_scatter) is replaced by: the
 max-reduced over the data group, this rank's accumulated shard bins realigned to them, the input cut into the two
 fixed-point bins and reduce-scattered as integer-valued fp64 (exact), added to the shard's bins; FSDP2 gets zeros.
 After the mini-batch's last backward, `finish` writes the bins' value into each sharded .grad. The result is the
-bits ExactGrads gives a replicated model (same bins, same tops): fsdp and replicated runs agree.
+bits ExactGrads gives a replicated model (same bins, same tops): the reductions agree (the runs
+not quite: a replicated model may run a shared prompt once, FSDP2 never; docs/reproducibility.md).
 
 Every unit reduce-scatters every trainable parameter, used or not (set_reduce_scatter_unused_params), so the input's
 layout (per rank, each parameter's padded shard in order) is known here. Memory: the shard's bins (16 bytes per

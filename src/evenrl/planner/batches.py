@@ -77,6 +77,13 @@ def rule_idle(p: Plan) -> list[Finding]:
     if nmb > 1:
         head += f" in {nmb} mini-batches (smallest {per_mb})"
     why = f" with min_rows_per_micro_batch={mrows}" if mrows > 1 else ""
+    if c.train.reproducibility == "bitwise" and per_mb >= t * mrows:  # rows enough; whole micro-batches too few
+        cap = math.ceil(per_mb / t) * p.sample_tokens  # packed longest first: at most that many rows each
+        return [Finding("warning", "idle-ranks",
+                        f"{head} on {plural(t, p.unit)} leaves {plural(len(idle), p.unit.split()[-1])} idle: "
+                        f"train.reproducibility=bitwise deals whole micro-batches of train.token_cap_per_micro_batch="
+                        f"{c.train.token_cap_per_micro_batch} tokens, fewer than the ranks",
+                        f"train.token_cap_per_micro_batch={cap}")]
     fixes = [f"data.prompts_per_step={_prompts_for(p, mrows)}"]
     need_k = math.ceil(t * mrows * nmb / prompts)
     if need_k > k:

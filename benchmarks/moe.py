@@ -1,8 +1,8 @@
 """Mixtures of experts on CPU: the experts' throughput by transformers' experts backend, and the engine-trainer
 mismatch a bf16 engine leaves, with and without router replay. Numbers side by side; nothing asserts.
 
-Run: .venv/bin/python benchmarks/moe.py [--tokens 2048] [--repeats 5] [--prompts 32]
-(~1 min on the shared 2-core project machine, 1 thread)
+Run: .venv/bin/python benchmarks/moe.py [--tokens 2048] [--repeats 5] [--prompts 32] [--only experts,mismatch,ep]
+(~1 min on the shared 2-core project machine, 1 thread, without the EP rows; those take 2-5 min more: 3 x 4 processes)
 
 experts   One Qwen3-MoE-shaped experts layer (hidden 256, 16 experts of width 128, top 4, fp32), the same routed
           tokens through transformers' `grouped_mm` (torch.nn.functional.grouped_mm: one grouped GEMM per
@@ -15,17 +15,29 @@ mismatch  A tiny model of each family with random weights, sampled by the hf eng
           replays the engine's routes (rollout.router_replay=engine): the share of routed tokens whose top-k set
           differs (per layer, in any layer) and |engine - trainer| log-prob over the sampled tokens, mean and max,
           without and with replay (what evenrl.train.moe.probe and rollout/logprob_mismatch report per step).
-EP        expert parallelism is not built yet: its rows (step time and memory at EP 1, 2, 4, planned beside
-          measured) come with it.
+EP        expert parallelism (parallel.expert_parallel_size) at EP = 1, 2, 4 on 4 gloo processes (1 thread each):
+          a Qwen3-MoE-shaped model whose experts are most of its weights (EP_MODEL: 16 experts x 256 wide in each
+          of 4 layers, 6.3 M of 6.6 M parameters), replicated, fp32, AdamW per tensor (as the trainer steps an
+          expert-parallel model). Each rank trains its own 4 rows of 64 tokens through the packed forward every MoE
+          forward takes, then the gradient all-reduce (experts over edata only), the global-norm clip and the
+          optimizer step, as evenrl.train.update does. Measured per rank (the largest): state (bytes of the local
+          parameters, gradients and AdamW moments), one update's peak of live CPU tensors (torch's profiler, as
+          benchmarks/memory.py measures it) and the step's wall time (median of --repeats more, unprofiled). Planned:
+          evenrl.planner.memory.estimate_memory for the same config on 4 CPU ranks, less its fixed 0.3 GiB
+          per-process overhead.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -100,28 +112,146 @@ def mismatch_row(arch: str, prompts: int, root: str) -> dict:
             **{f"{k}_{s}": float(getattr(v, s)()) for k, v in gaps.items() for s in ("mean", "max")}}
 
 
+# expert parallelism's rows: experts are 95 % of this model, so what EP takes off a rank shows
+EP_MODEL = {"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 256,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "num_experts": 16, "num_experts_per_tok": 2, "vocab_size": 1024, "max_position_embeddings": 256,
+            "tie_word_embeddings": True, "norm_topk_prob": True}
+EP_WORLD, ROWS, LENGTH = 4, 4, 64
+
+
+def ep_config(ep: int):
+    """The evenrl config whose worst-case micro-batch is the benchmark's (ROWS rows of LENGTH tokens a rank)."""
+    from evenrl.config import RunConfig
+
+    return RunConfig.model_validate({
+        "parallel": {"expert_parallel_size": ep}, "data": {"prompts_per_step": 8, "max_prompt_tokens": LENGTH // 2},
+        "rollout": {"samples_per_prompt": 2, "max_new_tokens": LENGTH // 2},
+        "train": {"token_cap_per_micro_batch": ROWS * LENGTH}})
+
+
+def ep_planned(ep: int) -> dict:
+    from evenrl.planner.dims import dims_from_config
+    from evenrl.planner.layout import make_layout
+    from evenrl.planner.memory import GIB, OVERHEAD_GIB, estimate_memory, worst_case_shape
+
+    cfg, lay = ep_config(ep), make_layout(1, EP_WORLD, device="cpu")
+    assert worst_case_shape(cfg, lay)[0] == ROWS * LENGTH, "the planned micro-batch must be the measured one"
+    est = estimate_memory(cfg, lay, dims_from_config(EP_MODEL))
+    b = est.breakdown
+    return {"state": (b["parameters"] + b["gradients"] + b["optimizer"]) * GIB,
+            "update": (est.phases["update"] - OVERHEAD_GIB["cpu"]) * GIB, "params": est.params}
+
+
+def ep_rank(rank: int, world: int, port: int, ep: int, repeats: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from memory import phase_peaks, resident_bytes  # benchmarks/memory.py: the same measurement
+    from evenrl.core.batch import Batch, Ragged
+    from evenrl.distributed import collectives as dist
+    from evenrl.distributed.expert_parallel import expert_parallel
+    from evenrl.distributed.sequence import sequence_parallel
+    from evenrl.models.forward import response_logprobs
+
+    torch.set_num_threads(1)
+    info = dist.init(expert_parallel=ep)
+    tokens = torch.randint(0, EP_MODEL["vocab_size"], (ROWS, LENGTH), generator=torch.Generator().manual_seed(rank))
+    batch = Batch({"tokens": Ragged.of(list(tokens), torch.long), "response_len": torch.full((ROWS,), LENGTH - 1)})
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            Qwen3MoeConfig(**{k: v for k, v in EP_MODEL.items() if k != "model_type"}), attn_implementation="sdpa")
+        if ep > 1:
+            expert_parallel(model, dist.expert_mesh(info.device))
+        sequence_parallel(model, dist.sequence_group())  # the packed forward every MoE forward takes
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=False)
+
+        def step() -> int:
+            out, _, _ = response_logprobs(model, batch, 0)
+            (-out[..., 0].mean()).backward()
+            dist.all_reduce_grads(params)
+            dist.clip_grad_norm(params, 1.0)
+            optimizer.step()
+            state = resident_bytes(model, optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            return state
+
+        step()  # creates AdamW's state
+        dist.barrier()
+        with record_function("update"):
+            state = step()
+        dist.barrier()
+    peaks = phase_peaks(prof, ["update"])
+    times = []
+    for _ in range(repeats):  # timed without the profiler
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"state": state, "update": peaks["update"],
+                                                         "seconds": statistics.median(times)}))
+    dist.shutdown()
+
+
+def ep_rows(repeats: int) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the workers import benchmarks/memory.py
+    from memory import free_port
+
+    rows = []
+    for ep in (1, 2, 4):
+        with tempfile.TemporaryDirectory() as d:
+            mp.spawn(ep_rank, args=(EP_WORLD, free_port(), ep, repeats, d), nprocs=EP_WORLD, join=True)
+            ranks = [json.loads(Path(d, f"{r}.json").read_text()) for r in range(EP_WORLD)]
+        rows.append({"ep": ep, **{k: max(r[k] for r in ranks) for k in ranks[0]}, "plan": ep_planned(ep)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--only", default="experts,mismatch,ep", help="which tables, comma-separated")
     args = ap.parse_args()
+    only = set(args.only.split(","))
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread")
-    print(f"\nexperts layer: {args.tokens} tokens, hidden 256, 16 experts x 128, top 4, fp32 (tokens/s)")
-    print(f"  {'backend':<12} {'forward':>12} {'fwd+bwd':>12}")
-    for impl, fwd, both in experts_rows(args.tokens, args.repeats):
-        print(f"  {impl:<12} {fwd:12,.0f} {both:12,.0f}")
-    print(f"\nbf16 engine vs fp32 trainer: {args.prompts} prompts x 4 samples x 16 tokens")
+    if "experts" in only:
+        print(f"\nexperts layer: {args.tokens} tokens, hidden 256, 16 experts x 128, top 4, fp32 (tokens/s)")
+        print(f"  {'backend':<12} {'forward':>12} {'fwd+bwd':>12}")
+        for impl, fwd, both in experts_rows(args.tokens, args.repeats):
+            print(f"  {impl:<12} {fwd:12,.0f} {both:12,.0f}")
+    if "mismatch" in only:
+        mismatch_table(args.prompts)
+    if "ep" in only:
+        rows = ep_rows(args.repeats)
+        mib = 2 ** 20
+        print(f"\nexpert parallelism: {EP_WORLD} processes, replicated, fp32, {rows[0]['plan']['params'] / 1e6:.1f} M "
+              f"parameters ({EP_MODEL['num_experts']} experts x {EP_MODEL['num_hidden_layers']} layers), {ROWS} x "
+              f"{LENGTH} tokens a rank; MiB per rank (the largest), plan = evenrl plan's less its 0.3 GiB overhead")
+        print(f"  {'EP':>2} | {'state':>7} {'plan':>7} | {'update':>7} {'plan':>7} | {'step s':>7}")
+        for r in rows:
+            print(f"  {r['ep']:>2} | {r['state'] / mib:7.1f} {r['plan']['state'] / mib:7.1f} | "
+                  f"{r['update'] / mib:7.1f} {r['plan']['update'] / mib:7.1f} | {r['seconds']:7.3f}")
+
+
+def mismatch_table(prompts: int) -> None:
+    print(f"\nbf16 engine vs fp32 trainer: {prompts} prompts x 4 samples x 16 tokens")
     print(f"  {'family':<12} {'tokens':>7} {'differ/layer':>20} {'any':>7}   {'|dlogp| mean':>20} {'|dlogp| max':>20}")
     print(f"  {'':<12} {'':>7} {'':>20} {'':>7}   {'no replay / replay':>20} {'no replay / replay':>20}")
     with tempfile.TemporaryDirectory() as root:
         for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"):
-            r = mismatch_row(arch, args.prompts, root)
+            r = mismatch_row(arch, prompts, root)
             layers = " ".join(f"{x:.2%}" for x in r["per_layer"])
             print(f"  {r['arch']:<12} {r['tokens']:>7} {layers:>20} {r['any']:>7.2%}   "
                   f"{r['own_mean']:>9.2e} / {r['replay_mean']:.2e} {r['own_max']:>9.2e} / {r['replay_max']:.2e}")
-    print("\nexpert parallelism: EP 1 / 2 / 4 rows come with expert parallelism (not built yet)")
 
 
 if __name__ == "__main__":

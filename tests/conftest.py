@@ -68,6 +68,7 @@ def shared_runs(assets, tmp_path_factory) -> SharedRuns:
                                       test_skipping_zero_gradient_samples_changes_nothing (vs no_skip)
                  tests/test_launch.py test_two_nodes_on_loopback_give_the_one_process_model (vs 2 nodes x 1)
                                       test_elastic_restart_resumes_and_matches    (vs 2 processes, restarted)
+                 tests/test_sharding.py test_resume_sharded_3_then_2_then_4_ranks (large_world: vs sharded 3, 2, 4)
       three      tests/test_train.py  test_same_model_on_one_and_three_processes  (layout invariance)
                                       test_skipping_zero_gradient_samples_changes_nothing (skipping on 3 processes)
       grad_ckpt  tests/test_train.py  test_same_model_on_one_and_three_processes  (activation checkpointing)

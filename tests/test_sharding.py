@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import Job, copy_checkpoint, evenrl, evenrl_many, final_params, max_diff, metrics, shared_args
+from e2e import copy_checkpoint, evenrl, evenrl_many, final_params, max_diff, metrics
 
 FSDP = "parallel.sharding=fsdp"
 TOL = 1e-5
@@ -98,17 +98,12 @@ def test_resume_on_other_rank_counts_and_sharding_modes(shared_runs, sharded_run
 
 @pytest.mark.slow
 @pytest.mark.large_world
-def test_resume_sharded_3_then_2_then_4_ranks(assets, tmp_path):
-    """Sharded on 3, 2, then 4 ranks: the shared config's one-process model. That run is made here, beside the chain
-    (what shared_runs.one is; the large_world suite has no other use for shared_runs' four runs)."""
-    run, args = tmp_path / "run", shared_args(assets)
-    one = Job("train", *args, f"log.run_dir={tmp_path / 'one'}")
-    try:
-        _chain(args, run, [(2, 3, [FSDP]), (3, 2, [FSDP]), (4, 4, [FSDP])])
-        one.wait()
-    finally:
-        one.kill()
-    diff = max_diff(final_params(tmp_path / "one"), final_params(run))
+def test_resume_sharded_3_then_2_then_4_ranks(shared_runs, tmp_path):
+    """Sharded on 3, 2, then 4 ranks: the shared config's one-process model (shared_runs.one: `make test` runs the
+    large_world tests in the default suite's session, which has made it)."""
+    run = tmp_path / "run"
+    _chain(shared_runs.args, run, [(2, 3, [FSDP]), (3, 2, [FSDP]), (4, 4, [FSDP])])
+    diff = max_diff(final_params(shared_runs.one), final_params(run))
     assert diff <= TOL, diff
 
 

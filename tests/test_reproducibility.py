@@ -102,6 +102,23 @@ def test_bitwise_idle_ranks_are_fixed_by_a_smaller_token_cap():
     assert "idle-ranks" not in {f.rule for f in fixed.findings} and not fixed.idle
 
 
+def test_bitwise_memory_fixes_offer_no_model_parallel_degree():
+    """A 32B model over 8 x 80 GB: rounding's first fix is tensor parallelism, which bitwise refuses; bitwise's
+    plan offers what it can run (CPU offload) and --fit takes it."""
+    from pathlib import Path
+
+    from evenrl.planner.fit import fit
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "tp_32b.yaml"
+    layout = make_layout(1, 8, device="cuda", device_memory_gib=80)
+    fixes = {m: {f.rule: f for f in make_plan(load_config(path, [f"train.reproducibility={m}"]), layout).findings}
+             ["memory-over"].fix for m in ("rounding", "bitwise")}
+    assert "parallel.tensor_parallel_size=4" in fixes["rounding"]
+    assert "parallel_size" not in fixes["bitwise"] and "parallel.cpu_offload=full" in fixes["bitwise"]
+    fitted, _ = fit(make_plan(load_config(path, ["train.reproducibility=bitwise"]), layout))
+    assert fitted.parallel.tensor_parallel_size == 1 and fitted.parallel.cpu_offload == "full"
+
+
 def test_bitwise_on_cpu_refuses_another_thread_count(monkeypatch):
     from evenrl.train.determinism import settle
 

@@ -62,17 +62,18 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
             f"{r} row{'s' if r > 1 else ''} per micro-batch")
     if not cfg.model.gradient_checkpointing:
         add({"model.gradient_checkpointing": True})
+    split_model = cfg.train.reproducibility != "bitwise"  # bitwise refuses SP/TP/EP > 1 (planner.reproducibility)
     sp = cfg.parallel.sequence_parallel_size  # splitting samples pays once a micro-batch is down to one sample
-    if tokens * sp <= length + sp and (split := sequence_parallel_fix(cfg, layout, dims, ranks)):
+    if split_model and tokens * sp <= length + sp and (split := sequence_parallel_fix(cfg, layout, dims, ranks)):
         add(sequence_settings(cfg, dims, split), f"each sample over {split} ranks, "
             f"{layout.training_ranks // split} data-parallel groups")
     tp = cfg.parallel.tensor_parallel_size
     data = layout.training_ranks // tp  # FSDP shards over the data group
-    if (ep := expert_parallel_fix(cfg, layout, dims, ranks)) is not None:
+    if split_model and (ep := expert_parallel_fix(cfg, layout, dims, ranks)) is not None:
         add({"parallel.expert_parallel_size": ep}, f"{dims.experts // ep} of {dims.experts} experts per rank")
     if cfg.parallel.sharding == "replicated" and data > 1:
         add({"parallel.sharding": "fsdp"}, f"over {data} ranks")
-    if (split := tensor_parallel_fix(cfg, layout, dims, ranks)) is not None:
+    if split_model and (split := tensor_parallel_fix(cfg, layout, dims, ranks)) is not None:
         add({"parallel.tensor_parallel_size": split}, f"each layer split over {split} ranks, "
             f"{plural(layout.training_ranks // (split * sp), 'data-parallel group')}")
     # offload needs fsdp and an accelerator, and no tensor or expert parallelism (planner.tensor_parallel, .moe)

@@ -50,29 +50,30 @@ def test_expert_parallel_problems_are_one_line(shape, experts, says):
 def test_fit_proposes_expert_parallelism_where_the_experts_do_not_fit(monkeypatch):
     """Qwen3-30B-A3B trained whole, replicated, on 8 x 141 GB: 570 GiB per rank; expert parallelism over the 8 ranks
     (16 of 128 experts each) fits, and --fit takes it before FSDP2 (it moves tokens instead of gathering every
-    block's experts), beside the vLLM share that holds the engine's weights. On 8 x 80 GB it does not fit alone
-    (the dense weights' AdamW state stays whole), and with the colocated engine's share of each device nothing
-    but FSDP2 with CPU offload does, which expert parallelism does not run with: --fit takes that, without EP."""
+    block's experts), beside a vLLM engine over 2 devices, which holds the engine's weights (engines.engine_group).
+    On 8 x 80 GB it does not fit alone (the dense weights' AdamW state stays whole); --fit spreads the engine over
+    4 devices and shards with FSDP2 (67.7 GiB), without EP."""
     from evenrl.config import load_config
     from evenrl.planner.fit import fit
     from evenrl.planner.layout import make_layout
     from evenrl.planner.plan import make_plan
 
     monkeypatch.chdir(ROOT)  # the example's paths are the repository's
-    whole = ["model.lora.rank=0", "rollout.memory_fraction=0"]  # vLLM's own share (0.3) until a fix raises it
+    whole = ["model.lora.rank=0", "rollout.memory_fraction=0"]  # vLLM's own share (0.3)
     cfg = load_config("examples/moe_30b_a3b.yaml", whole + ["parallel.sharding=replicated",
                                                             "parallel.expert_parallel_size=1"])
     big = make_plan(cfg, make_layout(nproc_per_node=8, device="cuda", device_memory_gib=141))
     assert big.memory.total_gib > 500
     fixed, changes = fit(big)
     assert dict((k, new) for k, _, new in changes) == {"parallel.expert_parallel_size": 8,
-                                                       "rollout.memory_fraction": 0.42}
+                                                       "rollout.tensor_parallel_size": 2}
     replanned = make_plan(fixed, big.layout)
     assert replanned.memory.total_gib < 141 and not [f for f in replanned.findings if f.level == "error"]
     small = make_plan(cfg, make_layout(nproc_per_node=8, device="cuda", device_memory_gib=80))
     ep8 = next(f for f in small.memory_fixes if f.settings == {"parallel.expert_parallel_size": 8})
     assert not ep8.fits and 80 < ep8.total_gib < 200
-    assert dict((k, new) for k, _, new in fit(small)[1])["parallel.cpu_offload"] == "full"
+    assert dict((k, new) for k, _, new in fit(small)[1]) == {"rollout.tensor_parallel_size": 4,
+                                                             "parallel.sharding": "fsdp"}
     with_ep = make_plan(load_config("examples/moe_30b_a3b.yaml", whole), small.layout)
     assert not any("cpu_offload" in str(f.settings) for f in with_ep.memory_fixes)  # refused beside EP
 

@@ -88,8 +88,7 @@ def test_openrlhf_dotted_reinforce_baseline_keeps_kl_estimator_and_lengths():
     assert cfg.rollout.max_new_tokens == 64000 and cfg.data.max_prompt_tokens == 74240 - 64000
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.train.lr) == (128, 8, 5e-7)
     assert cfg.parallel.sequence_parallel_size == 2 and cfg.rollout.engine == "vllm"
-    # vLLM TP 2: evenrl's engines over several devices are not built yet, so the plan keeps TP 1 and says so
-    assert cfg.rollout.tensor_parallel_size == 1 and any("vllm.tensor_parallel_size=2" in n for n in t.notes)
+    assert cfg.rollout.tensor_parallel_size == 2  # vLLM TP 2: one engine over 2 devices (an engine group)
     assert cfg.rollout.memory_fraction == 0.7  # --vllm.gpu_memory_utilization
     assert (cfg.algo.importance_correction, cfg.algo.importance_mode) == ("all", "mask")
     assert any("ring attention" in n for n in t.notes)
@@ -117,7 +116,7 @@ def test_easyr1_dapo_script_layered_on_the_bundled_base():
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens) == (512, 16, 20480)
     assert cfg.algo.clip_ratio_c == 10.0 and (cfg.algo.clip_low, cfg.algo.clip_high) == (0.2, 0.28)
     assert cfg.parallel.sequence_parallel_size == 8 and cfg.rollout.engine == "vllm"  # EasyR1 samples with vLLM
-    assert cfg.rollout.tensor_parallel_size == 1 and any("tensor_parallel_size=4" in n for n in t.notes)
+    assert cfg.rollout.tensor_parallel_size == 4
     assert cfg.algo.filter_groups and cfg.rewards.overlong_buffer == 4096 and cfg.algo.kl_coef == 0
     assert cfg.algo.minibatches_per_step == 512 // 32 and cfg.train.weight_decay == 0.1
 
@@ -140,7 +139,7 @@ def test_verl_cispo_and_grpo_examples():
     assert (cfg.algo.kl_coef, cfg.algo.kl_estimator, cfg.algo.entropy_coef) == (0.001, "k3", 0.0)
     assert cfg.algo.clip_ratio_c == 3.0  # verl's default dual clip, not silently dropped
     assert (cfg.rollout.engine, cfg.rollout.memory_fraction) == ("vllm", 0.6) and cfg.train.weight_decay == 0.01
-    assert cfg.rollout.tensor_parallel_size == 1 and any("tensor_model_parallel_size=2" in n for n in t.notes)
+    assert cfg.rollout.tensor_parallel_size == 2
 
 
 def test_verl_megatron_parallelism_is_named_not_dropped():
@@ -163,13 +162,12 @@ def test_verl_megatron_parallelism_is_named_not_dropped():
 def test_trainer_tensor_parallel_keys_of_each_peer():
     """OpenRLHF's ds_tensor_parallel_size (DeepSpeed AutoTP) is parallel.tensor_parallel_size with a note on the
     row-wise split; verl's FSDP actor has no TP key in the versions read (0.8's ppo_trainer.yaml), so an FSDP file's
-    megatron TP is unused; the engines' TP keys keep their note while vLLM engines over several devices are not
-    built, and that note names what runs instead."""
-    _, t, cfg, _ = plan_file("openrlhf__examples__scripts__train_ppo_ray_hybrid_engine.sh", "openrlhf")
+    megatron TP is unused; the engines' TP keys are rollout.tensor_parallel_size (one vLLM engine over that many
+    devices), and the plan places those engines without an error."""
+    _, t, cfg, plan = plan_file("openrlhf__examples__scripts__train_ppo_ray_hybrid_engine.sh", "openrlhf")
     assert not any("tensor_parallel" in k for k in table("verl")["map"] if "fsdp_config" in k)
-    assert cfg.rollout.tensor_parallel_size == 1
-    note = next(n for n in t.notes if "vllm_tensor_parallel_size" in n or "vllm.tensor_parallel_size" in n)
-    assert "rollout.engine=hf with parallel.tensor_parallel_size" in note
+    assert cfg.rollout.tensor_parallel_size == 2 and not any("vllm_tensor_parallel_size" in n for n in t.notes)
+    assert not [f.rule for f in plan.findings if f.rule.startswith("tensor-parallel") and f.level == "error"]
     loaded = read_foreign("openrlhf", str(CORPUS / "openrlhf__examples__scripts__train_ppo_ray_hybrid_engine.sh"),
                           ["ds_tensor_parallel_size=2"])
     t, cfg = translate("openrlhf", loaded, ns())

@@ -98,14 +98,31 @@ def test_balance_counts_sp_groups():
     (["parallel.sequence_parallel_size=8"], {"nnodes": 2, "nproc_per_node": 4}, TINY, "sequence-parallel-nodes",
      "warning", ["spans 2 nodes", "parallel.sequence_parallel_size=4"]),
     (["rollout.tensor_parallel_size=2"], {}, None, "tensor-parallel-engine", "error",
-     ["needs rollout.engine=vllm", "rollout.tensor_parallel_size=1"]),
-    (["rollout.tensor_parallel_size=2", "rollout.engine=vllm"], {"device": "cpu"}, None, "tensor-parallel-cpu",
-     "error", ["vLLM's CPU build", "pinned to cores", "rollout.tensor_parallel_size=1"]),
+     ["with rollout.engine=hf: the hf engine's tensor parallelism is the trainer's", "split over "
+      "parallel.tensor_parallel_size=1 ranks", "rollout.tensor_parallel_size=1; or rollout.engine=vllm"]),
+    (["rollout.tensor_parallel_size=4", "parallel.tensor_parallel_size=2"], {}, None, "tensor-parallel-engine",
+     "error", ["rollout.tensor_parallel_size=2 (or 1: the same)"]),
+    (["rollout.tensor_parallel_size=2", "parallel.tensor_parallel_size=2"], {"rollout_devices": 2}, None,
+     "tensor-parallel-engine", "error", ["a reserved rollout rank samples from a whole copy of its own"]),
+    (["rollout.tensor_parallel_size=2", "rollout.engine=vllm", "rollout.agent=toy_agents:two_tools"], {}, None,
+     "tensor-parallel-agents", "error", ["call their engine in lockstep", "--rollout-devices R",
+                                         "rollout.tensor_parallel_size=1"]),
+    (["parallel.tensor_parallel_size=2", "rollout.agent=toy_agents:two_tools"], {}, None, "tensor-parallel-agents",
+     "error", ["rollout.agent with parallel.tensor_parallel_size=2", "parallel.tensor_parallel_size=1"]),
+    (["rollout.tensor_parallel_size=2", "rollout.engine=vllm"], {}, VL, "tensor-parallel-vision", "error",
+     ["has not run one anywhere", "rollout.tensor_parallel_size=1"]),
     (["rollout.tensor_parallel_size=3", "rollout.engine=vllm"], {"rollout_devices": 4}, None,
      "tensor-parallel-devices", "error", ["does not divide the 4 reserved rollout devices",
                                           "rollout.tensor_parallel_size=2", "--rollout-devices a multiple of 3"]),
     (["rollout.tensor_parallel_size=8", "rollout.engine=vllm"], {"nnodes": 2, "nproc_per_node": 4}, None,
-     "tensor-parallel-node", "error", ["more than the 4 processes of a node", "rollout.tensor_parallel_size=4"]),
+     "tensor-parallel-node", "error", ["with 4 processes per node: some engine's 8 devices would span two nodes",
+                                       "rollout.tensor_parallel_size=4"]),
+    (["rollout.tensor_parallel_size=2", "rollout.engine=vllm"], {"nnodes": 2, "nproc_per_node": 3,
+                                                                 "rollout_devices": 4}, None,
+     "tensor-parallel-node", "error", ["would span two nodes", "rollout.tensor_parallel_size=1"]),
+    (["rollout.tensor_parallel_size=4", "rollout.engine=vllm"], {}, {**TINY, "num_attention_heads": 6},
+     "tensor-parallel-heads", "error", ["does not divide the model's 6 attention heads", "vLLM gives each worker",
+                                        "rollout.tensor_parallel_size=2"]),
 ])
 def test_rule(overrides, layout, model, rule, level, texts):
     p = plan(overrides, model, **layout)
@@ -123,16 +140,22 @@ def flat(p):
 
 
 def test_allowed_settings_have_no_finding():
-    """SP dividing ranks and heads, with rollout.env; TP on GPUs of one node dividing the devices is planned, and
-    refused for the one reason left: no multi-device engine placement yet."""
+    """SP dividing ranks and heads, with rollout.env; a vLLM engine over devices of one node dividing them and the
+    model's heads, colocated or reserved, on GPUs or CPU processes; the hf engine's TP given as the trainer's; agents
+    on reserved rollout devices beside a tensor-parallel trainer."""
     p = plan(["parallel.sequence_parallel_size=2", "rollout.env=calculator", "rollout.engine=vllm",
               "rollout.tensor_parallel_size=4"], TINY)
-    found = {r for r in rules(p) if r.startswith(("sequence-", "tensor-", "sample-"))}
-    assert found == {"tensor-parallel-placement"}, render(p)
-    assert "not built yet" in rules(p)["tensor-parallel-placement"].message
+    assert not {r for r in rules(p) if r.startswith(("sequence-", "tensor-", "sample-"))}, render(p)
     assert "vLLM tensor parallel 4: 2 engines of 4 devices on 8 devices (colocated), 2 per node" in flat(p)
     reserved = plan(["rollout.engine=vllm", "rollout.tensor_parallel_size=2"], TINY, rollout_devices=4)
     assert "2 engines of 2 devices on 4 reserved rollout devices" in flat(reserved)
+    for more, layout in ((["rollout.engine=vllm", "rollout.tensor_parallel_size=2"], {"device": "cpu",
+                                                                                      "nproc_per_node": 2}),
+                         (["parallel.tensor_parallel_size=2", "rollout.tensor_parallel_size=2"], {}),
+                         (["parallel.tensor_parallel_size=2", "rollout.agent=toy_agents:two_tools"],
+                          {"rollout_devices": 2})):
+        found = {r for r in rules(plan(more, TINY, **layout)) if r.startswith("tensor-")}
+        assert not found, (more, found)
 
 
 def test_a_sample_that_does_not_fit_names_the_smallest_sp_and_fit_applies_it():
@@ -167,7 +190,7 @@ def test_sample_too_long_falls_back_to_checkpointing_then_says_none_fits():
 def test_fit_mends_sizes_the_layout_refuses():
     p = plan(["parallel.sequence_parallel_size=3", "rollout.tensor_parallel_size=3", "rollout.engine=vllm"], TINY)
     new, _ = fit(p)
-    assert new.parallel.sequence_parallel_size == 2 and new.rollout.tensor_parallel_size == 1
+    assert new.parallel.sequence_parallel_size == 2 and new.rollout.tensor_parallel_size == 2
     assert make_plan(new, p.layout, model_config=TINY).runnable
     hf = plan(["rollout.tensor_parallel_size=2", "parallel.sequence_parallel_size=2"], VL)
     new, _ = fit(hf)

@@ -8,7 +8,6 @@ import math
 import pytest
 
 from evenrl.config import load_config, with_settings
-from evenrl.distributed import mesh_shape
 from evenrl.distributed.mesh_shape import MeshShape
 from evenrl.planner.dims import dims_from_config
 from evenrl.planner.fit import fit
@@ -126,11 +125,9 @@ def test_the_plan_balances_over_replicas_of_the_mesh():
      ["does not divide a tensor-parallel rank's (1/2 of the model's) 4 query heads"]),
     (["parallel.tensor_parallel_size=2"], {}, {**TINY, "attn_logit_softcapping": 30.0}, "packed-attention", "error",
      ["tensor parallelism (rows packed back to back)", "parallel.tensor_parallel_size=1"]),
-    (["rollout.tensor_parallel_size=2", "rollout.engine=vllm"], {}, TINY, "tensor-parallel-placement", "error",
-     ["not built yet", "rollout.engine=hf parallel.tensor_parallel_size=2 (the hf engine samples from the trainer's "
-      "split model)"]),
     (["rollout.engine=vllm", "model.dtype=bfloat16"], {}, QWEN32B, "engine-memory", "error",
-     ["holds 61.0 GiB of weights", "over vLLM's share of 24.0 GiB", "an engine over 4 devices would hold it",
+     ["holds 61.0 GiB of weights", "over vLLM's share of 24.0 GiB",
+      "rollout.tensor_parallel_size=4 (the smallest engine that holds it)",
       "rollout.memory_fraction=0.78", "rollout.engine=hf"]),  # (61.0 + 0.03 + 1) / 80, up
 ])
 def test_rule(overrides, layout, model, rule, level, texts):
@@ -147,12 +144,13 @@ def test_engine_memory_by_hand():
     assert f"holds {2 * d.params / GIB:.1f} GiB" in f.message
     assert f"KV cache, {192 * 64 * 2 * 8 * 128 * 2 / GIB:.2f} GiB" in f.message
     assert 2 * d.params / 4 / GIB + 192 * 64 * 2 * 2 * 128 * 2 / GIB + 1 < 0.3 * 80 < 2 * d.params / 2 / GIB
-    assert "an engine over 4 devices would hold it" in f.message
+    assert f.fix.startswith("rollout.tensor_parallel_size=4 (the smallest engine that holds it)")
     for ok in (["rollout.engine=vllm", "rollout.memory_fraction=0.9"], ["rollout.engine=hf"]):
         assert "engine-memory" not in rules(plan(ok + ["model.dtype=bfloat16"], QWEN32B))
     assert "engine-memory" not in rules(plan(["rollout.engine=vllm", "model.dtype=bfloat16"], QWEN7B))  # 14 in 24
     fp32 = rules(plan(["rollout.engine=vllm"], QWEN32B))["engine-memory"]  # 4 bytes a parameter: 8 devices
-    assert "holds 122.1 GiB of weights (float32)" in fp32.message and "over 8 devices" in fp32.message
+    assert "holds 122.1 GiB of weights (float32)" in fp32.message
+    assert fp32.fix.startswith("rollout.tensor_parallel_size=8 (the smallest engine that holds it)")
 
 
 def test_a_model_too_large_names_the_smallest_tp_and_fit_applies_it():
@@ -192,25 +190,25 @@ def test_fit_mends_the_sizes_the_rules_refuse():
     assert (new.parallel.tensor_parallel_size, new.parallel.cpu_offload) == (2, "none")
 
 
-def test_an_engine_too_small_is_fitted_by_what_runs(monkeypatch):
-    """While vLLM engines over several devices are not built (ENGINES_OVER_DEVICES), --fit gives the engine the
-    share of the device its weights need; once they are, the smallest rollout.tensor_parallel_size that holds
-    them, and the placement rule no longer refuses it."""
-    p = plan(["rollout.engine=vllm"], QWEN32B, BIG)
-    new, _ = fit(p)
-    assert new.rollout.tensor_parallel_size == 1 and new.rollout.memory_fraction == 0.79
-    assert "engine-memory" not in rules(make_plan(new, p.layout, model_config=QWEN32B))
-    huge = {**QWEN32B, "num_hidden_layers": 160}  # ~80 B: no share of one 80 GiB device holds it
-    new, _ = fit(plan(["rollout.engine=vllm"], huge, BIG))
-    assert (new.rollout.engine, new.rollout.memory_fraction) == ("hf", 0.0)
-    monkeypatch.setattr(mesh_shape, "ENGINES_OVER_DEVICES", frozenset({"vllm"}))
+def test_an_engine_too_small_is_fitted_by_what_runs():
+    """--fit gives a vLLM engine whose device share cannot hold its weights the smallest rollout.tensor_parallel_size
+    that holds them (an engine group over that many devices); where no engine the layout allows does, the share of
+    the device its weights need; where no share of one device holds them, the hf engine."""
     p = plan(["rollout.engine=vllm"], QWEN32B, BIG)
     assert "rollout.tensor_parallel_size=4 (the smallest engine that holds it)" in rules(p)["engine-memory"].fix
     new, _ = fit(p)
     assert new.rollout.tensor_parallel_size == 4 and new.rollout.memory_fraction == 0
     after = make_plan(new, p.layout, model_config=QWEN32B)
-    assert not {"engine-memory", "tensor-parallel-placement"} & set(rules(after)), render(after)
+    assert not {r for r in rules(after) if r.startswith(("engine-", "tensor-parallel"))}, render(after)
     assert "vLLM tensor parallel 4: 2 engines of 4 devices" in flat(after)
+    odd = {**QWEN32B, "num_attention_heads": 35, "num_key_value_heads": 5}  # no engine of 2-8 devices splits 35 heads
+    new, _ = fit(plan(["rollout.engine=vllm"], odd, BIG))
+    assert new.rollout.tensor_parallel_size == 1 and new.rollout.memory_fraction == 0.78
+    huge = {**QWEN32B, "num_hidden_layers": 160}  # ~80 B: no share of one 80 GiB device holds it, 8 devices' do
+    assert fit(plan(["rollout.engine=vllm"], huge, BIG))[0].rollout.tensor_parallel_size == 8
+    huge = {**QWEN32B, "num_hidden_layers": 480}  # ~240 B: nor do 8 devices' shares
+    new, _ = fit(plan(["rollout.engine=vllm"], huge, BIG))
+    assert (new.rollout.engine, new.rollout.memory_fraction) == ("hf", 0.0)
 
 
 def test_fit_never_leaves_a_tensor_parallel_error():

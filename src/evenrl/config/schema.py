@@ -192,10 +192,15 @@ class RolloutConfig(Section):
                     "reply cut for length.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=1024,
-        description="rollout.engine=vllm only: vLLM's tensor_parallel_size, one engine over this many devices "
-                    "(verl/EasyR1 rollout.tensor_model_parallel_size); evenrl plan shows devices per engine and "
-                    "engines per node, and refuses more than 1 until engines over several devices are placed (one "
-                    "engine per generating rank today; docs/long-context.md). 1: one engine per device.")
+        description="Devices per rollout engine. rollout.engine=vllm: one vLLM engine over this many devices "
+                    "(vLLM's tensor_parallel_size; verl/EasyR1 rollout.tensor_model_parallel_size, TRL "
+                    "vllm_tensor_parallel_size): colocated, each group of this many consecutive training ranks runs "
+                    "one engine, every rank one of its workers, the group's requests gathered and each rank keeping "
+                    "its own samples (TRL's colocate mode); on reserved rollout devices, the first of each group of "
+                    "this many starts the engine over the group's devices. It must divide the devices it runs on and "
+                    "the model's attention heads and MLP width, and keep an engine on one node (evenrl plan says "
+                    "so). rollout.engine=hf: 1, or parallel.tensor_parallel_size (the same: the hf engine samples "
+                    "from the trainer's split model). 1: one engine per device. docs/engines.md.")
     agent: str = Field(
         "", description="Agent rollouts: an async function 'package.module:function', called as `await "
                         "function(row, base_url=..., model=..., api_key=...)` in the reward workers with an "

@@ -15,19 +15,19 @@ One code path for 1 and N ranks: with one process there is no process group and 
 """
 
 from evenrl.distributed.exchange import exchange
-from evenrl.distributed.mesh import (DistInfo, coords, counts_rows, data_parallel, device_mesh, expert_mesh, group,
-                                     init, is_main, is_rollout_rank, per_trainer, rank, replica_size, rollout_ranks,
-                                     rollout_unit, sequence_group, shape, shutdown, size, trainer_group, unit_weights,
-                                     world)
+from evenrl.distributed.mesh import (DistInfo, before_shutdown, coords, counts_rows, data_parallel, device_mesh,
+                                     expert_mesh, group, init, is_main, is_rollout_rank, per_trainer, rank,
+                                     replica_size, rollout_ranks, rollout_unit, sequence_group, shape, shutdown, size,
+                                     trainer_group, unit_weights, world)
 from evenrl.distributed.guard import guard, mark
 from evenrl.distributed.ops import (all_gather_object, all_gather_tensors, all_reduce_grads, all_reduce_sum, barrier,
-                                    barrier_all, clip_grad_norm, gather_devices)
+                                    barrier_all, broadcast_object, clip_grad_norm, gather_devices)
 from evenrl.distributed.rollout_link import (WeightReceiver, WeightSender, finish_sends, push_weights,
                                              receive_rollouts, send_rollouts)
 
-__all__ = ["DistInfo", "coords", "counts_rows", "group", "per_trainer", "replica_size", "rollout_unit", "shape", "size",
-           "unit_weights", "WeightReceiver", "WeightSender", "all_gather_object", "all_gather_tensors", "all_reduce_grads",
-           "all_reduce_sum", "barrier", "barrier_all", "clip_grad_norm", "data_parallel", "device_mesh", "exchange",
-           "expert_mesh", "finish_sends", "gather_devices",
+__all__ = ["DistInfo", "before_shutdown", "coords", "counts_rows", "group", "per_trainer", "replica_size",
+           "rollout_unit", "shape", "size", "unit_weights", "WeightReceiver", "WeightSender", "all_gather_object", "all_gather_tensors", "all_reduce_grads",
+           "all_reduce_sum", "barrier", "barrier_all", "broadcast_object", "clip_grad_norm", "data_parallel",
+           "device_mesh", "exchange", "expert_mesh", "finish_sends", "gather_devices",
            "guard", "init", "is_main", "is_rollout_rank", "mark", "push_weights", "rank", "receive_rollouts",
            "rollout_ranks", "send_rollouts", "sequence_group", "shutdown", "trainer_group", "world"]

@@ -70,6 +70,7 @@ class Mesh:
     wait: timedelta = field(default_factory=lambda: timedelta(minutes=10))  # the collective timeout, for p2p waits
     sending: list = field(default_factory=list)  # a rollout rank's sends in flight: (work, buffer) kept alive
     sequence: Any = None  # this rank's sequence-parallel group (SequenceGroup), size 1 without Ulysses
+    closers: list = field(default_factory=list)  # called by shutdown before the groups go (before_shutdown)
 
     def reset(self) -> None:
         self.__dict__.update(Mesh().__dict__)
@@ -290,14 +291,17 @@ def data_parallel() -> tuple[int, int]:
     return (0 if c is None else c.dp), G.shape.dp
 
 
-def rollout_unit() -> tuple[int, int, bool]:
+def rollout_unit(split: bool = True) -> tuple[int, int, bool]:
     """(this rank's rollout unit, how many there are, whether this rank keeps its unit's samples): the ranks that
     generate together. With tensor parallelism a tp group samples from the split model together and its first rank
-    keeps the samples, so the step holds one copy of each; otherwise every training rank is a unit of its own."""
+    keeps the samples, so the step holds one copy of each; otherwise every training rank is a unit of its own.
+    split: False where the engine holds a copy of its own (vLLM, whose engine groups gather their members' requests
+    themselves: engines.engine_group): every training rank is then a unit, whatever the trainer's tp."""
     c = coords()
     if c is None:
         return 0, 1, False
-    return rank() // G.shape.tp, G.shape.trainers // G.shape.tp, c.tp == 0
+    tp = G.shape.tp if split else 1
+    return rank() // tp, G.shape.trainers // tp, rank() % tp == 0
 
 
 def per_trainer(unit_items: list) -> list:
@@ -307,9 +311,10 @@ def per_trainer(unit_items: list) -> list:
     return [unit_items[r // tp] if r % tp == 0 else [] for r in range(G.shape.trainers)]
 
 
-def unit_weights(weights: list[float] | None) -> list[float] | None:
-    """Per-rank capacity weights as per-unit ones: a unit is as fast as its slowest rank."""
-    tp = G.shape.tp
+def unit_weights(weights: list[float] | None, split: bool = True) -> list[float] | None:
+    """Per-rank capacity weights as per-unit ones (`split` as in rollout_unit): a unit is as fast as its slowest
+    rank."""
+    tp = G.shape.tp if split else 1
     return None if weights is None or tp == 1 else [min(weights[u:u + tp]) for u in range(0, len(weights), tp)]
 
 
@@ -325,9 +330,17 @@ def replica_size() -> int:
     return G.shape.replica
 
 
+def before_shutdown(close) -> None:
+    """Have `shutdown` call `close()` first, while the groups still stand: what made groups of its own on the mesh's
+    ranks (a vLLM engine over an engine group) tears them down there, not at the interpreter's exit after them."""
+    G.closers.append(close)
+
+
 def shutdown() -> None:
     """Leave the process group `init` built (an adopted one stays) and forget `init`'s answer, so the next `init`
     reads the environment again."""
+    for close in reversed(G.closers):
+        close()
     if G.own_group and active():
         tdist.destroy_process_group()
     G.reset()

@@ -37,10 +37,10 @@ from typing import NamedTuple
 
 DIMS = ("tp", "sp", "data", "replica", "engine", "ep", "edata")  # the groups `groups(dim)` lists
 # The rollout.engine values whose engines can span rollout.tensor_parallel_size > 1 devices (an engine group, the
-# `engine` dimension, driven together): the planner's tensor-parallel-placement rule refuses the others above 1. The
+# `engine` dimension, driven together: vLLM's, engines.engine_group); the planner refuses the others above 1. The
 # hf engine's tensor parallelism is the trainer's (parallel.tensor_parallel_size: a TP group samples from its split
-# model), so it never appears here; an engine joins when its engine groups run (vLLM's: engines.engine_group).
-ENGINES_OVER_DEVICES: frozenset[str] = frozenset()
+# model), so it never appears here (distributed.lockstep says so in one line).
+ENGINES_OVER_DEVICES: frozenset[str] = frozenset({"vllm"})
 
 
 class Coords(NamedTuple):

@@ -53,13 +53,27 @@ def _on_comm_device(t: torch.Tensor) -> torch.Tensor:
     return t if t.device == dev or (dev.type == "cpu" and t.device.type != "cpu") else t.to(dev)
 
 
-def all_gather_object(obj: Any) -> list:
-    if world() == 1:
+def all_gather_object(obj: Any, over: str = "trainers") -> list:
+    """Every rank's `obj`, in rank order: of the training ranks, or of this rank's group of a mesh dimension
+    (`over`)."""
+    n = size(over)
+    if n == 1:
         return [obj]
-    out: list = [None] * world()
+    out: list = [None] * n
     with guard("all-gather"):
-        tdist.all_gather_object(out, obj, group=G.trainers)
+        tdist.all_gather_object(out, obj, group=group(over))
     return out
+
+
+def broadcast_object(obj: Any, over: str) -> Any:
+    """The first rank's `obj` of this rank's group of a mesh dimension (`over`), on every rank of that group (what
+    the others pass is ignored)."""
+    if size(over) == 1:
+        return obj
+    box = [obj]
+    with guard("broadcast"):
+        tdist.broadcast_object_list(box, group=group(over), group_src=0)
+    return box[0]
 
 
 def all_reduce_grads(params: Iterable[torch.nn.Parameter], bucket_mb: float = 64.0, *,

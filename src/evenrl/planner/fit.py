@@ -93,12 +93,13 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
     """The parallel sizes the rules refuse, mended: parallel.tensor_parallel_size to the largest size up to it the
     model and layout allow (planner.split_model.tensor_sizes), else 1; sequence_parallel_size to the nearest size
     below it they allow beside that TP, else 1; rollout.tensor_parallel_size to 1 where the engine cannot span
-    devices (the hf engine, vLLM until its engine groups run, CPU), else to the largest size up to it that divides
-    the engines' devices and the heads; then, for a vLLM engine whose share of a GPU does not hold its weights
-    (planner.tensor_parallel.engine_check), the smallest engine that does where engines span devices, else the
-    share that does (up to 0.9), else the hf engine, which samples from the (split) training model;
-    expert_parallel_size to the largest size up to it the model and layout allow (planner.memory_fixes
-    .expert_parallel_sizes: none above 1 beside TP), 1 with CPU offload."""
+    devices (the hf engine: its TP is the trainer's) or the model is a vision-language one (distributed.lockstep),
+    else to the largest size up to it whose engines sit on one node and divide the heads and MLP width
+    (tensor_parallel.engine_splits); then, for a vLLM engine whose share of a GPU does not hold its weights
+    (planner.tensor_parallel.engine_check), the smallest engine that does, else the share that does (up to 0.9),
+    else the hf engine, which samples from the (split) training model; expert_parallel_size to the largest size
+    up to it the model and layout allow (planner.memory_fixes.expert_parallel_sizes: none above 1 beside TP), 1
+    with CPU offload."""
     from evenrl.planner.model_parallel import divisors_near  # it imports the planner's rules, as this module does
     from evenrl.planner.tensor_parallel import MOST_SHARE, engine_check, engine_splits
 
@@ -114,9 +115,9 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
         ok = [d for d in divisors_near(t // tp, sp, lambda d: not heads or heads % d == 0) if d <= sp]
         s["parallel.sequence_parallel_size"] = 1 if dims and dims.vision else max(ok, default=1)
     etp = cfg.rollout.tensor_parallel_size
-    if etp > 1 and (cfg.rollout.engine not in mesh_shape.ENGINES_OVER_DEVICES or lay.device == "cpu"):
+    if etp > 1 and (cfg.rollout.engine not in mesh_shape.ENGINES_OVER_DEVICES or dims and dims.vision):
         s["rollout.tensor_parallel_size"] = 1
-    elif etp > 1 and dims:
+    elif etp > 1:
         s["rollout.tensor_parallel_size"] = max([d for d in engine_splits(lay, dims) if d <= etp], default=1)
     ep, offload = cfg.parallel.expert_parallel_size, cfg.parallel.cpu_offload == "full" and lay.device != "cpu"
     allowed = expert_parallel_sizes(with_settings(cfg, s) if s else cfg, lay, dims) if dims else [ep]
@@ -126,7 +127,7 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
     found = engine_check(now, lay, dims) if dims else None
     if found:
         smallest, fraction = found[3], found[4]
-        if smallest and now.rollout.engine in mesh_shape.ENGINES_OVER_DEVICES:
+        if smallest:
             s["rollout.tensor_parallel_size"] = smallest
         elif fraction <= MOST_SHARE:
             s["rollout.memory_fraction"] = fraction

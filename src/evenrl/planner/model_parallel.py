@@ -12,11 +12,10 @@ attention the packed path does not implement (logit softcapping; also under chec
 experts, which pack rows the same way; sliding windows and attention sinks it implements). The memory it saves is evenrl.planner.memory's; the smallest SP that fits is found here
 and offered by evenrl.planner.memory_fixes.
 Tensor parallelism in the engine (rollout.tensor_parallel_size): one vLLM engine over that many devices (vLLM's
-tensor_parallel_size), on the reserved rollout devices or, colocated, on all of them: planned, and refused above 1
-for an engine that cannot span devices yet (evenrl.distributed.mesh_shape.ENGINES_OVER_DEVICES: the engines whose
-engine groups run), and on CPU for a reason of its own (vLLM's CPU build runs it as worker processes pinned to
-cores of their own, which evenrl's in-process CPU engine does not give it). The hf engine's is the trainer's
-(parallel.tensor_parallel_size, planner.tensor_parallel).
+tensor_parallel_size), on the reserved rollout devices or, colocated, over the trainers of each engine group
+(engines.engine_group); refused above 1 for an engine that cannot span devices (evenrl.distributed.mesh_shape.
+ENGINES_OVER_DEVICES). The hf engine's is the trainer's (parallel.tensor_parallel_size, planner.tensor_parallel).
+What the ranks that sample together cannot do is distributed.lockstep's, read here and at run time.
 Pure Python: never imports torch.
 """
 
@@ -27,11 +26,13 @@ from dataclasses import replace
 
 from evenrl.config import RunConfig, with_settings
 from evenrl.distributed import mesh_shape
+from evenrl.distributed.lockstep import problems
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.groups import group_layout
 from evenrl.planner.layout import Layout
 from evenrl.planner.memory import MemoryEstimate, estimate_memory
 from evenrl.planner.memory_fixes import TIGHT, sequence_settings, sequence_sizes
+from evenrl.planner.tensor_parallel import engine_spans_nodes, engine_splits
 from evenrl.planner.text import plural
 from evenrl.planner.types import Finding, Plan
 
@@ -159,41 +160,34 @@ def _fits(cfg: RunConfig, lay: Layout, dims: ModelDims, sp: int, ranks, limit: f
 
 
 def rule_rollout_parallel(p: Plan) -> list[Finding]:
-    c, lay = p.config, p.layout
+    """What the ranks that sample together cannot do (distributed.lockstep: the runtime refuses the same), and where
+    a vLLM engine over rollout.tensor_parallel_size devices is placed: consecutive ranks of one node (colocated:
+    trainers, every one of them a worker; reserved: rollout ranks, the first of each group starting the engine over
+    the group's devices), its slices of the attention heads and the MLP whole."""
+    c, lay, d = p.config, p.layout, p.dims
     tp, key = c.rollout.tensor_parallel_size, "rollout.tensor_parallel_size"
-    if tp == 1:
-        return []
-    if c.rollout.engine != "vllm":
-        return [Finding("error", "tensor-parallel-engine",
-                        f"{key}={tp} needs rollout.engine=vllm: engine {c.rollout.engine!r} samples with each "
-                        "training rank's own model", f"rollout.engine=vllm; or {key}=1")]
-    if lay.device == "cpu":
-        return [Finding("error", "tensor-parallel-cpu",
-                        f"{key}={tp} on CPU: vLLM's CPU build runs tensor parallelism as one worker process per "
-                        "slice, pinned to cores of its own, while evenrl runs a CPU engine inside each rank's "
-                        "process on the cores it shares with the trainer", f"{key}=1; or plan GPUs (--device cuda)")]
+    out = [Finding("error", rule, message, fix) for rule, message, fix in
+           problems(c, reserved=lay.rollout_devices > 0, vision=bool(d and d.vision))]
+    if tp == 1 or c.rollout.engine not in mesh_shape.ENGINES_OVER_DEVICES:  # the hf engine's: lockstep's finding
+        return out
     devices = lay.rollout_devices or lay.world
     where = (f"the {plural(devices, 'reserved rollout device')}" if lay.rollout_devices
              else f"the {plural(devices, 'device')} (colocated: every rank trains and generates)")
-    # vLLM gets the size (engines.vllm_engine), but every generating rank starts an engine of its own on its own
-    # device: an engine over tp devices needs one rank of each tp to start it and the others to hand it their
-    # prompts. Until that placement exists a run would start tp-device engines on shared devices.
-    out = [] if c.rollout.engine in mesh_shape.ENGINES_OVER_DEVICES else [
-        Finding("error", "tensor-parallel-placement",
-                f"{key}={tp}: evenrl starts one vLLM engine per generating rank, on that rank's device; engines over "
-                f"{tp} devices (one per {tp} ranks, the others handing it their prompts) are not built yet",
-                f"{key}=1" + ("" if c.parallel.tensor_parallel_size > 1 or c.parallel.cpu_offload == "full" else
-                              f"; or rollout.engine=hf parallel.tensor_parallel_size={tp} (the hf engine samples "
-                              "from the trainer's split model)"))]
+    flag = "--rollout-devices" if lay.rollout_devices else "--nproc-per-node"
+    splits = engine_splits(lay, d)
     if devices % tp:
-        near = divisors_near(devices, tp, lambda s: s <= lay.nproc_per_node)
-        flag = "--rollout-devices" if lay.rollout_devices else "--nproc-per-node"
         out.append(Finding("error", "tensor-parallel-devices",
                            f"{key}={tp} does not divide {where}: each engine takes {tp} of them",
-                           "; ".join(f"{key}={s}" for s in near) + f"; or {flag} a multiple of {tp}"))
-    if tp > lay.nproc_per_node:
+                           "; ".join(f"{key}={s}" for s in divisors_near(devices, tp, splits.__contains__)) +
+                           f"; or {flag} a multiple of {tp}"))
+    elif engine_spans_nodes(lay, tp):
         out.append(Finding("error", "tensor-parallel-node",
-                           f"{key}={tp} is more than the {plural(lay.nproc_per_node, 'process')} of a node: "
-                           "an engine's devices must share a node (vLLM's multiprocessing executor)",
-                           f"{key}={max(s for s in range(1, lay.nproc_per_node + 1) if tp % s == 0)}"))
+                           f"{key}={tp} with {plural(lay.nproc_per_node, 'process')} per node: some engine's "
+                           f"{tp} devices would span two nodes (an engine's workers must share one)",
+                           "; ".join(f"{key}={s}" for s in divisors_near(devices, tp, splits.__contains__))))
+    if d and (d.heads % tp or d.intermediate % tp):
+        what = f"{d.heads} attention heads" if d.heads % tp else f"MLP width {d.intermediate}"
+        out.append(Finding("error", "tensor-parallel-heads",
+                           f"{key}={tp} does not divide the model's {what}: vLLM gives each worker an equal slice",
+                           "; ".join(f"{key}={s}" for s in divisors_near(devices, tp, splits.__contains__))))
     return out

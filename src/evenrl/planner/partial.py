@@ -136,6 +136,11 @@ def rule_partial(p: Plan) -> list[Finding]:
                            f"{c.parallel.tensor_parallel_size}: a tensor-parallel group generates together, and the "
                            "carried samples are kept per rank, not per group; not implemented",
                            f"parallel.tensor_parallel_size=1; or {off}"))
+    if r.engine == "vllm" and r.tensor_parallel_size > 1:
+        out.append(Finding("error", "partial-tensor-parallel", f"rollout.partial with rollout.tensor_parallel_size="
+                           f"{r.tensor_parallel_size}: an engine over several devices serves its group's ranks "
+                           "together (or, reserved, leaves the group's other ranks idle), and the carried samples "
+                           "are kept per rank; not implemented", f"rollout.tensor_parallel_size=1; or {off}"))
     if c.train.reproducibility == "bitwise":
         out.append(Finding("error", "partial-bitwise", "rollout.partial with train.reproducibility=bitwise: a rank "
                            "generates its new and carried samples in one batch whose rows depend on the layout, "

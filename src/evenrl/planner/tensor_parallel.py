@@ -15,8 +15,8 @@ needs no engine of its own. The smallest TP that fits a model too large for a ra
 An engine's devices (rule_engine_memory): a vLLM engine on GPUs gets rollout.memory_fraction (0: 0.3) of each
 device, which must hold its weights (the model in the compute dtype over rollout.tensor_parallel_size devices) and
 at least one sample's KV cache and ~1 GiB of its own; where it does not, the finding names the smallest rollout.tensor_parallel_size that
-does (where the engine runs over several devices: distributed.mesh_shape.ENGINES_OVER_DEVICES) and the share that
-would, and --fit applies the first that runs.
+does (an engine group over that many devices, engines.engine_group) and the share that would, and --fit applies
+the first.
 Pure Python: never imports torch.
 """
 
@@ -110,12 +110,20 @@ def engine_devices(lay: Layout) -> tuple[int, float]:
     return (lay.rollout_devices or lay.world), memory
 
 
-def engine_splits(lay: Layout, d: ModelDims) -> list[int]:
-    """rollout.tensor_parallel_size values vLLM and the layout allow: divisors of the engines' devices and of a
-    node's processes that divide the query heads and the MLP width (vLLM gives each worker an equal slice)."""
+def engine_splits(lay: Layout, d: ModelDims | None) -> list[int]:
+    """rollout.tensor_parallel_size values vLLM and the layout allow: divisors of the engines' devices whose engine
+    groups (MeshShape.groups("engine")) each sit on one node, dividing the query heads and the MLP width (vLLM gives
+    each worker an equal slice) where the model is known."""
     devices = engine_devices(lay)[0]
-    return [s for s in range(1, min(devices, lay.nproc_per_node) + 1)
-            if devices % s == 0 and lay.nproc_per_node % s == 0 and d.heads % s == 0 and d.intermediate % s == 0]
+    return [s for s in range(1, devices + 1) if devices % s == 0 and not engine_spans_nodes(lay, s)
+            and (d is None or d.heads % s == 0 and d.intermediate % s == 0)]
+
+
+def engine_spans_nodes(lay: Layout, size: int) -> bool:
+    """Whether some engine of `size` devices (consecutive trainers, or consecutive reserved rollout ranks) would
+    take devices of two nodes; `size` divides the engines' devices."""
+    return any(g[0] // lay.nproc_per_node != g[-1] // lay.nproc_per_node
+               for g in MeshShape(lay.world, lay.rollout_devices, engine_tp=size).groups("engine"))
 
 
 def engine_check(c: RunConfig, lay: Layout, d: ModelDims) -> tuple[float, float, float, int | None, float] | None:
@@ -142,7 +150,7 @@ def rule_engine_memory(p: Plan) -> list[Finding]:
         return []
     weights, kv, share, smallest, fraction = found
     etp, memory = c.rollout.tensor_parallel_size, engine_devices(lay)[1]
-    key, runs = "rollout.tensor_parallel_size", c.rollout.engine in mesh_shape.ENGINES_OVER_DEVICES
+    key = "rollout.tensor_parallel_size"
     over = f" over {etp} devices" if etp > 1 else ""
     text = (f"rollout.engine=vllm: each device of an engine{over} holds {weights:.1f} GiB of weights ({c.model.dtype}) "
             f"and at least one {p.sample_tokens:,}-token sample's KV cache, {kv:.2f} GiB, and its own "
@@ -150,10 +158,8 @@ def rule_engine_memory(p: Plan) -> list[Finding]:
             f"{share:.1f} GiB (rollout.memory_fraction={c.rollout.memory_fraction or VLLM_GPU_SHARE:g} of "
             f"{memory:.0f} GiB)")
     fixes = []
-    if smallest and runs:
+    if smallest:
         fixes.append(f"{key}={smallest} (the smallest engine that holds it)")
-    elif smallest:
-        text += f"; an engine over {smallest} devices would hold it ({key}={smallest}: not built yet for vLLM)"
     if fraction <= MOST_SHARE:
         fixes.append(f"rollout.memory_fraction={fraction:g}" + (" (colocated: taken from the trainer's memory while "
                                                                  "it generates)" if not lay.rollout_devices else ""))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from evenrl.config import RunConfig
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
@@ -25,21 +27,28 @@ from evenrl.train import checkpoint
 from evenrl.train.carry import Carry, serve_step
 from evenrl.train.data import PromptSampler
 from evenrl.train.sampling import unit_batches
-from evenrl.train.trainer import Prompts, load_prompt_set, vision_setup
+from evenrl.train.trainer import Prompts, check_sampling, load_prompt_set, vision_setup
 from evenrl.agents.rollout import Agents
 from evenrl.train.trajectories import Turns, make_turns
 
 
 def serve(cfg: RunConfig, info, found: Path | None) -> None:
     """Generate every step's samples of this replica, from step 1 or after checkpoint `found`."""
+    check_sampling(cfg)
     turns = make_turns(cfg)  # checks the chat template before any weights load
-    # one whole copy in the engine's dtype: the hf engine samples from it, and it gives the push its layout
-    model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
+    # one whole copy in the engine's dtype: the hf engine samples from it, and it gives the push its layout (all a
+    # vLLM rank needs of it: its tensors' shapes, on the meta device, so the device is the engine's alone)
+    device = info.device if cfg.rollout.engine == "hf" else torch.device("meta")
+    model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=device)
     set_tf32(cfg.model.tf32)  # the trainers' matmul precision: the same products on both sides
     if cfg.model.lora.rank:  # the trainers' adapters, overwritten by every push; the base is the trainers' already
         add_adapters(model, cfg.model.lora)
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    engine = make_engine(cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, device=info.device)
+    # an engine over several rollout devices is started by the first rank of its group; the others leave their
+    # devices to it and take part in the pushes and the sends only, with no samples of their own
+    group = dist.shape().group_of("engine", dist.rank())
+    engine = None if group[0] != dist.rank() else make_engine(
+        cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, device=info.device)
     processor, _ = vision_setup(cfg, model)
     prompts, _ = load_prompt_set(cfg, tokenizer, turns, vision=(processor, model.config) if processor else None)
     sampler = PromptSampler(len(prompts.rows), cfg.data.seed)
@@ -65,18 +74,21 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
     sync.finish()
 
 
-def generate_and_send(cfg: RunConfig, engine: Engine, prompts: Prompts, step: int, prompt_ids: list[int],
+def generate_and_send(cfg: RunConfig, engine: Engine | None, prompts: Prompts, step: int, prompt_ids: list[int],
                       turns: Turns | Agents | None, processor=None) -> None:
     """One step, with the weights of policy_version(step) loaded: this replica's share of the samples, the step's
     prompts balanced over the replicas by cost, sent to the trainers without waiting for them (each trainer gets
     the samples it starts from, as in a colocated step). A sample's key is what it is on any layout, so the samples
     equal the colocated ones; with rollout.env they are whole trajectories, the environments stepped here.
-    `processor`: a vision-language model's image processor (the prompts' images go to the engine)."""
-    replicas = dist.rollout_ranks()
+    `processor`: a vision-language model's image processor (the prompts' images go to the engine). The replicas
+    are the engines (one per rollout rank, or per group of rollout.tensor_parallel_size of them: engine None on
+    the group's other ranks, which send empty shares)."""
+    replicas = [g[0] for g in dist.shape().groups("engine")]
     costs = [len(prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
     dist.mark(f"step {step} generate (rollout rank)")
-    completions = []
-    for mine in unit_batches(cfg, costs, len(replicas), None)[replicas.index(dist.rank())]:  # engine calls
+    completions = []  # an idle member of an engine group makes none
+    calls = unit_batches(cfg, costs, len(replicas), None)[replicas.index(dist.rank())] if engine is not None else []
+    for mine in calls:
         ids = [prompt_ids[p] for p, _, _ in mine]
         args = ([prompts.tokens[i] for i in ids], [p for p, _, _ in mine], sampling_params(cfg))
         kw = dict(step=step, sample_ranges=[(first, count) for _, first, count in mine])
@@ -85,7 +97,8 @@ def generate_and_send(cfg: RunConfig, engine: Engine, prompts: Prompts, step: in
         else:
             completions += turns.generate(engine, *args, **kw, rows=[prompts.rows[i] for i in ids],
                                           openings=[prompts.openings[i] for i in ids])
-    engine.sleep()
+    if engine is not None:
+        engine.sleep()
     made = {(c.prompt_key, c.sample_index): c for samples in completions for c in samples}
     # as the trainers split: by rollout unit (a tensor-parallel group), to the rank of each that keeps the samples
     units = dist.shape().trainers // dist.shape().tp

@@ -110,8 +110,11 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
         return carried_rows(trainer, step, prompt_ids)
     n = cfg.rollout.samples_per_prompt
     costs = [len(trainer.prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
-    unit, units, keeps = dist.rollout_unit()  # a tensor-parallel group generates together; one rank keeps the rows
-    batches = unit_batches(cfg, costs, units, dist.unit_weights(trainer.balance.rollout))
+    # a tensor-parallel group samples from its split model together and one rank keeps the rows; an engine with its
+    # own copy (vLLM) serves every trainer on its own (an engine over several trainers gathers their requests)
+    split = trainer.engine is None or not trainer.engine.needs_weights
+    unit, units, keeps = dist.rollout_unit(split)
+    batches = unit_batches(cfg, costs, units, dist.unit_weights(trainer.balance.rollout, split))
     mine = [x for b in batches[unit] for x in b]
     ids = [prompt_ids[p] for p, _, _ in mine]
     images = prompt_image_inputs(trainer.image_processor, trainer.prompts.images, ids)

@@ -16,12 +16,13 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
+from evenrl.distributed import lockstep
 from evenrl.distributed.exact import ElementwiseAdamW
 from evenrl.distributed.sharding import shard
 from evenrl.engines import Engine, make_engine
 from evenrl.engines.payload import make_payload
 from evenrl.engines.sync import WeightSync, make_weight_sync
-from evenrl.models.files import read_model_config
+from evenrl.models.files import is_vision_config, read_model_config
 from evenrl.models.loading import load_policy, with_value_head
 from evenrl.models.lora import adapters_disabled, add_adapters
 from evenrl.models.vision import is_vision_model, load_image_processor
@@ -151,6 +152,7 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
     `balance`: the token caps and capacity weights of the plan (evenrl.train.balance.make_balance; None: the
     config's one cap, equal weights)."""
     torch.manual_seed(cfg.train.seed)
+    check_sampling(cfg)
     turns = make_turns(cfg)  # checks the chat template before any weights load
     model, tokenizer = trainable_model(cfg, cfg.model.path, info)
     moe.check(cfg, model)  # router replay and the load-balancing loss on what the routers can do
@@ -191,6 +193,13 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
                    engine=engine, sync=sync, skipped_prompts=skipped, eos_ids=eos_ids, image_processor=processor,
                    vision_weight=weight, scorers=[] if turns else load_scorers(cfg, info),
                    balance=balance or Balance(), turns=turns, carry=Carry(cfg) if cfg.rollout.partial else None)
+
+
+def check_sampling(cfg: RunConfig) -> None:
+    """What the ranks that sample together cannot do (distributed.lockstep, the plan's rules too), refused in one
+    line before anything loads."""
+    lockstep.refuse(cfg, reserved=bool(dist.rollout_ranks()),
+                    vision=is_vision_config(read_model_config(cfg.model.path)))
 
 
 def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:

@@ -23,6 +23,7 @@ import torch
 from evenrl.agents.rollout import Agents
 from evenrl.config import RunConfig
 from evenrl.core.batch import Ragged
+from evenrl.distributed import collectives as dist
 from evenrl.engines.base import Engine, SamplingParams, Trajectory, keyed_seed
 from evenrl.envs.registry import resolve
 from evenrl.envs.session import EnvSession
@@ -81,7 +82,7 @@ class Turns:
                                   keyed_seed("evenrl-env", params.seed, step, key, s)))
         for turn in range(r.max_turns):  # every turn on every rank, live trajectories or not: see _sample
             replies = self._sample(engine, live, params, step, turn)
-            results = self.session.steps([(x.state, x.row, x.seed, text) for x, (_, text) in zip(live, replies)])
+            results = self._steps(engine, [(x.state, x.row, x.seed, text) for x, (_, text) in zip(live, replies)])
             still = []
             for x, (ids, text), (kind, value) in zip(live, replies, results):
                 t = x.traj
@@ -135,6 +136,17 @@ class Turns:
             x.traj.loss_mask += [True] * len(ids)
             out.append((ids, self._decode(ids[:-1] if ids and ids[-1] in eos else ids)))
         return out
+
+    def _steps(self, engine: Engine, calls: list) -> list:
+        """This turn's environment steps. The ranks of a tensor-parallel group sample the same trajectories from
+        their split model in lockstep (the engine's `lockstep` dimension): its first rank steps them and the others
+        take its results, so a step that a limit ends on one rank alone cannot part the group's trajectories (nor
+        its next engine call's collectives)."""
+        dim = getattr(engine, "lockstep", None)
+        members = dist.shape().group_of(dim, dist.rank()) if dim else None
+        if not members or len(members) == 1:
+            return self.session.steps(calls)
+        return dist.broadcast_object(self.session.steps(calls) if members[0] == dist.rank() else None, over=dim)
 
     def _append_env_turn(self, x: _Live, render, reply: str, messages: list[dict], eos_text: str | None) -> bool:
         """Append the environment's messages as the template renders them; False (the trajectory ends,

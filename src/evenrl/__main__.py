@@ -1,3 +1,3 @@
-from evenrl.cli import main
+from evenrl.cli import run
 
-raise SystemExit(main())
+run()

@@ -109,5 +109,33 @@ def _fail(line: str, code: int) -> int:
     return code
 
 
+def run() -> None:
+    """The `evenrl` program (its console script, `python -m evenrl` and `python -m evenrl.cli`, as every worker of
+    evenrl's launcher runs): main(), then the process ends as Python's exit would end it (non-daemon threads joined,
+    atexit handlers run, stdio flushed) but without the interpreter's finalization, which tears torch's,
+    transformers' and sympy's modules down object by object: 2-5 s of one core per process on a 2-core machine,
+    with no system call in it, that a launcher waits for before it returns. Where a child process is still alive
+    after the atexit handlers (an engine's own process that a finalizer would stop), the normal exit. main() is
+    what tests call in-process; this is for the program alone."""
+    code = main()
+    import atexit
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()  # and cleared: the normal exit below does not run them twice
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)  # reaps a child that has exited; 0: one is still running
+        except ChildProcessError:  # none left
+            break
+        if pid == 0:
+            raise SystemExit(code)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

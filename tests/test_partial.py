@@ -14,6 +14,7 @@ from evenrl.core.carry import CarryRules, finishing_age, outcome, round_tokens
 from evenrl.engines.hf import SamplingParams, generate, row_seed, sample_from_logits, uniforms
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
+from evenrl.train.carry import Carried, pack, unpack
 from evenrl.train.data import encode_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,6 +93,37 @@ def test_one_call_mixes_new_prompts_and_continued_samples(tiny):
                      pad_token_id=PAD, sample_ranges=[(0, 3), (2, 1)], first_token=[0, 4], max_tokens=[6, 2])
     assert [c.token_ids for c in mixed[0]] == [c.token_ids for c in alone_new[0]]
     assert mixed[1][0].token_ids == alone_old[0][0].token_ids and len(mixed[1][0].token_ids) == 2
+
+
+def test_one_call_continues_trajectories_at_different_turns(tiny):
+    """Trajectories cut at different turns continue in one call (rollout.env with rollout.partial): each row draws
+    from its own turn's stream, as a call at that turn alone; the same prompt at another turn draws otherwise."""
+    model, prompts = tiny
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, samples_per_prompt=3, seed=2)
+    kw = dict(eos_token_ids=set(), pad_token_id=PAD, sample_ranges=[(1, 1)] * 3, first_token=[0, 2, 1])
+    mixed = generate(model, prompts, [0, 1, 2], params, step=[4, 3, 4], turn=[0, 2, 1], **kw)
+    for i, turn in enumerate((0, 2, 1)):
+        [[alone]] = generate(model, prompts[i:i + 1], [i], params, step=[[4, 3, 4][i]], turn=turn,
+                             **{**kw, "sample_ranges": [(1, 1)], "first_token": [[0, 2, 1][i]]})
+        assert mixed[i][0].token_ids == alone.token_ids
+    other = generate(model, prompts, [0, 1, 2], params, step=[4, 3, 4], turn=[1, 0, 2], **kw)
+    assert [c[0].token_ids for c in other] != [c[0].token_ids for c in mixed]
+
+
+def test_a_trajectorys_turn_loop_state_travels_packed():
+    """What a rollout rank sends and a checkpoint holds of a trajectory in flight: its turn loop's state (messages,
+    rendering, the environment's pickle, the reply it was cut in, rewards, the loss mask) back as it was, beside a
+    single-turn sample's none."""
+    talk = {"messages": [{"role": "user", "content": "2+2=\u00e9"}], "history": "<|im_start|>",
+            "state": b"\x80\x04\x00", "reply": 3, "complete": False, "mask": "1110001", "turns": 1,
+            "reward": 0.1 + 0.2, "failed": False, "error": None, "tool_calls": 2, "tool_errors": 1}
+    ints = lambda n: torch.arange(n, dtype=torch.int32)  # noqa: E731
+    records = [Carried(1, 0, 2, 5, 0, 1, ints(7), torch.rand(7), torch.ones(7, dtype=torch.int32), talk=talk),
+               Carried(2, 1, 0, 6, 1, 0, ints(2), torch.rand(2), torch.ones(2, dtype=torch.int32))]
+    back = unpack(pack(records))
+    assert back[0].talk == talk and back[1].talk is None
+    assert back[0].sampled_versions() == [1, 1, 1, 1] and back[0].key == (1, 0, 2)
+    assert unpack(pack(records[1:]))[0].talk is None and "talk" not in pack(records[1:])
 
 
 def _naive_draws(model, prompt, tokens, seed, first, n, temperature=1.0, top_p=1.0):

@@ -158,11 +158,13 @@ class RolloutConfig(Section):
                            "continued from their tokens (re-prefilled) under the next policy, each token keeping the "
                            "version that sampled it and its log-prob (algo.importance_correction corrects per token). "
                            "What continues, and under which version, follows from step numbers and the budget, never "
-                           "timing: the same run on any layout and after a resume. Not with env, agent or images.")
+                           "timing: the same run on any layout and after a resume. With env, a trajectory spends the "
+                           "budget across its turns and its turn loop's state is carried. Not with agent or images.")
     tokens_per_round: int = Field(
         0, ge=0, le=MAX_TOKENS, description="partial: most new tokens an in-flight sample gets per step (a count, not "
-                                            "a time as slime's and verl's); 0: a quarter of max_new_tokens, rounded "
-                                            "up.")
+                                            "a time as slime's and verl's; with env, sampled tokens across a "
+                                            "trajectory's turns); 0: a quarter of max_new_tokens (with env: of "
+                                            "max_turns x max_new_tokens, within max_trajectory_tokens), rounded up.")
     max_carry_steps: int = Field(
         3, ge=1, le=64, description="partial: most steps a sample is carried over (verl max_off_policy_threshold, "
                                     "prime-rl max_off_policy_steps); in its last step at_max_carry decides.")

@@ -11,6 +11,10 @@ step (`outcome`) it is
 So a sample's tokens after any step, and the version that sampled each, follow from (birth, step, EOS positions)
 alone, never from timing; a sample that is never cut has the tokens the same stream gives uncut (its random draws
 are keyed by token position: evenrl.engines.hf.generate's first_token).
+
+A multi-turn trajectory (rollout.env) spends its step's B sampled tokens across turns (`step_budget`): its replies
+and the environment's turns in between, until B are spent (cut inside a reply, continued there) or it is complete;
+its `outcome` is done once complete, whatever its length.
 """
 
 from __future__ import annotations
@@ -24,16 +28,17 @@ OUTCOMES = ("done", "carried", "dropped")
 @dataclass(frozen=True)
 class CarryRules:
     budget: int     # B: new tokens per sample per step
-    max_new: int    # rollout.max_new_tokens: a sample's most tokens
+    max_new: int    # a sample's most sampled tokens: rollout.max_new_tokens, or a trajectory's (cfg.sampled_tokens)
     max_carry: int  # rollout.max_carry_steps
     at_limit: str   # rollout.at_max_carry: wait | drop
 
 
 def carry_rules(cfg) -> CarryRules:
-    """The run's rules from its config (tokens_per_round 0: a quarter of max_new_tokens, rounded up)."""
-    r = cfg.rollout
-    return CarryRules(budget=r.tokens_per_round or math.ceil(r.max_new_tokens / 4), max_new=r.max_new_tokens,
-                      max_carry=r.max_carry_steps, at_limit=r.at_max_carry)
+    """The run's rules from its config: a sample's most tokens are what the engine samples for it (a completion, or
+    with rollout.env all its turns' replies: cfg.sampled_tokens), tokens_per_round 0 a quarter of them, rounded up."""
+    r, most = cfg.rollout, cfg.sampled_tokens()
+    return CarryRules(budget=r.tokens_per_round or math.ceil(most / 4), max_new=most, max_carry=r.max_carry_steps,
+                      at_limit=r.at_max_carry)
 
 
 def round_tokens(rules: CarryRules, generated: int, age: int) -> int:
@@ -42,6 +47,12 @@ def round_tokens(rules: CarryRules, generated: int, age: int) -> int:
     if age >= rules.max_carry and rules.at_limit == "wait":
         return left
     return min(rules.budget, left)
+
+
+def step_budget(rules: CarryRules, age: int) -> int | None:
+    """The most tokens a multi-turn trajectory samples, over all its turns, in a step at `age` (None: no limit,
+    its last allowed step with at_max_carry=wait); each reply stays within max_new_tokens."""
+    return None if age >= rules.max_carry and rules.at_limit == "wait" else rules.budget
 
 
 def outcome(rules: CarryRules, generated: int, age: int, ended: bool) -> str:

@@ -103,7 +103,7 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], keys: list[int], params: SamplingParams, *, step: int | list[int],
                  sample_ranges: list[tuple[int, int]] | None = None, images: list | None = None,
-                 turn: int = 0, first_token: list[int] | None = None,
+                 turn: int | list[int] = 0, first_token: list[int] | None = None,
                  max_tokens: list[int] | None = None) -> list[list[Completion]]:
         """[prompt][sample] completions: token ids, finished (stopped at EOS), the engine's own log-prob of each
         sampled token under softmax(logits / temperature) and, where the engine records them, the routes of a

@@ -118,7 +118,7 @@ def generate(
     decoder: str = "auto",
     sample_ranges: list[tuple[int, int]] | None = None,
     images: list | None = None,
-    turn: int = 0,
+    turn: int | list[int] = 0,
     record_routes: bool = False,
     first_token: list[int] | None = None,
     max_tokens: list[int] | None = None,
@@ -130,9 +130,9 @@ def generate(
     `keys` name the prompts' random streams; a (step, key, sample index) must be unique within a call (a key may
     repeat when each repeat has its own samples: the trajectories of one prompt at a later turn); use something
     that does not depend on the rank layout, e.g. the prompt's position in the global batch (not its
-    dataset row, which can repeat across an epoch boundary). `turn` names the turn of multi-turn trajectories
-    these samples continue (0: a prompt's first sample, the single-turn stream). `max_batch_prompts` bounds how many
-    prompts share one forward pass; it changes speed and memory, never the samples.
+    dataset row, which can repeat across an epoch boundary). `turn` (or per prompt) names the turn of multi-turn
+    trajectories these samples continue (0: a prompt's first sample, the single-turn stream). `max_batch_prompts`
+    bounds how many prompts share one forward pass; it changes speed and memory, never the samples.
     `decoder` changes speed, not samples: "lean" (Qwen2/Llama-style models: their own modules on a KV cache
     allocated once, see LeanDecoder), "static" (lean at fixed shapes, each step replayed from a CUDA graph on CUDA,
     see models.decode_graph), "forward" (the model's Hugging Face forward with a DynamicCache: any causal LM), or
@@ -156,15 +156,15 @@ def generate(
     if len(ranges) != len(prompts) or any(a < 0 or c < 1 or a + c > n for a, c in ranges):
         raise bad("sample_ranges", sample_ranges, f"one (first, count) per prompt with 0 <= first, count >= 1, "
                                                   f"first + count <= samples_per_prompt ({n})")
-    steps = [step] * len(prompts) if isinstance(step, int) else [int(x) for x in step]
+    steps, turns = ([x] * len(prompts) if isinstance(x, int) else [int(v) for v in x] for x in (step, turn))
     first = [0] * len(prompts) if first_token is None else [int(x) for x in first_token]
     caps = [params.max_new_tokens] * len(prompts) if max_tokens is None else [int(x) for x in max_tokens]
-    if not len(steps) == len(first) == len(caps) == len(prompts):
-        raise ValueError(f"generate: {len(prompts)} prompts but {len(steps)} steps, {len(first)} first tokens and "
-                         f"{len(caps)} token caps")
+    if not len(steps) == len(turns) == len(first) == len(caps) == len(prompts):
+        raise ValueError(f"generate: {len(prompts)} prompts but {len(steps)}, {len(turns)}, {len(first)}, {len(caps)} "
+                         "steps, turns, first tokens, token caps")
     if any(f < 0 for f in first) or any(not 1 <= c <= params.max_new_tokens for c in caps):
         raise bad("max_tokens", caps, f"per prompt 1..max_new_tokens ({params.max_new_tokens}), first_token >= 0")
-    streams = [(st, k, s) for st, k, (a, c) in zip(steps, keys, ranges) for s in range(a, a + c)]
+    streams = [(st, k, s, t) for st, k, (a, c), t in zip(steps, keys, ranges, turns) for s in range(a, a + c)]
     if len(set(streams)) != len(streams):
         raise ValueError("generate: (step, prompt key, sample) must be unique within a call (equal keys give equal "
                          "samples)")
@@ -196,7 +196,7 @@ def generate(
                     pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
                     made = _generate_batch(model, pick(prompts), pick(keys), pick(ranges), params, pick(steps),
                                            set(eos_token_ids), pad_token_id, decoder,
-                                           None if images is None else pick(images), turn, record_routes,
+                                           None if images is None else pick(images), pick(turns), record_routes,
                                            pick(first), pick(caps))
                     for i, samples in zip(rows, made):
                         out[i] = samples
@@ -216,16 +216,16 @@ def _auto_decoder(model) -> str:
 
 
 def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, steps, eos_ids, pad_token_id, decoder: str,
-                    images=None, turn: int = 0, record_routes: bool = False, first=None, caps=None):
+                    images=None, turns=None, record_routes: bool = False, first=None, caps=None):
     # every forward here runs with no training plan on the routers: recording, or passing through
     with routing.recording(model, record_routes) as recorder:
         return _generate_recorded(model, prompts, keys, ranges, params, steps, eos_ids, pad_token_id, decoder,
-                                  images, turn, recorder, first or [0] * len(prompts),
+                                  images, turns or [0] * len(prompts), recorder, first or [0] * len(prompts),
                                   caps or [params.max_new_tokens] * len(prompts))
 
 
 def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, steps, eos_ids, pad_token_id,
-                       decoder: str, images, turn: int, recorder, first, caps):
+                       decoder: str, images, turns: list[int], recorder, first, caps):
     device = next(model.parameters()).device
     n_prompts = len(prompts)
     lens = [len(p) for p in prompts]
@@ -258,7 +258,7 @@ def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, ste
         index = torch.tensor([i for i, _ in row_of], device=device)
         dec.repeat_rows(index)
         logits = logits.index_select(0, index)
-    seeds = np.array([row_seed(params.seed, steps[i], keys[i], s, turn) for i, s in row_of], dtype=np.uint64)
+    seeds = np.array([row_seed(params.seed, steps[i], keys[i], s, turns[i]) for i, s in row_of], dtype=np.uint64)
     # a continued sample's draws start at its first new token's position; the rows of one call stop at their caps
     offsets = np.array([first[i] for i, _ in row_of], dtype=np.uint64) if any(first) else None
     row_caps = np.array([caps[i] for i, _ in row_of]) if min(caps) < max_new else None

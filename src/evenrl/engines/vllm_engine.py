@@ -168,7 +168,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, keys, params: SamplingParams, *, step, sample_ranges=None, images=None,
-                 turn: int = 0, first_token=None, max_tokens=None):
+                 turn: int | list[int] = 0, first_token=None, max_tokens=None):
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
 
@@ -179,6 +179,7 @@ class VLLMEngine:
         if not prompts:
             return []
         steps = [step] * len(prompts) if isinstance(step, int) else list(step)
+        turns = [turn] * len(prompts) if isinstance(turn, int) else list(turn)
         first = first_token or [0] * len(prompts)
         caps = max_tokens or [params.max_new_tokens] * len(prompts)
         requests, sps, where = [], [], []
@@ -189,7 +190,7 @@ class VLLMEngine:
             for s in range(a, a + c):
                 requests.append(request)
                 sps.append(VParams(n=1, max_tokens=caps[i], temperature=params.temperature, top_p=params.top_p,
-                                   seed=request_seed(row_seed(params.seed, steps[i], k, s, turn), first[i]),
+                                   seed=request_seed(row_seed(params.seed, steps[i], k, s, turns[i]), first[i]),
                                    logprobs=0, stop_token_ids=self.eos_ids, detokenize=False))
                 where.append((i, s))
         outs = self.llm.generate(requests, sps, use_tqdm=False,

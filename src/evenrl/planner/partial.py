@@ -58,7 +58,7 @@ def _cdf(x: float, median: float, sigma: float) -> float:
 def estimate(cfg, replicas: int, dims=None, rates=None) -> PartialEstimate:
     """The module docstring's estimate for `replicas` generators (rollout devices, or the training ranks)."""
     rules, r = carry_rules(cfg), cfg.rollout
-    g, n, S = r.max_new_tokens, r.samples_per_prompt, cfg.samples_per_step()
+    g, n, S = rules.max_new, r.samples_per_prompt, cfg.samples_per_step()  # with env: a trajectory's sampled
     median = r.response_lengths.median or max(1, math.ceil(g / 4))
     sigma = r.response_lengths.sigma
     width = max(1, math.ceil(g / GRID))
@@ -113,11 +113,6 @@ def rule_partial(p: Plan) -> list[Finding]:
     if not r.partial:
         return []
     out, off = [], "rollout.partial=false"
-    if r.env:  # why not yet, and what it takes: docs/overlap.md, "Multi-turn environments and agents"
-        out.append(Finding("error", "partial-multi-turn", f"rollout.partial with rollout.env={r.env}: a trajectory "
-                           "cut between steps would need its turn loop's state (messages, the environment's pickle, "
-                           "the reply so far) carried across steps and checkpoints, which evenrl does not do yet",
-                           off))
     if r.agent:
         out.append(Finding("error", "partial-multi-turn", f"rollout.partial with rollout.agent={r.agent}: an agent "
                            "is a running program, which no checkpoint can hold, and pausing it at a weight change "
@@ -151,9 +146,10 @@ def rule_partial(p: Plan) -> list[Finding]:
                            f"algo.max_generation_rounds={c.algo.max_generation_rounds} asks for more rounds",
                            f"algo.max_generation_rounds=1; or {off}"))
     rules = carry_rules(c)
+    most = "sampled tokens per trajectory " if r.env else "max_new_tokens="  # what rules.max_new counts
     if rules.budget >= rules.max_new:
         return out + [Finding("warning", "partial-no-carry", f"rollout.tokens_per_round={rules.budget} >= "
-                              f"max_new_tokens={rules.max_new}: every sample finishes in the step that drew it, so "
+                              f"{most}{rules.max_new}: every sample finishes in the step that drew it, so "
                               "partial rollouts change nothing", f"rollout.tokens_per_round="
                               f"{math.ceil(rules.max_new / 4)}; or {off}")]
     reach = rules.budget * (rules.max_carry + 1)
@@ -161,12 +157,12 @@ def rule_partial(p: Plan) -> list[Finding]:
               f"rollout.max_carry_steps={math.ceil(rules.max_new / rules.budget) - 1}")  # what reaches max_new
     rounds = f"{rules.budget:,} tokens a step for at most {plural(rules.max_carry + 1, 'step')}"
     if reach < rules.max_new and rules.at_limit == "drop":
-        out.append(Finding("warning", "partial-drops", f"{rounds} reach {reach:,} of max_new_tokens="
+        out.append(Finding("warning", "partial-drops", f"{rounds} reach {reach:,} of {most}"
                            f"{rules.max_new:,}: every sample longer is dropped with its group (at_max_carry=drop), a "
                            "bias against long answers", f"{longer}; or rollout.at_max_carry=wait"))
     note, est = _estimate_note(p, rules, reach)
     if est.partial_steps > 1.5 * rules.budget:
-        out.append(Finding("warning", "partial-waits", f"{rounds} reach {reach:,} of max_new_tokens="
+        out.append(Finding("warning", "partial-waits", f"{rounds} reach {reach:,} of {most}"
                            f"{rules.max_new:,}: a longer sample is generated to its end in its last step "
                            f"(at_max_carry=wait), so such a step decodes ~{est.partial_steps:,.0f} tokens, not "
                            f"{rules.budget:,}, for the response lengths assumed", longer))

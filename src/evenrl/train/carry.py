@@ -17,6 +17,8 @@ Nothing here depends on timing: what a sample holds after step t follows from it
 of each step. A checkpoint holds every in-flight and waiting sample with its tokens (`state_dict`, gathered to
 trainer 0; with reserved rollout ranks trainer 0 keeps a copy of theirs, sent with every step's samples), so a
 resumed run continues them exactly.
+With rollout.env a sample is a trajectory: its step runs its turns within the budget (evenrl.train.carry_turns) and
+its turn loop's state (`talk`) travels and is checkpointed with its tokens.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from dataclasses import dataclass, field
 import torch
 
 from evenrl.core.batch import Batch, Ragged
-from evenrl.core.carry import CarryRules, carry_rules, oldest_token_age, outcome, round_tokens
+from evenrl.core.carry import CarryRules, carry_rules, oldest_token_age, outcome, round_tokens, step_budget
 from evenrl.core.offpolicy import tokens_by_age, version_runs
 from evenrl.core.schedule import rollout_shares
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
 from evenrl.engines.base import sampling_params
 from evenrl.errors import RunStopped
+from evenrl.train.carry_turns import advance_turns, decode, encode, opening, trajectory
+from evenrl.train.trajectories import trajectory_columns
 
 
 @dataclass
@@ -50,6 +54,9 @@ class Carried:
     logprobs: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float32))  # the engine's
     versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # each token's policy
     ended: bool = False  # its last token is EOS
+    # rollout.env: the turn loop's state (evenrl.train.carry_turns): messages, rendered history, the environment's
+    # pickle, the reply it was cut in, turns, rewards, the loss mask; None for a single-turn sample
+    talk: dict | None = None
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -58,6 +65,12 @@ class Carried:
     @property
     def group(self) -> tuple[int, int]:
         return self.birth, self.position
+
+    def sampled_versions(self) -> list[int]:
+        """The versions of the tokens the policy sampled (a trajectory's environment tokens left out)."""
+        if self.talk is None:
+            return self.versions.tolist()
+        return [v for v, m in zip(self.versions.tolist(), self.talk["mask"]) if m == "1"]
 
 
 META = ("birth", "position", "sample", "row_id", "gen", "home", "ended")
@@ -69,6 +82,7 @@ def pack(records: list[Carried]) -> dict:
     return {"meta": torch.tensor([[int(getattr(r, k)) for k in META] for r in records],
                                  dtype=torch.long).reshape(len(records), len(META)),
             "lengths": torch.tensor([len(r.tokens) for r in records], dtype=torch.long),
+            **talks(records),
             **{name: torch.cat([getattr(r, name) for r in records]) if records else empty
                for name, empty in (("tokens", torch.zeros(0, dtype=torch.int32)),
                                    ("logprobs", torch.zeros(0, dtype=torch.float32)),
@@ -78,8 +92,19 @@ def pack(records: list[Carried]) -> dict:
 def unpack(packed: dict) -> list[Carried]:
     lengths = packed["lengths"].tolist()
     parts = {name: torch.split(packed[name], lengths) for name in ("tokens", "logprobs", "versions")}
+    talk = ([decode(bytes(x.tolist())) for x in torch.split(packed["talk"], packed["talk_lengths"].tolist())]
+            if "talk" in packed else [None] * len(lengths))
     return [Carried(*m[:6], tokens=parts["tokens"][i], logprobs=parts["logprobs"][i], versions=parts["versions"][i],
-                    ended=bool(m[6])) for i, m in enumerate(packed["meta"].tolist())]
+                    ended=bool(m[6]), talk=talk[i]) for i, m in enumerate(packed["meta"].tolist())]
+
+
+def talks(records: list[Carried]) -> dict:
+    """Trajectories' talk as UTF-8 JSON in one uint8 tensor (nothing for single-turn samples)."""
+    if not any(r.talk is not None for r in records):
+        return {}
+    raw = [encode(r.talk) for r in records]
+    return {"talk": torch.tensor(list(b"".join(raw)), dtype=torch.uint8),
+            "talk_lengths": torch.tensor([len(x) for x in raw], dtype=torch.long)}
 
 
 @dataclass
@@ -98,8 +123,8 @@ class Carry:
     """A rank's samples of partial rollouts: `live` (in flight, continued by this rank; on trainer 0 with reserved
     rollout ranks, the copy of theirs) and `pool` (done, waiting here for their group)."""
 
-    def __init__(self, cfg):
-        self.cfg, self.rules = cfg, carry_rules(cfg)
+    def __init__(self, cfg, turns=None):
+        self.cfg, self.rules, self.turns = cfg, carry_rules(cfg), turns  # turns: rollout.env's loop, or None
         self.n = cfg.rollout.samples_per_prompt
         self.live: list[Carried] = []
         self.pool: list[Carried] = []
@@ -109,22 +134,29 @@ class Carry:
 
     # ------------------------------------------------------------------ generation side
 
-    def advance(self, engine, prompt_tokens: list[list[int]], step: int, version: int, prompt_ids: list[int],
+    def advance(self, engine, prompts, step: int, version: int, prompt_ids: list[int],
                 share: list[tuple[int, int, int]], gen: int, homes: dict[tuple[int, int], int]) -> list[Carried]:
         """One step of generation on this rank under policy `version`: the new samples of `share` ((position,
         first sample, count) of `prompt_ids`) and every live sample, each by its round's tokens (core.carry).
         `homes`: (position, sample) -> the training rank a new sample waits on. Returns the samples done in this
-        step; the carried ones stay live; dropped groups are noted."""
+        step; the carried ones stay live; dropped groups are noted. `prompts`: evenrl.train.trainer.Prompts."""
         rules = self.rules
         new = [Carried(step, p, s, prompt_ids[p], gen, homes[(p, s)]) for p, a, c in share for s in range(a, a + c)]
         live = sorted(self.live, key=lambda r: r.key)
         ages = [step - r.birth for r in live]
-        prompts = [prompt_tokens[prompt_ids[p]] for p, _, _ in share] + [prompt_tokens[r.row_id] + r.tokens.tolist()
-                                                                          for r in live]
+        if self.turns is not None:
+            for r in new:
+                r.talk = opening(self.turns, prompts.openings[r.row_id])
+            self.waited += sum(1 for a in ages if step_budget(rules, a) is None)  # generated to their end
+            complete = advance_turns(self.turns, engine, prompts, new + live, [0] * len(new) + ages, rules,
+                                     sampling_params(self.cfg), version)
+            return self._sort(new, live, ages, complete)
+        tokens = prompts.tokens
+        inputs = [tokens[prompt_ids[p]] for p, _, _ in share] + [tokens[r.row_id] + r.tokens.tolist() for r in live]
         caps = [round_tokens(rules, 0, 0)] * len(share) + [round_tokens(rules, len(r.tokens), a)
                                                             for r, a in zip(live, ages)]
         self.waited += sum(1 for c in caps[len(share):] if c > rules.budget)  # generated to their end
-        out = engine.generate(prompts, [p for p, _, _ in share] + [r.position for r in live],
+        out = engine.generate(inputs, [p for p, _, _ in share] + [r.position for r in live],
                               sampling_params(self.cfg), step=[step] * len(share) + [r.birth for r in live],
                               sample_ranges=[(a, c) for _, a, c in share] + [(r.sample, 1) for r in live],
                               first_token=[0] * len(share) + [len(r.tokens) for r in live], max_tokens=caps)
@@ -133,9 +165,14 @@ class Carry:
             self._extend(r, made[(r.position, r.sample)], version)
         for r, [c] in zip(live, out[len(share):]):
             self._extend(r, c, version)
-        done, self.live = [], []
-        for r, age in [(r, 0) for r in new] + list(zip(live, ages)):
-            fate = outcome(rules, len(r.tokens), age, r.ended)
+        return self._sort(new, live, ages, [False] * (len(new) + len(live)))
+
+    def _sort(self, new: list[Carried], live: list[Carried], ages: list[int], complete: list[bool]) -> list[Carried]:
+        """After a step's generation: the done samples returned, the carried ones live, dropped groups noted. A
+        trajectory is done when `complete`, a single-turn sample by its EOS or length."""
+        rules, done, self.live = self.rules, [], []
+        for r, age, whole in zip(new + live, [0] * len(new) + ages, complete):
+            fate = outcome(rules, 0, age, whole) if r.talk is not None else outcome(rules, len(r.tokens), age, r.ended)
             if fate == "done":
                 done.append(r)
             elif fate == "carried":
@@ -174,7 +211,7 @@ class Carry:
         complete groups in order); the step's partial/ metrics in `metrics`. Dropped groups' waiting samples are
         discarded."""
         most = oldest_token_age(self.cfg.rollout.max_staleness, self.rules.max_carry)
-        rows = [[*r.group, version_runs(r.versions.tolist()), *tokens_by_age([r.versions.tolist()], step - 1, most)]
+        rows = [[*r.group, version_runs(r.sampled_versions()), *tokens_by_age([r.sampled_versions()], step - 1, most)]
                 for r in self.pool]
         oldest = min((r.birth for r in self.live), default=step)
         parts = dist.all_gather_tensors({
@@ -239,7 +276,7 @@ def carried_rows(trainer, step: int, prompt_ids: list[int]) -> Batch:
         costs = [len(trainer.prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
         share = rollout_shares(costs, n, dist.world(), trainer.balance.rollout)[dist.rank()]
         homes = {(p, s): dist.rank() for p, a, c in share for s in range(a, a + c)}
-        carry.pool += carry.advance(trainer.engine, trainer.prompts.tokens, step, step - 1, prompt_ids, share,
+        carry.pool += carry.advance(trainer.engine, trainer.prompts, step, step - 1, prompt_ids, share,
                                     dist.rank(), homes)
         trainer.engine.sleep()
     return to_batch(trainer, *carry.settle(step))
@@ -261,6 +298,7 @@ def to_batch(trainer, rows: list[Carried], complete: list[tuple[int, int]]) -> B
     n, number = trainer.cfg.rollout.samples_per_prompt, {g: i for i, g in enumerate(complete)}
     rows = sorted(rows, key=lambda r: r.key)
     group = torch.tensor([number[r.group] for r in rows], dtype=torch.long)
+    columns = trajectory_columns([trajectory(r) for r in rows]) if trainer.turns is not None else {}
     return Batch({
         "sample_index": group * n + torch.tensor([r.sample for r in rows], dtype=torch.long),
         "tokens": Ragged.of([torch.cat([torch.tensor(trainer.prompts.tokens[r.row_id]), r.tokens.long()])
@@ -272,21 +310,24 @@ def to_batch(trainer, rows: list[Carried], complete: list[tuple[int, int]]) -> B
         "version": torch.tensor([int(r.versions[0]) for r in rows], dtype=torch.long),
         "token_version": Ragged.of([r.versions for r in rows], torch.long),
         "row_id": [r.row_id for r in rows],
-        "completion": [trainer.tokenizer.decode(r.tokens.tolist(), skip_special_tokens=True) for r in rows],
+        # a trajectory's text keeps its turn markers, as in an uncut rollout
+        "completion": [trainer.tokenizer.decode(r.tokens.tolist(), skip_special_tokens=trainer.turns is None)
+                       for r in rows],
+        **columns,
     })
 
 
-def serve_step(cfg, carry: Carry, engine, prompt_tokens: list[list[int]], step: int, prompt_ids: list[int]) -> None:
+def serve_step(cfg, carry: Carry, engine, prompts, step: int, prompt_ids: list[int]) -> None:
     """A reserved rollout rank's step with rollout.partial: its share of the new prompts and its live samples under
     the step's version, the done ones sent to the trainers they wait on (as the trainers would split the step's
     prompts), the rest kept."""
     n, replicas, trainers = cfg.rollout.samples_per_prompt, dist.rollout_ranks(), dist.world()
-    costs = [len(prompt_tokens[i]) + cfg.response_tokens() for i in prompt_ids]
+    costs = [len(prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
     share = rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())]
     split = rollout_shares(costs, n, trainers, cfg.parallel.fixed_capacity_weights())
     homes = {(p, s): t for t, part in enumerate(split) for p, a, c in part for s in range(a, a + c)}
     version = policy_version(step, cfg.rollout.max_staleness)
     dist.mark(f"step {step} generate (rollout rank)")
-    done = carry.advance(engine, prompt_tokens, step, version, prompt_ids, share, replicas.index(dist.rank()), homes)
+    done = carry.advance(engine, prompts, step, version, prompt_ids, share, replicas.index(dist.rank()), homes)
     engine.sleep()
     dist.send_rollouts(step, version, carry.deliveries(done, trainers))

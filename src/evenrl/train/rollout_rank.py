@@ -52,7 +52,7 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
     processor, _ = vision_setup(cfg, model)
     prompts, _ = load_prompt_set(cfg, tokenizer, turns, vision=(processor, model.config) if processor else None)
     sampler = PromptSampler(len(prompts.rows), cfg.data.seed)
-    start, carry = 0, Carry(cfg) if cfg.rollout.partial else None
+    start, carry = 0, Carry(cfg, turns) if cfg.rollout.partial else None
     if found is not None:  # only where the run continues and which prompts come next; the weights come pushed
         start = checkpoint.read_meta(found)["step"]
         state = checkpoint.read_state(found)
@@ -67,7 +67,7 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
         prompt_ids = sampler.next_prompts(cfg.data.prompts_per_step)
         sync.weights_for(step)
         if carry is not None:
-            serve_step(cfg, carry, engine, prompts.tokens, step, prompt_ids)
+            serve_step(cfg, carry, engine, prompts, step, prompt_ids)
         else:
             generate_and_send(cfg, engine, prompts, step, prompt_ids, turns, processor)
     dist.finish_sends()

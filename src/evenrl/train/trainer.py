@@ -192,7 +192,7 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
                                                 if spec.name],
                    engine=engine, sync=sync, skipped_prompts=skipped, eos_ids=eos_ids, image_processor=processor,
                    vision_weight=weight, scorers=[] if turns else load_scorers(cfg, info),
-                   balance=balance or Balance(), turns=turns, carry=Carry(cfg) if cfg.rollout.partial else None)
+                   balance=balance or Balance(), turns=turns, carry=Carry(cfg, turns) if cfg.rollout.partial else None)
 
 
 def check_sampling(cfg: RunConfig) -> None:

@@ -35,7 +35,7 @@ from evenrl.train.data import filter_by_length, load_prompts
 
 
 @dataclass
-class _Live:
+class Live:
     traj: Trajectory
     row: dict
     prompt: list[int]
@@ -67,44 +67,47 @@ class Turns:
                  step: int, sample_ranges: list[tuple[int, int]], rows: list[dict],
                  openings: list[list[dict]]) -> list[list[Trajectory]]:
         """Engine.generate's [prompt][sample] result, as whole trajectories."""
-        r, algo = self.cfg.rollout, self.cfg.algo
+        r = self.cfg.rollout
         render = tokenizer_render(self.tokenizer)
-        eos = self._eos_ids()
         out: list[list[Trajectory]] = []
-        live: list[_Live] = []
+        live: list[Live] = []
         for prompt, key, (first, count), row, opening in zip(prompts, keys, sample_ranges, rows, openings):
             history = render(opening, self.tools, True)
             out.append([])
             for s in range(first, first + count):
                 t = Trajectory(key, s, [], [], True)
                 out[-1].append(t)
-                live.append(_Live(t, row, prompt, list(opening), history,
+                live.append(Live(t, row, prompt, list(opening), history,
                                   keyed_seed("evenrl-env", params.seed, step, key, s)))
         for turn in range(r.max_turns):  # every turn on every rank, live trajectories or not: see _sample
             replies = self._sample(engine, live, params, step, turn)
-            results = self._steps(engine, [(x.state, x.row, x.seed, text) for x, (_, text) in zip(live, replies)])
-            still = []
-            for x, (ids, text), (kind, value) in zip(live, replies, results):
-                t = x.traj
-                t.turns += 1
-                ended_with_eos = bool(ids) and ids[-1] in eos
-                if kind != "ok":
-                    t.failed, t.error, t.finished = True, f"{kind}: {value}", ended_with_eos
-                    continue
-                x.state, (messages, done, reward, calls, errors) = value
-                t.reward += algo.turn_discount ** turn * reward
-                t.tool_calls, t.tool_errors = t.tool_calls + calls, t.tool_errors + errors
-                t.finished = ended_with_eos
-                if done or turn + 1 == r.max_turns:
-                    continue
-                # a reply cut at max_new_tokens goes on like one that ended: the template closes it
-                eos_text = self._decode(ids[-1:]) if ended_with_eos else None
-                if self._append_env_turn(x, render, text, messages, eos_text):
-                    still.append(x)
-            live = still
+            calls = [(x.state, x.row, x.seed, text) for x, (_, text) in zip(live, replies)]
+            results = self.env_steps(engine, calls)
+            live = [x for x, (ids, text), result in zip(live, replies, results)
+                    if self.close_turn(x, ids, text, result, render)]
         return out
 
-    def _sample(self, engine: Engine, live: list[_Live], params: SamplingParams, step: int, turn: int):
+    def close_turn(self, x: Live, ids: list[int], text: str, result: tuple[str, object], render) -> bool:
+        """After a turn's reply (its sampled `ids`, its `text`) and its environment step (`result`, as
+        EnvSession.steps gives it): the trajectory's reward, counts and end; True when it goes on, the environment's
+        turn appended."""
+        t, (kind, value) = x.traj, result
+        turn, t.turns = t.turns, t.turns + 1
+        ended_with_eos = bool(ids) and ids[-1] in self.eos_ids()
+        if kind != "ok":
+            t.failed, t.error, t.finished = True, f"{kind}: {value}", ended_with_eos
+            return False
+        x.state, (messages, done, reward, calls, errors) = value
+        t.reward += self.cfg.algo.turn_discount ** turn * reward
+        t.tool_calls, t.tool_errors = t.tool_calls + calls, t.tool_errors + errors
+        t.finished = ended_with_eos
+        if done or turn + 1 == self.cfg.rollout.max_turns:
+            return False
+        # a reply cut at max_new_tokens goes on like one that ended: the template closes it
+        eos_text = self.decode(ids[-1:]) if ended_with_eos else None
+        return self._append_env_turn(x, render, text, messages, eos_text)
+
+    def _sample(self, engine: Engine, live: list[Live], params: SamplingParams, step: int, turn: int):
         """Turn `turn` of every live trajectory: (sampled ids, reply text) each, appended to its trajectory. One
         engine call per turn on every rank, even with nothing to sample: the hf engine's call gathers a sharded
         model, a collective every rank must join as often. A trajectory whose budget (what is left of
@@ -125,7 +128,7 @@ class Turns:
             res = engine.generate([x.prompt + x.traj.token_ids for x in live], [x.traj.prompt_key for x in live],
                                   call, step=step, sample_ranges=[(x.traj.sample_index, 1) for x in live], turn=turn)
             got = {i: cs[0] for i, cs in enumerate(res)}
-        eos = self._eos_ids()
+        eos = self.eos_ids()
         out = []
         for i, x in enumerate(live):
             ids, logprobs = got[i].token_ids[:budget[i]], got[i].logprobs[:budget[i]]
@@ -134,10 +137,10 @@ class Turns:
             x.traj.token_ids += ids
             x.traj.logprobs += logprobs
             x.traj.loss_mask += [True] * len(ids)
-            out.append((ids, self._decode(ids[:-1] if ids and ids[-1] in eos else ids)))
+            out.append((ids, self.decode(ids[:-1] if ids and ids[-1] in eos else ids)))
         return out
 
-    def _steps(self, engine: Engine, calls: list) -> list:
+    def env_steps(self, engine: Engine, calls: list) -> list:
         """This turn's environment steps. The ranks of a tensor-parallel group sample the same trajectories from
         their split model in lockstep (the engine's `lockstep` dimension): its first rank steps them and the others
         take its results, so a step that a limit ends on one rank alone cannot part the group's trajectories (nor
@@ -148,7 +151,7 @@ class Turns:
             return self.session.steps(calls)
         return dist.broadcast_object(self.session.steps(calls) if members[0] == dist.rank() else None, over=dim)
 
-    def _append_env_turn(self, x: _Live, render, reply: str, messages: list[dict], eos_text: str | None) -> bool:
+    def _append_env_turn(self, x: Live, render, reply: str, messages: list[dict], eos_text: str | None) -> bool:
         """Append the environment's messages as the template renders them; False (the trajectory ends,
         unfinished) when they do not fit in rollout.max_trajectory_tokens with a token to spare."""
         x.messages += [{"role": "assistant", "content": reply}, *messages]
@@ -166,10 +169,10 @@ class Turns:
         t.loss_mask += [False] * len(ids)
         return True
 
-    def _eos_ids(self) -> set[int]:
+    def eos_ids(self) -> set[int]:
         return {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _encode(self, text: str) -> list[int]:

@@ -44,7 +44,8 @@ train: {{steps: 2, lr: 1.0e-3, token_cap_per_micro_batch: 512}}
 log: {{progress: false, tensorboard: false}}
 """)
     for batch in ({"three": (["--nproc-per-node", 3], None), "one": ([], None)},
-                  {"whole": (OVERLAP, None), "cut": (OVERLAP, fault_env(crash_at_step=3))}):
+                  {"whole": (OVERLAP, None), "cut": (OVERLAP, fault_env(crash_at_step=3)),
+                   "tp": (["--nproc-per-node", 3, "--rollout-devices", 1, "parallel.tensor_parallel_size=2"], None)}):
         jobs = {name: Job("train", cfg, f"log.run_dir={root / name}", *more, env=env)
                 for name, (more, env) in batch.items()}
         try:
@@ -60,7 +61,7 @@ log: {{progress: false, tensorboard: false}}
 
 
 @pytest.mark.slow
-@pytest.mark.large_world  # a 3-process and a 1-process run at once (4 processes), then two 2-process runs
+@pytest.mark.large_world  # a 3-process and a 1-process run at once (4 processes), then two 1-process and a 3-process
 def test_agent_trajectories_and_model_are_the_same_on_1_and_3_processes(runs):
     runs, _ = runs
     one, three = metrics(runs / "one"), metrics(runs / "three")
@@ -83,6 +84,20 @@ def test_agent_run_killed_and_resumed_is_bit_identical(runs):
         for k in (*SAME, "policy/loss", "entropy"):
             assert x[k] == y[k], (x["step"], k)
     assert max_diff(final_params(runs / "whole"), final_params(runs / "cut")) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.large_world
+def test_agents_on_a_reserved_rank_beside_a_tensor_parallel_trainer(runs):
+    """Where the plan sends agents beside parallel.tensor_parallel_size=2 (distributed.lockstep: not on ranks that
+    sample in lockstep, so --rollout-devices): a TP group of 2 trainers and a reserved rollout rank serving the
+    endpoint from a whole copy give the 1-process run's trajectories (each sample keyed, not placed), the weights
+    within e2e.close_weights' bound."""
+    runs, _ = runs
+    for x, y in zip(metrics(runs / "one"), metrics(runs / "tp"), strict=True):
+        for k in SAME:
+            assert x[k] == y[k], (x["step"], k)
+    assert not (far := close_weights(final_params(runs / "one"), final_params(runs / "tp"))), far
 
 
 @pytest.mark.slow

@@ -72,3 +72,13 @@ def test_flags_are_spelled_out(capsys):
     for argv in (["plan", "x.yaml", "--nproc", "2"], ["train", "x.yaml", "--nproc", "2"], ["train", "x.yaml", "--res"]):
         assert cli.main(argv) == 2
         assert "unrecognized arguments: --" in capsys.readouterr().err
+
+
+def test_the_program_ends_with_a_thread_pool_alive(tmp_path):
+    """cli.run ends the process without the interpreter's finalization, but after what the interpreter's exit does
+    first: threading's exit hooks tell a ThreadPoolExecutor's idle workers to stop (vLLM's engine keeps one); joining
+    them without those hooks waited forever (a colocated vLLM run's rank 0 hung after its last step)."""
+    code = ("import sys, concurrent.futures as f; pool = f.ThreadPoolExecutor(1); pool.submit(int).result(); "
+            f"sys.argv = ['evenrl', 'plan', {str(tmp_path / 'missing.yaml')!r}]; from evenrl.cli import run; run()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "missing.yaml" in proc.stderr, proc.stderr

@@ -121,9 +121,10 @@ def run() -> None:
     import atexit
     import threading
 
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join()
+    # what the interpreter's exit does first: threading's own exit hooks (a ThreadPoolExecutor's, which tell its
+    # workers to stop: joining those workers without them waits forever, as a colocated vLLM engine's did), then every
+    # non-daemon thread joined; it runs once (the normal exit below skips it)
+    threading._shutdown()
     atexit._run_exitfuncs()  # and cleared: the normal exit below does not run them twice
     while True:
         try:

@@ -214,6 +214,10 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         sums, ran, keyed = {}, 0, []  # tensor-parallel rank does: the statistics are summed over the data group only)
     # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names.
     flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])] + [ran], dtype=torch.float64)
+    # the parameters again, as they are now: FSDP2's registered parameters before the first forward need not be the
+    # objects that hold the gradients after the backward (a critic under FSDP2 on 2 ranks clipped by a norm of 2.095
+    # for the 1-process 2.233 when the list taken above was used here)
+    params = [p for p in model.parameters() if p.requires_grad]
     if bitwise:  # the same bits on any layout: statistics in canonical order, gradients in fixed point
         flat = torch.tensor(exact.canonical_sum([k for k, _ in keyed], [v + [1.0] for _, v in keyed],
                                                 2 * len(stat_names) + 1), dtype=torch.float64)

@@ -137,8 +137,6 @@ CASES = [
      ["not layout-free", "algo.router_aux_loss_coef=0"]),
     ("bitwise-idle-generation", "warning", ["train.reproducibility=bitwise", "rollout.batch_prompts=4"], {}, None,
      ["8 prompts into 2 generation batches for 4", "rollout.batch_prompts=2"]),
-    ("partial-multi-turn", "error", ["rollout.partial=true", "rollout.agent=m:f"], {}, None,
-     ["rollout.agent=m:f", "no checkpoint can hold", "rollout.partial=false"]),
     ("partial-tensor-parallel", "error", ["rollout.partial=true", "parallel.tensor_parallel_size=2"], {}, TINY,
      ["tensor_parallel_size=2", "parallel.tensor_parallel_size=1"]),
     ("partial-tensor-parallel", "error", ["rollout.partial=true", "rollout.engine=vllm",

@@ -4,6 +4,7 @@ against evenrl's endpoint, as users write them."""
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import time
 
@@ -86,6 +87,18 @@ def not_async(row, **_):
 async def mixed(row, **endpoint):
     """two_tools on even rows, rewrites_history on odd ones: one run has chained calls and split samples."""
     return await (two_tools if row["id"] % 2 == 0 else rewrites_history)(row, **endpoint)
+
+
+async def forgetful(row, *, base_url, model, api_key):
+    """Not deterministic: its second call carries a random number, so when rollout.partial starts it again at the
+    next step (or on --resume) and replays its calls, the second request is not the recorded one."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    reply = await client.chat.completions.create(model=model, messages=messages, max_tokens=4)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": f"{random.random():.9f}"}]
+    await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    return 1.0
 
 
 async def hang_async(row, **_):

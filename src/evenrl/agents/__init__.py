@@ -13,6 +13,8 @@ How an agent is trained, module by module, in the order a rollout runs them:
 - `prompts`: a request as prompt ids spliced onto the trajectory's earlier calls (sampled ids never re-tokenised)
   and the call's random key.
 - `calls`: the recorded calls assembled into samples by token prefix.
+- `replay`: rollout.partial's transcript of a trajectory's calls, replayed each step up to the call cut by the
+  step's budget, which samples on.
 
 Nothing is imported here: `evenrl plan` reads `job` without torch.
 """

@@ -22,6 +22,7 @@ class Call:
     logprobs: list[float]     # the engine's, one per sampled id
     finished: bool            # ended with EOS
     tool_calls: int = 0       # tool calls read from the reply
+    versions: list[int] = field(default_factory=list)  # rollout.partial: the policy version of each sampled id
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Segment:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[bool] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # rollout.partial: per token (a call's first for those between)
     calls: int = 0
     tool_calls: int = 0
     finished: bool = False
@@ -44,6 +46,7 @@ class Segment:
         self.token_ids += between + call.ids
         self.logprobs += [0.0] * len(between) + call.logprobs
         self.loss_mask += [False] * len(between) + [True] * len(call.ids)
+        self.versions += call.versions[:1] * len(between) + call.versions
         self.calls, self.tool_calls, self.finished = self.calls + 1, self.tool_calls + call.tool_calls, call.finished
 
 

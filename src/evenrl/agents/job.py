@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import gc
 import importlib
 import inspect
 import math
@@ -105,7 +106,12 @@ class AgentRunner:
             return "ok", float(value)
 
         async def every():
-            return await asyncio.gather(*(one(token, row) for token, row in items))
+            out = await asyncio.gather(*(one(token, row) for token, row in items))
+            # an agent that raised (rollout.partial's cut calls are refused) leaves its HTTP client in a reference
+            # cycle: collected here, its close runs on this loop, not on a later step's (which reports it closed)
+            gc.collect()
+            await asyncio.sleep(0.01)
+            return out
         return asyncio.run(every())
 
 

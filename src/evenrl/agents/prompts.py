@@ -53,6 +53,12 @@ class Record:
     truncated: bool = False  # a request found the trajectory's token cap reached
     failure: str | None = None  # set by the endpoint (calls cap) or from the agent's outcome
     returned: bool = False  # its agent returned: later calls are refused, never recorded
+    # rollout.partial (evenrl.agents.replay): the trajectory's transcript; the request held open when the step's
+    # budget ran out (a Pending); set once the step's generation ended with it held (its later calls refused)
+    transcript: object = None
+    held: object = None
+    cut: bool = False
+    diverged: str | None = None  # a replayed request differed from the recorded one (the run stops)
 
     def call_key(self, prompt_ids: list[int]) -> int:
         """The key of this request's random stream: the trajectory (position; the sample rides in the engine's

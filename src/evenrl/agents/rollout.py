@@ -8,7 +8,8 @@ trajectory gets a token naming it, the agents run in the reward workers (evenrl.
 only way out the endpoint), and this thread serves their requests in batches on the engine until every agent has
 returned: each request's prompt is rendered and spliced (evenrl.agents.prompts), sampled from the stream keyed
 by (seed, step, prompt position, sample, the call's key), recorded, and answered in the template's tool-call format.
-The recorded calls are then assembled by token prefix (evenrl.agents.calls).
+The recorded calls are then assembled by token prefix (evenrl.agents.calls). With rollout.partial, `advance` runs
+a step of carried trajectories instead: their transcripts replayed, requests served in rounds (evenrl.agents.replay).
 """
 
 from __future__ import annotations
@@ -19,17 +20,21 @@ import secrets
 import threading
 from dataclasses import replace
 
-from evenrl.agents.calls import Call, assemble
+import torch
+
+from evenrl.agents.calls import Call, Segment, assemble
 from evenrl.agents.job import AgentRunner, agent_problem
 from evenrl.agents.openai_api import (BadRequest, chat_body, chat_chunks, completion_body, completion_chunks,
                                       finish_reason, reply_message, sse)
 from evenrl.agents.openai_responses import chat_request, reply_chat_message, response_body, response_events, sse_events
 from evenrl.agents.prompts import Prompts, Record, Turn
+from evenrl.agents.replay import Transcript, from_talk, to_talk
 from evenrl.agents.server import GONE, AgentServer, Answer, Pending, error
 from evenrl.config import RunConfig
+from evenrl.core.carry import CarryRules, step_budget
 from evenrl.engines.base import Engine, SamplingParams, Trajectory
 from evenrl.envs.template import file_render, tokenizer_render
-from evenrl.errors import UsageError, bad, describe_error
+from evenrl.errors import RunStopped, UsageError, bad, describe_error
 from evenrl.isolation import pool
 from evenrl.isolation.pool import Limits, run_contained
 from evenrl.rewards import score_all
@@ -42,6 +47,10 @@ _QUIET_S = 0.01
 # (the agent's module is imported before, when the worker loads it: evenrl.agents.job.AgentRunner).
 _JOB_SLACK_S = 3.0
 MODEL_NAME = "evenrl-policy"
+CUT = ("the step's token budget (rollout.tokens_per_round) ended here; the trajectory continues at the next step, "
+       "its agent started again and its calls answered from its transcript (rollout.partial)")
+ONE_AT_A_TIME = ("rollout.partial: a trajectory's calls must be made one at a time (the step's budget goes to them "
+                 "in order)")
 
 
 def user_openings(rows: list[dict]) -> list[list[dict]]:
@@ -124,16 +133,43 @@ class Agents:
                 results.update({j: ("raised", f"{type(e).__name__}: {e}") for j, _, _ in jobs})
         runner = threading.Thread(target=work, name="evenrl-agents", daemon=True)
         runner.start()
+        partial, released, waiting = any(rec.transcript is not None for rec in records.values()), False, []
+        order = {token: i for i, token in enumerate(records)}
         while runner.is_alive() or not self.server.requests.empty():
             batch = self._take(runner)
+            if partial:  # in rounds: served once every running agent waits on a call (see _round)
+                waiting += batch
+                batch = self._round(waiting, records, order)
             if batch:
                 self._serve(batch, records, engine, params, step)
+            # rollout.partial: the step's generation ends when every agent returned or is held on a call whose
+            # budget is spent (never on a clock); the held calls are refused, those agents end, their trajectories
+            # are carried (their transcripts), and everything they send until they return is refused
+            if partial and not released and all(rec.returned or rec.held for rec in records.values()):
+                released = True
+                for rec in records.values():
+                    if rec.held is not None:
+                        rec.cut = True
+                        rec.held.future.set_result(error(400, CUT))
         outcomes = {}
         for (j, _, _), group in zip(jobs, groups):
             kind, value = results.get(j, ("raised", "no answer from the worker"))
             for t, res in zip(group, value if kind == "ok" else [(kind, value)] * len(group)):
                 outcomes[t] = res
         return outcomes
+
+    @staticmethod
+    def _round(waiting: list[Pending], records: dict[str, Record], order: dict[str, int]) -> list[Pending]:
+        """rollout.partial: the requests to serve now, taken from `waiting`: all of them, in the trajectories' order,
+        once every agent that is still running waits on one (or none yet). So a batch is the same set on every run
+        (each agent's k-th call, as far as they got), and the engine's log-probs, which the loss uses for tokens
+        of older policies, do not depend on how requests happened to arrive."""
+        asked = {p.token for p in waiting}
+        if any(not (rec.returned or rec.held or rec.cut or token in asked) for token, rec in records.items()):
+            return []
+        batch = sorted(waiting, key=lambda p: order.get(p.token, -1))
+        waiting.clear()
+        return batch
 
     def _take(self, runner: threading.Thread) -> list[Pending]:
         try:
@@ -159,6 +195,9 @@ class Agents:
                 continue
             if rec is None or rec.returned:  # queued before the endpoint knew (the agent returned since)
                 p.future.set_result(GONE)
+                continue
+            if rec.cut:
+                p.future.set_result(error(400, CUT))
                 continue
             if rec.failure is not None:
                 p.future.set_result(error(400, rec.failure))
@@ -193,23 +232,35 @@ class Agents:
                 answer = self._answer(p, rec, [], False, len(ids), history)
                 p.future.set_result(self._stream(p, answer))
                 continue
-            todo.append((p, rec, ids, conv, tools, root, budget, history))
+            call = None
+            if rec.transcript is not None:  # rollout.partial: the call replayed, continued or new
+                try:
+                    if rec.held is not None or any(t[1] is rec for t in todo):
+                        raise BadRequest(ONE_AT_A_TIME)
+                    call = rec.transcript.call(ids, budget)
+                except (BadRequest, ValueError) as e:
+                    rec.failure, rec.diverged = str(e), (str(e) if isinstance(e, ValueError) else None)
+                    p.future.set_result(error(400, rec.failure))
+                    continue
+            todo.append((p, rec, ids, conv, tools, root, budget, history, call))
         if not todo:
             return
-        if self.cfg.train.reproducibility == "bitwise":  # each request alone: its logits then do not depend on
-            got = [engine.generate([t[2]], [t[1].call_key(t[2])], replace(params, max_new_tokens=t[6]), step=step,
-                                   sample_ranges=[(t[1].sample, 1)])[0] for t in todo]  # which ones came together
+        if todo[0][8] is not None:
+            replies = self._continue(todo, engine, params)
         else:
-            call = replace(params, max_new_tokens=max(t[6] for t in todo))
-            got = engine.generate([t[2] for t in todo], [t[1].call_key(t[2]) for t in todo], call, step=step,
-                                  sample_ranges=[(t[1].sample, 1) for t in todo])
-        for (p, rec, ids, conv, tools, root, budget, history), (c,) in zip(todo, got):
-            sampled, lps = c.token_ids[:budget], c.logprobs[:budget]
+            got = self._generate(engine, params, [(t[2], t[1].call_key(t[2]), t[1].sample, t[6], None, step)
+                                                  for t in todo])
+            replies = [(c.token_ids[:t[6]], c.logprobs[:t[6]], []) for t, c in zip(todo, got)]
+        for (p, rec, ids, conv, tools, root, budget, history, _), reply in zip(todo, replies):
+            if reply is None:  # rollout.partial: cut by the step's budget, held open (evenrl.agents.replay)
+                rec.held = p
+                continue
+            sampled, lps, versions = reply
             eos = bool(sampled) and sampled[-1] in self.prompts.eos_ids
             answer = self._answer(p, rec, sampled, eos, len(ids), history)
             text = self.prompts.reply_text(sampled)
             content, calls = reply_message(text) if p.kind != "completion" else (None, [])
-            rec.calls.append(Call(ids, sampled, lps, eos, len(calls)))
+            rec.calls.append(Call(ids, sampled, lps, eos, len(calls), versions))
             rec.sampled += len(sampled)
             if p.kind != "completion":  # a Responses call is a chat call: either kind continues the other
                 reply = {"role": "assistant", "content": content or ""}
@@ -223,6 +274,35 @@ class Agents:
             rec.turns.append(Turn("completion" if p.kind == "completion" else "chat", conv, tools, ids, sampled,
                                   eos, root))
             p.future.set_result(self._stream(p, answer))
+
+    def _generate(self, engine: Engine, params: SamplingParams, asks: list[tuple]) -> list:
+        """One sample per ask (prompt ids, key, sample, most tokens, first token or None, step): in one engine call,
+        or under train.reproducibility=bitwise each alone (its logits then do not depend on which came together)."""
+        out = []
+        for g in [[a] for a in asks] if self.cfg.train.reproducibility == "bitwise" else [asks]:
+            more = {} if g[0][4] is None else {"first_token": [a[4] for a in g], "max_tokens": [a[3] for a in g]}
+            got = engine.generate([a[0] for a in g], [a[1] for a in g],
+                                  replace(params, max_new_tokens=max(a[3] for a in g)),
+                                  step=g[0][5] if g[0][4] is None else [a[5] for a in g],
+                                  sample_ranges=[(a[2], 1) for a in g], **more)
+            out += [c for (c,) in got]
+        return out
+
+    def _continue(self, todo: list[tuple], engine: Engine, params: SamplingParams) -> list:
+        """rollout.partial: each call's (ids, log-probs, versions), replayed from its transcript or sampled on
+        within the step's budget from the token where it stopped (its stream keyed by the trajectory's birth step),
+        or None where the budget ran out before it completed (evenrl.agents.replay)."""
+        asks, calls = [], []
+        for p, rec, ids, *_, call in todo:
+            key = rec.call_key(ids)  # every call's, replayed or not: repeated prompts count the same each step
+            n = rec.transcript.grant(call)
+            if n > 0:
+                asks.append((ids + call.ids, key, rec.sample, n, len(call.ids), rec.transcript.birth))
+                calls.append((rec, call, n))
+        for (rec, call, n), c in zip(calls, self._generate(engine, params, asks)):
+            ids = c.token_ids[:n]
+            rec.transcript.add(call, ids, c.logprobs[:n], bool(ids) and ids[-1] in self.prompts.eos_ids, n)
+        return [(call.ids, call.logprobs, call.versions) if call.complete else None for *_, call in todo]
 
     def _answer(self, p: Pending, rec: Record, sampled: list[int], eos: bool, prompt_len: int,
                 history: list[dict] | None = None) -> Answer:
@@ -253,7 +333,6 @@ class Agents:
     def _trajectory(self, prompt: list[int], rec: Record, outcome: tuple[str, object]) -> Trajectory:
         kind, value = outcome
         segments = assemble(rec.calls)
-        t = Trajectory(rec.position, rec.sample, [], [], False)
         if rec.failure is None and kind != "ok":
             rec.failure = f"{kind}: {value}"
         if rec.failure is None and not segments:
@@ -261,22 +340,30 @@ class Agents:
         if rec.failure is None and len(segments) > 1 and self.cfg.rollout.agent_history == "refuse":
             rec.failure = (f"{len(segments) - 1} calls did not extend the conversation of an earlier call "
                            "(rollout.agent_history=refuse)")
-        if not segments:  # nothing sampled: one untrained token so the row exists
-            eos = min(self.prompts.eos_ids, default=0)
-            t.token_ids, t.logprobs, t.loss_mask, t.prompt_ids = [eos], [0.0], [False], list(prompt)
-        parts = [t] + [Trajectory(rec.position, rec.sample, [], [], False) for _ in segments[1:]]
-        for part, seg in zip(parts, segments):
-            part.prompt_ids, part.token_ids, part.logprobs = seg.prompt_ids, seg.token_ids, seg.logprobs
-            part.loss_mask, part.turns, part.tool_calls = seg.loss_mask, seg.calls, seg.tool_calls
-            part.finished = seg.finished and not rec.truncated
-        for k, part in enumerate(parts):
-            part.segment, part.history_breaks = k, (len(parts) - 1 if k == 0 else 0)
-            part.failed, part.error = rec.failure is not None, rec.failure
+        t = self._parts(rec.position, rec.sample, prompt, segments, rec.failure, rec.truncated)
+        for part in (t, *t.splits):
             part.reward = value if kind == "ok" and isinstance(value, float) and rec.failure is None else 0.0
-        t.splits = parts[1:]
         if rec.failure is not None:
             print(f"evenrl: rollout.agent: trajectory (prompt {rec.position}, sample {rec.sample}) failed: "
                   f"{rec.failure}", flush=True)
+        return t
+
+    def _parts(self, position: int, sample: int, prompt: list[int], segments: list[Segment], failure: str | None,
+               truncated: bool) -> Trajectory:
+        """A trajectory's samples as rows: the first, its splits in `splits` (no reward yet)."""
+        t = Trajectory(position, sample, [], [], False)
+        if not segments:  # nothing sampled: one untrained token so the row exists
+            t.token_ids, t.logprobs, t.loss_mask, t.prompt_ids = [min(self._eos_ids(), default=0)], [0.0], [False], \
+                list(prompt)
+        parts = [t] + [Trajectory(position, sample, [], [], False) for _ in segments[1:]]
+        for part, seg in zip(parts, segments):
+            part.prompt_ids, part.token_ids, part.logprobs = seg.prompt_ids, seg.token_ids, seg.logprobs
+            part.loss_mask, part.turns, part.tool_calls = seg.loss_mask, seg.calls, seg.tool_calls
+            part.finished = seg.finished and not truncated
+        for k, part in enumerate(parts):
+            part.segment, part.history_breaks = k, (len(parts) - 1 if k == 0 else 0)
+            part.failed, part.error = failure is not None, failure
+        t.splits = parts[1:]
         return t
 
     def _score(self, unscored: list[tuple[Trajectory, Record]]) -> None:
@@ -298,3 +385,59 @@ class Agents:
     def _eos_ids(self) -> set[int]:
         return {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
 
+
+    # ------------------------------------------------------------------ partial rollouts (evenrl.agents.replay)
+
+    def advance(self, engine: Engine, prompts, records: list, ages: list[int], rules: CarryRules,
+                params: SamplingParams, version: int) -> list[bool]:
+        """One step of rollout.partial for these trajectories (evenrl.train.carry.Carried: talk None for a new one)
+        under policy `version`, each at its age: every agent started on its row, its recorded calls answered from
+        the transcript, the cut one sampled on, new ones sampled within the step's budget. Their tokens,
+        log-probs, versions and talk (the transcript; once complete, its outcome) are set in place. Returns per
+        record whether it is complete (its agent returned)."""
+        if self.server is None:
+            self.server = AgentServer(MODEL_NAME)
+        self.prompts = Prompts(self.tokenizer, tokenizer_render(self.tokenizer), self._eos_ids())
+        by: dict[str, Record] = {}
+        for c, age in zip(records, ages):
+            rec = by[secrets.token_hex(16)] = Record(c.position, c.sample, prompts.rows[c.row_id])
+            calls = [] if c.talk is None else from_talk(c.talk, c.tokens.tolist(), c.logprobs.tolist(),
+                                                        c.versions.tolist())
+            rec.transcript = Transcript(calls, step_budget(rules, age), c.birth, version)
+        self.server.live.update(by)
+        try:
+            outcomes = self._run(by, engine, params, None)
+        finally:
+            self.server.live.difference_update(by)
+        done, unscored = [], []
+        for c, (token, rec) in zip(records, by.items()):
+            problem = rec.diverged or (rec.held is None and outcomes[token][0] == "ok"
+                                       and rec.transcript.returned_early())
+            if problem:
+                raise RunStopped(f"rollout.agent {self.cfg.rollout.agent}: the trajectory of step {c.birth}, prompt "
+                                 f"{c.position}, sample {c.sample}: {problem}")
+            c.talk, ids, lps, versions = to_talk(rec.transcript.calls)
+            c.tokens, c.logprobs = torch.tensor(ids, dtype=torch.int32), torch.tensor(lps, dtype=torch.float32)
+            c.versions, c.ended = torch.tensor(versions, dtype=torch.int32), bool(rec.calls) and rec.calls[-1].finished
+            if rec.held is None:  # its agent returned: complete, scored as an uncut trajectory is
+                t = self._trajectory(prompts.tokens[c.row_id], rec, outcomes[token])
+                done.append((c, t, rec))
+                if outcomes[token] == ("ok", None) and rec.failure is None:
+                    unscored.append((t, rec))
+        self._score(unscored)
+        for c, t, rec in done:
+            c.talk.update(complete=True, reward=t.reward, failed=t.failed, error=t.error, failure=rec.failure,
+                          truncated=rec.truncated, tool_calls=[x.tool_calls for x in rec.calls])
+        return [c.talk["complete"] for c in records]
+
+    def carried_rows(self, c, prompt: list[int]) -> tuple[list[Trajectory], list[list[int]]]:
+        """A complete carried trajectory (advance's) as the rows an uncut rollout makes of it, with each row's
+        token versions."""
+        talk = c.talk
+        calls = [Call(x.prompt, x.ids, x.logprobs, x.eos, n, x.versions) for x, n in
+                 zip(from_talk(talk, c.tokens.tolist(), c.logprobs.tolist(), c.versions.tolist()), talk["tool_calls"])]
+        segments = assemble(calls)
+        t = self._parts(c.position, c.sample, prompt, segments, talk["failure"], talk["truncated"])
+        for part in (t, *t.splits):
+            part.reward, part.failed, part.error = talk["reward"], talk["failed"], talk["error"]
+        return [t, *t.splits], [s.versions for s in segments] or [[0]]

@@ -159,7 +159,8 @@ class RolloutConfig(Section):
                            "version that sampled it and its log-prob (algo.importance_correction corrects per token). "
                            "What continues, and under which version, follows from step numbers and the budget, never "
                            "timing: the same run on any layout and after a resume. With env, a trajectory spends the "
-                           "budget across its turns and its turn loop's state is carried. Not with agent or images.")
+                           "budget across its turns and its turn loop's state is carried; with agent, across its "
+                           "calls, its transcript carried and replayed (docs/agents.md). Not with images.")
     tokens_per_round: int = Field(
         0, ge=0, le=MAX_TOKENS, description="partial: most new tokens an in-flight sample gets per step (a count, not "
                                             "a time as slime's and verl's; with env, sampled tokens across a "

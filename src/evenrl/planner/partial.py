@@ -113,10 +113,6 @@ def rule_partial(p: Plan) -> list[Finding]:
     if not r.partial:
         return []
     out, off = [], "rollout.partial=false"
-    if r.agent:
-        out.append(Finding("error", "partial-multi-turn", f"rollout.partial with rollout.agent={r.agent}: an agent "
-                           "is a running program, which no checkpoint can hold, and pausing it at a weight change "
-                           "would cut it where timing left it", off))
     if p.dims and p.dims.vision:
         out.append(Finding("error", "partial-vision", f"rollout.partial with the vision-language model "
                            f"{c.model.path}: continuing a sample would prefill its images again with the tokens so "

@@ -18,7 +18,9 @@ of each step. A checkpoint holds every in-flight and waiting sample with its tok
 trainer 0; with reserved rollout ranks trainer 0 keeps a copy of theirs, sent with every step's samples), so a
 resumed run continues them exactly.
 With rollout.env a sample is a trajectory: its step runs its turns within the budget (evenrl.train.carry_turns) and
-its turn loop's state (`talk`) travels and is checkpointed with its tokens.
+its turn loop's state (`talk`) travels and is checkpointed with its tokens. With rollout.agent a sample is an agent's
+trajectory: its step runs the agent with its calls replayed (evenrl.agents.replay), `talk` holds its transcript
+and the tokens its calls' sampled ids; once done it becomes the rows of its samples (`to_batch`).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from evenrl.agents.rollout import Agents
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.carry import CarryRules, carry_rules, oldest_token_age, outcome, round_tokens, step_budget
 from evenrl.core.offpolicy import tokens_by_age, version_runs
 from evenrl.core.schedule import rollout_shares
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
-from evenrl.engines.base import sampling_params
+from evenrl.engines.base import Trajectory, sampling_params
 from evenrl.errors import RunStopped
 from evenrl.train.carry_turns import advance_turns, decode, encode, opening, trajectory
 from evenrl.train.trajectories import trajectory_columns
@@ -68,7 +71,7 @@ class Carried:
 
     def sampled_versions(self) -> list[int]:
         """The versions of the tokens the policy sampled (a trajectory's environment tokens left out)."""
-        if self.talk is None:
+        if self.talk is None or "mask" not in self.talk:  # a single-turn sample, or an agent's calls' tokens
             return self.versions.tolist()
         return [v for v, m in zip(self.versions.tolist(), self.talk["mask"]) if m == "1"]
 
@@ -144,6 +147,11 @@ class Carry:
         new = [Carried(step, p, s, prompt_ids[p], gen, homes[(p, s)]) for p, a, c in share for s in range(a, a + c)]
         live = sorted(self.live, key=lambda r: r.key)
         ages = [step - r.birth for r in live]
+        if isinstance(self.turns, Agents):  # the agents run, their transcripts replayed (evenrl.agents.replay)
+            self.waited += sum(1 for a in ages if step_budget(rules, a) is None)  # generated to their end
+            complete = self.turns.advance(engine, prompts, new + live, [0] * len(new) + ages, rules,
+                                          sampling_params(self.cfg), version)
+            return self._sort(new, live, ages, complete)
         if self.turns is not None:
             for r in new:
                 r.talk = opening(self.turns, prompts.openings[r.row_id])
@@ -296,24 +304,34 @@ def to_batch(trainer, rows: list[Carried], complete: list[tuple[int, int]]) -> B
     """The rows of complete groups as the step's Batch: groups numbered 0.. in (step drawn, position) order on every
     rank, sample_index = group x samples_per_prompt + sample."""
     n, number = trainer.cfg.rollout.samples_per_prompt, {g: i for i, g in enumerate(complete)}
-    rows = sorted(rows, key=lambda r: r.key)
-    group = torch.tensor([number[r.group] for r in rows], dtype=torch.long)
-    columns = trajectory_columns([trajectory(r) for r in rows]) if trainer.turns is not None else {}
+    agents = isinstance(trainer.turns, Agents)
+    stride = trainer.cfg.rollout.agent_max_calls if agents else 1  # an agent's trajectory: rows of its samples
+    parts = []  # (carried sample, prompt ids, its row as a Trajectory, the row's token versions)
+    for r in sorted(rows, key=lambda r: r.key):
+        if agents:
+            ts, vs = trainer.turns.carried_rows(r, trainer.prompts.tokens[r.row_id])
+            parts += [(r, t.prompt_ids, t, torch.tensor(v, dtype=torch.int32)) for t, v in zip(ts, vs)]
+        else:
+            t = trajectory(r) if trainer.turns is not None else Trajectory(r.position, r.sample, r.tokens.tolist(),
+                                                                          r.logprobs.tolist(), r.ended)
+            parts.append((r, trainer.prompts.tokens[r.row_id], t, r.versions))
+    group = torch.tensor([number[r.group] for r, *_ in parts], dtype=torch.long)
     return Batch({
-        "sample_index": group * n + torch.tensor([r.sample for r in rows], dtype=torch.long),
-        "tokens": Ragged.of([torch.cat([torch.tensor(trainer.prompts.tokens[r.row_id]), r.tokens.long()])
-                             for r in rows], torch.long),
-        "response_len": torch.tensor([len(r.tokens) for r in rows], dtype=torch.long),
+        "sample_index": (group * n + torch.tensor([r.sample for r, *_ in parts], dtype=torch.long)) * stride
+                        + torch.tensor([t.segment for _, _, t, _ in parts], dtype=torch.long),
+        "tokens": Ragged.of([torch.tensor(p + t.token_ids) for _, p, t, _ in parts], torch.long),
+        "response_len": torch.tensor([len(t.token_ids) for _, _, t, _ in parts], dtype=torch.long),
         "group": group,
-        "finished": torch.tensor([r.ended for r in rows], dtype=torch.bool),
-        "engine_logp": Ragged.of([r.logprobs for r in rows], torch.float32),
-        "version": torch.tensor([int(r.versions[0]) for r in rows], dtype=torch.long),
-        "token_version": Ragged.of([r.versions for r in rows], torch.long),
-        "row_id": [r.row_id for r in rows],
+        "finished": torch.tensor([t.finished for _, _, t, _ in parts], dtype=torch.bool),
+        "engine_logp": Ragged.of([torch.tensor(t.logprobs, dtype=torch.float32) for _, _, t, _ in parts],
+                                 torch.float32),
+        "version": torch.tensor([int(v[0]) for *_, v in parts], dtype=torch.long),
+        "token_version": Ragged.of([v for *_, v in parts], torch.long),
+        "row_id": [r.row_id for r, *_ in parts],
         # a trajectory's text keeps its turn markers, as in an uncut rollout
-        "completion": [trainer.tokenizer.decode(r.tokens.tolist(), skip_special_tokens=trainer.turns is None)
-                       for r in rows],
-        **columns,
+        "completion": [trainer.tokenizer.decode(t.token_ids, skip_special_tokens=trainer.turns is None)
+                       for _, _, t, _ in parts],
+        **(trajectory_columns([t for _, _, t, _ in parts]) if trainer.turns is not None else {}),
     })
 
 

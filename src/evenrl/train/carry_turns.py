@@ -40,15 +40,17 @@ def encode(talk: dict | None) -> bytes:
     """A talk as UTF-8 JSON (the environment's pickled state in base64): what pack stores as uint8."""
     if talk is None:
         return b""
-    state = talk["state"]
-    return json.dumps({**talk, "state": None if state is None else base64.b64encode(state).decode()}).encode()
+    if talk.get("state") is None:  # no pickle (an agent's transcript has none): JSON as it is
+        return json.dumps(talk).encode()
+    return json.dumps({**talk, "state": base64.b64encode(talk["state"]).decode()}).encode()
 
 
 def decode(raw: bytes) -> dict | None:
     if not raw:
         return None
     talk = json.loads(raw.decode())
-    talk["state"] = None if talk["state"] is None else base64.b64decode(talk["state"])
+    if talk.get("state") is not None:
+        talk["state"] = base64.b64decode(talk["state"])
     return talk
 
 

@@ -11,7 +11,9 @@ import hashlib
 import pytest
 import torch
 
-from evenrl.agents.replay import Transcript, from_talk, to_talk
+from evenrl.agents.prompts import Record
+from evenrl.agents.replay import Transcript, from_talk, next_round, to_talk
+from evenrl.agents.server import Pending
 from evenrl.train.carry import Carried, pack, unpack
 
 MOST = 5  # each call's token budget
@@ -88,3 +90,17 @@ def test_an_agents_transcript_travels_packed():
     assert back.talk == talk and back.sampled_versions() == versions == [3] * 7
     again = from_talk(back.talk, back.tokens.tolist(), back.logprobs.tolist(), back.versions.tolist())
     assert again == calls
+
+
+def test_requests_are_served_in_rounds_of_every_running_agents_next_call():
+    """The endpoint's batches with rollout.partial (replay.next_round): nothing until every agent that has not
+    returned waits on a call or is held, then all of them in the trajectories' order, whatever order they came in;
+    `late` (no request for ROUND_WAIT_S, or the agents are done) serves what is there."""
+    records = {t: Record(0, k, {}) for k, t in enumerate("abcd")}
+    records["b"].returned, records["c"].held = True, object()
+    waiting = [Pending("d", "chat", {}, None)]
+    assert next_round(waiting, records, {t: k for k, t in enumerate(records)}, False) == [] and len(waiting) == 1
+    assert [p.token for p in next_round(list(waiting), records, {t: k for k, t in enumerate(records)}, True)] == ["d"]
+    waiting.append(Pending("a", "chat", {}, None))
+    assert [p.token for p in next_round(waiting, records, {t: k for k, t in enumerate(records)}, False)] == ["a", "d"]
+    assert waiting == []

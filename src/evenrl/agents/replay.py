@@ -21,6 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Requests are served in rounds (next_round); a round goes ahead anyway once no request has come (nor an answer
+# gone out) for this long: longer than an agent's own work between calls, as a rule; short enough that a hung agent
+# costs the others seconds a call, not their time limit
+ROUND_WAIT_S = 5.0
+
 
 @dataclass
 class Recorded:
@@ -97,3 +102,19 @@ def from_talk(talk: dict, ids: list[int], logprobs: list[float], versions: list[
                             complete))
         at += n
     return out
+
+
+def next_round(waiting: list, records: dict, order: dict[str, int], late: bool) -> list:
+    """The requests (evenrl.agents.server.Pending) to serve now, taken from `waiting`: all of them, in the
+    trajectories' order, once every agent (records: token -> evenrl.agents.prompts.Record) that has not returned
+    waits on one or is held. So a batch is the same set on every run (each agent's next call), and the engine's
+    log-probs, which the loss uses for tokens of older policies, do not depend on how requests happened to arrive.
+    `late`: nothing arrived for ROUND_WAIT_S (an agent busy in a tool, hung, or gone with its worker) or the agents
+    are done: served as they are, so that a slow agent does not hold the others to their time limit; the tokens stay
+    keyed, only the batching (fp32 rounding of the log-probs) then follows arrival."""
+    asked = {p.token for p in waiting}
+    if not late and any(not (rec.returned or rec.held or rec.cut or token in asked) for token, rec in records.items()):
+        return []
+    batch = sorted(waiting, key=lambda p: order.get(p.token, -1))
+    waiting.clear()
+    return batch

@@ -18,6 +18,7 @@ import json
 import queue
 import secrets
 import threading
+import time
 from dataclasses import replace
 
 import torch
@@ -28,7 +29,7 @@ from evenrl.agents.openai_api import (BadRequest, chat_body, chat_chunks, comple
                                       finish_reason, reply_message, sse)
 from evenrl.agents.openai_responses import chat_request, reply_chat_message, response_body, response_events, sse_events
 from evenrl.agents.prompts import Prompts, Record, Turn
-from evenrl.agents.replay import Transcript, from_talk, to_talk
+from evenrl.agents.replay import ROUND_WAIT_S, Transcript, from_talk, next_round, to_talk
 from evenrl.agents.server import GONE, AgentServer, Answer, Pending, error
 from evenrl.config import RunConfig
 from evenrl.core.carry import CarryRules, step_budget
@@ -134,14 +135,17 @@ class Agents:
         runner = threading.Thread(target=work, name="evenrl-agents", daemon=True)
         runner.start()
         partial, released, waiting = any(rec.transcript is not None for rec in records.values()), False, []
-        order = {token: i for i, token in enumerate(records)}
-        while runner.is_alive() or not self.server.requests.empty():
+        order, heard = {token: i for i, token in enumerate(records)}, time.monotonic()
+        while runner.is_alive() or not self.server.requests.empty() or waiting:
             batch = self._take(runner)
-            if partial:  # in rounds: served once every running agent waits on a call (see _round)
+            if partial:  # in rounds: served once every running agent waits on a call (evenrl.agents.replay)
+                heard = time.monotonic() if batch else heard
                 waiting += batch
-                batch = self._round(waiting, records, order)
+                batch = next_round(waiting, records, order, late=time.monotonic() - heard > ROUND_WAIT_S
+                                   or not runner.is_alive())
             if batch:
                 self._serve(batch, records, engine, params, step)
+                heard = time.monotonic()  # a round's wait counts from its answers
             # rollout.partial: the step's generation ends when every agent returned or is held on a call whose
             # budget is spent (never on a clock); the held calls are refused, those agents end, their trajectories
             # are carried (their transcripts), and everything they send until they return is refused
@@ -157,19 +161,6 @@ class Agents:
             for t, res in zip(group, value if kind == "ok" else [(kind, value)] * len(group)):
                 outcomes[t] = res
         return outcomes
-
-    @staticmethod
-    def _round(waiting: list[Pending], records: dict[str, Record], order: dict[str, int]) -> list[Pending]:
-        """rollout.partial: the requests to serve now, taken from `waiting`: all of them, in the trajectories' order,
-        once every agent that is still running waits on one (or none yet). So a batch is the same set on every run
-        (each agent's k-th call, as far as they got), and the engine's log-probs, which the loss uses for tokens
-        of older policies, do not depend on how requests happened to arrive."""
-        asked = {p.token for p in waiting}
-        if any(not (rec.returned or rec.held or rec.cut or token in asked) for token, rec in records.items()):
-            return []
-        batch = sorted(waiting, key=lambda p: order.get(p.token, -1))
-        waiting.clear()
-        return batch
 
     def _take(self, runner: threading.Thread) -> list[Pending]:
         try:

@@ -5,6 +5,7 @@ they share is reported once, a finished run resumed says so."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -97,13 +98,24 @@ def test_the_launcher_refuses_bad_input_before_starting_workers(assets, tmp_path
     assert not (tmp_path / "r").exists()
 
 
-def test_a_failure_every_rank_shares_is_reported_once(capsys):
+def test_a_failure_every_rank_shares_is_reported_once(capsys, tmp_path):
+    def failed(rank, exitcode, message, error_file="<N/A>"):
+        return SimpleNamespace(exitcode=exitcode, message=message, error_file=error_file, local_rank=rank)
+
     same = "evenrl train: error: x.yaml: bad"
-    failures = {0: SimpleNamespace(exitcode=2, message=same), 1: SimpleNamespace(exitcode=-15, message=same)}
+    failures = {0: failed(0, 2, same), 1: failed(1, -15, same)}
     assert launch._report_failures("train", failures) == 2
     assert capsys.readouterr().err.splitlines() == [same]
-    failures = {0: SimpleNamespace(exitcode=3, message="evenrl train: stopped: step 1: peer"),
-                1: SimpleNamespace(exitcode=1, message="<N/A>")}
+    failures = {0: failed(0, 3, "evenrl train: stopped: step 1: peer"), 1: failed(1, 1, "<N/A>")}
     assert launch._report_failures("train", failures) == 1
     assert capsys.readouterr().err.splitlines() == ["evenrl train: rank 0 failed: evenrl train: stopped: step 1: peer",
                                                     "evenrl train: rank 1 failed: exit code 1; its output is above"]
+    # torch's agent names the first failed worker it saw (rank 1, killed); rank 0's own line is in its error file
+    # beside rank 1's, in the agent's directory for the attempt, and is reported too
+    for r in (0, 1):
+        (tmp_path / "attempt_0" / str(r)).mkdir(parents=True)
+    (tmp_path / "attempt_0" / "0" / "error.json").write_text(json.dumps({"message": "evenrl train: stopped: peer"}))
+    failures = {1: failed(1, -9, "Signal 9 (SIGKILL)", str(tmp_path / "attempt_0" / "1" / "error.json"))}
+    assert launch._report_failures("train", failures) == 1
+    assert capsys.readouterr().err.splitlines() == ["evenrl train: rank 1 failed: exit code -9 (Signal 9 (SIGKILL))",
+                                                    "evenrl train: rank 0 failed: evenrl train: stopped: peer"]

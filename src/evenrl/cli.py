@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     try:
         if COMMANDS[name][0] == "evenrl.train.launch":
-            return int(module.main([name, *rest]) or 0)
+            return int(module.main([name, *rest], worker) or 0)
         return int(module.main(rest) or 0)
     except UsageError as e:
         return _fail(f"evenrl {name}: error: {e}", 2)
@@ -118,14 +118,7 @@ def run() -> None:
     after the atexit handlers (an engine's own process that a finalizer would stop), the normal exit. main() is
     what tests call in-process; this is for the program alone."""
     code = main()
-    import atexit
-    import threading
-
-    # what the interpreter's exit does first: threading's own exit hooks (a ThreadPoolExecutor's, which tell its
-    # workers to stop: joining those workers without them waits forever, as a colocated vLLM engine's did), then every
-    # non-daemon thread joined; it runs once (the normal exit below skips it)
-    threading._shutdown()
-    atexit._run_exitfuncs()  # and cleared: the normal exit below does not run them twice
+    _exit_hooks()
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)  # reaps a child that has exited; 0: one is still running
@@ -136,6 +129,38 @@ def run() -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+def worker(argv: list[str]) -> None:
+    """One worker of evenrl's launcher, in a process that torch's elastic agent forked from the launcher's fork
+    server (evenrl.train.launch): main(argv) in a session of its own, as the agent's binary workers are (a terminal's
+    Ctrl-C reaches the launcher, which passes it on), ended as run() ends the program. The agent reads a worker's
+    success from its return and its failure from the exit code raised here and the error file _fail wrote; the
+    process then exits without finalization (multiprocessing's)."""
+    os.setsid()
+    code = main(argv)
+    _exit_hooks()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    if code == 3:
+        # stopped, often because a peer died or hung: the agent reports the first failed worker it sees (it looks
+        # every 0.1 s), and the peer that failed first is the one to name; this rank's line is read from its error
+        # file (evenrl.train.launch._report_failures)
+        time.sleep(0.5)
+    if code:
+        raise SystemExit(code)
+
+
+def _exit_hooks() -> None:
+    """What the interpreter's exit does before finalization: threading's own exit hooks (a ThreadPoolExecutor's,
+    which tell its workers to stop: joining those workers without them waits forever, as a colocated vLLM engine's
+    did), every non-daemon thread joined, then the atexit handlers; each runs once (a normal exit after it skips
+    them)."""
+    import atexit
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
 
 
 if __name__ == "__main__":

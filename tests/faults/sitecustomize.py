@@ -42,10 +42,21 @@ def _signal_at(spec):
             if step == int(n) and os.environ.get("RANK", "0") == "0":
                 import signal
 
-                os.kill(os.getpid() if who == "self" else os.getppid(), getattr(signal, f"SIG{sig}"))
+                os.kill(os.getpid() if who == "self" else _launcher(), getattr(signal, f"SIG{sig}"))
             return rl_step(step, *args, **kwargs)
         return rl_step_signalled
     return wrap
+
+
+def _launcher():
+    """The launcher's process: this worker's parent, or its grandparent where the parent is the launcher's fork
+    server (multiprocessing's, evenrl.train.launch)."""
+    pid = os.getppid()
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if b"multiprocessing.forkserver" in f.read():
+            with open(f"/proc/{pid}/stat") as g:
+                pid = int(g.read().rsplit(")", 1)[1].split()[1])
+    return pid
 
 
 def _stall_at(n):

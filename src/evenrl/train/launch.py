@@ -1,12 +1,14 @@
 """Start `evenrl train` / `evenrl sft` on one process, N local processes, or many nodes.
 
     evenrl train CONFIG [overrides]                          # one process
-    evenrl train CONFIG --nproc-per-node 3                   # 3 local processes via torch.distributed.run
+    evenrl train CONFIG --nproc-per-node 3                   # 3 local processes via torch's elastic agent
     evenrl train CONFIG --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr HOST --master-port 29500
     torchrun --nproc-per-node 3 -m evenrl.cli train CONFIG   # started by torchrun: runs as a worker
     srun -N2 --ntasks-per-node 8 evenrl train CONFIG         # started by Slurm: runs as a worker (MASTER_ADDR needed)
 
-The flags mean what torchrun's do. A process that already has a rank (torchrun, srun) is a worker and
+The flags mean what torchrun's do. The agent forks each worker from a server process that imported torch,
+transformers and the training code once (multiprocessing's fork server, started before any device is touched):
+a worker started as a new Python spends ~5 s of a core importing them. A process that already has a rank (torchrun, srun) is a worker and
 never launches again. Restarts use torch's elastic agent (`--max-restarts`); with gloo they fail on the
 shared rendezvous store's stale keys unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712), so the
 launcher sets it. A restarted worker resumes from the latest checkpoint, so --max-restarts needs periodic
@@ -16,19 +18,22 @@ The launcher speaks for its workers: it checks the config, the run directory and
 any (bad input: one line, exit 2, as on one process); when workers fail it prints each failed rank's own one-line
 error, once for a failure they share, and hides torch's launcher banners. Ctrl-C or SIGTERM reaches the workers
 through torch's agent: they finish the step, save, and rank 0 prints how to resume (evenrl.train.stopping); the
-launcher exits 130 / 143 with them. A worker under torchrun is sent SIGTERM when its launcher dies (Linux: the
-parent-death signal), so killing `evenrl train` never leaves workers running unsupervised: they stop after the
+launcher exits 130 / 143 with them. A worker is sent SIGTERM when its parent dies (Linux: the parent-death
+signal; its parent, the fork server, exits when the launcher does), so killing `evenrl train` never leaves workers running unsupervised: they stop after the
 step in progress, or at once on a second signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shlex
 import sys
+import uuid
 from pathlib import Path
+from typing import Callable
 
 from evenrl.distributed.env import read_env
 from evenrl.errors import ArgumentParser, UsageError
@@ -61,7 +66,10 @@ def _is_worker() -> bool:
     return e.launched and (e.source == "torchrun" or e.world > 1)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], worker: Callable[[list[str]], None]) -> int:
+    """`evenrl train|sft ARGS` (argv[0] is the command); `worker(argv)` runs it in each process the launcher starts
+    (evenrl.cli.worker: the CLI's own error lines and exit codes, handed down so that this layer need not import the
+    CLI above it)."""
     cmd, rest = argv[0], argv[1:]
     args = _parser(cmd).parse_intermixed_args(rest)  # flags may come between overrides
     for name in ("nproc_per_node", "nnodes"):
@@ -84,7 +92,7 @@ def main(argv: list[str]) -> int:
         return run_worker(cmd, args)
     if args.nproc_per_node == 1 and args.nnodes == 1:
         return run_worker(cmd, args)
-    return _launch(cmd, args, argv)
+    return _launch(cmd, args, argv, worker)
 
 
 def _already_finished(args: argparse.Namespace) -> bool:
@@ -120,8 +128,17 @@ def run_worker(cmd: str, args: argparse.Namespace) -> int:
 
 
 def _die_with_parent() -> None:
-    """Linux: this worker gets SIGTERM when its parent (the launcher's elastic agent) dies, even by SIGKILL,
-    instead of training on unsupervised. Elsewhere a no-op."""
+    """Linux: this worker gets SIGTERM when its parent (the launcher's fork server, or torchrun's agent) dies, even
+    by SIGKILL, instead of training on unsupervised. Elsewhere a no-op."""
+    from multiprocessing import forkserver
+
+    # The fork server exits when no process holds the write end of its "alive" pipe, and gives one to each process
+    # it forks (so that they could use it in turn): while this worker held it, a killed launcher would leave the
+    # server, and so this worker, running
+    alive = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -142,7 +159,7 @@ def _restarted() -> bool:
     return e.source == "torchrun" and e.restart_count > 0
 
 
-def _launch(cmd: str, args: argparse.Namespace, argv: list[str]) -> int:
+def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callable[[list[str]], None]) -> int:
     # Validate the config, the run directory and the plan once, before starting N processes that would all fail the
     # same way: the launcher speaks for them (one line, exit 2), in the time `evenrl plan` takes.
     from evenrl.config import load_config
@@ -165,7 +182,8 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str]) -> int:
         checkpoint.read_state(checkpoint.latest(Path(cfg.log.run_dir) / "checkpoints"))
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
 
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # torchrun sets 1 thread per process when nothing is set, with a warning on every launch; the same, silently
@@ -176,7 +194,8 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str]) -> int:
     os.environ["EVENRL_COMMAND"] = shlex.join(["evenrl", *argv])  # the workers' resume hint names this command
     # torch's per-launch and per-failure banners (each module's logger has its own level): ours are below
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher",
+                            "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     torchrun = [
         f"--nproc-per-node={args.nproc_per_node}",
@@ -188,10 +207,22 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str]) -> int:
     else:
         torchrun += [f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint={args.master_addr}:{args.master_port}"]
-    worker = ["-m", "evenrl.cli", cmd, args.config, *args.overrides] + (["--resume"] if args.resume else []) \
+    # torch's agent starts each worker as a process forked from a server that imported the training code once
+    # (multiprocessing's fork server, started fresh and before any device is touched, which CUDA needs): a worker
+    # started as `python -m evenrl.cli` spends ~5 s of a core importing torch and transformers, every one of them
+    targs = parse_args([*torchrun, "--start-method=forkserver", "-m", "evenrl.cli"])
+    if targs.standalone:  # what torchrun's run() does for --standalone
+        targs.rdzv_backend, targs.rdzv_endpoint, targs.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = config_from_args(targs)
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(["evenrl.train.preload"])
+    forkserver.ensure_running()  # it imports while the agent meets its peers (rendezvous)
+    worker_argv = [cmd, args.config, *args.overrides] + (["--resume"] if args.resume else []) \
         + (["--overwrite"] if args.overwrite else [])
     try:
-        run(parse_args(torchrun + worker))
+        elastic_launch(config, entrypoint=worker)(worker_argv)
     except SignalException as e:  # the workers were sent the same signal, stopped and saved; rank 0 said so
         return 128 + int(e.sigval)
     except ChildFailedError as e:
@@ -202,7 +233,9 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str]) -> int:
 def _report_failures(cmd: str, failures: dict) -> int:
     """Each failed rank's own line (the worker writes it to the agent's error file), once for ranks that failed
     the same way, not torch's banner. The exit code is the workers' when those that exited agree (2: bad input, 3:
-    stopped); ranks the agent stopped after the first failure have a negative one."""
+    stopped); ranks the agent stopped after the first failure have a negative one. Torch's agent reports the first
+    failed worker it sees (a forked worker's); the other ranks of this node that wrote their line are read from
+    their error files beside its."""
     lines: dict[str, list[int]] = {}
     codes = set()
     for rank, f in sorted(failures.items()):
@@ -211,6 +244,8 @@ def _report_failures(cmd: str, failures: dict) -> int:
         why = f.message if isinstance(f.message, str) and f.message.startswith("evenrl") else \
             f"exit code {f.exitcode}" + (f" ({f.message})" if f.exitcode < 0 else "; its output is above")
         lines.setdefault(why, []).append(rank)
+    for rank, why in _lines_beside(failures).items():
+        lines.setdefault(why, []).append(rank)
     for why, ranks in lines.items():
         if why.startswith("evenrl") and len(lines) == 1 and codes == {2}:
             print(why, file=sys.stderr)  # bad input, the same on every rank: as one process would have said it
@@ -218,3 +253,25 @@ def _report_failures(cmd: str, failures: dict) -> int:
             print(f"evenrl {cmd}: rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} failed: {why}",
                   file=sys.stderr)
     return codes.pop() if len(codes) == 1 and codes <= {2, 3} else 1
+
+
+def _lines_beside(failures: dict) -> dict[int, str]:
+    """Global rank -> the evenrl line in the error file of each local rank of this node not among `failures` (the
+    agent's directory holds one per local rank: ATTEMPT/LOCAL_RANK/error.json; global ranks are the node's
+    consecutive ones)."""
+    out: dict[int, str] = {}
+    for rank, f in failures.items():
+        if not isinstance(f.error_file, str) or not f.error_file.endswith("error.json"):
+            continue
+        attempt = Path(f.error_file).parent.parent
+        for path in attempt.glob("*/error.json"):
+            if not path.parent.name.isdigit() or path == Path(f.error_file):
+                continue
+            other = rank - f.local_rank + int(path.parent.name)
+            try:
+                message = json.loads(path.read_text()).get("message")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if other not in failures and isinstance(message, str) and message.startswith("evenrl"):
+                out[other] = message
+    return dict(sorted(out.items()))

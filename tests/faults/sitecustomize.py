@@ -92,35 +92,39 @@ def _tracker_fails_at(n):
 
 
 def _rank_spec(name):
-    """(value, for this process) of an R:V variable: V when this process is rank R, else None."""
+    """V when this process is rank R of an R:V variable, else None. Read when the wrapped function is called, not
+    when this module runs: a worker forked from the launcher's fork server learns its rank after that."""
     rank, _, value = os.environ.get(name, "").partition(":")
     return float(value) if rank and int(rank) == int(os.environ.get("RANK", "0")) else None
 
 
-def _reports_memory(gib):
+def _reports_memory(name):
     def wrap(probe_device):
         def smaller(*args, **kwargs):
             import dataclasses
 
-            return dataclasses.replace(probe_device(*args, **kwargs), memory_gib=gib)
+            found, gib = probe_device(*args, **kwargs), _rank_spec(name)
+            return found if gib is None else dataclasses.replace(found, memory_gib=gib)
         return smaller
     return wrap
 
 
-def _slowed(factor):
+def _slowed(name):
     def slow(fn):
         def slower(*args, **kwargs):
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            time.sleep((factor - 1) * (time.perf_counter() - t0))
+            factor = _rank_spec(name)
+            if factor is not None:
+                time.sleep((factor - 1) * (time.perf_counter() - t0))
             return out
         return slower
     return slow
 
 
-def _slow_generation(factor):
+def _slow_generation(name):
     def wrap(engine_class):
-        engine_class.generate = _slowed(factor)(engine_class.generate)
+        engine_class.generate = _slowed(name)(engine_class.generate)
         return engine_class
     return wrap
 
@@ -136,11 +140,11 @@ if os.environ.get("EVENRL_FAULT_ROLLOUT_STALLS_AT_STEP"):
 if os.environ.get("EVENRL_FAULT_TRACKER_FAILS_AT_STEP"):
     _PATCHES["evenrl.train.trackers"] = ("start_tracker",
                                          _tracker_fails_at(int(os.environ["EVENRL_FAULT_TRACKER_FAILS_AT_STEP"])))
-if _rank_spec("EVENRL_FAULT_DEVICE_MEMORY_GIB") is not None:
-    _PATCHES["evenrl.distributed.ops"] = ("probe_device", _reports_memory(_rank_spec("EVENRL_FAULT_DEVICE_MEMORY_GIB")))
-if _rank_spec("EVENRL_FAULT_SLOW_RANK") is not None:
-    _PATCHES["evenrl.models.forward"] = ("response_logits", _slowed(_rank_spec("EVENRL_FAULT_SLOW_RANK")))
-    _PATCHES["evenrl.engines.hf"] = ("HFEngine", _slow_generation(_rank_spec("EVENRL_FAULT_SLOW_RANK")))
+if os.environ.get("EVENRL_FAULT_DEVICE_MEMORY_GIB"):
+    _PATCHES["evenrl.distributed.ops"] = ("probe_device", _reports_memory("EVENRL_FAULT_DEVICE_MEMORY_GIB"))
+if os.environ.get("EVENRL_FAULT_SLOW_RANK"):
+    _PATCHES["evenrl.models.forward"] = ("response_logits", _slowed("EVENRL_FAULT_SLOW_RANK"))
+    _PATCHES["evenrl.engines.hf"] = ("HFEngine", _slow_generation("EVENRL_FAULT_SLOW_RANK"))
 
 
 class _Patcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):

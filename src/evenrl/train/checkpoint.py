@@ -34,8 +34,6 @@ import json
 import os
 import pickle
 import random
-import re
-import secrets
 import shutil
 import time
 import warnings
@@ -50,6 +48,8 @@ from evenrl.engines.versions import fsync_dir
 from evenrl.errors import RunStopped, UsageError
 from evenrl.models.lora import has_adapters, is_adapter
 from evenrl.planner.reproducibility import recorded
+# the step directories' layout (torch-free, for the launcher); latest and read_meta are this module's API too
+from evenrl.train.checkpoint_dirs import EARLIER, STEP_DIR, discard, latest, read_meta, retired  # noqa: F401
 
 
 def _dcp():
@@ -150,7 +150,7 @@ def save(ckpt_root: str | os.PathLike, state: Checkpointed, *, keep: int = 2) ->
         (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), "world": dist.world(),
                                                    "versions": versions, **settings}))
         fsync_dir(tmp)
-        old = _retired(final) if final.exists() else None  # a re-run of the same step (after a resume) replaces it
+        old = retired(final) if final.exists() else None  # a re-run of the same step (after a resume) replaces it
         os.rename(tmp, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -172,73 +172,9 @@ def _single_process_is_meant():
         yield
 
 
-def discard(path: Path) -> None:
-    """Delete a checkpoint directory so that a kill half-way leaves a `.old-*` directory (removed at the next
-    start), never a step directory with some of its files gone."""
-    shutil.rmtree(_retired(path), ignore_errors=True)
-
-
-def _retired(path: Path) -> Path:
-    """`path` renamed (atomically) to a `.old-*` name beside it; the new name."""
-    old = path.with_name(f".old-{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
-    os.rename(path, old)
-    return old
-
-
-def is_complete(path: Path) -> bool:
-    """A step directory holding the files a save writes last before its rename (meta.json, trainer.pt)."""
-    return (path / "meta.json").is_file() and (path / "trainer.pt").is_file()
-
-
 def _run_token() -> str:
     """The same temporary-directory suffix on every rank (rank 0's pid, agreed through the group)."""
     return str(dist.all_gather_object(os.getpid())[0])
-
-
-STEP_DIR = re.compile(r"step-(\d+)")
-_EARLIER = "delete it or resume from an earlier one"
-
-
-def latest(ckpt_root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint, or None. Half-written `.tmp-*` and half-deleted `.old-*` directories are
-    ignored; a `latest` pointer that cannot be read or names no complete checkpoint falls back to the highest
-    complete step-N (is_complete)."""
-    root = Path(ckpt_root)
-    pointer = root / "latest"
-    if pointer.is_file():
-        try:
-            name = pointer.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            name = ""
-        cand = root / name
-        if STEP_DIR.fullmatch(name) and is_complete(cand):
-            return cand
-    done = [p for p in root.glob("step-*") if STEP_DIR.fullmatch(p.name) and is_complete(p)]
-    return max(done, key=lambda p: int(p.name[5:])) if done else None
-
-
-def read_meta(path: str | os.PathLike) -> dict:
-    """A checkpoint's meta.json: a JSON object whose "step" is a whole number (the one in the directory's name);
-    anything else is a one-line UsageError naming the file."""
-    f = Path(path) / "meta.json"
-    want = '{"step": N, "time": T} as evenrl train writes it'
-    try:
-        meta = json.loads(f.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UsageError(f"{f}: cannot read ({e.__class__.__name__}); {_EARLIER}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise UsageError(f"{f}: not valid JSON; expected {want}; {_EARLIER}") from None
-    if not isinstance(meta, dict):
-        raise UsageError(f"{f}: top level is a {type(meta).__name__}; expected {want}; {_EARLIER}")
-    if "step" not in meta:
-        raise UsageError(f"{f}: no \"step\" field; expected {want}; {_EARLIER}")
-    step = meta["step"]
-    if type(step) is not int or step < 0:
-        raise UsageError(f"{f}: step is {step!r}; expected a whole number >= 0; {_EARLIER}")
-    named = STEP_DIR.fullmatch(Path(path).name)
-    if named and int(named.group(1)) != step:
-        raise UsageError(f"{f}: step is {step} but the directory is {Path(path).name}; {_EARLIER}")
-    return meta
 
 
 def read_state(path: str | os.PathLike) -> dict:
@@ -250,13 +186,13 @@ def read_state(path: str | os.PathLike) -> dict:
         trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     except (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
         raise UsageError(f"{path / 'trainer.pt'}: unreadable checkpoint ({e.__class__.__name__}); "
-                         f"{_EARLIER}") from None
+                         f"{EARLIER}") from None
     if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get("param_groups"), list):
         raise UsageError(f"{path / 'trainer.pt'}: holds a {type(trainer_state).__name__} without param_groups; "
-                         f"expected the trainer state evenrl train writes; {_EARLIER}")
+                         f"expected the trainer state evenrl train writes; {EARLIER}")
     if "step" in trainer_state and trainer_state["step"] != step:
         raise UsageError(f"{path / 'trainer.pt'}: saved at step {trainer_state['step']!r} but meta.json says {step}; "
-                         f"{_EARLIER}")
+                         f"{EARLIER}")
     return trainer_state
 
 
@@ -271,7 +207,7 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
     for prefix in models:
         if prefix and not isinstance(trainer_state.get(f"{prefix}param_groups"), list):
             raise UsageError(f"{path}: holds no {prefix[:-1]} (saved by a run without one?); resume with the same "
-                             f"settings, or {_EARLIER}")
+                             f"settings, or {EARLIER}")
     # The model's own (sharded or whole) tensors are the templates DCP reads into, each rank the pieces it holds.
     tensors = {}
     for prefix, (m, opt) in models.items():
@@ -282,9 +218,9 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
     try:  # the index alone first: a refused or unreadable one is named here, not inside DCP's per-rank report
         _safe_reader(str(path / "state")).read_metadata()
     except _Refused as e:
-        raise UsageError(f"{index}: refused checkpoint index ({e}); {_EARLIER}") from None
+        raise UsageError(f"{index}: refused checkpoint index ({e}); {EARLIER}") from None
     except (OSError, EOFError, ValueError, TypeError, AttributeError, pickle.UnpicklingError) as e:
-        raise UsageError(f"{index}: unreadable checkpoint ({e.__class__.__name__}); {_EARLIER}") from None
+        raise UsageError(f"{index}: unreadable checkpoint ({e.__class__.__name__}); {EARLIER}") from None
     try:
         with _single_process_is_meant():
             dcp.load(tensors, storage_reader=_safe_reader(str(path / "state")), no_dist=dist.world() == 1,
@@ -295,7 +231,7 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
             raise UsageError(f"{path}: checkpoint does not match model.path ({text[:160]}); resume with the same "
                              "model and model.lora") from None
         raise UsageError(f"{path / 'state'}: unreadable checkpoint ({e.__class__.__name__}: {text[:160]}); "
-                         f"{_EARLIER}") from None
+                         f"{EARLIER}") from None
     try:
         for prefix, (m, opt) in models.items():
             groups = _with_kernels(trainer_state[f"{prefix}param_groups"], opt)

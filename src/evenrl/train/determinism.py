@@ -8,11 +8,13 @@ launcher and each worker), `settle` once the process knows its device.
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from evenrl.config import RunConfig
 from evenrl.errors import UsageError, bad
+
+if TYPE_CHECKING:
+    import torch
 
 
 def bitwise(cfg: RunConfig) -> bool:
@@ -29,10 +31,12 @@ def environment(cfg: RunConfig) -> None:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
 
 
-def settle(cfg: RunConfig, device: torch.device) -> None:
+def settle(cfg: RunConfig, device: "torch.device") -> None:
     """This process's threads and kernels for a bitwise run; OMP_NUM_THREADS other than 1 on CPU is refused."""
     if not bitwise(cfg):
         return
+    import torch  # here: the launcher imports this module for `environment` before it needs torch
+
     environment(cfg)
     if device.type == "cpu":
         threads = os.environ.get("OMP_NUM_THREADS", "").strip()

@@ -180,11 +180,7 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callabl
         from evenrl.train import checkpoint
 
         checkpoint.read_state(checkpoint.latest(Path(cfg.log.run_dir) / "checkpoints"))
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, parse_args
-
+    # every worker's environment, which the fork server takes when it starts and its workers from it
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # torchrun sets 1 thread per process when nothing is set, with a warning on every launch; the same, silently
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -192,6 +188,20 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callabl
 
     determinism.environment(cfg)  # bitwise: the variables CUDA and vLLM read when they start, for every worker
     os.environ["EVENRL_COMMAND"] = shlex.join(["evenrl", *argv])  # the workers' resume hint names this command
+    # torch's agent starts each worker as a process forked from a server that imported the training code once
+    # (multiprocessing's fork server, started fresh and before any device is touched, which CUDA needs): a worker
+    # started as `python -m evenrl.cli` spends ~5 s of a core importing torch and transformers, every one of them.
+    # Started now, it imports while this process imports torch and the agent meets its peers.
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(["evenrl.train.preload"])
+    forkserver.ensure_running()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
     # torch's per-launch and per-failure banners (each module's logger has its own level): ours are below
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher",
@@ -207,18 +217,10 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callabl
     else:
         torchrun += [f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint={args.master_addr}:{args.master_port}"]
-    # torch's agent starts each worker as a process forked from a server that imported the training code once
-    # (multiprocessing's fork server, started fresh and before any device is touched, which CUDA needs): a worker
-    # started as `python -m evenrl.cli` spends ~5 s of a core importing torch and transformers, every one of them
     targs = parse_args([*torchrun, "--start-method=forkserver", "-m", "evenrl.cli"])
     if targs.standalone:  # what torchrun's run() does for --standalone
         targs.rdzv_backend, targs.rdzv_endpoint, targs.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(targs)
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    multiprocessing.set_forkserver_preload(["evenrl.train.preload"])
-    forkserver.ensure_running()  # it imports while the agent meets its peers (rendezvous)
     worker_argv = [cmd, args.config, *args.overrides] + (["--resume"] if args.resume else []) \
         + (["--overwrite"] if args.overwrite else [])
     try:

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from evenrl.errors import UsageError, bad
-from evenrl.train import checkpoint
+from evenrl.train import checkpoint_dirs as checkpoint
 
 # What a run writes; --overwrite removes exactly these, never anything else a user keeps in the directory.
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "final", "tb", "plots", "config.yaml", "plan.txt",

@@ -44,3 +44,25 @@ def test_elastic_restart_resumes_and_matches(shared_runs, tmp_path):
     steps = [json.loads(x)["step"] for x in (restarted / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 4]  # the eval before step 1 (row 0) once, every step once
     assert max_diff(final_params(shared_runs.one), final_params(restarted)) <= 1e-5
+
+
+def test_the_fork_server_imports_without_asking_for_a_device():
+    """The launcher's workers are forked from a server that imported evenrl.train.preload: had that import asked
+    CUDA anything (is_available, device_count, an initialisation), no forked worker could use a GPU. Checked here,
+    where there is none, by counting the calls torch.cuda would have made."""
+    import subprocess
+    import sys
+
+    spy = """
+import torch, torch.cuda
+asked = []
+for name in ("is_available", "device_count", "_lazy_init", "init", "current_device", "get_device_properties",
+             "get_device_capability", "mem_get_info"):
+    setattr(torch.cuda, name, lambda *a, _n=name, **k: asked.append(_n))
+import evenrl.train.preload
+assert "evenrl.train.loop" in sys.modules, "the preload did not import the loop"
+print(asked)
+"""
+    out = subprocess.run([sys.executable, "-c", "import sys\n" + spy], env=ENV, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]

@@ -8,19 +8,19 @@
 
 The flags mean what torchrun's do. The agent forks each worker from a server process that imported torch,
 transformers and the training code once (multiprocessing's fork server, started before any device is touched):
-a worker started as a new Python spends ~5 s of a core importing them. A process that already has a rank (torchrun, srun) is a worker and
-never launches again. Restarts use torch's elastic agent (`--max-restarts`); with gloo they fail on the
-shared rendezvous store's stale keys unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712), so the
-launcher sets it. A restarted worker resumes from the latest checkpoint, so --max-restarts needs periodic
-checkpoints (checkpoint.every_steps or every_minutes > 0, as by default).
+a worker started as a new Python spends ~5 s of a core importing them. A process that already has a rank
+(torchrun, srun) is a worker and never launches again. Restarts use torch's elastic agent (`--max-restarts`); with
+gloo they fail on the shared rendezvous store's stale keys unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+(pytorch#135712), so the launcher sets it. A restarted worker resumes from the latest checkpoint, so
+--max-restarts needs periodic checkpoints (checkpoint.every_steps or every_minutes > 0, as by default).
 
 The launcher speaks for its workers: it checks the config, the run directory and the plan once before starting
 any (bad input: one line, exit 2, as on one process); when workers fail it prints each failed rank's own one-line
 error, once for a failure they share, and hides torch's launcher banners. Ctrl-C or SIGTERM reaches the workers
 through torch's agent: they finish the step, save, and rank 0 prints how to resume (evenrl.train.stopping); the
 launcher exits 130 / 143 with them. A worker is sent SIGTERM when its parent dies (Linux: the parent-death
-signal; its parent, the fork server, exits when the launcher does), so killing `evenrl train` never leaves workers running unsupervised: they stop after the
-step in progress, or at once on a second signal.
+signal; its parent, the fork server, exits when the launcher does), so killing `evenrl train` never leaves workers
+running unsupervised: they stop after the step in progress, or at once on a second signal.
 """
 
 from __future__ import annotations

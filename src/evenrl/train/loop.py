@@ -3,7 +3,7 @@
 `evenrl.train.rollout_rank.serve` instead.
 
     evenrl train examples/demo.yaml                          # one process
-    evenrl train examples/demo.yaml --nproc-per-node 3       # three local processes (torch.distributed.run)
+    evenrl train examples/demo.yaml --nproc-per-node 3       # three local processes (evenrl.train.launch)
     evenrl train examples/demo.yaml --resume                 # continue from the run directory's latest checkpoint
 """
 

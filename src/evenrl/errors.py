@@ -13,9 +13,11 @@ def bad(field: str, value, allowed: str) -> UsageError:
 
 
 def shown(value, limit: int = 80) -> str:
-    """A user's value as a one-line message shows it: its repr, cut to `limit` characters."""
+    """A user's value as a one-line message shows it: its repr, cut to `limit` characters in the middle (the end of
+    a long path, its file's name, is what tells the user which file)."""
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    head = limit // 3
+    return text if len(text) <= limit else text[:head] + "..." + text[len(text) - (limit - 3 - head):]
 
 
 def first_line(e: BaseException) -> str:

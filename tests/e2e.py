@@ -74,7 +74,10 @@ def loaded_cpu(busy: int):
     cpu = max(os.sched_getaffinity(0))
     before = os.sched_getaffinity(0)
     spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
-    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(busy)]
+    # each spinner in a session of its own: where the kernel groups a session's processes for the scheduler
+    # (autogroup), spinners sharing this process's session would together weigh as one against code under test
+    # that starts sessions of its own (the reward workers do), which would then see a machine loaded 2 times over
+    spinners = [subprocess.Popen([sys.executable, "-c", spin], start_new_session=True) for _ in range(busy)]
     os.sched_setaffinity(0, {cpu})
     try:
         yield cpu
@@ -88,15 +91,22 @@ def loaded_cpu(busy: int):
 class Job:
     """`python -m evenrl.cli ARGS` started now, waited for later. Output goes to files, not pipes, so a job nobody
     reads yet never blocks on a full pipe. It runs in a process group of its own, so that killing it (a timeout,
-    an interrupted test) reaches everything it started."""
+    an interrupted test) reaches everything it started. Forked from a server that has imported evenrl where its
+    environment allows (tests/warm_start.py), else started as a new Python."""
 
     def __init__(self, *args, env=None, timeout_s: float = TIMEOUT_S):
+        import warm_start
+
         self.args = [sys.executable, "-m", "evenrl.cli", *map(str, args)]
         self.timeout_s = timeout_s
         self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(self.args, stdout=self._out, stderr=self._err, text=True, env=env or ENV,
-                                     start_new_session=True)
+        env = env or ENV
+        if warm_start.can_fork(env):
+            self.proc = warm_start.start(self.args[3:], env, self._out, self._err)
+        else:
+            self.proc = subprocess.Popen(self.args, stdout=self._out, stderr=self._err, text=True, env=env,
+                                         start_new_session=True)
 
     def done(self) -> bool:
         if self.proc.poll() is None and time.monotonic() - self.started > self.timeout_s:
@@ -165,8 +175,11 @@ def evenrl_many(runs: dict[str, list], parallel: int = 2) -> dict[str, subproces
 
 def evenrl_here(capsys, *args) -> tuple[int, str, str]:
     """`evenrl ARGS` in this process: (exit code, stdout, stderr). Python warnings, which pytest would swallow,
-    are counted as stderr lines, under the filters a fresh `python` process starts with."""
+    are counted as stderr lines, under the filters a fresh `python` process starts with. The mesh is left as found:
+    a run that stops after joining (a bad setting found once the model is loaded) leaves its answer cached, which
+    the process's exit would drop, and a later test in this process would get it."""
     from evenrl.cli import main
+    from evenrl.distributed import mesh
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
@@ -177,6 +190,8 @@ def evenrl_here(capsys, *args) -> tuple[int, str, str]:
             code = main([str(a) for a in args])
         except SystemExit as e:  # argparse's own exits, as `raise SystemExit(main())` would give
             code = e.code if isinstance(e.code, int) else 1
+        finally:
+            mesh.shutdown()
     out, err = capsys.readouterr()
     err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
     return code, out, err

@@ -117,17 +117,12 @@ def test_the_tools_demo_under_bitwise_is_the_same_run_on_one_and_two_processes(t
     (docs/batch-sizes.md). The weights must move through the run, or the comparison would only be of sampling: the
     short warm start rarely earns a reward (8 prompts a step: 1 rewarded step in 60; 4 prompts: none, one hash), so a
     small entropy bonus gives every step a gradient."""
-    import subprocess
-    import sys
-
-    from e2e import ENV
+    from e2e import Job
 
     out, two = tmp_path / "demo", tmp_path / "two"
     common = [BITWISE, "train.steps=30", "data.prompts_per_step=4", "algo.entropy_coef=0.001", "eval.every_steps=15",
               "log.progress=false"]
-    proc = subprocess.run([sys.executable, "-m", "evenrl.cli", "demo", "--task", "tools", "--out", str(out),
-                           "sft.steps=300", *common], capture_output=True, text=True, env=ENV, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    Job("demo", "--task", "tools", "--out", out, "sft.steps=300", *common, timeout_s=1800).wait()
     data = out / "data" / "train.jsonl"
     evenrl("train", Path(__file__).resolve().parents[1] / "examples" / "tools.yaml", f"data.path={data}",
            f"eval.path={data}", f"model.path={out / 'sft' / 'final'}", f"log.run_dir={two}", *common,

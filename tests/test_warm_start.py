@@ -1,0 +1,44 @@
+"""tests/warm_start.py: a run forked from the tests' server is the run a new Python gives."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from e2e import ENV, Job, fault_env, final_params, metrics
+
+
+def test_a_forked_run_is_the_started_run(assets, tmp_path):
+    """One process, 2 steps of the assets' config, and a bad flag: forked and started, the same exit codes, output
+    lines (but for times), metrics (but for times and speeds) and final weights, bit for bit."""
+    args = ["train", assets["cfg"], "train.steps=2"]
+    forked = Job(*args, f"log.run_dir={tmp_path / 'forked'}")
+    assert isinstance(forked.proc, __import__("warm_start").ForkedJob)
+    started = subprocess.run([*forked.args[:3], *map(str, args), f"log.run_dir={tmp_path / 'started'}"], env=ENV,
+                             capture_output=True, text=True, timeout=300)
+    done = forked.wait()
+    assert started.returncode == done.returncode == 0
+
+    def lines(text, run):  # but the phases' times (`  rollout   0.02   6.5`)
+        return [x.replace(str(tmp_path / run), "RUN") for x in text.splitlines()
+                if not re.fullmatch(r"  \w+\s+[\d.]+\s+[\d.]+", x)]
+
+    assert lines(done.stdout, "forked") == lines(started.stdout, "started")
+    assert "  model: RUN/final" in lines(done.stdout, "forked")
+    assert done.stderr == started.stderr
+    timed = ("time", "tokens_per_s", "_s", "mem")
+    a, b = metrics(tmp_path / "forked"), metrics(tmp_path / "started")
+    assert [{k: v for k, v in r.items() if not any(t in k for t in timed)} for r in a] == \
+        [{k: v for k, v in r.items() if not any(t in k for t in timed)} for r in b]
+    fa, fb = final_params(tmp_path / "forked"), final_params(tmp_path / "started")
+    assert fa.keys() == fb.keys() and all(fa[k].equal(fb[k]) for k in fa)
+    bad = Job("train", assets["cfg"], "train.stepz=2").wait(check=False)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "train.stepz" in bad.stderr, bad.stderr
+
+
+def test_jobs_with_their_own_environment_start_a_new_python():
+    import warm_start
+
+    assert warm_start.can_fork(ENV) and warm_start.can_fork({**ENV, "PYTHONPATH": "/elsewhere"})
+    assert not warm_start.can_fork(fault_env(crash_at_step=2))  # tests/faults/sitecustomize.py must run at start
+    assert not warm_start.can_fork({**ENV, "HF_HOME": "/tmp/hub"})  # read when transformers is imported

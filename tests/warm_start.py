@@ -22,6 +22,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -112,6 +113,7 @@ def _server() -> str:
                                 env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 cwd=str(TESTS), start_new_session=True)
     _SERVER.update(proc=proc, path=path, env=env, log=log)
+    atexit.register(shutil.rmtree, folder, True)  # runs after the kill below (atexit: last in, first out)
     atexit.register(proc.kill)
     while not os.path.exists(path + ".ready"):
         if proc.poll() is not None:

@@ -7,7 +7,6 @@ One spawn per world size (spawning costs seconds); each worker loops over all sa
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 from torch import nn
 
+from e2e import free_port
 from evenrl.distributed import collectives as dist
 from evenrl.distributed import exchange as exchange_mod
 from evenrl.core.aggregation import MODES, aggregate
@@ -316,12 +316,6 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
     os._exit(0)  # saved; Python's finalization of torch's modules would cost each rank ~0.5 s of CPU, mp.spawn waits
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _RESULTS: dict[int, list[dict]] = {}
 _REFERENCE: dict[str, dict] = {}
 
@@ -329,7 +323,7 @@ _REFERENCE: dict[str, dict] = {}
 def results(world: int, tmp_path_factory) -> list[dict]:
     if world not in _RESULTS:
         path = str(tmp_path_factory.mktemp(f"w{world}") / "out")
-        mp.spawn(_worker, args=(world, _free_port(), path), nprocs=world)
+        mp.spawn(_worker, args=(world, free_port(), path), nprocs=world)
         _RESULTS[world] = [torch.load(f"{path}.{r}", weights_only=True) for r in range(world)]
     return _RESULTS[world]
 

@@ -15,11 +15,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from e2e import copy_checkpoint, evenrl_many, final_params, max_diff, metrics
+from e2e import copy_checkpoint, evenrl_many, final_params, free_port, max_diff, metrics
 from evenrl.demo import write_addition_data
 from evenrl.distributed.mesh_shape import MeshShape
 from evenrl.testing import MOE_ARCHS, make_tiny_model
-from test_dist import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,7 +152,7 @@ def test_a_model_with_experts_split_over_two_ranks_computes_the_unsplit_model(tm
     paths = {arch: make_tiny_model(str(tmp_path / arch), arch=arch, seed=3) for arch in MOE_ARCHS}
     paths["qwen3_moe-starved"] = paths["qwen3_moe"]
     out = str(tmp_path / "split.pt")
-    mp.spawn(_split_worker, args=(2, _free_port(), paths, out), nprocs=2, join=True)
+    mp.spawn(_split_worker, args=(2, free_port(), paths, out), nprocs=2, join=True)
     split = torch.load(out)
     for name, path in paths.items():
         one, two = _unsplit(path, name.endswith("starved")), split[name]

@@ -1,17 +1,10 @@
 """Launching: two simulated nodes on loopback, and an elastic restart that resumes from the checkpoint."""
 
 import json
-import socket
 
 import pytest
 
-from e2e import ENV, Job, evenrl, final_params, max_diff, fault_env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from e2e import ENV, Job, evenrl, fault_env, final_params, free_port, max_diff
 
 
 @pytest.mark.slow

@@ -22,11 +22,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from e2e import free_port
 from evenrl.core.batch import Batch, Ragged
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
 from evenrl.models.forward import response_logits, response_logprobs
-from test_dist import ENV_KEYS, _free_port
+from test_dist import ENV_KEYS
 
 
 
@@ -115,7 +116,7 @@ def assert_same(got: dict, want: dict, what: str, tol: float = 1e-6) -> None:
 @pytest.mark.slow
 def test_sequence_parallel_equals_the_unsplit_forward(tmp_path):
     path = str(tmp_path / "out")
-    mp.spawn(_worker, args=(2, _free_port(), path), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port(), path), nprocs=2)
     per_rank = [torch.load(f"{path}.{r}", weights_only=True) for r in range(2)]
     for r, res in enumerate(per_rank):
         for name in CASES:

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from e2e import free_port
 from evenrl.distributed.mesh_shape import Coords, MeshShape
-from test_dist import _free_port
 
 
 def test_mesh_shape_lays_tp_fastest_then_sp_then_dp():
@@ -102,9 +102,8 @@ def test_a_model_split_over_two_ranks_computes_the_unsplit_model(tmp_path, lora)
     path = make_tiny_model(str(tmp_path / "model"), hidden=64, heads=4, layers=2)
     got = {}
     for world in (1, 2):
-        port = _free_port()
         out = str(tmp_path / f"out{world}.pt")
-        mp.spawn(_split_worker, args=(world, port, path, out, lora), nprocs=world, join=True)
+        mp.spawn(_split_worker, args=(world, free_port(), path, out, lora), nprocs=world, join=True)
         got[world] = torch.load(out)
     one, two = got[1], got[2]
     assert torch.equal(one["logits"], two["logits"])

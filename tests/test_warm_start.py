@@ -2,21 +2,43 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import time
+from pathlib import Path
+
+import pytest
 
 from e2e import ENV, Job, fault_env, final_params, metrics
 
 
-def test_a_forked_run_is_the_started_run(assets, tmp_path):
-    """One process, 2 steps of the assets' config, and a bad flag: forked and started, the same exit codes, output
-    lines (but for times), metrics (but for times and speeds) and final weights, bit for bit."""
-    args = ["train", assets["cfg"], "train.steps=2"]
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_forked_run_is_the_started_run(assets, tmp_path, processes):
+    """2 steps of the assets' config on 1 process (the run in the forked process) and on 2 (a launcher forked, its
+    fork server forked from it, the workers from that), and a bad flag: forked and started, the same exit codes,
+    output lines (but for times), metrics (but for times and speeds) and final weights, bit for bit."""
+    args = ["train", assets["cfg"], "train.steps=2", "--nproc-per-node", str(processes)]
     forked = Job(*args, f"log.run_dir={tmp_path / 'forked'}")
     assert isinstance(forked.proc, __import__("warm_start").ForkedJob)
-    started = subprocess.run([*forked.args[:3], *map(str, args), f"log.run_dir={tmp_path / 'started'}"], env=ENV,
-                             capture_output=True, text=True, timeout=300)
+    starting = subprocess.Popen([*forked.args[:3], *map(str, args), f"log.run_dir={tmp_path / 'started'}"], env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = {forked.proc.pid: set(), starting.pid: set()}  # each run's processes' command lines, each its own session
+    while not forked.done() or starting.poll() is None:
+        for pid in os.listdir("/proc"):
+            try:
+                sid = os.getsid(int(pid))
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except (ValueError, OSError):
+                continue
+            if sid in seen:
+                seen[sid].add(cmdline)
+        time.sleep(0.05)
+    out, err = starting.communicate()
+    started = subprocess.CompletedProcess(starting.args, starting.returncode, out, err)
     done = forked.wait()
+    fork_servers = {sid: any("multiprocessing.forkserver" in c for c in cmdlines) for sid, cmdlines in seen.items()}
+    assert fork_servers == {forked.proc.pid: False, starting.pid: processes > 1}  # the forked run forked its own
     assert started.returncode == done.returncode == 0
 
     def lines(text, run):  # but the phases' times (`  rollout   0.02   6.5`)

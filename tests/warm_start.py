@@ -23,15 +23,20 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import types
+import warnings
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 _SERVER: dict = {}  # this test process's server: {"proc": Popen, "path": socket path, "env": its environment}
+_STARTUP: dict = {}  # in the server: its warning filters and signal handlers once imported (a new Python's)
 
 
 class ForkedJob:
@@ -128,6 +133,9 @@ def serve() -> None:
     import evenrl.cli  # noqa: F401
     import evenrl.train.preload  # noqa: F401
 
+    _STARTUP["filters"] = list(warnings.filters)  # what a new Python has once it imported the same
+    _STARTUP["handlers"] = {s: signal.getsignal(s) for s in signal.valid_signals()
+                            if s not in (signal.SIGKILL, signal.SIGSTOP)}
     path, parent = sys.argv[1], os.getppid()
     base = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -186,6 +194,7 @@ def _child(request: dict, fds: list[int], base: list[str]) -> None:
         os.environ["PYTHONPATH"] = request["pythonpath"]
         sys.path[:] = [os.getcwd(), *extra, *base]
         sys.argv = [str(Path(sys.modules.pop("evenrl.cli").__file__)), *request["argv"]]  # -m imports it anew
+        _fork_the_fork_server()
         runpy.run_module("evenrl.cli", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
@@ -201,3 +210,60 @@ def _child(request: dict, fds: list[int], base: list[str]) -> None:
             sys.stderr.flush()
         finally:
             raise SystemExit(code)  # noqa: B012  (the child must end here, never run the server's loop)
+
+
+def _fork_the_fork_server() -> None:
+    """In a child: multiprocessing's fork server (which a multi-process run's launcher starts, evenrl.train.launch)
+    forked from this child instead of started as a new Python that imports evenrl.train.preload again (~3 s of a
+    core, for each of the suite's ~160 multi-process runs); this child has imported it. What the new Python has is
+    made so: its own `__main__` (a worker imports the launcher's main module anew, as __mp_main__), the warning
+    filters and signal handlers a new Python has once it imported the same modules, no file descriptor but its
+    standard ones, the listener and the alive pipe. Where the launcher has started a thread by then (a fork copies
+    no other thread) or asks for other modules, the fork server starts as multiprocessing starts it."""
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    started = server.ensure_running
+
+    def ensure_running() -> None:
+        if (server._forkserver_pid is not None or threading.active_count() > 1
+                or server._preload_modules != ["evenrl.train.preload"]):
+            return started()
+        resource_tracker.ensure_running()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    keep = {0, 1, 2, listener.fileno(), alive_r}
+                    for fd in map(int, os.listdir("/proc/self/fd")):
+                        if fd not in keep:
+                            try:
+                                os.close(fd)
+                            except OSError:  # the listing's own descriptor, closed by now
+                                pass
+                    sys.modules["__main__"] = types.ModuleType("__main__")
+                    warnings.filters[:] = _STARTUP["filters"]
+                    warnings._filters_mutated()
+                    for sig, handler in _STARTUP["handlers"].items():
+                        if handler is not None:
+                            signal.signal(sig, handler)
+                    forkserver.main(listener.fileno(), alive_r, server._preload_modules)
+                    code = 0  # main returns only by SystemExit, when no client is left
+                except SystemExit:
+                    code = 0
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+                finally:
+                    os._exit(code)  # never the launcher's exit handlers
+            os.close(alive_r)
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+    server.ensure_running = forkserver.ensure_running = ensure_running

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from e2e import ENV, Job, fault_env, final_params, metrics
 
@@ -54,6 +55,8 @@ def test_a_forked_run_is_the_started_run(assets, tmp_path, processes):
         [{k: v for k, v in r.items() if not any(t in k for t in timed)} for r in b]
     fa, fb = final_params(tmp_path / "forked"), final_params(tmp_path / "started")
     assert fa.keys() == fb.keys() and all(fa[k].equal(fb[k]) for k in fa)
+    before = load_file(str(Path(assets["model"]) / "model.safetensors"))
+    assert any(not fa[k].equal(before[k]) for k in fa if k in before)  # and they trained: the weights moved
     bad = Job("train", assets["cfg"], "train.stepz=2").wait(check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "train.stepz" in bad.stderr, bad.stderr
 

@@ -97,6 +97,13 @@ def test_packed_forward_is_the_models_own_and_replay_changes_nothing(moe_paths, 
                                         0, entropy=True)
     assert torch.equal(replayed[mask], out.detach()[mask])
     assert float((moved - replayed)[mask].abs().max()) > 1e-3
+    # and with gradients: a second copy replaying the routes the first chose live gets every gradient bit for bit
+    again, _ = packed(moe_paths[arch])
+    out_again, _, _ = response_logprobs(again, Batch({**{k: batch[k] for k in batch.keys()}, "routes": recorded}),
+                                        0, entropy=True)
+    weighted(out_again, mask).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(again.parameters(), model.parameters())
+               if q.grad is not None)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
@@ -278,6 +285,9 @@ log: {{progress: false, tensorboard: false}}
         "fsdp": ["--nproc-per-node", 2, "parallel.sharding=fsdp"],
         "one": ["rollout.router_replay=engine"],
         "one_off": [],
+        # one update per step: the routes every forward replays are those the model chooses (see the test)
+        "one_mb1": ["rollout.router_replay=engine", "algo.minibatches_per_step=1"],
+        "one_off_mb1": ["algo.minibatches_per_step=1"],
         # DeepSeek-V3's sigmoid router, aux-loss-free; gpt-oss's trajectories (turns re-prefilled, sinks, windows)
         # with LoRA on its attention
         "deepseek": [f"model.path={moe_paths['deepseek_v3']}", "algo.router_aux_loss_coef=0",
@@ -311,6 +321,27 @@ def test_moe_runs_are_the_same_on_any_layout(layout_runs, moe_paths):
     for m in metrics(root / "one"):
         assert m["moe/routes_differ_any_layer"] == 0.0 and m["moe/logprob_mismatch_without_replay"] < 1e-5
         assert 1.0 <= m["moe/load_max_over_mean_worst"] <= 8.0 and 1.5 < m["moe/aux_loss"] < 3.0
+
+
+@pytest.mark.slow
+def test_replay_is_the_models_own_routing_while_the_routes_agree(layout_runs):
+    """Replaying the engine's routes is the model's own forward when they are the routes it would choose: with one
+    update per step every forward of the step runs at the weights the engine sampled with, and the run with
+    router_replay=engine equals the run with replay off bit for bit (metrics and final weights). With two
+    mini-batches the second replays routes sampled before the first moved the weights: `moe/update_routes_differ*`
+    counts the replayed tokens that its own routing would now send elsewhere (> 0: the two runs part there, by
+    design: R3 trains the routes the engine used), and 0.0 where the update replays routes it recorded at its own
+    weights (off, the load-balancing loss's counting pass)."""
+    root = layout_runs
+    assert final_params(root / "one_mb1").keys() == final_params(root / "one_off_mb1").keys()
+    assert max_diff(final_params(root / "one_mb1"), final_params(root / "one_off_mb1")) == 0.0
+    on, off = metrics(root / "one_mb1"), metrics(root / "one_off_mb1")
+    shared = ("policy/loss", "grad_norm", "reward/mean", "moe/aux_loss", "moe/load_max_over_mean")
+    assert [[m[k] for k in shared] for m in on] == [[m[k] for k in shared] for m in off]
+    assert all(m["moe/update_routes_differ_any_layer"] == 0.0 for m in on + off)
+    assert max(m["moe/update_routes_differ_any_layer"] for m in metrics(root / "one")) > 0.0
+    assert all(m["moe/update_routes_differ_any_layer"] == 0.0 for m in metrics(root / "one_off"))
+    assert max_diff(final_params(root / "one"), final_params(root / "one_off")) > 1e-6
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])

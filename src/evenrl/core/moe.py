@@ -47,9 +47,10 @@ def load_metrics(loads: Tensor) -> dict:
             "moe/load_max_over_mean_worst": float(ratio.max()) if len(ratio) else 1.0}
 
 
-def mismatch_metrics(differ: Tensor, any_layer: int, tokens: int) -> dict:
-    """The share of the tokens the engine routed whose experts the trainer would choose differently: per MoE layer
-    (differ [L]: tokens whose top-k set differs there) and in any layer (any_layer), out of `tokens`."""
+def mismatch_metrics(differ: Tensor, any_layer: int, tokens: int, prefix: str = "moe/") -> dict:
+    """The share of the replayed tokens (the engine's routes, or those the update replays) whose experts the
+    trainer would choose differently: per MoE layer (differ [L]: tokens whose top-k set differs there) and in any
+    layer (any_layer), out of `tokens`."""
     n = max(tokens, 1)
-    return {"moe/routes_differ": [round(float(x) / n, 6) for x in differ],
-            "moe/routes_differ_any_layer": any_layer / n}
+    return {f"{prefix}routes_differ": [round(float(x) / n, 6) for x in differ],
+            f"{prefix}routes_differ_any_layer": any_layer / n}

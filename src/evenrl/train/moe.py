@@ -130,6 +130,9 @@ class Experts:
         self.coef, self.pad_id = cfg.algo.router_aux_loss_coef, pad_token_id
         self.sp = getattr(model, "evenrl_sequence_group", None)
         self.loads = torch.zeros((self.state.layers, self.state.experts), dtype=torch.long)
+        # replayed tokens whose live top-k set differs, per layer and in any layer, and the replayed tokens: how far
+        # the update's replay departs from the routing the model would choose at its current weights
+        self.differs = torch.zeros(self.state.layers + 2, dtype=torch.float64)
         self.aux, self.minibatches = 0.0, 0
         self.counts, self.routed = None, 0.0
         self.recorded: dict[int, Tensor] = {}
@@ -168,7 +171,13 @@ class Experts:
             mb["routes"] = Ragged.of([self.recorded[r] for r in rows], self.state.dtype)
         with routing.options(model, stats=True, balance=self.coef > 0):
             yield
-        self.loads += self.state.plan.stacked("loads")
+        plan = self.state.plan
+        self.loads += plan.stacked("loads")
+        if plan.differs:  # each rank of a sequence group compares its own slice of the rows: summed in metrics
+            differs = plan.stacked("differs")  # [L, n]
+            self.differs[:-2] += differs.sum(dim=1)
+            self.differs[-2] += differs.any(dim=0).sum()
+            self.differs[-1] += plan.replayed.sum()
 
     def balance_loss(self, model) -> Tensor | float:
         """The last forward's share of its mini-batch's load-balancing loss, weighted (0.0 when off)."""
@@ -180,10 +189,17 @@ class Experts:
         return self.coef * aux
 
     def metrics(self) -> dict:
-        """Expert load per layer and the load-balancing loss (its mean over the step's optimizer steps), summed over
+        """Expert load per layer, the load-balancing loss (its mean over the step's optimizer steps) and, where the
+        update replayed routes, the share of them the model's own routing would have changed (`moe/update_*`: with
+        replayed sampling-time routes, the later mini-batches' weights route some tokens elsewhere), summed over
         ranks: a collective every training rank joins."""
-        flat = global_counts(torch.cat([self.loads.flatten().double(), torch.tensor([self.aux], dtype=torch.float64)]))
-        out = load_metrics(flat[:-1].view_as(self.loads))
+        n = self.loads.numel()
+        flat = global_counts(torch.cat([self.loads.flatten().double(), self.differs,
+                                        torch.tensor([self.aux], dtype=torch.float64)]))
+        out = load_metrics(flat[:n].view_as(self.loads))
+        differs = flat[n:-1]
+        if differs[-1] > 0:
+            out.update(mismatch_metrics(differs[:-2], int(differs[-2]), int(differs[-1]), prefix="moe/update_"))
         if self.coef:
             out["moe/aux_loss"] = float(flat[-1]) / max(self.minibatches, 1)
         return out

@@ -89,7 +89,7 @@ def test_agent_run_killed_and_resumed_is_bit_identical(runs):
 @pytest.mark.slow
 @pytest.mark.large_world
 def test_agents_on_a_reserved_rank_beside_a_tensor_parallel_trainer(runs):
-    """Where the plan sends agents beside parallel.tensor_parallel_size=2 (distributed.lockstep: not on ranks that
+    """Where the plan sends agents beside parallel.tensor_parallel_size=2 (config.compatibility: not on ranks that
     sample in lockstep, so --rollout-devices): a TP group of 2 trainers and a reserved rollout rank serving the
     endpoint from a whole copy give the 1-process run's trajectories (each sample keyed, not placed), the weights
     within e2e.close_weights' bound."""

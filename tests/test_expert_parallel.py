@@ -37,7 +37,6 @@ def test_expert_groups_borrow_data_ranks():
 
 @pytest.mark.parametrize("shape, experts, says", [
     (MeshShape(world=6, ep=4), 8, "parallel.expert_parallel_size: got 4; it must divide the 6 data-parallel ranks"),
-    (MeshShape(world=4, tp=2, ep=2), 8, "got 2 with parallel.tensor_parallel_size 2; tensor parallelism splits dense"),
     (MeshShape(world=4, ep=4), 6, "does not divide the model's 6 experts; each rank of an ep group holds experts / "
                                   "ep of them (allowed: 1, 2)"),
     (MeshShape(world=4, ep=2), 0, "got 2, but model.path is not a mixture of experts"),

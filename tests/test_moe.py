@@ -27,7 +27,6 @@ from evenrl.demo import write_addition_data
 from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
 from evenrl.engines.base import SamplingParams
 from evenrl.engines.hf import HFEngine, generate
-from evenrl.engines.vllm_engine import refuse_router_replay
 from evenrl.errors import UsageError
 from evenrl.models import routing
 from evenrl.models.forward import response_logprobs
@@ -237,20 +236,16 @@ def test_balance_loss_is_transformers_over_the_whole_batch(moe_paths, arch):
 
 def test_route_dtype_and_refusals(moe_paths):
     """Routes travel in the smallest integer dtype (uint8 up to 256 experts, DeepSeek-V3's count); what cannot be
-    honoured is refused in one line naming the setting: engine replay with vLLM (its CPU build returns no routes),
-    with an agent, on a dense model; the load-balancing loss on a sigmoid router (DeepSeek-V3's, aux-loss-free)."""
+    honoured by the model is refused in one line naming the setting: replay on a dense model; the load-balancing loss
+    on a sigmoid router (DeepSeek-V3's, aux-loss-free). (Engine replay beside vLLM or an agent is a row of
+    config.compatibility: tests/test_compatibility.py.)"""
     assert [route_dtype(e) for e in (8, 256, 257, 384, 1 << 15, 1 << 16)] == \
         [torch.uint8, torch.uint8, torch.int16, torch.int16, torch.int16, torch.int32]
-    cfg = RunConfig.model_validate({"rollout": {"router_replay": "engine", "engine": "vllm"}})
-    with pytest.raises(UsageError, match="rollout.router_replay: got 'engine' with rollout.engine=vllm; vLLM's CPU"):
-        refuse_router_replay(cfg)
     deepseek, _ = load_policy(moe_paths["deepseek_v3"])
     with pytest.raises(UsageError, match="algo.router_aux_loss_coef: got 0.01, but DeepseekV3ForCausalLM's router is "
                                          "aux-loss-free"):
         moe.check(RunConfig.model_validate({"algo": {"router_aux_loss_coef": 0.01}}), deepseek)
     moe.check(RunConfig.model_validate({"rollout": {"router_replay": "engine"}}), deepseek)
-    with pytest.raises(UsageError, match="with rollout.agent; an agent's samples"):
-        moe.check(RunConfig.model_validate({"rollout": {"router_replay": "engine", "agent": "m:f"}}), deepseek)
     dense, _ = load_policy(make_tiny_model(str(moe_paths["qwen3_moe"]) + "-dense", arch="qwen2"))
     with pytest.raises(UsageError, match="rollout.router_replay: got 'trainer', but model.path is not a mixture"):
         moe.check(RunConfig.model_validate({"rollout": {"router_replay": "trainer"}}), dense)

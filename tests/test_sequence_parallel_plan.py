@@ -99,9 +99,10 @@ def test_balance_counts_sp_groups():
      "warning", ["spans 2 nodes", "parallel.sequence_parallel_size=4"]),
     (["rollout.tensor_parallel_size=2"], {}, None, "tensor-parallel-engine", "error",
      ["with rollout.engine=hf: the hf engine's tensor parallelism is the trainer's", "split over "
-      "parallel.tensor_parallel_size=1 ranks", "rollout.tensor_parallel_size=1; or rollout.engine=vllm"]),
+      "parallel.tensor_parallel_size ranks", "rollout.tensor_parallel_size=1 (the hf engine then samples from the "
+      "trainer's split); or rollout.engine=vllm"]),
     (["rollout.tensor_parallel_size=4", "parallel.tensor_parallel_size=2"], {}, None, "tensor-parallel-engine",
-     "error", ["rollout.tensor_parallel_size=2 (or 1: the same)"]),
+     "error", ["rollout.tensor_parallel_size=4 with rollout.engine=hf", "rollout.tensor_parallel_size=1"]),
     (["rollout.tensor_parallel_size=2", "parallel.tensor_parallel_size=2"], {"rollout_devices": 2}, None,
      "tensor-parallel-engine", "error", ["a reserved rollout rank samples from a whole copy of its own"]),
     (["rollout.tensor_parallel_size=2", "rollout.engine=vllm", "rollout.agent=toy_agents:two_tools"], {}, None,

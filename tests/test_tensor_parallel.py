@@ -1,7 +1,7 @@
 """Tensor parallelism (parallel.tensor_parallel_size, evenrl.distributed.tensor_parallel) and the one mesh it lives
 on (evenrl.distributed.mesh_shape): the shape's arithmetic without processes; on gloo, a model split over 2 ranks
 against the unsplit one (forward bit for bit, gradients within rounding), with LoRA; what ranks that sample together
-cannot do, refused by the run as the plan does (distributed.lockstep), and a mixture of experts; and the exactness
+cannot do, refused by the run as the plan does (config.compatibility), and a mixture of experts; and the exactness
 matrix of `evenrl train` against the shared config's 1-process run: TP = 2 resuming a 1-process checkpoint (DCP
 reshards it), TP = 2 beside a reserved rollout rank whose checkpoint a 1-process run resumes (TP 2 -> 1), and
 (large_world) DP 2 x TP 2 replicated and sharded, SP 2 x TP 2. Greedy evaluation runs on the split model in all of
@@ -192,20 +192,21 @@ def test_data_and_sequence_parallel_beside_tensor_parallel_on_four_processes(ass
     ({"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2, "model.path": "VL"}, "tensor-parallel-vision"),
 ])
 def test_the_run_refuses_what_ranks_sampling_together_cannot_do_as_the_plan_does(assets, tmp_path, settings, rule):
-    """distributed.lockstep is one rule set: the run's check before anything loads (train.trainer.check_sampling)
-    says what the plan's finding says, in one line."""
+    """config.compatibility is one table: the run's check before anything loads (planner.compatibility.check_run,
+    which train.trainer.check_settings calls with the rank's device) reads model.path's config.json as the plan does
+    and says what the plan's finding says, in one line."""
     from evenrl.config import load_config, with_settings
     from evenrl.errors import UsageError
     from evenrl.planner.layout import make_layout
     from evenrl.planner.plan import make_plan
     from evenrl.testing import make_tiny_model
-    from evenrl.train.trainer import check_sampling
+    from evenrl.planner.compatibility import check_run
 
     if settings.get("model.path") == "VL":
         settings = {**settings, "model.path": make_tiny_model(str(tmp_path / "vl"), arch="qwen2_vl")}
     cfg = with_settings(load_config(str(assets["cfg"]), []), settings)
     with pytest.raises(UsageError) as e:
-        check_sampling(cfg)
+        check_run(cfg, device="cpu", rollout_devices=0)
     found = [f for f in make_plan(cfg, make_layout(nproc_per_node=2)).findings if f.rule == rule]
     assert len(found) == 1 and found[0].level == "error"
     assert str(e.value) == f"{found[0].message}; fix: {found[0].fix}" and "\n" not in str(e.value)

@@ -71,12 +71,7 @@ class Agents:
         problem = agent_problem(cfg.rollout.agent, cfg.rollout.agent_args)
         if problem:
             raise bad("rollout.agent", cfg.rollout.agent, problem)
-        if any(s.model or s.judge is not None for s in cfg.rewards.functions):
-            raise UsageError("rollout.agent with reward models or judges in rewards.functions: an agent's None reward "
-                             "is scored by reward functions only; score in the agent, or use reward functions")
-        if cfg.rewards.sandbox == "all":
-            raise UsageError("rollout.agent with rewards.sandbox=all: the sandbox's private /tmp and file system view "
-                             "hide the endpoint's socket from the agents; use rewards.sandbox=tools")
+        # beside reward models, judges or rewards.sandbox=all: refused before anything loaded (config.compatibility)
         if file_render(cfg.model.path) is None:
             raise UsageError(f"rollout.agent: model.path {cfg.model.path} has no chat template; the endpoint renders "
                              "chat requests with it (save one with the tokenizer, or into chat_template.jinja)")

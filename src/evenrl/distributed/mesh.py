@@ -226,11 +226,8 @@ def device_mesh(device: torch.device, *, host_collectives: bool = False):
     key = ("host" if host_collectives else "device", device.type)
     if key in G.meshes:
         return G.meshes[key]
+    # (offload beside tensor or expert parallelism was refused before anything loaded: config.compatibility)
     if host_collectives and device.type != "cpu":
-        for key, size in (("tensor_parallel_size", G.shape.tp), ("expert_parallel_size", G.shape.ep)):
-            if size > 1:
-                raise UsageError(f"parallel.cpu_offload: 'full' with parallel.{key} > 1 is not supported; use one "
-                                 "of them")
         if G.host_group is None:
             hybrid = f"cpu:gloo,{device.type}:nccl"
             if not active():  # one process: the default group itself gets both backends

@@ -19,9 +19,10 @@ shards). The dense layers keep the usual dimensions.
 
     MeshShape(world=4, ep=2).groups("ep") -> [[0, 1], [2, 3]];  .groups("edata") -> [[0, 2], [1, 3]]
 
-Expert parallelism with tensor parallelism is refused: the tensor-parallel plan splits dense decoders only (an MoE
-block has no gate/up/down projections to split), so ep over the ranks of a tp group would hold split attention
-beside whole experts, a layout no model here can use yet.
+Expert parallelism with tensor parallelism is refused before anything loads (config.compatibility's
+expert-parallel-tensor-parallel): the tensor-parallel plan splits dense decoders only, so ep over the ranks of a tp
+group would hold split attention beside whole experts, a layout no model here can use yet. Its groups are laid out
+here all the same (ep within each tp index's data group).
 
 Rollout engines over several devices (`rollout.tensor_parallel_size` = N, vLLM): colocated, an engine group is N
 consecutive training ranks; reserved, N consecutive rollout ranks.
@@ -99,9 +100,6 @@ class MeshShape:
                                                        ("parallel.tensor_parallel_size", self.tp)) if v > 1)
             out.append(f"{what} = {self.replica} ranks per replica must divide the {self.trainers} training ranks "
                        f"(allowed: a divisor of {self.trainers})")
-        elif self.ep > 1 and self.tp > 1:
-            out.append(f"parallel.expert_parallel_size: got {self.ep} with parallel.tensor_parallel_size "
-                       f"{self.tp}; tensor parallelism splits dense decoders only, so use one of them")
         elif self.ep > 1 and self.data % self.ep:
             out.append(f"parallel.expert_parallel_size: got {self.ep}; it must divide the {self.data} data-parallel "
                        f"ranks (dp {self.dp} x sp {self.sp}), which it borrows (allowed: a divisor of {self.data})")

@@ -27,9 +27,7 @@ def make_engine(cfg, model, *, eos_token_ids: set[int], pad_token_id: int, devic
     trainer's, or a rollout rank's own copy); vLLM loads its own copy from cfg.model.path and is fed weights by the
     weight sync (with model.lora: only the adapters of `model`, where vLLM can load them)."""
     if cfg.rollout.engine == "vllm":
-        from evenrl.engines.vllm_engine import VLLMEngine, refuse_router_replay
-
-        refuse_router_replay(cfg)
+        from evenrl.engines.vllm_engine import VLLMEngine
         from evenrl.models.lora import adapter_config
 
         engine = VLLMEngine(cfg, eos_token_ids=eos_token_ids, device=device, adapter=adapter_config(model))

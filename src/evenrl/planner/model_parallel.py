@@ -15,7 +15,7 @@ Tensor parallelism in the engine (rollout.tensor_parallel_size): one vLLM engine
 tensor_parallel_size), on the reserved rollout devices or, colocated, over the trainers of each engine group
 (engines.engine_group); refused above 1 for an engine that cannot span devices (evenrl.distributed.mesh_shape.
 ENGINES_OVER_DEVICES). The hf engine's is the trainer's (parallel.tensor_parallel_size, planner.tensor_parallel).
-What the ranks that sample together cannot do is distributed.lockstep's, read here and at run time.
+What the ranks that sample together cannot do is config.compatibility's (read by the plan and the run alike).
 Pure Python: never imports torch.
 """
 
@@ -26,7 +26,6 @@ from dataclasses import replace
 
 from evenrl.config import RunConfig, with_settings
 from evenrl.distributed import mesh_shape
-from evenrl.distributed.lockstep import problems
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.groups import group_layout
 from evenrl.planner.layout import Layout
@@ -71,10 +70,7 @@ def rule_sequence_parallel(p: Plan) -> list[Finding]:
                            f"of {sp}", "; ".join(f"{key}={s}" for s in near)
                            + f"; or {t - t % sp or sp} training ranks"))
     if d and d.vision is not None:
-        out.append(Finding("error", "sequence-parallel-vision",
-                           f"{key}={sp} with a vision-language model ({d.model_type}) is not supported yet: its "
-                           "image tokens would need splitting with the text", f"{key}=1"))
-        return out
+        return out  # refused: config.compatibility's sequence-parallel-vision
     whose = "the model's" if tp == 1 else f"a tensor-parallel rank's (1/{tp} of the model's)"
     kv_heads = d.kv_heads // tp if d else 0
     if d and heads % sp:
@@ -166,9 +162,8 @@ def rule_rollout_parallel(p: Plan) -> list[Finding]:
     the group's devices), its slices of the attention heads and the MLP whole."""
     c, lay, d = p.config, p.layout, p.dims
     tp, key = c.rollout.tensor_parallel_size, "rollout.tensor_parallel_size"
-    out = [Finding("error", rule, message, fix) for rule, message, fix in
-           problems(c, reserved=lay.rollout_devices > 0, vision=bool(d and d.vision))]
-    if tp == 1 or c.rollout.engine not in mesh_shape.ENGINES_OVER_DEVICES:  # the hf engine's: lockstep's finding
+    out: list[Finding] = []
+    if tp == 1 or c.rollout.engine not in mesh_shape.ENGINES_OVER_DEVICES:  # the hf engine's: the table's finding
         return out
     devices = lay.rollout_devices or lay.world
     where = (f"the {plural(devices, 'reserved rollout device')}" if lay.rollout_devices

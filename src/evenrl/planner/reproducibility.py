@@ -1,6 +1,6 @@
-"""The rules of train.reproducibility=bitwise (docs/reproducibility.md): what it cannot make bit-identical yet is
-refused before anything loads, what it costs is said, and a resume that cannot continue the same run bit for bit is
-named.
+"""The rules of train.reproducibility=bitwise (docs/reproducibility.md): what it costs is said, and a resume that cannot
+continue the same run bit for bit is named. What it cannot make bit-identical yet is refused before anything loads
+by config.compatibility's rows (bitwise-*).
 
     evenrl plan CONFIG train.reproducibility=bitwise --nproc-per-node 3
 
@@ -29,30 +29,6 @@ def rule_reproducibility(p: Plan) -> list[Finding]:
     if c.train.reproducibility != "bitwise":
         return []
     out = []
-    if c.rollout.engine == "vllm" and p.layout.device == "cpu":
-        out.append(Finding("error", "bitwise-vllm-cpu", "train.reproducibility=bitwise with rollout.engine=vllm on "
-                           "CPU: vLLM's CPU build has no batch-invariant mode (a sample's logits change with the "
-                           "requests that share its batch)", f"rollout.engine=hf; or {_ROUNDING}"))
-    for field, size in (("tensor_parallel_size", c.parallel.tensor_parallel_size),
-                        ("sequence_parallel_size", c.parallel.sequence_parallel_size),
-                        ("expert_parallel_size", c.parallel.expert_parallel_size)):
-        if size > 1:
-            out.append(Finding("error", "bitwise-model-parallel", f"train.reproducibility=bitwise with "
-                               f"parallel.{field}={size}: not made bit-identical yet (the split model's gradients "
-                               "and norm are not summed in fixed point across its group)",
-                               f"parallel.{field}=1; or {_ROUNDING}"))
-    if c.rollout.engine == "vllm" and c.rollout.tensor_parallel_size > 1:  # engines.engine_group
-        out.append(Finding("error", "bitwise-engine-parallel", "train.reproducibility=bitwise with "
-                           f"rollout.tensor_parallel_size={c.rollout.tensor_parallel_size}: an engine over several "
-                           "devices sums each layer's slices across them and batches its group's requests together; "
-                           "not shown bit-identical to one device's (no machine with several GPUs has run it)",
-                           f"rollout.tensor_parallel_size=1; or {_ROUNDING}"))
-    if c.algo.router_aux_loss_coef > 0 or c.rollout.router_replay == "engine":
-        what = ("algo.router_aux_loss_coef > 0" if c.algo.router_aux_loss_coef > 0
-                else "rollout.router_replay=engine")
-        out.append(Finding("error", "bitwise-moe", f"train.reproducibility=bitwise with {what}: its sums over ranks "
-                           "(the loss's metric, the routing probe) are not layout-free yet",
-                           f"algo.router_aux_loss_coef=0 rollout.router_replay=trainer; or {_ROUNDING}"))
     units = max(p.layout.training_ranks, 1) // max(c.parallel.tensor_parallel_size, 1)
     if p.layout.rollout_devices:
         units = p.layout.rollout_devices

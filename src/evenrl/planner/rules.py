@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from evenrl.planner.compatibility import rule_compatibility
 from evenrl.planner.batches import (rule_groups, rule_idle, rule_imbalance, rule_min_rows, rule_minibatches,
                                     rule_token_cap)
 from evenrl.planner.groups import rule_group_memory, rule_mixed_speeds, rule_unknown_models
@@ -123,15 +124,6 @@ def rule_memory(p: Plan) -> list[Finding]:
 
 def rule_parallel(p: Plan) -> list[Finding]:
     c, lay, out = p.config, p.layout, []
-    if c.parallel.cpu_offload == "full" and c.parallel.sharding != "fsdp":
-        out.append(Finding("error", "offload-replicated", "cpu_offload=full needs sharding=fsdp: FSDP2's offload "
-                           "policy moves the sharded parameters, gradients and optimizer state to the host, and a "
-                           "replicated model has no shards", "parallel.cpu_offload=none" if lay.device == "cpu" else
-                           "parallel.sharding=fsdp; or parallel.cpu_offload=none"))
-    if c.parallel.cpu_offload == "full" and lay.device == "cpu":
-        out.append(Finding("error", "offload-cpu", "cpu_offload=full needs an accelerator: FSDP2 copies each "
-                           "offloaded shard to the device to gather it, so on a CPU-only layout the run fails at "
-                           "its first forward", "parallel.cpu_offload=none; or plan GPUs (--device cuda)"))
     if c.parallel.sharding == "fsdp" and lay.training_ranks == 1 and c.parallel.cpu_offload == "none":
         out.append(Finding("note", "fsdp-one-rank", "sharding=fsdp over 1 training rank shards nothing "
                            "(it still gathers each block before use)", "parallel.sharding=replicated, or more ranks"))
@@ -162,13 +154,6 @@ def rule_overlap(p: Plan) -> list[Finding]:
     where both sides take a similar time; the numbers are evenrl.planner.timing's estimates."""
     c, lay, ov, out = p.config, p.layout, p.overlap, []
     k = c.rollout.max_staleness
-    if lay.rollout_devices and c.algo.filter_groups:
-        # a round's need for more prompts is decided from the trainers' rewards; rollout ranks do not see them
-        out.append(Finding("error", "reserved-filter-groups",
-                           f"{plural(lay.rollout_devices, 'reserved rollout device')} run one generation round per "
-                           "step; algo.filter_groups=true needs more rounds (the trainers decide them from rewards "
-                           "the rollout devices never see)",
-                           "--rollout-devices 0 (parallel.rollout_devices=0); or algo.filter_groups=false"))
     if k and not lay.rollout_devices:
         if lay.world < 2:
             fix = "--nproc-per-node 2 --rollout-devices 1 (parallel.rollout_devices=1)"
@@ -212,7 +197,7 @@ def rule_overlap(p: Plan) -> list[Finding]:
 
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_reward_models, rule_groups,
          rule_algorithms, rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory,
-         rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_partial, rule_vision, rule_lora,
-         rule_trackers, rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent, rule_sequence_parallel,
+         rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_compatibility, rule_partial,
+         rule_vision, rule_lora, rule_trackers, rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent, rule_sequence_parallel,
          rule_rollout_parallel, rule_tensor_parallel, rule_engine_memory, rule_moe, rule_expert_parallel,
          rule_reproducibility]

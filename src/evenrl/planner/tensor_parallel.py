@@ -6,11 +6,11 @@ the model on its devices (rollout.tensor_parallel_size); two of planner.rules.RU
 The trainer's TP (evenrl.distributed.tensor_parallel, on the mesh of evenrl.distributed.mesh_shape: dp x sp x tp,
 tp fastest): a TP group is TP consecutive training ranks, each holding 1/TP of every layer's heads, MLP width and
 vocabulary (planner.split_model sizes it, planner.memory counts it). Hence: the model must be a dense decoder with
-q/k/v/o and gate/up/down projections (no vision tower, experts or latent attention), TP must divide its attention
-heads, KV heads, intermediate size and vocabulary; SP x TP must divide the training ranks (MeshShape.problems, the
-line the run would stop with); a group should sit on one node (its all-gathers run every layer); FSDP2's CPU offload
-does not run with it. The hf engine samples from the split model (a TP group generates together), so its rollout
-needs no engine of its own. The smallest TP that fits a model too large for a rank is a memory fix
+q/k/v/o and gate/up/down projections (no latent attention; a vision tower or experts, and FSDP2's CPU offload, are
+config.compatibility's rows), TP must divide its attention heads, KV heads, intermediate size and vocabulary; SP x TP
+must divide the training ranks (MeshShape.problems, the line the run would stop with); a group should sit on one node
+(its all-gathers run every layer). The hf engine samples from the split model (a TP group generates together), so
+its rollout needs no engine of its own. The smallest TP that fits a model too large for a rank is a memory fix
 (planner.memory_fixes.tensor_parallel_fix), which --fit applies.
 An engine's devices (rule_engine_memory): a vLLM engine on GPUs gets rollout.memory_fraction (0: 0.3) of each
 device, which must hold its weights (the model in the compute dtype over rollout.tensor_parallel_size devices) and
@@ -44,16 +44,12 @@ def rule_tensor_parallel(p: Plan) -> list[Finding]:
     tp, sp, t, out = c.parallel.tensor_parallel_size, c.parallel.sequence_parallel_size, lay.training_ranks, []
     if tp == 1 or t < 1:
         return []
-    if c.parallel.cpu_offload == "full":  # evenrl.distributed.mesh.device_mesh refuses it
-        out.append(Finding("error", "tensor-parallel-offload",
-                           f"{KEY}={tp} with parallel.cpu_offload=full: FSDP2's offload keeps the shards on the host, "
-                           "which the tensor-parallel split does not run with", f"parallel.cpu_offload=none; or {KEY}=1"))
     for problem in MeshShape(lay.world, lay.rollout_devices, sp, tp).problems():  # the line the run stops with
         near = _nearest([s for s in _sizes(c, lay, d, t // sp if t % sp == 0 else t) if s > 1], tp)
         out.append(Finding("error", "tensor-parallel-ranks", problem,
                            "; ".join([f"{KEY}={s}" for s in near] + [f"or {sp * tp * max(t // (sp * tp), 1)} "
                                                                       "training ranks"])))
-    if d is None:
+    if d is None or d.vision is not None or d.experts:  # config.compatibility's tensor-parallel-model rows
         return out
     why = splittable(d) or _unsplit_layers(c.model.path)
     if why:

@@ -29,7 +29,4 @@ def rule_vision(p: Plan) -> list[Finding]:
         out.append(Finding("error", "vllm-vision", "rollout.engine=vllm runs Qwen2-VL through torchvision, which is "
                            "not installed here (its CPU wheels break torch 2.13)", "rollout.engine=hf; or a GPU "
                                                                                  "machine with vllm and torchvision"))
-    if p.dims and p.dims.vision and c.algo.advantage == "gae":
-        out.append(Finding("error", "critic-vision", "algo.advantage=gae: evenrl builds critics for text models "
-                           "only", "a group advantage (algo.advantage=grpo, rloo, ...)"))
     return out

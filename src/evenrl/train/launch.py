@@ -166,6 +166,8 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callabl
     from evenrl.data.hub import fetch_datasets
     from evenrl.models.hub import resolve_models
     from evenrl.train import rundir
+    from evenrl.config.compatibility import SFT_RULES
+    from evenrl.planner.compatibility import check_run
     from evenrl.train.preflight import launch_layout, preflight
 
     cfg = resolve_models(load_config(args.config, args.overrides), download=True)  # downloaded once, here
@@ -176,6 +178,8 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callabl
                          "0, so a restarted run would start over from step 1; set checkpoint.every_steps (e.g. 10)")
     if cmd == "train":
         preflight(cfg, launch_layout(args.nnodes, args.nproc_per_node))
+    elif cmd == "sft":  # no plan: config.compatibility's rows about the model's split
+        check_run(cfg, rollout_devices=0, rules=SFT_RULES)
     if args.resume:  # the checkpoint's small files, as every rank would read them
         from evenrl.train import checkpoint
 

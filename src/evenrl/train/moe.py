@@ -31,12 +31,10 @@ from evenrl.train.update import compute_logprobs
 
 
 def check(cfg: RunConfig, model) -> None:
-    """Refuse what the model's routers cannot do, before a step runs (the plan names the same from config.json)."""
+    """Refuse what the model's routers cannot do, before a step runs (the plan names the same from config.json;
+    replay beside an agent or vLLM is config.compatibility's, refused before anything loaded)."""
     state = routing.routing(model)
     replay = cfg.rollout.router_replay
-    if replay == "engine" and cfg.rollout.agent:
-        raise UsageError("rollout.router_replay: got 'engine' with rollout.agent; an agent's samples are joined from "
-                         "its calls, whose routes evenrl does not join yet; use 'trainer' (R2) or 'off'")
     if state is None:
         unknown = routing.unknown_routers(model)
         if unknown and (replay != "off" or cfg.algo.router_aux_loss_coef > 0):

@@ -27,14 +27,14 @@ from evenrl.train import checkpoint
 from evenrl.train.carry import Carry, serve_step
 from evenrl.train.data import PromptSampler
 from evenrl.train.sampling import unit_batches
-from evenrl.train.trainer import Prompts, check_sampling, load_prompt_set, vision_setup
+from evenrl.train.trainer import Prompts, check_settings, load_prompt_set, vision_setup
 from evenrl.agents.rollout import Agents
 from evenrl.train.trajectories import Turns, make_turns
 
 
 def serve(cfg: RunConfig, info, found: Path | None) -> None:
     """Generate every step's samples of this replica, from step 1 or after checkpoint `found`."""
-    check_sampling(cfg)
+    check_settings(cfg, info)
     turns = make_turns(cfg)  # checks the chat template before any weights load
     # one whole copy in the engine's dtype: the hf engine samples from it, and it gives the push its layout (all a
     # vLLM rank needs of it: its tensors' shapes, on the meta device, so the device is the engine's alone)

@@ -26,6 +26,8 @@ from evenrl.models.forward import response_logprobs
 from evenrl.train.data import PromptSampler, load_data
 from evenrl.train import determinism, rundir
 from evenrl.train.checkpoint import save_final
+from evenrl.config.compatibility import SFT_RULES
+from evenrl.planner.compatibility import check_run
 from evenrl.train.preflight import mesh_sizes
 from evenrl.train.runlog import RunLog
 from evenrl.train.trackers import Trackers, check_reachable
@@ -35,6 +37,7 @@ from evenrl.train.update import minibatch_denominators, minibatch_update
 
 def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     rundir.check(cfg.log.run_dir, resume=False, overwrite=overwrite)
+    check_run(cfg, rollout_devices=0, rules=SFT_RULES)  # as the launcher did: no row of them is about the device
     check_reachable(cfg)  # a tracker's server, before anything loads
     determinism.environment(cfg)
     info = dist.init(**mesh_sizes(cfg, rollout=False))

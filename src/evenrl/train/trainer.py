@@ -16,17 +16,17 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
-from evenrl.distributed import lockstep
 from evenrl.distributed.exact import ElementwiseAdamW
 from evenrl.distributed.sharding import shard
 from evenrl.engines import Engine, make_engine
 from evenrl.engines.payload import make_payload
 from evenrl.engines.sync import WeightSync, make_weight_sync
-from evenrl.models.files import is_vision_config, read_model_config
+from evenrl.models.files import read_model_config
 from evenrl.models.loading import load_policy, with_value_head
 from evenrl.models.lora import adapters_disabled, add_adapters
 from evenrl.models.vision import is_vision_model, load_image_processor
 from evenrl.models.vision_config import vision_dims_from_config, vision_token_weight
+from evenrl.planner.compatibility import check_run
 from evenrl.planner.dims import dims_from_config
 from evenrl.rewards import RewardFn, resolve
 from evenrl.train import checkpoint, moe
@@ -152,7 +152,7 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
     `balance`: the token caps and capacity weights of the plan (evenrl.train.balance.make_balance; None: the
     config's one cap, equal weights)."""
     torch.manual_seed(cfg.train.seed)
-    check_sampling(cfg)
+    check_settings(cfg, info)
     turns = make_turns(cfg)  # checks the chat template before any weights load
     model, tokenizer = trainable_model(cfg, cfg.model.path, info)
     moe.check(cfg, model)  # router replay and the load-balancing loss on what the routers can do
@@ -195,11 +195,10 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
                    balance=balance or Balance(), turns=turns, carry=Carry(cfg, turns) if cfg.rollout.partial else None)
 
 
-def check_sampling(cfg: RunConfig) -> None:
-    """What the ranks that sample together cannot do (distributed.lockstep, the plan's rules too), refused in one
-    line before anything loads."""
-    lockstep.refuse(cfg, reserved=bool(dist.rollout_ranks()),
-                    vision=is_vision_config(read_model_config(cfg.model.path)))
+def check_settings(cfg: RunConfig, info) -> None:
+    """What does not run together (config.compatibility, the plan's findings too) on this rank's device and the
+    run's reserved rollout ranks, refused in one line before anything loads."""
+    check_run(cfg, device=info.device.type, rollout_devices=len(dist.rollout_ranks()))
 
 
 def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:

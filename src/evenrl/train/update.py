@@ -25,7 +25,7 @@ from evenrl.distributed.sequence import sequence_parallel
 from evenrl.distributed.sharding import shard
 from evenrl.distributed.tensor_parallel import tensor_parallel
 from evenrl.engines.base import keyed_seed
-from evenrl.errors import RunStopped, UsageError
+from evenrl.errors import RunStopped
 from evenrl.models.decoder import LeanDecoder
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import forwards_meet, is_sharded, set_autocast, set_tf32
@@ -73,11 +73,7 @@ def split_tensors(model, cfg: RunConfig) -> None:
     evenrl.distributed.tensor_parallel) or expert parallelism (parallel.expert_parallel_size > 1: a mixture's
     experts split over its ep group, evenrl.distributed.expert_parallel), before FSDP2 shards what is left."""
     device = next(model.parameters()).device
-    for key, size in (("tensor_parallel_size", cfg.parallel.tensor_parallel_size),
-                      ("expert_parallel_size", cfg.parallel.expert_parallel_size)):
-        if size > 1 and is_vision_model(model):  # the plan says so first
-            raise UsageError(f"parallel.{key}: got {size} for a vision-language model; not supported yet (its "
-                             "vision tower is not split); use 1")
+    # what they do not split (a vision-language model) was refused before anything loaded (config.compatibility)
     if cfg.parallel.tensor_parallel_size > 1:
         tensor_parallel(model, dist.device_mesh(device)["tp"])
     if cfg.parallel.expert_parallel_size > 1:
@@ -91,10 +87,7 @@ def split_sequences(model, cfg: RunConfig) -> None:
     and so do a checkpointed text model, a mixture of experts (its routes are then recorded and replayed by packed
     position: evenrl.models.routing) and a tensor-parallel model (the model's own forward is its only training
     path). The step's schedule then counts a micro-batch's real tokens against the cap (packed)."""
-    size = cfg.parallel.sequence_parallel_size
-    if size > 1 and is_vision_model(model):  # the plan says so first ("sp-vision")
-        raise UsageError(f"parallel.sequence_parallel_size: got {size} for a vision-language model; not supported "
-                         "yet (its images' positions and vision tower are not split); use 1")
+    size = cfg.parallel.sequence_parallel_size  # > 1 for a vision-language model: refused before it loaded
     packs = (cfg.model.gradient_checkpointing or cfg.parallel.tensor_parallel_size > 1 or is_moe(model)
              or LeanDecoder.supports(model))
     if size > 1 or (packs and not is_vision_model(model)):

@@ -8,6 +8,13 @@ from evenrl.config import describe
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def test_compatibility_page_is_current():
+    from evenrl.config.compatibility import markdown
+
+    assert (ROOT / "docs" / "compatibility.md").read_text() == markdown(), \
+        "docs/compatibility.md is stale: regenerate it with python -m evenrl.config.compatibility > docs/compatibility.md"
+
+
 def test_config_reference_is_current():
     text = (ROOT / "docs" / "config.md").read_text()
     assert describe() in text, "docs/config.md is stale: regenerate it with python -m evenrl.config"

@@ -181,6 +181,12 @@ class Log:
         return rc, text, wall
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line of a result: its type and its message's first line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     for line in reversed(lines):  # evenrl's own one-line error, when there is one

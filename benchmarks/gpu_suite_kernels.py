@@ -30,6 +30,7 @@ from evenrl.models import forward as forward_module
 from evenrl.models.forward import response_logits, response_logprobs
 from evenrl.models.loading import load_policy, set_autocast
 from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update, split_sequences
+from gpu import one_line
 from gpu_suite_paths import sec_attention, sec_moe
 from gpu_suite_schemes import BF16_BOUNDS, SCHEMES, scheme_model, set_tf32
 
@@ -369,11 +370,6 @@ def sec_ceiling(ctx: Ctx) -> dict:
 SECTIONS = {"ceiling": sec_ceiling, "schemes": sec_schemes, "precision": sec_precision, "adamw": sec_adamw,
             "trace": sec_trace, "attention": sec_attention, "moe": sec_moe, "sampler": sec_sampler,
             "compile": sec_compile}
-
-
-def one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def _reset(ctx: Ctx) -> None:

@@ -24,6 +24,7 @@ from evenrl.core.batch import Batch, Ragged
 from evenrl.core.fused_head import head_logprobs
 from evenrl.models import forward as fw
 from evenrl.models.loading import autocast, set_autocast
+from gpu import one_line
 
 
 def _head(layer, hidden, targets):
@@ -76,7 +77,6 @@ def sec_attention(ctx) -> dict:
                 out[name] = {"fwd_bwd_s": s, "real_tokens_per_s": real / s,
                              "max_abs_dlogp_vs_masked": float((lp - ref).abs().max())}
             except Exception as e:  # noqa: BLE001 - one path failing leaves the others' numbers
-                from gpu_suite_kernels import one_line
                 out[name] = {"error": one_line(e)}
     finally:
         model.zero_grad(set_to_none=True)
@@ -126,7 +126,6 @@ def sec_moe(ctx) -> dict:
             out[impl] = {"fwd_bwd_s": s, "tokens_per_s": tokens / s, "expert_tflops": flop / s / 1e12,
                          "max_abs_dy_vs_first": float((y - ref).abs().max())}
         except Exception as e:  # noqa: BLE001 - an unavailable backend leaves the others' numbers
-            from gpu_suite_kernels import one_line
             out[impl] = {"error": one_line(e)}
         ctx.free()
     del block, x, g

@@ -7,24 +7,30 @@ Sections run in order of value; each has an estimate of its seconds, and one tha
 the budget is skipped with that reason (the budget cuts from the end). Every child process runs under the deadline
 (it is killed there: "cut"), so the whole run ends within the budget plus the final write. Outputs (--out; the
 device tool brings back at most 8 files): gpu_suite.json, gpu_suite.md, gpu_suite.log (every child's output),
-trace_bf16_step.json.gz and trace_bf16_step.txt.
+trace_bf16_update.json.gz and trace_bf16_update.txt.
 
 Model and batch: benchmarks/gpu.py's (Qwen2.5-0.5B's dimensions, random weights, 494 M parameters; 16 prompts x 4
-samples x 128 new tokens, token cap 4096, 2 mini-batches per step), built once and shared by every section.
+samples x 128 new tokens, token cap 4096, 2 mini-batches per step), built once and shared by every section but
+trainer-throughput, which builds prime-rl's shapes itself.
 Sections, in this order (the budget cuts from the end: the issue's four targets come first):
   ceiling .. sampler   one process, one model load (gpu_suite_kernels.py): the bf16 matmul ceiling; the step's
                phases in-process per precision scheme (gpu_suite_schemes.py: fp32, fp32+TF32, bf16 autocast, bf16
                parameters with fp32 master weights) with the update's TFLOP/s and MFU against the chip's bf16 peak;
-               log-probs, loss and gradient of each scheme against float64; a torch.profiler trace of one bf16 step;
+               log-probs, loss and gradient of each scheme against float64; a torch.profiler trace of one bf16
+               optimizer step of the update;
                the training forward's paths on a long-tail micro-batch (packed, segment-wise, right-padded, masked)
                and a Qwen3-30B-A3B-shaped MoE block by experts backend (gpu_suite_paths.py); fused vs foreach AdamW;
                the sampler alone (lean vs static x fp32 vs bf16: tokens/s and the share of the time the device is
                busy, the rest being Python and launches)
+  trainer-throughput   the update alone at prime-rl's trainer-benchmark shapes (benchmarks/trainer_throughput.py:
+               Qwen3-0.6B full and Qwen3-4B LoRA at 16 K tokens per sequence; tokens/s, MFU by prime-rl's formula,
+               peak memory), one process per arm
   vs-trl       evenrl vs TRL GRPO in bf16: grpo_vs_trl.py's alternating pairs (>= 2 pairs if they fit)
   step-bf16-autocast, step-fp32   `evenrl train` (gpu.py's runs): step, rollout / log-prob / update seconds and
                peak GiB per phase, `evenrl plan` beside
   compile      the bf16 update with the packed training forward under torch.compile (compile time apart)
   step-fsdp-bf16, step-fp32-tf32  `evenrl train` with FSDP2 bf16, and fp32 with TF32 (cuBLAS override variable)
+  trainer-throughput-64k   the same two shapes at 64 K tokens per sequence, each where it fits
 Tensor parallelism has no row: it is not built yet (issue 41), so its overhead at TP = 1 cannot be measured.
 """
 
@@ -58,17 +64,21 @@ SECTIONS = {
     "ceiling": ("kernels", 3, 2),
     "schemes": ("kernels", 70, 8),
     "precision": ("kernels", 25, 3),
-    "trace": ("kernels", 40, 5),
+    "trace": ("kernels", 20, 3),  # one optimizer step (55 s over its cap when it traced the whole RL step)
     "attention": ("kernels", 20, 6),
     "moe": ("kernels", 20, 4),
     "adamw": ("kernels", 5, 1),
-    "sampler": ("kernels", 70, 8),  # last of its process: a CUDA graph capture gone wrong can break the context
+    # last of its process: a CUDA graph capture gone wrong can break the context. --tiny: 43 s at load ~16 on the
+    # 2-core machine (2026-11-28; it overran the 22 s cap of an estimate of 8)
+    "sampler": ("kernels", 70, 25),
+    "trainer-throughput": ("throughput", 90, 40),  # its arms' estimates (THROUGHPUT_ARMS); no shared model
     "vs-trl": ("trl", 170, 70),
     "step-bf16-autocast": ("train", 65, 25),
     "step-fp32": ("train", 60, 25),
     "compile": ("kernels", 140, 40),  # a second kernels process (load ~20 s)
     "step-fsdp-bf16": ("train", 65, 25),
     "step-fp32-tf32": ("train", 60, 25),
+    "trainer-throughput-64k": ("throughput", 95, 20),  # its first arm's: each arm runs where it fits
 }
 KERNELS_LOAD = (30, 10)  # the kernels process's start and model load
 TRAIN_ARMS = {  # evenrl train settings (gpu.ARMS) and extra environment
@@ -78,6 +88,20 @@ TRAIN_ARMS = {  # evenrl train settings (gpu.ARMS) and extra environment
     # TF32 for every fp32 matmul of the run, without a config field: the cuBLAS override variable torch reads
     "step-fp32-tf32": (gpu.ARMS["replicated-fp32"], {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}),
 }
+# The trainer-throughput sections' arms, prime-rl's trainer-benchmark shapes (docs/performance.md), each one process
+# of benchmarks/trainer_throughput.py (1 warm-up + 2 timed steps): name, its arguments, estimated seconds on one
+# H100 (not yet run there: prime-rl's published step time x 2, x 3 steps, + ~15 s of start and model init). The
+# 64 K arms are a section of their own at the end, where the budget cuts first. --tiny runs the same arms on the
+# tiny shape, 16 K -> 64 tokens and 64 K -> 256: 34-41 s each at load ~12 on the 2-core CPU, ~8 s of it CPU time.
+THROUGHPUT_ARMS = {
+    "trainer-throughput": (("qwen3-0.6b-16k", ["--model", "qwen3-0.6b", "--seq-len", "16384"], 35),
+                           ("qwen3-4b-lora-16k", ["--model", "qwen3-4b", "--lora-rank", "16", "--seq-len", "16384"],
+                            55)),
+    "trainer-throughput-64k": (("qwen3-0.6b-64k", ["--model", "qwen3-0.6b", "--seq-len", "65536"], 95),
+                               ("qwen3-4b-lora-64k", ["--model", "qwen3-4b", "--lora-rank", "16", "--seq-len",
+                                                      "65536"], 210)),
+}
+TINY_SEQ = {"16384": "64", "65536": "256"}
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4}  # dense, datasheets (SXM unless named)
 RESERVE_S = 5.0  # kept back from every child's timeout for writing the results
 
@@ -165,6 +189,32 @@ def run_kernels(ctx, names: list[str]) -> dict[str, dict]:
         out[first].setdefault("result", None)
         out[first]["load_s"] = got["load"]["seconds"]
     return out
+
+
+def run_throughput(ctx, section_name: str) -> dict:
+    """A trainer-throughput section: each of its arms that fits, in its own process (a fresh device: the 4B arms
+    hold up to ~45 GiB), capped at 3x its estimate + 30 s so one slow arm leaves the next its time."""
+    arms = {}
+    for name, argv, est in THROUGHPUT_ARMS[section_name]:
+        if ctx.args.tiny:
+            argv, est = ["--tiny", *(TINY_SEQ.get(a, a) for a in argv[2:])], 20
+        why = ctx.budget.refuse(est)
+        if why:
+            arms[name] = {"status": "skipped", "reason": why}
+            continue
+        out = ctx.work / f"throughput-{name}.json"
+        cmd = [sys.executable, str(HERE / "trainer_throughput.py"), *argv, "--device", ctx.device, "--steps", "2",
+               "--json", str(out)]
+        rc, text, wall = ctx.log.run(f"{section_name} {name}", cmd, min(ctx.budget.timeout(), 3 * est + 30))
+        if rc == 0 and out.exists():
+            arms[name] = {"status": "ran", "seconds": wall, "result": json.loads(out.read_text())}
+        else:
+            arms[name] = {"status": "cut" if rc == 124 else "failed", "seconds": wall,
+                          "reason": f"killed after {wall:.0f} s" if rc == 124 else f"exit {rc}: {gpu.last_line(text)}"}
+    ran = [a for a in arms.values() if a["status"] == "ran"]
+    first = next(iter(arms.values()))
+    return {"status": "ran" if ran else first["status"], "reason": None if ran else first["reason"],
+            "result": {"arms": arms} if ran else None}
 
 
 def run_trl(ctx) -> dict:
@@ -323,12 +373,13 @@ def main(argv: list[str] | None = None) -> int:
             i += 1
             continue
         est = budget.estimate(name) + (budget.estimate("load") if group == "kernels" else 0)
-        why = budget.refuse(est if ctx.results["model"] else est + (5 if args.tiny else 30))
+        needs_model = results["model"] is None and group != "throughput"
+        why = budget.refuse(est + (5 if args.tiny else 30) if needs_model else est)
         if why:
             results["sections"].append(section(name, "skipped", why, estimate=budget.estimate(name)))
             i += 1
             continue
-        if results["model"] is None:
+        if needs_model:
             build(ctx)
             print(f"[gpu_suite] model and data in {results['model']['build_s']:.0f} s", flush=True)
         ctx.t_section = time.perf_counter()
@@ -343,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                     results["sections"][-1]["load_s"] = r["load_s"]
             i += len(rest)
         else:
-            r = run_train_arm(ctx, name) if group == "train" else run_trl(ctx)
+            r = {"train": lambda: run_train_arm(ctx, name), "trl": lambda: run_trl(ctx),
+                 "throughput": lambda: run_throughput(ctx, name)}[group]()
             r.setdefault("seconds", time.perf_counter() - ctx.t_section)
             results["sections"].append(section(name, r["status"], r.get("reason"), r["seconds"], r.get("result"),
                                                budget.estimate(name)))

@@ -39,7 +39,8 @@ GIB = 2**30
 # profile of 128 steps x 4 arms (its events walked in Python) took the sampler section over its cap on an H200
 # (2026-11-27: 86 s; the trace section 55 s)
 PROFILED_NEW_TOKENS = 16
-SPANS = ("sampler", "rollout", "logprobs", "update")  # the record_function ranges busy_share measures
+SPANS = ("sampler", "update")  # the record_function ranges busy_share measures
+TRACE = "trace_bf16_update"  # the trace section's files in --out: .json.gz (Perfetto) and .txt (the top ops)
 
 
 class Ctx:
@@ -107,10 +108,11 @@ class Ctx:
         per = max(1, self.spec["token_cap"] // width)
         return [rows[i: i + per] for i in range(0, len(rows), per)]
 
-    def update(self, model, optimizer, batch: Batch) -> None:
-        """The step's update: two mini-batches (gpu.py's minibatches_per_step), one optimizer step each."""
+    def update(self, model, optimizer, batch: Batch, minibatches: int = 2) -> None:
+        """The step's update: `minibatches` mini-batches (gpu.py's minibatches_per_step: 2), one optimizer step
+        each."""
         n = len(batch)
-        for half in (list(range(n // 2)), list(range(n // 2, n))):
+        for half in [list(range(i * n // minibatches, (i + 1) * n // minibatches)) for i in range(minibatches)]:
             minibatch_update(model, optimizer, None, batch, self.micro_rows(half, batch),
                              minibatch_denominators(batch["response_len"], half),
                              forward=lambda m, mb: response_logprobs(m, mb, self.pad),
@@ -285,29 +287,25 @@ def sec_adamw(ctx: Ctx) -> dict:
 
 
 def sec_trace(ctx: Ctx) -> dict:
+    """torch.profiler over one optimizer step of the update (forward, backward, clip, AdamW over the first of the
+    step's two mini-batches) in bf16 autocast. One step, not the whole RL step: the 2026-11-27 trace of a rollout,
+    the log-probs and both mini-batches was stopped at its 55 s cap on an H200 walking its events (estimate 30 s,
+    40 since), and the sampler's busy share is the sampler section's."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.dev.type == "cuda" else [])
     model, opt, undo = scheme_model(ctx.model, "bf16-autocast")
     batch = ctx.step_batch()  # the step's shapes: every row a prompt + new_tokens random response tokens
-    ctx.update(model, opt, batch)  # warm-up outside the trace
-    ctx.rollout(model, new_tokens=PROFILED_NEW_TOKENS)
-    with profile(activities=acts) as prof:
-        with record_function("rollout"):
-            ctx.rollout(model, new_tokens=PROFILED_NEW_TOKENS)
-            ctx.sync()
-        with record_function("logprobs"):
-            compute_logprobs(model, batch, ctx.micro_rows(list(range(len(batch))), batch), temperature=1.0,
-                             pad_token_id=ctx.pad)
-            ctx.sync()
-        with record_function("update"):
-            ctx.update(model, opt, batch)
-            ctx.sync()
+    half = batch.select(list(range(len(batch) // 2)))  # one mini-batch: one optimizer step
+    ctx.update(model, opt, half, minibatches=1)  # warm-up outside the trace
+    with profile(activities=acts) as prof, record_function("update"):
+        ctx.update(model, opt, half, minibatches=1)
+        ctx.sync()
     undo()
     out_dir = Path(ctx.spec["out"])
-    raw = Path(ctx.spec["work"]) / "trace_bf16_step.json"
+    raw = Path(ctx.spec["work"]) / f"{TRACE}.json"
     prof.export_chrome_trace(str(raw))
-    gz = out_dir / "trace_bf16_step.json.gz"
+    gz = out_dir / f"{TRACE}.json.gz"
     with raw.open("rb") as f, gzip.open(gz, "wb", compresslevel=6) as g:
         shutil.copyfileobj(f, g)
     kept = gz.stat().st_size <= ctx.spec.get("max_file_bytes", 15 * 2**20)
@@ -315,15 +313,14 @@ def sec_trace(ctx: Ctx) -> dict:
         gz.unlink()
     sort = "self_device_time_total" if ctx.dev.type == "cuda" else "self_cpu_time_total"  # torch >= 2.4's names
     text = prof.key_averages().table(sort_by=sort, row_limit=60)
-    (out_dir / "trace_bf16_step.txt").write_text(f"one bf16-autocast step (a rollout of {PROFILED_NEW_TOKENS} new "
-                                                 f"tokens, the step's log-probs and update), sorted by {sort}\n"
-                                                 f"{text}\n")
-    phases = {p: busy_share(prof, p) for p in ("rollout", "logprobs", "update")}
+    (out_dir / f"{TRACE}.txt").write_text(f"one bf16-autocast optimizer step of the update ({len(half)} rows, "
+                                          f"{int(half['tokens'].lengths.sum())} tokens), sorted by {sort}\n{text}\n")
+    phases = {"update": busy_share(prof, "update")}
     del opt
     ctx.free()
-    return {"trace": gz.name if kept else None, "trace_bytes": raw.stat().st_size,
+    return {"trace": gz.name if kept else None, "trace_bytes": raw.stat().st_size, "rows": len(half),
             "trace_note": None if kept else "the gzipped trace was over 15 MiB and was not kept",
-            "top_ops": "trace_bf16_step.txt", "phases": phases}
+            "top_ops": f"{TRACE}.txt", "phases": phases}
 
 
 def sec_compile(ctx: Ctx) -> dict:

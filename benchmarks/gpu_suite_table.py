@@ -66,6 +66,38 @@ def _sampler(secs: dict) -> list[str]:
     return lines
 
 
+def _throughput_arms(secs: dict) -> dict:
+    """The arms of both trainer-throughput sections (16 K, 64 K) that ran or tried to."""
+    return {n: a for name in ("trainer-throughput", "trainer-throughput-64k")
+            for n, a in (_ran(secs, name) or {}).get("arms", {}).items()}
+
+
+def _throughput(secs: dict) -> list[str]:
+    arms = _throughput_arms(secs)
+    if not arms:
+        return []
+    where = next((a["result"]["prime_rl"]["where"] for a in arms.values()
+                  if a["status"] == "ran" and a["result"].get("prime_rl")), "prime-rl: no published row")
+    lines = ["Trainer only (benchmarks/trainer_throughput.py: evenrl's update on prime-rl's fake data, MFU by "
+             f"prime-rl's formula), prime-rl's published numbers beside ({where})", "",
+             "| arm | runs as | tokens/s | MFU | peak GiB reserved (allocated) | step s | forward | prime-rl tokens/s | "
+             "MFU | GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, a in arms.items():
+        if a["status"] != "ran":
+            lines.append(f"| {name} | {a['status']}: {a['reason']} | | | | | | | | |")
+            continue
+        x, p = a["result"], a["result"].get("prime_rl") or {}
+        mem = x["memory"]
+        gib = (f"{f(mem['peak_reserved_gib'], '.1f')} ({f(mem['peak_allocated_gib'], '.1f')})"
+               if "peak_reserved_gib" in mem else f"{f(mem['peak_rss_gib'], '.2f')} (RSS)")
+        how = (f"{x['model']}{' LoRA r=' + str(x['lora_rank']) if x['lora_rank'] else ''}, {x['micro_batches']} x "
+               f"{x['seq_len']} tokens")
+        lines.append(f"| {name} | {how} | {f(x['tokens_per_s'], ',.0f')} | {f(x['mfu'], '.1%')} | {gib} | "
+                     f"{' / '.join(f(t) for t in x['step_s'])} | {x['forward_path']} | "
+                     f"{f(p.get('tokens_per_s'), ',.0f')} | {f(p.get('mfu'), '.1%')} | {f(p.get('peak_gib'), '.1f')} |")
+    return lines
+
+
 def _precision(secs: dict) -> list[str]:
     r = _ran(secs, "precision")
     if not r:
@@ -119,7 +151,8 @@ def _misc(secs: dict) -> list[str]:
     if (r := _ran(secs, "trace")):
         ph = "; ".join(f"{k} {f(v['busy_share'], '.0%')} busy over {f(v['profiled_s'], '.2f')} s"
                        for k, v in r["phases"].items())
-        lines.append(f"- profiler trace of one bf16 step: {r['trace'] or r['trace_note']}, top ops in {r['top_ops']}; "
+        lines.append(f"- profiler trace of one bf16 optimizer step of the update ({r.get('rows')} rows): "
+                     f"{r['trace'] or r['trace_note']}, top ops in {r['top_ops']}; "
                      f"{ph} ({next(iter(r['phases'].values()))['what']})")
     if (r := _ran(secs, "vs-trl")):
         lines.append(f"- evenrl vs TRL GRPO ({r['dtype']}): median ratio evenrl/TRL samples/s "
@@ -147,6 +180,11 @@ def verdicts(res: dict) -> list[str]:
     mfu = max([r["update_mfu"] for r in sch.values() if r.get("update_mfu")] +
               ([comp["compiled_mfu"]] if comp and comp.get("compiled_mfu") else []), default=None)
     out.append("- target update >= 35% MFU: " + (f"{mfu:.1%} (best)" if mfu else "not measured (no bf16 peak known)"))
+    tt = [(n, a["result"]) for n, a in _throughput_arms(secs).items()
+          if a["status"] == "ran" and a["result"].get("prime_rl")]
+    out.append("- target trainer-only >= prime-rl's tokens/s and MFU at its shapes: " + (
+        "; ".join(f"{n} {x['tokens_per_s'] / x['prime_rl']['tokens_per_s']:.2f}x its tokens/s, MFU "
+                  f"{f(x['mfu'], '.1%')} vs {x['prime_rl']['mfu']:.1%}" for n, x in tt) or "not measured"))
     out.append("- target evenrl >= 2x TRL samples/s: " + (f"{trl['median_ratio']:.2f}x" if trl else "not measured"))
     if smp:
         wins = [p for p in ("fp32", "bf16") if f"static-{p}" in smp and f"lean-{p}" in smp
@@ -177,7 +215,8 @@ def markdown(res: dict) -> str:
     for s in res["sections"]:
         lines.append(f"| {s['name']} | {s['status']} | {f(s['seconds'], '.1f')} | {f(s['estimate_s'], '.0f')} | "
                      f"{s['reason'] or ''} |")
-    parts = (_steps(secs), _sampler(secs), _precision(secs), _paths(secs), _misc(secs), ["Targets and defaults:"] + verdicts(res))
+    parts = (_steps(secs), _throughput(secs), _sampler(secs), _precision(secs), _paths(secs), _misc(secs),
+             ["Targets and defaults:"] + verdicts(res))
     for part in parts:
         if part:
             lines += [""] + part

@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import gpu_suite  # noqa: E402
+import gpu_suite_table  # noqa: E402
 
 KEYS = {"name", "group", "status", "reason", "seconds", "estimate_s", "result"}
 
@@ -54,7 +55,7 @@ def test_a_budget_too_small_for_anything_skips_every_section_and_says_why(tmp_pa
 
 def test_one_cheap_section_runs_and_the_rest_are_not_asked(tmp_path):
     out = tmp_path / "out"
-    asked = {"precision", "adamw", "attention", "moe"}
+    asked = {"precision", "trace", "adamw", "attention", "moe"}
     assert gpu_suite.main(["--tiny", "--device", "cpu", "--out", str(out), "--budget-s", "300",
                            "--sections", ",".join(sorted(asked))]) == 0
     res = load(out)
@@ -76,7 +77,10 @@ def test_one_cheap_section_runs_and_the_rest_are_not_asked(tmp_path):
     opt = secs["adamw"]["result"]["optimizer"]
     assert opt["fused"]["step_ms"] > 0 and opt["foreach"]["step_ms"] > 0
     assert res["model"]["shape_name"] == "tiny"
-    assert not (out / "trace_bf16_step.json.gz").exists()  # the trace section was not asked
+    trace = secs["trace"]["result"]  # one optimizer step: the first mini-batch of the step's 4 x 4 rows
+    assert trace["rows"] == 8 and set(trace["phases"]) == {"update"}
+    assert 0 < trace["phases"]["update"]["busy_share"] <= 1 and trace["phases"]["update"]["profiled_s"] > 0
+    assert (out / trace["trace"]).stat().st_size > 0 and "aten::" in (out / trace["top_ops"]).read_text()
 
 
 def test_a_kernels_child_killed_at_the_deadline_is_cut_and_the_rest_skipped(tmp_path):
@@ -96,6 +100,52 @@ def test_a_kernels_child_killed_at_the_deadline_is_cut_and_the_rest_skipped(tmp_
     assert got["ceiling"]["status"] == "ran" and got["ceiling"]["load_s"] == 2.0
     assert got["schemes"]["status"] == "cut" and "deadline" in got["schemes"]["reason"]
     assert got["sampler"]["status"] == "skipped" and "schemes" in got["sampler"]["reason"]
+
+
+def test_trainer_throughput_runs_each_arm_apart_and_only_where_it_fits(tmp_path):
+    class Children:  # each arm's process, 10 s of the budget: the 0.6B one writes its result, the 4B LoRA one fails
+        def __init__(self, budget):
+            self.calls, self.budget = [], budget
+
+        def run(self, title, cmd, timeout):
+            self.calls.append((cmd, timeout))
+            self.budget.end -= 10
+            if "--lora-rank" in cmd:
+                return 1, "loading\nRuntimeError: out of memory", 3.0
+            out = Path(cmd[cmd.index("--json") + 1])
+            out.write_text(json.dumps({"model": "tiny", "lora_rank": 0, "micro_batches": 2, "seq_len": 64,
+                                       "tokens_per_s": 2.0e4, "mfu": 0.2, "step_s": [1.0, 1.1], "forward_path": "packed",
+                                       "memory": {"peak_reserved_gib": 12.0, "peak_allocated_gib": 11.0},
+                                       "prime_rl": {"tokens_per_s": 11900, "mfu": 0.111, "peak_gib": 12.5,
+                                                    "where": "prime-rl BENCHMARKS.md"}}))
+            return 0, "", 2.0
+
+    def ctx(seconds):
+        budget = gpu_suite.Budget(seconds, tiny=True)
+        return SimpleNamespace(work=tmp_path, device="cpu", budget=budget, log=Children(budget),
+                               args=SimpleNamespace(tiny=True))
+
+    roomy = ctx(60)
+    got = gpu_suite.run_throughput(roomy, "trainer-throughput")
+    arms = got["result"]["arms"]
+    assert got["status"] == "ran" and list(arms) == ["qwen3-0.6b-16k", "qwen3-4b-lora-16k"]
+    assert arms["qwen3-0.6b-16k"]["status"] == "ran" and arms["qwen3-0.6b-16k"]["result"]["tokens_per_s"] == 2e4
+    assert arms["qwen3-4b-lora-16k"]["status"] == "failed" and "out of memory" in arms["qwen3-4b-lora-16k"]["reason"]
+    cmd, timeout = roomy.log.calls[0]  # --tiny: the tiny shape at 64 tokens for 16 K
+    assert "--tiny" in cmd and "qwen3-0.6b" not in cmd and cmd[cmd.index("--seq-len") + 1] == "64"
+    assert cmd[cmd.index("--device") + 1] == "cpu" and cmd[cmd.index("--steps") + 1] == "2" and timeout <= 3 * 20 + 30
+    assert roomy.log.calls[1][0][roomy.log.calls[1][0].index("--lora-rank") + 1] == "16"
+    md = "\n".join(gpu_suite_table._throughput({"trainer-throughput": {"status": "ran", "result": got["result"]}}))
+    assert ("| qwen3-0.6b-16k | tiny, 2 x 64 tokens | 20,000 | 20.0% | 12.0 (11.0) | 1.00 / 1.10 | packed | 11,900 | "
+            "11.1% | 12.5 |") in md
+    assert "| qwen3-4b-lora-16k | failed: exit 1: RuntimeError: out of memory |" in md
+
+    tight = ctx(30)  # 25 s to use: the first 64 K arm (~20 s) fits, then 15 s are left for the second
+    got = gpu_suite.run_throughput(tight, "trainer-throughput-64k")
+    arms = got["result"]["arms"]
+    assert arms["qwen3-0.6b-64k"]["status"] == "ran" and len(tight.log.calls) == 1
+    assert tight.log.calls[0][0][tight.log.calls[0][0].index("--seq-len") + 1] == "256"
+    assert arms["qwen3-4b-lora-64k"]["status"] == "skipped" and arms["qwen3-4b-lora-64k"]["reason"].startswith("budget:")
 
 
 @pytest.mark.parametrize("argv, field", [(["--sections", "step-fp32,nope"], "--sections: unknown nope"),

@@ -3,6 +3,7 @@ wrappers, and what a script leaves to its caller; then `--from` on them, the TRL
 `--write-config`, whose file `evenrl train` reads as it is."""
 
 import argparse
+import subprocess
 
 import pytest
 import yaml
@@ -68,6 +69,8 @@ def test_script_variables_defaults_branches_and_wrappers():
 
 
 def test_arrays_srun_bash_c_and_ray_job_submit():
+    """${ARGS[*]} inside bash -c "...": one word, the whole array (with [@] bash would pass only the first element
+    in the command string, the rest as $0, $1, ...)."""
     script = """#SBATCH --nodes=2
 #SBATCH --gres=gpu:8
 ARGS=(
@@ -75,7 +78,7 @@ ARGS=(
    --actor.num_gpus_per_node 8
 )
 srun --overlap -N 1 bash -c "ray job submit --address=http://x:8265 -- python3 -m openrlhf.cli.train_ppo_ray \\
-    ${ARGS[@]} --rollout.batch_size 64 --algo.kl.estimator k3"
+    ${ARGS[*]} --rollout.batch_size 64 --algo.kl.estimator k3"
 """
     launch = read_script(script)
     assert launch.program == "python3 -m openrlhf.cli.train_ppo_ray"
@@ -270,3 +273,45 @@ def test_write_config_never_writes_over_the_script(tmp_path, capsys):
         code = cli_main(["plan", "--from", "verl", str(script), "--write-config", str(target)])
         refused_in_one_line(code, capsys.readouterr().err, "is the file being read")
         assert script.read_text() == VERL
+
+
+# ------------------------------------------------------------------------------------ words as bash splits them
+
+AS_BASH = r"""ARGS=(optim.lr=3e-6 "data.train_batch_size=16" "a b=c d")
+M="<p>"
+V="x|y 'q'"
+E=""
+python3 -m verl.trainer.main_ppo "${ARGS[@]}" "pre${ARGS[@]}post" model.path=$M actor.lr=1e-6 k=$V \
+    "m=$M" first=$ARGS e=$E "q=$E" $E ${ARGS[*]} "$@" 2>&1 | tee log.txt > /dev/null
+"""
+
+
+def test_words_are_what_bash_passes(tmp_path):
+    """"${A[@]}" is one word per element (the text around it joins the first and the last), an unquoted value
+    splits at blanks only and its <, >, |, quotes are data (M="<p>" then model.path=$M swallows nothing), $A of an
+    array is its first element; the script's own 2>&1 | tee ... > /dev/null are dropped. Checked against bash
+    itself, running the script with python3 replaced by a function that prints its arguments."""
+    launch = read_script(AS_BASH)
+    stub = "python3() { shift 2; printf '%s\\0' \"$@\" > args.bin; }\n"
+    subprocess.run(["bash", "-c", stub + AS_BASH], cwd=tmp_path, check=True, timeout=30)
+    bash = (tmp_path / "args.bin").read_bytes().decode().split("\0")[:-1]
+    assert launch.args == bash
+    assert bash[:3] == ["optim.lr=3e-6", "data.train_batch_size=16", "a b=c d"]  # not one word
+    assert "model.path=<p>" in bash and "actor.lr=1e-6" in bash  # the learning rate is not swallowed
+
+
+def test_a_script_without_the_trainer_is_one_line(tmp_path, capsys):
+    """A script that runs commands but not the peer's trainer is bad input (exit 2, one line naming what was looked
+    for), never a plan from the peer's defaults; another peer's trainer is named with the --from that reads it."""
+    cleanup = "pkill -9 ray\nray stop --force\nsleep 3\n"
+    code, _, err = plan_from(tmp_path, capsys, cleanup + "python3 tools/convert.py --tp 4\n")
+    refused_in_one_line(code, err, "no verl trainer command in the script (looked for python3 -m "
+                                   "verl.trainer.main_ppo")
+    assert "it runs python3 tools/convert.py)" in err
+    script = tmp_path / "slime.sh"
+    script.write_text(cleanup + "ray job submit --address=http://127.0.0.1:8265 -- python3 train.py "
+                                "--actor-num-nodes 1 --rollout-batch-size 32\n")
+    code = cli_main(["plan", "--from", "openrlhf", str(script)])
+    refused_in_one_line(code, capsys.readouterr().err, "runs `python3 train.py`, slime's trainer, not OpenRLHF's "
+                                                       "(python3 -m openrlhf.cli.train_ppo_ray); read it with "
+                                                       "--from slime")

@@ -15,7 +15,7 @@ HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set; `evenrl plan` never downloads and c
 dataset_info.json. Either way a problem is one line naming the id. The rows are then read as every Arrow table is
 (evenrl.data.readers), so the trainer and the planner check them alike.
 
-Imports neither torch nor (until a hub id is read) `datasets`; `datasets` itself does not import torch (checked
+Imports neither torch nor (until a hub id whose directory is in the cache is read) `datasets`; `datasets` itself does not import torch (checked
 by tests/test_hub_datasets.py). `datasets` is an extra: pip install -e '.[hub]'.
 """
 
@@ -91,9 +91,26 @@ def _require_datasets(ds: HubDataset, field: str) -> None:
                          "pip install -e '.[hub]' (or a local .jsonl/.parquet file)") from None
 
 
+def _cache_root() -> Path:
+    """Where `datasets` keeps prepared datasets: its config's HF_DATASETS_CACHE, from the same variables."""
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(cache_dir() or os.path.join(os.path.expanduser(home), "datasets")).expanduser()
+
+
+def _absent(ds: HubDataset) -> bool:
+    """No directory of `ds` in the cache (ORG___NAME, NAME in datasets' snake case), so nothing for `datasets`'
+    lookup to find there (it globs under that directory): the answer costs a stat, not an import of `datasets`
+    (~1 s of CPU, most of a plan's)."""
+    org, name = ds.repo.split("/", 1)
+    name = re.sub(r"([a-z\d])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", name)).lower()
+    return not (_cache_root() / f"{org}___{name}").is_dir()
+
+
 def _builder(ds: HubDataset, field: str):
     """`datasets`' builder of the latest cached copy of `ds`'s configuration (no network), or None when the cache
     holds none; several cached configurations and no CONFIG is a UsageError naming them."""
+    if _absent(ds):
+        return None
     _require_datasets(ds, field)
     from datasets.packaged_modules.cache.cache import Cache
 
@@ -167,6 +184,7 @@ def fetch(ds: HubDataset, field: str) -> None:
         return
     if offline():
         raise _not_cached(ds, field)
+    _require_datasets(ds, field)
     import datasets
 
     print(f"evenrl: {field}: downloading {ds} from the Hugging Face hub (once; then from its cache)", flush=True)

@@ -17,7 +17,9 @@ from evenrl.config import apply_overrides, flatten, parse_yaml, read_text_file
 from evenrl.errors import UsageError
 from evenrl.planner.peers.script import Launch, read_script
 from evenrl.planner.peers.shell import MAX_CHARS
-from evenrl.planner.peers.tables import base_config
+from evenrl.planner.peers.tables import base_config, trainer_command
+
+NAMES = {"verl": "verl", "easyr1": "EasyR1", "trl": "TRL", "openrlhf": "OpenRLHF", "slime": "slime"}
 
 
 @dataclass
@@ -33,8 +35,13 @@ class Loaded:
 
 
 def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
-    """A launch script (or a bare list of flags / key=value overrides) as the trainer's settings."""
-    launch = read_script(text, str(path))
+    """A launch script (or a bare list of flags / key=value overrides) as the trainer's settings. A script that runs
+    commands but not this peer's trainer is bad input (one line naming what was looked for), never a plan built
+    from the peer's defaults and whatever flags its other commands had."""
+    wanted, looked_for = trainer_command(framework)
+    launch = read_script(text, str(path), wanted)
+    if not launch.program and launch.commands:
+        raise UsageError(_no_trainer(framework, name, path, launch, looked_for))
     args = launch.args if launch.program else bare_tokens(text)
     notes = ([f"read the launch script's command `{launch.program}` (not run)"] if launch.program else []) \
         + launch.notes
@@ -51,6 +58,19 @@ def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
         raise UsageError(f"{path}: no {name} settings found (no trainer command, no flags); expected "
                          f"the {name} config or its launch script")
     return Loaded(data, notes + more, launch, unresolved, base, added, base_keys)
+
+
+def _no_trainer(framework: str, name: str, path: Path, launch, looked_for: str) -> str:
+    """The one line for a script without this peer's trainer: what was looked for, and whose trainer it runs."""
+    for program in launch.ran:
+        last = program.split()[-1] if program.split() else ""
+        other = next((p for p in NAMES if p != framework and trainer_command(p)[0].search(last)), None)
+        if other:
+            return (f"{path}: runs `{program}`, {NAMES[other]}'s trainer, not {name}'s ({looked_for}); "
+                    f"read it with --from {other}")
+    ran = ", ".join(dict.fromkeys(launch.ran or launch.commands))
+    return (f"{path}: no {name} trainer command in the script (looked for {looked_for}; it runs {ran}); give the "
+            f"script that starts the trainer, or the trainer's config")
 
 
 def bare_tokens(text: str) -> list[str]:

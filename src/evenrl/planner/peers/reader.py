@@ -25,11 +25,10 @@ from evenrl.config import apply_overrides, parse_yaml, read_text_file, yaml_erro
 from evenrl.data import hub
 from evenrl.errors import UsageError
 from evenrl.planner.layout import Layout, apply_layout_flags, has_shape_flags, make_layout
-from evenrl.planner.peers.launch import Loaded, bare_tokens, from_script, parse_tokens
+from evenrl.planner.peers.launch import NAMES, Loaded, bare_tokens, from_script, parse_tokens
 from evenrl.planner.peers.script import looks_like_script
 from evenrl.planner.plan import count_rows
 
-NAMES = {"verl": "verl", "easyr1": "EasyR1", "trl": "TRL", "openrlhf": "OpenRLHF"}
 STAGES = {"config": "at config check (before anything loads)", "worker": "at worker start (before the model loads)",
           "deepspeed": "at DeepSpeed init (model loading)", "rollout": "at the first rollout (after the model loads)"}
 

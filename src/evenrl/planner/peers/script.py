@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 
 from evenrl.errors import UsageError
 from evenrl.planner.peers.shell import (
-    MAX_CHARS, MAX_DEPTH, Budget, TooMuch, arith, balanced_parens, condition, edited, matching, open_quote, scan,
-    statements, strip_comment, tokens)
+    MAX_CHARS, MAX_DEPTH, Budget, TooMuch, arith, balanced_parens, condition, edited, literal, matching, open_quote,
+    scan, statements, strip_comment, tokens, unquote)
 
 _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
 _ARRAY_OPEN = re.compile(r"^\s*(?:(?:export|local|declare(?:\s+-[a-zA-Z]+)*|readonly)\s+)?([A-Za-z_]\w*)=\((.*)$", re.S)
-_TRAINERS = re.compile(r"(verl\.trainer\.main|recipe\.[\w.]*main|main_ppo|main_dapo|main_grpo|train_ppo_ray|"
-                       r"openrlhf\.cli\.|grpo|ppo|rloo|trl$)")
+# any peer's trainer (a module or script name), when the caller names none (peers/data/<peer>.yaml: each one's own)
+TRAINERS = re.compile(r"(verl\.trainer\.main|recipe\.[\w.]*main|main_ppo|main_dapo|main_grpo|train_ppo_ray|"
+                      r"openrlhf\.cli\.|grpo|ppo|rloo|trl$|(^|/)train(_async)?\.py$)")
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Launch:
     launcher_config: str = ""  # accelerate --config_file
     notes: list[str] = field(default_factory=list)
     unresolved: set[str] = field(default_factory=set)  # variables the script leaves to its caller
+    ran: list[str] = field(default_factory=list)  # programs the script runs that are not the trainer asked for
+    commands: list[str] = field(default_factory=list)  # every command's name (a script, not a bare list of flags)
 
 
 def looks_like_script(text: str) -> bool:
@@ -49,10 +52,10 @@ def looks_like_script(text: str) -> bool:
                           r"^\s*(export\s+)?[A-Za-z_]\w*=|\$\{?[A-Za-z_@*0-9])", text, re.M))
 
 
-def read_script(text: str, source: str = "the launch script") -> Launch:
-    """The trainer command of a launch script (the first one, when it runs several). A script that passes a bound
-    of peers.shell is a one-line UsageError naming `source`."""
-    state = _State()
+def read_script(text: str, source: str = "the launch script", trainer: re.Pattern = TRAINERS) -> Launch:
+    """The trainer command of a launch script (the first one whose module or script `trainer` matches, when it
+    runs several). A script that passes a bound of peers.shell is a one-line UsageError naming `source`."""
+    state = _State(trainer)
     try:
         for line in _logical_lines(text, state):
             state.line(line)
@@ -62,8 +65,6 @@ def read_script(text: str, source: str = "the launch script") -> Launch:
         raise UsageError(f"{source}: {e}; evenrl reads a launch script as text, not as a program: write the "
                          "trainer's arguments plainly (or give its config file)") from None
     out = state.launch
-    if not state.found:
-        out.notes.append("no trainer command found in the script (python -m ..., accelerate launch, trl, torchrun)")
     if state.unset:
         names = ", ".join(f"${n}" for n in sorted(state.unset))
         out.notes.append(f"not set in the script (its caller's environment): {names}; a setting that uses one is "
@@ -110,7 +111,8 @@ def _logical_lines(text: str, state: _State):
 # ------------------------------------------------------------------------------------------ state
 
 class _State:
-    def __init__(self):
+    def __init__(self, trainer: re.Pattern = TRAINERS):
+        self.wanted = trainer
         self.vars: dict[str, str | list[str]] = {}
         self.unset: set[str] = set()
         self.launch = Launch()
@@ -132,7 +134,7 @@ class _State:
         if m and self.active:
             body = line[m.end(2) - len(m.group(2)):].rstrip()
             body = body[:-1] if body.endswith(")") else body
-            self.vars[m.group(1)] = tokens(self.expand(body))
+            self.vars[m.group(1)] = [str(w) for w in tokens(self.expand(body))]
             return
         cond = bool(re.match(r"\s*(if|elif|while|until|\[)", line)) or not self.active  # skipped: no names
         words = tokens(self.expand(line, empty_unset=cond))
@@ -155,6 +157,9 @@ class _State:
             return
         if self.skip:
             return
+        if head in ("source", ".") and self.active and len(toks) > 1:
+            self.launch.notes.append(f"`{head} {toks[1]}` is not read: the variables it sets are not known here")
+            return
         if head == "if":
             parent = self.active
             decided, why = condition(toks[1:])
@@ -175,6 +180,8 @@ class _State:
             return
         if head in ("then", "do") or not self.active:
             return
+        if re.fullmatch(r"[\w./+-]+", head) and not head.startswith("-"):  # a bare list of flags has none
+            self.launch.commands.append(head.rsplit("/", 1)[-1])
         while toks and toks[0] in ("export", "local", "readonly", "declare", "typeset") or toks and \
                 toks[0].startswith("-") and toks[0] != "--":
             toks = toks[1:]
@@ -241,8 +248,9 @@ class _State:
                 self.trainer(f"{toks[0]} {rest[i]}", rest[i + 1:])
 
     def trainer(self, program: str, args: list[str]) -> None:
-        if not _TRAINERS.search(program.split()[-1] if program.split() else ""):
-            return  # a helper script (data preparation, a server): not the trainer
+        if not self.wanted.search(program.split()[-1] if program.split() else ""):
+            self.launch.ran.append(program)  # a helper (data preparation, a server), or another peer's trainer
+            return
         self.launch.program, self.launch.args, self.found = program, args, True
 
     def layout(self, toks: list[str], until_command: bool = False) -> int:
@@ -295,6 +303,8 @@ class _State:
         return out
 
     def _expand(self, s: str, empty_unset: bool) -> str:
+        """The line with its expansions done, as text tokens() reads as bash would: a value in double quotes stays
+        one word, an unquoted one splits at blanks only (literal), "${A[@]}" gives one word per element."""
         out, i, size = [], 0, 0
         quoted = {j: q for j, _, q in scan(s)}
         while i < len(s):
@@ -309,19 +319,18 @@ class _State:
                 i += 1
                 continue
             value, i = self._dollar(s, i, empty_unset)
-            if q == '"':
-                value = value.replace("\\", "\\\\").replace('"', '\\"')
-            out.append(value)
-            size += len(value)
+            text = _render(value, q == '"')
+            out.append(text)
+            size += len(text)
             if size > MAX_CHARS:  # before joining: `$A$A$A...` must not build gigabytes first
                 raise TooMuch(f"a line would be longer than {MAX_CHARS:,} characters once expanded")
         return "".join(out)
 
-    def _dollar(self, s: str, i: int, empty_unset: bool) -> tuple[str, int]:
+    def _dollar(self, s: str, i: int, empty_unset: bool) -> tuple[str | Text | list[str], int]:
         if s.startswith("$((", i):
             end = matching(s, i + 1)
-            expr = self.expand(s[i + 3:end - 1], empty_unset=True)
-            expr = re.sub(r"\b([A-Za-z_]\w*)\b", lambda m: str(self.vars.get(m.group(1), 0) or 0), expr)
+            expr = unquote(self.expand(s[i + 3:end - 1], empty_unset=True))
+            expr = re.sub(r"\b([A-Za-z_]\w*)\b", lambda m: _scalar(self.vars.get(m.group(1), 0)) or "0", expr)
             return arith(expr, s[i:end + 1]), end + 1
         if s.startswith("$(", i):
             end = matching(s, i + 1)
@@ -346,13 +355,13 @@ class _State:
         m = re.match(r"[A-Za-z_]\w*|[0-9@*#?$!-]", s[i + 1:])
         if not m:
             return "$", i + 1
-        return self._lookup(m.group(0), empty_unset), i + 1 + m.end()
+        return _scalar(self._lookup(m.group(0), empty_unset)), i + 1 + m.end()
 
-    def _braced(self, body: str, empty_unset: bool) -> str:
+    def _braced(self, body: str, empty_unset: bool) -> str | Text | list[str]:
         edit = re.match(r"([A-Za-z_]\w*)(//|/|##|#|%%|%)(.*)$", body, re.S)
         if edit and edit.group(1) in self.vars:
-            return edited(self._lookup(edit.group(1), empty_unset), edit.group(2), self.expand(edit.group(3)),
-                          self.budget)
+            return edited(_scalar(self._lookup(edit.group(1), empty_unset)), edit.group(2),
+                          self.expand(edit.group(3)), self.budget)
         m = re.match(r"(#?)([A-Za-z_]\w*|[0-9]+|[@*])(\[[^\]]*\])?(?:(:?[-=+?])(.*))?$", body, re.S)
         if not m:
             return "${" + body + "}"
@@ -361,21 +370,21 @@ class _State:
         if isinstance(value, list):
             idx = (index or "[0]")[1:-1]
             if idx in ("@", "*"):
-                return str(len(value)) if count else " ".join(shlex.quote(v) for v in value)
+                return str(len(value)) if count else list(value) if idx == "@" else " ".join(value)
             value = value[int(idx)] if idx.isdigit() and int(idx) < len(value) else ""
         empty = value is None or (op or "").startswith(":") and value == ""
         if op and op.endswith(("-", "=")) and empty:
-            value = self.expand(word or "")
+            text = Text(self.expand(word or ""))
             if op.endswith("="):
-                self.vars[name] = value
-            return value
+                self.vars[name] = unquote(text)
+            return text
         if op and op.endswith("+"):
-            return "" if empty else self.expand(word or "")
+            return "" if empty else Text(self.expand(word or ""))
         if value is None:
-            return self._lookup(name, empty_unset)
+            return _scalar(self._lookup(name, empty_unset))
         return str(len(value)) if count else value
 
-    def _lookup(self, name: str, empty_unset: bool) -> str:
+    def _lookup(self, name: str, empty_unset: bool) -> str | list[str]:
         if name in ("@", "*") or name.isdigit() and name != "0":
             note = ("the script's own arguments ($@, $1, ...) are not known here: give them after FILE as "
                     "overrides")
@@ -388,7 +397,26 @@ class _State:
                 return "0"
             if not empty_unset:
                 self.unset.add(name)
-            return "" if empty_unset else f"${name}"
-        return " ".join(shlex.quote(v) for v in value) if isinstance(value, list) else value
+            return "" if empty_unset else Text(f"${name}")
+        return value
 
 
+class Text(str):
+    """Shell text an expansion gives back to be read again (the word of ${A:-word}, an unset variable's own
+    $NAME): its quotes are syntax, where a variable's value is data."""
+
+
+def _scalar(value: str | list[str]) -> str:
+    """$A of an array is its first element, as in bash."""
+    return (value[0] if value else "") if isinstance(value, list) else value
+
+
+def _render(value: str | Text | list[str], in_quotes: bool) -> str:
+    """An expansion's value as text for tokens(): a list is "${A[@]}"'s words (in double quotes: the quotes closed
+    around them, so that each element is one word and the text before and after joins the first and the last)."""
+    if isinstance(value, list):
+        words = " ".join(shlex.quote(v) for v in value) if in_quotes else " ".join(map(literal, value))
+        return f'"{words}"' if in_quotes else words
+    if isinstance(value, Text):
+        return unquote(value).replace("\\", "\\\\").replace('"', '\\"') if in_quotes else value
+    return value.replace("\\", "\\\\").replace('"', '\\"') if in_quotes else literal(value)

@@ -1,6 +1,7 @@
-"""Shell text as a launch script reader needs it, never run: quotes, comments, words (shlex's), simple commands
-between operators, redirections dropped, if conditions on known values, bash integer arithmetic, and glob patterns
-matched without backtracking (for ${v#pat}, ${v//pat/rep}, ...). Reading is bounded (`Budget`): no script makes
+"""Shell text as a launch script reader needs it, never run: quotes, comments, words and operators as bash splits
+them (operators only from the script's own text), simple commands between operators, redirections dropped, if
+conditions on known values, bash integer arithmetic, and glob patterns matched without backtracking (for ${v#pat},
+${v//pat/rep}, ...). Reading is bounded (`Budget`): no script makes
 it slow or large. Used by peers.script; never imports torch.
 """
 
@@ -9,9 +10,6 @@ from __future__ import annotations
 import ast
 import operator
 import re
-import shlex
-
-_OPS = {"|", "||", "&", "&&", ";", ";;"}
 
 # Bounds on reading one script, so that no text makes it slow or large (its file is at most 1 MiB): characters of a
 # variable's value or of one expanded line (shlex's time grows with the square of a word's length: 0.6 s at 200,000
@@ -37,7 +35,6 @@ class Budget:
         self.left -= steps
         if self.left < 0:
             raise TooMuch(f"{what} takes more work than the {MAX_WORK:,} steps a script may take to read")
-_REDIRECT = re.compile(r"^[0-9]*(>|>>|<|&>|&>>|>&|<<<)$")
 
 
 def scan(s: str):
@@ -122,33 +119,114 @@ def _int64(v: int) -> int:
     return (v + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
-def tokens(s: str) -> list[str]:
-    lex = shlex.shlex(s, posix=True, punctuation_chars="|&;<>")
-    lex.whitespace_split, lex.commenters = True, ""
-    try:
-        return list(lex)
-    except ValueError:  # an unbalanced quote the script itself would fail on: its words as they stand
-        return s.split()
+class Op(str):
+    """A control or redirection operator written in the script's own text. Bash finds operators before it expands
+    anything, so an expansion's result (`M="<p>"; ... model.path=$M`) is words, never an Op."""
+
+
+_OPERATORS = ("<<<", "&>>", "<<", ">>", ">&", "<&", "&>", ">|", "<>", "||", "&&", ";;", "|&", "|", "&", ";", "<", ">")
+_CONTROL = {"|", "||", "&", "&&", ";", ";;", "|&"}
+_PLAIN = re.compile(r"[^\s\\'\"|&;<>]+")
+_QUOTED_PLAIN = re.compile(r'[^"\\]+')
+
+
+def tokens(s: str, split: bool = True) -> list[str]:
+    """Words (quotes and escapes removed) and operators (Op) as bash reads a line: a quoted or escaped character is
+    part of a word, a blank ends one, `|&;<>` outside quotes make an operator (digits written right before a
+    redirection are its descriptor: `2>&1`). split=False: one word, blanks kept (quote removal alone). A quote the
+    line never closes (the script itself would fail on it): the line's blank-separated words as they stand."""
+    out: list[str] = []
+    word: list[str] = []
+    quoted = False  # the word has a quoted part: "" is a word, nothing is not
+    i, n = 0, len(s)
+
+    def end():
+        nonlocal quoted
+        if word or quoted:
+            out.append("".join(word))
+        word.clear()
+        quoted = False
+
+    while i < n:
+        c = s[i]
+        if m := _PLAIN.match(s, i):
+            word.append(m.group())
+            i = m.end()
+        elif c in " \t\n":
+            if split:
+                end()
+            else:
+                word.append(c)
+            i += 1
+        elif c == "\\":
+            if i + 1 < n and s[i + 1] != "\n":
+                word.append(s[i + 1])
+                quoted = True
+            i += 2
+        elif c == "'":
+            j = s.find("'", i + 1)
+            if j < 0:
+                return s.split() if split else [s]
+            word.append(s[i + 1:j])
+            quoted, i = True, j + 1
+        elif c == '"':
+            j = i + 1
+            while j < n and s[j] != '"':
+                if m := _QUOTED_PLAIN.match(s, j):
+                    word.append(m.group())
+                    j = m.end()
+                elif j + 1 < n and s[j + 1] in '\\"$`\n':  # inside "...", a backslash escapes only these
+                    word.append(s[j + 1] if s[j + 1] != "\n" else "")
+                    j += 2
+                else:
+                    word.append("\\")
+                    j += 1
+            if j >= n:
+                return s.split() if split else [s]
+            quoted, i = True, j + 1
+        else:  # |&;<>
+            op = next(o for o in _OPERATORS if s.startswith(o, i))
+            i += len(op)
+            if not split:
+                word.append(op)
+                continue
+            if op[0] in "<>" and word and not quoted and "".join(word).isdigit():
+                op = "".join(word) + op  # 2>&1: the descriptor belongs to the redirection
+                word.clear()
+            end()
+            out.append(Op(op))
+    end()
+    return out
+
+
+def unquote(text: str) -> str:
+    """Quote removal without word splitting: the value `${A:-"x y"}` or `${A:=word}` stands for."""
+    return "".join(tokens(text, split=False))
+
+
+def literal(value: str) -> str:
+    """A value as text that tokens() reads back as the same characters, split only at blanks: what an unquoted
+    expansion gives in bash (word splitting; quotes, backslashes and operator characters in the value are data)."""
+    return re.sub(r"([\\'\"|&;<>])", r"\\\1", value)
 
 
 def statements(toks: list[str]):
-    """Simple commands between ; && || | & with redirections removed; an if's condition keeps its && and ||."""
+    """Simple commands between the script's control operators (; && || | &), with its redirections (an operator
+    and the word after it) removed; an if's condition keeps its && and ||."""
     cur: list[str] = []
     i = 0
     while i < len(toks):
         t = toks[i]
-        if t in _OPS and not (cur[:1] in (["if"], ["elif"], ["while"]) and t in ("&&", "||")):
+        if not isinstance(t, Op):
+            cur.append(t)
+        elif t in _CONTROL and not (cur[:1] in (["if"], ["elif"], ["while"]) and t in ("&&", "||")):
             if cur:
                 yield cur
             cur = []
-        elif _REDIRECT.match(t) or t in (">", ">>", "<", "&>", ">&", "&>>"):
-            if cur and cur[-1].isdigit() and i > 0 and toks[i - 1] == cur[-1]:
-                cur.pop()  # the descriptor of `2>&1`, which shlex splits from its operator
-            i += 1  # and its target
-        elif re.fullmatch(r"[0-9]?>&?[0-9]+|[0-9]?>>?\S+|&>>?\S+", t):
-            pass
-        else:
+        elif t in _CONTROL:
             cur.append(t)
+        else:
+            i += 1  # a redirection's target
         i += 1
     if cur:
         yield cur

@@ -40,6 +40,13 @@ def known_keys(peer: str, version: str) -> frozenset[str]:
     return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
 
 
+@functools.cache
+def trainer_command(peer: str) -> tuple[re.Pattern, str]:
+    """The peer's trainer in a launch script: (a pattern on its module or script, what was looked for in words)."""
+    spec = table(peer)["command"]
+    return re.compile(spec["pattern"]), spec["looked_for"]
+
+
 def base_config(peer: str) -> tuple[str, dict] | None:
     """The peer's bundled base config (EasyR1's examples/config.yaml): (its label, a copy of its settings)."""
     base = table(peer).get("base")

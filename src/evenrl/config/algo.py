@@ -21,8 +21,9 @@ class RejectionCriterion(Section):
                     "and k3 exp(d) - 1 - d per token, their sum, mean or max over the sequence (token_*, seq_sum_*, "
                     "seq_mean_*, seq_max_*). A seq_* criterion keeps or rejects the whole sequence.")
     low: float = Field(0.0, ge=0.0, le=1.0, description="k1: the smallest weight kept (at most 1); k2, k3: 0.")
-    high: float = Field(gt=0.0, le=1e6, description="k1: the largest weight kept (at least 1); k2, k3: the largest "
-                                                    "divergence kept.")
+    high: float = Field(gt=0.0, description="k1: the largest weight kept (at least 1); k2, k3: the largest "
+                                            "divergence kept. Any finite value, as verl takes any positive "
+                                            "rollout_rs_threshold.")
 
     @model_validator(mode="after")
     def _bounds_of_the_kind(self):

@@ -55,13 +55,15 @@ def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> 
         unresolved, more = tables.dealias(framework, unresolved)
         spelled.update(more)
         data = dict(flat)
+    own = {k for k in {**flat, **unresolved} if k not in loaded.base_keys  # the file's own, not given with a +
+           and not any(k == a or k.startswith(a + ".") for a in loaded.added)}
     version, how = tables.detect_version(framework, set(flat) | set(spelled.values()) | set(unresolved),
-                                         getattr(ns, "peer_version", None))
+                                         getattr(ns, "peer_version", None), own)
     t = Translation(framework, Layout(), version=version, base=loaded.base)
     t.notes += loaded.notes
     t.notes.append(f"rules of {tables.version_label(framework, version)} ({how}; --peer-version to choose)")
     hints = _layout_hints(framework, loaded, data, ns, t)
-    src = Source(NAMES[framework], {**data, **hints} if isinstance(data, dict) else data)
+    src = Source(NAMES[framework], {**data, **hints} if isinstance(data, dict) else data, loaded.launch)
     TRANSLATORS[framework](src, ns, t)
     tables.apply_maps(framework, version, src, t)
     tables.apply_constants(framework, version, t)
@@ -95,6 +97,10 @@ def _layout_hints(framework: str, loaded: Loaded, data: dict, ns: argparse.Names
     launch, keys = loaded.launch, LAYOUT_KEYS[framework]
     stated = any(Source("", data).has(k) for k in keys)
     if has_shape_flags(ns):
+        given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("nnodes", ns.nnodes), ("nproc_per_node",
+                          ns.nproc_per_node), ("nodes", getattr(ns, "nodes", None))) if v is not None)
+        for key in keys:  # the file's layout, replaced by the command line's: named as such, not as unmodelled
+            t.unused[key] = f"overridden by the command line's layout ({given})"
         return {}
     hints: dict = {}
     if launch and framework in ("verl", "easyr1") and not stated:
@@ -103,9 +109,15 @@ def _layout_hints(framework: str, loaded: Loaded, data: dict, ns: argparse.Names
         if launch.gpus_per_node:
             hints["trainer.n_gpus_per_node"] = launch.gpus_per_node
     elif launch and framework == "trl" and not stated:
-        procs = launch.num_processes or (launch.nnodes or 1) * (launch.gpus_per_node or 0)
+        # accelerate's --num_processes counts every machine's processes; torchrun's --nproc_per_node one node's
+        acc = launch.launcher
+        procs = launch.num_processes or acc.get("num_processes")
+        machines = launch.num_machines or acc.get("num_machines") if procs else launch.nnodes
+        procs = procs or (machines or 1) * (launch.gpus_per_node or 0)
         if procs:
             hints["num_processes"] = procs
+        if procs and (machines or 1) > 1:
+            hints["num_machines"] = machines
     if hints:
         t.notes.append("layout from the launcher's options: " + ", ".join(f"{k}={v}" for k, v in hints.items()))
     elif not stated and framework != "trl":

@@ -6,6 +6,7 @@ variables are kept apart as unresolved. Never runs anything; never imports torch
 
 from __future__ import annotations
 
+import copy
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from evenrl.config import apply_overrides, flatten, parse_yaml, read_text_file
 from evenrl.errors import UsageError
 from evenrl.planner.peers.script import Launch, read_script
 from evenrl.planner.peers.shell import MAX_CHARS
-from evenrl.planner.peers.tables import base_config, trainer_command
+from evenrl.planner.peers.tables import accelerate_configs, base_config, trainer_command
 
 NAMES = {"verl": "verl", "easyr1": "EasyR1", "trl": "TRL", "openrlhf": "OpenRLHF", "slime": "slime"}
 
@@ -54,6 +55,8 @@ def from_script(framework: str, name: str, path: Path, text: str) -> Loaded:
                 unresolved[key.replace("-", "_")] = value
                 del data[key]
         more, base, added, base_keys = _trl_base(path, data) if framework == "trl" else [], "", set(), set()
+        if framework == "trl" and launch.launcher_config:
+            more.append(_accelerate_config(path, launch))
     if not data and not launch.program:
         raise UsageError(f"{path}: no {name} settings found (no trainer command, no flags); expected "
                          f"the {name} config or its launch script")
@@ -156,6 +159,24 @@ def _trl_base(path: Path, data: dict) -> list[str]:
                     data.setdefault(key, value)
             return [f"--config {name}: read {candidate}, the command line's flags over it"]
     return [f"--config {name} is not here: planned from the command line's flags and TRL's defaults"]
+
+
+def _accelerate_config(path: Path, launch) -> str:
+    """accelerate's --config_file into launch.launcher: the file where it is on this machine, else TRL's bundled
+    copy of one of its examples/accelerate_configs; the note says which, or that neither is here."""
+    name = launch.launcher_config
+    for root in (Path.cwd(), *path.resolve().parents):
+        candidate = root / name
+        if candidate.is_file():
+            data = parse_yaml(read_text_file(candidate, "the accelerate config", "YAML"), str(candidate))
+            launch.launcher = data if isinstance(data, dict) else {}
+            return f"accelerate --config_file {name}: read {candidate}"
+    bundled = accelerate_configs()
+    if "accelerate_configs/" in name and Path(name).name in bundled["files"]:
+        launch.launcher = copy.deepcopy(bundled["files"][Path(name).name])
+        return f"accelerate --config_file {name} is not here: read as {bundled['label']} (bundled)"
+    return (f"accelerate --config_file {name} is not here: its sharding, offload and layout are unknown; planned "
+            "without them (give the file, or --nnodes / --nproc-per-node)")
 
 
 def parse_tokens(tokens: list[str]) -> dict:

@@ -68,9 +68,10 @@ class Translation:
 class Source:
     """Typed reads from the peer's config; a wrong type is a one-line UsageError naming the peer's key."""
 
-    def __init__(self, framework: str, data: dict):
+    def __init__(self, framework: str, data: dict, launch=None):
         self.fw, self.data = framework, data if isinstance(data, dict) else {}
         self.reads: set[str] = set()  # every key a translator looked at: the accounting's "read"
+        self.launch = launch  # peers.script.Launch of a launch script (its launcher's options), else None
 
     def raw(self, key: str, default: Any = None) -> Any:
         self.reads.add(key)

@@ -38,10 +38,13 @@ class Launch:
     args: list[str] = field(default_factory=list)
     nnodes: int | None = None  # from #SBATCH / srun --nodes, accelerate --num_machines, torchrun --nnodes
     gpus_per_node: int | None = None  # from --gres=gpu:N / --gpus-per-node
-    num_processes: int | None = None  # accelerate --num_processes, torchrun --nproc_per_node (per node)
+    num_processes: int | None = None  # accelerate --num_processes (over all its machines)
+    num_machines: int | None = None  # accelerate --num_machines
     launcher_config: str = ""  # accelerate --config_file
+    launcher: dict = field(default_factory=dict)  # that file's settings, where it (or TRL's bundled copy) is read
     notes: list[str] = field(default_factory=list)
     unresolved: set[str] = field(default_factory=set)  # variables the script leaves to its caller
+    server: list[str] = field(default_factory=list)  # the arguments of a `trl vllm-serve` the script starts
     ran: list[str] = field(default_factory=list)  # programs the script runs that are not the trainer asked for
     commands: list[str] = field(default_factory=list)  # every command's name (a script, not a bare list of flags)
 
@@ -57,10 +60,8 @@ def read_script(text: str, source: str = "the launch script", trainer: re.Patter
     runs several). A script that passes a bound of peers.shell is a one-line UsageError naming `source`."""
     state = _State(trainer)
     try:
-        for line in _logical_lines(text, state):
+        for line in _logical_lines(text, state):  # on past the trainer: a `trl vllm-serve` it talks to
             state.line(line)
-            if state.found:
-                break
     except TooMuch as e:
         raise UsageError(f"{source}: {e}; evenrl reads a launch script as text, not as a program: write the "
                          "trainer's arguments plainly (or give its config file)") from None
@@ -142,8 +143,6 @@ class _State:
             words = [w for w in words if w]  # "$@" with no arguments is no word at all
         for stmt in statements(words):
             self.statement(stmt, line)
-            if self.found:
-                return
 
     def statement(self, toks: list[str], line: str) -> None:
         while len(toks) > 1 and toks[0] in ("then", "do"):
@@ -225,8 +224,6 @@ class _State:
             self.enter("`bash -c` inside `bash -c`")
             for line in _logical_lines(inner, self):
                 self.line(line)
-                if self.found:
-                    break
             self.depth -= 1
         elif name == "torchrun" or name == "deepspeed":
             i = self.layout(rest, until_command=True)
@@ -236,6 +233,8 @@ class _State:
             if rest[i:i + 1] == ["-m"]:
                 i += 1
             self.trainer(f"accelerate launch {rest[i] if i < len(rest) else ''}".strip(), rest[i + 1:])
+        elif name == "trl" and rest[:1] == ["vllm-serve"]:
+            self.launch.server = self.launch.server or rest[1:]
         elif name == "trl" and rest:
             self.trainer(f"trl {rest[0]}", rest[1:])
         elif re.fullmatch(r"python[0-9.]*", name):
@@ -248,7 +247,7 @@ class _State:
                 self.trainer(f"{toks[0]} {rest[i]}", rest[i + 1:])
 
     def trainer(self, program: str, args: list[str]) -> None:
-        if not self.wanted.search(program.split()[-1] if program.split() else ""):
+        if self.found or not self.wanted.search(program.split()[-1] if program.split() else ""):
             self.launch.ran.append(program)  # a helper (data preparation, a server), or another peer's trainer
             return
         self.launch.program, self.launch.args, self.found = program, args, True
@@ -262,6 +261,7 @@ class _State:
                       "--main_process_ip", "--main_process_port", "--machine_rank", "--master_addr",
                       "--master_port", "--node_rank", "--rdzv_endpoint", "--rdzv_backend", "--mixed_precision",
                       "--deepspeed_config_file", "--zero_stage", "--cpus-per-task", "-c", "--gpus"}
+        out = self.launch if not self.found else Launch()  # the trainer's layout is the one before it
         i = 0
         while i < len(toks) and toks[i].startswith("-"):
             opt, eq, value = toks[i].partition("=")
@@ -271,17 +271,19 @@ class _State:
             num = int(value) if re.fullmatch(r"[0-9]+", value or "") else None
             gpus = re.search(r"gpu(?::[\w-]+)?:([0-9]+)", value or "")
             if opt in ("-N", "--nodes", "--num_machines", "--num-machines", "--nnodes", "--num_nodes") and num:
-                self.launch.nnodes = num
+                out.nnodes = num
+                if opt in ("--num_machines", "--num-machines"):
+                    out.num_machines = num
             elif opt in ("--num_processes", "--num-processes") and num:
-                self.launch.num_processes = num
+                out.num_processes = num
             elif opt in ("--nproc_per_node", "--nproc-per-node", "--num_gpus") and num:
-                self.launch.gpus_per_node = num
+                out.gpus_per_node = num
             elif opt == "--gres" and gpus:
-                self.launch.gpus_per_node = int(gpus.group(1))
+                out.gpus_per_node = int(gpus.group(1))
             elif opt == "--gpus-per-node" and re.search(r"([0-9]+)$", value or ""):
-                self.launch.gpus_per_node = int(re.search(r"([0-9]+)$", value).group(1))
+                out.gpus_per_node = int(re.search(r"([0-9]+)$", value).group(1))
             elif opt in ("--config_file", "--config-file"):
-                self.launch.launcher_config = value
+                out.launcher_config = value
         return i if until_command else len(toks)
 
     # -------------------------------------------------------------------------------------- expansion
@@ -395,7 +397,7 @@ class _State:
         if value is None:
             if name in ("#", "?", "$", "!", "-", "0"):
                 return "0"
-            if not empty_unset:
+            if not empty_unset and not self.found:  # what the trainer's arguments need, not what comes after
                 self.unset.add(name)
             return "" if empty_unset else Text(f"${name}")
         return value

@@ -47,6 +47,12 @@ def trainer_command(peer: str) -> tuple[re.Pattern, str]:
     return re.compile(spec["pattern"]), spec["looked_for"]
 
 
+@functools.cache
+def accelerate_configs() -> dict:
+    """TRL's bundled examples/accelerate_configs: {label, files: {name: settings}}."""
+    return yaml.safe_load((DATA / "trl-accelerate-configs.yaml").read_text(encoding="utf-8"))
+
+
 def base_config(peer: str) -> tuple[str, dict] | None:
     """The peer's bundled base config (EasyR1's examples/config.yaml): (its label, a copy of its settings)."""
     base = table(peer).get("base")
@@ -69,8 +75,11 @@ def version_name(peer: str, version: str) -> str:
     return version_label(peer, version).split(" (")[0].split(",")[0]
 
 
-def detect_version(peer: str, keys: set[str], asked: str | None) -> tuple[str, str]:
-    """(version, how it was chosen): --peer-version, else the first version whose tell-tale keys the file has."""
+def detect_version(peer: str, keys: set[str], asked: str | None, own: set[str] = frozenset()) -> tuple[str, str]:
+    """(version, how it was chosen): --peer-version, else the first version one of whose tell-tale keys (`detect`:
+    keys no other version has) the file sets, else the first whose `hints` (its era's spellings, which later
+    releases still read) it sets and which knows every one of the file's own keys `own` (a file with a key that
+    version lacks is not for it), else the table's default."""
     versions = table(peer)["versions"]
     if asked:
         if asked not in versions:
@@ -81,6 +90,11 @@ def detect_version(peer: str, keys: set[str], asked: str | None) -> tuple[str, s
         hit = next((k for k in v.get("detect", []) if k in keys), None)
         if hit:
             return name, f"detected from {hit}"
+    for name, v in versions.items():
+        hit = next((k for k in v.get("hints", []) if k in keys), None)
+        known = known_keys(peer, name)
+        if hit and all(k in known or _prefix_known(k, known) for k in own):
+            return name, f"detected from {hit}, with every key of the file one it knows"
     return table(peer)["default_version"], "no key tells the version apart; the current release's rules"
 
 

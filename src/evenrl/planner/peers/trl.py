@@ -12,9 +12,10 @@ from pathlib import Path
 
 from evenrl.errors import UsageError
 from evenrl.planner.layout import apply_layout_flags, has_shape_flags, layout_from_args
+from evenrl.planner.peers.launch import parse_tokens
 from evenrl.planner.peers.reader import (
-    Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_model, set_reward_models,
-    set_steps)
+    Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_model, set_parallel,
+    set_reward_models, set_steps, split_layout)
 from evenrl.planner.peers.tables import table, version_name
 
 
@@ -27,7 +28,15 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
         t.notes.append(f"vllm_mode is not set: {version_name('trl', t.version)}'s default is "
                        f"{mode_default} (TRL >= 1.0 colocates vLLM on the training GPUs; before 1.0 it ran as a "
                        "server on a GPU of its own)")
-    reserve = 1 if server and ns.rollout_devices is None else (ns.rollout_devices or 0)
+    serve = parse_tokens(src.launch.server) if src.launch and src.launch.server else {}
+    engine_tp = _count(serve, "tensor_parallel_size")
+    if serve:  # the script starts the server itself: its devices are the rollout's, whatever use_vllm says
+        server = True
+        t.notes.append(f"the script starts `trl vllm-serve` on {engine_tp * _count(serve, 'data_parallel_size')} "
+                       f"devices of its own (tensor_parallel_size {engine_tp}): vLLM in server mode, as evenrl's "
+                       "reserved rollout devices (parallel.rollout_devices) with rollout.engine=vllm")
+    devices = engine_tp * _count(serve, "data_parallel_size") if serve else 1
+    reserve = devices if server and ns.rollout_devices is None else (ns.rollout_devices or 0)
     if has_shape_flags(ns):  # GPUs, like every peer's layout (the evenrl config itself plans for this machine)
         t.layout = gpu_layout(argparse.Namespace(**{**vars(ns), "rollout_devices": reserve}), ns.nnodes or 1,
                            ns.nproc_per_node or 1, reserve)
@@ -35,8 +44,8 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
         base = layout_from_args(ns)
         t.layout = apply_layout_flags(base, argparse.Namespace(**{**vars(ns), "rollout_devices": reserve}))
     else:
-        t.layout = gpu_layout(ns, 1, src.int("num_processes", 1) + reserve, reserve)
-    if server and ns.rollout_devices is None:
+        t.layout = _machines(ns, src.int("num_processes", 1), src.int("num_machines", 1), reserve)
+    if server and ns.rollout_devices is None and not serve:
         t.notes.append("use_vllm with vllm_mode=server: one device runs `trl vllm-serve`, the rest train "
                        "(--rollout-devices N to change)")
     procs = max(t.layout.training_ranks, 1)
@@ -103,6 +112,9 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
                   "vllm_gpu_memory_utilization")
     if t.layout.rollout_devices:  # `evenrl train --rollout-devices N` runs what `trl vllm-serve` did
         t.set("parallel.rollout_devices", t.layout.rollout_devices, "vllm_mode=server")
+    if serve:
+        _server(src, t, serve, engine_tp)
+    _launcher(src, t, max(t.layout.training_ranks, 1))
     set_data(t, src.str("dataset_name"), "dataset_name", src.str("dataset_prompt_column", "prompt"),
              keys=("dataset_prompt_column", ""), config=("dataset_config", src.str("dataset_config")),
              split=("dataset_train_split", src.str("dataset_train_split")))
@@ -120,6 +132,67 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
         t.set("train.steps", max(1, math.ceil(steps / (m * mu))), "max_steps")
     else:  # TRL runs num_train_epochs (default 3) over the dataset when max_steps is not set
         set_steps(src, t, "", "num_train_epochs", 3, prompts, fractional=True)
+
+
+def _count(flags: dict, key: str) -> int:
+    value = flags.get(key, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise UsageError(f"TRL trl vllm-serve --{key}: got {value!r}; need an integer in 1..4096")
+    return value
+
+
+def _machines(ns: argparse.Namespace, procs: int, machines: int, reserve: int):
+    """accelerate's layout: --num_processes over --num_machines nodes (TRL's docs: 32 processes on 4 machines are
+    4 nodes of 8), and the vLLM server's devices on nodes of their own where they fill whole nodes."""
+    if machines > 1 and procs % machines == 0:
+        per = procs // machines
+        if reserve % per == 0:
+            return gpu_layout(ns, machines + reserve // per, per, reserve)
+        return split_layout(ns, machines, per, reserve)
+    return gpu_layout(ns, 1, procs + reserve, reserve)
+
+
+def _server(src: Source, t: Translation, serve: dict, engine_tp: int) -> None:
+    """`trl vllm-serve --model M --tensor_parallel_size N ...` the script starts: the engine evenrl runs instead."""
+    t.set("rollout.engine", "vllm", "trl vllm-serve")
+    t.set("rollout.tensor_parallel_size", engine_tp, "trl vllm-serve --tensor_parallel_size")
+    if "gpu_memory_utilization" in serve:
+        t.set("rollout.memory_fraction", float(serve["gpu_memory_utilization"]),
+              "trl vllm-serve --gpu_memory_utilization")
+    if isinstance(serve.get("model"), str) and not src.has("model_name_or_path"):
+        set_model(t, serve["model"], "trl vllm-serve --model")
+
+
+def _launcher(src: Source, t: Translation, world: int) -> None:
+    """accelerate's --config_file: DeepSpeed ZeRO-3 or FSDP shard the weights, gradients and AdamW state over the
+    ranks (evenrl's parallel.sharding=fsdp), their offload is evenrl's CPU offload, a sequence- or
+    context-parallel size evenrl's Ulysses sequence parallelism."""
+    acc = src.launch.launcher if src.launch else {}
+    if not acc:
+        return
+    name = f"accelerate --config_file {src.launch.launcher_config}"
+    kind = str(acc.get("distributed_type", "")).upper()
+    ds, fs = acc.get("deepspeed_config") or {}, acc.get("fsdp_config") or {}
+    if kind == "DEEPSPEED":
+        stage = ds.get("zero_stage", 0)
+        on = [str(ds.get(k, "none")).lower() not in ("none", "") for k in ("offload_param_device",
+                                                                            "offload_optimizer_device")]
+        set_parallel(t, world, params=on[0], optimizer=on[1], shard=stage == 3, keys=(name, name))
+        if stage in (1, 2):
+            t.notes.append(f"{name}: DeepSpeed ZeRO-{stage} shards the AdamW state"
+                           f"{' and the gradients' if stage == 2 else ''} and keeps whole weights on each rank; "
+                           "evenrl shards all of them (parallel.sharding=fsdp) or none: the plan keeps them whole")
+    elif kind == "FSDP":
+        strategy = str(fs.get("fsdp_sharding_strategy", fs.get("fsdp_reshard_after_forward", True)))
+        set_parallel(t, world, params=bool(fs.get("fsdp_offload_params")), optimizer=False,
+                     shard=strategy.upper() not in ("NO_SHARD", "FALSE"), keys=(name, name))
+    pc = acc.get("parallelism_config") or {}
+    for key, what in (("parallelism_config_sp_size", "Ulysses sequence parallelism, as evenrl's"),
+                      ("parallelism_config_cp_size", "context parallelism (ring attention over the sequence); "
+                                                     "evenrl's is Ulysses (all-to-all over heads)")):
+        if isinstance(pc.get(key), int) and pc[key] > 1:
+            t.set("parallel.sequence_parallel_size", pc[key], name)
+            t.notes.append(f"{name}: {key}={pc[key]}: {what}: parallel.sequence_parallel_size={pc[key]}")
 
 
 def _lora(src: Source, t: Translation) -> None:

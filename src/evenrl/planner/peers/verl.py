@@ -120,8 +120,7 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     if not src.bool("algorithm.norm_adv_by_std_in_grpo", True):
         t.set("algo.std_scale", "none", "algorithm.norm_adv_by_std_in_grpo")
     set_model(t, src.str("actor_rollout_ref.model.path"), "actor_rollout_ref.model.path")
-    m = "actor_rollout_ref.model."
-    set_lora(src, t, rank=m + "lora_rank", alpha=m + "lora_alpha", targets=m + "target_modules")
+    _lora(src, t)
     # offload_policy: verl's FSDP2 path (strategy=fsdp2), the same CPUOffloadPolicy evenrl uses
     params = any([src.bool(a + "fsdp_config.param_offload", False), src.bool(a + "fsdp_config.offload_policy", False),
                   src.bool(a + "fsdp_config.grad_offload", False)])  # older verl (Logic-RL) offloads gradients apart
@@ -137,6 +136,36 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
     _aggregation(src, t, rlen, mini, n, micro, dyn, max(dp // sp, 1))
     if src.bool("actor_rollout_ref.rollout.multi_turn.enable", False):
         _multi_turn(src, t, rlen)
+
+
+# Megatron's names of a decoder block's linear layers (verl 0.8's model.lora.target_modules) -> Hugging Face's
+MEGATRON_LINEAR = {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"],
+                   "linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]}
+
+
+def _lora(src: Source, t: Translation) -> None:
+    """verl's LoRA as verl picks it (ray_trainer: model.lora.rank first, else the legacy lora_rank): the nested
+    model.lora of 0.8+ is Megatron-Bridge's PEFT, with its own defaults (alpha 32, dropout 0, Megatron's layer
+    names); lora_rank the FSDP one (alpha 16, all-linear)."""
+    m = "actor_rollout_ref.model."
+    if not src.int(m + "lora.rank", 0, lo=0):
+        set_lora(src, t, rank=m + "lora_rank", alpha=m + "lora_alpha", targets=m + "target_modules")
+        return
+    n = m + "lora."
+    set_lora(src, t, rank=n + "rank", alpha=n + "alpha", targets=n + "target_modules", dropout=n + "dropout",
+             alpha_default=32.0)
+    names = src.raw(n + "target_modules") or list(MEGATRON_LINEAR)
+    names = [names] if isinstance(names, str) else names
+    hf = [h for name in names for h in MEGATRON_LINEAR.get(name, [name])]
+    every = set(names) >= set(MEGATRON_LINEAR)
+    t.set("model.lora.target_modules", [] if every else hf, n + "target_modules")
+    kind = src.str(n + "type", "lora")
+    if kind != "lora":
+        t.notes.append(f"{n}type={kind}: evenrl trains plain LoRA adapters (peft's lora), not {kind}")
+    if {"linear_fc1", "linear_fc2"} & set(names):
+        t.notes.append(f"{n}target_modules: on a mixture of experts Megatron's linear_fc1/linear_fc2 adapters "
+                       "include every expert's; evenrl adapts the attention and dense MLP projections only, never "
+                       "the experts (docs/lora.md)")
 
 
 def _rewards(src: Source, t: Translation) -> None:
@@ -222,8 +251,16 @@ def _importance(src: Source, t: Translation) -> None:
     reinforce = bypass and src.str(c + "loss_type", "ppo_clip") == "reinforce"
     if bypass:
         t.set("algo.old_policy", "engine", c + "bypass_mode")
-        if reinforce:  # -w A log pi, w = pi / pi_rollout truncated: evenrl's gpg weighted against the engine
-            t.set("algo.policy_loss", "gpg", c + "loss_type")
+        # apply_bypass_mode sets loss_mode=bypass_mode whatever the actor's: PPO-clip (compute_policy_loss_vanilla,
+        # dual clip clip_ratio_c) or reinforce, aggregated by loss_agg_mode (no loss mode forces one then)
+        mode = src.str("actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
+        t.set("algo.policy_loss", "gpg" if reinforce else "ppo", f"{c}bypass_mode {c}loss_type")
+        if mode not in ("vanilla", "bypass_mode"):
+            t.notes.append(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode} with {c}bypass_mode: verl's "
+                           f"apply_bypass_mode replaces {mode} with its bypass loss, "
+                           + ("REINFORCE weighted by pi / pi_rollout (evenrl's gpg)" if reinforce else
+                              "plain PPO-clip on pi / pi_rollout with dual clip c = clip_ratio_c (evenrl's ppo)")
+                           + ", aggregated by loss_agg_mode; so does the plan")
     if not level and not rs:
         return
     t.set("algo.importance_correction", "all", c + ("rollout_is" if level else "rollout_rs"))
@@ -311,7 +348,8 @@ def _aggregation(src: Source, t: Translation, rlen: int, mini: int, n: int, micr
     mini-batch's loss is the sum / (C x k), k = the mini-batch's micro-batches over all ranks (or the ranks): evenrl's
     token-sum-norm with loss_norm_tokens = C x k, the same loss on any evenrl layout."""
     a = "actor_rollout_ref.actor."
-    if forced_aggregation("verl", src.str(a + "policy_loss.loss_mode", "vanilla")) or \
+    bypass = src.bool("algorithm.rollout_correction.bypass_mode", False)  # no loss mode then (apply_bypass_mode)
+    if not bypass and forced_aggregation("verl", src.str(a + "policy_loss.loss_mode", "vanilla")) or \
             src.str(a + "loss_agg_mode", "token-mean") != "seq-mean-token-sum-norm":
         return  # (a forced mode first: loss_agg_mode is then unused, and not read)
     scale = src.int(a + "loss_scale_factor", None)

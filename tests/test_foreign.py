@@ -128,9 +128,11 @@ def test_logic_rl_verl_2_prompts_on_4_gpus(tmp_path):
 
 
 def test_logic_rl_oom_follow_up(tmp_path):
-    """Raising train_batch_size then runs out of memory: the estimate and the ranked knobs, for a 7B config."""
+    """Raising train_batch_size then runs out of memory: the estimate and the ranked knobs, for a 7B config (with
+    gradient checkpointing off: verl 0.8's default is on)."""
     model = config_only_model(tmp_path / "qwen7b", QWEN7B)
-    peer = {**LOGIC_RL, "actor_rollout_ref": {**LOGIC_RL["actor_rollout_ref"], "model": {"path": str(model)}}}
+    peer = {**LOGIC_RL, "actor_rollout_ref": {**LOGIC_RL["actor_rollout_ref"],
+                                              "model": {"path": str(model), "enable_gradient_checkpointing": False}}}
     t, cfg, plan = run(tmp_path, "verl", peer, ["data.train_batch_size=8"], device_memory_gib=80)
     assert cfg.model.path == str(model) and cfg.parallel.sharding == "fsdp"
     over = {f.rule: f for f in plan.findings}["memory-over"]

@@ -144,16 +144,19 @@ def test_verl_cispo_and_grpo_examples():
 
 def test_verl_megatron_parallelism_is_named_not_dropped():
     """Megatron TP 2 x PP 2 on 8 GPUs: the actor's TP becomes parallel.tensor_parallel_size=2 (with a note on the
-    row-wise split and on the pipeline stages evenrl has not), the reference's is read as the policy's, PP has no
-    equivalent; the plan lays the 8 ranks out as 4 data-parallel TP groups of 2 (verl's dp: 8 / (2 x 2) = 2)."""
+    row-wise split), the reference's is read as the policy's, PP (which evenrl has not) becomes FSDP2 sharding of
+    every layer over all the ranks, with a note; the plan lays the 8 ranks out as 4 data-parallel TP groups of 2
+    (verl's dp: 8 / (2 x 2) = 2)."""
     _, t, cfg, plan = plan_file("verl__examples__grpo_trainer__run_qwen2-7b_math_megatron.sh", "verl")
     mapped, none, na = one(t, "mapped"), one(t, "no_equivalent"), one(t, "not_applicable")
-    tp = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"
+    tp, pp = (f"actor_rollout_ref.actor.megatron.{k}_model_parallel_size" for k in ("tensor", "pipeline"))
     assert cfg.parallel.tensor_parallel_size == 2 and mapped[tp]["evenrl"] == ["parallel.tensor_parallel_size=2"]
     note = next(n for n in t.notes if n.startswith(tp))
-    assert "by rows" in note and "column-wise on gathered inputs" in note and "Pipeline parallelism" in note
+    assert "by rows" in note and "column-wise on gathered inputs" in note
+    assert cfg.parallel.sharding == "fsdp" and mapped[pp]["evenrl"] == ["parallel.sharding=fsdp"]
+    assert "no pipeline parallelism" in next(n for n in t.notes if n.startswith(pp))
     assert "split as the policy" in na["actor_rollout_ref.ref.megatron.tensor_model_parallel_size"]["why"]
-    assert any(k.endswith("megatron.pipeline_model_parallel_size") for k in none)
+    assert "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size" in none
     assert (plan.tensor_parallel, plan.dp_size) == (2, 4)
     assert not [f for f in plan.findings if f.rule.startswith("tensor-parallel-") and f.level == "error"], \
         [f.rule for f in plan.findings]

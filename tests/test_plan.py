@@ -97,7 +97,8 @@ CASES = [
      ["does not divide the model's 6 experts", "parallel.expert_parallel_size=2"]),
     ("expert-parallel", "error", ["parallel.expert_parallel_size=2"], {}, TINY, ["not a mixture of experts"]),
     ("expert-parallel-tensor-parallel", "error", ["parallel.expert_parallel_size=2", "parallel.tensor_parallel_size=2"],
-     {}, MOE, ["splits dense decoders only"]),
+     {}, MOE, ["splits dense decoders only", "parallel.tensor_parallel_size=1 (the experts keep their expert-parallel "
+                                             "split"]),  # never expert_parallel_size=1
     ("expert-parallel-offload", "error", ["parallel.expert_parallel_size=2", "parallel.sharding=fsdp",
                                           "parallel.cpu_offload=full"], {}, MOE, ["parallel.cpu_offload=none"]),
     ("expert-parallel-nodes", "warning", ["parallel.expert_parallel_size=4"], {"nnodes": 2, "nproc_per_node": 2},

@@ -115,7 +115,8 @@ def test_the_plan_balances_over_replicas_of_the_mesh():
     (["parallel.tensor_parallel_size=2"], {}, VL, "tensor-parallel-model", "error",
      ["vision-language model", "parallel.tensor_parallel_size=1"]),
     (["parallel.tensor_parallel_size=2"], {}, MOE, "tensor-parallel-model", "error",
-     ["mixture of experts", "gate/up/down"]),
+     ["mixture of experts", "gate/up/down", "parallel.tensor_parallel_size=1 with parallel.expert_parallel_size > 1",
+      "parallel.sharding=fsdp"]),  # never expert_parallel_size=1: the experts keep a split
     (["parallel.tensor_parallel_size=2", "parallel.sharding=fsdp", "parallel.cpu_offload=full"], {}, TINY,
      "tensor-parallel-offload", "error", ["parallel.cpu_offload=none", "parallel.tensor_parallel_size=1"]),
     (["parallel.tensor_parallel_size=4"], {"nnodes": 2, "nproc_per_node": 6}, TINY, "tensor-parallel-nodes",

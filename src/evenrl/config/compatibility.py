@@ -166,9 +166,11 @@ ROWS: tuple[Row, ...] = (
     Row("moe", "vllm-cpu", "moe-vllm-cpu", "vLLM's CPU build cannot take its weights after a push (its reload leaves "
         "the experts wrong, log-probs 0.06 off even with the unchanged checkpoint; vllm-cpu 0.32)",
         "rollout.engine=hf"),
+    # the experts keep their split, never EP 1 (a peer's Megatron TP on an MoE reads the same: docs/planner.md)
     Row("ep", "tp", "expert-parallel-tensor-parallel", "tensor parallelism splits dense decoders only (an MoE block "
         "has no gate/up/down projections to split)",
-        "parallel.tensor_parallel_size=1; or parallel.expert_parallel_size=1"),
+        "parallel.tensor_parallel_size=1 (the experts keep their expert-parallel split; parallel.sharding=fsdp shards "
+        "the rest)"),
     Row("ep", "vision", "expert-parallel-vision", "not supported yet: its vision tower is not split",
         "parallel.expert_parallel_size=1"),
     Row("ep", "offload", "expert-parallel-offload", "not supported: FSDP2's host copies would need gloo groups for "
@@ -177,7 +179,8 @@ ROWS: tuple[Row, ...] = (
     Row("tp", "vision", "tensor-parallel-model", f"its vision tower is not split; {_TP_PLAN}",
         "parallel.tensor_parallel_size=1"),
     Row("tp", "moe", "tensor-parallel-model", f"its experts have no gate/up/down projections to split; {_TP_PLAN}",
-        "parallel.tensor_parallel_size=1"),
+        "parallel.tensor_parallel_size=1 with parallel.expert_parallel_size > 1 (the experts split over ranks: a "
+        "divisor of the experts and of the data-parallel ranks) and parallel.sharding=fsdp"),
     Row("tp", "offload", "tensor-parallel-offload", "FSDP2's offload keeps the shards on the host, which the "
         "tensor-parallel split does not run with", "parallel.cpu_offload=none; or parallel.tensor_parallel_size=1"),
     Row("sp", "vision", "sequence-parallel-vision", "not supported yet: its image tokens would need splitting with "

@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     add_rate_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema evenrl.plan/1)")
     p.add_argument("--fit", action="store_true", help="print the nearest config that runs well, and its plan")
-    p.add_argument("--from", dest="framework", choices=["verl", "easyr1", "trl", "openrlhf"],
+    p.add_argument("--from", dest="framework", choices=["verl", "easyr1", "trl", "openrlhf", "slime"],
                    help="read CONFIG (the peer's config, argument file or launch script) as that framework's and "
                         "show its checks, every key's fate and evenrl's equivalent")
     p.add_argument("--peer-version", help="with --from: the peer version whose keys and checks apply "
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
         return run_foreign(ns)
     if ns.peer_version or ns.write_config:
         raise UsageError(f"{'--peer-version' if ns.peer_version else '--write-config'}: only with --from "
-                         "verl|easyr1|trl|openrlhf")
+                         "verl|easyr1|trl|openrlhf|slime")
     cfg = resolve_models(load_config(ns.config, ns.overrides), download=False)  # hub ids: from the local cache
     layout = layout_from_args(ns)
     plan = make_plan(cfg, layout, rates=rate_flags(ns))

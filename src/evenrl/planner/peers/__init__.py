@@ -1,4 +1,4 @@
-"""`evenrl plan --from verl|easyr1|trl|openrlhf FILE [overrides] [layout flags]`: a peer's own config, argument
+"""`evenrl plan --from verl|easyr1|trl|openrlhf|slime FILE [overrides] [layout flags]`: a peer's own config, argument
 file or launch script, the checks that peer (in the version the file is for) would fail on the layout (with the
 message it prints), every key of the file accounted for, and the equivalent evenrl config + plan.
 
@@ -10,7 +10,7 @@ message it prints), every key of the file accounted for, and the equivalent even
 Reading: peers.reader (YAML/JSON, argument files), peers.script and peers.shell (launch scripts), peers.launch
 (a script's arguments on the base config it names). Knowledge: peers/data/<peer>.yaml and its key lists, read by
 peers.tables alone (versions, check tags, spellings, key maps, reasons). Arithmetic: one module per framework
-(verl, easyr1, trl, openrlhf), each a `translate(src, ns, t)` that fills a Translation with the peer's checks,
+(verl, easyr1, trl, openrlhf, slime; the Megatron layout of verl's and slime's: peers.megatron), each a `translate(src, ns, t)` that fills a Translation with the peer's checks,
 layout and batch settings. translate() below joins them: the version, the launcher's layout, the translator, the
 tables' maps, the version's checks, every key's place, and the evenrl config validated. Printing is the
 command's (evenrl.planner.cli.run_foreign), so nothing here imports the command that imports it.
@@ -28,18 +28,19 @@ from pydantic import ValidationError
 from evenrl.config import RunConfig, flatten, validation_message, with_settings
 from evenrl.errors import UsageError
 from evenrl.planner.layout import Layout, has_shape_flags
-from evenrl.planner.peers import easyr1, openrlhf, tables, trl, verl
+from evenrl.planner.peers import easyr1, openrlhf, slime, tables, trl, verl
 from evenrl.planner.peers.reader import (
     NAMES, Check, Loaded, Source, Translation, parse_flags, read_foreign)
 
 __all__ = ["NAMES", "TRANSLATORS", "Check", "Loaded", "Translation", "parse_flags", "read_foreign", "translate"]
 
 TRANSLATORS = {"verl": verl.translate, "easyr1": easyr1.translate, "trl": trl.translate,
-               "openrlhf": openrlhf.translate}
+               "openrlhf": openrlhf.translate, "slime": slime.translate}
 # where each peer states its layout, for the note when a file states none
 LAYOUT_KEYS = {"verl": ("trainer.nnodes", "trainer.n_gpus_per_node"),
                "easyr1": ("trainer.nnodes", "trainer.n_gpus_per_node"),
-               "openrlhf": ("actor_num_nodes", "actor_num_gpus_per_node"), "trl": ("num_processes",)}
+               "openrlhf": ("actor_num_nodes", "actor_num_gpus_per_node"), "trl": ("num_processes",),
+               "slime": ("actor_num_nodes", "actor_num_gpus_per_node")}
 
 
 def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> tuple[Translation, RunConfig]:

@@ -186,6 +186,15 @@ def split_layout(ns: argparse.Namespace, nodes: int, train_per_node: int, rollou
     return gpu_layout(ns, 1, nodes * train_per_node + rollout, rollout)
 
 
+def nodes_layout(ns: argparse.Namespace, nodes: int, per: int, rollout: int) -> Layout:
+    """nodes x per training ranks with `rollout` generation devices on nodes of their own where they fill whole
+    nodes (TRL's `trl vllm-serve` node, slime's rollout GPUs), else spread over the training nodes."""
+    if rollout and rollout % per == 0:
+        return gpu_layout(argparse.Namespace(**{**vars(ns), "rollout_devices": None}), nodes + rollout // per, per,
+                          rollout)
+    return split_layout(ns, nodes, per, rollout)
+
+
 def trainer_layout(src: Source, ns: argparse.Namespace) -> Layout:
     """verl and EasyR1 both size the cluster with trainer.nnodes x trainer.n_gpus_per_node; shape flags win."""
     if has_shape_flags(ns):

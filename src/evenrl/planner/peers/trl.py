@@ -15,7 +15,7 @@ from evenrl.planner.layout import apply_layout_flags, has_shape_flags, layout_fr
 from evenrl.planner.peers.launch import parse_tokens
 from evenrl.planner.peers.reader import (
     Check, Source, Translation, gpu_layout, set_data, set_kl, set_lengths, set_lora, set_model, set_parallel,
-    set_reward_models, set_steps, split_layout)
+    set_reward_models, set_steps, nodes_layout)
 from evenrl.planner.peers.tables import table, version_name
 
 
@@ -145,10 +145,7 @@ def _machines(ns: argparse.Namespace, procs: int, machines: int, reserve: int):
     """accelerate's layout: --num_processes over --num_machines nodes (TRL's docs: 32 processes on 4 machines are
     4 nodes of 8), and the vLLM server's devices on nodes of their own where they fill whole nodes."""
     if machines > 1 and procs % machines == 0:
-        per = procs // machines
-        if reserve % per == 0:
-            return gpu_layout(ns, machines + reserve // per, per, reserve)
-        return split_layout(ns, machines, per, reserve)
+        return nodes_layout(ns, machines, procs // machines, reserve)
     return gpu_layout(ns, 1, procs + reserve, reserve)
 
 

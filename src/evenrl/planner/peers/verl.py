@@ -22,6 +22,7 @@ from evenrl.planner.peers.reader import (
     Check, Source, Translation, check_dataloader, set_critic, set_data, set_dynamic_sampling, set_kl,
     set_lengths, set_lora, set_model, set_overlong, set_parallel, set_reward_models,
     set_steps, split_layout, trainer_layout)
+from evenrl.planner.peers import megatron
 from evenrl.planner.peers.tables import forced_aggregation, rejection_options
 
 
@@ -121,11 +122,16 @@ def translate(src: Source, ns: argparse.Namespace, t: Translation) -> None:
         t.set("algo.std_scale", "none", "algorithm.norm_adv_by_std_in_grpo")
     set_model(t, src.str("actor_rollout_ref.model.path"), "actor_rollout_ref.model.path")
     _lora(src, t)
-    # offload_policy: verl's FSDP2 path (strategy=fsdp2), the same CPUOffloadPolicy evenrl uses
-    params = any([src.bool(a + "fsdp_config.param_offload", False), src.bool(a + "fsdp_config.offload_policy", False),
-                  src.bool(a + "fsdp_config.grad_offload", False)])  # older verl (Logic-RL) offloads gradients apart
-    set_parallel(t, world, params=params, optimizer=src.bool(a + "fsdp_config.optimizer_offload", False),
-                 shard=True, keys=(a + "fsdp_config.param_offload", a + "fsdp_config.optimizer_offload"))
+    if _is_megatron(src, t):
+        set_parallel(t, world, params=False, optimizer=False, shard=True,  # its distributed optimizer shards too
+                     keys=(a + "megatron.use_distributed_optimizer",) * 2)
+        megatron.apply(t, _megatron(src), world, megatron.model_experts(src.str("actor_rollout_ref.model.path")))
+    else:  # offload_policy: verl's FSDP2 path (strategy=fsdp2), the same CPUOffloadPolicy evenrl uses
+        params = any([src.bool(a + "fsdp_config.param_offload", False),
+                      src.bool(a + "fsdp_config.offload_policy", False),
+                      src.bool(a + "fsdp_config.grad_offload", False)])  # older verl (Logic-RL) offloads gradients
+        set_parallel(t, world, params=params, optimizer=src.bool(a + "fsdp_config.optimizer_offload", False),
+                     shard=True, keys=(a + "fsdp_config.param_offload", a + "fsdp_config.optimizer_offload"))
     set_data(t, src.str("data.train_files"), "data.train_files", src.str("data.prompt_key", "prompt"),
              keys=("data.prompt_key", ""))
     set_steps(src, t, "trainer.total_training_steps", "trainer.total_epochs", 1, tbs)
@@ -373,15 +379,39 @@ def _aggregation(src: Source, t: Translation, rlen: int, mini: int, n: int, micr
                    f"rows, and {how}: evenrl's token-sum-norm with loss_norm_tokens = {width} x {k}")
 
 
+def _is_megatron(src: Source, t: Translation) -> bool:
+    return src.str("actor_rollout_ref.actor.strategy", "fsdp") == "megatron" or "ppo_megatron_trainer" in t.base
+
+
+def _megatron(src: Source) -> megatron.Megatron:
+    """The actor's megatron section (the reference and critic follow it)."""
+    m = "actor_rollout_ref.actor.megatron."
+    o = m + "override_transformer_config."
+    keys = {"tp": m + "tensor_model_parallel_size", "pp": m + "pipeline_model_parallel_size",
+            "cp": m + "context_parallel_size", "ep": m + "expert_model_parallel_size",
+            "etp": m + "expert_tensor_parallel_size", "recompute": o + "recompute_granularity",
+            "offload_param": m + "param_offload", "offload_grad": m + "grad_offload",
+            "offload_optimizer": m + "optimizer_offload"}
+    etp = src.int(keys["etp"], None)
+    if etp == 1:  # each expert whole: evenrl's own layout, which the key's reason in the table says
+        src.reads.discard(keys["etp"])
+    return megatron.Megatron(
+        tp=src.int(keys["tp"], 1), pp=src.int(keys["pp"], 1), cp=src.int(keys["cp"], 1), ep=src.int(keys["ep"], 1),
+        etp=etp, recompute=_off_if_null(src.str(keys["recompute"], "")),
+        recompute_method=_off_if_null(src.str(o + "recompute_method", "")),
+        recompute_layers=src.int(o + "recompute_num_layers", None),
+        offload={name: src.bool(keys[f"offload_{name}"], False) for name in ("param", "grad", "optimizer")},
+        keys=keys)
+
+
 def _data_parallel(src: Source, t: Translation, world: int, micro: int | None) -> tuple[int, int, str]:
     """(data-parallel size, verl's minimal batch, its words). Megatron (strategy=megatron, or the
     ppo_megatron_trainer base) splits the model over TP x PP x CP GPUs, so its batches divide over
-    world / (TP x PP x CP), and the minimal batch is that times ppo_micro_batch_size_per_gpu."""
-    a = "actor_rollout_ref.actor."
-    megatron = src.str(a + "strategy", "fsdp") == "megatron" or "ppo_megatron_trainer" in t.base
-    if not megatron:
+    world / (TP x PP x CP), and the minimal batch is that times ppo_micro_batch_size_per_gpu. (evenrl's layout for
+    it: peers.megatron.)"""
+    if not _is_megatron(src, t):
         return world, world, f"{world} GPUs"
-    m = a + "megatron."
+    m = "actor_rollout_ref.actor.megatron."
     tp, pp = src.int(m + "tensor_model_parallel_size", 1), src.int(m + "pipeline_model_parallel_size", 1)
     cp = src.int(m + "context_parallel_size", 1)
     if world % (tp * pp * cp):
@@ -389,22 +419,6 @@ def _data_parallel(src: Source, t: Translation, world: int, micro: int | None) -
                               f"n_gpus ({world}) must be divisible by model_parallel_size ({tp * pp}) times "
                               f"context_parallel_size ({cp})", f"TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp}",
                               "recent verl"))
-    if tp > 1:  # the same split of weights, heads and vocabulary; no pipeline stages (the plan's mesh is dp x sp x tp)
-        t.set("parallel.tensor_parallel_size", tp, m + "tensor_model_parallel_size")
-        t.notes.append(f"{m}tensor_model_parallel_size={tp}: Megatron splits o_proj and down_proj by rows and "
-                       "all-reduces their partial outputs; evenrl's parallel.tensor_parallel_size splits the same "
-                       "weights over as many consecutive ranks but keeps those two column-wise on gathered inputs "
-                       "(the numerically stable plan: about twice the bytes per block, outputs that do not move "
-                       "with the TP size; docs/parallelism.md)"
-                       + (f". Pipeline parallelism ({m}pipeline_model_parallel_size={pp}) has no evenrl equivalent: "
-                          f"each rank holds 1/{tp} of every layer, not 1/{tp * pp} of the model, and the plan's "
-                          f"data-parallel size is world / TP (verl's: world / (TP x PP x CP))" if pp > 1 else ""))
-    ep = src.int(m + "expert_model_parallel_size", 1)
-    if ep > 1:  # Megatron's experts split over ranks of the data-parallel group, as evenrl's: its dp is unchanged
-        t.set("parallel.expert_parallel_size", ep, m + "expert_model_parallel_size")
-        t.notes.append(f"{m}expert_model_parallel_size={ep}: evenrl's parallel.expert_parallel_size splits each MoE "
-                       "layer's experts the same way, over ranks borrowed from data parallelism; the ranks holding "
-                       "the same experts reduce them (or FSDP2 shards them: parallel.sharding=fsdp) (docs/moe.md)")
     dp = max(world // (tp * pp * cp), 1)
     return dp, dp * (micro or 1), (f"{dp} data-parallel ranks (world {world} / TP {tp} x PP {pp} x CP {cp}) x "
                                    f"ppo_micro_batch_size_per_gpu {micro or 1}")

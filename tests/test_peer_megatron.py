@@ -91,6 +91,9 @@ def test_megatron_offload_is_fsdp2_offload_except_with_expert_parallelism(tmp_pa
     t, cfg = megatron(tmp_path, offload, DENSE)
     assert (cfg.parallel.sharding, cfg.parallel.cpu_offload) == ("fsdp", "full")
     assert any("Megatron moves the offloaded state to the host between phases" in n for n in t.notes)
+    _, cfg = megatron(tmp_path / "host", "actor_rollout_ref.actor.optim.override_optimizer_config."
+                                         "optimizer_cpu_offload=True", DENSE)  # Megatron's optimizer on the host
+    assert cfg.parallel.cpu_offload == "full"
     t, cfg = megatron(tmp_path / "ep", f"{offload} {M}expert_model_parallel_size=4", A3B)
     assert (cfg.parallel.cpu_offload, cfg.parallel.expert_parallel_size) == ("none", 4)
     assert any("does not run with tensor or expert parallelism" in n for n in t.notes)

@@ -315,3 +315,14 @@ def test_a_script_without_the_trainer_is_one_line(tmp_path, capsys):
     refused_in_one_line(code, capsys.readouterr().err, "runs `python3 train.py`, slime's trainer, not OpenRLHF's "
                                                        "(python3 -m openrlhf.cli.train_ppo_ray); read it with "
                                                        "--from slime")
+
+
+def test_an_array_from_a_sourced_file_is_no_words():
+    """slime's scripts `source models/X.sh` for MODEL_ARGS: not read here, so ${MODEL_ARGS[@]} gives no words (as
+    an unset array in bash), never a '$MODEL_ARGS' value for the flag before it; the notes name both."""
+    launch = read_script('source "$DIR/models/glm4-9B.sh"\npython3 train.py --rollout-num-gpus 4 ${MODEL_ARGS[@]} '
+                         "--lr 1e-6\n")
+    assert launch.args == ["--rollout-num-gpus", "4", "--lr", "1e-6"]
+    notes = " ".join(launch.notes)
+    assert "is not read: the variables it sets are not known here" in notes and "$MODEL_ARGS" in notes
+    assert "a file it sources" in notes

@@ -68,7 +68,8 @@ def read_script(text: str, source: str = "the launch script", trainer: re.Patter
     out = state.launch
     if state.unset:
         names = ", ".join(f"${n}" for n in sorted(state.unset))
-        out.notes.append(f"not set in the script (its caller's environment): {names}; a setting that uses one is "
+        where = "its caller's environment, or a file it sources" if state.sourced else "its caller's environment"
+        out.notes.append(f"not set in the script ({where}): {names}; a setting that uses one is "
                          "listed as unresolved")
     out.unresolved = state.unset
     return out
@@ -114,6 +115,7 @@ def _logical_lines(text: str, state: _State):
 class _State:
     def __init__(self, trainer: re.Pattern = TRAINERS):
         self.wanted = trainer
+        self.sourced = False  # a `source FILE` seen (its variables unknown here)
         self.vars: dict[str, str | list[str]] = {}
         self.unset: set[str] = set()
         self.launch = Launch()
@@ -157,6 +159,7 @@ class _State:
         if self.skip:
             return
         if head in ("source", ".") and self.active and len(toks) > 1:
+            self.sourced = True
             self.launch.notes.append(f"`{head} {toks[1]}` is not read: the variables it sets are not known here")
             return
         if head == "if":
@@ -382,6 +385,9 @@ class _State:
             return text
         if op and op.endswith("+"):
             return "" if empty else Text(self.expand(word or ""))
+        if value is None and index in ("[@]", "[*]"):  # an array the script never sets (a sourced file's): no
+            self._lookup(name, empty_unset)            # words, as in bash; the note names it
+            return []
         if value is None:
             return _scalar(self._lookup(name, empty_unset))
         return str(len(value)) if count else value

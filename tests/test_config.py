@@ -1,6 +1,7 @@
 """Run config: YAML file + dotted overrides, and every way they can be wrong -> one-line UsageError naming
 the field or file, the value and what is allowed."""
 
+import typing
 from pathlib import Path
 
 import pydantic
@@ -58,17 +59,45 @@ def test_override_syntax(tmp_path, overrides, match):
     fails(write(tmp_path, "data:\n  prompts_per_step: 4\n"), overrides, match=match)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["nope=1"], "nope: unknown key; allowed here: algo, checkpoint, critic, data, eval, log, model, parallel, rewards, rollout, "
-                 "sft, train"),
-    (["data.batch_size=64"], "data.batch_size: unknown key; allowed here: answer_field, extra_fields, image_key, "
-                             "max_images_per_prompt, max_pixels, max_prompt_tokens, min_pixels, path, prompt_field, "
-                             "prompts_per_step, seed"),
-    (["rewards.functions=[{name: math, wieght: 2}]"], "rewards.functions.0.wieght: unknown key; "
-                                                      "allowed here: judge, model, name, weight"),
+@pytest.mark.parametrize("overrides, line", [
+    (["nope=1"], "nope: unknown key; allowed here: algo, checkpoint, critic, data, eval, log, model, parallel, "
+                 "rewards, rollout, sft, train"),
+    (["data.batch_size=64"], "data.batch_size: unknown key; all keys of data: docs/config.md"),
+    (["rollout.temprature=0.5"], "rollout.temprature: unknown key; did you mean rollout.temperature? (all keys: "
+                                 "docs/config.md)"),
+    (["rewards.functions=[{name: math, wieght: 2}]"], "rewards.functions.0.wieght: unknown key; did you mean "
+                                                      "rewards.functions.0.weight? (all keys: docs/config.md)"),
+    (["rewards.functions=[{name: math, xyz: 2}]"], "rewards.functions.0.xyz: unknown key; allowed here: judge, model, "
+                                                   "name, weight"),
 ])
-def test_unknown_keys_list_the_allowed_ones(overrides, match):
-    fails(None, overrides, match=match)
+def test_unknown_keys_name_the_closest_key(overrides, line):
+    assert fails(None, overrides) == f"config: {line}"
+
+
+def test_an_unknown_key_is_one_short_line_in_every_section():
+    """Every section, the largest too (rollout: ~25 keys), answers a typo of each of its keys in one line of at
+    most 130 characters that names the key meant."""
+    def sections(model, prefix):
+        yield prefix, model
+        for name, field in model.model_fields.items():
+            if _is_section(field.annotation):  # lists of entries (rewards.functions) are checked above
+                yield from sections(field.annotation, f"{prefix}{name}.")
+    seen = 0
+    for prefix, model in sections(RunConfig, ""):
+        for key, field in model.model_fields.items():
+            if len(key) < 4 or _is_section(field.annotation):
+                continue
+            typo = key[:-2] + key[-1]  # the second-to-last letter left out
+            if typo in model.model_fields:
+                continue
+            msg = fails(None, [f"{prefix}{typo}=1"])
+            assert len(msg) <= 130 and f"did you mean {prefix}{key}?" in msg, msg
+            seen += 1
+    assert seen > 100
+
+
+def _is_section(ann) -> bool:
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -189,7 +218,74 @@ def test_values_that_would_poison_a_run(overrides, match):
     fails(None, overrides, match=match)
 
 
+def test_yes_no_on_off_are_words_that_true_false_fields_read_as_booleans(tmp_path):
+    """evenrl's configs keep yes/no/on/off as written (YAML 1.2's booleans are true/false only): a true/false field
+    reads them as booleans, a text field and agent_args keep the word."""
+    f = write(tmp_path, "model:\n  tf32: off\n  use_chat_template: yes\nlog:\n  tensorboard: on\n"
+                        "data:\n  prompt_field: no\n")
+    for cfg in (load_config(f), load_config(None, ["model.tf32=off", "model.use_chat_template=yes",
+                                                   "log.tensorboard=on", "data.prompt_field=no"])):
+        assert (cfg.model.tf32, cfg.model.use_chat_template, cfg.log.trackers) == (False, True, ["tensorboard"])
+        assert cfg.data.prompt_field == "no"
+    assert load_config(None, ["rollout.agent_args={think: on, n: true}"]).rollout.agent_args == {"think": "on", "n": True}
+    fails(None, ["model.tf32=maybe"], match="model.tf32: got 'maybe'; input should be a valid boolean")
+
+
 def test_booleans_stay_booleans_and_numbers_numbers():
     cfg = load_config(None, ["log.tensorboard=false", "train.betas=[0, 0.5]", "rewards.functions=[{name: a, weight: 2}]",
                              "train.seed=-1"])
     assert cfg.log.trackers == [] and cfg.train.betas == (0.0, 0.5) and cfg.rewards.functions[0].weight == 2.0
+
+
+def _literal_fields(model=RunConfig, path=()):
+    """(dotted path, allowed values) of every enumeration in the schema: Literal fields, also inside optional
+    fields, unions and lists ("[]" marks a list's entry)."""
+    for name, field in model.model_fields.items():
+        yield from _literals(field.annotation, (*path, name))
+
+
+def _literals(ann, path):
+    origin = typing.get_origin(ann)
+    if origin is typing.Literal:
+        yield ".".join(path), typing.get_args(ann)
+    elif _is_section(ann):
+        yield from _literal_fields(ann, path)
+    else:
+        for arg in typing.get_args(ann):
+            yield from _literals(arg, (*path, "[]") if origin is list else path)
+
+
+def _get(cfg, path: str):
+    for part in path.split("."):
+        cfg = cfg[0] if part == "[]" else getattr(cfg, part)
+    return cfg
+
+
+# what a value needs beside it to be valid (the enumeration's reading is what is tested): other settings, and the
+# required fields of a list's entry
+_COMPANIONS = {"parallel.cpu_offload=full": ["parallel.sharding=fsdp"]}
+_ENTRY_NEEDS = {"algo.rejection": ", high: 2"}
+
+ENUMS = [(path, value) for path, values in _literal_fields() for value in values]
+
+
+@pytest.mark.parametrize("path, value", ENUMS, ids=[f"{p}={v}" for p, v in ENUMS])
+def test_every_enumeration_value_loads_as_written(tmp_path, path, value):
+    """Each allowed value of every enumeration, written bare in a YAML file and as a dotted override, loads as that
+    value: YAML 1.1 would read off/on/yes/no as booleans (rollout.router_replay: off failed so)."""
+    assert len(ENUMS) > 60 and ("rollout.router_replay", "off") in ENUMS
+    companions = _COMPANIONS.get(f"{path}={value}", [])
+    outer, _, inner = path.partition(".[]")
+    if not _:  # a field: `section:\n  field: value` in the file, section.field=value on the command line
+        *sections, field = path.split(".")
+        text = "".join(f"{'  ' * i}{name}:\n" for i, name in enumerate(sections)) + \
+            f"{'  ' * len(sections)}{field}: {value}\n"
+        override = f"{path}={value}"
+    else:  # a list's entry: `- value` or `- {field: value}`, the list as an override
+        *sections, field = outer.split(".")
+        entry = f"{{{inner[1:]}: {value}{_ENTRY_NEEDS.get(outer, '')}}}" if inner else value
+        text = "".join(f"{'  ' * i}{name}:\n" for i, name in enumerate(sections)) + \
+            f"{'  ' * len(sections)}{field}:\n{'  ' * len(sections)}- {entry}\n"
+        override = f"{outer}=[{entry}]"
+    assert _get(load_config(write(tmp_path, text), companions), path) == value, text
+    assert _get(load_config(None, [override, *companions]), path) == value, override

@@ -7,6 +7,7 @@ directory. Pure Python: never imports torch.
 
 from __future__ import annotations
 
+import difflib
 import os
 import typing
 
@@ -32,7 +33,7 @@ def validation_message(err: ValidationError, source: str = "config", overridden:
 def _problem(error: dict) -> str:
     loc = ".".join(str(x) for x in error["loc"]) or "(top level)"
     if error["type"] == "extra_forbidden":
-        return f"{loc}: unknown key; allowed here: {', '.join(_allowed_keys(error['loc']))}"
+        return f"{loc}: unknown key; {_known_keys(error['loc'])}"
     shown = repr(error.get("input"))
     if len(shown) > 60:
         shown = shown[:57] + "..."
@@ -44,6 +45,23 @@ def _source(loc: tuple, source: str, overridden: tuple[str, ...]) -> str:
     key = ".".join(str(x) for x in loc)
     hit = any(key == k or key.startswith(k + ".") or (key and k.startswith(key + ".")) for k in overridden)
     return "command line" if hit else source
+
+
+# The allowed keys are listed in the message while they fit in this many characters; a larger section (rollout has
+# ~40 keys) is pointed to in the config reference instead, so the line stays short.
+LISTED_KEYS_CHARS = 100
+
+
+def _known_keys(loc: tuple) -> str:
+    """What an unknown key at `loc` should have been: the closest key of its section (difflib) and where the
+    reference lists them all, or with none close the section's keys (listed when short, else that pointer)."""
+    keys = _allowed_keys(loc)
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {'.'.join([*(str(x) for x in loc[:-1]), close[0]])}? (all keys: docs/config.md)"
+    listed = ", ".join(keys)
+    section = ".".join(str(x) for x in loc[:-1] if not isinstance(x, int))
+    return f"allowed here: {listed}" if len(listed) <= LISTED_KEYS_CHARS else f"all keys of {section}: docs/config.md"
 
 
 def _allowed_keys(loc: tuple) -> list[str]:
@@ -66,7 +84,7 @@ def _allowed_keys(loc: tuple) -> list[str]:
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
     """Load a RunConfig from a YAML file (or defaults when path is None) plus dotted overrides."""
     data = read_yaml(path) if path is not None else {}
-    data = apply_overrides(data, list(overrides or []))
+    data = apply_overrides(data, list(overrides or []), words=True)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

@@ -56,6 +56,9 @@ class LogConfig(Section):
             return data
         data = dict(data)
         flag = data.pop("tensorboard")
+        # yes/no/on/off arrive as words (evenrl.config.parse_yaml): a true/false field reads them as booleans
+        flag = {"yes": True, "on": True, "no": False, "off": False}.get(flag.lower(), flag) if isinstance(flag, str) \
+            else flag
         if not isinstance(flag, bool):
             raise PydanticCustomError("tensorboard_flag", "log.tensorboard is true or false (or use log.trackers)")
         data.setdefault("trackers", ["tensorboard"] if flag else [])

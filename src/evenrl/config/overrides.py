@@ -13,22 +13,24 @@ from evenrl.config.yaml_reader import MAX_YAML_BYTES, parse_yaml
 from evenrl.errors import UsageError
 
 
-def _parse_value(text: str, source: str = "override") -> Any:
+def _parse_value(text: str, source: str = "override", words: bool = False) -> Any:
     """Override values are YAML scalars/lists: `8`, `1e-6`, `true`, `[1, 2]`, `null`, `my text`; text that is
     not YAML stays text, and nothing (`eval.path=`) is the empty string, as a shell's `key=''` arrives. Read with
-    the same bounds as a config file."""
+    the same bounds as a config file; `words`: yes/no/on/off stay words, as in evenrl's config files (parse_yaml)."""
     if not text.strip():
         return text
     if len(text) > MAX_YAML_BYTES:
         raise UsageError(f"{source}: a value of {len(text):,} characters; the limit is {MAX_YAML_BYTES:,}")
     try:
-        return parse_yaml(text, source)
+        return parse_yaml(text, source, words=words)
     except yaml.YAMLError:
         return text
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply `a.b.c=value` overrides to a nested dict (a copy). Unknown keys are caught by validation."""
+def apply_overrides(data: dict, overrides: list[str], *, words: bool = False) -> dict:
+    """Apply `a.b.c=value` overrides to a nested dict (a copy). Unknown keys are caught by validation. `words`:
+    yes/no/on/off are kept as written (evenrl's own settings, parse_yaml's words=True); without it they are YAML
+    1.1's booleans (a peer's settings, as its own loader reads them)."""
     out = _deep_copy(data)
     for item in overrides:
         if "=" not in item:
@@ -36,7 +38,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, _, raw = item.partition("=")
         if not all(key.strip().split(".")):
             raise UsageError(f"override {item!r}: empty key segment; expected e.g. rollout.samples_per_prompt=8")
-        set_dotted(out, key.strip(), _parse_value(raw, f"override {key.strip()}"), what=f"override {key}")
+        set_dotted(out, key.strip(), _parse_value(raw, f"override {key.strip()}", words), what=f"override {key}")
     return out
 
 

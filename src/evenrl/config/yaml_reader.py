@@ -5,6 +5,7 @@ slow or large, and reading text files with one-line errors that name the file. P
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,19 @@ MAX_YAML_NODES = 100_000  # values (scalars, lists, mappings), aliases expanded
 MAX_YAML_CHARS = 4 * 1024**2  # characters of all scalars, aliases expanded
 
 
-def parse_yaml(text: str, source: str) -> Any:
+def parse_yaml(text: str, source: str, *, words: bool = False) -> Any:
     """yaml.safe_load, bounded: the document may nest at most MAX_YAML_DEPTH levels and hold at most
     MAX_YAML_NODES values and MAX_YAML_CHARS characters of text once its aliases are expanded, and no alias may
     refer to a collection that contains it. The node graph is composed first (aliases stay shared, so composing
     costs what the text costs, and stops at the same limits) and measured with one memoised pass over it; only
     then is it built, so a "billion laughs" file is refused in milliseconds. Each limit is a one-line UsageError
-    naming `source`; bad syntax raises yaml.YAMLError for the caller to word."""
-    loader = _BoundedLoader(text)
+    naming `source`; bad syntax raises yaml.YAMLError for the caller to word.
+
+    words=True: only true/false (any case) are booleans, as in YAML 1.2 and JSON; yes/no/on/off stay the words
+    written (YAML 1.1, and so yaml.safe_load, reads them as booleans). evenrl's own configs are read so: an
+    enumeration that has such a word as a value (rollout.router_replay: off) gets what the user wrote, and a
+    true/false field reads the words as booleans itself (pydantic's bool takes yes/no/on/off)."""
+    loader = (_WordsLoader if words else _BoundedLoader)(text)
     loader.source = source
     try:
         try:
@@ -90,6 +96,19 @@ if getattr(yaml, "__with_libyaml__", False):
 else:  # pragma: no cover - PyYAML built without libyaml
     class _BoundedLoader(_DepthComposer, yaml.SafeLoader):
         pass
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+
+
+class _WordsLoader(_BoundedLoader):
+    """_BoundedLoader whose booleans are true/false only (YAML 1.2's core schema): parse_yaml(words=True)."""
+
+    yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in rules if tag != _BOOL]
+                               for first, rules in yaml.resolver.Resolver.yaml_implicit_resolvers.items()}
+
+
+_WordsLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def _measure(root: yaml.Node, source: str) -> None:
@@ -162,12 +181,12 @@ def read_text_file(path: str | os.PathLike, what: str, utf8_what: str, max_bytes
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
-    """Read a YAML mapping with the bounded reader (parse_yaml); every failure is a one-line UsageError naming
-    the file."""
+    """Read an evenrl config, a YAML mapping, with the bounded reader (parse_yaml, yes/no/on/off kept as words);
+    every failure is a one-line UsageError naming the file."""
     p = Path(path)
     text = read_text_file(p, "a YAML config file", "a UTF-8 YAML file")
     try:
-        data = parse_yaml(text, str(p))
+        data = parse_yaml(text, str(p), words=True)
     except yaml.YAMLError as e:
         raise UsageError(f"{p}: invalid YAML{yaml_error_line(e)}; fix the syntax") from None
     if data is None:

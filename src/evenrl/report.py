@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from evenrl.errors import ArgumentParser, UsageError
-from evenrl.train.plots import write_comparison, write_plots
+from evenrl.train.plots import comparable, plotted_rows, write_comparison, write_plots
+from evenrl.train.runlog import read_metrics
 
 
 def main(argv: list[str]) -> int:
@@ -21,10 +22,15 @@ def main(argv: list[str]) -> int:
     for d in (args.run_dir, args.other_run):
         if d is not None and not Path(d).is_dir():
             raise UsageError(f"{d}: not a directory; give a run directory written by evenrl train")
-    for path in write_plots(args.run_dir):
+    # both runs read and checked before anything is written: a refusal leaves both directories as they were
+    rows = plotted_rows(args.run_dir)
+    if args.other_run is not None:
+        other = read_metrics(args.other_run)
+        comparable(args.run_dir, args.other_run, rows, other)
+    for path in write_plots(args.run_dir, rows):
         print(path)
     if args.other_run is not None:
-        path, verdict = write_comparison(args.run_dir, args.other_run)
+        path, verdict = write_comparison(args.run_dir, args.other_run, rows, other)
         print(path)
         print(f"evenrl report: {verdict}")
     return 0

@@ -63,11 +63,19 @@ def _panels(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def write_plots(run_dir: str | Path) -> list[Path]:
-    run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)  # a bad line is a UsageError here, before anything is written
+def plotted_rows(run_dir: str | Path) -> list[dict]:
+    """A run directory's metrics rows, checked for plotting (a bad line, or no rows, is a UsageError) before anything
+    is written."""
+    rows = read_metrics(run_dir)
     if not rows:
         raise UsageError(f"{run_dir}: no metrics.jsonl with rows; give a run directory written by evenrl train")
+    return rows
+
+
+def write_plots(run_dir: str | Path, rows: list[dict] | None = None) -> list[Path]:
+    """RUN_DIR/plots/*.png from its metrics (`rows`: plotted_rows's, when the caller has read them)."""
+    run_dir = Path(run_dir)
+    rows = plotted_rows(run_dir) if rows is None else rows  # a bad line is a UsageError here, before any writing
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,15 +160,22 @@ def first_difference(rows: list[dict], other: list[dict]) -> tuple[int | None, i
     return next((s for s in common if a[s] != b[s]), None), len(common)
 
 
-def write_comparison(run_dir: str | Path, other_dir: str | Path) -> tuple[Path, str]:
-    """RUN_DIR/plots/compare.png: both runs' sampled reward by step, the first step whose weights differ marked;
-    and the one-line verdict."""
-    run_dir, other_dir = Path(run_dir), Path(other_dir)
-    rows, other = read_metrics(run_dir), read_metrics(other_dir)
-    step, common = first_difference(rows, other)
-    if not common:
+def comparable(run_dir: str | Path, other_dir: str | Path, rows: list[dict], other: list[dict]) -> None:
+    """Whether two runs' metrics can be compared (both logged weights/hash at some step); a UsageError if not."""
+    if not first_difference(rows, other)[1]:
         raise UsageError(f"{run_dir} and {other_dir}: no step logged weights/hash in both (a run logs it with "
                          "train.reproducibility=bitwise)")
+
+
+def write_comparison(run_dir: str | Path, other_dir: str | Path, rows: list[dict] | None = None,
+                     other: list[dict] | None = None) -> tuple[Path, str]:
+    """RUN_DIR/plots/compare.png: both runs' sampled reward by step, the first step whose weights differ marked;
+    and the one-line verdict. `rows`, `other`: the runs' metrics rows, when the caller has read them."""
+    run_dir, other_dir = Path(run_dir), Path(other_dir)
+    rows = read_metrics(run_dir) if rows is None else rows
+    other = read_metrics(other_dir) if other is None else other
+    comparable(run_dir, other_dir, rows, other)
+    step, common = first_difference(rows, other)
     verdict = (f"weights identical at all {common} steps both runs logged" if step is None else
                f"weights first differ at step {step} ({common} steps compared)")
     import matplotlib

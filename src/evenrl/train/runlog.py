@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from evenrl.errors import UsageError
+from evenrl.errors import UsageError, first_line, shown
 
 if TYPE_CHECKING:
     from evenrl.train.trackers import Trackers
@@ -86,6 +87,21 @@ def _jsonable(v):
     return v
 
 
+MAX_STEP = 10**12  # more steps than any run takes: a larger "step" is damage, and could not be plotted
+
+
+def _outsized(value, key: str = "") -> str | None:
+    """The key of the first integer, at any depth of a row, that no float holds (a plot converts every number)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return key if abs(value) > sys.float_info.max else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _outsized(v, f"{key}[{k}]" if isinstance(k, int) else (f"{key}.{k}" if key else str(k)))
+        if found is not None:
+            return found
+    return None
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The rows of RUN_DIR/metrics.jsonl ([] when there is none). A line that is not a JSON object with a whole
     "step" is a one-line UsageError naming the file and the line."""
@@ -103,12 +119,20 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
                 except (UnicodeDecodeError, json.JSONDecodeError):
                     raise UsageError(f"{path} line {n}: not valid JSON; expected one JSON object per step, as evenrl "
                                      "train writes (delete the line to read the rest)") from None
+                except ValueError as e:  # an integer past Python's digit limit (4,300), and the like
+                    raise UsageError(f"{path} line {n}: a value cannot be read ({first_line(e)[:80]}); expected "
+                                     "the numbers evenrl train writes (delete the line to read the rest)") from None
                 if not isinstance(row, dict):
                     kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
                         type(row), "null")
                     raise UsageError(f"{path} line {n}: a JSON {kind}; expected one JSON object per step")
-                if type(row.get("step")) is not int:
-                    raise UsageError(f"{path} line {n}: \"step\" is {row.get('step')!r}; expected a whole number")
+                if type(row.get("step")) is not int or not 0 <= row["step"] <= MAX_STEP:
+                    raise UsageError(f"{path} line {n}: \"step\" is {shown(row.get('step'), 40)}; expected a whole "
+                                     f"number from 0 to {MAX_STEP:,}")
+                key = _outsized(row)
+                if key is not None:
+                    raise UsageError(f"{path} line {n}: \"{key}\" holds a number too large for a plot (beyond "
+                                     f"{sys.float_info.max:.3g}); expected the numbers evenrl train writes")
                 rows.append(row)
     except OSError as e:
         raise UsageError(f"{path}: cannot read ({e.__class__.__name__}); expected the metrics of a run") from None

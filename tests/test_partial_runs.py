@@ -104,3 +104,45 @@ def test_refused_combinations_are_one_line(assets, tmp_path, capsys):
                                f"log.run_dir={tmp_path}/r")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "partial-rounds" in err, err
     assert not (tmp_path / "r").exists()
+
+
+def _lengths_off_by_3(carry):
+    carry["live"]["lengths"][0] += 3
+
+
+def _nan_logprobs(carry):
+    for part in carry.values():
+        part["logprobs"][:] = float("nan")
+
+
+def _no_such_row(carry):
+    carry["live"]["meta"][0, 3] = 10**6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage, needle", [(_lengths_off_by_3, "carry.live: the lengths add up to"),
+                                            (_nan_logprobs, "log-probs are not finite"),
+                                            (_no_such_row, "its prompt is row 1000000 of the dataset")],
+                         ids=["lengths", "nan", "row"])
+def test_a_damaged_carry_is_refused_before_the_run_directory_changes(assets, partial_runs, tmp_path, capsys,
+                                                                     damage, needle):
+    """Checkpoint 3 of the 1-process run with its carried samples damaged (tests/test_partial_checkpoint.py has
+    every damage): --resume stops in one line naming trainer.pt, exit 2, before config.yaml, plan.* or metrics.jsonl
+    are rewritten (were: a split_with_sizes traceback; a step that trained on NaN log-probs, then stopped naming this
+    checkpoint as the last good one; an IndexError after the directory was rewritten)."""
+    from e2e import evenrl_here
+    from test_bad_input import tree
+
+    run = copy_checkpoint(partial_runs / "one", 3, tmp_path / "run")
+    for name in ("config.yaml", "plan.txt", "plan.json"):
+        (run / name).write_bytes((partial_runs / "one" / name).read_bytes())
+    pt = run / "checkpoints" / "step-000003" / "trainer.pt"
+    state = torch.load(pt, weights_only=True)
+    damage(state["carry"])
+    torch.save(state, pt)
+    before = tree(run)
+    code, _, err = evenrl_here(capsys, *args(assets, run, "--resume"))
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert str(pt) in lines[0] and needle in lines[0] and "resume from an earlier one" in lines[0], lines[0]
+    assert tree(run) == before

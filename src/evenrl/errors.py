@@ -57,6 +57,11 @@ class RunStopped(Exception):
     and exits with code 3; the last good checkpoint is kept and nothing half-written replaces it."""
 
 
+class NonFinite(RunStopped):
+    """A non-finite loss or gradient norm: its cause may lie in the state the step started from (a resumed
+    checkpoint's carried samples), so the last good checkpoint is one whose state is sound."""
+
+
 class Interrupted(Exception):
     """The run stopped at a safe point on SIGINT or SIGTERM, after saving what it could. The CLI prints the message
     and how to resume as one line and exits with 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM)."""

@@ -246,6 +246,8 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
         models[prefix][1].state.clear()
     try:
         state.load_state_dict(trainer_state)
+    except UsageError as e:  # the state read and found damaged (a partial run's carried samples)
+        raise UsageError(f"{path / 'trainer.pt'}: {e}; {EARLIER}") from None
     except (KeyError, ValueError, TypeError, IndexError) as e:
         raise UsageError(f"{path / 'trainer.pt'}: does not fit this run ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:120] if str(e) else 'missing state'}); it was saved by "

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
-from evenrl.errors import Interrupted, RunStopped, UsageError
-from evenrl.train import checkpoint, determinism, rundir
+from evenrl.errors import Interrupted, NonFinite, RunStopped, UsageError
+from evenrl.train import carry_check, checkpoint, determinism, rundir
 from evenrl.train.balance import make_balance
 from evenrl.train.evaluate import evaluate
 from evenrl.train.metrics import Idle, phase_table
@@ -122,8 +122,7 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, stopping: Stopping, f
         try:
             metrics, examples = rl_step(step, trainer)
         except RunStopped as e:  # every rank stops here; nothing of this step is saved
-            last = checkpoint.latest(run_dir / "checkpoints")
-            raise RunStopped(f"step {step}: {e}; last good checkpoint: {last or 'none yet'}") from None
+            raise RunStopped(f"step {step}: {e}; last good checkpoint: {_last_good(trainer, e)}") from None
         trainer.step = step
         metrics["time/step"] = time.perf_counter() - t0  # wall time of the whole step, phases and the rest
         first_errors = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(FIRST_ERROR)]}
@@ -166,6 +165,18 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, stopping: Stopping, f
         idle.summary(cfg.train.steps - start)
     if dist.is_main():
         print(summary(run_dir, read_metrics(run_dir)), flush=True)
+
+
+def _last_good(trainer: Trainer, e: RunStopped) -> str:
+    """The newest checkpoint a stopped run can resume from; after a non-finite loss in a partial run, the newest
+    whose carried samples are sound (a damaged one would stop the resumed run again)."""
+    root = Path(trainer.cfg.log.run_dir) / "checkpoints"
+    last = checkpoint.latest(root)
+    if not isinstance(e, NonFinite) or trainer.carry is None or last is None:
+        return str(last or "none yet")
+    good = carry_check.last_good(root, trainer.cfg, vocab=carry_check.vocab_of(trainer.model),
+                                 rows=len(trainer.prompts.rows), eos=trainer.eos_ids)
+    return str(good or "none") + (f" ({last.name}'s carried samples are damaged)" if good != last else "")
 
 
 def _stopped_at(step: int, latest: Path | None, *, saved: bool) -> str:

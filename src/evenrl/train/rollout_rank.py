@@ -23,7 +23,8 @@ from evenrl.engines.sync import Broadcast
 from evenrl.models.loading import load_policy, set_tf32
 from evenrl.models.lora import add_adapters
 from evenrl.models.vision import prompt_image_inputs
-from evenrl.train import checkpoint
+from evenrl.errors import UsageError
+from evenrl.train import carry_check, checkpoint
 from evenrl.train.carry import Carry, serve_step
 from evenrl.train.data import PromptSampler
 from evenrl.train.sampling import unit_batches
@@ -57,7 +58,11 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
         start = checkpoint.read_meta(found)["step"]
         state = checkpoint.read_state(found)
         sampler.load_state_dict(state["sampler"])
-        if carry is not None:  # the in-flight samples this replica continues
+        if carry is not None:  # the in-flight samples this replica continues, checked as the trainers check them
+            why = carry_check.problem(state.get("carry"), cfg, step=start, vocab=carry_check.vocab_of(model),
+                                      rows=len(prompts.rows), eos=eos_ids)
+            if why:
+                raise UsageError(f"{found / 'trainer.pt'}: {why}; {checkpoint.EARLIER}")
             replicas = dist.rollout_ranks()
             carry.load_live(state["carry"], replicas.index(dist.rank()), len(replicas))
     sync = Broadcast(cfg, engine=engine, payload=make_payload(cfg, model),

@@ -29,7 +29,8 @@ from evenrl.models.vision_config import vision_dims_from_config, vision_token_we
 from evenrl.planner.compatibility import check_run
 from evenrl.planner.dims import dims_from_config
 from evenrl.rewards import RewardFn, resolve
-from evenrl.train import checkpoint, moe
+from evenrl.errors import UsageError
+from evenrl.train import carry_check, checkpoint, moe
 from evenrl.train.balance import Balance
 from evenrl.train.carry import Carry
 from evenrl.train.data import PromptSampler, load_data, take_images
@@ -131,6 +132,11 @@ class Trainer:
         if self.carry is not None:
             if "carry" not in state:
                 raise KeyError("carry: saved by a run without rollout.partial")
+            # every rank checks the whole carry (the same bytes everywhere), so all refuse it together
+            why = carry_check.problem(state["carry"], self.cfg, step=state["step"], vocab=carry_check.vocab_of(self.model),
+                                      rows=len(self.prompts.rows), eos=self.eos_ids)
+            if why:
+                raise UsageError(why)
             self.carry.load_pool(state["carry"], dist.rank(), dist.world())
             if not dist.rollout_ranks():  # colocated: the samples this rank generated; reserved: trainer 0's copy
                 self.carry.load_live(state["carry"], dist.rank(), dist.world())

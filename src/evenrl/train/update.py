@@ -25,7 +25,7 @@ from evenrl.distributed.sequence import sequence_parallel
 from evenrl.distributed.sharding import shard
 from evenrl.distributed.tensor_parallel import tensor_parallel
 from evenrl.engines.base import keyed_seed
-from evenrl.errors import RunStopped
+from evenrl.errors import NonFinite
 from evenrl.models.decoder import LeanDecoder
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import forwards_meet, is_sharded, set_autocast, set_tf32
@@ -242,7 +242,7 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         bad = [k for i, k in enumerate(stat_names) if not torch.isfinite(flat[2 * i])]
         what = f"loss statistic {bad[0]}" if bad else "gradient norm"
         value = float(flat[2 * stat_names.index(bad[0])]) if bad else float(grad_norm)
-        raise RunStopped(f"non-finite {what} ({value}); this optimizer step was not taken and nothing of the step "
+        raise NonFinite(f"non-finite {what} ({value}); this optimizer step was not taken and nothing of the step "
                          "is saved")
     optimizer.step()
     if lr_scheduler is not None:

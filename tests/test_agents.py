@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+import toy_agents
 from e2e import ENV
 from evenrl.agents.calls import Call, assemble
 from evenrl.agents.job import agent_problem
@@ -303,6 +304,114 @@ def test_a_responses_agent_echoing_its_function_calls_chains_onto_them(tools_mod
     assert seg.token_ids[:len(scripted_first := said + [tok.eos_token_id])] == scripted_first
     between = [x for x, m in zip(seg.token_ids, seg.loss_mask) if not m]
     assert tok.decode(between).strip() == "<tool_response>5</tool_response>\nassistant:"
+
+
+def test_a_tool_call_cut_at_max_new_tokens_is_counted_and_warned_once(tools_model, capsys):
+    """A reply that reaches rollout.max_new_tokens inside a tool call (<tool_call> open, </tool_call> missing) makes
+    no call: the agent gets plain text cut for length, and the call is counted in its sample (tools/cut_calls), which
+    the run warns about once; a reply that closes its call, or ends with EOS, is not counted."""
+    import concurrent.futures
+
+    from evenrl.agents.server import Pending
+    from evenrl.engines.base import Completion
+    from evenrl.train.loop import warn_cut_calls
+    from evenrl.train.metrics import trajectory_metrics
+
+    cfg = RunConfig.model_validate({"model": {"path": tools_model}, "rollout": {"agent": "toy_agents:two_tools",
+                                                                                "max_new_tokens": 12}})
+    agents = make_turns(cfg)
+    _, agents.tokenizer = load_policy(tools_model)
+    tok = agents.tokenizer
+    agents.prompts = Prompts(tok, tokenizer_render(tok), {tok.eos_token_id})
+    said = agents.prompts.encode('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    assert len(said) > 12
+    scripted = [said[:12], agents.prompts.encode("5") + [tok.eos_token_id]]
+
+    class Scripted:
+        def generate(self, prompts, keys, params, *, step, sample_ranges):
+            ids = scripted.pop(0)[:params.max_new_tokens]
+            return [[Completion(0, 0, ids, [-1.0] * len(ids), ids[-1] == tok.eos_token_id)] for _ in prompts]
+    rec = Record(0, 0, {})
+    answers = []
+    for body in ({"messages": [{"role": "user", "content": "2+3="}], "tools": toy_agents.TOOLS},
+                 {"messages": [{"role": "user", "content": "again"}]}):
+        p = Pending("t", "chat", body, concurrent.futures.Future())
+        agents._serve([p], {"t": rec}, Scripted(), sampling_params(cfg), 1)
+        answers.append(p.future.result().body["choices"][0])
+    assert answers[0]["finish_reason"] == "length" and "tool_calls" not in answers[0]["message"]
+    assert [c.cut for c in rec.calls] == [True, False]
+    t = agents._parts(0, 0, [1], assemble(rec.calls), None, False)
+    assert sorted([t.cut_calls, *(x.cut_calls for x in t.splits)]) == [0, 1]  # two samples: the calls do not chain
+    cols = trajectory_columns([t, *t.splits])
+    everyone = Batch({k: cols[k] for k in ("turns", "sampled_len", "tool_calls", "tool_errors", "cut_calls")})
+    metrics = {**trajectory_metrics(everyone), "samples": 2}
+    assert metrics["tools/cut_calls"] == 1
+    assert warn_cut_calls(cfg, 3, metrics) and not warn_cut_calls(cfg, 4, {"tools/cut_calls": 0})
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("evenrl: warning: step 3: 1 of 2 replies ended at their token limit inside a tool call")
+    assert "raise rollout.max_new_tokens (12)" in line
+
+
+def test_an_agent_that_cannot_load_stops_the_run_at_its_first_step(tools_model, tmp_path, capsys):
+    """toy_agents:stale (as a verifiers environment written for an older verifiers) cannot be loaded in a worker
+    process, so every trajectory fails alike: the run stops at step 1 with that one line, exit 3 (it trained every
+    step to the end on zero rewards, exit 0, its closing note blaming the reward)."""
+    from e2e import evenrl_here
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"model: {{path: {tools_model}}}\ndata: {{path: {data}, prompts_per_step: 2}}\n"
+                   "rollout: {samples_per_prompt: 2, max_new_tokens: 8, agent: 'toy_agents:stale'}\n"
+                   f"train: {{steps: 3}}\nlog: {{progress: false, run_dir: {tmp_path / 'run'}}}\n")
+    code, out, err = evenrl_here(capsys, "plan", cfg)
+    assert code == 0, out  # reading the file cannot tell
+    code, out, err = evenrl_here(capsys, "train", cfg)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 3 and len(lines) == 1 and "Traceback" not in err, err
+    assert "stopped: step 1: rollout.agent toy_agents:stale: all 4 trajectories of the step failed the same way: " \
+           "raised: cannot load the function in a worker process: TypeError:" in lines[0], lines[0]
+    assert "last good checkpoint: none yet" in lines[0] and "done" not in out
+
+
+def test_only_a_step_whose_trajectories_all_failed_alike_stops_the_run():
+    """The rule the run above stops by (train.sampling.stop_if_all_failed_alike): every trajectory failed, with one
+    error; not a timeout (the machine's load decides it), not rewards.functions failing on agents' replies (a
+    reward's failures are warned about), not while one trajectory worked or the errors differ."""
+    from types import SimpleNamespace
+
+    from evenrl.agents.rollout import REPLY_SCORE_FAILED
+    from evenrl.errors import RunStopped
+    from evenrl.train.sampling import stop_if_all_failed_alike
+
+    def step(errors, spec="rollout.env=toy_envs:Broken"):
+        trainer = SimpleNamespace(turns=object(), cfg=RunConfig.model_validate(
+            {"rollout": dict([spec.removeprefix("rollout.").split("=")])}))
+        rows = Batch({"reward_failed": torch.tensor([e is not None for e in errors]), "error": list(errors)})
+        stop_if_all_failed_alike(trainer, rows, rows)
+
+    with pytest.raises(RunStopped, match=r"^rollout.env toy_envs:Broken: all 3 trajectories of the step failed the "
+                                         r"same way: raised: KeyError: 'x'$"):
+        step(["raised: KeyError: 'x'"] * 3)
+    for fine in (["raised: KeyError: 'x'", "raised: KeyError: 'x'", None], ["raised: A", "raised: B", "raised: A"],
+                 ["timeout: took longer than 5 s"] * 3, [REPLY_SCORE_FAILED] * 3):
+        step(fine, "rollout.agent=toy_agents:two_tools")
+
+
+def test_steps_that_learned_nothing_because_every_sample_failed_do_not_blame_the_reward(capsys):
+    """The run's closing note said "the reward does not tell this model's samples apart" of steps in which every
+    sample had failed (an agent that could not load); it says they failed."""
+    from evenrl.train.metrics import Idle
+
+    idle = Idle()
+    for step, failures in ((1, 4), (2, 4), (4, 0)):
+        idle.see(step, {"samples": 4, "advantage/abs_mean": 0.0, "reward/failures": failures})
+    idle.summary(4)
+    first, again, note = capsys.readouterr().out.splitlines()
+    assert first.endswith("all 4 samples have advantage 0 (every one had failed: see the failures above)"), first
+    assert "check the reward" in again
+    assert note == ("evenrl: note: 3 of 4 steps learned nothing (all advantages 0); in 2 of them every sample had "
+                    "failed (reward/failures), not the reward's doing")
 
 
 def test_completions_continue_on_their_text_and_a_none_reward_is_scored_by_the_reward_functions(tools_model):

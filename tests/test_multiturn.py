@@ -199,10 +199,12 @@ def test_caps_end_trajectories_unfinished(tools_model):
     assert [(t.turns, t.finished, len(t.token_ids)) for t in trajs] == [(1, False, first)] * 2
     (trajs,), _, tok, _ = run_turns(tools_model, calls, rows, max_new_tokens=10)
     assert [(t.turns, t.finished, sum(t.loss_mask), t.tool_errors) for t in trajs] == [(3, False, 30, 3)] * 2
+    # every call cut at max_new_tokens before </tool_call>: counted (tools/cut_calls, warned once a run)
+    assert [t.cut_calls for t in trajs] == [3, 3] and trajectory_columns(trajs)["cut_calls"].tolist() == [3, 3]
     env = [i for i, m in zip(trajs[0].token_ids, trajs[0].loss_mask) if not m]
     assert env[0] == tok.eos_token_id and "<tool_response>error: malformed tool call" in tok.decode(env)
     (trajs,), _, _, _ = run_turns(tools_model, calls, rows, max_turns=2)
-    assert [(t.turns, t.finished, t.tool_calls) for t in trajs] == [(2, True, 2)] * 2
+    assert [(t.turns, t.finished, t.tool_calls, t.cut_calls) for t in trajs] == [(2, True, 2, 0)] * 2
 
 
 def test_turn_streams_are_keyed_and_layout_free(tools_model):
@@ -374,15 +376,24 @@ p = make_plan(load_config(None, common + ["rollout.max_trajectory_tokens=1000", 
               make_layout(1, 2))
 short = make_plan(load_config(None, common + ["rollout.max_trajectory_tokens=300"]), make_layout(1, 2))
 bad = make_plan(load_config(None, ["rollout.env=nosuch.module:Env"]), make_layout(1, 2))
+cut = [[f.message for f in make_plan(load_config(None, common[:3] + [f"rollout.{{k}}", "rollout.max_new_tokens=10"]),
+                                     make_layout(1, 2)).findings if f.rule == "tool-call-cut"]
+       for k in ("env=calculator", "env=feedback", "agent=toy_agents:two_tools")]
 print(json.dumps([p.sample_tokens, sorted(f.rule for f in p.findings), sorted(f.rule for f in short.findings),
-                  [f.rule for f in bad.findings if f.level == "error"], "torch" in sys.modules]))
+                  [f.rule for f in bad.findings if f.level == "error"], cut, "torch" in sys.modules]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
-    tokens, rules, short, errors, torch_loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    tokens, rules, short, errors, cut, torch_loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert tokens == 256 + 1000
     assert {"env-tokens", "rewards-unused"} <= set(rules) and not {"env-template", "trajectory-cap"} & set(rules)
-    assert "trajectory-cap" in short and "env-tokens" not in short
+    assert "trajectory-cap" in short and "env-tokens" not in short and "tool-call-cut" not in rules
     assert errors == ["env-name"] and not torch_loaded
+    # max_new_tokens=10 cannot hold the shortest tool call (14 tokens with the tiny model's tokenizer): a warning
+    # where the model may call tools (the calculator's, an agent's), none for an environment without tools
+    calculator, feedback, agent = cut
+    assert calculator == agent == ['rollout.max_new_tokens=10 cannot hold the shortest tool call '
+                                   '(<tool_call>{"name":"f"}</tool_call>: 14 tokens with this tokenizer): any tool '
+                                   'call the model writes is cut before it closes and never made'] and feedback == []
 
 
 

@@ -122,6 +122,19 @@ def test_the_plan_names_what_cannot_run(config, capsys, monkeypatch, override, s
     assert says in " ".join(out.split()), out  # the finding's line, as the plan wraps it
 
 
+def test_an_environment_for_an_older_verifiers_is_named_by_the_plan(tmp_path, monkeypatch):
+    """An environment written for verifiers before 0.4 (load_environment(), no __all__ exporting a Taskset) fails
+    to load in every worker: the plan reads it (never imports it) and says so; a 0.4 taskset passes."""
+    (tmp_path / "old_env.py").write_text("import verifiers as vf\n\n\ndef load_environment(**kwargs):\n"
+                                         "    return vf.SingleTurnEnv(dataset=None)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    why = verifiers_adapter.problem("old_env", {})
+    assert why == ("names module 'old_env' (old_env.py), which exports no Taskset subclass through __all__ (what "
+                   "verifiers 0.4 loads); its load_environment() is an older verifiers API's"), why
+    assert verifiers_adapter.problem("vf_arith", {}) is None
+
+
 def test_without_verifiers_the_plan_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers", None)  # find_spec of a module set to None raises ValueError
     assert "pip install -e '.[environments]'" in verifiers_adapter.problem("vf_arith", {})

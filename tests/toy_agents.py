@@ -83,6 +83,12 @@ def not_async(row, **_):
     return 1.0
 
 
+# An agent written for an API this one is not (as a verifiers environment of an older verifiers release): what the
+# name holds is only known once it is loaded, in a worker, where every trajectory then fails the same way ("cannot
+# load the function in a worker process"); reading the file cannot tell (evenrl plan says runnable).
+stale = not_async
+
+
 
 async def mixed(row, **endpoint):
     """two_tools on even rows, rewrites_history on odd ones: one run has chained calls and split samples."""

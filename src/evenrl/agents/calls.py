@@ -23,6 +23,7 @@ class Call:
     finished: bool            # ended with EOS
     tool_calls: int = 0       # tool calls read from the reply
     versions: list[int] = field(default_factory=list)  # rollout.partial: the policy version of each sampled id
+    cut: bool = False         # the reply ended at its token limit inside a tool call (never made)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Segment:
     versions: list[int] = field(default_factory=list)  # rollout.partial: per token (a call's first for those between)
     calls: int = 0
     tool_calls: int = 0
+    cut_calls: int = 0
     finished: bool = False
 
     def whole(self) -> list[int]:
@@ -48,6 +50,7 @@ class Segment:
         self.loss_mask += [False] * len(between) + [True] * len(call.ids)
         self.versions += call.versions[:1] * len(between) + call.versions
         self.calls, self.tool_calls, self.finished = self.calls + 1, self.tool_calls + call.tool_calls, call.finished
+        self.cut_calls += call.cut
 
 
 def assemble(calls: list[Call]) -> list[Segment]:

@@ -35,6 +35,7 @@ from evenrl.config import RunConfig
 from evenrl.core.carry import CarryRules, step_budget
 from evenrl.engines.base import Engine, SamplingParams, Trajectory
 from evenrl.envs.template import file_render, tokenizer_render
+from evenrl.envs.toolcalls import ends_inside_call
 from evenrl.errors import RunStopped, UsageError, bad, describe_error
 from evenrl.isolation import pool
 from evenrl.isolation.pool import Limits, run_contained
@@ -50,6 +51,9 @@ _JOB_SLACK_S = 3.0
 MODEL_NAME = "evenrl-policy"
 CUT = ("the step's token budget (rollout.tokens_per_round) ended here; the trajectory continues at the next step, "
        "its agent started again and its calls answered from its transcript (rollout.partial)")
+# the error of an agent's trajectory whose None reward rewards.functions failed to score: a reward's failure, not the
+# agent's (evenrl.train.sampling leaves it to the reward warnings)
+REPLY_SCORE_FAILED = "rewards.functions failed on the last reply"
 ONE_AT_A_TIME = ("rollout.partial: a trajectory's calls must be made one at a time (the step's budget goes to them "
                  "in order)")
 
@@ -246,7 +250,8 @@ class Agents:
             answer = self._answer(p, rec, sampled, eos, len(ids), history)
             text = self.prompts.reply_text(sampled)
             content, calls = reply_message(text) if p.kind != "completion" else (None, [])
-            rec.calls.append(Call(ids, sampled, lps, eos, len(calls), versions))
+            cut = not eos and len(sampled) >= budget and ends_inside_call(text)
+            rec.calls.append(Call(ids, sampled, lps, eos, len(calls), versions, cut))
             rec.sampled += len(sampled)
             if p.kind != "completion":  # a Responses call is a chat call: either kind continues the other
                 reply = {"role": "assistant", "content": content or ""}
@@ -345,6 +350,7 @@ class Agents:
         for part, seg in zip(parts, segments):
             part.prompt_ids, part.token_ids, part.logprobs = seg.prompt_ids, seg.token_ids, seg.logprobs
             part.loss_mask, part.turns, part.tool_calls = seg.loss_mask, seg.calls, seg.tool_calls
+            part.cut_calls = seg.cut_calls
             part.finished = seg.finished and not truncated
         for k, part in enumerate(parts):
             part.segment, part.history_breaks = k, (len(parts) - 1 if k == 0 else 0)
@@ -366,7 +372,7 @@ class Agents:
         for (t, _), score, failed in zip(unscored, scores, stats["failed"]):
             for part in (t, *t.splits):
                 part.reward, part.failed = score, bool(failed)
-                part.error = "rewards.functions failed on the last reply" if failed else None
+                part.error = REPLY_SCORE_FAILED if failed else None
 
     def _eos_ids(self) -> set[int]:
         return {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -413,15 +419,18 @@ class Agents:
         self._score(unscored)
         for c, t, rec in done:
             c.talk.update(complete=True, reward=t.reward, failed=t.failed, error=t.error, failure=rec.failure,
-                          truncated=rec.truncated, tool_calls=[x.tool_calls for x in rec.calls])
+                          truncated=rec.truncated, tool_calls=[x.tool_calls for x in rec.calls],
+                          cut_calls=[x.cut for x in rec.calls])
         return [c.talk["complete"] for c in records]
 
     def carried_rows(self, c, prompt: list[int]) -> tuple[list[Trajectory], list[list[int]]]:
         """A complete carried trajectory (advance's) as the rows an uncut rollout makes of it, with each row's
         token versions."""
         talk = c.talk
-        calls = [Call(x.prompt, x.ids, x.logprobs, x.eos, n, x.versions) for x, n in
-                 zip(from_talk(talk, c.tokens.tolist(), c.logprobs.tolist(), c.versions.tolist()), talk["tool_calls"])]
+        cuts = talk.get("cut_calls") or [False] * len(talk["calls"])  # absent from older checkpoints
+        calls = [Call(x.prompt, x.ids, x.logprobs, x.eos, n, x.versions, cut) for x, n, cut in
+                 zip(from_talk(talk, c.tokens.tolist(), c.logprobs.tolist(), c.versions.tolist()), talk["tool_calls"],
+                     cuts)]
         segments = assemble(calls)
         t = self._parts(c.position, c.sample, prompt, segments, talk["failure"], talk["truncated"])
         for part in (t, *t.splits):

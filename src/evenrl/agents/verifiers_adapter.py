@@ -32,6 +32,7 @@ its rubric (`@vf.reward` functions and plugged rewards, weighted), never rewards
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import copy
@@ -43,6 +44,7 @@ import re
 import sys
 from pathlib import Path
 
+from evenrl.agents.job import module_tree
 from evenrl.errors import shown
 from evenrl.rewards.registry import findable
 
@@ -75,6 +77,8 @@ def problem(target: str, args: dict) -> str | None:
         return "names no environment (verifiers:ENV_ID)"
     if not (_builtin(spec, module) or findable(module)):
         return f"names no module {shown(module, 30)} on the Python path nor a verifiers taskset (PYTHONPATH?)"
+    if not _builtin(spec, module) and (why := _older_api(module)):
+        return why
     taskset = args.get("taskset", {})
     if not isinstance(taskset, dict) or taskset.get("id", target) != target:
         return f"with rollout.agent_args taskset {shown(taskset, 30)}: its id must be the ENV_ID"
@@ -127,6 +131,24 @@ def _builtin(spec, module: str) -> bool:
     return any((Path(root) / "v1" / "tasksets" / module).with_suffix(".py").is_file()
                or (Path(root) / "v1" / "tasksets" / module / "__init__.py").is_file()
                for root in spec.submodule_search_locations or ())
+
+
+def _older_api(module: str) -> str | None:
+    """Why `module`, read and never imported, is not a verifiers 0.4 taskset: verifiers.v1 loads the Taskset subclass
+    a taskset module exports through `__all__` (v1/utils/loaders.py `_plugin_class`), and an environment written for
+    an older verifiers (`load_environment()`, no `__all__`) fails that in every worker, every trajectory alike."""
+    read = module_tree(module)
+    if isinstance(read, str):  # not a plain source file (an installed build): verifiers finds out in the worker
+        return None
+    source, tree = read
+    names = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    if "__all__" in names:
+        return None
+    older = any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "load_environment"
+                for n in tree.body)
+    return (f"names module {shown(module, 30)} ({source.name}), which exports no Taskset subclass through __all__ "
+            "(what verifiers 0.4 loads)" + ("; its load_environment() is an older verifiers API's" if older else ""))
 
 
 def _role_problem(role: str, settings: dict) -> str | None:

@@ -69,6 +69,10 @@ COLUMNS: dict[str, Column] = {
     "turns": Column("sample", torch.long, "rollout.env: the trajectory's assistant turns"),
     "tool_calls": Column("sample", torch.long, "rollout.env: tool calls the trajectory made"),
     "tool_errors": Column("sample", torch.long, "rollout.env: of those, the ones that could not be read or run"),
+    "cut_calls": Column("sample", torch.long, "rollout.env, rollout.agent: the trajectory's replies that ended at "
+                                              "their token limit inside a tool call (which was never made)"),
+    "error": Column("list", None, "rollout.env, rollout.agent: why the trajectory failed, in one line (None: it did "
+                                  "not)"),
     "segment": Column("sample", torch.long, "rollout.agent: which sample of its trajectory this is (0: the first; "
                                             "k: the k-th split off where a call did not extend the conversation)"),
     "history_breaks": Column("sample", torch.long, "rollout.agent: on a trajectory's first sample, how many samples "

@@ -64,6 +64,7 @@ class Trajectory(Completion):
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    cut_calls: int = 0  # replies cut at rollout.max_new_tokens inside a tool call (envs.toolcalls.ends_inside_call)
     # rollout.agent (evenrl.agents.rollout): the sample's own prompt (None: the dataset prompt's tokens), the samples a
     # trajectory was split into after its first (calls that did not extend it), which of them this is, and on the
     # first how many splits there were

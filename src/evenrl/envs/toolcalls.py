@@ -37,6 +37,12 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def ends_inside_call(text: str) -> bool:
+    """Whether a reply ends inside a tool call: a <tool_call> opened after the last </tool_call>. Cut there by its
+    token limit, the call was never made (parse_tool_calls reads it as malformed; an agent's reply has none)."""
+    return text.rfind(OPEN) > text.rfind(CLOSE)
+
+
 def _read_call(body: str) -> ToolCall:
     try:
         doc = json.loads(body)

@@ -29,7 +29,7 @@ from evenrl.planner.rewards import rule_reward_models, rule_rewards
 from evenrl.planner.tensor_parallel import rule_engine_memory, rule_tensor_parallel
 from evenrl.planner.text import plural, seconds, size_text
 from evenrl.planner.agents import rule_agent
-from evenrl.planner.turns import rule_env, rule_trajectory_cap
+from evenrl.planner.turns import rule_env, rule_tool_call_fits, rule_trajectory_cap
 from evenrl.planner.types import Finding, Plan
 from evenrl.planner.vision import rule_vision
 
@@ -198,6 +198,6 @@ def rule_overlap(p: Plan) -> list[Finding]:
 RULES = [rule_layout, rule_capacity_weights, rule_data, rule_model, rule_rewards, rule_reward_models, rule_groups,
          rule_algorithms, rule_minibatches, rule_min_rows, rule_idle, rule_token_cap, rule_imbalance, rule_memory,
          rule_group_memory, rule_mixed_speeds, rule_parallel, rule_overlap, rule_compatibility, rule_partial,
-         rule_vision, rule_lora, rule_trackers, rule_env, rule_trajectory_cap, rule_unknown_models, rule_agent, rule_sequence_parallel,
-         rule_rollout_parallel, rule_tensor_parallel, rule_engine_memory, rule_moe, rule_expert_parallel,
-         rule_reproducibility]
+         rule_vision, rule_lora, rule_trackers, rule_env, rule_trajectory_cap, rule_tool_call_fits,
+         rule_unknown_models, rule_agent, rule_sequence_parallel, rule_rollout_parallel, rule_tensor_parallel,
+         rule_engine_memory, rule_moe, rule_expert_parallel, rule_reproducibility]

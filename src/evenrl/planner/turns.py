@@ -54,6 +54,33 @@ def _template(p: Plan, spec: str) -> list[Finding]:
                     "loading weights)", PREFIX_FIX)] if problem else []
 
 
+# The shortest tool call a reply can make that is read as one (evenrl.envs.toolcalls: Hermes format, no arguments)
+SHORTEST_CALL = '<tool_call>{"name":"f"}</tool_call>'
+
+
+def rule_tool_call_fits(p: Plan) -> list[Finding]:
+    """rollout.env / rollout.agent: a reply of rollout.max_new_tokens that cannot hold even the shortest tool call
+    (counted with model.path's tokenizer.json; tokenizers imports no torch) cuts every call the model starts before
+    </tool_call>: none is ever made (the run warns, tools/cut_calls counts them)."""
+    r = p.config.rollout
+    tools = r.agent or (r.env and getattr(ENVS.get(r.env), "tools", True))  # a user's environment: may have some
+    file = Path(p.config.model.path).expanduser() / "tokenizer.json"
+    if not tools or not file.is_file():
+        return []
+    try:
+        from tokenizers import Tokenizer
+
+        shortest = len(Tokenizer.from_file(str(file)).encode(SHORTEST_CALL, add_special_tokens=False).ids)
+    except Exception:  # a tokenizer file this library cannot read: the trainer's own check names it
+        return []
+    if r.max_new_tokens >= shortest:
+        return []
+    return [Finding("warning", "tool-call-cut", f"rollout.max_new_tokens={r.max_new_tokens} cannot hold the shortest "
+                    f"tool call ({SHORTEST_CALL}: {shortest} tokens with this tokenizer): any tool call the model "
+                    f"writes is cut before it closes and never made", f"rollout.max_new_tokens>={4 * shortest} "
+                    "(room for a call's arguments), if the model is to call tools")]
+
+
 def rule_trajectory_cap(p: Plan) -> list[Finding]:
     r = p.config.rollout
     if not r.env:

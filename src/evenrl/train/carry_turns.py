@@ -33,7 +33,7 @@ def opening(turns: Turns, messages: list[dict]) -> dict:
     """A new trajectory's talk: its opening messages and their rendering, no turn taken."""
     return {"messages": list(messages), "history": tokenizer_render(turns.tokenizer)(messages, turns.tools, True),
             "state": None, "reply": 0, "complete": False, "mask": "", "turns": 0, "reward": 0.0, "failed": False,
-            "error": None, "tool_calls": 0, "tool_errors": 0}
+            "error": None, "tool_calls": 0, "tool_errors": 0, "cut_calls": 0}
 
 
 def encode(talk: dict | None) -> bytes:
@@ -59,7 +59,8 @@ def trajectory(r) -> Trajectory:
     t = r.talk
     return Trajectory(r.position, r.sample, r.tokens.tolist(), r.logprobs.tolist(), r.ended,
                       loss_mask=[c == "1" for c in t["mask"]], reward=t["reward"], failed=t["failed"],
-                      error=t["error"], turns=t["turns"], tool_calls=t["tool_calls"], tool_errors=t["tool_errors"])
+                      error=t["error"], turns=t["turns"], tool_calls=t["tool_calls"], tool_errors=t["tool_errors"],
+                      cut_calls=t.get("cut_calls", 0))  # absent from checkpoints written before it was counted
 
 
 def advance_turns(turns: Turns, engine: Engine, prompts, records: list, ages: list[int], rules: CarryRules,
@@ -111,5 +112,6 @@ def advance_turns(turns: Turns, engine: Engine, prompts, records: list, ages: li
         c.ended = t.finished
         c.talk = {"messages": x.messages, "history": x.history, "state": x.state, "reply": rep, "complete": done,
                   "mask": "".join("1" if m else "0" for m in t.loss_mask), "turns": t.turns, "reward": t.reward,
-                  "failed": t.failed, "error": t.error, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors}
+                  "failed": t.failed, "error": t.error, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
+                  "cut_calls": t.cut_calls}
     return complete

@@ -108,7 +108,7 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, stopping: Stopping, f
                  progress_total=cfg.train.steps, progress=cfg.log.progress, initial_step=start,
                  shown={"reward/mean": "reward", "kl": "kl", "perf/tokens_per_s": "tok/s"})
     phases: dict[str, float] = {}
-    idle = Idle()
+    idle, cut_warned = Idle(), False
     if stopping.before_start():
         log.close()
         latest = checkpoint.latest(run_dir / "checkpoints")
@@ -135,6 +135,7 @@ def run_steps(trainer: Trainer, trackers: Trackers | None, stopping: Stopping, f
             idle.see(step, metrics)
             warn_short_sampling(cfg, step, metrics)
             warn_reward_failures(cfg, step, metrics, first_errors)
+            cut_warned = cut_warned or warn_cut_calls(cfg, step, metrics)
         if trainer.eval_prompts.rows and (step == cfg.train.steps or
                                           (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
             dist.mark(f"step {step} evaluate")
@@ -218,6 +219,20 @@ def warn_reward_failures(cfg: RunConfig, step: int, metrics: dict, first_errors:
             first = first_errors.get(FIRST_ERROR + name) or "the failures were on other ranks' samples"
             print(f"evenrl: warning: step {step}: reward {name} failed on {n} of {samples} samples (scored "
                   f"{'as masked' if cfg.rewards.on_failure == 'mask' else '0'}); first error: {first}", flush=True)
+
+
+def warn_cut_calls(cfg: RunConfig, step: int, metrics: dict) -> bool:
+    """Replies that ended at their token limit inside a tool call, which was never made (the environment was not
+    called, an agent saw no tool call): warned once a run, with the step's counts (tools/cut_calls has every step's).
+    True when it warned."""
+    cut = metrics.get("tools/cut_calls", 0)
+    if not cut:
+        return False
+    replies = round(metrics.get("rollout/turns_mean", 0.0) * metrics.get("samples", 0))
+    print(f"evenrl: warning: step {step}: {cut} of {replies} replies ended at their token limit inside a tool call "
+          f"(<tool_call> without </tool_call>), so those calls were never made; raise rollout.max_new_tokens "
+          f"({cfg.rollout.max_new_tokens}) (warned once; tools/cut_calls counts them every step)", flush=True)
+    return True
 
 
 def warn_short_sampling(cfg: RunConfig, step: int, metrics: dict) -> None:

@@ -109,7 +109,8 @@ def trajectory_metrics(everyone: Batch) -> dict:
     n = max(len(everyone), 1)
     out = {"rollout/turns_mean": float(everyone["turns"].sum()) / n,
            "response/sampled_length_mean": float(everyone["sampled_len"].sum()) / n,
-           "tools/calls_per_trajectory": calls / n}
+           "tools/calls_per_trajectory": calls / n,
+           "tools/cut_calls": int(everyone["cut_calls"].sum())}  # cut at their token limit: never made
     if "segment" in everyone:  # rollout.agent: calls that extended their sample, and the samples split off
         splits = int((everyone["segment"] > 0).sum())
         out.update({"agent/calls_per_trajectory": float(everyone["turns"].sum()) / max(n - splits, 1),
@@ -128,19 +129,25 @@ class Idle:
 
     def __init__(self):
         self.steps: list[int] = []
+        self.failed = 0  # of those, steps in which every sample had failed (its reward, trajectory or agent)
 
     def see(self, step: int, metrics: dict) -> None:
         if metrics.get("samples", 0) and metrics.get("advantage/abs_mean", 1.0) == 0.0:
+            failed = metrics.get("reward/failures", 0) >= metrics["samples"]
             if not self.steps or self.steps[-1] != step - 1:
+                why = ("every one had failed: see the failures above" if failed else
+                       "check the reward on a few samples.jsonl rows")
                 print(f"evenrl: warning: step {step} learned nothing: every group's rewards were equal, so all "
-                      f"{metrics['samples']} samples have advantage 0 (check the reward on a few samples.jsonl rows)",
-                      flush=True)
+                      f"{metrics['samples']} samples have advantage 0 ({why})", flush=True)
             self.steps.append(step)
+            self.failed += failed
 
     def summary(self, steps: int) -> None:
         if self.steps:
-            print(f"evenrl: note: {len(self.steps)} of {steps} steps learned nothing (all advantages 0); "
-                  "the reward does not tell this model's samples apart", flush=True)
+            why = (f"in {self.failed} of them every sample had failed (reward/failures), not the reward's doing"
+                   if self.failed else "the reward does not tell this model's samples apart")
+            print(f"evenrl: note: {len(self.steps)} of {steps} steps learned nothing (all advantages 0); {why}",
+                  flush=True)
 
 
 PHASES = ["weights", "rollout", "reward", "values", "advantage", "exchange", "logprobs", "update"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from evenrl.agents.rollout import REPLY_SCORE_FAILED
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.canonical import rollout_batches
 from evenrl.core.schedule import rollout_shares
@@ -59,6 +60,23 @@ def sample(trainer: Trainer, step: int, timer: Timer) -> tuple[Batch, dict[str, 
                              "sampling/kept_fraction": len(kept) / max(drawn, 1),
                              "sampling/groups_short": want - len(kept), **errors,
                              **(trainer.carry.metrics if trainer.carry else {})}
+
+
+def stop_if_all_failed_alike(trainer: Trainer, local: Batch, everyone: Batch) -> None:
+    """rollout.env / rollout.agent: when every trajectory of the step failed, all the same way (an agent that cannot
+    be loaded in a worker process, an environment that raises on every row), the steps after would fail alike and
+    learn nothing: the run stops with that one line (RunStopped, exit 3) rather than scoring every sample 0 to the
+    end. Not a failure the wall clock decided (timeout: it depends on the machine's load), nor rewards.functions
+    failing on agents' replies (a reward's failures are warned about, as for single-turn samples). Every rank
+    decides alike: `everyone` is the same on each, and the ranks' errors are gathered only in such a step."""
+    if trainer.turns is None or not len(everyone) or not bool(everyone["reward_failed"].all()):
+        return
+    errors = {e for part in dist.all_gather_object(sorted({e for e in local["error"] if e})) for e in part}
+    if len(errors) != 1 or next(iter(errors)).startswith("timeout:") or REPLY_SCORE_FAILED in errors:
+        return
+    r = trainer.cfg.rollout
+    raise RunStopped(f"{f'rollout.agent {r.agent}' if r.agent else f'rollout.env {r.env}'}: all {len(everyone)} "
+                     f"trajectories of the step failed the same way: {next(iter(errors))}")
 
 
 def count_failures(stats: dict, failures: dict[str, int], errors: dict[str, str]) -> None:

@@ -42,7 +42,7 @@ from evenrl.train.metrics import Timer, step_metrics
 from evenrl.train.pooled import needs_pooling, pool
 from evenrl.train.objectives import (CRITIC_STAT_NAMES, advantage_settings, norm_tokens, policy_stat_names,
                                      rl_objective, value_objective)
-from evenrl.train.sampling import sample
+from evenrl.train.sampling import sample, stop_if_all_failed_alike
 from evenrl.train.trainer import Trainer
 from evenrl.train.update import compute_logprobs, compute_values, minibatch_denominators, minibatch_update
 
@@ -65,6 +65,7 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
     with timer("advantage"):
         add_token_returns(trainer, local)                                       # reinforce_pp, gae: before whitening
         everyone, failures = gather_rows(local, failures)                       # per-sample numbers of all ranks
+        stop_if_all_failed_alike(trainer, local, everyone)                      # trajectories that cannot work
         adv_stats = add_advantages(trainer, local, everyone)
     with timer("exchange"):
         schedule = plan_step(trainer, everyone)
@@ -182,7 +183,7 @@ def gather_rows(local: Batch, failures: dict[str, int] | None = None) -> tuple[B
     mine = {c: local[c] for c in cols}
     mine["total_len"] = local["tokens"].lengths
     for c in ("kl_sum", "token_mean", "token_m2", "vision_tokens", "sampled_len", "turns", "tool_calls", "tool_errors",
-              "segment", "history_breaks"):
+              "cut_calls", "segment", "history_breaks"):
         if c in local:
             mine[c] = local[c]
     parts = dist.all_gather_tensors({**{k: v.cpu() for k, v in mine.items()},

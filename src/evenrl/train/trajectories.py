@@ -29,7 +29,7 @@ from evenrl.envs.registry import resolve
 from evenrl.envs.session import EnvSession
 from evenrl.envs.template import (PREFIX_FIX, TemplateDrift, check_template, env_turn_text, file_render,
                                   tokenizer_render)
-from evenrl.envs.toolcalls import tool_schemas
+from evenrl.envs.toolcalls import ends_inside_call, tool_schemas
 from evenrl.errors import RunStopped, UsageError
 from evenrl.train.data import filter_by_length, load_prompts
 
@@ -94,6 +94,7 @@ class Turns:
         t, (kind, value) = x.traj, result
         turn, t.turns = t.turns, t.turns + 1
         ended_with_eos = bool(ids) and ids[-1] in self.eos_ids()
+        t.cut_calls += int(not ended_with_eos and len(ids) >= self.cfg.rollout.max_new_tokens and ends_inside_call(text))
         if kind != "ok":
             t.failed, t.error, t.finished = True, f"{kind}: {value}", ended_with_eos
             return False
@@ -218,6 +219,8 @@ def trajectory_columns(samples: list[Trajectory]) -> dict:
         "turns": torch.tensor([t.turns for t in samples], dtype=torch.long),
         "tool_calls": torch.tensor([t.tool_calls for t in samples], dtype=torch.long),
         "tool_errors": torch.tensor([t.tool_errors for t in samples], dtype=torch.long),
+        "cut_calls": torch.tensor([t.cut_calls for t in samples], dtype=torch.long),
+        "error": [t.error if t.failed else None for t in samples],
         "segment": torch.tensor([t.segment for t in samples], dtype=torch.long),
         "history_breaks": torch.tensor([t.history_breaks for t in samples], dtype=torch.long),
     }

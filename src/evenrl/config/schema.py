@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from evenrl.config.algo import AlgoConfig, CriticConfig
@@ -60,6 +60,16 @@ class ModelConfig(Section):
                                "mixed-precision policy under sharding=fsdp, torch.autocast when replicated); "
                                "log-probs and ratios in fp32. The frozen reference model is held in this dtype. "
                                "No float16: it needs loss scaling, which evenrl does not do.")
+    weights_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Dtype of the trained weights, their gradients and AdamW's state. 'float32': 16 bytes per "
+                    "parameter (model.dtype=bfloat16 computes in bf16 over them). 'bfloat16': 10 bytes (bf16 "
+                    "weights, gradients, both moments and a Kahan compensation that carries each update's rounding "
+                    "error into the next: torch-optimi's AdamW, deterministic, on FSDP2's shards too; EasyR1's "
+                    "fsdp.torch_dtype=bf16 with optim.strategy=adamw_bf16). It changes the numbers: the weights "
+                    "drift from fp32 AdamW's, and 1 vs N processes agree within bf16's rounding, not 1e-5 (both "
+                    "measured: docs/sharding.md). Needs model.dtype=bfloat16; not with model.lora nor "
+                    "train.reproducibility=bitwise (whose AdamW is fp32 element by element).")
     tf32: bool = Field(
         True, description="CUDA only: float32 matrix products and convolutions in TF32 (inputs rounded to a 10-bit "
                           "mantissa, fp32 accumulation), in the trainer and the hf engine. Measured on one H200 "
@@ -76,6 +86,19 @@ class ModelConfig(Section):
                            "untrained (EasyR1's name). They get no gradients or optimizer state, and weight pushes "
                            "to an engine leave them out.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft); rank 0: off.")
+
+    @field_validator("weights_dtype", "lora")
+    @classmethod
+    def _bf16_weights(cls, value: Any, info: ValidationInfo) -> Any:
+        """bf16 weights compute in bf16, and are not LoRA's (its base is frozen in model.dtype, its adapters small)."""
+        if info.field_name == "weights_dtype" and value == "bfloat16" and info.data.get("dtype") == "float32":
+            raise PydanticCustomError("weights_dtype", "bf16 weights compute in bf16: needs model.dtype=bfloat16 "
+                                      "beside it (or weights_dtype=float32)")
+        if info.field_name == "lora" and value.rank and info.data.get("weights_dtype") == "bfloat16":
+            raise PydanticCustomError("weights_dtype", "not with model.weights_dtype=bfloat16: the base is frozen in "
+                                      "model.dtype already and only the small adapters train (their adam state "
+                                      "stays fp32); use model.weights_dtype=float32 with lora")
+        return value
 
 
 class DataConfig(Section):

@@ -7,16 +7,21 @@ evenrl.planner.dims; encoder-decoder configs are refused with a message and the 
 
 Precision: the trained weights, their gradients and AdamW's two moments are fp32 whatever model.dtype says
 (model.dtype=bfloat16 is mixed precision: bf16 compute over fp32 master weights), so the state is 16 bytes per
-parameter; c, the compute dtype's bytes (4 or 2), sizes only transient copies, activations and the KV cache.
+parameter (w = 4, g = 4, o = 8 below); with model.weights_dtype=bfloat16 all of it is bf16, and the Kahan-compensated
+AdamW (evenrl.train.optimizer) keeps a bf16 compensation beside its two bf16 moments: 10 bytes (w = 2, g = 2, o = 6),
+and no autocast copies (the weights are bf16 already). c, the compute dtype's bytes (4 or 2), sizes only transient
+copies, activations and the KV cache.
 P = parameter count, T = training ranks, S = T under sharding=fsdp (else 1), t = tokens of the largest
 micro-batch on one rank, g = samples the busiest rank generates, len = max_prompt_tokens + max_new_tokens (with
 rollout.env: + max_trajectory_tokens).
 
 Resident on every phase (0 on the device with cpu_offload=full, which keeps them in host memory instead):
-  parameters       4P/S                 fp32 master weights
-  optimizer        8P/S                 AdamW's two fp32 moments (fused step: no temporaries)
+  parameters       wP/S                 fp32 master weights (bf16 weights: 2P/S)
+  optimizer        oP/S                 AdamW's two fp32 moments (fused step: no temporaries); bf16: two bf16
+                                        moments and the Kahan compensation (foreach step: temporaries the size of
+                                        the gradients, which it writes into)
   reference model  cP/S                 when algo.kl_coef > 0: frozen, in the compute dtype, sharded like the policy
-  critic           12P/S                when algo.advantage=gae: the value model's fp32 weights and AdamW moments,
+  critic           (w + o)P/S           when algo.advantage=gae: the value model's fp32 weights and AdamW moments,
                                         sized as the policy, sharded and offloaded like it (its gradients and
                                         activations exist only during its own update, after the policy's, whose
                                         output-layer chunks make the policy's update the larger)
@@ -52,7 +57,7 @@ log-probs (old/reference log-probs, no grad):
   log-prob logits  min(t * V, C) * (c + 8)   the output layer's chunk of logits (core.fused_head: C values at a
                                         time, never all t * V), its fp32 form and the exp of it
 update (forward + backward + gradient reduction + optimizer step):
-  gradients        4P/S                 fp32 (0 with cpu_offload=full)
+  gradients        gP/S                 fp32, or bf16 with bf16 weights (0 with cpu_offload=full)
   fsdp units       as above, plus the largest unit's unsharded gradient (c bytes, and an fp32 copy for the
                    reduce-scatter when c = 2)
   autocast copies  as above
@@ -60,7 +65,7 @@ update (forward + backward + gradient reduction + optimizer step):
                    t * (L*h + a) * c    with gradient checkpointing: each layer's input, plus one layer recomputed
   logits           min(t * V, C) * (2c + 12)   the backward's chunk: logits recomputed (and upcast), softmax,
                                         gradient (and its compute-dtype copy); no [t, V] tensor (core.fused_head)
-  gradient buckets 4P                   replicated, T > 1: the all-reduce copies every gradient into flat buckets
+  gradient buckets gP                   replicated, T > 1: the all-reduce copies every gradient into flat buckets
                                         before the old ones are freed (after the backward: activations are gone)
   update = resident + gradients + max(units + unit gradient + copies + activations + logits, gradient buckets)
 peak = the largest phase (they never overlap).
@@ -123,7 +128,9 @@ from evenrl.planner.rank_work import replicas, share_of, worst_case_shape
 from evenrl.planner.split_model import rank_share
 
 GIB = 1024**3
-STATE_BYTES = 4 + 4 + 8  # fp32 parameters, fp32 gradients, AdamW's two fp32 moments, per parameter
+# bytes per trained parameter by model.weights_dtype: (weights, gradients, AdamW's state): fp32 weights and gradients
+# and two fp32 moments; bf16 weights and gradients, two bf16 moments and the bf16 Kahan compensation
+STATE = {"float32": (4, 4, 8), "bfloat16": (2, 2, 6)}
 # Values per chunk of logits in core.fused_head (its _CHUNK_ELEMENTS; the planner cannot import torch, a test keeps
 # the two equal): the output layer never holds more than this many logits at once.
 HEAD_CHUNK = 1 << 24
@@ -188,7 +195,10 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     # Offload needs fsdp and an accelerator, and no TP or EP (the rules refuse it otherwise); such a plan is estimated
     # as if nothing were offloaded, which is what a corrected config would hold.
     offload = par.cpu_offload == "full" and fsdp and layout.device != "cpu" and tp == 1 == par.expert_parallel_size
-    notes = ["fp32 master weights, fp32 gradients, AdamW's 2 fp32 moments: 16 bytes per parameter"
+    w, g, o = STATE[cfg.model.weights_dtype]  # bytes per trained parameter (LoRA's adapters: fp32, the config's rule)
+    notes = [("fp32 master weights, fp32 gradients, AdamW's 2 fp32 moments: 16 bytes per parameter" if w == 4 else
+              "bf16 weights, bf16 gradients, AdamW's 2 bf16 moments and its bf16 Kahan compensation "
+              "(model.weights_dtype=bfloat16): 10 bytes per parameter")
              + (f"; tensor parallel {tp}: {share.params / 1e6:,.1f} M of {dims.params / 1e6:,.1f} M held per rank "
                 "(every weight but the norms split)" if tp > 1 else "")
              + (f", sharded over {t} ranks" if fsdp and t > 1 else "")
@@ -203,7 +213,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     # a vision encoder's weights are held like the rest; a frozen one has no gradients or optimizer moments
     Pv = vision.params if vision else 0
     trained = P + (0 if cfg.model.freeze_vision_tower else Pv)
-    held = 4 * (P + Pv)  # bytes of the parameters
+    held = w * (P + Pv)  # bytes of the parameters
     lora = cfg.model.lora
     A = adapter_params(dims, lora.rank, lora.target_modules, tp) if lora.rank else 0
     if lora.rank:  # the adapters train, over the whole base frozen in the compute dtype
@@ -215,22 +225,22 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     Pe = dims.experts_total
     spread = shard if fsdp else ep
     experts_saved = 1 - shard / spread  # the share of the experts' state that EP takes off this rank
-    held -= (4 if not lora.rank else c) * Pe * experts_saved
+    held -= (w if not lora.rank else c) * Pe * experts_saved
     params_b = held / shard * device_state
     trained_here = trained - (0 if lora.rank else Pe * experts_saved)
-    opt_b = 8 * trained_here / shard * device_state
-    grads_b = 4 * trained_here / shard * device_state
+    opt_b = o * trained_here / shard * device_state
+    grads_b = g * trained_here / shard * device_state
     if dims.experts:
         notes.append(f"mixture of experts: {dims.experts} experts, top {dims.top_k}, in {dims.moe_layers} of {L} "
                      f"layers: {P / 1e6:,.1f} M parameters held, {dims.active_params / 1e6:,.1f} M active per token"
                      + (f"; expert parallelism {ep}" if ep > 1 else ""))
     ref_full = c * (P + Pv - Pe * experts_saved) if cfg.algo.kl_coef > 0 and not lora.rank else 0
     ref = ref_full / shard * device_state
-    host = ((held + 12 * trained) / shard + ref_full / shard) if offload else 0
+    host = ((held + (g + o) * trained) / shard + ref_full / shard) if offload else 0
     critic = 0
     if cfg.algo.advantage == "gae":
         critic = params_b + opt_b
-        host += STATE_BYTES * P / shard if offload else 0
+        host += (w + g + o) * P / shard if offload else 0
         notes.append("critic (algo.advantage=gae) sized as the policy, sharded and offloaded the same way")
     reserve = cfg.rollout.memory_fraction * layout.device_memory_gib * GIB
     engine = 0.0
@@ -247,7 +257,8 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     sampler = not reserved and cfg.rollout.engine == "hf"  # evenrl's sampler runs the training model here
     overhead = OVERHEAD_GIB[layout.device] * GIB
     block_adapters = A // L
-    copies = 2 * (A if lora.rank else share.linear - Pe * experts_saved) if (c == 2 and not fsdp) else 0
+    # autocast's bf16 copies of fp32 weights (bf16 weights need none; LoRA's frozen base is in model.dtype already)
+    copies = 2 * (A if lora.rank else share.linear - Pe * experts_saved) if (c == 2 and w == 4 and not fsdp) else 0
     block = share.block - (dims.experts - dims.experts // ep) * dims.expert_params  # E/EP experts gathered
     units = c * (share.root + 2 * (block + block_adapters)) if fsdp else 0
     largest = max(share.root, block + block_adapters)
@@ -280,7 +291,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         "parameters": params_b, "optimizer": opt_b, "reference model": ref, "critic": critic,
         "rollout reserve": reserve, "overhead": overhead,
         "gathered model": (c * (P + Pv + A + (largest if t > 1 else 0)) if fsdp else
-                           (4 if not lora.rank else c) * Pe * experts_saved) if sampler else 0,
+                           (w if not lora.rank else c) * Pe * experts_saved) if sampler else 0,
         "autocast copies": copies,
         "KV cache": gen * length * L * 2 * share.kv_dim * c if sampler else 0,
         "rollout engine": engine,
@@ -299,7 +310,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         "log-prob expert dispatch": 2 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
         "expert dispatch": 4 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
         "route records": route_record_bytes(cfg, dims, tokens),
-        "gradient buckets": 4 * (A if lora.rank else trained_here) if (not fsdp and t > 1) else 0,
+        "gradient buckets": g * (A if lora.rank else trained_here) if (not fsdp and t > 1) else 0,
     }
     scorers = scorer_memory(cfg, layout, dims, tokens, samples_rank=math.ceil(cfg.samples_per_step() * share_of(
         cfg, layout)))

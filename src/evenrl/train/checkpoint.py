@@ -49,6 +49,7 @@ from evenrl.errors import RunStopped, UsageError
 from evenrl.models.lora import has_adapters, is_adapter
 from evenrl.planner.reproducibility import recorded
 # the step directories' layout (torch-free, for the launcher); latest and read_meta are this module's API too
+from evenrl.train.optimizer import forget_steps
 from evenrl.train.checkpoint_dirs import EARLIER, STEP_DIR, discard, latest, read_meta, retired  # noqa: F401
 
 
@@ -140,7 +141,7 @@ def save(ckpt_root: str | os.PathLike, state: Checkpointed, *, keep: int = 2) ->
         raise RunStopped(f"checkpoint {name}: writing {tmp / 'state'} failed ({'; '.join(reasons)[:200]}); "
                          f"the previous checkpoint stays the latest") from None
     for prefix in fresh:
-        models[prefix][1].state.clear()
+        forget_steps(models[prefix][1])
     small = state.state_dict()  # on every rank: it may gather (rollout.partial's samples)
     if dist.is_main():
         torch.save({**small, **groups}, tmp / "trainer.pt")
@@ -243,7 +244,7 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
         raise UsageError(f"{path}: checkpoint does not match this model or optimizer ({_last_line(e)[:160]}); "
                          "resume with the same model and settings") from None
     for prefix in trainer_state.get("fresh_optimizers", []):  # saved before its first step: as it was (save)
-        models[prefix][1].state.clear()
+        forget_steps(models[prefix][1])
     try:
         state.load_state_dict(trainer_state)
     except UsageError as e:  # the state read and found damaged (a partial run's carried samples)
@@ -257,7 +258,7 @@ def load(path: str | os.PathLike, state: Checkpointed) -> int:
 
 # how the optimizer runs, not what it has learned: this run's choice stands (a tensor-parallel run steps each tensor
 # on its own where a checkpoint from one process used the fused kernel)
-_KERNEL_KEYS = ("fused", "foreach")
+_KERNEL_KEYS = ("fused", "foreach", "triton")
 
 
 def _with_kernels(saved: list[dict], optimizer) -> list[dict]:

@@ -24,6 +24,7 @@ from evenrl.distributed import collectives as dist
 from evenrl.distributed.exact import ElementwiseAdamW
 from evenrl.models.forward import response_logprobs
 from evenrl.train.data import PromptSampler, load_data
+from evenrl.train.optimizer import make_adamw
 from evenrl.train import determinism, rundir
 from evenrl.train.checkpoint import save_final
 from evenrl.config.compatibility import SFT_RULES
@@ -52,8 +53,11 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     targets = [tokenizer.encode(str(r["answer"]), add_special_tokens=False) + ([eos] if eos is not None else [])
                for r in rows]
     sampler = PromptSampler(len(rows), cfg.data.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
     kind = ElementwiseAdamW if cfg.train.reproducibility == "bitwise" else torch.optim.AdamW
-    opt = kind([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr, weight_decay=cfg.train.weight_decay)
+    # bf16 weights: their Kahan-compensated AdamW (evenrl.train.optimizer, which refuses it under bitwise)
+    opt = make_adamw(params, cfg, cfg.sft.lr) if cfg.model.weights_dtype == "bfloat16" else \
+        kind(params, lr=cfg.sft.lr, weight_decay=cfg.train.weight_decay)
     run_dir = Path(cfg.log.run_dir)
     log = RunLog(str(run_dir), enabled=dist.is_main(), trackers=Trackers(cfg, run_dir) if dist.is_main() else None,
                  progress_total=cfg.sft.steps, progress=cfg.log.progress, shown={"sft/nll": "nll"})

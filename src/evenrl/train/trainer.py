@@ -16,7 +16,6 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
-from evenrl.distributed.exact import ElementwiseAdamW
 from evenrl.distributed.sharding import shard
 from evenrl.engines import Engine, make_engine
 from evenrl.engines.payload import make_payload
@@ -34,6 +33,7 @@ from evenrl.train import carry_check, checkpoint, moe
 from evenrl.train.balance import Balance
 from evenrl.train.carry import Carry
 from evenrl.train.data import PromptSampler, load_data, take_images
+from evenrl.train.optimizer import make_adamw
 from evenrl.train.reward_models import Scorer, load_scorers
 from evenrl.agents.rollout import Agents
 from evenrl.train.trajectories import Turns, make_turns
@@ -234,11 +234,15 @@ def trainable_model(cfg: RunConfig, path: str, info, head=None):
     critic, so both go through the same construction. With model.lora the policy trains adapters only; the critic
     trains whole."""
     lora = head is None and cfg.model.lora.rank > 0
-    # fp32 master weights whatever model.dtype says (prepare_model sets the compute precision); a LoRA base is
-    # frozen, so it has no master copy: it is held in model.dtype, under fp32 adapters
-    model, tokenizer = load_policy(path, dtype=cfg.model.dtype if lora else "float32", device=info.device)
+    # the trained weights in model.weights_dtype whatever model.dtype says (prepare_model sets the compute
+    # precision): fp32 master weights, or bf16 ones under a Kahan-compensated AdamW (evenrl.train.optimizer); a
+    # LoRA base is frozen, so it has no master copy: it is held in model.dtype, under fp32 adapters
+    weights = cfg.model.weights_dtype
+    model, tokenizer = load_policy(path, dtype=cfg.model.dtype if lora else weights, device=info.device)
     if head is not None:
         model = head(model)
+        if weights != "float32":  # the value head is made in fp32
+            model.to(getattr(torch, weights))
     if lora:
         add_adapters(model, cfg.model.lora)
     prepare_model(model, cfg)
@@ -247,18 +251,9 @@ def trainable_model(cfg: RunConfig, path: str, info, head=None):
 
 
 def adamw(model, cfg: RunConfig, lr: float, warmup_steps: int):
-    """(AdamW over the model's trainable parameters, linear warm-up over `warmup_steps` optimizer steps)."""
-    # fused: one kernel over all parameters; the default per-tensor loop cost ~15 ms a step for 2.4 M params on CPU.
-    # A tensor-parallel model mixes DTensors (split weights) with plain tensors (norms), or DTensors of two meshes
-    # under FSDP2, which one fused or foreach kernel refuses: each tensor is then stepped on its own; so does an
-    # expert-parallel one (experts split over "ep" beside plain or data-sharded dense weights)
-    split = cfg.parallel.tensor_parallel_size > 1 or cfg.parallel.expert_parallel_size > 1
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.train.reproducibility == "bitwise":  # an element's step whatever shard holds it (FSDP2 on any world)
-        optimizer = ElementwiseAdamW(params, lr=lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay,
-                                      fused=not split, foreach=False if split else None)
+    """(AdamW over the model's trainable parameters (evenrl.train.optimizer), linear warm-up over `warmup_steps`
+    optimizer steps)."""
+    optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], cfg, lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
     return optimizer, scheduler

@@ -67,6 +67,7 @@ def translate(framework: str, loaded: Loaded | dict, ns: argparse.Namespace) -> 
     src = Source(NAMES[framework], {**data, **hints} if isinstance(data, dict) else data, loaded.launch)
     TRANSLATORS[framework](src, ns, t)
     tables.apply_maps(framework, version, src, t)
+    tables.apply_precision(framework, src, t)
     tables.apply_constants(framework, version, t)
     t.checks = [c for c in t.checks if tables.check_applies(framework, version, c.version)]
     dotted = {flat: own for own, flat in tables.table(framework).get("aliases", {}).items()} \

@@ -333,3 +333,24 @@ def _prefix_known(key: str, known: frozenset[str]) -> bool:
     """A key inside a free-form mapping the peer declares (e.g. verl's engine_kwargs.vllm.*)."""
     parts = key.split(".")
     return any(".".join(parts[:i]) in known for i in range(len(parts) - 1, 0, -1))
+
+
+def apply_precision(peer: str, src, t) -> None:
+    """The table's `precision`: the peer's weights-dtype and optimizer keys read together onto
+    model.weights_dtype (the first case whose `when` matches every key: a listed value, `null` for a key the file
+    leaves out), with the case's note. Nothing when the file sets none of the keys; a key of the case that the
+    file sets is mapped beside the field."""
+    cases = table(peer).get("precision") or []
+    keys = sorted({k for case in cases for k in case["when"]})
+    given = {k: _text(src.raw(k)) for k in keys if src.given(k)}
+    if not given or "model.weights_dtype" in t.settings:
+        return
+    case = next((c for c in cases if all(given.get(k) in [None if v is None else _text(v) for v in allowed]
+                                         for k, allowed in c["when"].items())), None)
+    if case is None:
+        return
+    shown = " ".join(f"{k}={v}" for k, v in given.items())
+    if "to" in case and _accepts(t.settings, "model.weights_dtype", case["to"]):
+        t.set("model.weights_dtype", case["to"], " ".join(k for k in case["when"] if k in given))
+    if case.get("note"):
+        t.notes.append(f"{shown}: {case['note']}")

@@ -35,6 +35,14 @@ _REDOWNLOAD = "re-download the model or save it again with save_pretrained"
 # Vision-language models evenrl trains (evenrl.models.vision): their processor and forward follow Qwen2-VL's
 # conventions (image grids, M-RoPE positions, <|image_pad|> placeholders).
 VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Vision-language families transformers builds that evenrl's vision path does not run yet, and what each lacks there:
+# refused from config.json alone (the plan, before any weights exist; the trainer, before loading)
+NOT_YET = {
+    "qwen3_vl": "Qwen3-VL's vision path: its DeepStack features (the vision tower's layers added into the first "
+                "decoder layers), interleaved M-RoPE positions and 16-pixel patches",
+    "qwen3_vl_moe": "Qwen3-VL-MoE's vision path: its DeepStack features (the vision tower's layers added into the "
+                    "first decoder layers), interleaved M-RoPE positions and 16-pixel patches, beside the experts",
+}
 LEAN_ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")  # the ones models.decoder.LeanDecoder runs
 
 
@@ -69,6 +77,9 @@ def read_model_config(path: str) -> dict:
     if not isinstance(kind, str) or not kind:
         raise UsageError(f"{f}: no \"model_type\"; expected a Hugging Face config with one, e.g. \"qwen2\" or "
                          "\"llama\"")
+    if kind in NOT_YET:
+        raise UsageError(f"{f}: model_type {kind!r} is not trained by evenrl yet: evenrl lacks {NOT_YET[kind]}; use a "
+                         f"vision-language model of {', '.join(VISION_TYPES)}, or a text model (e.g. qwen3_moe)")
     known = causal_lm_types()
     if known is not None and kind not in known and kind not in VISION_TYPES:
         raise UsageError(f"{f}: model_type {kind!r} is not a causal LM that transformers {_version()} can load; "

@@ -188,9 +188,9 @@ def test_openpi_batch_of_one_with_batchnorm(tmp_path):
     idle = {x.rule: x for x in plan.findings}["idle-ranks"]
     assert "min_rows_per_micro_batch=2" in idle.message and "data.prompts_per_step=8" in idle.fix
     assert "SyncBatchNorm" in idle.fix
-    new, _ = fit(plan)
+    new, _ = fit(plan)  # prompts per step are the experiment's: --fit leaves the idle ranks to the warning's fix
     fitted = make_plan(new, lay)
-    assert fitted.runnable and not fitted.idle and {r.samples for r in fitted.ranks} == {2}
+    assert fitted.runnable and new.data.prompts_per_step == 4 and "idle-ranks" in {x.rule for x in fitted.findings}
     bad = make_plan(load_config(str(f), ["train.min_rows_per_micro_batch=3", "algo.minibatches_per_step=4"]), lay)
     err = {x.rule: x for x in bad.findings}["min-rows"]
     assert err.level == "error" and "mini-batch 0 has 2 row(s) but min_rows=3" in err.message

@@ -315,9 +315,11 @@ def test_memory_with_adapters_by_hand():
     assert resident["lora"] < 0.35 * resident["full"], resident
 
 
-def test_fit_proposes_lora_when_full_fine_tuning_does_not_fit():
-    """One CPU process, where offload cannot run: the state of full fine-tuning does not fit 5 GiB, LoRA does."""
-    from evenrl.planner.fit import fit
+def test_lora_is_a_suggestion_never_a_fit():
+    """One CPU process, where offload cannot run: the state of full fine-tuning does not fit 5 GiB, LoRA does. The
+    plan suggests LoRA; --fit keeps full fine-tuning (what is trained is the experiment's) and says nothing that
+    keeps it fits."""
+    from evenrl.planner.fit import fit, fit_verdict
     from evenrl.planner.layout import make_layout
     from evenrl.planner.plan import make_plan
 
@@ -328,4 +330,6 @@ def test_fit_proposes_lora_when_full_fine_tuning_does_not_fit():
     over = {f.rule: f for f in plan.findings}["memory-over"]
     assert "model.lora.rank=16 (adapters on a frozen base)" in over.fix
     new, changes = fit(plan)
-    assert new.model.lora.rank == 16 and ("model.lora.rank", 0, 16) in changes
+    assert new.model.lora.rank == 0 and not any(k.startswith("model.lora") for k, _, _ in changes)
+    after = make_plan(new, plan.layout, model_config=QWEN_05B)
+    assert "memory-over" in {f.rule for f in after.findings} and fit_verdict(after).rule == "fit-none"

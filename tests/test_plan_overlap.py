@@ -172,18 +172,20 @@ def test_off_policy_note_and_the_synchronous_note():
     assert "GiB" not in no_dims.message and "MiB" not in no_dims.message  # no model: no size
 
 
-@pytest.mark.parametrize("overrides, layout, changed", [
-    (["rollout.max_staleness=1"], {}, ("rollout.max_staleness", 0)),
-    (["algo.filter_groups=true"], {"rollout_devices": 1}, ("algo.filter_groups", False)),
-    (["algo.filter_groups=true", "rollout.max_staleness=1"], {"rollout_devices": 1}, ("algo.filter_groups", False)),
+@pytest.mark.parametrize("overrides, layout, kept", [
+    (["rollout.max_staleness=1"], {}, "rollout.max_staleness"),
+    (["algo.filter_groups=true"], {"rollout_devices": 1}, "algo.filter_groups"),
+    (["algo.filter_groups=true", "rollout.max_staleness=1"], {"rollout_devices": 1}, "algo.filter_groups"),
 ])
-def test_fit_never_proposes_what_the_rules_refuse(overrides, layout, changed):
+def test_fit_keeps_staleness_and_dynamic_sampling_and_their_errors(overrides, layout, kept):
+    """Staleness without reserved rollout devices, dynamic sampling with them: the experiment's choices. --fit
+    changes neither; the refusal stays in the fitted plan with its own fix (the layout, or the setting)."""
     p = make(overrides, TINY, **layout)
     assert not p.runnable
     cfg, changes = fit(p)
     again = make_plan(cfg, p.layout, model_config=TINY)
-    assert again.runnable, [f for f in again.findings if f.level == "error"]
-    assert changed in {(k, b) for k, _, b in changes}
+    assert not again.runnable and kept not in {k for k, _, _ in changes}
+    assert {f.rule for f in again.findings if f.level == "error"} == {f.rule for f in p.findings if f.level == "error"}
 
 
 # ------------------------------------------------------------------------------------------ output

@@ -10,7 +10,7 @@ import pytest
 from evenrl.config import load_config, with_settings
 from evenrl.distributed.mesh_shape import MeshShape
 from evenrl.planner.dims import dims_from_config
-from evenrl.planner.fit import fit
+from evenrl.planner.fit import fit, fit_verdict
 from evenrl.planner.layout import make_layout
 from evenrl.planner.memory import GIB, HEAD_CHUNK, estimate_memory
 from evenrl.planner.plan import make_plan, render
@@ -194,7 +194,8 @@ def test_fit_mends_the_sizes_the_rules_refuse():
 def test_an_engine_too_small_is_fitted_by_what_runs():
     """--fit gives a vLLM engine whose device share cannot hold its weights the smallest rollout.tensor_parallel_size
     that holds them (an engine group over that many devices); where no engine the layout allows does, the share of
-    the device its weights need; where no share of one device holds them, the hf engine."""
+    the device its weights need; where no share of one device holds them, nothing: the engine is the experiment's,
+    and --fit's verdict names what evenrl lacks."""
     p = plan(["rollout.engine=vllm"], QWEN32B, BIG)
     assert "rollout.tensor_parallel_size=4 (the smallest engine that holds it)" in rules(p)["engine-memory"].fix
     new, _ = fit(p)
@@ -207,9 +208,13 @@ def test_an_engine_too_small_is_fitted_by_what_runs():
     assert new.rollout.tensor_parallel_size == 1 and new.rollout.memory_fraction == 0.78
     huge = {**QWEN32B, "num_hidden_layers": 160}  # ~80 B: no share of one 80 GiB device holds it, 8 devices' do
     assert fit(plan(["rollout.engine=vllm"], huge, BIG))[0].rollout.tensor_parallel_size == 8
-    huge = {**QWEN32B, "num_hidden_layers": 480}  # ~240 B: nor do 8 devices' shares
-    new, _ = fit(plan(["rollout.engine=vllm"], huge, BIG))
-    assert (new.rollout.engine, new.rollout.memory_fraction) == ("hf", 0.0)
+    huge = {**QWEN32B, "num_hidden_layers": 480}  # ~240 B: nor do 8 devices' shares; the engine is the experiment's
+    p = plan(["rollout.engine=vllm"], huge, BIG)
+    new, _ = fit(p)
+    assert new.rollout.engine == "vllm"
+    after = make_plan(new, p.layout, model_config=huge)
+    verdict = fit_verdict(after)
+    assert verdict.rule == "fit-none" and "an engine across nodes (vLLM's pipeline parallelism)" in verdict.message
 
 
 def test_fit_never_leaves_a_tensor_parallel_error():

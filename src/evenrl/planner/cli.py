@@ -34,7 +34,7 @@ from pathlib import Path
 from evenrl.config import load_config, with_settings
 from evenrl.errors import ArgumentParser, UsageError
 from evenrl.models.hub import resolve_models
-from evenrl.planner.fit import fit, minimal_yaml
+from evenrl.planner.fit import fit, fit_verdict, minimal_yaml
 from evenrl.planner.inputs import not_here
 from evenrl.planner.layout import add_layout_args, has_shape_flags, layout_from_args
 from evenrl.planner.peers import NAMES, read_foreign, translate
@@ -58,7 +58,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-version", help="with --from: the peer version whose keys and checks apply "
                                           "(default: detected from the file's keys)")
     p.add_argument("--write-config", metavar="PATH",
-                   help="with --from: write the equivalent evenrl config to PATH (for `evenrl train PATH`)")
+                   help="with --from: write the equivalent evenrl config to PATH (for `evenrl train PATH`); with "
+                        "--fit: the fitted config")
     return p
 
 
@@ -66,32 +67,40 @@ def main(argv: list[str]) -> int:
     ns = parser().parse_intermixed_args(argv)
     if ns.framework:
         return run_foreign(ns)
-    if ns.peer_version or ns.write_config:
+    if ns.peer_version or (ns.write_config and not ns.fit):
         raise UsageError(f"{'--peer-version' if ns.peer_version else '--write-config'}: only with --from "
-                         "verl|easyr1|trl|openrlhf|slime")
+                         "verl|easyr1|trl|openrlhf|slime" + ("" if ns.peer_version else " or --fit"))
     cfg = resolve_models(load_config(ns.config, ns.overrides), download=False)  # hub ids: from the local cache
     layout = layout_from_args(ns)
     plan = make_plan(cfg, layout, rates=rate_flags(ns))
     hint = ""
     if has_shape_flags(ns) and ns.device is None and not ns.nodes and layout.device == "cpu":  # e.g. planning a cluster on a laptop
         hint = "no GPU on this machine: planning CPU processes (--device cuda --device-memory-gib N plans GPUs)"
-    return report(plan, as_json=ns.json, with_fit=ns.fit, title=f"evenrl plan: {ns.config}", head_text=hint)
+    return report(plan, as_json=ns.json, with_fit=ns.fit, title=f"evenrl plan: {ns.config}", head_text=hint,
+                  write=ns.write_config and {"path": ns.write_config, "paths": {}, "source": ns.config})
 
 
 def report(plan: Plan, *, as_json: bool, with_fit: bool, title: str, head: dict | None = None,
-           head_text: str = "") -> int:
-    """Print a plan (and with_fit: the fitted config and its plan); return the exit code."""
+           head_text: str = "", write=None) -> int:
+    """Print a plan (and with_fit: the fitted config and its plan); return the exit code. `write`: with with_fit,
+    write_config's path, paths (the peer's model and data paths) and source (the file read), for the fitted config."""
     final = plan
     doc = dict(head, plan=plan.to_dict()) if head else plan.to_dict()
     text = [title, head_text, render(plan)] if head_text else [title, render(plan)]
     if with_fit:
         cfg, changes = fit(plan)
         final = make_plan(cfg, plan.layout, rates=plan.rates)
+        if not final.runnable and (verdict := fit_verdict(final)):
+            final.findings.append(verdict)
+        written = write_config(**write, cfg=cfg, plan=final, what="the fitted config") if write else ""
         doc["fit"] = {"changes": [{"key": k, "from": a, "to": b} for k, a, b in changes],
                       "config": cfg.model_dump(mode="json"), "plan": final.to_dict()}
-        text.append("\n--fit: " + ("no change needed" if not changes else
-                                   "; ".join(f"{k} {a} -> {b}" for k, a, b in changes)))
+        done = "; ".join(f"{k} {a} -> {b}" for k, a, b in changes)
+        text.append("\n--fit: " + (done or ("no change needed" if final.runnable else
+                                            "no change that keeps the experiment mends this plan")))
         text.append("fitted config (keys that differ from the defaults):\n" + minimal_yaml(cfg).rstrip())
+        if written:
+            text.append(written)
         text.append("plan of the fitted config:\n" + render(final))
     try:
         print(json.dumps(doc, indent=1) if as_json else "\n".join(text), flush=True)
@@ -117,7 +126,8 @@ def run_foreign(ns: argparse.Namespace) -> int:
         lines.append(f"  {name} would pass its batch checks on this layout")
     lines += [f"  note: {n}" for n in t.notes]
     lines += key_lines(t.keys)
-    written = write_config(ns.write_config, cfg, plan, t.paths, ns.config) if ns.write_config else ""
+    # with --fit the fitted config is the one written (report)
+    written = write_config(ns.write_config, cfg, plan, t.paths, ns.config) if ns.write_config and not ns.fit else ""
     lines.append("equivalent evenrl config (keys that differ from the defaults; any batch runs on any ranks):")
     lines.append(minimal_yaml(cfg).rstrip())
     if written:
@@ -127,7 +137,8 @@ def run_foreign(ns: argparse.Namespace) -> int:
             "layout": t.layout.to_dict(), "checks": [asdict(c) for c in t.checks], "notes": t.notes,
             "keys": t.keys, "config": cfg.model_dump(mode="json")}
     return report(plan, as_json=ns.json, with_fit=ns.fit, title=f"evenrl plan --from {fw}: {ns.config}",
-                  head=head, head_text="\n".join(lines))
+                  head=head, head_text="\n".join(lines),
+                  write=ns.write_config and {"path": ns.write_config, "paths": t.paths, "source": ns.config})
 
 
 def key_lines(keys: list[dict]) -> list[str]:
@@ -153,7 +164,8 @@ def key_lines(keys: list[dict]) -> list[str]:
     return out
 
 
-def write_config(path: str, cfg, plan: Plan, paths: dict[str, str], source: str) -> str:
+def write_config(path: str, cfg, plan: Plan, paths: dict[str, str], source: str,
+                 what: str = "the equivalent config") -> str:
     """The equivalent config as a file `evenrl train` reads as is (only when the plan has no error finding), with
     the model and data paths as the user gave them, even where they are not on this machine. Never over `source`,
     the peer's file being read (under any name), nor into anything but a regular file."""
@@ -164,8 +176,8 @@ def write_config(path: str, cfg, plan: Plan, paths: dict[str, str], source: str)
     if target.exists() and not target.is_file():
         raise UsageError(f"--write-config {path}: not a regular file; give a path for the evenrl config")
     if not plan.runnable:
-        raise UsageError(f"--write-config {path}: the equivalent config has an error finding (see the plan "
-                         "without --write-config); nothing written")
+        raise UsageError(f"--write-config {path}: {what} has an error finding (see the plan without "
+                         "--write-config); nothing written")
     cfg = with_settings(cfg, {k: v for k, v in paths.items() if not getattr(cfg, k.split(".")[0]).path})
     text = minimal_yaml(cfg)
     try:

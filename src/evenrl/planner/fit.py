@@ -1,49 +1,62 @@
-"""`evenrl plan --fit`: the nearest config that runs well on the planned layout, and that config as a short file.
+"""`evenrl plan --fit`: the nearest config that runs well on the planned layout and keeps the experiment, and that
+config as a short file.
 
     evenrl plan examples/plan_512x8.yaml --nproc-per-node 6 --fit
+    evenrl plan --from verl run_qwen3-30b-a3b.sh --fit --write-config fitted.yaml
 
-fit() changes only what a finding asks for: group size and temperature for group advantages, capacity weights
-that do not match the ranks, offload without sharding, on CPU or beside tensor parallelism, a rollout reserve the HF
-sampler cannot use, the parallel sizes the model and layout refuse and a vLLM engine that cannot hold its weights
-(_parallel_sizes), then the batch (enough prompts that every rank trains and generates, a multiple of ranks x mini-batches when the split
-is uneven) and the token cap (one sample, or min_rows samples, must fit); rollout.max_staleness=0 without reserved
-rollout devices, algo.filter_groups=false with them. Memory comes last: knobs from memory_fixes, least intrusive
-first, until the estimate fits every device group (a smaller device at its own, lower, token cap; LoRA,
-model.lora.rank=16, only when full fine-tuning fits no other way; the smallest tensor_parallel_size that fits
-before offload). Layout problems and missing files stay in the
-re-plan: no setting fixes them. The original config is never changed; the result is validated.
+fit() changes only how the run is laid out and how much each rank holds at once (FIT_KEYS): never what is trained
+(LoRA only where the run has it), its precision, the algorithm, the data, prompts or samples per step, sampling, or
+the engine. It mends what the layout refuses: capacity weights that do not match the ranks, offload without
+sharding, on CPU or beside tensor parallelism, a rollout reserve the HF sampler cannot use, parallel sizes the model
+and layout refuse and a vLLM engine that cannot hold its weights (_parallel_sizes), a token cap under one sample (or
+min_rows samples). Memory comes last: knobs from memory_fixes that keep the experiment, least speed lost first
+(_PREFERENCE), until the estimate fits every device group (a smaller device at its own, lower, token cap). An error
+only the experiment could mend (one sample per prompt under GRPO, staleness without reserved rollout devices, LoRA
+or bf16 state to save memory) stays in the re-plan with its own fix; where nothing that keeps the experiment fits,
+fit_verdict says so in one finding: the smallest cluster of the same nodes that fits, or what evenrl lacks. The
+original config is never changed; the result is validated.
 Pure Python: never imports torch.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
 import yaml
 
-from evenrl.config import MAX_COUNT, MAX_TOKENS, RunConfig, flatten, with_settings
+from evenrl.config import MAX_TOKENS, RunConfig, flatten, with_settings
 from evenrl.distributed import mesh_shape
 from evenrl.planner.layout import Layout
-from evenrl.planner.split_model import tensor_sizes
 from evenrl.planner.dims import ModelDims
-from evenrl.planner.batches import GROUP_ADVANTAGES
 from evenrl.planner.groups import plan_groups
-from evenrl.planner.memory import estimate_memory
-from evenrl.planner.memory_fixes import expert_parallel_sizes, memory_fixes
+from evenrl.planner.cluster import MAX_WORLD
+from evenrl.planner.memory import GIB, compute_bytes, estimate_memory
+from evenrl.planner.memory_fixes import expert_parallel_sizes
 from evenrl.planner.plan import Plan
+from evenrl.planner.split_model import engine_need, engine_splits, tensor_sizes
+from evenrl.planner.text import plural
+from evenrl.planner.types import Finding
+
+
+# What --fit may change: how the run is laid out over the devices and how much each holds at once. Everything else
+# is the experiment (what is trained and in which precision, the algorithm, the data, prompts and samples per step,
+# the engine, sampling) and stays as the user wrote it; an error only such a change would mend stays in the fitted
+# plan with its own fix.
+FIT_KEYS = ("parallel.", "model.gradient_checkpointing", "train.token_cap_per_micro_batch", "rollout.memory_fraction",
+            "rollout.tensor_parallel_size")
+
+
+def keeps_the_experiment(key: str) -> bool:
+    return key.startswith(FIT_KEYS)
 
 
 def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
-    """The nearest config that runs well on plan.layout, and its changes as (key, old, new).
-    Layout problems (no training ranks) and missing files cannot be fixed here; they stay in the re-plan."""
+    """The nearest config that runs well on plan.layout and keeps the experiment (FIT_KEYS), and its changes as
+    (key, old, new). Layout problems (no training ranks), missing files and what only the experiment could change
+    cannot be fixed here; they stay in the re-plan."""
     cfg, lay, s = plan.config, plan.layout, {}
     t = max(lay.training_ranks, 1)
-    if cfg.algo.advantage in GROUP_ADVANTAGES and cfg.rollout.samples_per_prompt == 1:
-        s["rollout.samples_per_prompt"] = 4
-    if cfg.rollout.temperature == 0 and cfg.algo.advantage in GROUP_ADVANTAGES:
-        s["rollout.temperature"] = 1.0
     fixed = cfg.parallel.fixed_capacity_weights()
     if fixed and len(fixed) != t:
         s["parallel.capacity_weights"] = None
@@ -55,26 +68,7 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
     if cfg.rollout.memory_fraction > 0 and cfg.rollout.engine == "hf":
         s["rollout.memory_fraction"] = 0.0
     s.update(_parallel_sizes(cfg, lay, plan.dims))
-    # Overlap needs reserved rollout devices, which are the layout's to give (--rollout-devices): without them
-    # the run stays synchronous. With them, dynamic sampling's extra rounds cannot run, so it goes.
-    if cfg.rollout.max_staleness and not lay.rollout_devices:
-        s["rollout.max_staleness"] = 0
-    if cfg.algo.filter_groups and lay.rollout_devices:
-        s["algo.filter_groups"] = False
-    t = t // (s.get("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size)  # units: replicas
-              * s.get("parallel.tensor_parallel_size", cfg.parallel.tensor_parallel_size))
-    k = s.get("rollout.samples_per_prompt", cfg.rollout.samples_per_prompt)
-    prompts, m, mrows = cfg.data.prompts_per_step, cfg.algo.minibatches_per_step, cfg.train.min_rows_per_micro_batch
-    m = min(m, prompts)
-    need = max(prompts, m * math.ceil(t * mrows / k))  # every rank trains and generates (>= 1 sample each)
-    if plan.imbalance and plan.imbalance >= 1.10:
-        step = t * m // math.gcd(t * m, k)
-        even = math.ceil(need / step) * step
-        need = even if even <= 2 * need else need
-    if need != prompts:
-        s["data.prompts_per_step"] = min(need, MAX_COUNT)
-    if m != cfg.algo.minibatches_per_step:
-        s["algo.minibatches_per_step"] = m
+    mrows = cfg.train.min_rows_per_micro_batch
     length = -(-plan.sample_tokens // s.get("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size))
     if cfg.train.token_cap_per_micro_batch < max(length, mrows * length):
         s["train.token_cap_per_micro_batch"] = min(max(length, mrows * length), MAX_TOKENS)
@@ -85,6 +79,7 @@ def fit(plan: Plan) -> tuple[RunConfig, list[tuple[str, Any, Any]]]:
     old_d, new_d = flatten(cfg.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
     for key, value in new_d.items():
         if old_d.get(key) != value:
+            assert keeps_the_experiment(key), key  # a fix outside FIT_KEYS would change what is run
             changes.append((key, old_d.get(key), value))
     return new, changes
 
@@ -97,7 +92,7 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
     else to the largest size up to it whose engines sit on one node and divide the heads and MLP width
     (tensor_parallel.engine_splits); then, for a vLLM engine whose share of a GPU does not hold its weights
     (planner.tensor_parallel.engine_check), the smallest engine that does, else the share that does (up to 0.9),
-    else the hf engine, which samples from the (split) training model; expert_parallel_size to the largest size
+    else nothing (the engine is the experiment's); expert_parallel_size to the largest size
     up to it the model and layout allow (planner.memory_fixes.expert_parallel_sizes: none above 1 beside TP), 1
     with CPU offload."""
     from evenrl.planner.model_parallel import divisors_near  # it imports the planner's rules, as this module does
@@ -131,39 +126,40 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
             s["rollout.tensor_parallel_size"] = smallest
         elif fraction <= MOST_SHARE:
             s["rollout.memory_fraction"] = fraction
-        else:
-            s["rollout.engine"], s["rollout.memory_fraction"] = "hf", 0.0
+        # else: no engine this layout allows holds the weights; the engine stays (the experiment's) and so does the
+        # plan's engine-memory error, which --fit's verdict names (fit_verdict)
     return {k: v for k, v in s.items() if flatten(cfg.model_dump(mode="json")).get(k) != v}
 
 
-# Least intrusive first; what trains (LoRA) and algorithm-changing knobs (kl, prompts) only when nothing else fits.
-# Sequence parallelism before checkpointing: it recomputes nothing and its all-to-all is small next to the
-# attention of the long samples it is for (it is only offered for a sample over one rank's token cap).
-# Expert parallelism next: it recomputes nothing either, and where a mixture's experts are what does not fit, it
-# moves each token (k copies) instead of gathering every expert for every block as FSDP2 does. Tensor parallelism
-# before offload: its collectives stay on a node's links (a group inside a node), where offload moves every step's
-# state over PCIe and runs AdamW on the host; after the knobs that cost nothing per step.
+# The memory knobs (all within FIT_KEYS), least speed lost first. Sequence parallelism before checkpointing: it
+# recomputes nothing and its all-to-all is small next to the attention of the long samples it is for (it is only
+# offered for a sample over one rank's token cap). Expert parallelism next: it recomputes nothing either, and where
+# a mixture's experts are what does not fit, it moves each token (k copies) instead of gathering every expert for
+# every block as FSDP2 does. Checkpointing (~30 % more update compute) and sharding (a gather per unit, overlapped)
+# next; then a smaller engine share, offered only where generation is the phase over (less KV cache: fewer
+# sequences decoded at once), or an engine over more devices (fewer engines, each split); then fewer tokens per
+# micro-batch (more, smaller micro-steps). Tensor parallelism
+# before offload: its collectives stay on a node's links, where offload moves every step's state over PCIe and
+# runs AdamW on the host. bf16 weights and state, LoRA, a smaller batch, no KL reference: the plan's suggestions
+# (memory-over), never --fit's: each changes what is run.
 _PREFERENCE = ["parallel.sequence_parallel_size", "parallel.expert_parallel_size", "model.gradient_checkpointing",
-               "parallel.sharding",
-               "train.token_cap_per_micro_batch", "model.dtype", "parallel.tensor_parallel_size",
-               "parallel.cpu_offload", "rollout.memory_fraction", "model.lora.rank", "algo.kl_coef",
-               "data.prompts_per_step"]
+               "parallel.sharding", "rollout.memory_fraction", "rollout.tensor_parallel_size",
+               "train.token_cap_per_micro_batch",
+               "parallel.tensor_parallel_size", "parallel.cpu_offload"]
 
 
 def _fit_memory(cfg: RunConfig, lay: Layout, dims: ModelDims) -> RunConfig:
-    """Fixes until every device group fits (a smaller device at its lowered token cap: evenrl.planner.groups),
-    the first group that does not fit choosing each."""
-    for _ in range(len(_PREFERENCE)):
+    """Memory fixes that keep the experiment until every device group fits (a smaller device at its lowered token
+    cap: evenrl.planner.groups), the first group that does not fit choosing each: the least intrusive that fits
+    alone, else the least intrusive that lowers its peak (then the next, on the config it leaves)."""
+    for _ in range(2 * len(_PREFERENCE)):
         over = [g for g in plan_groups(cfg, lay, dims) if g.fits is False]
         if not over:
             return cfg
-        fixes = list(over[0].fixes)
+        fixes = [f for f in over[0].fixes if all(keeps_the_experiment(k) for k in f.settings)]
         if not fixes:
             return cfg
-        fitting = [f for f in fixes if f.fits]
-        pick = (min(fitting, key=lambda f: (_intrusion(f.settings), len(f.settings))) if fitting
-                else next((f for f in fixes if not {"model.lora.rank", "algo.kl_coef", "data.prompts_per_step"}
-                           & set(f.settings)), fixes[0]))
+        pick = min([f for f in fixes if f.fits] or fixes, key=lambda f: (_intrusion(f.settings), f.total_gib))
         cfg = with_settings(cfg, pick.settings)
     return cfg
 
@@ -175,6 +171,83 @@ def _intrusion(settings: dict[str, Any]) -> int:
     keys = [k for k in settings if not (k == "train.token_cap_per_micro_batch"
                                         and "parallel.sequence_parallel_size" in settings)]
     return max(rank.get(k, 99) for k in keys)
+
+
+MOST_NODES = 16  # fit_verdict tries clusters of up to this many times the planned nodes
+
+
+def fit_verdict(plan: Plan) -> Finding | None:
+    """Where the fitted config (plan) still does not fit its devices (memory-over, or a vLLM engine that no share of
+    a device holds), one finding: the smallest cluster of the same nodes (2, 4, ... MOST_NODES times as many) on
+    which --fit keeps the experiment and fits, else the capability evenrl lacks for what does not fit. The largest
+    cluster is tried first (a few tenths of a second at thousands of ranks): where it does not fit, nothing smaller
+    is tried."""
+    from evenrl.planner.tensor_parallel import MOST_SHARE, engine_check  # it imports the rules, as this module does
+
+    errors = {f.rule for f in plan.findings if f.level == "error"}
+    lay, cfg, dims = plan.layout, plan.config, plan.dims
+    if not dims or len(plan.groups) > 1 or not {"memory-over", "engine-memory"} & errors:
+        return None
+    here = f"{plural(lay.training_ranks, 'training rank')} of {lay.device_memory_gib:g} GiB"
+    engine = engine_check(cfg, lay, dims)
+    splits = engine_splits(lay, dims)
+    if engine and engine[3] is None and engine[4] > MOST_SHARE:  # no engine within a node holds it: nor will more nodes
+        weights = engine_need(dims, compute_bytes(cfg.model.dtype), max(splits), plan.sample_tokens) / GIB
+        return Finding("error", "fit-none", f"nothing that keeps the experiment fits {here}: a vLLM engine over "
+                       f"{max(splits)} devices (the most one node's {lay.nproc_per_node} allow) still needs "
+                       f"{weights:.0f} GiB of each, over {MOST_SHARE:.0%} of its memory; an engine across nodes "
+                       "(vLLM's pipeline parallelism) is what evenrl lacks, and more nodes do not change it",
+                       _CHANGE_IT)
+    est = estimate_memory(cfg, lay, dims)
+    gathered = est.breakdown.get("gathered model", 0.0)
+    if gathered + est.breakdown.get("overhead", 0.0) > lay.device_memory_gib:  # the same on any number of ranks
+        return Finding("error", "fit-none", f"nothing that keeps the experiment fits {here}, nor more of them: "
+                       + _gathered(gathered, dims), _CHANGE_IT)
+
+    def fitted_on(nodes: int) -> tuple[RunConfig, Layout, bool]:
+        bigger = replace(lay, nnodes=nodes, capacity_weights=None)
+        c = _fit_memory(with_settings(cfg, _parallel_sizes(cfg, bigger, dims)), bigger, dims)
+        return c, bigger, all(g.fits for g in plan_groups(c, bigger, dims)) and not engine_check(c, bigger, dims)
+
+    most = max(lay.nnodes, min(lay.nnodes * MOST_NODES, MAX_WORLD // lay.nproc_per_node))
+    c, bigger, fits = fitted_on(most)  # the largest first: where it does not fit, no smaller cluster does
+    if fits:
+        nodes = lay.nnodes * 2
+        while nodes < most and not (found := fitted_on(nodes))[2]:
+            nodes *= 2
+        c, bigger, _ = found if nodes < most else (c, bigger, fits)
+        changed = {k: v for k, v in flatten(c.model_dump(mode="json")).items()
+                   if flatten(cfg.model_dump(mode="json")).get(k) != v}
+        how = " ".join(f"{k}={v}" for k, v in changed.items())
+        return Finding("error", "fit-none", f"nothing that keeps the experiment fits {here}; {bigger.world} of them "
+                       f"({bigger.nnodes} nodes) are the smallest power-of-two multiple of this cluster that fits"
+                       + (f", with {how}" if how else ""), f"--nnodes {bigger.nnodes}" + (f" {how}" if how else ""))
+    est = estimate_memory(c, bigger, dims)
+    phase = max(est.phases, key=est.phases.get)
+    gathered = est.breakdown.get("gathered model", 0.0)
+    if phase == "rollout" and gathered > lay.device_memory_gib / 2:  # the hf sampler's whole copy of the model
+        lacks = _gathered(gathered, dims)
+    elif phase == "rollout" and est.breakdown.get("rollout engine", 0.0) > lay.device_memory_gib / 2:
+        lacks = (f"each rank still needs {est.total_gib:.0f} GiB while it generates, "
+                 f"{est.breakdown['rollout engine']:.0f} of them the vLLM engine's share, on engines of at most "
+                 f"{lay.nproc_per_node} devices (one node); an engine across nodes (vLLM's pipeline parallelism) is "
+                 "what evenrl lacks")
+    else:
+        lacks = (f"each rank still needs {est.total_gib:.0f} GiB in {phase} with every setting --fit has applied; "
+                 "pipeline parallelism (each rank holding a share of the layers) is what evenrl lacks")
+    return Finding("error", "fit-none", f"nothing that keeps the experiment fits {here}, nor on {bigger.nnodes} "
+                   f"nodes: {lacks}", _CHANGE_IT)
+
+
+_CHANGE_IT = ("devices with more memory; or a smaller model, batch or sample, or another engine (the experiment is "
+              "yours to change: the memory-over finding lists what would fit)")
+
+
+def _gathered(gib: float, dims: ModelDims) -> str:
+    """What evenrl lacks where the hf sampler's gathered copy of the model is what does not fit."""
+    return (f"the hf sampler gathers the whole model to generate ({gib:.0f} GiB); generating from a model split over "
+            + ("ranks is what evenrl lacks for a mixture of experts (its tensor parallelism splits dense models only)"
+               if dims.experts else "more ranks than one node's tensor parallelism allows is what evenrl lacks"))
 
 
 ALWAYS_SHOWN = {"data": ("prompts_per_step",), "rollout": ("samples_per_prompt",), "algo": ("minibatches_per_step",)}

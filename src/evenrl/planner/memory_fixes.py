@@ -13,7 +13,7 @@ from evenrl.models.vision_config import worst_vision_tokens
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.layout import Layout
 from evenrl.planner.memory import VLLM_GPU_SHARE, compute_bytes, estimate_memory
-from evenrl.planner.split_model import engine_need, share_needed, tensor_sizes
+from evenrl.planner.split_model import engine_need, engine_splits, share_needed, tensor_sizes
 from evenrl.planner.text import plural
 
 LORA_RANK = 16  # what memory_fixes proposes (TRL's default lora_r)
@@ -82,11 +82,15 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
             else {"parallel.cpu_offload": "full"}, "state on the host")
     if cfg.algo.kl_coef > 0:
         add({"algo.kl_coef": 0.0}, "no reference model")
-    if cfg.rollout.memory_fraction > 0:  # a vLLM engine on a GPU keeps the share its weights need
-        need = engine_fraction(cfg, layout, dims) if cfg.rollout.engine == "vllm" and layout.device == "cuda" else 0
-        add({"rollout.memory_fraction": 0.0 if need <= VLLM_GPU_SHARE else need})
+    if (share := engine_share_fix(cfg, layout, dims, ranks)) is not None:
+        add({"rollout.memory_fraction": share}, "the engine's share of the device" if share else "")
+    if (engine := engine_parallel_fix(cfg, layout, dims, ranks)) is not None:
+        add(engine, f"one engine over {engine['rollout.tensor_parallel_size']} devices, a smaller share of each")
     if cfg.model.dtype == "float32" and layout.device == "cuda":
         add({"model.dtype": "bfloat16"})
+    if cfg.model.weights_dtype == "float32" and not cfg.model.lora.rank and cfg.train.reproducibility != "bitwise":
+        add({**({"model.dtype": "bfloat16"} if cfg.model.dtype == "float32" else {}),
+             "model.weights_dtype": "bfloat16"}, "bf16 weights and AdamW state: other numbers than fp32 AdamW's")
     if not cfg.model.lora.rank:  # LoRA trains adapters only: no full-size gradients, moments or reference
         add({"model.lora.rank": LORA_RANK}, "adapters on a frozen base")
     prompts = cfg.data.prompts_per_step
@@ -130,6 +134,45 @@ def tensor_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
              if s > cfg.parallel.tensor_parallel_size and (dims.heads // s) % sp == 0]
     return next((s for s in sizes if _fits(cfg, layout, dims, {"parallel.tensor_parallel_size": s}, ranks)),
                 sizes[-1] if sizes else None)
+
+
+def engine_share_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
+                     ranks: tuple[int, ...] | None = None) -> float | None:
+    """A smaller rollout.memory_fraction where the engine's share is what does not fit: the hf engine reserves
+    nothing (0); a vLLM engine on a GPU the largest share, in hundredths, under the one it has (0: vLLM's 0.3) that
+    fits the device, and never under what its weights, one sample's KV cache and its activations need
+    (engine_fraction), preferring a peak under memory-tight's line (TIGHT) where some share leaves one; vLLM on CPU
+    its default KV room (0: 1 GiB). None when there is nothing to lower."""
+    if cfg.rollout.engine != "vllm" or layout.device != "cuda":
+        return 0.0 if cfg.rollout.memory_fraction > 0 else None
+    if layout.rollout_devices:  # the engines are on the reserved devices: not in the training ranks' estimate
+        return None
+    now, need = cfg.rollout.memory_fraction or VLLM_GPU_SHARE, engine_fraction(cfg, layout, dims)
+    lo, hi = math.ceil(need * 100), math.ceil(now * 100) - 1
+    if lo > hi:
+        return None
+    for room in (TIGHT, 1.0):  # under memory-tight's line where a share leaves it, else under the device's memory
+        def fits(n: int) -> bool:
+            return _fits(cfg, layout, dims, {"rollout.memory_fraction": n / 100}, ranks, room)
+        if fits(lo):
+            return _largest(lo, hi, fits) / 100
+    return lo / 100
+
+
+def engine_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
+                        ranks: tuple[int, ...] | None = None) -> dict[str, Any] | None:
+    """A vLLM engine on GPUs over more devices, each holding less of it: the smallest rollout.tensor_parallel_size
+    above the configured one (planner.tensor_parallel.engine_splits) that fits at the largest share that does
+    (engine_share_fix); where none fits, the largest with its smallest share; None where there is no larger one."""
+    if cfg.rollout.engine != "vllm" or layout.device != "cuda" or layout.rollout_devices:
+        return None
+    last = None
+    for size in (e for e in engine_splits(layout, dims) if e > cfg.rollout.tensor_parallel_size):
+        share = engine_share_fix(with_settings(cfg, {"rollout.tensor_parallel_size": size}), layout, dims, ranks)
+        last = {"rollout.tensor_parallel_size": size, **({} if share is None else {"rollout.memory_fraction": share})}
+        if _fits(cfg, layout, dims, last, ranks):
+            break
+    return last
 
 
 def engine_fraction(cfg: RunConfig, layout: Layout, dims: ModelDims) -> float:
@@ -197,10 +240,12 @@ def rows_that_fit(cfg: RunConfig, layout: Layout, dims: ModelDims, most: int,
     return _largest(1, most, lambda r: _fits(cfg, layout, dims, {key: r * unit}, ranks))
 
 
-def _fits(cfg: RunConfig, layout: Layout, dims: ModelDims, settings: dict, ranks=None) -> bool:
+def _fits(cfg: RunConfig, layout: Layout, dims: ModelDims, settings: dict, ranks=None, room: float = 1.0) -> bool:
+    """Whether cfg with `settings` peaks under `room` of the device's memory."""
     if not layout.device_memory_gib:
         return False
-    return estimate_memory(with_settings(cfg, settings), layout, dims, ranks).total_gib <= layout.device_memory_gib
+    return estimate_memory(with_settings(cfg, settings), layout, dims, ranks).total_gib <= \
+        room * layout.device_memory_gib
 
 
 def _largest(lo: int, hi: int, ok) -> int | None:

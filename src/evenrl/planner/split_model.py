@@ -27,7 +27,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from evenrl.distributed.mesh_shape import MeshShape
 from evenrl.planner.dims import ModelDims
+from evenrl.planner.layout import Layout
 
 ENGINE_EXTRA_GIB = 1.0  # vLLM's own activations (its profiling forward) and CUDA graphs: a floor, not a measure
 
@@ -123,3 +125,27 @@ def share_needed(need: float, memory_gib: float) -> float:
     """The smallest rollout.memory_fraction, in hundredths, whose share of `memory_gib` holds `need` bytes (at most
     1.0)."""
     return min(1.0, math.ceil(100 * need / (memory_gib * 1024**3)) / 100) if memory_gib else 1.0
+
+
+def engine_devices(lay: Layout) -> tuple[int, float]:
+    """(devices the vLLM engines run on, the least memory among them in GiB): the reserved rollout devices, else
+    every device (colocated)."""
+    groups = lay.rollout_groups() if lay.rollout_devices else lay.training_groups()
+    memory = min((g.device.memory_gib for g in groups), default=lay.device_memory_gib)
+    return (lay.rollout_devices or lay.world), memory
+
+
+def engine_splits(lay: Layout, d: ModelDims | None) -> list[int]:
+    """rollout.tensor_parallel_size values vLLM and the layout allow: divisors of the engines' devices whose engine
+    groups (MeshShape.groups("engine")) each sit on one node, dividing the query heads and the MLP width (vLLM gives
+    each worker an equal slice) where the model is known."""
+    devices = engine_devices(lay)[0]
+    return [s for s in range(1, devices + 1) if devices % s == 0 and not engine_spans_nodes(lay, s)
+            and (d is None or d.heads % s == 0 and d.intermediate % s == 0)]
+
+
+def engine_spans_nodes(lay: Layout, size: int) -> bool:
+    """Whether some engine of `size` devices (consecutive trainers, or consecutive reserved rollout ranks) would
+    take devices of two nodes; `size` divides the engines' devices."""
+    return any(g[0] // lay.nproc_per_node != g[-1] // lay.nproc_per_node
+               for g in MeshShape(lay.world, lay.rollout_devices, engine_tp=size).groups("engine"))

@@ -30,8 +30,10 @@ from evenrl.models.files import weight_names
 from evenrl.planner.dims import ModelDims
 from evenrl.planner.layout import Layout
 from evenrl.planner.memory import GIB, VLLM_GPU_SHARE, compute_bytes
-from evenrl.planner.split_model import (ENGINE_EXTRA_GIB, engine_bytes, engine_need, share_needed, split_sizes,
-                                        splittable, tensor_sizes)
+# the engines' sizes live in split_model (memory_fixes sizes engines too, below the planner's rules); named here too
+from evenrl.planner.split_model import (ENGINE_EXTRA_GIB, engine_bytes, engine_devices, engine_need,  # noqa: F401
+                                        engine_spans_nodes, engine_splits, share_needed, split_sizes, splittable,
+                                        tensor_sizes)
 from evenrl.planner.text import plural
 from evenrl.planner.types import Finding, Plan
 
@@ -96,30 +98,6 @@ def _unsplit_layers(path: str) -> str:
     if not names or any(".self_attn.q_proj." in n for n in names) and any(".mlp.down_proj." in n for n in names):
         return ""
     return f"{path}, whose weights have no self_attn.q_proj and mlp.down_proj layers (fused or differently named)"
-
-
-def engine_devices(lay: Layout) -> tuple[int, float]:
-    """(devices the vLLM engines run on, the least memory among them in GiB): the reserved rollout devices, else
-    every device (colocated)."""
-    groups = lay.rollout_groups() if lay.rollout_devices else lay.training_groups()
-    memory = min((g.device.memory_gib for g in groups), default=lay.device_memory_gib)
-    return (lay.rollout_devices or lay.world), memory
-
-
-def engine_splits(lay: Layout, d: ModelDims | None) -> list[int]:
-    """rollout.tensor_parallel_size values vLLM and the layout allow: divisors of the engines' devices whose engine
-    groups (MeshShape.groups("engine")) each sit on one node, dividing the query heads and the MLP width (vLLM gives
-    each worker an equal slice) where the model is known."""
-    devices = engine_devices(lay)[0]
-    return [s for s in range(1, devices + 1) if devices % s == 0 and not engine_spans_nodes(lay, s)
-            and (d is None or d.heads % s == 0 and d.intermediate % s == 0)]
-
-
-def engine_spans_nodes(lay: Layout, size: int) -> bool:
-    """Whether some engine of `size` devices (consecutive trainers, or consecutive reserved rollout ranks) would
-    take devices of two nodes; `size` divides the engines' devices."""
-    return any(g[0] // lay.nproc_per_node != g[-1] // lay.nproc_per_node
-               for g in MeshShape(lay.world, lay.rollout_devices, engine_tp=size).groups("engine"))
 
 
 def engine_check(c: RunConfig, lay: Layout, d: ModelDims) -> tuple[float, float, float, int | None, float] | None:

@@ -108,8 +108,7 @@ def test_the_plan_counts_10_bytes_per_parameter_and_no_autocast_copies():
 def test_what_bf16_state_cannot_run_with_is_refused_in_one_line(assets, tmp_path, capsys):
     from evenrl.cli import main
     from evenrl.config import load_config
-    from evenrl.errors import UsageError
-    from evenrl.train.optimizer import make_adamw
+    from evenrl.config.compatibility import SFT_RULES, Facts, problems
 
     for more, words in ((["model.weights_dtype=bfloat16"], "needs model.dtype=bfloat16"),
                         (BF16 + ["model.lora.rank=8"], "use model.weights_dtype=float32 with lora")):
@@ -117,10 +116,9 @@ def test_what_bf16_state_cannot_run_with_is_refused_in_one_line(assets, tmp_path
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and words in err[0], err
     assert not (tmp_path / "run").exists()
-    with pytest.raises(UsageError, match="bitwise steps AdamW itself") as e:  # evenrl sft runs no plan
-        make_adamw([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))],
-                   load_config(None, BF16 + ["train.reproducibility=bitwise"]), 1e-5)
-    assert "\n" not in str(e.value)
+    found = problems(load_config(None, BF16 + ["train.reproducibility=bitwise"]), Facts())  # evenrl sft's check too
+    assert [p.rule for p in found] == ["bitwise-bf16-weights"] and "bitwise steps AdamW itself" in found[0].message
+    assert "bitwise-bf16-weights" in SFT_RULES
 
 
 @pytest.mark.parametrize("framework, keys, want, note", [

@@ -57,6 +57,7 @@ EXAMPLES = {
     "gae": {"algo.advantage": "gae"},
     "vision": {"model": "vision"},
     "moe": {"model": "moe"},
+    "bf16-weights": {"model.dtype": "bfloat16", "model.weights_dtype": "bfloat16"},
 }
 # What a pair may be refused for, beyond what its settings are refused for alone, without being a row: (rule, one of
 # the pair) -> why. Sizes that do not divide, memory and the model directories' missing files are refused for one

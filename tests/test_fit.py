@@ -125,7 +125,7 @@ def test_write_config_with_fit_writes_the_fitted_config(tmp_path, capsys):
     args = ["plan", str(src), *MOE_30B, f"model.path={model}", "--nproc-per-node", "8", "--device", "cuda",
             "--device-memory-gib", "95"]
     assert cli_main([*args, "--write-config", str(out)]) == 2  # without --fit or --from: refused in one line
-    assert "--write-config: only with --from verl|easyr1|trl|openrlhf or --fit" in capsys.readouterr().err
+    assert "--write-config: only with --from verl|easyr1|trl|openrlhf|slime or --fit" in capsys.readouterr().err
     assert not out.exists()
     assert cli_main([*args, "--fit", "--write-config", str(out)]) == 0
     printed = capsys.readouterr().out

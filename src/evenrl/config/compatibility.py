@@ -105,6 +105,7 @@ SETTINGS: dict[str, Setting] = {
     "gae": _is("algo.advantage", "gae"),
     "vision": Setting("a vision-language model", "a vision-language model ({f.model_type})", lambda c, f: f.vision),
     "moe": Setting("a mixture of experts", "a mixture of experts ({f.model_type})", lambda c, f: f.experts),
+    "bf16-weights": _is("model.weights_dtype", "bfloat16"),
 }
 
 
@@ -153,6 +154,9 @@ ROWS: tuple[Row, ...] = (
     Row("bitwise", "engine-tp", "bitwise-engine-parallel", "an engine over several devices sums each layer's slices "
         "across them and batches its group's requests together; not shown bit-identical to one device's (no machine "
         "with several GPUs has run it)", f"rollout.tensor_parallel_size=1; or {_ROUNDING}"),
+    Row("bitwise", "bf16-weights", "bitwise-bf16-weights", "bitwise steps AdamW itself, in fp32 element by element "
+        "(distributed.exact), and sums fp32 gradients in fixed point; bf16 weights and state run under rounding",
+        f"model.weights_dtype=float32; or {_ROUNDING}"),
     Row("bitwise", "aux-loss", "bitwise-moe", "its sums over ranks (the loss's metric) are not layout-free yet",
         f"algo.router_aux_loss_coef=0; or {_ROUNDING}"),
     Row("bitwise", "replay-engine", "bitwise-moe", "its sums over ranks (the routing probe) are not layout-free yet",
@@ -226,8 +230,9 @@ ROWS: tuple[Row, ...] = (
 )
 
 
-# The rows about the model's split, which evenrl sft (no rollouts, no plan) refuses as evenrl train does
-SFT_RULES = ("tensor-parallel-model", "tensor-parallel-offload", "sequence-parallel-vision", "expert-parallel-vision",
+# The rows about the model's split and its optimizer, which evenrl sft (no rollouts, no plan) refuses as evenrl train
+# does
+SFT_RULES = ("bitwise-bf16-weights", "tensor-parallel-model", "tensor-parallel-offload", "sequence-parallel-vision", "expert-parallel-vision",
              "expert-parallel-offload", "expert-parallel-tensor-parallel")
 
 

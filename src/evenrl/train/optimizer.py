@@ -30,19 +30,12 @@ import torch
 from evenrl.config import RunConfig
 from evenrl.distributed.exact import ElementwiseAdamW
 from evenrl.distributed.ops import _local
-from evenrl.errors import UsageError
-
-BITWISE_BF16 = ("model.weights_dtype=bfloat16 with train.reproducibility=bitwise: bitwise steps AdamW itself, in "
-                "fp32 element by element; bf16 weights and state run under train.reproducibility=rounding")
-
 
 def make_adamw(params: list[torch.nn.Parameter], cfg: RunConfig, lr: float) -> torch.optim.Optimizer:
     """AdamW over `params` with the run's betas and weight decay, as the module docstring says which."""
     betas, decay = tuple(cfg.train.betas), cfg.train.weight_decay
     bitwise = cfg.train.reproducibility == "bitwise"
-    if cfg.model.weights_dtype == "bfloat16":
-        if bitwise:  # the plan says so first (planner.reproducibility); evenrl sft runs no plan
-            raise UsageError(BITWISE_BF16)
+    if cfg.model.weights_dtype == "bfloat16":  # not under bitwise: config.compatibility refuses the pair
         # eps as torch's (optimi's own default is 1e-6); triton off: the same element-wise ops on every device.
         # optimi 0.3 warns that foreach will give way to triton (a later release: pyproject bounds it below 0.4)
         with warnings.catch_warnings():

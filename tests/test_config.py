@@ -263,7 +263,8 @@ def _get(cfg, path: str):
 
 # what a value needs beside it to be valid (the enumeration's reading is what is tested): other settings, and the
 # required fields of a list's entry
-_COMPANIONS = {"parallel.cpu_offload=full": ["parallel.sharding=fsdp"]}
+_COMPANIONS = {"parallel.cpu_offload=full": ["parallel.sharding=fsdp"],
+               "model.weights_dtype=bfloat16": ["model.dtype=bfloat16"]}
 _ENTRY_NEEDS = {"algo.rejection": ", high: 2"}
 
 ENUMS = [(path, value) for path, values in _literal_fields() for value in values]

@@ -1,5 +1,5 @@
 """Guard for refactors: a seeded 2-step `evenrl train` on 1 and 2 processes must end with the parameters stored in
-tests/golden/two_steps.safetensors (within 1e-6).
+tests/golden/two_steps.safetensors, up to what float rounding on another CPU can move them (`off_golden`).
 
 The stored file holds the starting weights too, so the test does not depend on how transformers initialises a model;
 what it pins is evenrl's arithmetic: sampling, rewards, advantages, the schedule, the exchange, the loss, KL to a
@@ -7,6 +7,26 @@ reference, two mini-batches x two epochs with the ratio clip. A change that is m
 the file, and says so in its commit:
 
     .venv/bin/python tests/test_golden.py --write
+
+The bound. Another CPU runs other kernels (AVX-512 or AVX2 or none, MKL's and oneDNN's paths for it), whose sums
+round differently; AdamW then takes each parameter a step of lr * m / (sqrt(v) + eps) per optimizer step (8 here:
+2 RL steps x 2 mini-batches x 2 epochs, lr 3e-3). Where an entry's gradient is well above its own rounding, a
+relative rounding of <= 1e-6 changes its steps by <= 8 x lr x 1e-6 = 2.4e-8 in all: every entry but a few stays
+within BULK = 1e-7. Where a gradient entry nearly cancels (within its rounding, or within eps = 1e-8), the
+normalisation magnifies that rounding, up to a different step of size lr: those few entries (OUTLIERS) may move up
+to FAR. Measured (`ATEN_CPU_CAPABILITY=default|avx2` for ATen's kernels, `MKL_ENABLE_INSTRUCTIONS`, `MKL_CBWR` and
+`ONEDNN_MAX_CPU_ISA` for MKL's and oneDNN's; an AMD EPYC with AVX2; 2026-12-07), entries of 6,352 past 1e-7 from
+the stored values / the largest difference:
+
+    1 process: AVX2 kernels 6 / 1.75e-7; ATen default 4 / 3.13e-7; MKL_CBWR=COMPATIBLE 7 / 2.52e-7; MKL SSE4_2 or
+    AVX, oneDNN SSE41 6 / 1.75e-7; ATen default, MKL_CBWR=COMPATIBLE and oneDNN SSE41 at once 26 / 1.13e-6; an
+    AVX-512 Xeon: 1.13e-6 (issue 56)
+    2 processes: ATen default 11 / 3.54e-7; the three at once 22 / 9.02e-7; the stored 1- and 2-process runs (sums
+    in another order) differ by 6 / 3.26e-7
+
+so OUTLIERS allows 2% of the entries (127; at most 26 seen) and FAR = 1e-5 is ~9x the largest seen (1/300 of lr).
+What the bound still catches: algo.kl_coef 0.05 -> 0.0505 (1%) moves 5,083 entries past 1e-7 (max 1.7e-5), 0.05005
+(0.1%) 681 (max 1.7e-6).
 """
 
 from __future__ import annotations
@@ -21,8 +41,18 @@ from safetensors.torch import load_file, save_file
 from e2e import evenrl, final_params, max_diff
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "two_steps.safetensors"
-TOLERANCE = 1e-6
+BULK, OUTLIERS, FAR = 1e-7, 127, 1e-5  # every entry within BULK but at most OUTLIERS, those within FAR (above)
 WORLDS = (1, 2)
+
+
+def off_golden(want: dict, got: dict) -> str:
+    """'' when `got` is `want` up to the rounding of another CPU's kernels (the module's docstring), else how far."""
+    assert want.keys() == got.keys()
+    d = torch.cat([(want[k].double() - got[k].double()).abs().flatten() for k in want])
+    far = int((d > BULK).sum())
+    if far <= OUTLIERS and float(d.max()) <= FAR:
+        return ""
+    return f"{far} of {d.numel()} entries differ by more than {BULK:g} (at most {OUTLIERS}), max {float(d.max()):.3g}"
 
 
 def _setup(root: Path) -> Path:
@@ -61,8 +91,7 @@ def test_two_seeded_steps_match_the_golden_parameters(tmp_path, world):
     want = {k[len(f"w{world}."):]: v for k, v in golden.items() if k.startswith(f"w{world}.")}
     start = {k[len("start."):]: v for k, v in golden.items() if k.startswith("start.")}
     assert max_diff(want, start) > 1e-4, "the golden run did not move the model: weak test"
-    diff = max_diff(want, got)
-    assert diff <= TOLERANCE, f"final parameters moved by {diff:.3g} from the golden run on {world} process(es)"
+    assert not (off := off_golden(want, got)), f"on {world} process(es), from the golden run: {off}"
 
 
 def _write(root: Path) -> None:

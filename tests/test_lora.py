@@ -6,8 +6,11 @@ What is compared, and how closely:
     final/ loaded by peft onto the base reproduces the trained model's log-probs (<= 1e-6), final/merged/ too
     (<= 1e-5: merging adds B A x alpha/r into W, a different float order than W x + B (A x)).
   * 1 vs 3 processes, replicated; 3 FSDP2 ranks resumed on 2 (with a reserved hf rollout rank, the adapters pushed
-    to its copy): the same final adapters within 1e-5 (fp32; measured ~6e-7, the rounding of summing gradients over
-    another number of ranks, as for full fine-tuning).
+    to its copy): the same final adapters within 1e-5 but for at most 8 of their 16,384 entries, those within 1e-4
+    (e2e.close_weights: at lr 1e-2 AdamW turns the rounding by which the layouts' gradient sums differ into a
+    different step where a gradient entry nearly cancels). Measured (max; entries past 3e-6): 3 processes 3.6e-6
+    (1), resumed 6.0e-6 (1) with ATen's AVX2 kernels, 6.2e-6 (1) and 5.0e-6 (1) with ATEN_CPU_CAPABILITY=default
+    (AMD EPYC, 2026-12-07); 1.51e-5 on an AVX-512 Xeon (issue 56), past 1e-5 on that one entry alone.
   * vLLM (the CPU build loads LoRA): after each adapter push the engine's log-probs on its samples match the
     trainer's (fp32, < 2e-4; measured ~5e-7), older versions released (the reserved, overlapped path with adapters:
     tests/test_engines.py test_overlapped_vllm_rank_samples_from_the_versions_due).
@@ -23,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import engine_gap, evenrl, evenrl_here, evenrl_many, metrics
+from e2e import close_weights, engine_gap, evenrl, evenrl_here, evenrl_many, metrics
 from evenrl.config import RunConfig, load_config
 from evenrl.core.batch import Batch
 from evenrl.errors import UsageError
@@ -225,9 +228,7 @@ def test_same_adapters_on_any_layout_and_after_resuming_3_on_2(lora_runs):
     assert max(float(t.abs().max()) for k, t in one.items() if "lora_B" in k) > 1e-3, "adapters barely moved"
     for name in ("three", "chain"):
         got = adapters(lora_runs / name)
-        assert got.keys() == one.keys()
-        diff = max(float((got[k] - one[k]).abs().max()) for k in one)
-        assert diff <= TOL, (name, diff)
+        assert not (far := close_weights(got, one)), (name, far)  # within TOL but for a few entries (above)
         assert [r.get("reward/mean") for r in metrics(lora_runs / name)] == \
             [r.get("reward/mean") for r in metrics(lora_runs / "one")], name
     assert all(r["kl"] >= 0 for r in metrics(lora_runs / "one") if r["step"] > 1)

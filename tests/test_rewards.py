@@ -413,6 +413,27 @@ def test_reward_workers_have_no_network():
     assert any(w in stats["by_reward"]["connects"]["first_error"] for w in ("unreachable", "network", "refused")), stats
 
 
+def test_a_worker_whose_trainer_died_ends_quietly():
+    """The trainer killed (a SIGSEGV, the launcher's SIGKILL) while its reward worker scores: the worker's answer
+    finds the pipe closed, and it ends with exit 0 and nothing on stderr (it printed a BrokenPipeError traceback
+    under the launcher's line for the dead rank)."""
+    import pickle
+    import subprocess
+    from multiprocessing import Pipe
+
+    from evenrl.isolation.pool import _WORKER_CODE, Limits
+
+    parent, child = Pipe()
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, str(child.fileno()), "plain"],
+                              pass_fds=(child.fileno(),), stderr=subprocess.PIPE, text=True)
+    child.close()
+    parent.send(([pickle.dumps(time.sleep)], [(0, 0, (0.5,))], Limits(timeout_s=5, cpu_s=5, memory_mib=0)))
+    assert parent.recv() == "loaded"
+    parent.close()  # the trainer is gone while the call runs
+    _, err = worker.communicate(timeout=30)
+    assert worker.returncode == 0 and err == "", err
+
+
 def test_weighted_sum_and_stats():
     completions = ["a", "bbb", ""]
     samples = [{}] * 3

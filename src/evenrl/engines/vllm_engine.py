@@ -273,7 +273,24 @@ def _placement(tp: int, device: torch.device) -> dict:
         return {"distributed_executor_backend": "mp"}
     os.environ.setdefault("RANK", str(dist.rank()))
     os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
+    if device.type == "cpu":
+        cpu_groups_without_shared_memory()
     return {"distributed_executor_backend": "external_launcher"}
+
+
+def cpu_groups_without_shared_memory() -> None:
+    """vLLM's CPU builds for AVX-512 (not for AVX2, where the ops do not exist) run a tensor-parallel group's
+    collectives through shared-memory segments named alike for every external_launcher run on a machine
+    ('-tp:0-[0-1]-cpushm_<rank>': its CPU worker names them after the init method, always env:// here), created
+    exclusively (O_EXCL) and unlinked only by a C++ destructor at an interpreter's normal exit, which evenrl's
+    workers skip (os._exit) and a killed run never reaches: after one such run a machine's next one failed in
+    vLLM's set-up (issue 56: rank 0 exit 1 on an AVX-512 Xeon). So the group's collectives go through
+    torch.distributed (gloo), as on AVX2 builds, where evenrl's tests run them; on GPUs vLLM uses NCCL anyway."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    communicator = cpu_communicator.CpuCommunicator
+    if hasattr(communicator, "_all_group_ranks_share_shm_group_name"):  # the one check that picks shared memory
+        communicator._all_group_ranks_share_shm_group_name = lambda self: False
 
 
 @contextlib.contextmanager

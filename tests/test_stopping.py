@@ -56,6 +56,17 @@ def test_a_signal_stops_after_the_step_and_a_second_one_at_once(monkeypatch, cap
     assert "stopping after the step in progress" in capfd.readouterr().err
 
 
+def test_a_signal_during_set_up_says_nothing_is_saved(capfd):
+    """Before the first step (loading, a checkpoint read that fails on another rank) there is nothing to save, and
+    the line at the signal says so instead of promising a checkpoint."""
+    with Stopping(_cfg(every_steps=0, every_minutes=0)) as s:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert s.before_start()  # the run stops before step 1
+    err = capfd.readouterr().err
+    assert "SIGTERM: stopping before the first step, once set-up ends; nothing is saved" in err, err
+    assert "saving a checkpoint" not in err
+
+
 @pytest.mark.slow
 def test_ctrl_c_on_two_processes_saves_and_resumes_exactly(shared_runs, tmp_path):
     """The shared config on 2 processes: Ctrl-C reaches the launcher (rank 0 sends it at the start of step 3), every

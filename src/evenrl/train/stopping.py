@@ -37,6 +37,7 @@ class Stopping:
         self.planned_only = cfg.rollout.max_staleness > 0
         self.last_steps = cfg.train.steps
         self.signal: int | None = None
+        self.started = False  # the steps have begun: before, a signal stops the run with nothing to save
         self._at = 0.0
         self.last_save = time.monotonic()
         self._previous: dict[int, object] = {}
@@ -60,11 +61,20 @@ class Stopping:
             raise KeyboardInterrupt
         self.signal, self._at = signum, time.monotonic()
         if dist.is_main():  # os.write: print is not safe inside a signal handler
-            os.write(2, f"\nevenrl: {signal.Signals(signum).name}: stopping after the step in progress and saving "
-                        "a checkpoint (again to stop at once, without saving)\n".encode())
+            os.write(2, f"\nevenrl: {signal.Signals(signum).name}: {self._intent()}\n".encode())
+
+    def _intent(self) -> str:
+        """What a signal now leads to, said when it arrives."""
+        if not self.started:  # set-up (loading, a checkpoint read): nothing of this run to save yet
+            return "stopping before the first step, once set-up ends; nothing is saved (again to stop at once)"
+        if self.planned_only:
+            return ("stopping after the step in progress, keeping the latest checkpoint (with rollout.max_staleness "
+                    ">= 1 checkpoints are written at checkpoint.every_steps only; again to stop at once)")
+        return "stopping after the step in progress and saving a checkpoint (again to stop at once, without saving)"
 
     def after_step(self, step: int) -> tuple[bool, bool]:
         """(save, stop) after `step`, the same on every training rank (a collective)."""
+        self.started = True
         due = bool(self.every_s) and not self.planned_only and time.monotonic() - self.last_save >= self.every_s
         signalled, due = self._agree(due)
         stop = signalled and step < self.last_steps  # after the last step the run ends anyway
@@ -86,4 +96,6 @@ class Stopping:
 
     def before_start(self) -> bool:
         """Whether a signal reached any rank while the run was being set up (a collective)."""
-        return self._agree(False)[0]
+        signalled = self._agree(False)[0]
+        self.started = not signalled
+        return signalled

@@ -4,6 +4,7 @@ and a run that learns nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -134,28 +135,97 @@ def test_a_stopped_or_dead_peer_ends_the_job_naming_it(assets, tmp_path, fault):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_killing_the_launcher_ends_its_workers(assets, tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-m", "evenrl.cli", "train", str(assets["cfg"]),
-                                 f"log.run_dir={tmp_path / 'run'}", "train.steps=100000", "--nproc-per-node", "2"],
-                                env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """kill -9 of the launcher: its workers stop after the step in progress and save it (their parent, the fork
+    server, exits at once, without Python's finalization, and its death signals them), judged in steps, not
+    seconds, so a loaded machine cannot fail it (they trained ~50 more steps before, while the server finalized
+    torch); the resource tracker unlinks the agent's semaphores without a warning; nothing on stderr but the
+    workers' two lines."""
+    run, err = tmp_path / "run", tmp_path / "stderr.txt"
+    launcher = _launcher(assets, run, err, "train.steps=100000")
+    workers: list[int] = []
     try:
-        workers: list[int] = []
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (tmp_path / "run" / "metrics.jsonl").exists():
+        while time.monotonic() < deadline and not (run / "metrics.jsonl").exists():
             time.sleep(0.5)  # the workers have trained a step: they are up
-        workers = _descendants(launcher.pid)
+        workers = _descendants(launcher.pid)  # the fork server, its resource tracker, the workers, their pools
         assert len(workers) >= 2, "workers did not start"
+        trained = len((run / "metrics.jsonl").read_text().splitlines())
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(_alive(p) for p in workers):
-            time.sleep(0.2)
+        _wait_gone(workers, 300)  # a step and a save on a loaded machine: the test's judgement is in steps
         assert not any(_alive(p) for p in workers), "workers outlived their launcher"
+        saved = int((run / "checkpoints" / "latest").read_text().strip().split("-")[1])
+        assert saved <= trained + 2, f"the workers trained from step {trained} to {saved} without their launcher"
+        lines = [x for x in err.read_text().splitlines() if x.strip()]
+        assert len(lines) == 2 and lines[1].startswith(f"evenrl train: SIGTERM: stopped after step {saved}; saved "), \
+            lines
     finally:
-        for p in _descendants(launcher.pid) + [launcher.pid]:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(workers + _descendants(launcher.pid) + [launcher.pid])
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_fork_server_imports_is_one_line(assets, tmp_path):
+    """A terminal's Ctrl-C reaches its whole process group, which holds the launcher's fork server while it imports
+    torch and the training code: the server ignores SIGINT (its workers take Python's handler back), so the
+    launcher's line is all there is (a 30-line KeyboardInterrupt traceback from the server before), exit 130."""
+    launcher = _launcher(assets, tmp_path / "run", tmp_path / "stderr.txt", start_new_session=True)
+    everyone: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(b"forkserver" in _cmdline(p) for p in _descendants(launcher.pid)):
+            time.sleep(0.05)
+        time.sleep(0.5)  # the server imports for seconds; the launcher has its own handler back
+        everyone = _descendants(launcher.pid)
+        os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does
+        assert launcher.wait(timeout=120) == 130
+        _wait_gone(everyone, 120)  # the server ends once it has imported and sees its launcher gone
+        lines = [x for x in (tmp_path / "stderr.txt").read_text().splitlines() if x.strip()]
+        assert lines == ["evenrl train: interrupted"], lines
+    finally:
+        _kill(everyone + _descendants(launcher.pid) + [launcher.pid])
+
+
+@pytest.mark.slow
+def test_a_broken_stdout_never_ends_training(assets, tmp_path):
+    """`evenrl train ... --nproc-per-node 2 | head -c 200` with head gone: one note on stderr, and every rank trains
+    to the end (it ended with a BrokenPipeError traceback on rank 0 and c10d's on rank 1, the run lost)."""
+    import warm_start
+
+    read, write = os.pipe()
+    os.close(read)  # the reader went away before the first line
+    args = ["train", str(assets["cfg"]), f"log.run_dir={tmp_path / 'run'}", "--nproc-per-node", "2"]
+    with os.fdopen(write, "w") as out, open(tmp_path / "stderr.txt", "w+") as err:
+        if warm_start.can_fork(ENV):
+            job = warm_start.start(args, ENV, out, err)
+        else:
+            job = subprocess.Popen([sys.executable, "-m", "evenrl.cli", *args], env=ENV, stdout=out, stderr=err)
+        assert job.wait(timeout=600) == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+    lines = [x for x in (tmp_path / "stderr.txt").read_text().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("evenrl: stdout is no longer writable: its reader went away"), lines
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def _launcher(assets, run, stderr, *more, **popen) -> subprocess.Popen:
+    """`evenrl train` of the assets' config on 2 processes, started as a new Python (so its fork server imports,
+    as from a terminal), its stderr to a file."""
+    with open(stderr, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "evenrl.cli", "train", str(assets["cfg"]), f"log.run_dir={run}",
+                                 "--nproc-per-node", "2", *more], env=ENV, stdout=subprocess.DEVNULL, stderr=f, **popen)
+
+
+def _wait_gone(pids: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+
+
+def _kill(pids: list[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _descendants(pid: int) -> list[int]:
@@ -167,6 +237,14 @@ def _descendants(pid: int) -> list[int]:
         found += kids
         frontier = kids
     return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _alive(pid: int) -> bool:

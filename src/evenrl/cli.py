@@ -116,7 +116,11 @@ def run() -> None:
     transformers' and sympy's modules down object by object: 2-5 s of one core per process on a 2-core machine,
     with no system call in it, that a launcher waits for before it returns. Where a child process is still alive
     after the atexit handlers (an engine's own process that a finalizer would stop), the normal exit. main() is
-    what tests call in-process; this is for the program alone."""
+    what tests call in-process; this is for the program alone. A broken or closed stdout or stderr never ends it
+    (evenrl.train.stdio)."""
+    from evenrl.train import stdio
+
+    stdio.install(speak=sys.argv[1:2] in (["train"], ["sft"], ["demo"]))  # a run notes it; `plan | head` is quiet
     code = main()
     _exit_hooks()
     while True:
@@ -136,8 +140,13 @@ def worker(argv: list[str]) -> None:
     server (evenrl.train.launch): main(argv) in a session of its own, as the agent's binary workers are (a terminal's
     Ctrl-C reaches the launcher, which passes it on), ended as run() ends the program. The agent reads a worker's
     success from its return and its failure from the exit code raised here and the error file _fail wrote; the
-    process then exits without finalization (multiprocessing's)."""
+    process then exits without finalization (multiprocessing's). Ctrl-C's handler is Python's again (the fork server
+    ignores SIGINT, and its children inherit that) and stdout and stderr are guarded (evenrl.train.stdio)."""
+    from evenrl.train import stdio
+
     os.setsid()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    stdio.install()
     code = main(argv)
     _exit_hooks()
     for stream in (sys.stdout, sys.stderr):

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -142,7 +143,6 @@ def _die_with_parent() -> None:
     if not sys.platform.startswith("linux"):
         return
     import ctypes
-    import signal
 
     parent = os.getppid()
     try:
@@ -192,15 +192,7 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callabl
 
     determinism.environment(cfg)  # bitwise: the variables CUDA and vLLM read when they start, for every worker
     os.environ["EVENRL_COMMAND"] = shlex.join(["evenrl", *argv])  # the workers' resume hint names this command
-    # torch's agent starts each worker as a process forked from a server that imported the training code once
-    # (multiprocessing's fork server, started fresh and before any device is touched, which CUDA needs): a worker
-    # started as `python -m evenrl.cli` spends ~5 s of a core importing torch and transformers, every one of them.
-    # Started now, it imports while this process imports torch and the agent meets its peers.
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    multiprocessing.set_forkserver_preload(["evenrl.train.preload"])
-    forkserver.ensure_running()
+    _start_fork_server()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -234,6 +226,31 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callabl
     except ChildFailedError as e:
         return _report_failures(cmd, e.failures)
     return 0
+
+
+def _start_fork_server() -> int | None:
+    """Start multiprocessing's fork server, from which torch's agent forks each worker (one that imported the
+    training code once, started fresh and before any device is touched, which CUDA needs: a worker started as
+    `python -m evenrl.cli` spends ~5 s of a core importing torch and transformers, every one of them). Started now,
+    it imports while this process imports torch and the agent meets its peers. Returns its pid.
+
+    It starts with SIGINT ignored (Python keeps a disposition its parent ignored): it shares the terminal's process
+    group while it imports, and a Ctrl-C then would print its KeyboardInterrupt traceback; its workers take Python's
+    handler back (evenrl.cli.worker). Its resource tracker, started with it, unlinks what a killed launcher leaves
+    (the agent's semaphores) without warning about each."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(["evenrl.train.preload"])
+    quiet = "ignore:resource_tracker:UserWarning"  # each process started now gets it as -W (multiprocessing.util)
+    sys.warnoptions.append(quiet)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.warnoptions.remove(quiet)
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
 def _report_failures(cmd: str, failures: dict) -> int:

@@ -27,6 +27,14 @@ def stop_rank_1(completion: str, sample: dict) -> float:
     return 0.0
 
 
+def freeze_rank_1(completion: str, sample: dict) -> float:
+    """Rank 1 freezes while scoring (SIGSTOP: a debugger, a suspended container, a process no thread of which runs):
+    no heartbeat, so evenrl's launcher ends it after parallel.liveness_timeout_s."""
+    if os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return 0.0
+
+
 def kill_rank_1(completion: str, sample: dict) -> float:
     """Rank 1 dies while scoring: a crashed peer."""
     if os.environ.get("RANK") == "1":

@@ -105,30 +105,43 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(assets, shared
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["stop_rank_1", "kill_rank_1"])
+@pytest.mark.parametrize("fault", ["stop_rank_1", "freeze_rank_1", "kill_rank_1"])
 def test_a_stopped_or_dead_peer_ends_the_job_naming_it(assets, tmp_path, fault):
-    """A stopped peer: the others wait --collective-timeout-s, then rank 0 stops with one line naming its phase and
-    where rank 1 was; a dead one: the launcher sees it exit at once and ends the job, naming it. Either way the
-    launcher's summary lists each failed rank with its own reason, not torch's banner."""
-    seconds = 8
+    """A peer that hangs but lives (its heartbeat goes on): the others wait --collective-timeout-s, then rank 0 stops
+    with one line naming its phase and where rank 1 was, and the launcher never takes the live rank for a hung one
+    (its liveness timeout, 2 s, is the shorter); a frozen one (SIGSTOP): no heartbeat, the launcher ends it after
+    parallel.liveness_timeout_s, naming it, its phase and its state, long before the collective timeout; a dead one:
+    the launcher sees it exit at once and ends the job, naming it, its phase and that it left no Python exception.
+    Either way the launcher's summary lists each failed rank with its own reason, not torch's banner."""
+    seconds = {"stop_rank_1": 8, "freeze_rank_1": 120, "kill_rank_1": 600}[fault]
     t0 = time.monotonic()
     proc = evenrl("train", assets["cfg"], f"log.run_dir={tmp_path / 'run'}", "--nproc-per-node", 2,
-                  "--collective-timeout-s", seconds, "rewards.isolate=false",
+                  "--collective-timeout-s", seconds, "rewards.isolate=false", "parallel.liveness_timeout_s=2",
                   f"rewards.functions=[{{name: 'fault_rewards:{fault}'}}]", check=False)
     took = time.monotonic() - t0
     assert proc.returncode != 0
     summary = {line.split(" failed: ")[0].rsplit(" ", 1)[-1]: line.split(" failed: ", 1)[1]
                for line in proc.stderr.splitlines() if line.startswith("evenrl train: rank ")}
+    rank_0 = "evenrl train: stopped: step 1: rank 0 in step 1 "
     if fault == "stop_rank_1":
         why = summary.get("0", "")
-        assert why.startswith("evenrl train: stopped: step 1: rank 0 in step 1 "), proc.stderr[-3000:]
+        assert why.startswith(rank_0), proc.stderr[-3000:]
         assert f"failed after {seconds} s" in why or f"failed after {seconds + 1} s" in why, why
         assert "rank 1 was last in step 1 reward" in why, why
+        assert "silent" not in proc.stderr, proc.stderr[-3000:]  # 8 s of a live hang, 4 times the liveness timeout
         # start-up (two processes load the model) + the timeout (the stopped rank dies on the agent's SIGTERM:
         # tests/fault_rewards.py); without a timeout of its own the job would wait 600 s
         assert took < STARTUP_S + seconds, f"the job took {took:.0f} s to end"
+    elif fault == "freeze_rank_1":
+        why = summary.get("1", "")
+        assert why.startswith("silent for ") and " in step 1 reward: its process is stopped (SIGSTOP" in why, \
+            proc.stderr[-3000:]
+        assert summary.get("0", "").startswith(rank_0), proc.stderr[-3000:]  # its collective failed at once
+        assert took < STARTUP_S + 10, f"the job took {took:.0f} s to end"
     else:
-        assert summary.get("1", "").startswith("exit code 9"), proc.stderr[-3000:]
+        assert summary.get("1", "").startswith("exit code 9 in step 1 reward, without a Python exception"), \
+            proc.stderr[-3000:]
+        assert summary.get("0", "").startswith(rank_0), proc.stderr[-3000:]
         assert took < STARTUP_S, f"the job took {took:.0f} s to end"
 
 

@@ -119,8 +119,9 @@ def test_a_failure_every_rank_shares_is_reported_once(capsys, tmp_path):
     assert capsys.readouterr().err.splitlines() == [same]
     failures = {0: failed(0, 3, "evenrl train: stopped: step 1: peer"), 1: failed(1, 1, "<N/A>")}
     assert launch._report_failures("train", failures) == 1
-    assert capsys.readouterr().err.splitlines() == ["evenrl train: rank 0 failed: evenrl train: stopped: step 1: peer",
-                                                    "evenrl train: rank 1 failed: exit code 1; its output is above"]
+    assert capsys.readouterr().err.splitlines() == [
+        "evenrl train: rank 0 failed: evenrl train: stopped: step 1: peer",
+        "evenrl train: rank 1 failed: exit code 1, without a Python exception; its output, if any, is above"]
     # torch's agent names the first failed worker it saw (rank 1, killed); rank 0's own line is in its error file
     # beside rank 1's, in the agent's directory for the attempt, and is reported too
     for r in (0, 1):
@@ -128,5 +129,6 @@ def test_a_failure_every_rank_shares_is_reported_once(capsys, tmp_path):
     (tmp_path / "attempt_0" / "0" / "error.json").write_text(json.dumps({"message": "evenrl train: stopped: peer"}))
     failures = {1: failed(1, -9, "Signal 9 (SIGKILL)", str(tmp_path / "attempt_0" / "1" / "error.json"))}
     assert launch._report_failures("train", failures) == 1
-    assert capsys.readouterr().err.splitlines() == ["evenrl train: rank 1 failed: exit code -9 (Signal 9 (SIGKILL))",
-                                                    "evenrl train: rank 0 failed: evenrl train: stopped: peer"]
+    assert capsys.readouterr().err.splitlines() == [
+        "evenrl train: rank 1 failed: killed by SIGKILL, without a Python exception; its output, if any, is above",
+        "evenrl train: rank 0 failed: evenrl train: stopped: peer"]

@@ -365,6 +365,14 @@ class ParallelConfig(Section):
                     "naming the phase and the ranks that did not arrive (a dead peer ends it at once). Also the "
                     "flag --collective-timeout-s of evenrl train/sft. Raise it when one step's generation can take "
                     "longer on some rank than on others.")
+    liveness_timeout_s: float = Field(
+        60.0, ge=0.0, le=86400.0,
+        description="Under evenrl's launcher, how long a rank may be silent (no heartbeat: its process stopped, "
+                    "e.g. by SIGSTOP or a debugger, or frozen where no thread of it runs) before the launcher kills "
+                    "it and the job ends with one line naming it and its phase, instead of waiting "
+                    "collective_timeout_s. A heartbeat thread runs beside the work, so a long but live step (a "
+                    "10-minute generation) is never taken for a hang. 0: off. Workers started by torchrun or srun "
+                    "have collective_timeout_s alone. docs/reliability.md.")
 
 
     @field_validator("capacity_weights", mode="before")

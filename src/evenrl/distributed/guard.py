@@ -9,11 +9,16 @@ import contextlib
 import re
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as tdist
 
 from evenrl.distributed.mesh import G, active, rank
 from evenrl.errors import RunStopped
+
+# called after each mark: a launcher worker's heartbeat record takes the new phase at once (evenrl.train.liveness)
+on_mark: list[Callable[[], None]] = []
+
 
 def mark(phase: str) -> None:
     """Say where this rank is (e.g. "step 3 exchange"): kept here and, with several ranks, in the group's store,
@@ -24,6 +29,8 @@ def mark(phase: str) -> None:
             G.store.set(f"phase/{rank()}", phase)
         except Exception:  # the store's host (rank 0) is gone: the next collective fails and says so in one line
             pass
+    for hook in on_mark:
+        hook()
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from typing import Callable
 
 from evenrl.distributed.env import read_env
 from evenrl.errors import ArgumentParser, UsageError
+from evenrl.train import liveness
 
 
 def _parser(cmd: str) -> argparse.ArgumentParser:
@@ -90,6 +91,7 @@ def main(argv: list[str], worker: Callable[[list[str]], None]) -> int:
         return 0
     if _is_worker():
         _die_with_parent()
+        liveness.beat()  # a worker of evenrl's launcher: its heartbeat and last words (elsewhere nothing)
         return run_worker(cmd, args)
     if args.nproc_per_node == 1 and args.nnodes == 1:
         return run_worker(cmd, args)
@@ -192,7 +194,18 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callabl
 
     determinism.environment(cfg)  # bitwise: the variables CUDA and vLLM read when they start, for every worker
     os.environ["EVENRL_COMMAND"] = shlex.join(["evenrl", *argv])  # the workers' resume hint names this command
-    _start_fork_server()
+    watch = liveness.Watch(cfg.parallel.liveness_timeout_s)
+    os.environ.update(watch.env())
+    try:
+        return _launch_workers(cmd, args, worker, watch)
+    finally:
+        watch.close()
+
+
+def _launch_workers(cmd: str, args: argparse.Namespace, worker: Callable[[list[str]], None],
+                    watch: liveness.Watch) -> int:
+    server = _start_fork_server()
+    watch.start(server)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -224,7 +237,7 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callabl
     except SignalException as e:  # the workers were sent the same signal, stopped and saved; rank 0 said so
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        return _report_failures(cmd, e.failures)
+        return _report_failures(cmd, e.failures, watch)
     return 0
 
 
@@ -253,21 +266,24 @@ def _start_fork_server() -> int | None:
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
-def _report_failures(cmd: str, failures: dict) -> int:
+def _report_failures(cmd: str, failures: dict, watch: liveness.Watch | None = None) -> int:
     """Each failed rank's own line (the worker writes it to the agent's error file), once for ranks that failed
-    the same way, not torch's banner. The exit code is the workers' when those that exited agree (2: bad input, 3:
-    stopped); ranks the agent stopped after the first failure have a negative one. Torch's agent reports the first
-    failed worker it sees (a forked worker's); the other ranks of this node that wrote their line are read from
-    their error files beside its."""
+    the same way, not torch's banner; a rank without one is explained (`_why`). The exit code is the workers' when
+    those that exited agree (2: bad input, 3: stopped); ranks the agent stopped after the first failure have a
+    negative one. Torch's agent reports the first failed worker it sees (a forked worker's); the other ranks of this
+    node that wrote their line are read from their error files beside its."""
     lines: dict[str, list[int]] = {}
     codes = set()
+    shown = set()
     for rank, f in sorted(failures.items()):
         if f.exitcode > 0:  # not one the agent stopped after the first failure
             codes.add(f.exitcode)
-        why = f.message if isinstance(f.message, str) and f.message.startswith("evenrl") else \
-            f"exit code {f.exitcode}" + (f" ({f.message})" if f.exitcode < 0 else "; its output is above")
+        why, stack = _why(rank, f, watch)
+        if stack and stack not in shown:  # a Python exception's traceback, as one process would have printed it
+            shown.add(stack)
+            print(stack.rstrip(), file=sys.stderr)
         lines.setdefault(why, []).append(rank)
-    for rank, why in _lines_beside(failures).items():
+    for rank, why in _lines_beside(failures, watch).items():
         lines.setdefault(why, []).append(rank)
     for why, ranks in lines.items():
         if why.startswith("evenrl") and len(lines) == 1 and codes == {2}:
@@ -278,23 +294,60 @@ def _report_failures(cmd: str, failures: dict) -> int:
     return codes.pop() if len(codes) == 1 and codes <= {2, 3} else 1
 
 
-def _lines_beside(failures: dict) -> dict[int, str]:
-    """Global rank -> the evenrl line in the error file of each local rank of this node not among `failures` (the
+def _why(rank: int, f, watch: liveness.Watch | None) -> tuple[str, str]:
+    """(why rank `rank` failed, a Python traceback to print above the lines or ''): the launcher's own reason for a
+    rank it ended (silent), the rank's evenrl line, a Python exception that escaped it (torch's agent keeps its
+    traceback in the error file and prints nothing), or, for a rank that died without one (os._exit, a C
+    library's exit(), a signal), its exit code or signal with the phase and the last lines from its heartbeat's
+    record (evenrl.train.liveness)."""
+    if watch is not None and rank in watch.silent:
+        return watch.silent[rank], ""
+    message = f.message
+    if isinstance(message, str) and message.startswith("evenrl"):
+        return message, ""
+    record = (watch.record(rank) if watch is not None else None) or {}
+    where = f" in {record['phase']}" if isinstance(record.get("phase"), str) else ""
+    if isinstance(message, dict) and isinstance(message.get("message"), str):
+        stack = (message.get("extraInfo") or {}).get("py_callstack")
+        stack = stack if isinstance(stack, str) else ""
+        return f"{message['message']} (raised{where}{'; its traceback is above' if stack else ''})", stack
+    if f.exitcode < 0:
+        try:
+            how = f"killed by {signal.Signals(-f.exitcode).name}"
+        except ValueError:
+            how = f"killed by signal {-f.exitcode}"
+    else:
+        how = f"exit code {f.exitcode}"
+    if not record:
+        return f"{how}, without a Python exception; its output, if any, is above", ""
+    tail = [str(x) for x in record.get("tail") or []][-5:]
+    last = ("; its last lines:\n" + "\n".join(f"    {x}" for x in tail)) if tail else \
+        "; it wrote no line through Python"
+    return f"{how}{where}, without a Python exception{last}", ""
+
+
+def _lines_beside(failures: dict, watch: liveness.Watch | None = None) -> dict[int, str]:
+    """Global rank -> the evenrl line in the error file of each rank of this node not among `failures`: where the
+    rank's heartbeat record says its file is (evenrl.train.liveness), or found beside a failed rank's own (the
     agent's directory holds one per local rank: ATTEMPT/LOCAL_RANK/error.json; global ranks are the node's
-    consecutive ones)."""
-    out: dict[int, str] = {}
+    consecutive ones). A failed rank killed by a signal has no file, hence the records."""
+    files: dict[int, Path] = {}
+    for rank, record in (watch.records() if watch is not None else {}).items():
+        if isinstance(record.get("error_file"), str):
+            files[rank] = Path(record["error_file"])
     for rank, f in failures.items():
-        if not isinstance(f.error_file, str) or not f.error_file.endswith("error.json"):
+        if isinstance(f.error_file, str) and f.error_file.endswith("error.json"):
+            for path in Path(f.error_file).parent.parent.glob("*/error.json"):
+                if path.parent.name.isdigit():
+                    files.setdefault(rank - f.local_rank + int(path.parent.name), path)
+    out: dict[int, str] = {}
+    for rank, path in sorted(files.items()):
+        if rank in failures:
             continue
-        attempt = Path(f.error_file).parent.parent
-        for path in attempt.glob("*/error.json"):
-            if not path.parent.name.isdigit() or path == Path(f.error_file):
-                continue
-            other = rank - f.local_rank + int(path.parent.name)
-            try:
-                message = json.loads(path.read_text()).get("message")
-            except (OSError, ValueError, AttributeError):
-                continue
-            if other not in failures and isinstance(message, str) and message.startswith("evenrl"):
-                out[other] = message
-    return dict(sorted(out.items()))
+        try:
+            message = json.loads(path.read_text()).get("message")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(message, str) and message.startswith("evenrl"):
+            out[rank] = message
+    return out

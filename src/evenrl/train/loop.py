@@ -41,6 +41,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     plan = preflight(cfg)
     check_reachable(cfg)  # a tracker's server, before anything loads
     determinism.environment(cfg)  # before CUDA or vLLM start (bitwise)
+    dist.mark("set-up: joining the other ranks")  # each rank's phase: a failure names it (distributed.guard)
     info = dist.init(**mesh_sizes(cfg))
     determinism.settle(cfg, info.device)
     earlier_ckpt = checkpoint.latest(run_dir / "checkpoints") if resume or restarted else None
@@ -55,6 +56,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     with Stopping(cfg) as stopping:
         try:
             if dist.is_rollout_rank():
+                dist.mark("set-up: loading the rollout rank's model and engine")
                 try:
                     serve(cfg, info, found)
                 except Exception:
@@ -79,7 +81,9 @@ def train_here(cfg: RunConfig, info, plan, found: Path | None, stopping: Stoppin
     """A training rank's run: the trainer built and resumed from `found`, the header written, the steps run.
     `earlier`: the run directory's metrics rows before this start (for the trackers)."""
     run_dir = Path(cfg.log.run_dir)
+    dist.mark("set-up: loading the model and its engine")
     trainer = build_trainer(cfg, info, make_balance(cfg, plan, colocated=not dist.rollout_ranks()))
+    dist.mark("set-up: loading the checkpoint" if found else "set-up: first steps")
     trainer.resume(found)
     # once the checkpoint has loaded, before the run writes anything: one that cannot start stops the run here
     trackers = Trackers(cfg, run_dir, earlier) if dist.is_main() else None

@@ -29,7 +29,7 @@ from typing import Literal
 from evenrl.distributed.devices import Device, DeviceGroup, cpu_share, device_groups, gib_text, host_memory_gib
 from evenrl.distributed.env import read_env, read_int
 from evenrl.errors import UsageError, bad
-from evenrl.config.schema import MAX_CAPACITY_WEIGHT, MIN_CAPACITY_WEIGHT
+from evenrl.config.parallel import MAX_CAPACITY_WEIGHT, MIN_CAPACITY_WEIGHT
 from evenrl.planner.cluster import MAX_WORLD, parse_nodes
 
 MAX_NODES = 100_000

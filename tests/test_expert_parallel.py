@@ -93,6 +93,7 @@ def _split_worker(rank: int, world: int, port: int, paths: dict, out: str) -> No
     got = {}
     for name, path in paths.items():
         model, _ = load_policy(path)
+        _maybe_adapters(model, name)
         if name.endswith("starved"):  # every token to experts 0-3, rank 0's: rank 1 receives none
             for m in model.modules():
                 if type(m).__name__.endswith(("TopKRouter", "TopkRouter")):
@@ -118,14 +119,31 @@ def _split_worker(rank: int, world: int, port: int, paths: dict, out: str) -> No
     os._exit(0)  # past the interpreter's teardown, where gloo's threads once aborted a rank (SIGABRT)
 
 
+def _maybe_adapters(model, name: str) -> None:
+    """`*-lora` models: LoRA rank 2 on the attention and on every expert (model.lora.experts), B drawn non-zero
+    (seeded: the same on every rank and in the unsplit model), so the adapters change the output."""
+    if name.endswith("lora"):
+        from evenrl.config import RunConfig
+        from evenrl.models.lora import add_adapters
+
+        torch.manual_seed(5)
+        add_adapters(model, RunConfig().model.lora.model_copy(update={"rank": 2, "experts": True}))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.3)
+
+
 def _rows() -> list[torch.Tensor]:
     return [torch.randint(4, 60, (1, 12), generator=torch.Generator().manual_seed(r)) for r in range(2)]
 
 
-def _unsplit(path: str, starved: bool) -> dict:
+def _unsplit(path: str, name: str, starved: bool) -> dict:
+    from evenrl.engines.payload import merged_weights
     from evenrl.models.loading import load_policy
 
     model, _ = load_policy(path)
+    _maybe_adapters(model, name)
     if starved:
         for m in model.modules():
             if type(m).__name__.endswith(("TopKRouter", "TopkRouter")):
@@ -135,6 +153,7 @@ def _unsplit(path: str, starved: bool) -> dict:
     with torch.no_grad():
         alone = model(input_ids=_rows()[0]).logits
     return {"logits": logits.detach(), "alone": alone, "state": model.state_dict(),
+            "merged": dict(kv for b in merged_weights(model, dtype=torch.float32) for kv in b),
             "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
 
 
@@ -147,24 +166,30 @@ def test_a_model_with_experts_split_over_two_ranks_computes_the_unsplit_model(tm
     the reduction's sum of two rows). With every token routed to rank 0's experts, rank 1 receives none and still
     takes part in the backward's exchange (no deadlock, its experts' gradients exactly 0). Generation on the
     gathered experts (each rank alone) is the unsplit model bit for bit, and so are the whole tensors a weight push
-    or the final save gets (full_weights; merged_weights, a LoRA policy's merged push)."""
+    or the final save gets (full_weights; merged_weights, a LoRA policy's merged push). With LoRA on the experts
+    (model.lora.experts: Qwen3-MoE, and gpt-oss's transposed [E, in, out] experts) the adapters are split with the
+    experts and all of the above holds too, the merged push included."""
     paths = {arch: make_tiny_model(str(tmp_path / arch), arch=arch, seed=3) for arch in MOE_ARCHS}
     paths["qwen3_moe-starved"] = paths["qwen3_moe"]
+    paths["qwen3_moe-lora"], paths["gpt_oss-lora"] = paths["qwen3_moe"], paths["gpt_oss"]  # gpt-oss: [E, in, out]
     out = str(tmp_path / "split.pt")
     mp.spawn(_split_worker, args=(2, free_port(), paths, out), nprocs=2, join=True)
     split = torch.load(out)
     for name, path in paths.items():
-        one, two = _unsplit(path, name.endswith("starved")), split[name]
+        one, two = _unsplit(path, name, name.endswith("starved")), split[name]
         assert torch.equal(one["logits"], two["logits"]), name
         assert torch.equal(one["alone"], two["alone"]), name
-        for push in ("pushed", "merged"):
-            assert two[push].keys() == one["state"].keys(), (name, push)
-            assert all(torch.equal(one["state"][k], t) for k, t in two[push].items()), (name, push)
+        for push, want in (("pushed", one["state"]), ("merged", one["merged"])):
+            assert two[push].keys() == want.keys(), (name, push)
+            assert all(torch.equal(want[k], t) for k, t in two[push].items()), (name, push)
         assert one["grads"].keys() == two["grads"].keys() and len(one["grads"]) > 10, name
         for n, g in one["grads"].items():
             assert float((g - two["grads"][n]).abs().max()) <= 1e-8, (name, n)
         experts = [n for n in one["grads"] if ".experts." in n]
         assert experts and all(float(one["grads"][n].abs().max()) > 0 for n in experts)
+    for arch in ("qwen3_moe", "gpt_oss"):  # the experts' adapters change the model, and train
+        assert float((split[f"{arch}-lora"]["logits"] - split[arch]["logits"]).abs().max()) > 1e-2
+        assert sum(".adapters.lora_" in n for n in split[f"{arch}-lora"]["grads"]) == 8
     starved = split["qwen3_moe-starved"]["grads"]
     assert all(float(g[4:].abs().max()) == 0 and float(g[:4].abs().max()) > 0
                for n, g in starved.items() if n.endswith(("gate_up_proj", "down_proj")) and ".experts." in n)

@@ -120,6 +120,8 @@ CASES = [
      ["10 optimizer steps", "train.warmup_steps=1"]),
     ("lora-dropout", "warning", ["model.lora.rank=8", "model.lora.dropout=0.05"], {}, None,
      ["dropout=0.05", "differs from one layout", "model.lora.dropout=0"]),
+    ("lora-experts", "error", ["model.lora.rank=8", "model.lora.experts=true"], {}, TINY,
+     ["model.lora.experts: true, but llama has no routed experts", "model.lora.experts=false"]),
     ("save-merged-without-lora", "warning", ["log.save_merged=true"], {}, None,
      ["model.lora.rank is 0", "log.save_merged=false"]),
     ("bitwise", "note", ["train.reproducibility=bitwise"], {}, None, ["rollout.batch_prompts=1", "weights/hash"]),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from evenrl.config.algo import AlgoConfig, CriticConfig
@@ -41,8 +41,22 @@ class LoraConfig(Section):
         description="Names of the linear layers that get adapters (peft target_modules: a module matches when its "
                     "name ends with one). Empty: every linear layer inside the model's decoder blocks, found from "
                     "the model (attention and MLP projections: q/k/v/o_proj, gate/up/down_proj for Qwen2/Llama; a "
-                    "mixture of experts' attention and shared experts, not its fused experts, which evenrl does not "
-                    "adapt yet: docs/moe.md).")
+                    "mixture of experts' attention and shared experts; its fused experts with model.lora.experts).")
+    experts: bool = Field(
+        False,
+        description="A mixture of experts: adapters on every routed expert's fused weights too (gate_up_proj and "
+                    "down_proj, one low-rank pair per expert: peft's target_parameters), besides target_modules. "
+                    "Split with the experts under expert parallelism, saved in PEFT's format (peft and vLLM load "
+                    "it). No dropout: the update is folded into each expert's weight. docs/moe.md.")
+
+    @model_validator(mode="after")
+    def _experts_without_dropout(self):
+        if self.experts and self.dropout > 0:
+            raise PydanticCustomError("lora_experts_dropout", "experts: adapters on the experts take no dropout (their "
+                                      "update is folded into each expert's weight, as peft's target_parameters "
+                                      "folds it; got dropout {dropout}); set model.lora.dropout=0 or "
+                                      "model.lora.experts=false", {"dropout": self.dropout})
+        return self
 
 
 class ModelConfig(Section):

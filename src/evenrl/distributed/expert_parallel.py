@@ -7,14 +7,15 @@ to its experts' ranks and back by all-to-all.
 The layout is torchtitan's and prime-rl's: the ep group borrows data-parallel ranks, the ranks holding the same
 experts (`edata`) reduce their gradients (or, with FSDP2, shard them), and the dense layers keep the usual mesh.
 - Weights stay in transformers' fused layout: each experts module's 3-D tensors (gate_up_proj [E, ...], down_proj
-  [E, ...], gpt-oss's biases [E, ...]) become DTensors sharded on dim 0 over "ep" (rank j of a group holds experts
-  j*E/EP .. (j+1)*E/EP - 1). DCP saves and loads them by global shape, so a checkpoint resumes at any EP, and
+  [E, ...], gpt-oss's biases [E, ...], LoRA's per-expert adapters [E, ...]: models.expert_lora) become DTensors
+  sharded on dim 0 over "ep" (rank j of a group holds experts j*E/EP .. (j+1)*E/EP - 1). DCP saves and loads them by global shape, so a checkpoint resumes at any EP, and
   `full_tensor()` gives engines and the final save the whole tensors.
 - The forward goes through transformers' `ExpertsInterface`: the backend "evenrl_ep" is registered there and set
   as the model's experts implementation; no class or forward is patched. Per MoE layer: the (token, expert) pairs
   sorted by expert, their counts per expert exchanged by all-to-all; the tokens sent to their experts' ranks (a
   differentiable all-to-all with uneven splits); the local experts run as one grouped GEMM (transformers'
-  `grouped_mm` backend, each pair top-1 with weight 1); the outputs sent back by the reverse all-to-all; then each
+  `grouped_mm` backend, each pair top-1 with weight 1; with LoRA on the experts each local expert's weight has its
+  adapters folded in first: `_adapted`); the outputs sent back by the reverse all-to-all; then each
   pair's output times its routing weight, summed per token as the `grouped_mm` backend sums them, so one process
   and EP add the same products in the same order.
 - Every rank makes the same collectives whatever the routing. A rank that receives no tokens still runs its experts
@@ -53,6 +54,12 @@ from evenrl.errors import UsageError
 BACKEND = "evenrl_ep"  # the name registered in transformers' ExpertsInterface
 
 
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules of a mixture (transformers' `use_experts_implementation` classes: fused 3-D weights, a
+    forward through the ExpertsInterface); [] for a dense model."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
+
+
 @dataclass
 class ExpertShard:
     """What an experts module's forward needs under expert parallelism (the module's `evenrl_ep`)."""
@@ -61,14 +68,8 @@ class ExpertShard:
     size: int  # EP
     index: int  # this rank's place in its ep group: it holds experts index*local .. (index+1)*local - 1
     local: int  # experts per rank (E / EP)
-    names: tuple[str, ...]  # the module's per-expert tensors (gate_up_proj, down_proj, biases)
+    names: tuple[str, ...]  # the module's per-expert tensors (gate_up_proj, down_proj, biases, adapters.lora_A...)
     whole: dict[str, Tensor] | None = None  # every expert, while gathered_experts holds them (generation)
-
-
-def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The experts modules of a mixture (transformers' `use_experts_implementation` classes: fused 3-D weights, a
-    forward through the ExpertsInterface); [] for a dense model."""
-    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
 
 
 def is_expert_parallel(model: torch.nn.Module) -> bool:
@@ -95,15 +96,16 @@ def expert_parallel(model: torch.nn.Module, mesh) -> None:
     for m in modules:
         experts = int(m.num_experts)
         local = experts // ep
-        names = tuple(n for n, _ in m.named_parameters(recurse=False))
+        names = tuple(n for n, _ in m.named_parameters())  # its adapters' too
         for n in names:
-            p = getattr(m, n)
+            p = m.get_parameter(n)
             if p.shape[0] != experts:
                 raise UsageError(f"parallel.expert_parallel_size: {type(m).__name__}.{n} is not laid out by expert "
                                  f"(shape {tuple(p.shape)}, {experts} experts); use 1")
             mine = p.detach()[index * local:(index + 1) * local].clone()
             split = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
-            m.register_parameter(n, torch.nn.Parameter(split, requires_grad=p.requires_grad))
+            owner, _, attr = n.rpartition(".")
+            m.get_submodule(owner).register_parameter(attr, torch.nn.Parameter(split, requires_grad=p.requires_grad))
         m.evenrl_ep = ExpertShard(ep_mesh.get_group(), ep, index, local, names)
     model.set_experts_implementation(BACKEND)
     model.evenrl_expert_parallel = ep
@@ -117,7 +119,7 @@ def gathered_experts(model: torch.nn.Module):
     if shards:
         with torch.no_grad(), guard("expert all-gather"):
             for m, s in shards:
-                s.whole = {n: getattr(m, n).full_tensor() for n in s.names}
+                s.whole = {n: m.get_parameter(n).full_tensor() for n in s.names}
     try:
         yield model
     finally:
@@ -126,9 +128,9 @@ def gathered_experts(model: torch.nn.Module):
 
 
 class _Weights:
-    """An experts module seen with other weights (its local shard, or every expert gathered) by transformers'
-    grouped_mm backend, which reads the weights and num_experts from the object it is given; all else (the
-    activation, the gate, the layout flags) is the module's own."""
+    """An experts module seen with other weights (its own, its local shard, or every expert gathered) by
+    transformers' grouped_mm backend, which reads the weights and num_experts from the object it is given; all else
+    (the activation, the gate, the layout flags) is the module's own."""
 
     def __init__(self, module: torch.nn.Module, weights: dict[str, Tensor], experts: int):
         self.__dict__.update(weights)
@@ -138,16 +140,25 @@ class _Weights:
         return getattr(self._module, name)
 
 
+def _adapted(module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The weights the experts compute with: with LoRA on the experts (models.expert_lora, whose adapters sit on the
+    module as `adapters`, split here with the experts), each target with its adapters folded in; else `tensors`.
+    Found on the module, not imported: models/ is a layer beside this one."""
+    adapters = getattr(module, "adapters", None)
+    return tensors if adapters is None else adapters.fold_into(tensors)
+
+
 def experts_forward(module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The "evenrl_ep" experts backend: hidden [N, H], top_k_index / top_k_weights [N, k] -> [N, H]."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     shard: ExpertShard | None = getattr(module, "evenrl_ep", None)
     if shard is None:  # a model not split (a copy built from the same config object)
-        return grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
+        own = _Weights(module, _adapted(module, dict(module.named_parameters())), module.num_experts)
+        return grouped_mm_experts_forward(own, hidden, top_k_index, top_k_weights)
     if shard.whole is not None:  # generation: every expert is here
-        return grouped_mm_experts_forward(_Weights(module, shard.whole, shard.local * shard.size), hidden,
-                                          top_k_index, top_k_weights)
+        return grouped_mm_experts_forward(_Weights(module, _adapted(module, shard.whole), shard.local * shard.size),
+                                          hidden, top_k_index, top_k_weights)
     return _dispatch(module, shard, hidden, top_k_index, top_k_weights)
 
 
@@ -192,7 +203,8 @@ def _local_experts(module, shard: ExpertShard, tokens: Tensor, ids: Tensor) -> T
     """This rank's experts over the tokens sent to them (ids: the local expert of each), one grouped GEMM."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    local = _Weights(module, {n: getattr(module, n).to_local() for n in shard.names}, shard.local)
+    local = _Weights(module, _adapted(module, {n: module.get_parameter(n).to_local() for n in shard.names}),
+                     shard.local)
     if not len(tokens):  # nothing routed here: one zero row, cut to none, keeps this rank in the backward exchange
         row = tokens.sum(dim=0, keepdim=True)
         return grouped_mm_experts_forward(local, row, ids.new_zeros((1, 1)), row.new_ones((1, 1)))[:0]

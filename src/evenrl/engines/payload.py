@@ -7,8 +7,9 @@
                    the same adapters (a rollout rank's hf copy) or loads them as a LoRA (vLLM, engines.vllm_lora).
                    The base never moves, so a push is ~2 x rank x (in + out) numbers per adapted layer
     merged         model.lora where the engine cannot load adapters (a vLLM build or model without LoRA support):
-                   the base weights with each adapter's update added by peft, under the plain Hugging Face names,
-                   pushed like full weights
+                   the base weights with each adapter's update added by peft (the experts' folded in as their
+                   forward folds them: models.expert_lora.merged), under the plain Hugging Face names, pushed like
+                   full weights
 
 Both sides of a push compute the same choice from the config (`takes_adapters`), so a reserved rollout rank's copy
 gives the push the layout the trainers send.
@@ -26,6 +27,7 @@ import torch
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.weights import BUCKET_BYTES, buckets, full_weights, gathered
+from evenrl.models.expert_lora import expert_targets, merged as merged_experts
 from evenrl.models.loading import checkpoint_names
 from evenrl.models.lora import adapted_layers, has_adapters, is_adapter, merged, merged_name
 from evenrl.models.vision import frozen_names
@@ -72,7 +74,7 @@ def merged_weights(model: torch.nn.Module, *, dtype: torch.dtype,
     """The model with its adapters merged, as full_weights gives a model without them: buckets of (Hugging Face name,
     whole tensor in `dtype`), tied names included. A collective under sharding (the model is gathered whole while
     the buckets are made, as for on-rank generation)."""
-    layers = adapted_layers(model)
+    layers, experts = adapted_layers(model), expert_targets(model)
     # listed before gathering: FSDP2's state_dict hook would put the shards back in place of the gathered parameters
     names = [name for name in model.state_dict() if not is_adapter(name)]
     with gathered(model):
@@ -87,7 +89,10 @@ def merged_weights(model: torch.nn.Module, *, dtype: torch.dtype,
                     # a copy: a gathered parameter's storage is freed when the block ends, and buckets may outlive it;
                     # an expert-parallel model's experts stay split in the block: whole here (a collective)
                     whole = t.full_tensor() if hasattr(t, "full_tensor") and name not in layers else t
-                    out = merged(layers[name], t).to(dtype) if name in layers else whole.detach().to(dtype, copy=True)
+                    if name in experts:
+                        out = merged_experts(*experts[name], whole).to(dtype)
+                    else:
+                        out = merged(layers[name], t).to(dtype) if name in layers else whole.detach().to(dtype, copy=True)
                     if id(t) in tied:
                         made[id(t)] = out
                 yield merged_name(name), out

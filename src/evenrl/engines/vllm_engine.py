@@ -147,7 +147,8 @@ class VLLMEngine:
         # model.lora: the engine loads each pushed adapter version (`adapter`: the policy's peft config), where it can
         self.slots = None
         if adapter is not None and engines_payload.takes_adapters(cfg)[0]:
-            kw.update(vllm_lora.engine_kwargs(cfg.model.lora.rank, cfg.rollout.max_staleness + 1))
+            kw.update(vllm_lora.engine_kwargs(cfg.model.lora.rank, cfg.rollout.max_staleness + 1,
+                                              experts=cfg.model.lora.experts))
         # vLLM seeds the global torch RNG and caps torch.set_num_threads when its worker starts: keep the trainer's.
         threads = torch.get_num_threads()
         set_threads = torch.set_num_threads

@@ -8,6 +8,12 @@ memory), the newest is the one generation samples from, and older ones are relea
 vLLM is started with `max_loras = max_cpu_loras = keep`: the version being sampled and the ones pushed ahead of it
 under rollout.max_staleness; a load beyond that removes the oldest (vLLM would otherwise evict by its own LRU).
 Whether the engine takes adapters at all is `supports_adapters` (else the trainer pushes merged weights).
+
+Adapters on a mixture's experts (model.lora.experts) go in peft's 3-D layout (target_parameters: one lora_A/lora_B
+pair per fused tensor); vLLM serves them with its MoE LoRA, started with `enable_mixed_moe_lora_format` and each
+request marked `is_3d_lora_weight`, so any MoE model class takes them (its 2-D per-expert wrapper converts them).
+Only a GPU build runs MoE LoRA (its kernels are Triton's), and vLLM's CPU build is refused for mixtures of experts
+anyway (moe-vllm-cpu): this path is untested here.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import tempfile
 import typing
 from pathlib import Path
 
-from evenrl.models.lora import peft_name
+from evenrl.models.lora import save_adapter
 
 
 def supports_adapters(rank: int, hf_config: dict) -> str | None:
@@ -42,12 +48,14 @@ def supports_adapters(rank: int, hf_config: dict) -> str | None:
     return None
 
 
-def engine_kwargs(rank: int, keep: int) -> dict:
-    """LLM(...) arguments for `keep` adapter slots of `rank`."""
+def engine_kwargs(rank: int, keep: int, experts: bool = False) -> dict:
+    """LLM(...) arguments for `keep` adapter slots of `rank` (`experts`: adapters on a mixture's experts too, in
+    peft's 3-D layout; GPU only, untested here: module docstring)."""
     from vllm.config.lora import MaxLoRARanks
 
     return dict(enable_lora=True, max_loras=keep, max_cpu_loras=keep,
-                max_lora_rank=min(r for r in typing.get_args(MaxLoRARanks) if r >= rank))
+                max_lora_rank=min(r for r in typing.get_args(MaxLoRARanks) if r >= rank),
+                **({"enable_mixed_moe_lora_format": True} if experts else {}))
 
 
 class AdapterSlots:
@@ -67,16 +75,15 @@ class AdapterSlots:
 
     def load(self, buckets) -> None:
         """One adapter version as PEFT's files, added to the engine; the oldest beyond `keep` is removed."""
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         self.pushes += 1
         where = Path(self.dir.name) / f"v{self.pushes}"
         where.mkdir()
-        tensors = {peft_name(n): t.detach().to("cpu", copy=True).contiguous() for b in buckets for n, t in b}
-        save_file(tensors, str(where / "adapter_model.safetensors"))
-        self.config.save_pretrained(str(where))  # adapter_config.json, as peft writes it
-        request = LoRARequest(f"evenrl-{self.pushes}", self.pushes, str(where))
+        save_adapter(self.config, (kv for b in buckets for kv in b), where)
+        experts = bool(getattr(self.config, "target_parameters", None))  # 3-D expert adapters (docstring)
+        request = LoRARequest(f"evenrl-{self.pushes}", self.pushes, str(where),
+                              **({"is_3d_lora_weight": True} if experts else {}))
         self.llm.llm_engine.add_lora(request)
         self.loaded.append(request)
         while len(self.loaded) > self.keep:

@@ -7,7 +7,8 @@ format) and every forward path, sharding and the sampler take it as they take an
     with adapters_disabled(model): ...                    # the base model: the KL reference, on the same weights
 
 Adapters go on the linear layers of the decoder blocks only (the output layer computes log-probs from its plain
-weight, chunk by chunk: core.fused_head). An adapter tensor keeps its state-dict name
+weight, chunk by chunk: core.fused_head), and with model.lora.experts on a mixture's fused experts too
+(evenrl.models.expert_lora: grouped per expert, saved as peft's target_parameters). An adapter tensor keeps its state-dict name
 (`...q_proj.lora_A.default.weight`): what the trainer pushes to an engine's own copy and what checkpoints hold.
 `merged(layer, weight)` is a base weight with its adapter's update added by peft (`get_delta_weight`), for engines
 that cannot load adapters and for evenrl's lean sampler (`effective_weight`).
@@ -21,6 +22,7 @@ import torch
 
 from evenrl.config.schema import LoraConfig
 from evenrl.errors import UsageError, first_line
+from evenrl.models.expert_lora import PEFT_TARGETS, add_expert_adapters, set_enabled, to_peft
 
 ADAPTER = "default"  # peft's name for a model's single adapter
 
@@ -35,8 +37,8 @@ def default_targets(model) -> list[str]:
     """The names of the linear layers inside the decoder blocks (the attention and MLP projections), as peft's
     target_modules: every leaf name of an nn.Linear there, so the output head and the embeddings are never
     adapted. A name peft would map onto a mixture of experts' fused expert weights (its conversion of the
-    transformers 4 names, e.g. DeepSeek-V3's down_proj, which its shared experts share) is left out: evenrl trains
-    no adapters on the experts (see add_adapters)."""
+    transformers 4 names, e.g. DeepSeek-V3's down_proj, which its shared experts share) is left out: the experts get
+    evenrl's own adapters with model.lora.experts (see add_adapters)."""
     blocks = _blocks(model)
     names = sorted({name.rsplit(".", 1)[-1] for name, m in (blocks.named_modules() if blocks is not None else [])
                     if isinstance(m, torch.nn.Linear)})
@@ -63,7 +65,8 @@ def _onto_experts(model, names: list[str]) -> set[str]:
 def add_adapters(model, lora: LoraConfig) -> None:
     """Add LoRA adapters (model.lora) to `model` in place: the base parameters are frozen, the adapters are drawn from
     the torch RNG (lora_A; lora_B starts at zero, so the model starts as the base) and held in fp32 whatever the
-    base's dtype."""
+    base's dtype. With lora.experts a mixture's fused experts get theirs (models.expert_lora), and the peft config
+    names them as peft's target_parameters, so the saved adapter_config.json does."""
     from peft import LoraConfig as PeftLoraConfig
     from peft.tuners.lora import Linear, LoraLayer
     from peft.tuners.tuners_utils import cast_adapter_dtype
@@ -84,14 +87,19 @@ def add_adapters(model, lora: LoraConfig) -> None:
     if any(type(m).__name__ == "ParamWrapper" for m in model.modules()):
         raise UsageError(f"model.lora.target_modules: got {targets}; peft maps "
                          f"{', '.join(sorted(_onto_experts(model, targets))) or 'some of them'} onto "
-                         f"{model.config.model_type}'s fused expert weights (LoRA on the experts), which evenrl does "
-                         "not train yet; name the attention projections (e.g. q_proj, v_proj) or leave the list "
-                         "empty (docs/moe.md)")
+                         f"{model.config.model_type}'s fused expert weights, where its adapters cannot be split by "
+                         "expert; name the attention projections (e.g. q_proj, v_proj) or leave the list empty, and "
+                         "set model.lora.experts=true for adapters on the experts (docs/moe.md)")
     if outside:
         raise UsageError(f"model.lora.target_modules: got {targets}; {', '.join(sorted(outside))}: not a linear "
                          "layer of the decoder blocks, the only layers evenrl adapts; name those (e.g. q_proj, "
                          "v_proj) or leave the list empty for all of them")
     cast_adapter_dtype(model, ADAPTER)  # fp32, as peft's get_peft_model does
+    if lora.experts:
+        if not add_expert_adapters(model, lora.rank, lora.alpha):
+            raise UsageError(f"model.lora.experts: true, but {model.config.model_type} has no fused experts (not a "
+                             "mixture of experts); use model.lora.experts=false")
+        config.target_parameters = list(PEFT_TARGETS)
 
 
 def has_adapters(model) -> bool:
@@ -114,11 +122,25 @@ def peft_name(name: str) -> str:
     return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
 
 
+def save_adapter(config, named, out) -> None:
+    """PEFT's files in directory `out` for the adapter tensors `named` ((state-dict name, whole tensor) pairs):
+    adapter_model.safetensors under PEFT's names (the experts' in peft's target_parameters layout:
+    models.expert_lora.to_peft) and `config`'s adapter_config.json, as peft's save_pretrained writes them (which
+    keeps only tensors of peft's own layers), so peft and vLLM load them."""
+    from safetensors.torch import save_file
+
+    tensors = {peft_name(n): t.detach().to("cpu", copy=True).contiguous()
+               for n, t in (to_peft(name, t) for name, t in named)}
+    save_file(tensors, f"{out}/adapter_model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+
+
 @contextlib.contextmanager
 def adapters_disabled(model):
     """Within the block `model` computes as its base: the adapters are skipped by every adapted layer."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.disable_adapters()
+    set_enabled(model, False)  # the experts' adapters (models.expert_lora)
     # peft also freezes the adapters it disables; they stay trainable here: FSDP2 fixes a unit's gradient dtypes from
     # the parameters that require grad at its first forward, which may be this one (then bf16 gradients for fp32
     # adapters, refused at the reduce-scatter)
@@ -128,6 +150,7 @@ def adapters_disabled(model):
         yield model
     finally:
         model.enable_adapters()
+        set_enabled(model, True)
 
 
 def adapted_layers(model) -> dict[str, torch.nn.Module]:

@@ -5,7 +5,7 @@ and push estimates is planner.adapters'.
 
 Target modules are checked against the tensor names of the model's safetensors weights (their headers, no torch), so
 a name that matches no layer of the decoder blocks fails here, as evenrl.models.lora.add_adapters would refuse it once
-the model had loaded.
+the model had loaded; so does model.lora.experts on a model without routed experts (config.json and weight names).
 Pure Python: never imports torch.
 """
 
@@ -24,7 +24,7 @@ def rule_lora(p: Plan) -> list[Finding]:
                            "final/merged/, but model.lora.rank is 0: final/ is the whole trained model already",
                            "log.save_merged=false, or model.lora.rank=16"))
     if not lora.rank:
-        given = sorted(lora.model_fields_set & {"alpha", "dropout", "target_modules"})
+        given = sorted(lora.model_fields_set & {"alpha", "dropout", "target_modules", "experts"})
         if given:
             out.append(Finding("warning", "lora-off", f"model.lora.{', model.lora.'.join(given)} set, but "
                                "model.lora.rank is 0: LoRA is off, so these do nothing (every weight trains)",
@@ -38,6 +38,11 @@ def rule_lora(p: Plan) -> list[Finding]:
     # adapters go on the decoder blocks' linear layers only (models.lora.add_adapters says why)
     blocks = {m for m in _modules(c.model.path) if ".layers." in m}
     missing = [t for t in lora.target_modules if blocks and not any(m.endswith("." + t) for m in blocks)]
+    if lora.experts and not _has_experts(p, c.model.path):
+        model = c.model.path or (p.dims.model_type if p.dims else "the model")
+        out.append(Finding("error", "lora-experts", f"model.lora.experts: true, but {model} has no routed experts "
+                           "(its config.json names none, or its weights no experts' tensors): adapters on the "
+                           "experts need a mixture of experts", "model.lora.experts=false"))
     if missing:
         names = sorted({m.rsplit(".", 1)[-1] for m in blocks if "norm" not in m})
         out.append(Finding("error", "lora-targets",
@@ -46,6 +51,16 @@ def rule_lora(p: Plan) -> list[Finding]:
                            "model.lora.target_modules=[] (every linear layer of the decoder blocks), or names from "
                            "that list"))
     return out
+
+
+def _has_experts(p: Plan, path: str) -> bool:
+    """Whether the model has routed experts to adapt: its config.json counts them and its weights hold them, fused
+    (`experts.gate_up_proj`) or one by one (`experts.0.gate_proj.weight`); true when neither can be read (rule_model
+    says why)."""
+    if p.dims is not None and not p.dims.experts:
+        return False
+    names = _modules(path)
+    return not names or any(".experts." in m or m.endswith(".experts") for m in names)
 
 
 def _modules(path: str) -> set[str]:

@@ -101,6 +101,11 @@ With rollout.router_replay (off: none) the step's routes travel with its rows in
 With model.lora (A adapter parameters: planner.adapters) the base is frozen in the compute dtype and only the
 adapters train: parameters cP/S + 4A/S, optimizer 8A/S, gradients 4A/S, autocast copies 2A, gradient buckets 4A, no
 reference model; units and the gathered model hold the adapters too; activations add their rank-wide middles.
+With model.lora.experts the routed experts' adapters Ae (part of A) are divided by EP as the experts are, and each
+MoE layer folds them into its experts' weights (E/EP experts in the compute dtype, F bytes: planner.adapters), held
+from its forward to its backward:
+  folded experts   M * F in the update (F with activation checkpointing), F in the log-prob forward, and with the
+                   hf sampler F for E experts (it runs them gathered)
 
 The activation count adapts Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv:2205.05198, sec. 4.1: 34*s*b*h + 5*a*s^2*b bytes per layer for GPT in 16-bit) to SwiGLU MLPs
@@ -123,7 +128,8 @@ from evenrl.config import RunConfig
 from evenrl.models.vision_config import worst_image_tokens, worst_vision_tokens
 from evenrl.planner.dims import ModelDims, read_model_dims
 from evenrl.planner.layout import Layout
-from evenrl.planner.adapters import adapted_projections, adapter_params, lora_note
+from evenrl.planner.adapters import (adapted_projections, adapter_params, expert_adapter_params, folded_expert_bytes,
+                                     lora_note)
 from evenrl.planner.rank_work import replicas, share_of, worst_case_shape
 from evenrl.planner.split_model import rank_share
 
@@ -215,7 +221,8 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     trained = P + (0 if cfg.model.freeze_vision_tower else Pv)
     held = w * (P + Pv)  # bytes of the parameters
     lora = cfg.model.lora
-    A = adapter_params(dims, lora.rank, lora.target_modules, tp) if lora.rank else 0
+    A = adapter_params(dims, lora.rank, lora.target_modules, tp, lora.experts) if lora.rank else 0
+    Ae = expert_adapter_params(dims, lora.rank) if lora.rank and lora.experts else 0  # split like the experts
     if lora.rank:  # the adapters train, over the whole base frozen in the compute dtype
         trained, held = A, 4 * A + c * (P + Pv)
         notes[0] = lora_note(cfg, A, t if fsdp else 1)
@@ -225,9 +232,9 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     Pe = dims.experts_total
     spread = shard if fsdp else ep
     experts_saved = 1 - shard / spread  # the share of the experts' state that EP takes off this rank
-    held -= (w if not lora.rank else c) * Pe * experts_saved
+    held -= (w if not lora.rank else c) * Pe * experts_saved + w * Ae * experts_saved
     params_b = held / shard * device_state
-    trained_here = trained - (0 if lora.rank else Pe * experts_saved)
+    trained_here = trained - (Ae if lora.rank else Pe) * experts_saved
     opt_b = o * trained_here / shard * device_state
     grads_b = g * trained_here / shard * device_state
     if dims.experts:
@@ -258,7 +265,8 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     overhead = OVERHEAD_GIB[layout.device] * GIB
     block_adapters = A // L
     # autocast's bf16 copies of fp32 weights (bf16 weights need none; LoRA's frozen base is in model.dtype already)
-    copies = 2 * (A if lora.rank else share.linear - Pe * experts_saved) if (c == 2 and w == 4 and not fsdp) else 0
+    copies = (2 * (trained_here if lora.rank else share.linear - Pe * experts_saved)
+              if (c == 2 and w == 4 and not fsdp) else 0)
     block = share.block - (dims.experts - dims.experts // ep) * dims.expert_params  # E/EP experts gathered
     units = c * (share.root + 2 * (block + block_adapters)) if fsdp else 0
     largest = max(share.root, block + block_adapters)
@@ -274,6 +282,8 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         act = tokens * (L * dims.hidden + act_elems) * c
     else:
         act = tokens * L * act_elems * c
+    folded = folded_expert_bytes(dims, c, ep) if Ae else 0  # one MoE layer's experts, adapters folded in
+    act += folded * (1 if cfg.model.gradient_checkpointing else dims.moe_layers)
     length = cfg.sample_tokens()
     per_sample = worst_image_tokens(cfg, vision) * vision.merge ** 2 if vision else 0  # patches
     patches = tokens // length * per_sample
@@ -290,13 +300,14 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     parts = {
         "parameters": params_b, "optimizer": opt_b, "reference model": ref, "critic": critic,
         "rollout reserve": reserve, "overhead": overhead,
-        "gathered model": (c * (P + Pv + A + (largest if t > 1 else 0)) if fsdp else
-                           (w if not lora.rank else c) * Pe * experts_saved) if sampler else 0,
+        "gathered model": ((c * (P + Pv + A + (largest if t > 1 else 0)) if fsdp else
+                            (w if not lora.rank else c) * Pe * experts_saved + w * Ae * experts_saved)
+                           + (folded_expert_bytes(dims, c, 1) if Ae else 0)) if sampler else 0,
         "autocast copies": copies,
         "KV cache": gen * length * L * 2 * share.kv_dim * c if sampler else 0,
         "rollout engine": engine,
         "fsdp units": units,
-        "layer activations": tokens * (share.act_elems + kv_repeat) * c,
+        "layer activations": tokens * (share.act_elems + kv_repeat) * c + folded,
         "vision layer activations": patches * vision.act_elems * c if vision else 0,
         "log-prob logits": min(tokens * V, HEAD_CHUNK) * (c + 8),
         "gradients": grads_b,
@@ -310,7 +321,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         "log-prob expert dispatch": 2 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
         "expert dispatch": 4 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
         "route records": route_record_bytes(cfg, dims, tokens),
-        "gradient buckets": g * (A if lora.rank else trained_here) if (not fsdp and t > 1) else 0,
+        "gradient buckets": g * trained_here if (not fsdp and t > 1) else 0,
     }
     scorers = scorer_memory(cfg, layout, dims, tokens, samples_rank=math.ceil(cfg.samples_per_step() * share_of(
         cfg, layout)))

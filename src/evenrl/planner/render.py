@@ -188,7 +188,8 @@ def _memory_lines(p: Plan) -> list[str]:
     off = {"none": "no offload", "full": "state offloaded to the host"}
     precision = "fp32" if c.model.dtype == "float32" else f"{c.model.dtype} compute over fp32 weights"
     if c.model.lora.rank:
-        precision = f"LoRA rank {c.model.lora.rank} (fp32 adapters) on a frozen {c.model.dtype} base"
+        precision = (f"LoRA rank {c.model.lora.rank} (fp32 adapters{', on the experts too' if c.model.lora.experts else ''})"
+                     f" on a frozen {c.model.dtype} base")
     active = f" ({count_unit(d.active_params)} active)" if d.experts else ""  # a mixture of experts
     lines = [_row("memory", f"{d.model_type} {count_unit(mem.params)} params{active}, {precision}, "
                             f"{c.parallel.sharding}, {off[c.parallel.cpu_offload]}, "

@@ -237,7 +237,7 @@ def push_bytes(cfg: RunConfig, dims: ModelDims) -> float:
     """One policy version as pushed: the model in model.dtype, or with model.lora its fp32 adapters."""
     lora = cfg.model.lora
     if lora.rank:
-        return 4 * adapter_params(dims, lora.rank, lora.target_modules)
+        return 4 * adapter_params(dims, lora.rank, lora.target_modules, experts=lora.experts)
     return compute_bytes(cfg.model.dtype) * dims.params
 
 

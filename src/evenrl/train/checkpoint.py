@@ -46,7 +46,7 @@ from evenrl.distributed import collectives as dist
 from evenrl.distributed.weights import full_weights
 from evenrl.engines.versions import fsync_dir
 from evenrl.errors import RunStopped, UsageError
-from evenrl.models.lora import has_adapters, is_adapter
+from evenrl.models.lora import adapter_config, has_adapters, is_adapter, save_adapter
 from evenrl.planner.reproducibility import recorded
 # the step directories' layout (torch-free, for the launcher); latest and read_meta are this module's API too
 from evenrl.train.optimizer import forget_steps
@@ -344,7 +344,13 @@ def save_final(model, tokenizer, out: Path, image_processor=None, *, merged: boo
     if dist.is_main():
         tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, state_dict=full)  # safetensors by default; with adapters, PEFT's files
+        if lora:  # PEFT's files (the experts' adapters in peft's target_parameters layout)
+            tmp.mkdir(parents=True)
+            save_adapter(adapter_config(model), full.items(), tmp)
+            if model.can_generate():  # as transformers' save_pretrained writes beside an adapter
+                model.generation_config.save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=full)  # safetensors by default
         tokenizer.save_pretrained(tmp)
         if image_processor is not None:
             image_processor.save_pretrained(tmp)

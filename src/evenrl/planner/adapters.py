@@ -7,6 +7,8 @@ Pure Python: never imports torch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from evenrl.config import RunConfig
 
 
@@ -22,8 +24,17 @@ def adapted_projections(dims, targets: list[str]) -> dict[str, tuple[int, int]]:
 def adapter_params(dims, rank: int, targets: list[str], tp: int = 1, experts: bool = False) -> int:
     """LoRA's parameters: rank x (in + out) per adapted projection per layer; `tp`: one rank's under tensor
     parallelism, which splits B (rank x out) with its base layer and keeps A (rank x in) whole; `experts`: the
-    routed experts' adapters too (every expert's: expert parallelism divides them, planner.memory)."""
-    return (dims.layers * sum(rank * (a + b // tp) for a, b in adapted_projections(dims, targets).values())
+    routed experts' adapters too (every expert's: expert parallelism divides them, planner.memory). A mixture's MoE
+    layers have gate/up/down projections only in their shared experts (of their own width), if any."""
+    def size(projections: dict) -> int:
+        return sum(rank * (a + b // tp) for a, b in projections.values())
+
+    every = adapted_projections(dims, targets)
+    mlp = {k: v for k, v in every.items() if k in ("gate_proj", "up_proj", "down_proj")}
+    moe = dims.moe_layers
+    shared = adapted_projections(replace(dims, intermediate=dims.shared_intermediate), list(mlp)) \
+        if moe and mlp and dims.shared_intermediate else {}
+    return (dims.layers * (size(every) - size(mlp)) + (dims.layers - moe) * size(mlp) + moe * size(shared)
             + (expert_adapter_params(dims, rank) if experts else 0))
 
 

@@ -2,6 +2,7 @@
 mismatch a bf16 engine leaves, with and without router replay. Numbers side by side; nothing asserts.
 
 Run: .venv/bin/python benchmarks/moe.py [--tokens 2048] [--repeats 5] [--prompts 32] [--only experts,mismatch,ep]
+     [--lora 16]
 (~1 min on the shared 2-core project machine, 1 thread, without the EP rows; those take 2-5 min more: 3 x 4 processes)
 
 experts   One Qwen3-MoE-shaped experts layer (hidden 256, 16 experts of width 128, top 4, fp32), the same routed
@@ -24,7 +25,8 @@ EP        expert parallelism (parallel.expert_parallel_size) at EP = 1, 2, 4 on 
           parameters, gradients and AdamW moments), one update's peak of live CPU tensors (torch's profiler, as
           benchmarks/memory.py measures it) and the step's wall time (median of --repeats more, unprofiled). Planned:
           evenrl.planner.memory.estimate_memory for the same config on 4 CPU ranks, less its fixed 0.3 GiB
-          per-process overhead.
+          per-process overhead. With --lora R: LoRA rank R on the attention and on every expert (model.lora.experts:
+          the experts' adapters split with them) over the frozen fp32 base, only the adapters in the optimizer.
 """
 
 from __future__ import annotations
@@ -120,22 +122,23 @@ EP_MODEL = {"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 
 EP_WORLD, ROWS, LENGTH = 4, 4, 64
 
 
-def ep_config(ep: int):
+def ep_config(ep: int, lora: int = 0):
     """The evenrl config whose worst-case micro-batch is the benchmark's (ROWS rows of LENGTH tokens a rank)."""
     from evenrl.config import RunConfig
 
     return RunConfig.model_validate({
+        "model": {"lora": {"rank": lora, "experts": bool(lora)}},
         "parallel": {"expert_parallel_size": ep}, "data": {"prompts_per_step": 8, "max_prompt_tokens": LENGTH // 2},
         "rollout": {"samples_per_prompt": 2, "max_new_tokens": LENGTH // 2},
         "train": {"token_cap_per_micro_batch": ROWS * LENGTH}})
 
 
-def ep_planned(ep: int) -> dict:
+def ep_planned(ep: int, lora: int = 0) -> dict:
     from evenrl.planner.dims import dims_from_config
     from evenrl.planner.layout import make_layout
     from evenrl.planner.memory import GIB, OVERHEAD_GIB, estimate_memory, worst_case_shape
 
-    cfg, lay = ep_config(ep), make_layout(1, EP_WORLD, device="cpu")
+    cfg, lay = ep_config(ep, lora), make_layout(1, EP_WORLD, device="cpu")
     assert worst_case_shape(cfg, lay)[0] == ROWS * LENGTH, "the planned micro-batch must be the measured one"
     est = estimate_memory(cfg, lay, dims_from_config(EP_MODEL))
     b = est.breakdown
@@ -143,7 +146,7 @@ def ep_planned(ep: int) -> dict:
             "update": (est.phases["update"] - OVERHEAD_GIB["cpu"]) * GIB, "params": est.params}
 
 
-def ep_rank(rank: int, world: int, port: int, ep: int, repeats: int, out_dir: str) -> None:
+def ep_rank(rank: int, world: int, port: int, ep: int, repeats: int, out_dir: str, lora: int = 0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -164,6 +167,10 @@ def ep_rank(rank: int, world: int, port: int, ep: int, repeats: int, out_dir: st
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(
             Qwen3MoeConfig(**{k: v for k, v in EP_MODEL.items() if k != "model_type"}), attn_implementation="sdpa")
+        if lora:  # adapters on the attention and every expert, as evenrl.train.trainer adds them before EP
+            from evenrl.models.lora import add_adapters
+
+            add_adapters(model, ep_config(ep, lora).model.lora)
         if ep > 1:
             expert_parallel(model, dist.expert_mesh(info.device))
         sequence_parallel(model, dist.sequence_group())  # the packed forward every MoE forward takes
@@ -198,7 +205,7 @@ def ep_rank(rank: int, world: int, port: int, ep: int, repeats: int, out_dir: st
     dist.shutdown()
 
 
-def ep_rows(repeats: int) -> list[dict]:
+def ep_rows(repeats: int, lora: int = 0) -> list[dict]:
     import torch.multiprocessing as mp
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the workers import benchmarks/memory.py
@@ -207,9 +214,9 @@ def ep_rows(repeats: int) -> list[dict]:
     rows = []
     for ep in (1, 2, 4):
         with tempfile.TemporaryDirectory() as d:
-            mp.spawn(ep_rank, args=(EP_WORLD, free_port(), ep, repeats, d), nprocs=EP_WORLD, join=True)
+            mp.spawn(ep_rank, args=(EP_WORLD, free_port(), ep, repeats, d, lora), nprocs=EP_WORLD, join=True)
             ranks = [json.loads(Path(d, f"{r}.json").read_text()) for r in range(EP_WORLD)]
-        rows.append({"ep": ep, **{k: max(r[k] for r in ranks) for k in ranks[0]}, "plan": ep_planned(ep)})
+        rows.append({"ep": ep, **{k: max(r[k] for r in ranks) for k in ranks[0]}, "plan": ep_planned(ep, lora)})
     return rows
 
 
@@ -219,6 +226,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--only", default="experts,mismatch,ep", help="which tables, comma-separated")
+    ap.add_argument("--lora", type=int, default=0, help="EP rows: LoRA of this rank on the attention and experts")
     args = ap.parse_args()
     only = set(args.only.split(","))
     torch.set_num_threads(1)
@@ -231,11 +239,13 @@ def main() -> None:
     if "mismatch" in only:
         mismatch_table(args.prompts)
     if "ep" in only:
-        rows = ep_rows(args.repeats)
+        rows = ep_rows(args.repeats, args.lora)
         mib = 2 ** 20
         print(f"\nexpert parallelism: {EP_WORLD} processes, replicated, fp32, {rows[0]['plan']['params'] / 1e6:.1f} M "
-              f"parameters ({EP_MODEL['num_experts']} experts x {EP_MODEL['num_hidden_layers']} layers), {ROWS} x "
-              f"{LENGTH} tokens a rank; MiB per rank (the largest), plan = evenrl plan's less its 0.3 GiB overhead")
+              f"parameters ({EP_MODEL['num_experts']} experts x {EP_MODEL['num_hidden_layers']} layers), "
+              + (f"frozen under LoRA rank {args.lora} on the attention and experts, " if args.lora else "")
+              + f"{ROWS} x {LENGTH} tokens a rank; MiB per rank (the largest), plan = evenrl plan's less its 0.3 GiB "
+              "overhead")
         print(f"  {'EP':>2} | {'state':>7} {'plan':>7} | {'update':>7} {'plan':>7} | {'step s':>7}")
         for r in rows:
             print(f"  {r['ep']:>2} | {r['state'] / mib:7.1f} {r['plan']['state'] / mib:7.1f} | "

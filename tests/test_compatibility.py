@@ -22,7 +22,12 @@ MODELS = {"text": TEXT, "vision": {"model_type": "qwen2_vl", "text_config": {**T
                                    "tie_word_embeddings": False,
                                    "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64}},
           "moe": {**TEXT, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
-                  "moe_intermediate_size": 32}}
+                  "moe_intermediate_size": 32},
+          "vision-moe": {"model_type": "qwen3_vl_moe", "tie_word_embeddings": False,
+                         "text_config": {**TEXT, "model_type": "qwen3_vl_moe_text", "num_experts": 8,
+                                         "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+                         "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                                           "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}}}
 BASE = {"data.prompts_per_step": 4, "rollout.samples_per_prompt": 2, "data.max_prompt_tokens": 64,
         "rollout.max_new_tokens": 64, "train.token_cap_per_micro_batch": 1024}
 # How the sweep switches each setting on: config settings, and the model ("model") and device ("device") it needs
@@ -58,6 +63,7 @@ EXAMPLES = {
     "vision": {"model": "vision"},
     "moe": {"model": "moe"},
     "bf16-weights": {"model.dtype": "bfloat16", "model.weights_dtype": "bfloat16"},
+    "vision-moe": {"model": "vision-moe"},
 }
 # What a pair may be refused for, beyond what its settings are refused for alone, without being a row: (rule, one of
 # the pair) -> why. Sizes that do not divide, memory and the model directories' missing files are refused for one
@@ -68,6 +74,7 @@ NOT_ROWS = {("expert-parallel", "vision"): _NEEDS_MOE, ("router-replay-dense", "
             ("router-aux-dense", "vision"): _NEEDS_MOE,
             ("vllm-vision", "vision"): "vLLM's Qwen2-VL code imports torchvision, which this machine may lack "
                                        "(planner.vision): the installation's, not the settings'"}
+NOT_ROWS[("vllm-vision", "vision-moe")] = NOT_ROWS[("vllm-vision", "vision")]
 
 
 @pytest.fixture(scope="module")

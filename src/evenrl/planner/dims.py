@@ -26,8 +26,11 @@ QKV_BIAS_TYPES = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_v
 _EXPERT_WIDTH_IS_INTERMEDIATE = ("mixtral", "olmoe", "gpt_oss")
 # Routers balanced without a loss: sigmoid scores with correction biases the checkpoint fixes (DeepSeek-V3's)
 AUX_FREE_TYPES = ("deepseek_v3", "glm4_moe", "kimi_k2")
-# Mixtures of experts whose routers evenrl.models.routing knows (record, replay, the load-balancing loss)
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
+# Mixtures of experts whose routers evenrl.models.routing knows (record, replay, the load-balancing loss); a
+# vision-language model by its text_config's model_type
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe_text")
+# Qwen3's q/k norms (one RMSNorm of head_dim each per layer)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
 
 
 @dataclass(frozen=True)
@@ -158,8 +161,10 @@ def dims_from_config(hf: dict, preprocessor: dict | None = None) -> ModelDims:
         raise ValueError("config.json is not a JSON object")
     vision = vision_dims_from_config(hf, preprocessor)
     tied = hf.get("tie_word_embeddings", False)  # a vision-language config says it at the top
-    hf = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     kind = str(hf.get("model_type", "unknown"))
+    if isinstance(hf.get("text_config"), dict):  # transformers names it <model_type>_text where the file does not
+        hf = hf["text_config"]
+        kind = str(hf.get("model_type", f"{kind}_text"))
     need = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
     missing = [k for k in need if not isinstance(hf.get(k), int) or hf.get(k) <= 0]
     if missing:
@@ -171,7 +176,7 @@ def dims_from_config(hf: dict, preprocessor: dict | None = None) -> ModelDims:
         or hf["hidden_size"] // heads
     return ModelDims(kind, hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], heads, int(kv),
                      int(head_dim), hf["vocab_size"], bool(hf.get("tie_word_embeddings", tied)),
-                     bool(hf.get("attention_bias", kind in QKV_BIAS_TYPES)), kind in ("qwen3", "qwen3_moe"),
+                     bool(hf.get("attention_bias", kind in QKV_BIAS_TYPES)), kind in QK_NORM_TYPES,
                      hf.get("max_position_embeddings"), vision, _attention_extras(hf), **_experts(hf, kind))
 
 

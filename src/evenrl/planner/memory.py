@@ -213,7 +213,7 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
     if par.cpu_offload == "full" and not offload:
         notes.append("cpu_offload=full cannot run on this layout (see the findings); estimated without offload")
     vision = dims.vision
-    extra = worst_vision_tokens(cfg, dims.layers, dims.layer_params, vision)
+    extra = worst_vision_tokens(cfg, dims.layers, dims.active_layer_params, vision)
     tokens, gen = worst_case_shape(cfg, layout, extra, ranks)
     P, L, V = share.params, dims.layers, share.vocab
     # a vision encoder's weights are held like the rest; a frozen one has no gradients or optimizer moments

@@ -229,7 +229,7 @@ def sequence_settings(cfg: RunConfig, dims: ModelDims, sp: int) -> dict[str, Any
 def row_tokens(cfg: RunConfig, dims: ModelDims) -> int:
     """What a worst-case sample takes of the token cap: its length, and a vision-language sample's encoder work."""
     length = cfg.sample_tokens()
-    return length + worst_vision_tokens(cfg, dims.layers, dims.layer_params, dims.vision)
+    return length + worst_vision_tokens(cfg, dims.layers, dims.active_layer_params, dims.vision)
 
 
 def rows_that_fit(cfg: RunConfig, layout: Layout, dims: ModelDims, most: int,

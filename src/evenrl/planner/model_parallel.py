@@ -46,8 +46,8 @@ def rule_sequence_parallel(p: Plan) -> list[Finding]:
     c, lay, d = p.config, p.layout, p.dims
     sp, t, out = c.parallel.sequence_parallel_size, lay.training_ranks, []
     tp = p.tensor_parallel
-    packed = sp > 1 or (d is not None and d.vision is None and (c.model.gradient_checkpointing or d.experts > 0
-                                                                or tp > 1))
+    packed = sp > 1 or (d is not None and (d.experts > 0 or d.vision is None and (c.model.gradient_checkpointing
+                                                                                   or tp > 1)))
     if d and d.attention_extras and packed:  # evenrl.distributed.sequence refuses it at the first forward
         why = ("sequence parallelism" if sp > 1 else "a mixture of experts (rows packed back to back, always)"
                if d.experts else "tensor parallelism (rows packed back to back)" if tp > 1

@@ -61,7 +61,7 @@ def make_plan(cfg: RunConfig, layout: Layout, *, model_config: dict | None = Non
     except ValueError as e:
         p.dims_error = str(e)
     if p.dims:  # a vision-language model's encoder work per sample, which the schedule counts (planner.vision)
-        p.vision_tokens = worst_vision_tokens(cfg, p.dims.layers, p.dims.layer_params, p.dims.vision)
+        p.vision_tokens = worst_vision_tokens(cfg, p.dims.layers, p.dims.active_layer_params, p.dims.vision)
     if layout.training_ranks >= 1:
         p.weights = _weights(cfg, layout)
         # each device group's token cap and memory; the memory shown is the group with the least (one group:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from evenrl.models.files import VISION_TYPES
 from evenrl.planner.types import Finding, Plan
 
 
@@ -19,8 +20,8 @@ def rule_vision(p: Plan) -> list[Finding]:
                                 ("data.min_pixels", d.min_pixels), ("data.max_pixels", d.max_pixels)) if v]
     if asked and p.dims and p.dims.vision is None:
         out.append(Finding("error", "vision-settings", f"{', '.join(asked)} but model.path holds a text model "
-                           f"({p.dims.model_type})", "a vision-language model (qwen2_vl, qwen2_5_vl); or no image "
-                                                     "settings"))
+                           f"({p.dims.model_type})", f"a vision-language model ({', '.join(VISION_TYPES)}); or no "
+                                                     "image settings"))
     if d.min_pixels and d.max_pixels and d.min_pixels > d.max_pixels:
         out.append(Finding("error", "pixel-bounds", f"data.min_pixels={d.min_pixels:,} > data.max_pixels="
                            f"{d.max_pixels:,}", f"data.min_pixels<={d.max_pixels}"))

@@ -214,7 +214,7 @@ def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:
     hf = read_model_config(cfg.model.path)
     processor = load_image_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     text = dims_from_config(hf)
-    return processor, vision_token_weight(text.layers, text.layer_params, vision_dims_from_config(hf))
+    return processor, vision_token_weight(text.layers, text.active_layer_params, vision_dims_from_config(hf))
 
 
 def load_prompt_set(cfg: RunConfig, tokenizer, turns: Turns | Agents | None, path: str | None = None,

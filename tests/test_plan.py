@@ -244,28 +244,22 @@ def test_model_and_data_files_are_checked_as_the_trainer_checks_them(tmp_path):
     assert e.level == "error" and "line 2" in e.message and "eval.path=''" in e.fix
 
 
-def test_qwen3_vl_moe_is_refused_from_its_config_json_alone(tmp_path):
-    """A Qwen3-VL-30B-A3B-shaped config.json (EasyR1's Qwen3-VL example), no weights or tokenizer yet: the plan
-    refuses the family in one line naming what evenrl lacks, not as a model transformers cannot load (it can); the
-    trainer reads config.json through the same check before loading anything."""
+def test_qwen3_vl_moe_from_its_config_json_alone(tmp_path):
+    """A Qwen3-VL-30B-A3B config.json (EasyR1's Qwen3-VL example), no weights or tokenizer yet: the family is
+    planned (tests/test_qwen3_vl.py trains it); without its preprocessor_config.json the plan names that file in one
+    line, and the trainer reads config.json through the same check before loading anything."""
     from evenrl.errors import UsageError
     from evenrl.models.files import read_model_config
 
-    text = {"model_type": "qwen3_vl_moe_text", "hidden_size": 2048, "intermediate_size": 6144,
-            "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
-            "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "num_experts": 128,
-            "num_experts_per_tok": 8}
-    vision = {"model_type": "qwen3_vl_moe", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
-              "num_heads": 16, "patch_size": 16, "spatial_merge_size": 2, "out_hidden_size": 2048,
-              "deepstack_visual_indexes": [8, 16, 24]}
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe", "text_config": text,
-                                                      "vision_config": vision}))
+    fixture = Path(__file__).parent / "fixtures" / "qwen3-vl-30b-a3b"
+    (tmp_path / "config.json").write_text((fixture / "config.json").read_text())
     f = rules(make([f"model.path={tmp_path}", "model.dtype=bfloat16"], nproc_per_node=8))["model-config"]
-    assert f.level == "error" and "\n" not in f.message
-    assert "'qwen3_vl_moe' is not trained by evenrl yet" in f.message and "DeepStack" in f.message
-    assert "not a causal LM" not in f.message and "qwen2_5_vl" in f.message
-    with pytest.raises(UsageError, match="qwen3_vl_moe"):
+    assert f.level == "error" and "\n" not in f.message and "no preprocessor_config.json" in f.message
+    with pytest.raises(UsageError, match="a qwen3_vl_moe model needs its image processor"):
         read_model_config(str(tmp_path))
+    (tmp_path / "preprocessor_config.json").write_text((fixture / "preprocessor_config.json").read_text())
+    assert "model-config" not in rules(make([f"model.path={tmp_path}", "model.dtype=bfloat16"], nproc_per_node=8))
+    assert read_model_config(str(tmp_path))["model_type"] == "qwen3_vl_moe"
 
 
 def test_numbers_512x8_on_64_ranks():

@@ -3,6 +3,7 @@
     from evenrl.testing import make_tiny_model, make_tiny_reward_model
     path = make_tiny_model("/tmp/tiny", arch="qwen2", seed=0)      # config.json, safetensors, tokenizer
     path = make_tiny_model("/tmp/vl", arch="qwen2_vl", seed=0)     # + a vision tower and preprocessor_config.json
+    path = make_tiny_model("/tmp/vlm", arch="qwen3_vl_moe")         # Qwen3-VL's tower around a Qwen3-VL-MoE text model
     path = make_tiny_model("/tmp/moe", arch="qwen3_moe", seed=0)   # a mixture of experts (MOE_ARCHS), 8 experts, top 2
     rm = make_tiny_reward_model("/tmp/tiny-rm", seed=0)            # the same, with a one-label score head
 
@@ -25,7 +26,7 @@ PAD, EOS, BOS, UNK = "<pad>", "<|endoftext|>", "<bos>", "<unk>"
 SPECIAL_TOKENS = [PAD, EOS, BOS, UNK]
 # Qwen2-VL's vision tokens, named as in its tokenizer: an image is <|vision_start|> <|image_pad|> x n <|vision_end|>.
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Mixtures of experts, one per router family evenrl knows (evenrl.models.routing): softmax top-k (Qwen3-MoE, OLMoE),
 # with a gated shared expert (Qwen2-MoE), renormalised (Mixtral), sigmoid with correction biases and a shared expert
 # (DeepSeek-V3), top-k then softmax with biased experts, attention sinks and sliding windows (gpt-oss).
@@ -99,6 +100,12 @@ def make_tiny_model(
     (preprocessor_config.json, patch 14, merge 2: one image token per 28x28 pixels, bounded to
     TINY_MIN_PIXELS..TINY_MAX_PIXELS); its chat template renders image parts as Qwen2-VL's does.
 
+    arch "qwen3_vl" / "qwen3_vl_moe": Qwen3-VL's tower (LayerNorm, a plain MLP, learned position embeddings, 16-pixel
+    patches: one image token per 32x32 pixels) with DeepStack features from both its blocks (added to the first two
+    decoder layers' outputs) and interleaved M-RoPE, around a Qwen3-VL text model (q/k norms) or a Qwen3-VL-MoE one
+    (`experts` experts, `top_k` per token, always renormalised); the image processor is Qwen2-VL's with Qwen3-VL's
+    patch size and normalisation, as Qwen3-VL's preprocessor_config.json names it.
+
     arch in MOE_ARCHS: a mixture of experts of that family with `experts` routed experts of width hidden / 2, `top_k`
     of them per token, in transformers' fused layout (3-D gate_up_proj / down_proj). DeepSeek-V3 keeps layer 0 dense
     (first_k_dense_replace 1, as the real model keeps its first three) and gets random correction biases (its
@@ -139,7 +146,7 @@ def make_tiny_model(
         bos_token_id=token_to_id[BOS],
     )
     if vision:
-        config = _vision_config(arch, common, token_to_id, vision_width)
+        config = _vision_config(arch, common, token_to_id, vision_width, experts, top_k)
     elif arch in MOE_ARCHS:
         config = _moe_config(arch, common, experts, top_k)
     else:
@@ -171,7 +178,10 @@ def make_tiny_model(
         # the PIL image processor: the torchvision one is the default where torchvision is installed (it is not here)
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS).save_pretrained(out_dir)
+        # Qwen3-VL's preprocessor_config.json: Qwen2-VL's processor with 16-pixel patches, normalised to [-1, 1]
+        qwen3 = {"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3} if arch.startswith("qwen3") else {}
+        processor = Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS, **qwen3)
+        processor.save_pretrained(out_dir)
     return os.fspath(out_dir)
 
 
@@ -239,23 +249,35 @@ def _tokenizer(chars: list[str], extra_special: list[str], added: list[str]):
     return fast, token_to_id
 
 
-def _vision_config(arch: str, text: dict, token_to_id: dict[str, int], width: int):
-    """A Qwen2-VL / Qwen2.5-VL config around the tiny text model: M-RoPE sections for its head size, a 2-block
-    vision tower `width` wide whose merger outputs the text model's width."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+def _vision_config(arch: str, text: dict, token_to_id: dict[str, int], width: int, experts: int, top_k: int):
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL(-MoE) config around the tiny text model: M-RoPE sections for its head size,
+    a 2-block vision tower `width` wide whose merger outputs the text model's width."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     half = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary pairs per head: time, height, width
     t = half // 4
     sections = [t, (half - t) // 2, half - t - (half - t) // 2]
-    text_config = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                               "mrope_section": sections}}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections}
+    if arch.startswith("qwen3"):
+        # interleaved (t h w t h w ...): height and width take every third pair up to 3 x their section
+        rope = {**rope, "mrope_section": [half - 2 * (half // 4), half // 4, half // 4], "mrope_interleaved": True}
+    text_config = {**text, "rope_parameters": rope}
     if arch == "qwen2_vl":
         vision_config = dict(depth=2, embed_dim=width, hidden_size=text["hidden_size"], num_heads=2, mlp_ratio=2)
         cls = Qwen2VLConfig
-    else:
+    elif arch == "qwen2_5_vl":
         vision_config = dict(depth=2, hidden_size=width, intermediate_size=2 * width, num_heads=2,
                              out_hidden_size=text["hidden_size"], window_size=56, fullatt_block_indexes=[1])
         cls = Qwen2_5_VLConfig
+    else:  # Qwen3-VL: DeepStack features from both blocks, a learned 8 x 8 position grid resampled to each image
+        vision_config = dict(depth=2, hidden_size=width, intermediate_size=2 * width, num_heads=2,
+                             out_hidden_size=text["hidden_size"], patch_size=16, num_position_embeddings=64,
+                             deepstack_visual_indexes=[0, 1])
+        text_config["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
+        if arch == "qwen3_vl_moe":
+            text_config.update(moe_intermediate_size=text["hidden_size"] // 2, num_experts=experts,
+                               num_experts_per_tok=top_k)
+        cls = Qwen3VLMoeConfig if arch == "qwen3_vl_moe" else Qwen3VLConfig
     ids = {f"{name}_token_id": token_to_id[tok] for name, tok in
            zip(("vision_start", "vision_end", "image", "video"), VISION_TOKENS)}
     return cls(text_config=text_config, vision_config=vision_config, tie_word_embeddings=True, **ids)

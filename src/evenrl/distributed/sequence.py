@@ -252,7 +252,11 @@ def sequence_parallel(model, sp: SequenceGroup) -> None:
     forward (evenrl.models.forward) finds the group at `model.evenrl_sequence_group`. Size 1 is the packed forward
     of one rank (rows back to back, attention within each row): what activation checkpointing uses."""
     register()
+    tower = getattr(model.config, "vision_config", None)
+    own = tower._attn_implementation if tower is not None else None
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
         if config._attn_implementation not in (NAME, NAME_EAGER):
             config._attn_implementation = NAME_EAGER if config._attn_implementation == "eager" else NAME
+    if tower is not None:  # a vision tower keeps its own attention within each image (a top config's setting
+        tower._attn_implementation = own  # reaches its sub-configs); it ignores the segments it is passed
     model.evenrl_sequence_group = sp

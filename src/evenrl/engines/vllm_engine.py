@@ -315,11 +315,11 @@ def _engine_devices(tp: int, device: torch.device, placement: dict):
 
 
 def require_vision() -> None:
-    """vLLM's Qwen2-VL code imports torchvision: one line instead of its ImportError at engine start."""
+    """vLLM's Qwen2-VL and Qwen3-VL code imports torchvision: one line instead of its ImportError at engine start."""
     import importlib.util
 
     if importlib.util.find_spec("torchvision") is None:
-        raise UsageError("rollout.engine: vLLM runs Qwen2-VL / Qwen2.5-VL through torchvision, which is not installed "
+        raise UsageError("rollout.engine: vLLM runs Qwen2-VL, Qwen2.5-VL and Qwen3-VL through torchvision, which is not installed "
                          "here (the CPU build's torchvision wheels break torch 2.13); use rollout.engine=hf, or a "
                          "GPU machine with vllm and torchvision")
 

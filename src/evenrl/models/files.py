@@ -33,16 +33,9 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 _REDOWNLOAD = "re-download the model or save it again with save_pretrained"
 # Vision-language models evenrl trains (evenrl.models.vision): their processor and forward follow Qwen2-VL's
-# conventions (image grids, M-RoPE positions, <|image_pad|> placeholders).
-VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
-# Vision-language families transformers builds that evenrl's vision path does not run yet, and what each lacks there:
-# refused from config.json alone (the plan, before any weights exist; the trainer, before loading)
-NOT_YET = {
-    "qwen3_vl": "Qwen3-VL's vision path: its DeepStack features (the vision tower's layers added into the first "
-                "decoder layers), interleaved M-RoPE positions and 16-pixel patches",
-    "qwen3_vl_moe": "Qwen3-VL-MoE's vision path: its DeepStack features (the vision tower's layers added into the "
-                    "first decoder layers), interleaved M-RoPE positions and 16-pixel patches, beside the experts",
-}
+# conventions (image grids, M-RoPE positions, <|image_pad|> placeholders); Qwen3-VL adds DeepStack features and
+# interleaved M-RoPE inside the model's own forward, and Qwen3-VL-MoE routes its tokens (evenrl.models.routing).
+VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 LEAN_ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")  # the ones models.decoder.LeanDecoder runs
 
 
@@ -77,9 +70,6 @@ def read_model_config(path: str) -> dict:
     if not isinstance(kind, str) or not kind:
         raise UsageError(f"{f}: no \"model_type\"; expected a Hugging Face config with one, e.g. \"qwen2\" or "
                          "\"llama\"")
-    if kind in NOT_YET:
-        raise UsageError(f"{f}: model_type {kind!r} is not trained by evenrl yet: evenrl lacks {NOT_YET[kind]}; use a "
-                         f"vision-language model of {', '.join(VISION_TYPES)}, or a text model (e.g. qwen3_moe)")
     known = causal_lm_types()
     if known is not None and kind not in known and kind not in VISION_TYPES:
         raise UsageError(f"{f}: model_type {kind!r} is not a causal LM that transformers {_version()} can load; "

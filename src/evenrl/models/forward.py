@@ -4,12 +4,14 @@ Rows are stored pad-free in a Batch: `tokens` (ragged: prompt + response ids) an
 `response_logits` forwards a micro-batch by one of four paths, each through the model's own forward:
 
   packed   the rows back to back in one row, attention within each (models.split_forward), split over a
-           sequence-parallel group or on one rank: every plain Qwen2/Llama, and any text model with activation
-           checkpointing, tensor parallelism or experts (evenrl.train.update.split_sequences gives them the group);
+           sequence-parallel group or on one rank: every plain Qwen2/Llama, any text model with activation
+           checkpointing, tensor parallelism or experts, and a vision-language mixture of experts (Qwen3-VL-MoE:
+           its images and each row's M-RoPE positions, models.vision.packed_images), as
+           evenrl.train.update.split_sequences gives them the group;
   shared   each distinct prompt run once and its keys/values copied to its samples, where that saves enough and
            runs fewer tokens than the packed rows would (a GRPO group with a long prompt: 4 prompts of 96 tokens x 8
            samples, 2.4x faster than packed on CPU);
-  vision   a vision-language model's left-padded forward with its images and M-RoPE positions;
+  vision   a dense vision-language model's left-padded forward with its images and M-RoPE positions;
   masked   the model's own left-padded masked forward: any other causal LM, and the reference the tests compare with.
 
 Two more paths went (issue 43, benchmarks/forward_paths.py): a hand-written packed Qwen2/Llama forward (norms,
@@ -81,7 +83,7 @@ def _response_logits(model, batch: Batch, pad_token_id: int, head: Head | None) 
     sp = getattr(model, "evenrl_sequence_group", None)  # evenrl.train.update.split_sequences
     if sp is not None and (sp.size > 1 or is_sharded(model)):  # one forward call on every rank of a group
         return split_forward(model, batch, head, _output_layer_computes)
-    if is_vision_model(model):
+    if is_vision_model(model) and sp is None:  # a vision mixture of experts packs (update.split_sequences)
         return _response_logits_vision(model, batch, pad_token_id, head)
     if is_sharded(model):
         return _response_logits_model(model, batch, pad_token_id, head)

@@ -40,6 +40,12 @@ def _softmax_topk(router, logits: Tensor, ids: Tensor) -> Tensor:
     return w.to(logits.dtype)
 
 
+def _softmax_topk_normalised(router, logits: Tensor, ids: Tensor) -> Tensor:
+    """Qwen3-VL-MoE: as _softmax_topk, always renormalised (its router has no norm_topk_prob), in the logits' dtype."""
+    w = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
+    return (w / w.sum(dim=-1, keepdim=True)).to(logits.dtype)
+
+
 def _softmax_topk_renormalised(router, logits: Tensor, ids: Tensor) -> Tensor:
     """Mixtral: as _softmax_topk, always renormalised, left in float32."""
     w = torch.softmax(logits.float(), dim=-1).gather(1, ids)
@@ -80,6 +86,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeTopKRouter": Family(_softmax_topk, _all_softmax),
     "Qwen2MoeTopKRouter": Family(_softmax_topk, _all_softmax),
     "OlmoeTopKRouter": Family(_softmax_topk, _all_softmax),
+    "Qwen3VLMoeTextTopKRouter": Family(_softmax_topk_normalised, _all_softmax),
     "MixtralTopKRouter": Family(_softmax_topk_renormalised, _all_softmax),
     # aux-loss-free: balanced by e_score_correction_bias, which the checkpoint fixes (a buffer: no optimizer sees it)
     "DeepseekV3TopkRouter": Family(_sigmoid_topk, None),

@@ -9,6 +9,10 @@ No rank holds a row padded to the longest sample: the only padding is at the pac
 the group size. The model's own forward keeps activation checkpointing, LoRA and FSDP2 working; with a group of one
 this is the packed path of a checkpointed model.
 
+A vision-language mixture of experts (Qwen3-VL-MoE) packs its rows with their images, on one rank (sequence
+parallelism is refused for images): each row's own M-RoPE positions, the images' features and DeepStack features on
+their tokens (evenrl.models.vision.packed_images); its logits and gradients are the model's own padded forward's.
+
 A mixture of experts' routers get the plan of this call (evenrl.models.routing.packed_plan): the micro-batch's
 recorded routes replayed at this slice's positions, and with recording on, the routes used gathered back to whole
 rows.
@@ -19,6 +23,7 @@ The group (`model.evenrl_sequence_group`, set by evenrl.distributed.sequence.seq
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -27,6 +32,7 @@ from torch import Tensor
 from evenrl.core.batch import Batch
 from evenrl.models.loading import compute_device
 from evenrl.models.routing import packed_plan, route_rows
+from evenrl.models.vision import is_vision_model, packed_images
 
 # A 4-D mask is passed through transformers' mask builders untouched: the attention masks by segment itself, so no
 # [L, L] mask is built for a long packed row.
@@ -53,19 +59,36 @@ def split_forward(model, batch: Batch, head: Callable | None, output_layer_compu
     pos = torch.arange(T, device=device) - torch.repeat_interleave(ends - lengths, lengths, output_size=T)
     ids = torch.cat([ids, ids.new_zeros(padded - T)])
     pos = torch.cat([pos, torch.arange(padded - T, device=device)])
-    predicting = (target_at - 1)[mask]  # packed positions whose output predicts a response token, in packed order
-    counts = torch.bincount(predicting // per_rank, minlength=S).tolist()
-    lo = sp.index * per_rank
-    mine = predicting[(predicting >= lo) & (predicting < lo + per_rank)]
-    bounds = [0, *ends.tolist()] + ([padded] if padded > T else [])
-    plan = packed_plan(model, batch, lo, per_rank, padded)  # a mixture of experts' routes (None: dense)
-    with output_layer_computes(model, head, ids[mine + 1][None]):
-        out = model(input_ids=ids[None, lo:lo + per_rank], position_ids=pos[None, lo:lo + per_rank],
-                    attention_mask=_NO_MASK.to(device), logits_to_keep=mine - lo, use_cache=False,
-                    **sp.attention_kwargs(bounds))
+    fed = ids
+    with _images(model, batch, ids, lengths, resp_len, S) as images:
+        if images is not None:  # one rank holds the whole row: M-RoPE positions, the images, maybe a blank image
+            fed, pos = images.ids, images.positions
+            padded = per_rank = len(fed)
+        predicting = (target_at - 1)[mask]  # packed positions whose output predicts a response token, in order
+        counts = torch.bincount(predicting // per_rank, minlength=S).tolist()
+        lo = sp.index * per_rank
+        mine = predicting[(predicting >= lo) & (predicting < lo + per_rank)]
+        bounds = [0, *ends.tolist()] + ([padded] if padded > T else [])
+        plan = packed_plan(model, batch, lo, per_rank, padded)  # a mixture of experts' routes (None: dense)
+        with output_layer_computes(model, head, ids[mine + 1][None]):
+            out = model(input_ids=fed[None, lo:lo + per_rank], position_ids=pos[..., None, lo:lo + per_rank],
+                        attention_mask=_NO_MASK.to(device), logits_to_keep=mine - lo, use_cache=False,
+                        **({} if images is None else images.inputs), **sp.attention_kwargs(bounds))
     if plan is not None and plan.record:  # every rank of the group gets the routes of the whole rows
         plan.rows = route_rows(sp.gather_outputs(plan.stacked("used"), [per_rank] * S).cpu(), tok.lengths.cpu())
     gathered = sp.gather_outputs(out.logits[0], counts)  # [response tokens of the micro-batch, k]
     outputs = gathered.new_zeros(len(lengths), width, gathered.shape[-1])
     outputs[mask] = gathered
     return outputs, targets, mask
+
+
+@contextlib.contextmanager
+def _images(model, batch: Batch, ids: Tensor, lengths: Tensor, response_len: Tensor, size: int):
+    """A vision-language model's PackedImages (evenrl.models.vision.packed_images); None for a text model."""
+    if not is_vision_model(model):
+        yield None
+        return
+    if size > 1:  # the plan and the run refuse it first (config.compatibility: sequence-parallel-vision)
+        raise RuntimeError("a vision-language model's packed row cannot be split over a sequence-parallel group")
+    with packed_images(model, batch, ids, lengths, response_len) as images:
+        yield images

@@ -1,5 +1,6 @@
-"""Vision-language models (Qwen2-VL, Qwen2.5-VL; evenrl.models.files.VISION_TYPES): their image processor, prompts
-with images as token ids and pixel inputs, the vision tower, and the multimodal (M-RoPE) positions of a forward.
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE; evenrl.models.files.VISION_TYPES): their
+image processor, prompts with images as token ids and pixel inputs, the vision tower, and the multimodal (M-RoPE)
+positions of a forward, padded or packed.
 
     processor = load_image_processor(path, min_pixels=262144, max_pixels=4194304)
     ids = encode_vision_prompt(tokenizer, processor, model.config, "<image>Find x.", [(640, 480)], True)
@@ -10,7 +11,13 @@ reads them, so every token count (length filter, partition, token cap, planner) 
 The image processor is always the PIL one: the torchvision one is not installed here (its CPU wheels break torch
 2.13's), and picking it elsewhere would change the pixels. transformers' Qwen2VLProcessor is not used because it
 cannot be built without torchvision (its video processor); what it does for images is the placeholder expansion
-in encode_vision_prompt, a few lines.
+in encode_vision_prompt, a few lines (Qwen3VLProcessor expands images the same way, with the same tokens).
+
+Qwen3-VL differs inside the model's own forward only: 16-pixel patches (one image token per 32 x 32 pixels), learned
+position embeddings resampled to each image's grid, DeepStack features (mergers on some tower blocks whose outputs
+are added to the first decoder layers' outputs at the image tokens) and interleaved M-RoPE sections; its
+get_rope_index takes and returns what Qwen2-VL's does, so the padded path, the sampler's prefill and packed_images
+run it unchanged.
 """
 
 from __future__ import annotations
@@ -19,11 +26,14 @@ import contextlib
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from evenrl.core.batch import Batch, Ragged
 from evenrl.data.images import IMAGE_PLACEHOLDER, Source, open_image
 from evenrl.errors import UsageError, first_line
 from evenrl.models.files import VISION_TYPES
+from evenrl.models.loading import is_sharded
 
 TOWER_PREFIX = "model.visual."  # the vision encoder and its merger, by state-dict name
 
@@ -159,19 +169,25 @@ def sampled_placeholders(model, tokens: Tensor, response_len: Tensor) -> Iterato
     another id, so that the M-RoPE positions and the model's scatter of image features count only the prompt's
     images (else: a shape mismatch in get_rope_index), while a hook on the embedding layer, run inside the model's
     forward (so under FSDP too), puts back their own embedding: log-probs are those of the tokens sampled."""
-    image = model.config.image_token_id
     width = tokens.shape[1]
     starts = width - response_len.to(tokens.device)
     in_response = torch.arange(width, device=tokens.device)[None, :] >= starts[:, None]
+    with _embedded_as_sampled(model, tokens, in_response) as tokens:
+        yield tokens
+
+
+@contextlib.contextmanager
+def _embedded_as_sampled(model, tokens: Tensor, in_response: Tensor) -> Iterator[Tensor]:
+    """sampled_placeholders for any layout of `tokens` ([rows, width]; `in_response` where responses are)."""
+    image = model.config.image_token_id
     sampled = (tokens == image) & in_response
     if not bool(sampled.any()):
         yield tokens
         return
 
     def restore(module, args, output):
-        mask = sampled
-        if output.shape[0] > mask.shape[0]:  # with_blank_image's extra row
-            mask = torch.cat([mask, mask.new_zeros(output.shape[0] - mask.shape[0], width)])
+        # a blank image's extra row or position (with_blank_image, packed_images) is never a sampled one
+        mask = F.pad(sampled, (0, output.shape[1] - sampled.shape[1], 0, output.shape[0] - sampled.shape[0]))
         return torch.where(mask[..., None], module.weight[image].to(output.dtype), output)
 
     handle = model.get_input_embeddings().register_forward_hook(restore)
@@ -179,6 +195,48 @@ def sampled_placeholders(model, tokens: Tensor, response_len: Tensor) -> Iterato
         yield tokens.masked_fill(sampled, 0 if image != 0 else 1)
     finally:
         handle.remove()
+
+
+class PackedImages(NamedTuple):
+    """What a packed forward (evenrl.models.split_forward) of a vision-language model feeds it: the packed row's ids
+    (sampled placeholders swapped, maybe a blank image appended), its M-RoPE positions [3, L] (each row's own,
+    from 0) and the images' keyword arguments."""
+
+    ids: Tensor
+    positions: Tensor
+    inputs: dict
+
+
+@contextlib.contextmanager
+def packed_images(model, batch, ids: Tensor, lengths: Tensor, response_len: Tensor) -> Iterator[PackedImages]:
+    """The micro-batch's rows back to back in `ids` (its T real tokens, then padding) as a vision-language model's
+    packed forward takes them: each row's M-RoPE positions as the model's own get_rope_index gives them for that row
+    alone (text counts up from 0; an image's tokens take its grid's (time, row, column) from where the text is), the
+    rows' images in order (their features and DeepStack features land on the image tokens, in order), placeholders
+    the policy sampled kept as plain tokens (sampled_placeholders), and, for a sharded model whose rows hold no
+    image, a blank image appended as a segment of its own (with_blank_image says why)."""
+    device, T = ids.device, int(lengths.sum())
+    ends = torch.cumsum(lengths, 0)
+    at = torch.arange(len(ids), device=device)
+    row = torch.searchsorted(ends, at, right=True)  # each packed position's row (len(lengths): the padding)
+    in_response = (at < T) & (at >= (ends - response_len)[row.clamp(max=len(lengths) - 1)])
+    with _embedded_as_sampled(model, ids[None], in_response[None]) as fed:
+        fed = fed[0]
+        pixels = grid = None
+        if "image_grid_thw" in batch and batch["image_grid_thw"].values.shape[0]:
+            pixels, grid = batch["pixel_values"].values.to(device), batch["image_grid_thw"].values.to(device)
+        rows = Ragged(fed[:T], lengths.cpu())
+        tokens, attn = Batch({"tokens": rows}).padded("tokens", 0, side="left")
+        tokens, attn = tokens.to(device), attn.to(device).long()
+        blank = grid is None and is_sharded(model)
+        if blank:
+            tokens, attn, pixels, grid = with_blank_image(model, tokens, attn)
+            fed = torch.cat([fed, tokens.new_full((1,), model.config.image_token_id)])
+        rope, _ = mrope_positions(model, tokens, attn, grid)
+        positions = rope[:, attn.bool()]  # [3, T (+1)]: row after row, each from its own 0
+        pad = torch.arange(len(ids) - T, device=device).expand(3, -1)
+        positions = torch.cat([positions[:, :T], pad, positions[:, T:]], dim=1)
+        yield PackedImages(fed, positions, {"pixel_values": pixels, "image_grid_thw": grid})
 
 
 def with_blank_image(model, tokens: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -13,6 +13,7 @@ from evenrl.config import RunConfig
 from evenrl.data.images import image_size
 from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError, bad
+from evenrl.models.files import VISION_TYPES
 
 
 def load_prompts(
@@ -121,7 +122,7 @@ def load_data(cfg: RunConfig, tokenizer, path: str | None = None, vision=None
     with_images = next((r for r in rows if r.get("images")), None)
     if with_images is not None and vision is None:
         raise UsageError(f"data: {path} row {with_images['id']} has images, but model.path {cfg.model.path!r} is not "
-                         "a vision-language model (qwen2_vl, qwen2_5_vl); use one, or data without images")
+                         f"a vision-language model ({', '.join(VISION_TYPES)}); use one, or data without images")
     tokens = [encode_row(tokenizer, r, cfg.model.use_chat_template, vision) for r in rows]
     kept, skipped = filter_by_length(list(range(len(rows))), [len(t) for t in tokens], cfg.data.max_prompt_tokens)
     if not kept:

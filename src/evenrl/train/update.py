@@ -85,12 +85,12 @@ def split_sequences(model, cfg: RunConfig) -> None:
     micro-batch over this rank's group (evenrl.distributed.sequence). On one rank (a group of one) a plain
     Qwen2/Llama packs its rows the same way instead of padding them to the longest (evenrl.models.forward says why),
     and so do a checkpointed text model, a mixture of experts (its routes are then recorded and replayed by packed
-    position: evenrl.models.routing) and a tensor-parallel model (the model's own forward is its only training
+    position: evenrl.models.routing; a vision-language one with its images) and a tensor-parallel model (the model's own forward is its only training
     path). The step's schedule then counts a micro-batch's real tokens against the cap (packed)."""
     size = cfg.parallel.sequence_parallel_size  # > 1 for a vision-language model: refused before it loaded
     packs = (cfg.model.gradient_checkpointing or cfg.parallel.tensor_parallel_size > 1 or is_moe(model)
              or LeanDecoder.supports(model))
-    if size > 1 or (packs and not is_vision_model(model)):
+    if size > 1 or (packs and (is_moe(model) or not is_vision_model(model))):  # a vision MoE packs with its images
         sequence_parallel(model, dist.sequence_group())
 
 

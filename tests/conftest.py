@@ -37,7 +37,7 @@ LONGEST_FIRST = ["test_bitwise_runs", "test_engines", "test_tensor_parallel", "t
                  "test_agents_runs", "test_ppo_family", "test_partial_agents_runs", "test_vision",
                  "test_expert_parallel", "test_overlap", "test_faults", "test_dist", "test_partial_runs",
                  "test_reserved", "test_openenv_env", "test_partial_multiturn_runs", "test_verifiers_env",
-                 "test_lora", "test_expert_lora", "test_moe", "test_trackers"]
+                 "test_lora", "test_expert_lora", "test_moe", "test_qwen3_vl", "test_trackers"]
 
 
 def pytest_collection_modifyitems(items):

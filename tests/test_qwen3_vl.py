@@ -230,12 +230,22 @@ def test_easyr1_qwen3_vl_30b_a3b_geometry_plan(tmp_path):
 
 @pytest.fixture(scope="module")
 def vlm_runs(paths, tmp_path_factory):
-    """EasyR1's geometry workload (test_vision's Geometry3K-shaped rows) on the tiny Qwen3-VL-MoE with engine replay
-    and the load-balancing loss, 2 steps of 4 mini-batches: 1 process, and 3 under FSDP2 with activation
-    checkpointing. 8 samples per step, 2 per mini-batch on 3 ranks: a rank runs a zero-weight filler forward in
-    each mini-batch, which holds no image and so runs the blank one (every rank gathers and reduces the tower)."""
+    """EasyR1's geometry workload (test_vision's Geometry3K-shaped rows, every other one without its image) on the
+    tiny Qwen3-VL-MoE with engine replay and the load-balancing loss, 2 steps of 4 mini-batches (a prompt's 2
+    samples each): 1 process, and 3 under FSDP2 with activation checkpointing. 2 samples per mini-batch on 3 ranks:
+    a rank runs a zero-weight filler forward in each mini-batch, which holds no image and so runs the blank one
+    (every rank gathers and reduces the tower); a text prompt's mini-batch gives the tower no gradient on one
+    process and only the blank image's zeros under FSDP2, which update.minibatch_update drops (AdamW would move
+    the tower by its momentum: 1 vs 3 processes 2.1e-3 apart before, bitwise on a tiny Qwen2-VL)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     root = tmp_path_factory.mktemp("qwen3_vl_moe_runs")
     data = write_geometry_data(str(root / "geo3k.parquet"))
+    rows = pq.read_table(data).to_pylist()
+    for row in rows[1::2]:
+        row.update(images=[], problem=row["problem"].replace("<image>", ""))
+    pq.write_table(pa.Table.from_pylist(rows), data)
     cfg = root / "geo.yaml"
     cfg.write_text(f"""
 model: {{path: {paths['qwen3_vl_moe']}}}

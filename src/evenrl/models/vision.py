@@ -144,6 +144,19 @@ def freeze_tower(model) -> None:
     model.model.visual.requires_grad_(False)
 
 
+def tower_parameters(model) -> list:
+    """The vision tower's trainable parameters ([] for a text model or a frozen tower)."""
+    return [p for p in model.model.visual.parameters() if p.requires_grad] if is_vision_model(model) else []
+
+
+def images_in(batch, rows: list[int] | None = None) -> int:
+    """Images the batch's rows (or those at `rows`) hold; 0 without the image columns."""
+    if "image_grid_thw" not in batch:
+        return 0
+    grids = batch["image_grid_thw"]
+    return int(grids.values.shape[0] if rows is None else grids.lengths[rows].sum())
+
+
 def frozen_names(model, frozen: bool) -> frozenset[str]:
     """State-dict names a weight push leaves out: the tower's under model.freeze_vision_tower (`frozen`), none
     otherwise. An engine's copy of a frozen tower stays what it loaded, which is what the trainer holds."""

@@ -30,7 +30,7 @@ from evenrl.models.decoder import LeanDecoder
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
 from evenrl.models.loading import forwards_meet, is_sharded, set_autocast, set_tf32
 from evenrl.models.routing import is_moe
-from evenrl.models.vision import freeze_tower, is_vision_model
+from evenrl.models.vision import freeze_tower, images_in, is_vision_model, tower_parameters
 
 
 # forward(model, micro_batch) -> (outputs [B, R, k], targets [B, R], mask [B, R]): response_logprobs, response_logits
@@ -194,7 +194,8 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         if bitwise:
             if bins is not None:
                 bins.deposit()
-            keyed.append((int(mb["sample_index"][0]), [float(v) for k in stat_names for v in stats.get(k, (0, 0))]))
+            keyed.append((int(mb["sample_index"][0]), [float(v) for k in stat_names for v in stats.get(k, (0, 0))]
+                          + [images_in(mb)]))
             continue
         for k, (s, c) in stats.items():
             acc = sums.setdefault(k, [0.0, 0.0])
@@ -206,14 +207,15 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     if c is not None and c.sp > 0:  # the sequence group's first rank counts what all of its ranks computed (every
         sums, ran, keyed = {}, 0, []  # tensor-parallel rank does: the statistics are summed over the data group only)
     # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names.
-    flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])] + [ran], dtype=torch.float64)
+    images = sum(images_in(batch, rows) for rows in micro_rows if rows) if ran else 0
+    flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])] + [images, ran], dtype=torch.float64)
     # the parameters again, as they are now: FSDP2's registered parameters before the first forward need not be the
     # objects that hold the gradients after the backward (a critic under FSDP2 on 2 ranks clipped by a norm of 2.095
     # for the 1-process 2.233 when the list taken above was used here)
     params = [p for p in model.parameters() if p.requires_grad]
     if bitwise:  # the same bits on any layout: statistics in canonical order, gradients in fixed point
         flat = torch.tensor(exact.canonical_sum([k for k, _ in keyed], [v + [1.0] for _, v in keyed],
-                                                2 * len(stat_names) + 1), dtype=torch.float64)
+                                                2 * len(stat_names) + 2), dtype=torch.float64)
         if bins is not None:
             bins.reduce()
         else:
@@ -228,6 +230,9 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
                 p.grad = None
     else:  # summed together with the gradients (extra=): one wait for both instead of a second meeting
         dist.all_reduce_grads(params, extra=[flat])
+    if flat[-2] == 0:  # no image in the whole mini-batch: one device leaves its vision tower without gradients
+        for p in tower_parameters(model):  # (AdamW skips it), where FSDP2's blank images gave it zeros
+            p.grad = None
     if denom.seqs > 0 and all(p.grad is None for p in params):
         # Every row was skipped as zero-gradient: one device running them would step AdamW on zero gradients
         # (momentum and weight decay still move the weights), so do exactly that.

@@ -148,9 +148,11 @@ def test_the_packed_forward_with_images_is_the_models_own(paths):
     assert float((moved - replayed.detach())[mask].abs().max()) > 1e-3
 
 
-def test_lora_on_its_attention(paths):
-    """model.lora on Qwen3-VL-MoE: adapters on the text attention (neither the tower nor the fused experts), the
-    only trainable parameters; through the packed forward with images they get the padded forward's gradients."""
+@pytest.mark.parametrize("experts", [False, True])
+def test_lora(paths, experts):
+    """model.lora on Qwen3-VL-MoE: adapters on the text attention (neither the tower nor the router), and with
+    model.lora.experts on its fused experts too (models.expert_lora), the only trainable parameters; through the
+    packed forward with images they get the padded forward's gradients (1e-5)."""
     from evenrl.config.schema import LoraConfig
     from evenrl.models.lora import add_adapters, default_targets
 
@@ -160,12 +162,14 @@ def test_lora_on_its_attention(paths):
     assert default_targets(model) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     for m in (reference, model):
         torch.manual_seed(0)
-        add_adapters(m, LoraConfig(rank=4))
-        for name, p in m.named_parameters():  # lora_B starts at 0: move it, so that lora_A gets a gradient too
+        add_adapters(m, LoraConfig(rank=4, experts=experts))
+        for name, p in m.named_parameters():  # B starts at 0: move it, so that A gets a gradient too
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert len(trained) == 16 and all("self_attn" in n and "lora_" in n and "visual" not in n for n in trained)
+    attention = [n for n in trained if "self_attn" in n]
+    assert len(attention) == 16 and all("lora_" in n and "visual" not in n for n in trained)
+    assert len(trained) == 16 + (8 if experts else 0)  # A and B of gate_up_proj and down_proj in 2 MoE layers
     processor = load_image_processor(path, min_pixels=None, max_pixels=None)
     ids = encode_vision_prompt(tok, processor, model.config, "<image>x=", [(112, 112)], False)
     batch = rows_batch([(ids, [5, 9, 11], image_inputs(processor, [_png(112, 112)])),
@@ -175,7 +179,7 @@ def test_lora_on_its_attention(paths):
         out[..., 0][mask].sum().backward()
     diffs = [float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), reference.parameters())
              if p.requires_grad]
-    assert len(diffs) == 16 and max(diffs) <= TOL
+    assert len(diffs) == len(trained) and max(diffs) <= TOL
     assert min(float(p.grad.abs().max()) for p in model.parameters() if p.requires_grad) > 0
 
 

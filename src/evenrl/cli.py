@@ -141,11 +141,12 @@ def worker(argv: list[str]) -> None:
     Ctrl-C reaches the launcher, which passes it on), ended as run() ends the program. The agent reads a worker's
     success from its return and its failure from the exit code raised here and the error file _fail wrote; the
     process then exits without finalization (multiprocessing's). Ctrl-C's handler is Python's again (the fork server
-    ignores SIGINT, and its children inherit that) and stdout and stderr are guarded (evenrl.train.stdio)."""
+    ignores and blocks SIGINT, and its children inherit that) and stdout and stderr are guarded (evenrl.train.stdio)."""
     from evenrl.train import stdio
 
     os.setsid()
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # the fork server's mask (launch._start_fork_server)
     stdio.install()
     code = main(argv)
     _exit_hooks()

@@ -257,12 +257,17 @@ def _start_fork_server() -> int | None:
     multiprocessing.set_forkserver_preload(["evenrl.train.preload"])
     quiet = "ignore:resource_tracker:UserWarning"  # each process started now gets it as -W (multiprocessing.util)
     sys.warnoptions.append(quiet)
+    # blocked as well as ignored: Linux keeps a blocked signal pending even while it is ignored, so a Ctrl-C that
+    # comes while the server starts reaches this process's own handler once it is unblocked, not lost (a run
+    # under load went on to the end). The server and the workers it forks inherit the mask: cli.worker unblocks.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, previous)
         sys.warnoptions.remove(quiet)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 

@@ -299,3 +299,27 @@ def engine_gap(engine, model, prompts: list, params, pad_token_id: int) -> float
     trainer = compute_logprobs(model, batch, [[i] for i in range(len(rows))], temperature=params.temperature,
                                pad_token_id=pad_token_id)
     return max(float((t - torch.tensor(c.logprobs)).abs().max()) for t, (_, c) in zip(trainer, rows))
+
+
+# train.reproducibility=bitwise: runs compared bit for bit (tests/test_bitwise_runs.py and the roles' own files)
+BITWISE = "train.reproducibility=bitwise"
+# what describes the machine or the layout, not the run: wall times, throughput, who ran what, memory
+LAYOUT_KEYS = ("time/", "perf/", "load/", "memory/", "devices")
+
+
+def run_log(run: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(LAYOUT_KEYS)} for row in metrics(run)]
+
+
+def weights(run: Path) -> dict:
+    final = run / "final"
+    return load_file(str(final / ("model.safetensors" if (final / "model.safetensors").exists()
+                                  else "adapter_model.safetensors")))
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    assert max_diff(weights(a), weights(b)) == 0.0, (a.name, b.name)
+    la, lb = run_log(a), run_log(b)
+    assert len(la) == len(lb) and la == lb, next(
+        {k: (x.get(k), y.get(k)) for k in x.keys() | y.keys() if x.get(k) != y.get(k)} for x, y in zip(la, lb)
+        if x != y)

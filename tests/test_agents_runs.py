@@ -15,7 +15,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from e2e import Job, close_weights, evenrl, fault_env, final_params, max_diff, metrics
+from e2e import BITWISE, Job, assert_same_run, close_weights, evenrl, fault_env, final_params, max_diff, metrics
 from evenrl.demo import write_addition_data
 from evenrl.engines import vllm_engine
 from evenrl.testing import make_tiny_model
@@ -45,7 +45,8 @@ log: {{progress: false, tensorboard: false}}
 """)
     for batch in ({"three": (["--nproc-per-node", 3], None), "one": ([], None)},
                   {"whole": (OVERLAP, None), "cut": (OVERLAP, fault_env(crash_at_step=3)),
-                   "tp": (["--nproc-per-node", 3, "--rollout-devices", 1, "parallel.tensor_parallel_size=2"], None)}):
+                   "tp": (["--nproc-per-node", 3, "--rollout-devices", 1, "parallel.tensor_parallel_size=2"], None)},
+                  {"bitwise_three": (["--nproc-per-node", 3, BITWISE], None), "bitwise_one": ([BITWISE], None)}):
         jobs = {name: Job("train", cfg, f"log.run_dir={root / name}", *more, env=env)
                 for name, (more, env) in batch.items()}
         try:
@@ -74,6 +75,18 @@ def test_agent_trajectories_and_model_are_the_same_on_1_and_3_processes(runs):
     assert not (far := close_weights(final_params(runs / "one"), final_params(runs / "three"))), far
     start = load_file(str(runs / "model" / "model.safetensors"))
     assert max_diff(start, final_params(runs / "one")) > 1e-4  # the weights moved: the comparison means something
+
+
+@pytest.mark.slow
+@pytest.mark.large_world
+def test_agents_under_bitwise_are_the_same_bits_on_1_and_3_processes(runs):
+    """train.reproducibility=bitwise with agents over HTTP: weights and every metric the same bits on 1 and 3
+    processes (the endpoint's batches are canonical: rows, not arrival order). Negative control: under rounding the
+    same runs differ."""
+    runs, _ = runs
+    assert_same_run(runs / "bitwise_one", runs / "bitwise_three")
+    assert all(r["agent/chained_calls"] > 0 for r in metrics(runs / "bitwise_one"))
+    assert max_diff(final_params(runs / "one"), final_params(runs / "three")) > 0.0
 
 
 @pytest.mark.slow

@@ -18,35 +18,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from e2e import evenrl, evenrl_many, final_params, max_diff, metrics, copy_checkpoint
+from e2e import (BITWISE, assert_same_run, copy_checkpoint, evenrl, evenrl_many, final_params, max_diff, metrics,
+                 weights)
 
 pytestmark = pytest.mark.slow
 
-BITWISE = "train.reproducibility=bitwise"
-# what describes the machine or the layout, not the run: wall times, throughput, who ran what, memory
-LAYOUT_KEYS = ("time/", "perf/", "load/", "memory/", "devices")
 RLOO = ["train.steps=6", "algo.advantage=rloo", "algo.epochs_per_step=2", "algo.kl_coef=0.1", "algo.entropy_coef=0.01",
         "model.lora.rank=4", "model.lora.dropout=0.1", "train.lr=1.0e-2"]
 DR = ["train.steps=6", "algo.advantage=dr_grpo", "algo.loss_aggregation=seq-mean-token-sum-norm", "algo.kl_coef=0.05",
       "algo.kl_in=reward"]
-
-
-def run_log(run: Path) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith(LAYOUT_KEYS)} for row in metrics(run)]
-
-
-def weights(run: Path) -> dict:
-    final = run / "final"
-    return load_file(str(final / ("model.safetensors" if (final / "model.safetensors").exists()
-                                  else "adapter_model.safetensors")))
-
-
-def assert_same_run(a: Path, b: Path) -> None:
-    assert max_diff(weights(a), weights(b)) == 0.0, (a.name, b.name)
-    la, lb = run_log(a), run_log(b)
-    assert len(la) == len(lb) and la == lb, next(
-        {k: (x.get(k), y.get(k)) for k in x.keys() | y.keys() if x.get(k) != y.get(k)} for x, y in zip(la, lb)
-        if x != y)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 `evenrl train` on the tiny model of the assets fixture (tests/conftest.py) and on the demo task.
 
   * the same parameters, critic included, and the same whitening statistics on 1 and 3 processes, and with policy
-    and critic sharded by FSDP2 on 2;
+    and critic sharded by FSDP2 on 2; PPO's rewards from a rule, a reward model and an LLM judge;
+  * under train.reproducibility=bitwise the same bits on 1, 2 and 3 processes, critic included, where the same runs
+    under rounding differ;
   * a run with a critic killed at step 3 and resumed ends exactly where the uninterrupted one does;
   * dynamic sampling keeps every step full when most groups are all-correct, the same on any layout, and says so
     when its rounds run out;
@@ -18,13 +20,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import ENV, evenrl, evenrl_many, final_params, max_diff, metrics, fault_env
+from e2e import BITWISE, ENV, assert_same_run, evenrl, evenrl_many, final_params, max_diff, metrics, fault_env
+from evenrl.testing import make_tiny_reward_model
+
 
 PPO = ["algo.advantage=gae", "algo.gamma=0.9", "algo.lam=0.95", "algo.kl_coef=0.05", "algo.kl_in=reward",
        "critic.lr=1e-3", "rewards.isolate=false"]
 RPP = ["algo.advantage=reinforce_pp", "rollout.samples_per_prompt=1", "data.prompts_per_step=11",
        "rewards.isolate=false"]
 STEPS = ["train.steps=3", "checkpoint.every_steps=2"]
+
+
+def ppo(judges: Path) -> list[str]:
+    """PPO's settings, its reward the rule's, a reward model's and an LLM judge's (the policy's own model, keyed
+    samples at temperature 1): every role of a run that has one."""
+    return [*PPO, f"rewards.functions=[{{name: exact_match}}, {{model: {judges}, weight: 0.5}}, "
+                  "{judge: {template: 'Q {question} A {completion} score:', max_new_tokens: 3}, weight: 0.3}]"]
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory) -> Path:
+    return Path(make_tiny_reward_model(str(tmp_path_factory.mktemp("rm") / "rm"), seed=3))
 WHITENING = ("advantage/raw_token_mean", "advantage/raw_token_std")
 
 
@@ -38,11 +54,14 @@ def critic_params(run: Path, step: int = 3) -> dict:
 
 
 @pytest.fixture(scope="module")
-def layout_runs(assets, tmp_path_factory):
+def layout_runs(assets, reward_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo_family")
     cfg = assets["cfg"]
-    runs = {"ppo3": [*PPO, "--nproc-per-node", "3"], "rpp3": [*RPP, "--nproc-per-node", "3"],
-            "ppo_fsdp2": [*PPO, "parallel.sharding=fsdp", "--nproc-per-node", "2"], "ppo1": PPO, "rpp1": RPP}
+    p = ppo(reward_model)
+    runs = {"ppo3": [*p, "--nproc-per-node", "3"], "bitwise3": [*p, BITWISE, "--nproc-per-node", "3"],
+            "rpp3": [*RPP, "--nproc-per-node", "3"], "ppo_fsdp2": [*p, "parallel.sharding=fsdp", "--nproc-per-node", "2"],
+            "bitwise2": [*p, BITWISE, "--nproc-per-node", "2"], "ppo1": p,
+            "bitwise1": [*p, BITWISE], "rpp1": RPP}
     evenrl_many({name: ["train", cfg, *STEPS, *more, f"log.run_dir={root / name}"] for name, more in runs.items()})
     return root
 
@@ -68,6 +87,7 @@ def test_one_and_three_processes_give_the_same_models_and_statistics(layout_runs
         assert max_diff(critic_params(one), critic_params(sharded)) <= 1e-5
         assert max_diff(critic_params(one, 2), critic_params(one, 3)) > 1e-5, "the critic did not learn: weak test"
         assert all(r["critic/loss"] > 0 and "critic/grad_norm" in r for r in m1)
+        assert all(k in m1[0] for k in ("reward/failures/model:rm", "reward/failures/judge:model"))
     else:
         assert all(r["samples"] == 11 for r in m1)  # one sample per prompt
         state = torch.load(one / "checkpoints" / "step-000003" / "trainer.pt", weights_only=True)
@@ -75,9 +95,21 @@ def test_one_and_three_processes_give_the_same_models_and_statistics(layout_runs
 
 
 @pytest.mark.slow
-def test_resume_with_a_critic_gives_the_same_models(layout_runs, assets, tmp_path):
+def test_ppo_with_a_critic_a_reward_model_and_a_judge_is_the_same_bits_on_one_two_and_three(layout_runs):
+    """train.reproducibility=bitwise with every role: the policy, the critic (its own fixed-point sums and AdamW),
+    a reward model and a judge sampling on each rank. Negative control: the same runs under rounding differ."""
+    one = layout_runs / "bitwise1"
+    for other in ("bitwise3", "bitwise2"):
+        assert_same_run(one, layout_runs / other)
+        assert max_diff(critic_params(one), critic_params(layout_runs / other)) == 0.0
+    assert max_diff(final_params(layout_runs / "ppo1"), final_params(layout_runs / "ppo3")) > 0.0
+    assert max_diff(critic_params(layout_runs / "ppo1"), critic_params(layout_runs / "ppo3")) > 0.0
+
+
+@pytest.mark.slow
+def test_resume_with_a_critic_gives_the_same_models(layout_runs, assets, reward_model, tmp_path):
     crashed = tmp_path / "crashed"
-    args = ["train", assets["cfg"], *STEPS, *PPO, f"log.run_dir={crashed}"]
+    args = ["train", assets["cfg"], *STEPS, *ppo(reward_model), f"log.run_dir={crashed}"]
     assert evenrl(*args, env=fault_env(crash_at_step=3), check=False).returncode != 0
     assert (crashed / "checkpoints" / "latest").read_text().strip() == "step-000002"
     evenrl(*args, "--resume")

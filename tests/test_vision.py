@@ -22,7 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import copy_checkpoint, evenrl, evenrl_here, evenrl_many, final_params, max_diff, metrics
+from e2e import (BITWISE, assert_same_run, copy_checkpoint, evenrl, evenrl_here, evenrl_many, final_params, max_diff,
+                 metrics)
 from evenrl.config import RunConfig
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.schedule import make_schedule
@@ -276,13 +277,13 @@ def vl_runs(vl, tmp_path_factory):
     on_text = ["train", vl["cfg"], f"data.path={text}", "data.prompt_field=prompt", "data.image_key=''",
                "data.max_prompt_tokens=16", "train.steps=1", "rewards.functions=[{name: exact_match}, "
                "{name: 'toy_rewards:digit_fraction', weight: 0.5}]"]
-    runs = {"three": [*base, "--nproc-per-node", "3"],
+    runs = {"three": [*base, "--nproc-per-node", "3"], "bitwise_three": [*base, BITWISE, "--nproc-per-node", "3"],
             "fsdp3": [*base, "--nproc-per-node", "3", "parallel.sharding=fsdp", "model.gradient_checkpointing=true",
                       "checkpoint.every_steps=1"],  # its step-1 checkpoint: the resume test's start
             "frozen_reserved": ["train", vl["cfg"], "--nproc-per-node", "3", "--rollout-devices", "1",
                                 "model.freeze_vision_tower=true", "model.dtype=bfloat16"],
             "text_fsdp2": [*on_text, "--nproc-per-node", "2", "parallel.sharding=fsdp"],
-            "one": base, "text_one": on_text}
+            "one": base, "bitwise_one": [*base, BITWISE], "text_one": on_text}
     done = evenrl_many({name: [*args, f"log.run_dir={root / name}"] for name, args in runs.items()})
     return {name: root / name for name in runs} | {"stdout": {n: p.stdout for n, p in done.items()}}
 
@@ -300,6 +301,15 @@ def test_geometry_on_one_and_three_processes_replicated_and_sharded(vl_runs):
         assert max_diff(final_params(vl_runs["one"]), final_params(vl_runs[name])) <= TOL, name
     assert len(metrics(vl_runs["three"])[1]["load/rank_vision_tokens"]) == 3
     assert (vl_runs["one"] / "final" / "preprocessor_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_geometry_under_bitwise_is_the_same_bits_on_one_and_three_processes(vl_runs):
+    """train.reproducibility=bitwise with images: weights, rewards, evaluation and every metric the same bits on 1
+    and 3 processes (each rank's images in canonical micro-batches). Negative control: under rounding they differ."""
+    assert_same_run(vl_runs["bitwise_one"], vl_runs["bitwise_three"])
+    assert "eval/reward" in metrics(vl_runs["bitwise_one"])[0]
+    assert max_diff(final_params(vl_runs["one"]), final_params(vl_runs["three"])) > 0.0
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ EXAMPLES = {
     "lockstep-vllm": {"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2},
     "lockstep-hf": {"parallel.tensor_parallel_size": 2},
     "agent": {"rollout.agent": "toy_agents:two_tools"},
+    "partial-agent": {"rollout.partial": True, "rollout.agent": "toy_agents:two_tools"},
     "env": {"rollout.env": "calculator"},
     "fsdp-colocated": {"parallel.sharding": "fsdp"},
     "reward-models": {"rewards.functions": [{"model": "/no/such/rm"}]},

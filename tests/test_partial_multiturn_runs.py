@@ -9,6 +9,8 @@ in the reply on, so
   * the run on 1 process, on 3, and with a reserved rollout rank (its trajectories' turn-loop state sent to the
     trainer) has the same rewards, turns, tokens and trajectories in flight at every step, and its model within
     the float rounding of summing gradients over another number of ranks;
+  * under train.reproducibility=bitwise the runs on 1 and 3 processes are the same bits (each step's turn loops
+    run per canonical batch of new prompts and per carried group), where those under rounding differ;
   * a run killed mid-run and resumed from its checkpoint, which holds the in-flight trajectories' turn-loop state
     (messages, rendering, the environment's pickle, the reply they were cut in), is bit-identical to the
     uninterrupted one.
@@ -20,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import evenrl, evenrl_many, fault_env, final_params, max_diff, metrics
+from e2e import BITWISE, assert_same_run, evenrl, evenrl_many, fault_env, final_params, max_diff, metrics
 from evenrl.demo import write_addition_data
 from evenrl.testing import make_tiny_model
 from evenrl.train.carry import unpack
@@ -48,8 +50,9 @@ log: {{progress: false, tensorboard: false}}
 """)
     run = lambda name, *more: ["train", cfg, *SHAPE, f"log.run_dir={root / name}", *more]  # noqa: E731
     evenrl_many({"three": run("three", "--nproc-per-node", 3),
+                 "bitwise_three": run("bitwise_three", BITWISE, "--nproc-per-node", 3),
                  "reserved": run("reserved", "--nproc-per-node", 2, "--rollout-devices", 1),
-                 "one": run("one")})
+                 "one": run("one"), "bitwise_one": run("bitwise_one", BITWISE)})
     cut = evenrl(*run("cut", "--nproc-per-node", 3), env=fault_env(crash_at_step=4), check=False)
     assert cut.returncode != 0
     state = torch.load(root / "cut" / "checkpoints" / "step-000002" / "trainer.pt", weights_only=True)
@@ -93,3 +96,11 @@ def test_killed_mid_run_and_resumed_is_the_uninterrupted_run(runs):
         for k in SAME + ["policy/loss", "policy/is_weight", "entropy"]:
             assert x.get(k) == y.get(k), (x["step"], k)
     assert max_diff(final_params(root / "three"), final_params(root / "cut")) == 0.0
+
+
+@pytest.mark.slow
+def test_under_bitwise_the_same_bits_on_one_and_three_processes(runs):
+    root, _ = runs
+    assert_same_run(root / "bitwise_one", root / "bitwise_three")
+    assert any(r["partial/in_flight"] > 0 for r in metrics(root / "bitwise_one"))
+    assert max_diff(final_params(root / "one"), final_params(root / "three")) > 0.0

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from e2e import copy_checkpoint, evenrl, evenrl_many, fault_env, final_params, max_diff, metrics
+from e2e import (BITWISE, assert_same_run, copy_checkpoint, evenrl, evenrl_many, fault_env, final_params, max_diff,
+                 metrics)
 from evenrl.train.carry import unpack
 
 SHAPE = ["rollout.partial=true", "rollout.max_new_tokens=8", "rollout.tokens_per_round=3", "train.steps=6",
@@ -33,12 +34,13 @@ def args(assets, run_dir, *more) -> list:
 
 @pytest.fixture(scope="module")
 def partial_runs(assets, tmp_path_factory):
-    """The uninterrupted runs, two at a time, longest first: colocated on 3 processes and on 1, and with 1 reserved
-    rollout rank generating a step ahead of 1 trainer (max_staleness 1)."""
+    """The uninterrupted runs, two at a time, longest first: colocated on 3 processes and on 1 (under rounding and
+    under bitwise), and with 1 reserved rollout rank generating a step ahead of 1 trainer (max_staleness 1)."""
     root = tmp_path_factory.mktemp("partial")
     evenrl_many({"three": args(assets, root / "three", "--nproc-per-node", 3),
+                 "bitwise_three": args(assets, root / "bitwise_three", BITWISE, "--nproc-per-node", 3),
                  "reserved": args(assets, root / "reserved", *RESERVED),
-                 "one": args(assets, root / "one")})
+                 "one": args(assets, root / "one"), "bitwise_one": args(assets, root / "bitwise_one", BITWISE)})
     return root
 
 
@@ -56,6 +58,18 @@ def test_the_same_run_on_one_and_three_processes(partial_runs):
     assert sum(r["rollout/versions_per_sample"][2] for r in one) > 0  # samples of 3 versions: carried twice
     assert any(abs(r["policy/is_weight"] - 1) > 1e-3 for r in one if r["samples"])  # corrected per token
     assert max_diff(final_params(partial_runs / "one"), final_params(partial_runs / "three")) < 1e-5
+
+
+@pytest.mark.slow
+def test_under_bitwise_the_same_bits_on_one_and_three_processes(partial_runs):
+    """train.reproducibility=bitwise: each step's engine calls are the canonical batches of its new prompts and
+    one call per carried group (evenrl.train.carry.canonical_calls), so which samples share a forward pass does not
+    depend on the layout: weights and every metric the same bits, samples carried over steps as under rounding.
+    Negative control: the rounding runs differ."""
+    assert_same_run(partial_runs / "bitwise_one", partial_runs / "bitwise_three")
+    rows = metrics(partial_runs / "bitwise_one")
+    assert all(r["partial/in_flight"] > 0 for r in rows) and sum(r["samples"] for r in rows) >= 3 * 21
+    assert max_diff(final_params(partial_runs / "one"), final_params(partial_runs / "three")) > 0.0
 
 
 @pytest.mark.slow

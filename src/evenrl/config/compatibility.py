@@ -87,6 +87,8 @@ SETTINGS: dict[str, Setting] = {
                            lambda c, f: (c.rollout.engine == "hf" and c.parallel.tensor_parallel_size > 1
                                          and not f.rollout_devices)),
     "agent": Setting("rollout.agent", "rollout.agent", lambda c, f: bool(c.rollout.agent)),
+    "partial-agent": Setting("rollout.partial with rollout.agent", "rollout.partial with rollout.agent",
+                             lambda c, f: c.rollout.partial and bool(c.rollout.agent)),
     "env": Setting("rollout.env", "rollout.env={c.rollout.env}", lambda c, f: bool(c.rollout.env)),
     "fsdp-colocated": Setting("parallel.sharding=fsdp on the training ranks (no reserved rollout devices)",
                               "parallel.sharding=fsdp on the training ranks",
@@ -142,8 +144,8 @@ ROWS: tuple[Row, ...] = (
     Row("partial", "engine-tp", "partial-tensor-parallel", "an engine over several devices serves its group's ranks "
         "together (or, reserved, leaves the group's other ranks idle), and the carried samples are kept per rank; not "
         "implemented", f"rollout.tensor_parallel_size=1; or {_OFF_PARTIAL}"),
-    Row("partial", "bitwise", "partial-bitwise", "a rank generates its new and carried samples in one batch whose rows "
-        "depend on the layout, not in canonical batches", f"{_ROUNDING}; or {_OFF_PARTIAL}"),
+    Row("partial-agent", "bitwise", "partial-bitwise", "an agent's carried trajectories are continued in one round of "
+        "calls per rank, not in canonical batches; not implemented", f"{_ROUNDING}; or {_OFF_PARTIAL}"),
     Row("partial", "rounds", "partial-rounds", "partial rollouts draw data.prompts_per_step prompts once per step, and "
         "dynamic sampling filters the groups that finish in it; more rounds would draw more",
         f"algo.max_generation_rounds=1; or {_OFF_PARTIAL}"),

@@ -1,7 +1,8 @@
 """The compatibility table (evenrl.config.compatibility) in the plan and in the run, on the same facts: the model's
 from its config.json (planner.dims), the layout's device kind and reserved rollout devices.
 
-    evenrl plan examples/demo.yaml rollout.partial=true train.reproducibility=bitwise    # error partial-bitwise
+    evenrl plan examples/demo.yaml rollout.partial=true rollout.engine=vllm rollout.tensor_parallel_size=2
+                                                            # error partial-tensor-parallel
 
 `rule_compatibility` (one of planner.rules.RULES) makes an error finding of every row that holds; `check_run` is the
 run's check before anything loads (evenrl train's ranks, evenrl sft), the first row that holds as one line.

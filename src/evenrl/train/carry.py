@@ -31,6 +31,7 @@ import torch
 
 from evenrl.agents.rollout import Agents
 from evenrl.core.batch import Batch, Ragged
+from evenrl.core.canonical import rollout_batches
 from evenrl.core.carry import CarryRules, carry_rules, oldest_token_age, outcome, round_tokens, step_budget
 from evenrl.core.offpolicy import tokens_by_age, version_runs
 from evenrl.core.schedule import rollout_shares
@@ -110,6 +111,21 @@ def talks(records: list[Carried]) -> dict:
             "talk_lengths": torch.tensor([len(x) for x in raw], dtype=torch.long)}
 
 
+def canonical_calls(calls: list[list[tuple[int, int, int]]], new: list[Carried], live: list[Carried],
+                    pad: int) -> list[tuple[list, list[Carried], list[Carried]]]:
+    """train.reproducibility=bitwise: a step's engine calls as (share, its new samples, live samples), one per
+    canonical batch of new prompts (core.canonical), then one per live group in (step drawn, position) order (a
+    group's live samples are on one rank: canonical batches deal whole prompts), then `pad` empty ones. Which
+    samples share a call is then a function of the step's samples alone."""
+    parts = [(b, [r for r in new if any(p == r.position and a <= r.sample < a + c for p, a, c in b)], [])
+             for b in calls]
+    groups: dict[tuple[int, int], list[Carried]] = {}
+    for r in live:
+        groups.setdefault(r.group, []).append(r)
+    parts += [([], [], groups[g]) for g in sorted(groups)]
+    return parts + [([], [], [])] * pad
+
+
 @dataclass
 class Delivery:
     """What a reserved rollout rank sends a trainer with a step's samples (packed): the done ones that wait there,
@@ -138,27 +154,41 @@ class Carry:
     # ------------------------------------------------------------------ generation side
 
     def advance(self, engine, prompts, step: int, version: int, prompt_ids: list[int],
-                share: list[tuple[int, int, int]], gen: int, homes: dict[tuple[int, int], int]) -> list[Carried]:
+                share: list[tuple[int, int, int]], gen: int, homes: dict[tuple[int, int], int],
+                calls: list[list[tuple[int, int, int]]] | None = None, pad: int = 0) -> list[Carried]:
         """One step of generation on this rank under policy `version`: the new samples of `share` ((position,
         first sample, count) of `prompt_ids`) and every live sample, each by its round's tokens (core.carry).
         `homes`: (position, sample) -> the training rank a new sample waits on. Returns the samples done in this
-        step; the carried ones stay live; dropped groups are noted. `prompts`: evenrl.train.trainer.Prompts."""
-        rules = self.rules
+        step; the carried ones stay live; dropped groups are noted. `prompts`: evenrl.train.trainer.Prompts.
+        `calls` (train.reproducibility=bitwise): `share` as its canonical batches; each is an engine call of its
+        own and so is each live group, so that which samples share a forward pass does not depend on the layout;
+        `pad` more empty calls (with FSDP2 a call gathers the model: every rank makes as many)."""
         new = [Carried(step, p, s, prompt_ids[p], gen, homes[(p, s)]) for p, a, c in share for s in range(a, a + c)]
         live = sorted(self.live, key=lambda r: r.key)
         ages = [step - r.birth for r in live]
-        if isinstance(self.turns, Agents):  # the agents run, their transcripts replayed (evenrl.agents.replay)
-            self.waited += sum(1 for a in ages if step_budget(rules, a) is None)  # generated to their end
-            complete = self.turns.advance(engine, prompts, new + live, [0] * len(new) + ages, rules,
-                                          sampling_params(self.cfg), version)
-            return self._sort(new, live, ages, complete)
         if self.turns is not None:
-            for r in new:
+            for r in (new if not isinstance(self.turns, Agents) else []):
                 r.talk = opening(self.turns, prompts.openings[r.row_id])
-            self.waited += sum(1 for a in ages if step_budget(rules, a) is None)  # generated to their end
-            complete = advance_turns(self.turns, engine, prompts, new + live, [0] * len(new) + ages, rules,
-                                     sampling_params(self.cfg), version)
-            return self._sort(new, live, ages, complete)
+            self.waited += sum(1 for a in ages if step_budget(self.rules, a) is None)  # generated to their end
+        parts = [(share, new, live)] if calls is None else canonical_calls(calls, new, live, pad)
+        complete = {}
+        for entries, fresh, old in parts:
+            flags = self._generate(engine, prompts, step, version, prompt_ids, entries, fresh, old)
+            complete.update(zip((r.key for r in fresh + old), flags))
+        return self._sort(new, live, ages, [complete[r.key] for r in new + live])
+
+    def _generate(self, engine, prompts, step: int, version: int, prompt_ids: list[int],
+                  share: list[tuple[int, int, int]], new: list[Carried], live: list[Carried]) -> list[bool]:
+        """One engine call (a turn loop's calls with rollout.env / rollout.agent) for the new samples of `share` and
+        the `live` ones; returns per sample (new, then live) whether its trajectory is complete (single-turn: False,
+        _sort reads its EOS and length)."""
+        rules, ages = self.rules, [step - r.birth for r in live]
+        if isinstance(self.turns, Agents):  # the agents run, their transcripts replayed (evenrl.agents.replay)
+            return self.turns.advance(engine, prompts, new + live, [0] * len(new) + ages, rules,
+                                      sampling_params(self.cfg), version)
+        if self.turns is not None:
+            return advance_turns(self.turns, engine, prompts, new + live, [0] * len(new) + ages, rules,
+                                 sampling_params(self.cfg), version)
         tokens = prompts.tokens
         inputs = [tokens[prompt_ids[p]] for p, _, _ in share] + [tokens[r.row_id] + r.tokens.tolist() for r in live]
         caps = [round_tokens(rules, 0, 0)] * len(share) + [round_tokens(rules, len(r.tokens), a)
@@ -173,7 +203,7 @@ class Carry:
             self._extend(r, made[(r.position, r.sample)], version)
         for r, [c] in zip(live, out[len(share):]):
             self._extend(r, c, version)
-        return self._sort(new, live, ages, [False] * (len(new) + len(live)))
+        return [False] * (len(new) + len(live))
 
     def _sort(self, new: list[Carried], live: list[Carried], ages: list[int], complete: list[bool]) -> list[Carried]:
         """After a step's generation: the done samples returned, the carried ones live, dropped groups noted. A
@@ -280,12 +310,20 @@ def carried_rows(trainer, step: int, prompt_ids: list[int]) -> Batch:
     if dist.rollout_ranks():
         carry.receive([d for _, d in receive_checked(step, cfg.rollout.max_staleness)])
     else:
-        n = cfg.rollout.samples_per_prompt
         costs = [len(trainer.prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
-        share = rollout_shares(costs, n, dist.world(), trainer.balance.rollout)[dist.rank()]
+        calls, pad = None, 0
+        if cfg.train.reproducibility == "bitwise":  # canonical calls, as many on every rank (one all-gather)
+            calls = rollout_batches(costs, cfg.rollout.samples_per_prompt, dist.world(), cfg.rollout.batch_prompts,
+                                    trainer.balance.rollout)[dist.rank()]
+            mine = len(calls) + len({r.group for r in carry.live})
+            pad = max(int(p["calls"]) for p in dist.all_gather_tensors({"calls": torch.tensor([mine])})) - mine
+            share = [x for b in calls for x in b]
+        else:
+            share = rollout_shares(costs, cfg.rollout.samples_per_prompt, dist.world(), trainer.balance.rollout)[
+                dist.rank()]
         homes = {(p, s): dist.rank() for p, a, c in share for s in range(a, a + c)}
         carry.pool += carry.advance(trainer.engine, trainer.prompts, step, step - 1, prompt_ids, share,
-                                    dist.rank(), homes)
+                                    dist.rank(), homes, calls, pad)
         trainer.engine.sleep()
     return to_batch(trainer, *carry.settle(step))
 
@@ -341,11 +379,15 @@ def serve_step(cfg, carry: Carry, engine, prompts, step: int, prompt_ids: list[i
     prompts), the rest kept."""
     n, replicas, trainers = cfg.rollout.samples_per_prompt, dist.rollout_ranks(), dist.world()
     costs = [len(prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
-    share = rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())]
+    calls = None  # bitwise: canonical calls (an engine of its own on each rollout rank: no call is a collective)
+    if cfg.train.reproducibility == "bitwise":
+        calls = rollout_batches(costs, n, len(replicas), cfg.rollout.batch_prompts, None)[replicas.index(dist.rank())]
+    share = ([x for b in calls for x in b] if calls is not None
+             else rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())])
     split = rollout_shares(costs, n, trainers, cfg.parallel.fixed_capacity_weights())
     homes = {(p, s): t for t, part in enumerate(split) for p, a, c in part for s in range(a, a + c)}
     version = policy_version(step, cfg.rollout.max_staleness)
     dist.mark(f"step {step} generate (rollout rank)")
-    done = carry.advance(engine, prompts, step, version, prompt_ids, share, replicas.index(dist.rank()), homes)
+    done = carry.advance(engine, prompts, step, version, prompt_ids, share, replicas.index(dist.rank()), homes, calls)
     engine.sleep()
     dist.send_rollouts(step, version, carry.deliveries(done, trainers))

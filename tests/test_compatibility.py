@@ -57,7 +57,6 @@ EXAMPLES = {
     "reward-models": {"rewards.functions": [{"model": "/no/such/rm"}]},
     "sandbox-all": {"rewards.sandbox": "all"},
     "replay-engine": {"rollout.router_replay": "engine", "model": "moe"},
-    "aux-loss": {"algo.router_aux_loss_coef": 0.01, "model": "moe"},
     "filter-groups": {"algo.filter_groups": True, "algo.max_generation_rounds": 1},
     "rounds": {"algo.filter_groups": True},
     "gae": {"algo.advantage": "gae"},

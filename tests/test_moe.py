@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from e2e import evenrl_many, final_params, max_diff, metrics
+from e2e import BITWISE, assert_same_run, evenrl_many, final_params, max_diff, metrics
 from evenrl.config import RunConfig
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.moe import balance_loss, route_dtype
@@ -275,11 +275,13 @@ log: {{progress: false, tensorboard: false}}
     chat = make_tiny_model(str(root / "gpt_oss_chat"), arch="gpt_oss", chat_template="tools", seed=3)
     runs = {
         "three": ["--nproc-per-node", 3, "rollout.router_replay=trainer"],
+        "bitwise_three": ["--nproc-per-node", 3, "rollout.router_replay=engine", BITWISE],
         "sp": ["--nproc-per-node", 2, "parallel.sequence_parallel_size=2", "model.gradient_checkpointing=true",
                "rollout.router_replay=trainer"],
         "fsdp": ["--nproc-per-node", 2, "parallel.sharding=fsdp"],
         "one": ["rollout.router_replay=engine"],
         "one_off": [],
+        "bitwise_one": ["rollout.router_replay=engine", BITWISE],
         # one update per step: the routes every forward replays are those the model chooses (see the test)
         "one_mb1": ["rollout.router_replay=engine", "algo.minibatches_per_step=1"],
         "one_off_mb1": ["algo.minibatches_per_step=1"],
@@ -316,6 +318,19 @@ def test_moe_runs_are_the_same_on_any_layout(layout_runs, moe_paths):
     for m in metrics(root / "one"):
         assert m["moe/routes_differ_any_layer"] == 0.0 and m["moe/logprob_mismatch_without_replay"] < 1e-5
         assert 1.0 <= m["moe/load_max_over_mean_worst"] <= 8.0 and 1.5 < m["moe/aux_loss"] < 3.0
+
+
+@pytest.mark.slow
+def test_under_bitwise_the_same_bits_on_one_and_three_processes(layout_runs):
+    """train.reproducibility=bitwise with the load-balancing loss and engine replay: weights and every metric the
+    same bits on 1 and 3 processes, the loss's mean and the replay probe's log-prob mismatch added in sample order
+    (their fp64 sums over ranks followed the layout), expert loads and routing counts exact integers. Negative
+    control: the rounding runs differ."""
+    one = layout_runs / "bitwise_one"
+    assert_same_run(one, layout_runs / "bitwise_three")
+    rows = [r for r in metrics(one) if r["step"] > 0]
+    assert all(r["moe/aux_loss"] > 0 and "moe/logprob_mismatch_without_replay" in r for r in rows)
+    assert max_diff(final_params(layout_runs / "one"), final_params(layout_runs / "three")) > 0.0
 
 
 @pytest.mark.slow

@@ -136,8 +136,6 @@ CASES = [
     ("bitwise-engine-parallel", "error", ["train.reproducibility=bitwise", "rollout.engine=vllm",
                                           "rollout.tensor_parallel_size=2"], {}, TINY,
      ["rollout.tensor_parallel_size=2: an engine over several devices", "rollout.tensor_parallel_size=1"]),
-    ("bitwise-moe", "error", ["train.reproducibility=bitwise", "algo.router_aux_loss_coef=0.01"], {}, MOE,
-     ["not layout-free", "algo.router_aux_loss_coef=0"]),
     ("bitwise-idle-generation", "warning", ["train.reproducibility=bitwise", "rollout.batch_prompts=4"], {}, None,
      ["8 prompts into 2 generation batches for 4", "rollout.batch_prompts=2"]),
     ("partial-tensor-parallel", "error", ["rollout.partial=true", "parallel.tensor_parallel_size=2"], {}, TINY,

@@ -98,8 +98,6 @@ SETTINGS: dict[str, Setting] = {
                              lambda c, f: any(s.model or s.judge is not None for s in c.rewards.functions)),
     "sandbox-all": _is("rewards.sandbox", "all"),
     "replay-engine": _is("rollout.router_replay", "engine"),
-    "aux-loss": Setting("algo.router_aux_loss_coef > 0", "algo.router_aux_loss_coef={c.algo.router_aux_loss_coef:g}",
-                        lambda c, f: c.algo.router_aux_loss_coef > 0),
     "filter-groups": Setting("algo.filter_groups", "algo.filter_groups", lambda c, f: c.algo.filter_groups),
     "rounds": Setting("algo.filter_groups with algo.max_generation_rounds > 1",
                       "algo.max_generation_rounds={c.algo.max_generation_rounds} (algo.filter_groups)",
@@ -161,10 +159,6 @@ ROWS: tuple[Row, ...] = (
     Row("bitwise", "bf16-weights", "bitwise-bf16-weights", "bitwise steps AdamW itself, in fp32 element by element "
         "(distributed.exact), and sums fp32 gradients in fixed point; bf16 weights and state run under rounding",
         f"model.weights_dtype=float32; or {_ROUNDING}"),
-    Row("bitwise", "aux-loss", "bitwise-moe", "its sums over ranks (the loss's metric) are not layout-free yet",
-        f"algo.router_aux_loss_coef=0; or {_ROUNDING}"),
-    Row("bitwise", "replay-engine", "bitwise-moe", "its sums over ranks (the routing probe) are not layout-free yet",
-        f"rollout.router_replay=trainer; or {_ROUNDING}"),
     # mixtures of experts (docs/moe.md)
     Row("replay-engine", "vllm", "router-replay-engine", "replay needs the engine's routes, and vLLM's CPU build "
         "returns none (only its GPU model runner records them: enable_return_routed_experts) and evenrl asks no GPU "

@@ -25,6 +25,7 @@ from evenrl.config import RunConfig
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.moe import balance_loss, load_metrics, mismatch_metrics
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.exact import canonical_sum
 from evenrl.errors import UsageError
 from evenrl.models import routing
 from evenrl.train.update import compute_logprobs
@@ -82,14 +83,18 @@ def record_routes(model, batch: Batch, micro_rows: list[list[int]], *, temperatu
     return logps, Ragged.of([got[i] for i in range(len(batch))], state.dtype)
 
 
-def probe(model, batch: Batch, micro_rows: list[list[int]], *, temperature: float, pad_token_id: int) -> dict:
+def probe(model, batch: Batch, micro_rows: list[list[int]], *, temperature: float, pad_token_id: int,
+          bitwise: bool = False) -> dict:
     """router_replay=engine: the step's rows through the trainer's own routing (no replay, no gradient), compared
     with the engine's routes (the share of routed tokens whose top-k set differs, per layer and in any layer) and
-    its log-probs (|engine - trainer| over the sampled tokens: the mismatch replay removes). A collective."""
+    its log-probs (|engine - trainer| over the sampled tokens: the mismatch replay removes). A collective.
+    bitwise: the rows' |engine - trainer| sums added in sample order (distributed.exact.canonical_sum); the counts
+    are integers, exact in any order."""
     state = routing.routing(model)
     sp = getattr(model, "evenrl_sequence_group", None)
     L = state.layers
     sums = torch.zeros(L + 4, dtype=torch.float64)  # per-layer differs, any layer, routed tokens, |diff|, tokens
+    keyed: list[tuple[int, list[float]]] = []  # (sample, its sum of |diff|) of the rows this rank counts
 
     def after(rows: list[int]) -> None:
         plan = state.plan
@@ -105,14 +110,18 @@ def probe(model, batch: Batch, micro_rows: list[list[int]], *, temperature: floa
         engine = torch.split(batch["engine_logp"].values, batch["engine_logp"].lengths.tolist())
         sampled = (torch.split(batch["loss_mask"].values, batch["loss_mask"].lengths.tolist())
                    if "loss_mask" in batch else [None] * len(batch))
-        for mine, theirs, keep in zip(logps, engine, sampled):
+        for row, (mine, theirs, keep) in enumerate(zip(logps, engine, sampled)):
             if mine is None:
                 continue
             diff = (mine - theirs).abs()
             diff = diff if keep is None else diff[keep]
-            sums[L + 2] += diff.double().sum()
+            keyed.append((int(batch["sample_index"][row]), [float(diff.double().sum())]))
             sums[L + 3] += diff.numel()
+    if not bitwise:
+        sums[L + 2] = sum(v for _, [v] in keyed)  # this rank's rows in order, then over ranks with the counts
     global_counts(sums)
+    if bitwise:  # every rank's rows, in sample order: the total on every rank
+        sums[L + 2] = canonical_sum([k for k, _ in keyed], [v for _, v in keyed], 1)[0]
     out = mismatch_metrics(sums[:L], int(sums[L]), int(sums[L + 1]))
     out["moe/logprob_mismatch_without_replay"] = float(sums[L + 2] / max(float(sums[L + 3]), 1.0))
     return out
@@ -132,6 +141,9 @@ class Experts:
         # the update's replay departs from the routing the model would choose at its current weights
         self.differs = torch.zeros(self.state.layers + 2, dtype=torch.float64)
         self.aux, self.minibatches = 0.0, 0
+        # bitwise: each micro-batch's share of the load-balancing loss under its canonical key (mini-batch, first
+        # sample), added in that order in metrics (its fp64 sum over ranks would follow the layout)
+        self.bitwise, self.keyed_aux, self.key = cfg.train.reproducibility == "bitwise", [], 0
         self.counts, self.routed = None, 0.0
         self.recorded: dict[int, Tensor] = {}
 
@@ -165,6 +177,7 @@ class Experts:
     def forward(self, model, mb: Batch, rows: list[int]):
         """A micro-batch's forward: the routes recorded by begin replayed, the loads kept, the probability sums
         kept for the load-balancing loss."""
+        self.key = (self.minibatches << 40) + int(mb["sample_index"][0])
         if self.recorded:
             mb["routes"] = Ragged.of([self.recorded[r] for r in rows], self.state.dtype)
         with routing.options(model, stats=True, balance=self.coef > 0):
@@ -184,6 +197,8 @@ class Experts:
         prob_sums = sum(self.state.plan.prob_sums.values())
         aux = balance_loss(prob_sums, self.counts.to(prob_sums.device), self.routed, self.state.experts)
         self.aux += float(aux.detach())
+        if self.sp is None or self.sp.index == 0:  # a sequence group's ranks compute the same share: one counts it
+            self.keyed_aux.append((self.key, [float(aux.detach())]))
         return self.coef * aux
 
     def metrics(self) -> dict:
@@ -199,5 +214,7 @@ class Experts:
         if differs[-1] > 0:
             out.update(mismatch_metrics(differs[:-2], int(differs[-2]), int(differs[-1]), prefix="moe/update_"))
         if self.coef:
-            out["moe/aux_loss"] = float(flat[-1]) / max(self.minibatches, 1)
+            total = (canonical_sum([k for k, _ in self.keyed_aux], [v for _, v in self.keyed_aux], 1)[0]
+                     if self.bitwise else float(flat[-1]))
+            out["moe/aux_loss"] = total / max(self.minibatches, 1)
         return out

@@ -80,7 +80,7 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
                 add_logprobs(trainer, batch, "ref_logp", reference, flat(micro))
         if cfg.rollout.router_replay == "engine":                              # the trainer's own routing
             routed = moe.probe(trainer.model, batch, flat(micro), temperature=trainer.temperature,
-                               pad_token_id=trainer.pad_id)
+                               pad_token_id=trainer.pad_id, bitwise=bitwise(cfg))
         pooled = pool(cfg, step, batch, micro)                                  # whole-mini-batch numbers, if any
     with timer("update"):
         stats = update(trainer, step, batch, micro, denoms, pooled)

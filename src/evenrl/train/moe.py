@@ -115,7 +115,7 @@ def probe(model, batch: Batch, micro_rows: list[list[int]], *, temperature: floa
                 continue
             diff = (mine - theirs).abs()
             diff = diff if keep is None else diff[keep]
-            keyed.append((int(batch["sample_index"][row]), [float(diff.double().sum())]))
+            keyed.append((int(batch["sample_index"][row]) if bitwise else row, [float(diff.double().sum())]))
             sums[L + 3] += diff.numel()
     if not bitwise:
         sums[L + 2] = sum(v for _, [v] in keyed)  # this rank's rows in order, then over ranks with the counts
@@ -177,7 +177,8 @@ class Experts:
     def forward(self, model, mb: Batch, rows: list[int]):
         """A micro-batch's forward: the routes recorded by begin replayed, the loads kept, the probability sums
         kept for the load-balancing loss."""
-        self.key = (self.minibatches << 40) + int(mb["sample_index"][0])
+        if self.bitwise:
+            self.key = (self.minibatches << 40) + int(mb["sample_index"][0])
         if self.recorded:
             mb["routes"] = Ragged.of([self.recorded[r] for r in rows], self.state.dtype)
         with routing.options(model, stats=True, balance=self.coef > 0):

@@ -305,7 +305,7 @@ def precision_check(model_dir: str, data: str, rows: int, new_tokens: int) -> di
             model.double()
         else:
             prepare_model(model, RunConfig.model_validate({"model": {"dtype": dtype}, "parallel": {
-                "sharding": sharding, "cpu_offload": offload}}))
+                "sharding": sharding, "cpu_offload": offload}}), info)
         model.train()
         logits, targets, mask = response_logits(model, batch, tok.pad_token_id)
         logp = token_logprobs(logits, targets) if not double else \

@@ -25,6 +25,7 @@ import torch
 from evenrl.config import load_config
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import token_logprobs
+from evenrl.distributed.mesh import Mesh
 from evenrl.engines.hf import SamplingParams, generate
 from evenrl.models import forward as forward_module
 from evenrl.models.forward import response_logits, response_logprobs
@@ -50,7 +51,7 @@ class Ctx:
         self.spec = spec
         self.dev = torch.device(spec["device"])
         self.model, self.tok = load_policy(spec["model"], device=self.dev)
-        split_sequences(self.model, load_config(None, []))  # the packed training forward, as evenrl train's
+        split_sequences(self.model, load_config(None, []), Mesh())  # the packed training forward, as evenrl train's
         self.model.train()  # as a trainer holds it; the sampler and the log-prob pass switch to eval themselves
         self.pad = self.tok.pad_token_id
         rows = [json.loads(x) for x in Path(spec["data"]).read_text().splitlines() if x.strip()]

@@ -121,7 +121,7 @@ def worker(length: int, out_dir: str) -> None:
         torch.manual_seed(0)
         conf = Qwen2Config(**{k: v for k, v in MODEL.items() if k != "model_type"})
         model = AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa", dtype=torch.float32)
-        prepare_model(model, cfg)  # the trainer's: applies parallel.sequence_parallel_size
+        prepare_model(model, cfg, info)  # the trainer's: applies parallel.sequence_parallel_size
         split = getattr(model, "evenrl_sequence_group", None)
         if sp > 1 and (split is None or split.size != sp):
             raise SystemExit(f"prepare_model did not split the sequence over {sp} ranks (runtime: {split})")
@@ -141,7 +141,7 @@ def worker(length: int, out_dir: str) -> None:
     t0 = time.perf_counter()
     step()
     seconds = time.perf_counter() - t0
-    Path(out_dir, f"{info.rank}.json").write_text(json.dumps({"peak": peak, "seconds": seconds}))
+    Path(out_dir, f"{mesh.rank()}.json").write_text(json.dumps({"peak": peak, "seconds": seconds}))
     mesh.shutdown()
 
 

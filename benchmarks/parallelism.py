@@ -170,7 +170,7 @@ def worker(plan: str, rows: int, length: int, out_dir: str) -> None:
         optimizer, _ = adamw(model, cfg, 1e-4, 0)
         barrier()
         step(first)  # AdamW's moments come into being here
-        if info.rank == 0:  # written now: the whole gradients it holds are no part of a step's memory
+        if dist.rank() == 0:  # written now: the whole gradients it holds are no part of a step's memory
             torch.save(first, Path(out_dir, "first.pt"))
         first.clear()
         barrier()
@@ -188,7 +188,7 @@ def worker(plan: str, rows: int, length: int, out_dir: str) -> None:
         t0 = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - t0)
-    Path(out_dir, f"{info.rank}.json").write_text(json.dumps(
+    Path(out_dir, f"{dist.rank()}.json").write_text(json.dumps(
         {"peak": peaks["update"], "drift": peaks["drift"], "seconds": statistics.median(seconds), "coll_s": coll_s,
          "calls": calls}))
     dist.shutdown()

@@ -120,6 +120,7 @@ def build_policy(args, cfg, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from evenrl.models.lora import add_adapters
+    from evenrl.distributed import collectives as dist
     from evenrl.train.update import prepare_model
 
     shape = SHAPES[args.model]
@@ -132,7 +133,7 @@ def build_policy(args, cfg, device):
         model = AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="sdpa")
     if args.lora_rank:
         add_adapters(model, cfg.model.lora)
-    prepare_model(model, cfg)
+    prepare_model(model, cfg, dist.init())
     model.train()
     return model
 
@@ -163,6 +164,7 @@ def measure(args) -> dict:
     import torch
 
     from evenrl.core.masking import counted_lengths
+    from evenrl.distributed import collectives as dist
     from evenrl.train import step as train_step
     from evenrl.train.objectives import norm_tokens
     from evenrl.train.pooled import pool
@@ -177,7 +179,7 @@ def measure(args) -> dict:
     build_s = time.perf_counter() - t0
     pad = model.config.pad_token_id
     optimizer, scheduler = adamw(model, cfg, cfg.train.lr, cfg.train.warmup_steps)
-    trainer = Trainer(cfg=cfg, policy=Trained(model, optimizer, scheduler), critic=None, reference=None,
+    trainer = Trainer(cfg=cfg, mesh=dist.init(), policy=Trained(model, optimizer, scheduler), critic=None, reference=None,
                       tokenizer=SimpleNamespace(pad_token_id=pad), prompts=Prompts([], []),
                       eval_prompts=Prompts([], []), sampler=None, reward_fns=[], engine=None, sync=None)
     batch, micro = fake_batch(args, pad)

@@ -308,8 +308,8 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         os.environ.pop(k, None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    info = dist.init(timeout=60)
-    assert (info.rank, info.world, info.backend) == (rank, world, "gloo")
+    mesh = dist.init(timeout=60)
+    assert (mesh.info.rank, mesh.info.world, mesh.info.backend) == (rank, world, "gloo")
     result = run_all()
     dist.shutdown()
     torch.save(result, f"{path}.{rank}")
@@ -359,9 +359,9 @@ def test_world_one_without_env_has_no_process_group(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        info = dist.init()
-        assert (info.world, info.rank, info.backend, info.device) == (1, 0, None, torch.device("cpu"))
-        assert dist.init() is info and not tdist.is_initialized()
+        mesh = dist.init()
+        assert (mesh.info.world, mesh.info.rank, mesh.info.backend, mesh.device) == (1, 0, None, torch.device("cpu"))
+        assert dist.init() is mesh and not tdist.is_initialized()
         assert dist.all_gather_object("x") == ["x"] and float(dist.all_reduce_sum(torch.ones(1))) == 1.0
         cols = {"a": torch.arange(3)}
         assert dist.all_gather_tensors(cols) == [cols]
@@ -514,7 +514,7 @@ def test_init_joins_no_group_unless_launched_as_a_rank(monkeypatch):
     monkeypatch.setenv("SLURM_NNODES", "2")
     monkeypatch.setenv("SLURM_NTASKS", "4")
     try:
-        info = dist.init()
-        assert (info.world, info.rank, info.backend) == (1, 0, None) and not tdist.is_initialized()
+        mesh = dist.init()
+        assert (mesh.info.world, mesh.info.rank, mesh.info.backend) == (1, 0, None) and not tdist.is_initialized()
     finally:
         dist.shutdown()

@@ -10,6 +10,7 @@ from e2e import with_random_adapters
 from evenrl.config import load_config
 from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
 from evenrl.models import forward as U
+from evenrl.distributed.mesh import Mesh
 from evenrl.train.update import minibatch_denominators, split_sequences
 from evenrl.core.batch import Batch, Ragged
 from evenrl.models.loading import load_policy
@@ -96,13 +97,13 @@ def test_plain_qwen2_and_llama_train_packed_other_families_masked(tmp_path):
     cfg = load_config(None, [])
     for arch in ("qwen2", "llama"):
         model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch, seed=1))
-        split_sequences(model, cfg)
+        split_sequences(model, cfg, Mesh())
         assert model.evenrl_sequence_group.size == 1
     from transformers import MistralConfig, MistralForCausalLM  # sliding-window attention: the model's own masks
 
     model = MistralForCausalLM(MistralConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                              num_attention_heads=4, num_key_value_heads=2, sliding_window=8))
-    split_sequences(model, cfg)
+    split_sequences(model, cfg, Mesh())
     assert not hasattr(model, "evenrl_sequence_group")
 
 

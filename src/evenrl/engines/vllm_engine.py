@@ -272,6 +272,7 @@ def _placement(tp: int, device: torch.device) -> dict:
         return {}
     if dist.is_rollout_rank():
         return {"distributed_executor_backend": "mp"}
+    dist.check_engine_blocks(tp)  # vLLM's consecutive blocks must be the mesh's engine groups
     os.environ.setdefault("RANK", str(dist.rank()))
     os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
     if device.type == "cpu":

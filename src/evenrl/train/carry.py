@@ -384,7 +384,7 @@ def serve_step(cfg, carry: Carry, engine, prompts, step: int, prompt_ids: list[i
         calls = rollout_batches(costs, n, len(replicas), cfg.rollout.batch_prompts, None)[replicas.index(dist.rank())]
     share = ([x for b in calls for x in b] if calls is not None
              else rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())])
-    split = rollout_shares(costs, n, trainers, cfg.parallel.fixed_capacity_weights())
+    split = rollout_shares(costs, n, trainers, dist.capacity())
     homes = {(p, s): t for t, part in enumerate(split) for p, a, c in part for s in range(a, a + c)}
     version = policy_version(step, cfg.rollout.max_staleness)
     dist.mark(f"step {step} generate (rollout rank)")

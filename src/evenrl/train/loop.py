@@ -16,13 +16,14 @@ from pathlib import Path
 
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.mesh import Mesh
 from evenrl.errors import Interrupted, NonFinite, RunStopped, UsageError
 from evenrl.train import carry_check, checkpoint, determinism, rundir
 from evenrl.train.balance import make_balance
 from evenrl.train.evaluate import evaluate
 from evenrl.train.metrics import Idle, phase_table
 from evenrl.train.plots import plots_for_trackers
-from evenrl.train.preflight import mesh_sizes, preflight
+from evenrl.train.preflight import preflight
 from evenrl.train.rollout_rank import serve
 from evenrl.train.runlog import RunLog, read_metrics
 from evenrl.train.step import rl_step
@@ -42,12 +43,12 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     check_reachable(cfg)  # a tracker's server, before anything loads
     determinism.environment(cfg)  # before CUDA or vLLM start (bitwise)
     dist.mark("set-up: joining the other ranks")  # each rank's phase: a failure names it (distributed.guard)
-    info = dist.init(**mesh_sizes(cfg))
-    determinism.settle(cfg, info.device)
+    mesh = dist.from_config(cfg)  # the job's mesh, built once: handed to whoever needs a group or a size
+    determinism.settle(cfg, mesh.device)
     earlier_ckpt = checkpoint.latest(run_dir / "checkpoints") if resume or restarted else None
     resumed = determinism.check_resumed(checkpoint.read_meta(earlier_ckpt)) if earlier_ckpt is not None else None
     # the same plan on every rank's real device (one gather): per-device token caps, auto's starting weights
-    plan = preflight(cfg, plan.layout.with_devices(dist.gather_devices(info.device, info.local_world)),
+    plan = preflight(cfg, plan.layout.with_devices(dist.gather_devices(mesh.device, mesh.info.local_world)),
                      resumed=resumed)
     if dist.is_main():
         rundir.prepare(run_dir, overwrite=overwrite and not restarted)
@@ -58,14 +59,14 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
             if dist.is_rollout_rank():
                 dist.mark("set-up: loading the rollout rank's model and engine")
                 try:
-                    serve(cfg, info, found)
+                    serve(cfg, mesh, found)
                 except Exception:
                     if stopping.signal is None:
                         raise
                     # signalled, it lost its trainers when they stopped and saved: theirs is the run's one line
                     raise Interrupted("", stopping.signal) from None
             else:
-                train_here(cfg, info, plan, found, stopping, earlier, resume=resume or restarted, restarted=restarted)
+                train_here(cfg, mesh, plan, found, stopping, earlier, resume=resume or restarted, restarted=restarted)
         except Interrupted:
             dist.shutdown()  # as after a finished run (below): not left to the interpreter's exit
             raise
@@ -76,13 +77,13 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, rest
     return run_dir
 
 
-def train_here(cfg: RunConfig, info, plan, found: Path | None, stopping: Stopping, earlier: list[dict], *,
+def train_here(cfg: RunConfig, mesh: Mesh, plan, found: Path | None, stopping: Stopping, earlier: list[dict], *,
                resume: bool, restarted: bool) -> None:
     """A training rank's run: the trainer built and resumed from `found`, the header written, the steps run.
     `earlier`: the run directory's metrics rows before this start (for the trackers)."""
     run_dir = Path(cfg.log.run_dir)
     dist.mark("set-up: loading the model and its engine")
-    trainer = build_trainer(cfg, info, make_balance(cfg, plan, colocated=not dist.rollout_ranks()))
+    trainer = build_trainer(cfg, mesh, make_balance(cfg, plan, colocated=not dist.rollout_ranks()))
     dist.mark("set-up: loading the checkpoint" if found else "set-up: first steps")
     trainer.resume(found)
     # once the checkpoint has loaded, before the run writes anything: one that cannot start stops the run here

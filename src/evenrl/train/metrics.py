@@ -51,9 +51,9 @@ BACKSTOP = "limits/wall_clock_backstop"
 
 
 def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: dict, failures: dict[str, int],
-                 timer: Timer) -> dict:
+                 timer: Timer, sp: int = 1) -> dict:
     """The step's metrics row: rewards, lengths, throughput, per-rank load, staleness and the phase times, from the
-    all-ranks view (`everyone`), so every rank computes the same row."""
+    all-ranks view (`everyone`), so every rank computes the same row; `sp`: the mesh's sequence-parallel size."""
     rewards, lens = everyone["reward"].double(), everyone["response_len"].double()
     elapsed = max(sum(timer.seconds.values()), 1e-9)
     out = {
@@ -69,8 +69,7 @@ def step_metrics(cfg: RunConfig, lr: float, everyone: Batch, schedule, stats: di
         "load/rank_tokens": [int(x) for x in schedule.rank_loads()],
         "load/micro_steps": sum(schedule.micro_steps()),
         # token slots of the update's micro-batches that hold padding (packed rows: only the split's rounding)
-        "load/padding_share": schedule.padding_share(everyone["total_len"].tolist(),
-                                                     cfg.parallel.sequence_parallel_size),
+        "load/padding_share": schedule.padding_share(everyone["total_len"].tolist(), sp),
         # samples no rank ran because their gradient is exactly zero (train.skip_zero_gradient_samples)
         "load/skipped_samples": sum(len(mb.rows) for mb in schedule.minibatches) - sum(
             len(m.rows) for mb in schedule.minibatches for micros in mb.per_rank for m in micros),

@@ -31,8 +31,10 @@ from evenrl.config import RunConfig
 from evenrl.distributed.exact import ElementwiseAdamW
 from evenrl.distributed.ops import _local
 
-def make_adamw(params: list[torch.nn.Parameter], cfg: RunConfig, lr: float) -> torch.optim.Optimizer:
-    """AdamW over `params` with the run's betas and weight decay, as the module docstring says which."""
+def make_adamw(params: list[torch.nn.Parameter], cfg: RunConfig, lr: float, *,
+               split: bool = False) -> torch.optim.Optimizer:
+    """AdamW over `params` with the run's betas and weight decay, as the module docstring says which. `split`: the
+    model is split over a tensor- or expert-parallel group."""
     betas, decay = tuple(cfg.train.betas), cfg.train.weight_decay
     bitwise = cfg.train.reproducibility == "bitwise"
     if cfg.model.weights_dtype == "bfloat16":  # not under bitwise: config.compatibility refuses the pair
@@ -48,7 +50,6 @@ def make_adamw(params: list[torch.nn.Parameter], cfg: RunConfig, lr: float) -> t
     # A tensor-parallel model mixes DTensors (split weights) with plain tensors (norms), or DTensors of two meshes
     # under FSDP2, which one fused or foreach kernel refuses: each tensor is then stepped on its own; so does an
     # expert-parallel one
-    split = cfg.parallel.tensor_parallel_size > 1 or cfg.parallel.expert_parallel_size > 1
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=decay, fused=not split,
                              foreach=False if split else None)
 

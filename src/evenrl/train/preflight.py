@@ -41,14 +41,3 @@ def launch_layout(nnodes: int, nproc_per_node: int):
     return layout_from_args(Namespace(nnodes=nnodes, nproc_per_node=nproc_per_node, rollout_devices=None, device=None,
                                       device_memory_gib=None, capacity_weights=None, nodes=None))
 
-
-def mesh_sizes(cfg: RunConfig, *, rollout: bool = True) -> dict:
-    """`evenrl.distributed.collectives.init`'s arguments for this config: the mesh's parallel sizes and the
-    collective timeout (`rollout`: False for a command without rollouts, evenrl sft)."""
-    return {"timeout": cfg.parallel.collective_timeout_s,
-            "rollout_devices": cfg.parallel.rollout_devices if rollout else 0,
-            "sequence_parallel": cfg.parallel.sequence_parallel_size,
-            "tensor_parallel": cfg.parallel.tensor_parallel_size,
-            "expert_parallel": cfg.parallel.expert_parallel_size,
-            "engine_tensor_parallel": cfg.rollout.tensor_parallel_size
-            if rollout and cfg.rollout.engine == "vllm" else 1}

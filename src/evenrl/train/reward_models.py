@@ -35,6 +35,7 @@ from evenrl.core.partition import balanced_partition
 from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.sharding import shard
+from evenrl.distributed.mesh import Mesh
 from evenrl.engines import Engine, HFEngine
 from evenrl.engines.base import SamplingParams
 from evenrl.errors import UsageError
@@ -73,23 +74,23 @@ class Judge:
 Scorer = RewardModel | Judge
 
 
-def load_scorers(cfg: RunConfig, info) -> list[Scorer]:
+def load_scorers(cfg: RunConfig, mesh: Mesh) -> list[Scorer]:
     """The reward models and judges of rewards.functions, in entry order, ready on this training rank."""
     out: list[Scorer] = []
     for i, spec in enumerate(cfg.rewards.functions):
         field = f"rewards.functions.{i}"
         if spec.model:
             model, tokenizer = load_reward_model(spec.model, f"{field}.model", dtype=cfg.model.dtype,
-                                                 device=_home(cfg, info.device))
+                                                 device=_home(cfg, mesh.device))
             _place(cfg, model)
             out.append(RewardModel(f"model:{Path(spec.model).name}", spec.weight, model, tokenizer,
-                                   _positions(model.config), info.device))
+                                   _positions(model.config), mesh.device))
         elif spec.judge is not None:
-            out.append(_load_judge(cfg, info, spec.judge, spec.weight, i))
+            out.append(_load_judge(cfg, mesh, spec.judge, spec.weight, i))
     return out
 
 
-def _load_judge(cfg: RunConfig, info, spec: JudgeSpec, weight: float, i: int) -> Judge:
+def _load_judge(cfg: RunConfig, mesh: Mesh, spec: JudgeSpec, weight: float, i: int) -> Judge:
     field = f"rewards.functions.{i}.judge"
     path = spec.model or cfg.model.path
     if spec.model and not Path(spec.model).expanduser().is_dir():
@@ -106,14 +107,14 @@ def _load_judge(cfg: RunConfig, info, spec: JudgeSpec, weight: float, i: int) ->
 
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        engine = VLLMEngine(cfg, eos_token_ids=eos, device=info.device, path=path, max_len=positions)
-        return Judge(name, weight, spec, engine, None, tokenizer, parser, seed, positions, info.device)
-    model, tokenizer = load_policy(path, dtype=cfg.model.dtype, device=_home(cfg, info.device))
+        engine = VLLMEngine(cfg, eos_token_ids=eos, device=mesh.device, path=path, max_len=positions)
+        return Judge(name, weight, spec, engine, None, tokenizer, parser, seed, positions, mesh.device)
+    model, tokenizer = load_policy(path, dtype=cfg.model.dtype, device=_home(cfg, mesh.device))
     model.requires_grad_(False)
     _place(cfg, model)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     engine = HFEngine(model, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
-    return Judge(name, weight, spec, engine, model, tokenizer, parser, seed, positions, info.device)
+    return Judge(name, weight, spec, engine, model, tokenizer, parser, seed, positions, mesh.device)
 
 
 def _home(cfg: RunConfig, device: torch.device) -> torch.device:

@@ -16,6 +16,7 @@ import torch
 from evenrl.config import RunConfig
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.mesh import Mesh
 from evenrl.engines import Engine, make_engine
 from evenrl.engines.base import sampling_params
 from evenrl.engines.payload import make_payload
@@ -33,13 +34,13 @@ from evenrl.agents.rollout import Agents
 from evenrl.train.trajectories import Turns, make_turns
 
 
-def serve(cfg: RunConfig, info, found: Path | None) -> None:
+def serve(cfg: RunConfig, mesh: Mesh, found: Path | None) -> None:
     """Generate every step's samples of this replica, from step 1 or after checkpoint `found`."""
-    check_settings(cfg, info)
+    check_settings(cfg, mesh)
     turns = make_turns(cfg)  # checks the chat template before any weights load
     # one whole copy in the engine's dtype: the hf engine samples from it, and it gives the push its layout (all a
     # vLLM rank needs of it: its tensors' shapes, on the meta device, so the device is the engine's alone)
-    device = info.device if cfg.rollout.engine == "hf" else torch.device("meta")
+    device = mesh.device if cfg.rollout.engine == "hf" else torch.device("meta")
     model, tokenizer = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=device)
     set_tf32(cfg.model.tf32)  # the trainers' matmul precision: the same products on both sides
     if cfg.model.lora.rank:  # the trainers' adapters, overwritten by every push; the base is the trainers' already
@@ -49,7 +50,7 @@ def serve(cfg: RunConfig, info, found: Path | None) -> None:
     # devices to it and take part in the pushes and the sends only, with no samples of their own
     group = dist.shape().group_of("engine", dist.rank())
     engine = None if group[0] != dist.rank() else make_engine(
-        cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, device=info.device)
+        cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, device=mesh.device)
     processor, _ = vision_setup(cfg, model)
     prompts, _ = load_prompt_set(cfg, tokenizer, turns, vision=(processor, model.config) if processor else None)
     sampler = PromptSampler(len(prompts.rows), cfg.data.seed)
@@ -108,7 +109,7 @@ def generate_and_send(cfg: RunConfig, engine: Engine | None, prompts: Prompts, s
     # as the trainers split: by rollout unit (a tensor-parallel group), to the rank of each that keeps the samples
     units = dist.shape().trainers // dist.shape().tp
     shares = dist.per_trainer([[x for b in batches for x in b] for batches in unit_batches(
-        cfg, costs, units, dist.unit_weights(cfg.parallel.fixed_capacity_weights()))])
+        cfg, costs, units, dist.unit_weights(dist.capacity()))])
     dist.send_rollouts(step, policy_version(step, cfg.rollout.max_staleness),
                        [[made[(p, i)] for p, first, count in share for i in range(first, first + count)
                          if (p, i) in made] for share in shares])

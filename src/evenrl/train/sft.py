@@ -29,7 +29,6 @@ from evenrl.train import determinism, rundir
 from evenrl.train.checkpoint import save_final
 from evenrl.config.compatibility import SFT_RULES
 from evenrl.planner.compatibility import check_run
-from evenrl.train.preflight import mesh_sizes
 from evenrl.train.runlog import RunLog
 from evenrl.train.trackers import Trackers, check_reachable
 from evenrl.train.trainer import trainable_model
@@ -41,13 +40,13 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
     check_run(cfg, rollout_devices=0, rules=SFT_RULES)  # as the launcher did: no row of them is about the device
     check_reachable(cfg)  # a tracker's server, before anything loads
     determinism.environment(cfg)
-    info = dist.init(**mesh_sizes(cfg, rollout=False))
-    determinism.settle(cfg, info.device)  # bitwise: one CPU thread, deterministic kernels
+    mesh = dist.from_config(cfg, rollout=False)
+    determinism.settle(cfg, mesh.device)  # bitwise: one CPU thread, deterministic kernels
     if dist.is_main():
         rundir.prepare(cfg.log.run_dir, overwrite=overwrite)
     dist.barrier()
     torch.manual_seed(cfg.train.seed)
-    model, tokenizer = trainable_model(cfg, cfg.model.path, info)  # the whole model, or with model.lora its adapters
+    model, tokenizer = trainable_model(cfg, cfg.model.path, mesh)  # the whole model, or with model.lora its adapters
     rows, prompt_tokens, _ = load_data(cfg, tokenizer)
     eos = tokenizer.eos_token_id
     targets = [tokenizer.encode(str(r["answer"]), add_special_tokens=False) + ([eos] if eos is not None else [])
@@ -74,7 +73,7 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
         group, groups = dist.data_parallel()
         bitwise = cfg.train.reproducibility == "bitwise"  # micro-batches the same on any layout (core.canonical)
         schedule = (canonical_schedule if bitwise else make_schedule)([len(s) for s in seqs], world=groups,
-                                 token_cap=cfg.train.token_cap_per_micro_batch * cfg.parallel.sequence_parallel_size,
+                                 token_cap=cfg.train.token_cap_per_micro_batch * mesh.sp,
                                  min_rows=cfg.train.min_rows_per_micro_batch,
                                  packed=hasattr(model, "evenrl_sequence_group"))
         mine = schedule.rank_rows(group)

@@ -91,7 +91,8 @@ def rl_step(step: int, trainer: Trainer) -> tuple[dict, list[dict]]:
         stats["weights/hash"] = weights_hash(trainer, step)                     # the proof: equal logs, equal runs
 
     lr = trainer.policy.optimizer.param_groups[0]["lr"]
-    metrics = step_metrics(cfg, lr, everyone, schedule, {**stats, **adv_stats, **sampling, **load}, failures, timer)
+    metrics = step_metrics(cfg, lr, everyone, schedule, {**stats, **adv_stats, **sampling, **load}, failures, timer,
+                           trainer.mesh.sp)
     return metrics, example_rows(local)
 
 
@@ -242,7 +243,7 @@ def plan_step(trainer: Trainer, everyone: Batch):
     sequence parallelism its "ranks" are the groups of S ranks: a group's micro-batch is packed (no padding) and
     split S ways, so it holds S times a rank's token cap, and its cost counts attention (quadratic in length)."""
     cfg = trainer.cfg
-    S, M = cfg.parallel.sequence_parallel_size, dist.replica_size()  # M: the replica's ranks, sp x tp
+    S, M = trainer.mesh.sp, trainer.mesh.replica  # M: the replica's ranks, sp x tp
     caps, weights = trainer.balance.schedule_caps(cfg), trainer.balance.update
     if M > 1:  # a replica is as fast and holds as much as its weakest rank; tensor parallelism splits no tokens
         caps = [S * min(caps[g:g + M]) for g in range(0, len(caps), M)] if isinstance(caps, list) else S * caps

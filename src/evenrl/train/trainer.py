@@ -16,6 +16,7 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.mesh import Mesh
 from evenrl.distributed.sharding import shard
 from evenrl.engines import Engine, make_engine
 from evenrl.engines.payload import make_payload
@@ -64,6 +65,7 @@ class Prompts:
 @dataclass
 class Trainer:
     cfg: RunConfig
+    mesh: Mesh  # the job's mesh (distributed.mesh): every size and group the step asks for
     policy: Trained
     critic: Trained | None  # algo.advantage=gae
     reference: torch.nn.Module | None  # frozen, in the compute dtype; algo.kl_coef > 0 without model.lora
@@ -153,33 +155,33 @@ class Trainer:
             self.sync.begin(self.step, found)
 
 
-def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Trainer:
+def build_trainer(cfg: RunConfig, mesh: Mesh, balance: Balance | None = None) -> Trainer:
     """A training rank's Trainer at step 0: policy (and critic) ready to train, reference, data, engine, sync;
     `balance`: the token caps and capacity weights of the plan (evenrl.train.balance.make_balance; None: the
     config's one cap, equal weights)."""
     torch.manual_seed(cfg.train.seed)
-    check_settings(cfg, info)
+    check_settings(cfg, mesh)
     turns = make_turns(cfg)  # checks the chat template before any weights load
-    model, tokenizer = trainable_model(cfg, cfg.model.path, info)
+    model, tokenizer = trainable_model(cfg, cfg.model.path, mesh)
     moe.check(cfg, model)  # router replay and the load-balancing loss on what the routers can do
     critic = None
     if cfg.algo.advantage == "gae":  # built like the policy: whatever is applied to one applies to the other
-        critic_model, _ = trainable_model(cfg, cfg.critic.path or cfg.model.path, info,
+        critic_model, _ = trainable_model(cfg, cfg.critic.path or cfg.model.path, mesh,
                                           head=lambda m: with_value_head(m, cfg.train.seed))
         critic = Trained(critic_model, *adamw(critic_model, cfg, cfg.critic.lr, cfg.critic.warmup_steps))
     reference = None
     if cfg.algo.kl_coef > 0 and not cfg.model.lora.rank:  # frozen: held in the compute dtype, no master copy
-        reference, _ = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
+        reference, _ = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=mesh.device)
         reference.eval().requires_grad_(False)
-        split_tensors(reference, cfg)
+        split_tensors(reference, mesh)
         if cfg.parallel.sharding == "fsdp":
             shard(reference, offload=cfg.parallel.cpu_offload == "full")
-        split_sequences(reference, cfg)
+        split_sequences(reference, cfg, mesh)
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     engine = None
     if not dist.rollout_ranks():  # reserved rollout ranks generate everything: no second copy of the weights here
         engine = make_engine(cfg, model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
-                             device=info.device)
+                             device=mesh.device)
     sync = make_weight_sync(cfg, engine=engine, payload=make_payload(cfg, model),
                             ckpt_root=Path(cfg.log.run_dir) / "checkpoints")
     processor, weight = vision_setup(cfg, model)
@@ -191,20 +193,21 @@ def build_trainer(cfg: RunConfig, info, balance: Balance | None = None) -> Train
         n = cfg.eval.max_prompts
         eval_prompts = Prompts(evals.rows[:n], evals.tokens[:n], evals.images[:n],
                                None if evals.openings is None else evals.openings[:n])
-    return Trainer(cfg=cfg, policy=Trained(model, *adamw(model, cfg, cfg.train.lr, cfg.train.warmup_steps)),
-                   critic=critic, reference=reference, tokenizer=tokenizer, prompts=prompts,
+    return Trainer(cfg=cfg, mesh=mesh,
+                   policy=Trained(model, *adamw(model, cfg, cfg.train.lr, cfg.train.warmup_steps)), critic=critic,
+                   reference=reference, tokenizer=tokenizer, prompts=prompts,
                    eval_prompts=eval_prompts, sampler=PromptSampler(len(prompts.rows), cfg.data.seed),
                    reward_fns=[] if turns else [(resolve(spec.name), spec.weight) for spec in cfg.rewards.functions
                                                 if spec.name],
                    engine=engine, sync=sync, skipped_prompts=skipped, eos_ids=eos_ids, image_processor=processor,
-                   vision_weight=weight, scorers=[] if turns else load_scorers(cfg, info),
+                   vision_weight=weight, scorers=[] if turns else load_scorers(cfg, mesh),
                    balance=balance or Balance(), turns=turns, carry=Carry(cfg, turns) if cfg.rollout.partial else None)
 
 
-def check_settings(cfg: RunConfig, info) -> None:
+def check_settings(cfg: RunConfig, mesh: Mesh) -> None:
     """What does not run together (config.compatibility, the plan's findings too) on this rank's device and the
     run's reserved rollout ranks, refused in one line before anything loads."""
-    check_run(cfg, device=info.device.type, rollout_devices=len(dist.rollout_ranks()))
+    check_run(cfg, device=mesh.device.type, rollout_devices=len(mesh.rollout_ranks()))
 
 
 def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:
@@ -229,7 +232,7 @@ def load_prompt_set(cfg: RunConfig, tokenizer, turns: Turns | Agents | None, pat
     return Prompts(rows, tokens, openings=openings), skipped
 
 
-def trainable_model(cfg: RunConfig, path: str, info, head=None):
+def trainable_model(cfg: RunConfig, path: str, mesh: Mesh, head=None):
     """(model, tokenizer) from `path`, ready to train: the policy, or with `head` (a function of the model) the
     critic, so both go through the same construction. With model.lora the policy trains adapters only; the critic
     trains whole."""
@@ -238,14 +241,14 @@ def trainable_model(cfg: RunConfig, path: str, info, head=None):
     # precision): fp32 master weights, or bf16 ones under a Kahan-compensated AdamW (evenrl.train.optimizer); a
     # LoRA base is frozen, so it has no master copy: it is held in model.dtype, under fp32 adapters
     weights = cfg.model.weights_dtype
-    model, tokenizer = load_policy(path, dtype=cfg.model.dtype if lora else weights, device=info.device)
+    model, tokenizer = load_policy(path, dtype=cfg.model.dtype if lora else weights, device=mesh.device)
     if head is not None:
         model = head(model)
         if weights != "float32":  # the value head is made in fp32
             model.to(getattr(torch, weights))
     if lora:
         add_adapters(model, cfg.model.lora)
-    prepare_model(model, cfg)
+    prepare_model(model, cfg, mesh)
     model.train()
     return model, tokenizer
 
@@ -253,7 +256,8 @@ def trainable_model(cfg: RunConfig, path: str, info, head=None):
 def adamw(model, cfg: RunConfig, lr: float, warmup_steps: int):
     """(AdamW over the model's trainable parameters (evenrl.train.optimizer), linear warm-up over `warmup_steps`
     optimizer steps)."""
-    optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], cfg, lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_adamw(params, cfg, lr, split=dist.shape().tp > 1 or dist.shape().ep > 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
     return optimizer, scheduler

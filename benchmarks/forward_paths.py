@@ -81,7 +81,7 @@ def main() -> None:
         model, _ = load_policy(make_tiny_model(d + "/m", hidden=args.hidden, layers=args.layers, heads=4, seed=0,
                                                max_positions=args.longest + 128))
     model.train()
-    sequence_parallel(model, SequenceGroup(None, 1, 0))  # what evenrl.train.update.split_sequences gives a Qwen2
+    sequence_parallel(model, SequenceGroup(None, 1, 0))  # what evenrl.train.parallelize.split_sequences gives a Qwen2
     vocab = model.config.vocab_size
     paths = {"packed": lambda m, b, h: fw.split_forward(m, b, h, fw._output_layer_computes), "shared": shared,
              "masked": lambda m, b, h: fw._response_logits_model(m, b, 0, h)}

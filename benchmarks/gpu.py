@@ -285,7 +285,7 @@ def precision_check(model_dir: str, data: str, rows: int, new_tokens: int) -> di
     from evenrl.distributed import collectives as dist
     from evenrl.models.forward import response_logits
     from evenrl.models.loading import load_policy
-    from evenrl.train.update import prepare_model
+    from evenrl.train.parallelize import parallelize
 
     info = dist.init()
     dev = info.device
@@ -304,8 +304,8 @@ def precision_check(model_dir: str, data: str, rows: int, new_tokens: int) -> di
         if double:
             model.double()
         else:
-            prepare_model(model, RunConfig.model_validate({"model": {"dtype": dtype}, "parallel": {
-                "sharding": sharding, "cpu_offload": offload}}), info)
+            parallelize(model, info, RunConfig.model_validate({"model": {"dtype": dtype}, "parallel": {
+                "sharding": sharding, "cpu_offload": offload}}))
         model.train()
         logits, targets, mask = response_logits(model, batch, tok.pad_token_id)
         logp = token_logprobs(logits, targets) if not double else \

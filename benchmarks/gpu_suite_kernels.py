@@ -25,12 +25,14 @@ import torch
 from evenrl.config import load_config
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import token_logprobs
+from evenrl.core.model_plan import record
 from evenrl.distributed.mesh import Mesh
 from evenrl.engines.hf import SamplingParams, generate
 from evenrl.models import forward as forward_module
 from evenrl.models.forward import response_logits, response_logprobs
 from evenrl.models.loading import load_policy, set_autocast
-from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update, split_sequences
+from evenrl.train.parallelize import split_sequences
+from evenrl.train.update import compute_logprobs, minibatch_denominators, minibatch_update
 from gpu import one_line
 from gpu_suite_paths import sec_attention, sec_moe
 from gpu_suite_schemes import BF16_BOUNDS, SCHEMES, scheme_model, set_tf32
@@ -224,7 +226,7 @@ def sec_sampler(ctx: Ctx) -> dict:
             except Exception as e:  # noqa: BLE001
                 arm["error"] = one_line(e)
             out[f"{decoder}-{precision}"] = arm
-        ctx.model.evenrl_autocast = None
+        record(ctx.model).autocast = None
     return {"rows": len(ctx.prompts) * ctx.samples, "new_tokens": ctx.new,
             "busy_share_new_tokens": min(ctx.new, PROFILED_NEW_TOKENS), "arms": out}
 
@@ -373,7 +375,7 @@ SECTIONS = {"ceiling": sec_ceiling, "schemes": sec_schemes, "precision": sec_pre
 def _reset(ctx: Ctx) -> None:
     """What a failed section may have left switched on."""
     set_tf32(False)
-    ctx.model.evenrl_autocast = None
+    record(ctx.model).autocast = None
     ctx.free()
 
 

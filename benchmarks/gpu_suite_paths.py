@@ -22,6 +22,7 @@ import torch
 
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.fused_head import head_logprobs
+from evenrl.core.model_plan import record
 from evenrl.models import forward as fw
 from evenrl.models.loading import autocast, set_autocast
 from gpu import one_line
@@ -80,7 +81,7 @@ def sec_attention(ctx) -> dict:
                 out[name] = {"error": one_line(e)}
     finally:
         model.zero_grad(set_to_none=True)
-        model.evenrl_autocast = None
+        record(model).autocast = None
         ctx.free()
     return {"rows": rows, "longest_response": longest, "real_tokens": real, "padded_tokens": padded,
             "padding_share": 1 - real / padded, "precision": "bf16-autocast" if cuda else "fp32", "paths": out}

@@ -13,6 +13,7 @@ import copy
 
 import torch
 
+from evenrl.core.model_plan import record
 from evenrl.models.loading import set_autocast
 
 SCHEMES = ("fp32", "fp32-tf32", "bf16-autocast", "bf16-params")
@@ -60,4 +61,4 @@ def scheme_model(base, scheme: str, fused: bool = True):
         set_autocast(model, torch.bfloat16)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused,
                             foreach=None if fused else True)
-    return model, opt, lambda: setattr(model, "evenrl_autocast", None)
+    return model, opt, lambda: setattr(record(model), "autocast", None)

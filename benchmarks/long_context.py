@@ -10,7 +10,7 @@ one sample's slice per rank), float32, replicated (FSDP would only move the stat
 
 Measured, one arm per (length, SP): `python -m torch.distributed.run --nproc-per-node SP` runs this file's worker on
 SP gloo processes; each builds the model, applies the run config (parallel.sequence_parallel_size=SP) through the
-trainer's own evenrl.train.update.prepare_model, and runs one forward (evenrl.models.forward.response_logprobs, the
+trainer's own evenrl.train.parallelize.parallelize, and runs one forward (evenrl.models.forward.response_logprobs, the
 output layer's log-probs chunk by chunk) and backward of the sample:
   peak   the largest rank's peak bytes of live CPU tensors during that forward and backward, model weights included
          (torch's profiler, profile_memory=True; benchmarks/memory.py's phase_peaks: what the CPU allocator hands
@@ -103,7 +103,8 @@ def worker(length: int, out_dir: str) -> None:
     from evenrl.core.batch import Batch, Ragged
     from evenrl.distributed import mesh
     from evenrl.models.forward import response_logprobs
-    from evenrl.train.update import prepare_model
+    from evenrl.core.model_plan import plan_of
+    from evenrl.train.parallelize import parallelize
     from memory import phase_peaks
 
     torch.set_num_threads(1)  # the arm's ranks share the cores
@@ -121,10 +122,10 @@ def worker(length: int, out_dir: str) -> None:
         torch.manual_seed(0)
         conf = Qwen2Config(**{k: v for k, v in MODEL.items() if k != "model_type"})
         model = AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa", dtype=torch.float32)
-        prepare_model(model, cfg, info)  # the trainer's: applies parallel.sequence_parallel_size
-        split = getattr(model, "evenrl_sequence_group", None)
+        parallelize(model, info, cfg)  # the trainer's: applies the mesh's sequence parallelism
+        split = plan_of(model).sequence
         if sp > 1 and (split is None or split.size != sp):
-            raise SystemExit(f"prepare_model did not split the sequence over {sp} ranks (runtime: {split})")
+            raise SystemExit(f"parallelize did not split the sequence over {sp} ranks (runtime: {split})")
         model.train()
 
         def step():

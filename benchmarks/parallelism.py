@@ -106,6 +106,7 @@ def rowwise(model, tp_mesh) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from evenrl.core.model_plan import record
     from evenrl.distributed.tensor_parallel import VocabParallelHead, _shard_rows
 
     inner = model.model
@@ -118,7 +119,7 @@ def rowwise(model, tp_mesh) -> None:
     parallelize_module(inner.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
     head = model.get_output_embeddings()
     model.set_output_embeddings(VocabParallelHead(_shard_rows(head.weight, tp_mesh), None, tp_mesh))
-    model.evenrl_tensor_parallel = tp_mesh
+    record(model).tensor_parallel = tp_mesh
 
 
 def worker(plan: str, rows: int, length: int, out_dir: str) -> None:

@@ -6,7 +6,7 @@
 
 What runs is evenrl's gradient step, not a copy of it. The policy is made as `evenrl train` makes it
 (train/trainer.py's trainable_model: fp32 master weights, or with --lora-rank a frozen base in the compute dtype
-under fp32 peft adapters on every projection; update.prepare_model: bf16 autocast, activation checkpointing, the
+under fp32 peft adapters on every projection; train.parallelize: bf16 autocast, activation checkpointing, the
 packed training forward), from random weights of the shape's published config.json (SHAPES: built in memory, no
 download), with trainer.adamw's AdamW; each step is train/step.py's `update`, the function `evenrl train` calls for
 its mini-batch updates (update.minibatch_update over the micro-batches: models.forward.response_logprobs, the GRPO
@@ -121,7 +121,7 @@ def build_policy(args, cfg, device):
 
     from evenrl.models.lora import add_adapters
     from evenrl.distributed import collectives as dist
-    from evenrl.train.update import prepare_model
+    from evenrl.train.parallelize import parallelize
 
     shape = SHAPES[args.model]
     hf = AutoConfig.for_model(**shape)
@@ -133,7 +133,7 @@ def build_policy(args, cfg, device):
         model = AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="sdpa")
     if args.lora_rank:
         add_adapters(model, cfg.model.lora)
-    prepare_model(model, cfg, dist.init())
+    parallelize(model, dist.init(), cfg)
     model.train()
     return model
 
@@ -164,6 +164,7 @@ def measure(args) -> dict:
     import torch
 
     from evenrl.core.masking import counted_lengths
+    from evenrl.core.model_plan import plan_of
     from evenrl.distributed import collectives as dist
     from evenrl.train import step as train_step
     from evenrl.train.objectives import norm_tokens
@@ -217,7 +218,7 @@ def measure(args) -> dict:
         "model": args.model, "shape": shape, "seq_len": args.seq_len, "micro_batches": args.micro_batches,
         "rows_per_micro_batch": args.rows_per_micro_batch, "lora_rank": args.lora_rank, "dtype": args.dtype,
         "gradient_checkpointing": args.ckpt, "device": name or "cpu",
-        "forward_path": "packed" if getattr(model, "evenrl_sequence_group", None) is not None else "masked",
+        "forward_path": "packed" if plan_of(model).sequence is not None else "masked",
         "params": sum(p.numel() for p in model.parameters()), "trainable_params": sum(p.numel() for _, p in named),
         "lora_params": lora_params, "build_s": build_s, "warmup_s": secs[:args.warmup], "step_s": timed,
         "tokens_per_step": tokens, "tokens_per_s": tps, "flop_per_token": fpt,

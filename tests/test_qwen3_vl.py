@@ -55,7 +55,7 @@ def _png(w: int, h: int, seed: int = 0) -> bytes:
 
 
 def trainer_model(path: str, arch: str):
-    """(the model as evenrl trains it, its tokenizer): a mixture of experts packs its rows (update.split_sequences)."""
+    """(the model as evenrl trains it, its tokenizer): a mixture of experts packs its rows (parallelize.split_sequences)."""
     model, tok = load_policy(path)
     if arch == "qwen3_vl_moe":
         sequence_parallel(model, SequenceGroup(None, 1, 0))

@@ -214,7 +214,7 @@ def test_the_run_refuses_what_ranks_sampling_together_cannot_do_as_the_plan_does
 
 def test_a_mixture_of_experts_is_refused_tensor_parallel(assets, tmp_path, capsys):
     """The plan's tensor-parallel-model (one line, exit 2, before anything loads) and the run's own check where the
-    model is split (distributed.tensor_parallel.check, which train.update.split_tensors runs first); a DeepSeek-V3,
+    model is split (distributed.tensor_parallel.check, which train.parallelize.split_tensors runs first); a DeepSeek-V3,
     whose first layer is dense, is not taken for a model the plan covers (every layer is looked at)."""
     from e2e import evenrl_here
     from evenrl.distributed.tensor_parallel import check, supports

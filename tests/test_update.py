@@ -10,8 +10,10 @@ from e2e import with_random_adapters
 from evenrl.config import load_config
 from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
 from evenrl.models import forward as U
+from evenrl.core.model_plan import plan_of
 from evenrl.distributed.mesh import Mesh
-from evenrl.train.update import minibatch_denominators, split_sequences
+from evenrl.train.parallelize import split_sequences
+from evenrl.train.update import minibatch_denominators
 from evenrl.core.batch import Batch, Ragged
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
@@ -54,7 +56,7 @@ def test_shared_prefix_forward_matches_plain(tmp_path, monkeypatch, arch):
 
 
 def packed(model):
-    """`model` with the packed path of one rank (what evenrl.train.update.split_sequences gives a plain Qwen2/Llama)."""
+    """`model` with the packed path of one rank (what evenrl.train.parallelize.split_sequences gives a plain Qwen2/Llama)."""
     sequence_parallel(model, SequenceGroup(None, 1, 0))
     return model
 
@@ -98,13 +100,13 @@ def test_plain_qwen2_and_llama_train_packed_other_families_masked(tmp_path):
     for arch in ("qwen2", "llama"):
         model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch, seed=1))
         split_sequences(model, cfg, Mesh())
-        assert model.evenrl_sequence_group.size == 1
+        assert plan_of(model).sequence.size == 1
     from transformers import MistralConfig, MistralForCausalLM  # sliding-window attention: the model's own masks
 
     model = MistralForCausalLM(MistralConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                              num_attention_heads=4, num_key_value_heads=2, sliding_window=8))
     split_sequences(model, cfg, Mesh())
-    assert not hasattr(model, "evenrl_sequence_group")
+    assert plan_of(model).sequence is None
 
 
 def test_shared_prefix_only_when_it_saves_enough(tmp_path):

@@ -41,6 +41,7 @@ the same interface. The local experts run through `grouped_mm` whatever the mode
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ import torch
 import torch.distributed as tdist
 from torch import Tensor
 
+from evenrl.core.model_plan import plan_of, record
 from evenrl.distributed.guard import guard
 from evenrl.errors import UsageError
 
@@ -62,7 +64,7 @@ def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @dataclass
 class ExpertShard:
-    """What an experts module's forward needs under expert parallelism (the module's `evenrl_ep`)."""
+    """What an experts module's forward needs under expert parallelism (`shard_of(module)`)."""
 
     group: Any  # this rank's ep process group
     size: int  # EP
@@ -72,8 +74,18 @@ class ExpertShard:
     whole: dict[str, Tensor] | None = None  # every expert, while gathered_experts holds them (generation)
 
 
+# each split experts module's ExpertShard, kept beside the module (not set on it): transformers' ExpertsInterface hands
+# the backend the module alone
+_SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shard_of(module: torch.nn.Module) -> ExpertShard | None:
+    """The ExpertShard of an experts module split by `expert_parallel` (None: not split)."""
+    return _SHARDS.get(module)
+
+
 def is_expert_parallel(model: torch.nn.Module) -> bool:
-    return getattr(model, "evenrl_expert_parallel", 1) > 1
+    return plan_of(model).expert_parallel > 1
 
 
 def expert_parallel(model: torch.nn.Module, mesh) -> None:
@@ -106,16 +118,16 @@ def expert_parallel(model: torch.nn.Module, mesh) -> None:
             split = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
             owner, _, attr = n.rpartition(".")
             m.get_submodule(owner).register_parameter(attr, torch.nn.Parameter(split, requires_grad=p.requires_grad))
-        m.evenrl_ep = ExpertShard(ep_mesh.get_group(), ep, index, local, names)
+        _SHARDS[m] = ExpertShard(ep_mesh.get_group(), ep, index, local, names)
     model.set_experts_implementation(BACKEND)
-    model.evenrl_expert_parallel = ep
+    record(model).expert_parallel = ep
 
 
 @contextlib.contextmanager
 def gathered_experts(model: torch.nn.Module):
     """Within the block every experts module runs all its experts locally, gathered once over its ep group (a
     collective every rank joins at the same point: generation, evaluation). A no-op without expert parallelism."""
-    shards = [(m, m.evenrl_ep) for m in model.modules() if getattr(m, "evenrl_ep", None) is not None]
+    shards = [(m, _SHARDS[m]) for m in model.modules() if m in _SHARDS]
     if shards:
         with torch.no_grad(), guard("expert all-gather"):
             for m, s in shards:
@@ -152,7 +164,7 @@ def experts_forward(module, hidden: Tensor, top_k_index: Tensor, top_k_weights: 
     """The "evenrl_ep" experts backend: hidden [N, H], top_k_index / top_k_weights [N, k] -> [N, H]."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    shard: ExpertShard | None = getattr(module, "evenrl_ep", None)
+    shard = _SHARDS.get(module)
     if shard is None:  # a model not split (a copy built from the same config object)
         own = _Weights(module, _adapted(module, dict(module.named_parameters())), module.num_experts)
         return grouped_mm_experts_forward(own, hidden, top_k_index, top_k_weights)

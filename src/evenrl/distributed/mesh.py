@@ -25,7 +25,7 @@ rollout ranks too; a dimension of size 1 builds none.
 
 The mesh is one object (`Mesh`, torchtitan's ParallelDims is the model): `from_config(cfg)` builds it once from the
 config's parallel sizes and the launch, and returns it; whoever needs a group or a size is handed it (the trainer
-keeps it as `Trainer.mesh`, `evenrl.train.update.prepare_model` splits a model over it) and asks it, never the
+keeps it as `Trainer.mesh`, `evenrl.train.parallelize` applies a model's plan over it) and asks it, never the
 config again. The process has one (a process group is per process too); the module's functions (`rank()`,
 `size(dim)`, ...: what `evenrl.distributed.collectives` re-exports) are that object's answers, for the collectives
 of code that is handed no mesh.

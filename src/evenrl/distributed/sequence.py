@@ -36,6 +36,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import Tensor
 
+from evenrl.core.model_plan import record
 from evenrl.errors import UsageError
 
 NAME = "evenrl_ulysses"  # the attention implementation's name in transformers' registries
@@ -249,7 +250,7 @@ def register() -> None:
 
 def sequence_parallel(model, sp: SequenceGroup) -> None:
     """Apply sequence parallelism to `model` in place: its attention becomes `ulysses_attention` and the training
-    forward (evenrl.models.forward) finds the group at `model.evenrl_sequence_group`. Size 1 is the packed forward
+    forward (evenrl.models.forward) finds the group in the model's plan (`core.model_plan`: `plan.sequence`). Size 1 is the packed forward
     of one rank (rows back to back, attention within each row): what activation checkpointing uses."""
     register()
     tower = getattr(model.config, "vision_config", None)
@@ -259,4 +260,4 @@ def sequence_parallel(model, sp: SequenceGroup) -> None:
             config._attn_implementation = NAME_EAGER if config._attn_implementation == "eager" else NAME
     if tower is not None:  # a vision tower keeps its own attention within each image (a top config's setting
         tower._attn_implementation = own  # reaches its sub-configs); it ignores the segments it is passed
-    model.evenrl_sequence_group = sp
+    record(model).sequence = sp

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from evenrl.core.model_plan import record
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.expert_parallel import shard_of
 from evenrl.errors import UsageError
 
 
@@ -53,7 +55,7 @@ def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     # expert parallelism: each experts module a unit of its own over the ranks holding the same experts (edata),
     # its block's unit over the data ranks holding the rest (torchtitan's layout)
-    for experts in (m for m in model.modules() if getattr(m, "evenrl_ep", None) is not None):
+    for experts in (m for m in model.modules() if shard_of(m) is not None):
         fully_shard(experts, mesh=dist.expert_mesh(device)["edata"], mp_policy=mp, offload_policy=policy)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy)
@@ -61,4 +63,4 @@ def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     for unit in (m for m in model.modules() if hasattr(m, "set_gradient_divide_factor")):
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
-
+    record(model).sharded = True

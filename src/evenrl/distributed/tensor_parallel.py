@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from evenrl.core.fused_head import VocabShard, head_logprobs
+from evenrl.core.model_plan import plan_of, record
 from evenrl.errors import UsageError
 
 ATTENTION = ("q_proj", "k_proj", "v_proj")
@@ -107,7 +108,7 @@ def tensor_parallel(model, tp_mesh) -> None:
     if head is not None and head.weight.shape[0] == model.config.get_text_config().vocab_size:
         weight = inner.embed_tokens.weight if tied else _shard_rows(head.weight, tp_mesh)
         model.set_output_embeddings(VocabParallelHead(weight, head.bias, tp_mesh))
-    model.evenrl_tensor_parallel = tp_mesh
+    record(model).tensor_parallel = tp_mesh
 
 
 def _colwise(block, name: str, tp_mesh, ColwiseParallel, parallelize_module) -> None:
@@ -132,7 +133,7 @@ def _shard_rows(weight: Tensor, tp_mesh) -> torch.nn.Parameter:
 
 
 def is_tensor_parallel(model) -> bool:
-    return getattr(model, "evenrl_tensor_parallel", None) is not None
+    return plan_of(model).tensor_parallel is not None
 
 
 class VocabParallelHead(torch.nn.Module):

@@ -7,7 +7,7 @@ Rows are stored pad-free in a Batch: `tokens` (ragged: prompt + response ids) an
            sequence-parallel group or on one rank: every plain Qwen2/Llama, any text model with activation
            checkpointing, tensor parallelism or experts, and a vision-language mixture of experts (Qwen3-VL-MoE:
            its images and each row's M-RoPE positions, models.vision.packed_images), as
-           evenrl.train.update.split_sequences gives them the group;
+           evenrl.train.parallelize.split_sequences gives them the group;
   shared   each distinct prompt run once and its keys/values copied to its samples, where that saves enough and
            runs fewer tokens than the packed rows would (a GRPO group with a long prompt: 4 prompts of 96 tokens x 8
            samples, 2.4x faster than packed on CPU);
@@ -40,6 +40,7 @@ from torch import Tensor
 
 from evenrl.core.batch import Batch
 from evenrl.core.fused_head import head_logprobs
+from evenrl.core.model_plan import plan_of
 from evenrl.models.loading import autocast, compute_device, is_checkpointing, is_sharded
 from evenrl.models.routing import is_moe
 from evenrl.models.split_forward import split_forward
@@ -80,10 +81,10 @@ def response_logprobs(model, batch: Batch, pad_token_id: int, *, temperature: fl
 
 
 def _response_logits(model, batch: Batch, pad_token_id: int, head: Head | None) -> tuple[Tensor, Tensor, Tensor]:
-    sp = getattr(model, "evenrl_sequence_group", None)  # evenrl.train.update.split_sequences
+    sp = plan_of(model).sequence  # evenrl.train.parallelize (packing, sequence parallelism)
     if sp is not None and (sp.size > 1 or is_sharded(model)):  # one forward call on every rank of a group
         return split_forward(model, batch, head, _output_layer_computes)
-    if is_vision_model(model) and sp is None:  # a vision mixture of experts packs (update.split_sequences)
+    if is_vision_model(model) and sp is None:  # a vision mixture of experts packs (parallelize.split_sequences)
         return _response_logits_vision(model, batch, pad_token_id, head)
     if is_sharded(model):
         return _response_logits_model(model, batch, pad_token_id, head)
@@ -171,7 +172,7 @@ def _shared_prefixes(model, batch: Batch, packed: bool = False):
     checkpointed model (its
     layers drop the cache), a mixture of experts (routes are recorded and replayed by packed position) or a
     tensor-parallel one: they train packed only."""
-    if is_checkpointing(model) or is_moe(model) or hasattr(model, "evenrl_tensor_parallel"):
+    if is_checkpointing(model) or is_moe(model) or plan_of(model).tensor_parallel is not None:
         return None
     tok = batch["tokens"]
     seqs = torch.split(tok.values, tok.lengths.tolist())

@@ -11,6 +11,7 @@ import os
 import torch
 from safetensors import SafetensorError
 
+from evenrl.core.model_plan import plan_of, record
 from evenrl.errors import UsageError, bad, first_line
 from evenrl.models.files import check_model_dir, check_reward_model_dir, is_vision_config
 
@@ -136,12 +137,12 @@ def set_tf32(on: bool) -> None:
 def set_autocast(model, dtype: torch.dtype) -> None:
     """Mixed precision for a replicated model: its fp32 parameters stay the master weights and every forward of it
     (response_logits, the sampler) runs under torch.autocast(dtype). FSDP2 models get it from their policy."""
-    model.evenrl_autocast = dtype
+    record(model).autocast = dtype
 
 
 def autocast(model):
     """The forward-pass precision context of `model` (see set_autocast); a no-op context for fp32 models."""
-    dtype = getattr(model, "evenrl_autocast", None)
+    dtype = plan_of(model).autocast
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
@@ -168,9 +169,9 @@ def is_sharded(model) -> bool:
 
 def forwards_meet(model) -> bool:
     """Whether every forward of the model is a collective over the data ranks (FSDP2 gathers its units, expert
-    parallelism exchanges tokens: evenrl.distributed.expert_parallel marks the model), so every rank must run as
-    many forwards and backwards, a filler where it has no rows."""
-    return is_sharded(model) or getattr(model, "evenrl_expert_parallel", 1) > 1
+    parallelism exchanges tokens: the model's plan, core.model_plan), so every rank must run as many forwards and
+    backwards, a filler where it has no rows."""
+    return is_sharded(model) or plan_of(model).expert_parallel > 1
 
 
 def is_checkpointing(model) -> bool:

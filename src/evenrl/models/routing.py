@@ -21,6 +21,7 @@ already dispatches through): the hooks see only the router's outputs.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -186,18 +187,21 @@ class Routing:
         return logits, weights, ids
 
 
+# each model's Routing, kept beside the model (not set on it)
+_ROUTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def routing(model) -> Routing | None:
     """The model's Routing (its hooks installed on first use), or None for a model without known routers."""
-    state = getattr(model, "evenrl_routing", None)
+    state = _ROUTING.get(model)
     if state is None and is_moe(model):
-        state = Routing(model)
-        model.evenrl_routing = state
+        state = _ROUTING[model] = Routing(model)
     return state
 
 
 def is_moe(model) -> bool:
     """Whether the model routes tokens through routers evenrl knows (FAMILIES)."""
-    if getattr(model, "evenrl_routing", None) is not None:
+    if model in _ROUTING:
         return True
     return any(type(m).__name__ in FAMILIES for m in model.modules())
 
@@ -254,7 +258,7 @@ class _Recorder:
 
 def clear(model) -> None:
     """Forget the last forward's plan (nothing will recompute it)."""
-    state = getattr(model, "evenrl_routing", None)
+    state = _ROUTING.get(model)
     if state is not None:
         state.plan = None
 

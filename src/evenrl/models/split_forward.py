@@ -17,7 +17,8 @@ A mixture of experts' routers get the plan of this call (evenrl.models.routing.p
 recorded routes replayed at this slice's positions, and with recording on, the routes used gathered back to whole
 rows.
 
-The group (`model.evenrl_sequence_group`, set by evenrl.distributed.sequence.sequence_parallel) is used through
+The group (the model's plan's `sequence`, core.model_plan, recorded by evenrl.distributed.sequence.sequence_parallel) is
+used through
 `size`, `index`, `attention_kwargs(bounds)` and `gather_outputs(x, counts)`.
 """
 
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 
 from evenrl.core.batch import Batch
+from evenrl.core.model_plan import plan_of
 from evenrl.models.loading import compute_device
 from evenrl.models.routing import packed_plan, route_rows
 from evenrl.models.vision import is_vision_model, packed_images
@@ -42,7 +44,7 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 def split_forward(model, batch: Batch, head: Callable | None, output_layer_computes) -> tuple[Tensor, Tensor, Tensor]:
     """(outputs [B, R, k], targets [B, R], mask [B, R]) as evenrl.models.forward.response_logits returns them.
     output_layer_computes(model, head, targets): forward's context that has the output layer compute `head`."""
-    sp = model.evenrl_sequence_group
+    sp = plan_of(model).sequence
     device = compute_device(model)
     tok = batch["tokens"]
     ids, lengths = tok.values.to(device), tok.lengths.to(device)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from evenrl.config import RunConfig
 from evenrl.core.batch import Batch, Ragged
+from evenrl.core.model_plan import plan_of
 from evenrl.core.moe import balance_loss, load_metrics, mismatch_metrics
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.exact import canonical_sum
@@ -91,7 +92,7 @@ def probe(model, batch: Batch, micro_rows: list[list[int]], *, temperature: floa
     bitwise: the rows' |engine - trainer| sums added in sample order (distributed.exact.canonical_sum); the counts
     are integers, exact in any order."""
     state = routing.routing(model)
-    sp = getattr(model, "evenrl_sequence_group", None)
+    sp = plan_of(model).sequence
     L = state.layers
     sums = torch.zeros(L + 4, dtype=torch.float64)  # per-layer differs, any layer, routed tokens, |diff|, tokens
     keyed: list[tuple[int, list[float]]] = []  # (sample, its sum of |diff|) of the rows this rank counts
@@ -135,7 +136,7 @@ class Experts:
     def __init__(self, cfg: RunConfig, model, pad_token_id: int):
         self.state = routing.routing(model)
         self.coef, self.pad_id = cfg.algo.router_aux_loss_coef, pad_token_id
-        self.sp = getattr(model, "evenrl_sequence_group", None)
+        self.sp = plan_of(model).sequence
         self.loads = torch.zeros((self.state.layers, self.state.experts), dtype=torch.long)
         # replayed tokens whose live top-k set differs, per layer and in any layer, and the replayed tokens: how far
         # the update's replay departs from the routing the model would choose at its current weights

@@ -34,7 +34,7 @@ from evenrl.distributed.ops import _local
 def make_adamw(params: list[torch.nn.Parameter], cfg: RunConfig, lr: float, *,
                split: bool = False) -> torch.optim.Optimizer:
     """AdamW over `params` with the run's betas and weight decay, as the module docstring says which. `split`: the
-    model is split over a tensor- or expert-parallel group."""
+    model is split over a tensor- or expert-parallel group (its plan says so)."""
     betas, decay = tuple(cfg.train.betas), cfg.train.weight_decay
     bitwise = cfg.train.reproducibility == "bitwise"
     if cfg.model.weights_dtype == "bfloat16":  # not under bitwise: config.compatibility refuses the pair

@@ -34,7 +34,6 @@ from evenrl.config.rewards import JudgeSpec
 from evenrl.core.partition import balanced_partition
 from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
-from evenrl.distributed.sharding import shard
 from evenrl.distributed.mesh import Mesh
 from evenrl.engines import Engine, HFEngine
 from evenrl.engines.base import SamplingParams
@@ -45,6 +44,7 @@ from evenrl.rewards import FAILURE_KINDS, score_all
 from evenrl.rewards.judge import fill_template, resolve_parser
 from evenrl.rewards.registry import RewardFn
 from evenrl.train.data import encode_prompt
+from evenrl.train.parallelize import parallelize, scorer_home
 
 
 @dataclass
@@ -81,8 +81,8 @@ def load_scorers(cfg: RunConfig, mesh: Mesh) -> list[Scorer]:
         field = f"rewards.functions.{i}"
         if spec.model:
             model, tokenizer = load_reward_model(spec.model, f"{field}.model", dtype=cfg.model.dtype,
-                                                 device=_home(cfg, mesh.device))
-            _place(cfg, model)
+                                                 device=scorer_home(cfg, mesh.device))
+            parallelize(model, mesh, cfg, role="scorer")
             out.append(RewardModel(f"model:{Path(spec.model).name}", spec.weight, model, tokenizer,
                                    _positions(model.config), mesh.device))
         elif spec.judge is not None:
@@ -109,22 +109,11 @@ def _load_judge(cfg: RunConfig, mesh: Mesh, spec: JudgeSpec, weight: float, i: i
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         engine = VLLMEngine(cfg, eos_token_ids=eos, device=mesh.device, path=path, max_len=positions)
         return Judge(name, weight, spec, engine, None, tokenizer, parser, seed, positions, mesh.device)
-    model, tokenizer = load_policy(path, dtype=cfg.model.dtype, device=_home(cfg, mesh.device))
-    model.requires_grad_(False)
-    _place(cfg, model)
+    model, tokenizer = load_policy(path, dtype=cfg.model.dtype, device=scorer_home(cfg, mesh.device))
+    parallelize(model, mesh, cfg, role="scorer")
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     engine = HFEngine(model, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
     return Judge(name, weight, spec, engine, model, tokenizer, parser, seed, positions, mesh.device)
-
-
-def _home(cfg: RunConfig, device: torch.device) -> torch.device:
-    """Where a frozen scorer's weights live between reward phases: the host for a replicated one on a GPU."""
-    return torch.device("cpu") if cfg.parallel.sharding == "replicated" else device
-
-
-def _place(cfg: RunConfig, model) -> None:
-    if cfg.parallel.sharding == "fsdp":
-        shard(model, offload=cfg.parallel.cpu_offload == "full")
 
 
 def _positions(hf_config) -> int:

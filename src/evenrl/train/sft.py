@@ -19,6 +19,7 @@ import torch
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.canonical import canonical_schedule
+from evenrl.core.model_plan import plan_of
 from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.exact import ElementwiseAdamW
@@ -75,7 +76,7 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
         schedule = (canonical_schedule if bitwise else make_schedule)([len(s) for s in seqs], world=groups,
                                  token_cap=cfg.train.token_cap_per_micro_batch * mesh.sp,
                                  min_rows=cfg.train.min_rows_per_micro_batch,
-                                 packed=hasattr(model, "evenrl_sequence_group"))
+                                 packed=plan_of(model).sequence is not None)
         mine = schedule.rank_rows(group)
         batch = Batch({
             "tokens": Ragged.of([torch.tensor(seqs[i], dtype=torch.long) for i in mine], torch.long),

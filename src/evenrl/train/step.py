@@ -26,6 +26,7 @@ from evenrl.core.batch import Batch, Ragged
 from evenrl.core.canonical import canonical_schedule
 from evenrl.core.losses import kl_penalty
 from evenrl.core.masking import counted_lengths, masked_rows, sampled_view, spread_sampled, zero_gradient_rows
+from evenrl.core.model_plan import plan_of
 from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
 from evenrl.distributed import exact
@@ -256,7 +257,7 @@ def plan_step(trainer: Trainer, everyone: Batch):
                          groups=everyone["group"].tolist(), weights=weights,
                          min_rows=cfg.train.min_rows_per_micro_batch, inert=zero_gradient_rows(cfg, everyone),
                          extra=everyone["vision_tokens"].tolist() if "vision_tokens" in everyone else None,
-                         packed=hasattr(trainer.model, "evenrl_sequence_group"),
+                         packed=plan_of(trainer.model).sequence is not None,
                          quadratic_cost=attention_cost(trainer.model) if S > 1 else 0.0)
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from evenrl.config import RunConfig
+from evenrl.core.model_plan import plan_of
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.mesh import Mesh
-from evenrl.distributed.sharding import shard
 from evenrl.engines import Engine, make_engine
 from evenrl.engines.payload import make_payload
 from evenrl.engines.sync import WeightSync, make_weight_sync
@@ -38,7 +38,7 @@ from evenrl.train.optimizer import make_adamw
 from evenrl.train.reward_models import Scorer, load_scorers
 from evenrl.agents.rollout import Agents
 from evenrl.train.trajectories import Turns, make_turns
-from evenrl.train.update import prepare_model, split_sequences, split_tensors
+from evenrl.train.parallelize import parallelize
 
 
 @dataclass
@@ -172,11 +172,7 @@ def build_trainer(cfg: RunConfig, mesh: Mesh, balance: Balance | None = None) ->
     reference = None
     if cfg.algo.kl_coef > 0 and not cfg.model.lora.rank:  # frozen: held in the compute dtype, no master copy
         reference, _ = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=mesh.device)
-        reference.eval().requires_grad_(False)
-        split_tensors(reference, mesh)
-        if cfg.parallel.sharding == "fsdp":
-            shard(reference, offload=cfg.parallel.cpu_offload == "full")
-        split_sequences(reference, cfg, mesh)
+        parallelize(reference, mesh, cfg, role="reference")
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     engine = None
     if not dist.rollout_ranks():  # reserved rollout ranks generate everything: no second copy of the weights here
@@ -237,7 +233,7 @@ def trainable_model(cfg: RunConfig, path: str, mesh: Mesh, head=None):
     critic, so both go through the same construction. With model.lora the policy trains adapters only; the critic
     trains whole."""
     lora = head is None and cfg.model.lora.rank > 0
-    # the trained weights in model.weights_dtype whatever model.dtype says (prepare_model sets the compute
+    # the trained weights in model.weights_dtype whatever model.dtype says (parallelize sets the compute
     # precision): fp32 master weights, or bf16 ones under a Kahan-compensated AdamW (evenrl.train.optimizer); a
     # LoRA base is frozen, so it has no master copy: it is held in model.dtype, under fp32 adapters
     weights = cfg.model.weights_dtype
@@ -248,7 +244,7 @@ def trainable_model(cfg: RunConfig, path: str, mesh: Mesh, head=None):
             model.to(getattr(torch, weights))
     if lora:
         add_adapters(model, cfg.model.lora)
-    prepare_model(model, cfg, mesh)
+    parallelize(model, mesh, cfg, role="policy" if head is None else "critic")
     model.train()
     return model, tokenizer
 
@@ -257,7 +253,7 @@ def adamw(model, cfg: RunConfig, lr: float, warmup_steps: int):
     """(AdamW over the model's trainable parameters (evenrl.train.optimizer), linear warm-up over `warmup_steps`
     optimizer steps)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_adamw(params, cfg, lr, split=dist.shape().tp > 1 or dist.shape().ep > 1)
+    optimizer = make_adamw(params, cfg, lr, split=plan_of(model).split)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
     return optimizer, scheduler

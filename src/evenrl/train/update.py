@@ -17,21 +17,13 @@ from torch import Tensor
 
 from evenrl.core.aggregation import Denominators, aggregate
 from evenrl.core.batch import Batch, Ragged
-from evenrl.config import RunConfig
 from evenrl.distributed import collectives as dist
 from evenrl.distributed import exact, exact_fsdp
-from evenrl.distributed.expert_parallel import expert_parallel
-from evenrl.distributed.mesh import Mesh
-from evenrl.distributed.sequence import sequence_parallel
-from evenrl.distributed.sharding import shard
-from evenrl.distributed.tensor_parallel import tensor_parallel
 from evenrl.engines.base import keyed_seed
 from evenrl.errors import NonFinite
-from evenrl.models.decoder import LeanDecoder
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
-from evenrl.models.loading import forwards_meet, is_sharded, set_autocast, set_tf32
-from evenrl.models.routing import is_moe
-from evenrl.models.vision import freeze_tower, images_in, is_vision_model, tower_parameters
+from evenrl.models.loading import forwards_meet, is_sharded
+from evenrl.models.vision import images_in, tower_parameters
 
 
 # forward(model, micro_batch) -> (outputs [B, R, k], targets [B, R], mask [B, R]): response_logprobs, response_logits
@@ -44,54 +36,6 @@ def compute_logprobs(model, batch: Batch, micro_rows: list[list[int]], *, temper
     after(rows) runs after each micro-batch's forward (a mixture of experts' routes are read there)."""
     return _per_response_token(model, batch, micro_rows, pad_token_id,
                                lambda m, mb: response_logprobs(m, mb, pad_token_id, temperature=temperature), after)
-
-
-def prepare_model(model, cfg: RunConfig, mesh: Mesh) -> None:
-    """A frozen vision tower, activation checkpointing, sharding and precision of a model about to be trained (by
-    evenrl train or sft), before its optimizer is built. Its parameters are fp32: they are the master weights
-    whatever model.dtype is. FSDP2 wraps a vision-language model's vision blocks as units too (they are among
-    the blocks its _no_split_modules names)."""
-    if cfg.model.freeze_vision_tower and is_vision_model(model):
-        freeze_tower(model)
-    if cfg.model.gradient_checkpointing:
-        # transformers 5 renamed it; the old name warns and goes in v6
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()
-    set_tf32(cfg.model.tf32)
-    split_tensors(model, mesh)
-    compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-    if cfg.parallel.sharding == "fsdp":
-        shard(model, compute_dtype=compute, offload=cfg.parallel.cpu_offload == "full")
-        if cfg.train.reproducibility == "bitwise" and mesh.size("data") > 1:
-            exact_fsdp.install(model)  # its reduce-scatters in fixed point (one process has none)
-    elif compute != torch.float32:
-        set_autocast(model, compute)
-    split_sequences(model, cfg, mesh)
-
-
-def split_tensors(model, mesh: Mesh) -> None:
-    """Tensor parallelism (parallel.tensor_parallel_size > 1: the model's layers split over this rank's tp group,
-    evenrl.distributed.tensor_parallel) or expert parallelism (parallel.expert_parallel_size > 1: a mixture's
-    experts split over its ep group, evenrl.distributed.expert_parallel), before FSDP2 shards what is left."""
-    device = next(model.parameters()).device
-    # what they do not split (a vision-language model) was refused before anything loaded (config.compatibility)
-    if mesh.tp > 1:
-        tensor_parallel(model, mesh.device_mesh(device)["tp"])
-    if mesh.ep > 1:
-        expert_parallel(model, mesh.expert_mesh(device))
-
-
-def split_sequences(model, cfg: RunConfig, mesh: Mesh) -> None:
-    """Sequence parallelism (parallel.sequence_parallel_size > 1): the model's training forwards split each packed
-    micro-batch over this rank's group (evenrl.distributed.sequence). On one rank (a group of one) a plain
-    Qwen2/Llama packs its rows the same way instead of padding them to the longest (evenrl.models.forward says why),
-    and so do a checkpointed text model, a mixture of experts (its routes are then recorded and replayed by packed
-    position: evenrl.models.routing; a vision-language one with its images) and a tensor-parallel model (the model's own forward is its only training
-    path). The step's schedule then counts a micro-batch's real tokens against the cap (packed)."""
-    # mesh.sp > 1 for a vision-language model: refused before it loaded
-    packs = cfg.model.gradient_checkpointing or mesh.tp > 1 or is_moe(model) or LeanDecoder.supports(model)
-    if mesh.sp > 1 or (packs and (is_moe(model) or not is_vision_model(model))):  # a vision MoE packs with its images
-        sequence_parallel(model, mesh.sequence_group())
 
 
 def filler_row(pad_token_id: int) -> Batch:

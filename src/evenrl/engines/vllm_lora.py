@@ -12,8 +12,8 @@ Whether the engine takes adapters at all is `supports_adapters` (else the traine
 Adapters on a mixture's experts (model.lora.experts) go in peft's 3-D layout (target_parameters: one lora_A/lora_B
 pair per fused tensor); vLLM serves them with its MoE LoRA, started with `enable_mixed_moe_lora_format` and each
 request marked `is_3d_lora_weight`, so any MoE model class takes them (its 2-D per-expert wrapper converts them).
-Only a GPU build runs MoE LoRA (its kernels are Triton's), and vLLM's CPU build is refused for mixtures of experts
-anyway (moe-vllm-cpu): this path is untested here.
+Only a GPU build runs MoE LoRA (its kernels are Triton's): on CPU a mixture of experts with any adapters gets merged
+weights (`supports_adapters`), so this path is untested here.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import tempfile
 import typing
 from pathlib import Path
 
+from evenrl.models.files import routed_experts
 from evenrl.models.lora import save_adapter
 
 
@@ -35,6 +36,11 @@ def supports_adapters(rank: int, hf_config: dict) -> str | None:
     largest = max(typing.get_args(MaxLoRARanks))
     if rank > largest:
         return f"vLLM's LoRA takes ranks up to {largest}, model.lora.rank is {rank}"
+    if routed_experts(hf_config) and _cpu_build():
+        # with LoRA on, vLLM wraps every MoE layer in its LoRA MoE layer, whose experts run Triton's kernels: on CPU
+        # the first request fails (vllm-cpu 0.32: "triton.language has no attribute float32"), even with adapters
+        # on the attention alone
+        return "vLLM's CPU build serves no LoRA on a mixture of experts (its LoRA MoE layer runs Triton kernels)"
     try:
         from vllm.model_executor.models import ModelRegistry
         from vllm.model_executor.models.interfaces import supports_lora
@@ -46,6 +52,12 @@ def supports_adapters(rank: int, hf_config: dict) -> str | None:
     except (ImportError, AttributeError):  # another vLLM layout: its engine start says so if the model has none
         pass
     return None
+
+
+def _cpu_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def engine_kwargs(rank: int, keep: int, experts: bool = False) -> dict:

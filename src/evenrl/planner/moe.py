@@ -5,8 +5,8 @@ model's config.json and the engine, before anything loads.
 
 What the runtime refuses once the model has loaded (evenrl.train.moe.check) is found here first, in the same words
 where it can be: replay or a load-balancing loss on a dense model or on routers evenrl does not know; the loss on an
-aux-loss-free router (sigmoid scores with correction biases). Engine replay beside vLLM or an agent, and vLLM's CPU
-build as an MoE policy's engine, are config.compatibility's rows. The memory an MoE holds is planner.memory's.
+aux-loss-free router (sigmoid scores with correction biases). Engine replay beside vLLM or an agent is
+config.compatibility's rows. The memory an MoE holds is planner.memory's.
 
 Expert parallelism (parallel.expert_parallel_size, `rule_expert_parallel`): the mesh's own check
 (evenrl.distributed.mesh_shape: EP divides the data-parallel ranks and the experts), a dense model, ep groups that

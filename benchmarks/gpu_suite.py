@@ -28,6 +28,8 @@ Sections, in this order (the budget cuts from the end: the issue's four targets 
   vs-trl       evenrl vs TRL GRPO in bf16: grpo_vs_trl.py's alternating pairs (>= 2 pairs if they fit)
   step-bf16-autocast, step-fp32   `evenrl train` (gpu.py's runs): step, rollout / log-prob / update seconds and
                peak GiB per phase, `evenrl plan` beside
+  vllm-moe     a weight push into a vLLM engine serving a tiny Qwen3-MoE against a freshly loaded one: tensor by
+               tensor and by log-probs (benchmarks/vllm_moe_reload.py); skipped where vLLM is not installed
   compile      the bf16 update with the packed training forward under torch.compile (compile time apart)
   step-fsdp-bf16, step-fp32-tf32  `evenrl train` with FSDP2 bf16, and fp32 with TF32 (cuBLAS override variable)
   trainer-throughput-64k   the same two shapes at 64 K tokens per sequence, each where it fits
@@ -75,6 +77,9 @@ SECTIONS = {
     "vs-trl": ("trl", 170, 70),
     "step-bf16-autocast": ("train", 65, 25),
     "step-fp32": ("train", 60, 25),
+    # a pushed MoE against a freshly loaded vLLM engine (vllm_moe_reload.py); where vLLM is installed. Not yet run
+    # on a GPU: 2 engine starts guessed at ~40 s each; --tiny (CPU): ~90 s at load ~10 on the 2-core machine
+    "vllm-moe": ("vllm", 90, 120),
     "compile": ("kernels", 140, 40),  # a second kernels process (load ~20 s)
     "step-fsdp-bf16": ("train", 65, 25),
     "step-fp32-tf32": ("train", 60, 25),
@@ -215,6 +220,21 @@ def run_throughput(ctx, section_name: str) -> dict:
     first = next(iter(arms.values()))
     return {"status": "ran" if ran else first["status"], "reason": None if ran else first["reason"],
             "result": {"arms": arms} if ran else None}
+
+
+def run_vllm_moe(ctx) -> dict:
+    """vllm_moe_reload.py on a tiny Qwen3-MoE: its parameters after evenrl's push of changed weights against an
+    engine that loaded them, and both engines' log-probs against the trainer's forward."""
+    if importlib.util.find_spec("vllm") is None:
+        return {"status": "skipped", "reason": "vLLM is not installed here"}
+    out = ctx.work / "vllm_moe.json"
+    cmd = [sys.executable, str(HERE / "vllm_moe_reload.py"), "--archs", "qwen3_moe", "--device", ctx.device,
+           "--json", str(out)]
+    rc, text, wall = ctx.log.run("vllm-moe", cmd, ctx.budget.timeout())
+    if rc != 0 or not out.exists():
+        return {"status": "cut" if rc == 124 else "failed", "seconds": wall,
+                "reason": f"killed after {wall:.0f} s" if rc == 124 else f"exit {rc}: {gpu.last_line(text)}"}
+    return {"status": "ran", "seconds": wall, "result": json.loads(out.read_text())["qwen3_moe"]}
 
 
 def run_trl(ctx) -> dict:
@@ -395,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             i += len(rest)
         else:
             r = {"train": lambda: run_train_arm(ctx, name), "trl": lambda: run_trl(ctx),
-                 "throughput": lambda: run_throughput(ctx, name)}[group]()
+                 "throughput": lambda: run_throughput(ctx, name), "vllm": lambda: run_vllm_moe(ctx)}[group]()
             r.setdefault("seconds", time.perf_counter() - ctx.t_section)
             results["sections"].append(section(name, r["status"], r.get("reason"), r["seconds"], r.get("result"),
                                                budget.estimate(name)))

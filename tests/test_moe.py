@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -249,6 +250,26 @@ def test_route_dtype_and_refusals(moe_paths):
     dense, _ = load_policy(make_tiny_model(str(moe_paths["qwen3_moe"]) + "-dense", arch="qwen2"))
     with pytest.raises(UsageError, match="rollout.router_replay: got 'trainer', but model.path is not a mixture"):
         moe.check(RunConfig.model_validate({"rollout": {"router_replay": "trainer"}}), dense)
+
+
+def test_vllm_routes_become_the_moe_layers_routes(moe_paths):
+    """vLLM returns a sample's routes per computed token for every decoder layer, dense ones too
+    (enable_return_routed_experts; GPU builds only, never run here): evenrl keeps the first prompt + tokens - 1 rows
+    and its MoE layers' columns, found by decoder-layer index (DeepSeek-V3's layer 0 is dense), in the routes'
+    dtype, and stops on routes that do not cover the sample."""
+    import numpy as np
+
+    from evenrl.engines.vllm_engine import VLLMEngine
+
+    deepseek, _ = load_policy(moe_paths["deepseek_v3"])
+    qwen, _ = load_policy(moe_paths["qwen3_moe"])
+    assert routing.decoder_layers(deepseek) == [1] and routing.decoder_layers(qwen) == [0, 1]
+    engine = SimpleNamespace(routes=(routing.decoder_layers(deepseek), routing.routing(deepseek).dtype))
+    vllm_rows = np.arange(7 * 2 * 2, dtype=np.uint16).reshape(7, 2, 2) % 8  # 7 tokens, 2 decoder layers, top 2
+    got = VLLMEngine._routes(engine, 5, vllm_rows)
+    assert got.dtype == torch.uint8 and torch.equal(got, torch.as_tensor(vllm_rows[:5, 1:].astype("int64")).byte())
+    with pytest.raises(RuntimeError, match="vLLM returned routes for 7 tokens of a sample's 9"):
+        VLLMEngine._routes(engine, 9, vllm_rows)
 
 
 # ------------------------------------------------------------------------------------------ real processes

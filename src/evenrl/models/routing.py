@@ -21,6 +21,7 @@ already dispatches through): the hooks see only the router's outputs.
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -197,6 +198,14 @@ def routing(model) -> Routing | None:
     if state is None and is_moe(model):
         state = _ROUTING[model] = Routing(model)
     return state
+
+
+def decoder_layers(model) -> list[int]:
+    """Each MoE layer's decoder-layer index, in the routes' order: the number after `layers.` in its router's name
+    (an engine that numbers every decoder layer, dense ones too, gives its routes by it: vLLM)."""
+    state = routing(model)
+    names = {module: name for name, module in model.named_modules()}
+    return [int(re.search(r"(?:^|\.)layers\.(\d+)\.", names[r]).group(1)) for r in state.layer_of]
 
 
 def is_moe(model) -> bool:

@@ -5,8 +5,8 @@ model's config.json and the engine, before anything loads.
 
 What the runtime refuses once the model has loaded (evenrl.train.moe.check) is found here first, in the same words
 where it can be: replay or a load-balancing loss on a dense model or on routers evenrl does not know; the loss on an
-aux-loss-free router (sigmoid scores with correction biases). Engine replay beside vLLM or an agent is
-config.compatibility's rows. The memory an MoE holds is planner.memory's.
+aux-loss-free router (sigmoid scores with correction biases). Engine replay beside vLLM's CPU build or an agent is
+config.compatibility's rows; beside a GPU vLLM it is a note (never run). The memory an MoE holds is planner.memory's.
 
 Expert parallelism (parallel.expert_parallel_size, `rule_expert_parallel`): the mesh's own check
 (evenrl.distributed.mesh_shape: EP divides the data-parallel ranks and the experts), a dense model, ep groups that
@@ -51,6 +51,11 @@ def rule_moe(p: Plan) -> list[Finding]:
         out.append(Finding("error", "router-aux-free", f"algo.router_aux_loss_coef={aux:g}, but {d.model_type}'s "
                            "router is aux-loss-free (sigmoid scores balanced by the checkpoint's correction biases, "
                            "which training leaves as they are)", "algo.router_aux_loss_coef=0"))
+    if replay == "engine" and c.rollout.engine == "vllm" and p.layout.device != "cpu":
+        out.append(Finding("note", "router-replay-vllm", "rollout.router_replay=engine with rollout.engine=vllm: "
+                           "vLLM's GPU builds return each sample's routes (enable_return_routed_experts), which "
+                           "evenrl reads as vLLM 0.32's code gives them, but no GPU run has shown it yet",
+                           "rollout.engine=hf (the routes tested on CPU); or rollout.router_replay=trainer (R2)"))
     if replay == "off" and d.model_type in MOE_TYPES:
         out.append(Finding("note", "router-replay-off", f"a mixture of experts ({d.experts} experts, top "
                            f"{d.top_k}) with rollout.router_replay=off: the trainer routes each token itself, and "

@@ -83,8 +83,6 @@ CASES = [
      ["vLLM's CPU build records none", "Model Runner V2", "rollout.engine=hf"]),
     ("router-replay-vllm", "note", ["rollout.router_replay=engine", "rollout.engine=vllm"], {}, MOE,
      ["enable_return_routed_experts", "no GPU run has shown it", "rollout.router_replay=trainer"]),
-    ("router-replay-agent", "error", ["rollout.router_replay=engine", "rollout.agent=m:f"], {}, MOE,
-     ["joined from its calls", "rollout.router_replay=trainer"]),
     ("router-replay-dense", "error", ["rollout.router_replay=trainer"], {}, QWEN7B, ["not a mixture of experts"]),
     ("router-aux-dense", "error", ["algo.router_aux_loss_coef=0.01"], {}, QWEN7B, ["algo.router_aux_loss_coef=0"]),
     ("router-aux-free", "error", ["algo.router_aux_loss_coef=0.01"], {},

@@ -95,6 +95,11 @@ async def mixed(row, **endpoint):
     return await (two_tools if row["id"] % 2 == 0 else rewrites_history)(row, **endpoint)
 
 
+async def mixed_or_silent(row, **endpoint):
+    """mixed, but every third row makes no call at all (its trajectory fails: one untrained token after the prompt)."""
+    return await (silent if row["id"] % 3 == 2 else mixed)(row, **endpoint)
+
+
 async def forgetful(row, *, base_url, model, api_key):
     """Not deterministic: its second call carries a random number, so when rollout.partial starts it again at the
     next step (or on --resume) and replays its calls, the second request is not the recorded one."""

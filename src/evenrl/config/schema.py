@@ -269,8 +269,9 @@ class RolloutConfig(Section):
     router_replay: Literal["off", "trainer", "engine"] = Field(
         "off", description="A mixture of experts' routing in the trainer's forwards (docs/moe.md). off: each "
                            "forward routes by its own router. engine: the rollout engine records the experts each "
-                           "token went to (the hf engine; vLLM's CPU build cannot) and every trainer forward of the "
-                           "sample (old and reference log-probs, the update; each slice under sequence parallelism) "
+                           "token went to (the hf engine; vLLM on GPU only, untested; agents' calls too) and every "
+                           "trainer forward of the sample (old and reference log-probs, the update; each slice under "
+                           "sequence parallelism) "
                            "uses them, the routing weights still the router's own and trained (R3; verl "
                            "router_replay.mode=R3). trainer: the step's first trainer forward records them and the "
                            "others replay (R2). A dense model ignores it.")

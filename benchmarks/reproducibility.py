@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/reproducibility.py                 # all three tables (~9 min on 2 loaded cores)
     .venv/bin/python benchmarks/reproducibility.py --only balance  # reduction | steps | balance
+    .venv/bin/python benchmarks/reproducibility.py --only steps --models 30M --worlds 1   # one row
 
 reduction  one mini-batch's gradient reduction per rank on 1, 2, 3 gloo processes, for the tiny test model (81 K
            parameters) and a 30 M-parameter Qwen2 shape, 4 micro-batches per rank: rounding (autograd's += into
@@ -36,7 +37,9 @@ WORLDS = (1, 2, 3)
 MICRO = 4
 
 
-def _reduction_worker(rank: int, world: int, port: int, shapes: list, out: str) -> None:
+def _reduction_worker(rank: int, world: int, port: int, shapes: list, out: str, src: str | None = None) -> None:
+    if src:  # --baseline: evenrl from another source tree
+        sys.path.insert(0, src)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     for k in ("SLURM_PROCID", "SLURM_NTASKS"):
@@ -96,26 +99,32 @@ def _model(root: Path, name: str) -> Path:
     return path
 
 
-def reduction(root: Path) -> None:
+def reduction(root: Path, models, worlds, baseline: str | None = None) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    print(f"\nreduction: one mini-batch's gradient reduction per rank ({MICRO} micro-batches each), ms, median of 5")
-    print(f"{'model':<6} {'params':>8} {'world':>5} {'rounding':>9} {'bitwise':>9} {'ratio':>6}")
-    for name in MODELS:
+    print(f"\nreduction: one mini-batch's gradient reduction per rank ({MICRO} micro-batches each), ms, median of 5"
+          + (f"; before: bitwise with {baseline}, run just before" if baseline else ""))
+    print(f"{'model':<6} {'params':>8} {'world':>5} {'rounding':>9} {'bitwise':>9} {'ratio':>6}"
+          + (f" {'before':>9} {'ratio':>6}" if baseline else ""))
+    for name in models:
         config = AutoConfig.from_pretrained(_model(root, name))  # written outside the meta device
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         shapes = [tuple(p.shape) for p in model.parameters()]
         n = sum(p.numel() for p in model.parameters())
-        for world in WORLDS:
-            out = str(root / f"red-{name}-{world}.pt")
+        for world in worlds:
+            out, before = str(root / f"red-{name}-{world}.pt"), ""
+            if baseline:
+                mp.spawn(_reduction_worker, args=(world, _free_port(), shapes, out, baseline), nprocs=world)
+                t0 = torch.load(out)
+                before = f" {1e3 * t0['bitwise']:>9.1f} {t0['bitwise'] / t0['rounding']:>6.2f}"
             mp.spawn(_reduction_worker, args=(world, _free_port(), shapes, out), nprocs=world)
             t = torch.load(out)
             print(f"{name:<6} {n / 1e6:>7.2f}M {world:>5} {1e3 * t['rounding']:>9.1f} {1e3 * t['bitwise']:>9.1f} "
-                  f"{t['bitwise'] / t['rounding']:>6.2f}")
+                  f"{t['bitwise'] / t['rounding']:>6.2f}" + before)
 
 
-def _train(root: Path, name: str, mode: str, world: int, steps: int) -> dict:
+def _train(root: Path, name: str, mode: str, world: int, steps: int, src: str | None = None) -> dict:
     from evenrl.demo import write_addition_data
 
     data = root / "addition.jsonl"
@@ -127,23 +136,26 @@ def _train(root: Path, name: str, mode: str, world: int, steps: int) -> dict:
            "data.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
            "algo.minibatches_per_step=2", "train.token_cap_per_micro_batch=64", f"train.reproducibility={mode}",
            "checkpoint.every_steps=0", "--overwrite", "--nproc-per-node", str(world)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"PYTHONPATH": src} if src else {})}
     subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] >= 2]
     return {k: statistics.median(r[f"time/{k}"] for r in rows) for k in ("step", "update", "rollout")}
 
 
-def steps(root: Path, n: int) -> None:
+def steps(root: Path, n: int, models, worlds, baseline: str | None = None) -> None:
     print(f"\nsteps: evenrl train, 8 prompts x 4 samples x 8 new tokens, 2 mini-batches, token cap 64, one thread per "
-          f"process; median s over steps 2..{n}")
+          f"process; median s over steps 2..{n}" + (f"; b0: bitwise with {baseline}, run just before" if baseline else ""))
     print(f"{'model':<6} {'world':>5} {'step r':>8} {'step b':>8} {'ratio':>6} {'update r':>9} {'update b':>9} "
-          f"{'rollout r':>10} {'rollout b':>10}")
-    for name in MODELS:
-        for world in WORLDS:
-            r, b = (_train(root, name, mode, world, n) for mode in ("rounding", "bitwise"))
+          f"{'rollout r':>10} {'rollout b':>10}" + (f" {'step b0':>8} {'ratio':>6} {'update b0':>9}" if baseline else ""))
+    for name in models:
+        for world in worlds:
+            r = _train(root, name, "rounding", world, n)
+            b0 = _train(root, name, "bitwise", world, n, baseline) if baseline else None
+            b = _train(root, name, "bitwise", world, n)
             print(f"{name:<6} {world:>5} {r['step']:>8.3f} {b['step']:>8.3f} {b['step'] / r['step']:>6.2f} "
-                  f"{r['update']:>9.3f} {b['update']:>9.3f} {r['rollout']:>10.3f} {b['rollout']:>10.3f}")
+                  f"{r['update']:>9.3f} {b['update']:>9.3f} {r['rollout']:>10.3f} {b['rollout']:>10.3f}"
+                  + (f" {b0['step']:>8.3f} {b0['step'] / r['step']:>6.2f} {b0['update']:>9.3f}" if b0 else ""))
 
 
 def balance() -> None:
@@ -173,15 +185,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("reduction", "steps", "balance"))
     p.add_argument("--steps", type=int, default=5, help="train steps per run of the steps table")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="reduction, steps: which")
+    p.add_argument("--worlds", nargs="+", type=int, default=list(WORLDS), help="reduction, steps: process counts")
+    p.add_argument("--baseline", metavar="SRC", help="reduction, steps: also time bitwise with evenrl from this source "
+                   "folder, just before each row (a worktree of another commit: git worktree add /tmp/base HEAD~1, "
+                   "then --baseline /tmp/base/src)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         if args.only in (None, "balance"):
             balance()
         if args.only in (None, "reduction"):
-            reduction(root)
+            reduction(root, args.models, args.worlds, args.baseline)
         if args.only in (None, "steps"):
-            steps(root, args.steps)
+            steps(root, args.steps, args.models, args.worlds, args.baseline)
 
 
 if __name__ == "__main__":

@@ -35,14 +35,16 @@ import math
 import torch
 import torch.distributed as tdist
 
+from evenrl.distributed import fixed_point
+from evenrl.distributed.fixed_point import BIN
 from evenrl.distributed.guard import guard
 from evenrl.distributed.mesh import G, comm_device, group, size
 from evenrl.distributed.ops import _is_dtensor, _local, all_gather_object, all_gather_tensors
 
-BIN = 32  # bits per bin
 NONE = -(1 << 20)  # the top bin of a tensor that got no nonzero gradient yet
 LOWEST = -3  # bins below it are clamped to it (|g| < 2^-96); keeps 2^(32 * -T) an fp32 number
 P = (1 << 31) - 1  # the hash's prime (products of two residues fit int64)
+_SPARE: dict[tuple, torch.Tensor] = {}  # CPU: the last ExactGrads' bins, reused by the next of the same size
 
 
 def top_bin(amax: float, lowest: int = LOWEST) -> int:
@@ -50,6 +52,20 @@ def top_bin(amax: float, lowest: int = LOWEST) -> int:
     if amax == 0.0:
         return NONE
     return max(lowest, (math.frexp(amax)[1] - 1) // BIN)
+
+
+def largest(tensors: list[torch.Tensor]) -> list[float]:
+    """Each tensor's largest magnitude (0.0 if empty, NaN if it holds one), in one pass that writes nothing."""
+    if not tensors:
+        return []
+    out = []
+    for t in tensors:
+        if t.numel() == 0:
+            out.append(t.new_zeros(()))
+        else:
+            low, high = torch.aminmax(t)
+            out.append(torch.maximum(-low, high))  # maximum propagates a NaN (max() of Python floats may not)
+    return torch.stack(out).tolist()
 
 
 def split(g: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,13 +118,17 @@ class ExactGrads:
         self.buf: torch.Tensor | None = None
 
     def _bins(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parameter i's bins; they hold what was there before until its first deposit (tops[i] is NONE)."""
         if self.buf is None:
             local = [_local(p) for p in self.params]
             self.sizes = [x.numel() for x in local]
             self.offsets = [0]
             for n in self.sizes:
                 self.offsets.append(self.offsets[-1] + n)
-            self.buf = torch.zeros(2, self.offsets[-1], dtype=torch.float64, device=local[0].device)
+            key = (self.offsets[-1], str(local[0].device))
+            self.buf = _SPARE.pop(key, None)
+            if self.buf is None:
+                self.buf = torch.empty(2, self.offsets[-1], dtype=torch.float64, device=local[0].device)
         a, b, shape = self.offsets[i], self.offsets[i + 1], _local(self.params[i]).shape
         return self.buf[0, a:b].view(shape), self.buf[1, a:b].view(shape)
 
@@ -117,9 +137,8 @@ class ExactGrads:
         have = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not have:
             return
-        grads = [_local(self.params[i].grad).detach() for i in have]
-        amax = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads]).tolist()
-        for i, g, m in zip(have, grads, amax):
+        grads = [_local(self.params[i].grad).detach().reshape(-1) for i in have]
+        for i, g, m in zip(have, grads, largest(grads)):
             self.had[i] = True
             if not math.isfinite(m):
                 self.bad = True
@@ -129,10 +148,8 @@ class ExactGrads:
                 continue
             hi, lo = self._bins(i)
             realign(hi, lo, self.tops[i], new)
+            fixed_point.deposit(hi.view(-1), lo.view(-1), g, new, fresh=self.tops[i] == NONE)
             self.tops[i] = new
-            h, l_ = split(g, new)
-            hi.add_(h)
-            lo.add_(l_)
         for i in have:
             self.params[i].grad = None
 
@@ -145,25 +162,34 @@ class ExactGrads:
         tops, had, bad = head[:n].tolist(), head[n:2 * n].tolist(), bool(head[-1])
         if any(t != NONE for t in tops):
             for i, t in enumerate(tops):
-                if self.buf is not None or t != NONE:
-                    hi, lo = self._bins(i)
-                    realign(hi, lo, self.tops[i], t)
+                hi, lo = self._bins(i)
+                if self.tops[i] == NONE:  # nothing deposited here: zeros to the sum
+                    hi.zero_()
+                    lo.zero_()
+                realign(hi, lo, self.tops[i], t)
             all_reduce(self.buf, tdist.ReduceOp.SUM, over)
         for i, p in enumerate(self.params):
             if not had[i] and not self.every:
                 p.grad = None
                 continue
-            if tops[i] == NONE:
-                value = torch.zeros_like(_local(p))
-            else:
-                value = combine(*self._bins(i), tops[i]).to(p.dtype)
+            local = _local(p)
+            like = dict(dtype=local.dtype, device=local.device)
             if bad:
-                value = torch.full_like(_local(p), float("nan"))
+                value = torch.full(local.shape, float("nan"), **like)
+            elif tops[i] == NONE:
+                value = torch.zeros(local.shape, **like)
+            else:
+                value = torch.empty(local.shape, **like)
+                hi, lo = self._bins(i)
+                fixed_point.combine_into(value.view(-1), hi.reshape(-1), lo.reshape(-1), tops[i])
             if _is_dtensor(p):
                 p.grad = torch.zeros_like(p)
                 _local(p.grad).copy_(value)
             else:
                 p.grad = value
+        if self.buf is not None and self.buf.device.type == "cpu":
+            _SPARE.clear()  # one kept: the fresh pages of a new one cost more than the passes (glibc unmaps them)
+            _SPARE[(self.buf.shape[1], str(self.buf.device))] = self.buf
         self.tops, self.had, self.bad, self.buf = [NONE] * n, [False] * n, False, None
 
 
@@ -175,17 +201,16 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    squares = [_local(g).detach().double().square() for g in grads]
+    flat = [_local(g).detach().reshape(-1) for g in grads]
     sharded = [_is_dtensor(g) for g in grads]
-    amax = torch.stack([s.max() if s.numel() else s.new_zeros(()) for s in squares]).cpu()
+    amax = torch.tensor([m * m for m in largest(flat)], dtype=torch.float64)  # the largest square, exactly
     if any(sharded):
         all_reduce(amax, tdist.ReduceOp.MAX)
     tops = [top_bin(float(m), lowest=-10) for m in amax.tolist()]
     sums = torch.zeros(len(grads), 2, dtype=torch.long)
-    for i, (s, t) in enumerate(zip(squares, tops)):
+    for i, (g, t) in enumerate(zip(flat, tops)):
         if t != NONE and math.isfinite(float(amax[i])):
-            hi, lo = split(s, t)
-            sums[i, 0], sums[i, 1] = hi.long().sum(), lo.long().sum()
+            sums[i, 0], sums[i, 1] = fixed_point.square_bins(g, t)
     if any(sharded):
         mask = torch.tensor(sharded, dtype=torch.long)[:, None]
         shard_sums = all_reduce(sums * mask, tdist.ReduceOp.SUM)
@@ -265,18 +290,18 @@ def _global_offset(t: torch.Tensor) -> int:
 def weights_hash(params) -> str:
     """A short hash of the parameters' bits (16 hex digits), layout-free: per element (bits mod p) x (a weight of
     its tensor and flat index) mod p, summed, for two weightings; a shard's sum is its part of the whole tensor's,
-    so FSDP2's shards add up over the data group and a replicated rank hashes what it holds."""
+    so FSDP2's shards add up over the data group and a replicated rank hashes what it holds. The weight is
+    (index x c + d_j) mod p, so a tensor's sum is c x (sum of index x bits) + d_j x (sum of bits) mod p: two exact
+    integer sums per tensor (fixed_point.hash_sums), whatever the weighting."""
     params = list(params)
     sums = torch.zeros(len(params), 2, dtype=torch.long)
     sharded = []
     for j, p in enumerate(params):
         x = _local(p).detach().contiguous().reshape(-1)
-        bits = (x.view(torch.int32) if x.element_size() == 4 else x.view(torch.int16)).long() & 0xFFFFFFFF
-        bits = (bits % P).cpu()
-        idx = torch.arange(_global_offset(p), _global_offset(p) + x.numel(), dtype=torch.long) % P
+        total, moment = fixed_point.hash_sums(x.view(torch.int32) if x.element_size() == 4 else x.view(torch.int16))
+        moment += _global_offset(p) * total  # the flat indices of the whole tensor, not of this shard
         for k, (c, d) in enumerate(((48271, 16807), (69621, 40692))):
-            w = (idx * c + (j + 1) * d + 1) % P
-            sums[j, k] = int(((bits * w) % P).sum()) % P
+            sums[j, k] = (c * moment + ((j + 1) * d + 1) * total) % P
         sharded.append(_is_dtensor(p))
     if any(sharded):
         mask = torch.tensor(sharded, dtype=torch.long)[:, None]

@@ -202,3 +202,34 @@ def test_non_finite_and_bf16_terms_are_the_old_bits(monkeypatch):
         monkeypatch.setattr(exact, "_global_offset", lambda t, off=off: off)
         params = [nn.Parameter(torch.zeros(3)), nn.Parameter(x.clone())]
         assert exact.weights_hash(params) == _hash_hex(ref_hash([p.data for p in params], [off, off]))
+
+
+def ref_adamw_step(x, g, m, v, t: int, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0.1):
+    x.mul_(1.0 - lr * wd)
+    m.mul_(b1).add_(g * (1.0 - b1))
+    v.mul_(b2).add_((g * g).mul_(1.0 - b2))
+    denom = (v.sqrt() / math.sqrt(1.0 - b2 ** t)).add_(eps)
+    x.sub_((m / denom).mul_(lr / (1.0 - b1 ** t)))
+
+
+@pytest.mark.parametrize("wd", [0.1, 0.0])
+def test_elementwise_adamw_in_chunks_is_the_old_bits(wd):
+    """ElementwiseAdamW steps contiguous tensors chunk by chunk (and a transposed one whole): weights, both moments
+    equal to the whole-tensor steps bit for bit over 3 steps, on awkward sizes and values."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(0,), (1,), (CHUNK - 1,), (CHUNK + 1,), (3, CHUNK + 7)]
+    params = [nn.Parameter(awkward(math.prod(s), g, 1.0).view(s)) for s in shapes]
+    params.append(nn.Parameter(awkward(6 * 5, g, 1.0).view(6, 5).t()))  # not contiguous
+    ref = [[p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)] for p in params]
+    opt = exact.ElementwiseAdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
+    for t in (1, 2, 3):
+        for p, r in zip(params, ref):
+            grad = awkward(p.numel(), g, 10.0 ** (t - 3)).view(p.shape) if p.is_contiguous() else \
+                awkward(p.numel(), g, 1e-2).view(p.shape[1], p.shape[0]).t()
+            p.grad = grad.clone()
+            ref_adamw_step(r[0], grad, r[1], r[2], t, wd=wd)
+        opt.step()
+    for p, (x, m, v) in zip(params, ref):
+        state = opt.state[p]
+        assert same(p.detach(), x) and same(state["exp_avg"], m) and same(state["exp_avg_sq"], v), p.shape
+    assert all(float(x.abs().max()) > 0 for x, _, _ in ref if x.numel())  # weights to compare, not zeros

@@ -254,12 +254,26 @@ class ElementwiseAdamW(torch.optim.AdamW):
                 t = float(state["step"])
                 x, g = _local(p), _local(p.grad)
                 m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                x.mul_(1.0 - lr * wd)
-                m.mul_(b1).add_(g * (1.0 - b1))
-                v.mul_(b2).add_((g * g).mul_(1.0 - b2))
-                denom = (v.sqrt() / math.sqrt(1.0 - b2 ** t)).add_(eps)
-                x.sub_((m / denom).mul_(lr / (1.0 - b1 ** t)))
+                if 1.0 - lr * wd != 1.0:  # x * 1.0 is x, bit for bit
+                    x.mul_(1.0 - lr * wd)
+                root, step = math.sqrt(1.0 - b2 ** t), lr / (1.0 - b1 ** t)
+                if not all(y.is_contiguous() for y in (x, g, m, v)):
+                    _adamw(x, g, m, v, b1, b2, eps, root, step, torch.empty_like(x), torch.empty_like(x))
+                    continue
+                flat = [y.view(-1) for y in (x, g, m, v)]
+                buffers = fixed_point.scratch(x.dtype, x.device, 2)
+                for a, b in fixed_point.spans(x.numel()):  # in chunks that stay in cache: the same operations
+                    _adamw(*(y[a:b] for y in flat), b1, b2, eps, root, step, *(y[:b - a] for y in buffers))
         return loss
+
+
+def _adamw(x, g, m, v, b1: float, b2: float, eps: float, root: float, step: float, t, u) -> None:
+    """AdamW's moments and update of x (after its decay), each a single IEEE operation per element, so the bits do not
+    depend on how x is cut (chunks, shards); t and u: buffers of x's shape for the temporaries."""
+    m.mul_(b1).add_(torch.mul(g, 1.0 - b1, out=t))
+    v.mul_(b2).add_(torch.mul(g, g, out=t).mul_(1.0 - b2))
+    torch.sqrt(v, out=t).div_(root).add_(eps)
+    x.sub_(torch.div(m, t, out=u).mul_(step))
 
 
 def canonical_sum(keys: list[int], rows: list[list[float]], width: int) -> list[float]:

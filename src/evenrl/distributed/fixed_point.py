@@ -20,7 +20,7 @@ CHUNK = 1 << 15  # elements per pass: 4 fp64 buffers of it are 1 MB, within L2 w
 _buffers: dict[tuple, list[torch.Tensor]] = {}
 
 
-def _scratch(dtype: torch.dtype, device: torch.device, count: int) -> list[torch.Tensor]:
+def scratch(dtype: torch.dtype, device: torch.device, count: int) -> list[torch.Tensor]:
     """`count` reused buffers of CHUNK elements (one set per dtype and device, kept for the process)."""
     key = (dtype, str(device))
     have = _buffers.setdefault(key, [])
@@ -29,7 +29,8 @@ def _scratch(dtype: torch.dtype, device: torch.device, count: int) -> list[torch
     return have[:count]
 
 
-def _spans(n: int):
+def spans(n: int):
+    """(start, end) of the chunks of n elements."""
     for a in range(0, n, CHUNK):
         yield a, min(n, a + CHUNK)
 
@@ -42,9 +43,9 @@ def deposit(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, top: int, fresh
     to zeros but for a zero's sign in hi (-0 where g is -0), which no sum reads: hi x 2^32T + lo x 2^32(T-1) is
     +0 where lo is +0, and lo is a difference of equal floats (+0) where it is zero."""
     wide = top > 0 or g.dtype != torch.float32
-    a, f, w = _scratch(torch.float64 if wide else torch.float32, g.device, 3)
+    a, f, w = scratch(torch.float64 if wide else torch.float32, g.device, 3)
     scale = 2.0 ** (-BIN * top)
-    for s, e in _spans(g.numel()):
+    for s, e in spans(g.numel()):
         x, y, z = a[:e - s], f[:e - s], w[:e - s]
         if wide:
             x.copy_(g[s:e]).mul_(scale)
@@ -66,8 +67,8 @@ def deposit(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, top: int, fresh
 def combine_into(out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, top: int) -> None:
     """out = hi x 2^32T + lo x 2^32(T-1), added in fp64 (both products exact, the sum rounded once) and rounded to
     out's dtype; flat tensors of one length."""
-    x, y = _scratch(torch.float64, hi.device, 2)
-    for s, e in _spans(hi.numel()):
+    x, y = scratch(torch.float64, hi.device, 2)
+    for s, e in spans(hi.numel()):
         u, v = x[:e - s], y[:e - s]
         torch.mul(hi[s:e], 2.0 ** (BIN * top), out=u)
         torch.mul(lo[s:e], 2.0 ** (BIN * (top - 1)), out=v)
@@ -77,10 +78,10 @@ def combine_into(out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, top: int
 def square_bins(g: torch.Tensor, top: int) -> tuple[int, int]:
     """(sum of hi, sum of lo) over g's squares cut into bins `top` and `top - 1` (each square exact in fp64):
     the integers distributed.exact.clip_grad_norm adds up."""
-    a, f, w = _scratch(torch.float64, g.device, 3)
+    a, f, w = scratch(torch.float64, g.device, 3)
     scale = 2.0 ** (-BIN * top)
     his = los = 0
-    for s, e in _spans(g.numel()):
+    for s, e in spans(g.numel()):
         x, y, z = a[:e - s], f[:e - s], w[:e - s]
         x.copy_(g[s:e])
         x.mul_(x).mul_(scale)
@@ -98,10 +99,10 @@ def hash_sums(bits: torch.Tensor) -> tuple[int, int]:
     """(sum of b, sum of i x b) over a flat integer view of a tensor's bits, b = the bits as an unsigned 32-bit
     number (a negative int16 or int32 plus 2^32), i the element's flat index: the two sums the weights' hash is
     made of (distributed.exact.weights_hash), as exact integers."""
-    b, r = _scratch(torch.int64, bits.device, 2)
+    b, r = scratch(torch.int64, bits.device, 2)
     ramp = _ramp(bits.device)
     total = moment = 0
-    for s, e in _spans(bits.numel()):
+    for s, e in spans(bits.numel()):
         x = b[:e - s]
         x.copy_(bits[s:e]).bitwise_and_(0xFFFFFFFF)
         part = int(x.sum())  # below 2^47

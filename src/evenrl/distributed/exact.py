@@ -18,6 +18,8 @@ exact sum of every term's bits at and above 2^32(T-1) for the final T, whatever 
 max-reduced over the ranks, then the bins SUM-reduced. Error against the exact sum: under 2^-32 of the tensor's
 largest magnitude per term (fp32 rounds at 2^-24 of each value).
 
+The passes over the elements run chunk by chunk in cache (distributed.fixed_point: the same bits, fewer passes).
+
 Statistics (`canonical_sum`): each micro-batch's vector, gathered and added in the micro-batches' canonical order.
 Gradient norm (`clip_grad_norm`): the squares' sum in fixed point (int64 bins), per tensor, then over tensors in
 order. Weights (`weights_hash`): a sum over elements of (bits x a weight of the element's index) modulo a prime,
@@ -68,14 +70,6 @@ def largest(tensors: list[torch.Tensor]) -> list[float]:
     return torch.stack(out).tolist()
 
 
-def split(g: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo): g's bits in bins `top` and `top - 1` as integer-valued tensors, truncated toward zero, exactly.
-    fp32 arithmetic is exact for top <= 0 (scaling up); above, fp64 (scaling down could make subnormals)."""
-    a = g.double() * 2.0 ** (-BIN * top) if top > 0 or g.dtype != torch.float32 else g * 2.0 ** (-BIN * top)
-    hi = torch.trunc(a)
-    return hi, a.sub_(hi).mul_(2.0 ** BIN).trunc_()
-
-
 def realign(hi: torch.Tensor, lo: torch.Tensor, old: int, new: int) -> None:
     """Bins of top `old` moved to top `new` >= old: what cutting every earlier term at `new` would have given."""
     if new == old or old == NONE:
@@ -105,7 +99,8 @@ def all_reduce(t: torch.Tensor, op, over: str = "data") -> torch.Tensor:
 
 class ExactGrads:
     """The fixed-point sum of each parameter's micro-batch gradients on this rank (one flat fp64 buffer, hi and lo
-    halves, 16 bytes per parameter element while a mini-batch runs), then over the `data` group. `every`: a
+    halves, 16 bytes per parameter element while a mini-batch runs; on CPU kept for the next mini-batch, whose
+    fresh pages would cost more than its passes), then over the `data` group. `every`: a
     parameter no forward used gets zeros instead of None, as FSDP2's fixed-point reduce-scatter gives it
     (distributed.exact_fsdp), so a sharded model is the same on one process as on several."""
 

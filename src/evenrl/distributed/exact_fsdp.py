@@ -26,7 +26,8 @@ import torch
 import torch.distributed as tdist
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from evenrl.distributed.exact import NONE, combine, realign, split, top_bin
+from evenrl.distributed import fixed_point
+from evenrl.distributed.exact import NONE, largest, realign, top_bin
 from evenrl.distributed.guard import guard
 
 _reduce_scatter = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
@@ -56,7 +57,8 @@ class ExactReduceScatter(DefaultReduceScatter):
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
-        amax = torch.stack([x[:, a:b].abs().max() for a, b in zip(bounds, bounds[1:])]).double()
+        amax = torch.tensor(largest([x[:, a:b] for a, b in zip(bounds, bounds[1:])]), dtype=torch.float64,
+                            device=x.device)
         flags = torch.cat([amax, torch.tensor([0.0 if torch.isfinite(amax).all() else 1.0],
                                               dtype=torch.float64, device=amax.device)])
         flags = torch.nan_to_num(flags, nan=float("inf"))
@@ -66,13 +68,16 @@ class ExactReduceScatter(DefaultReduceScatter):
         if self.tops is None:
             self.tops = [NONE] * len(fps)
             self.acc = torch.zeros(2, x.shape[1], dtype=torch.float64, device=x.device)
-        send = torch.zeros(width, 2, x.shape[1], dtype=torch.float64, device=x.device)
+        send = torch.empty(width, 2, x.shape[1], dtype=torch.float64, device=x.device)
         for i, (a, b, m) in enumerate(zip(bounds, bounds[1:], flags[:-1].tolist())):
             new = max(self.tops[i], top_bin(m)) if m != float("inf") else self.tops[i]
             realign(self.acc[0, a:b], self.acc[1, a:b], self.tops[i], new)
             self.tops[i] = new
             if new != NONE and m != float("inf"):
-                send[:, 0, a:b], send[:, 1, a:b] = split(x[:, a:b], new)
+                for r in range(width):  # each rank's slice written into its bins (a -0 in hi: see deposit)
+                    fixed_point.deposit(send[r, 0, a:b], send[r, 1, a:b], x[r, a:b], new, fresh=True)
+            else:
+                send[:, :, a:b].zero_()
         out = torch.empty(2 * x.shape[1], dtype=torch.float64, device=x.device)
         with guard("exact reduce-scatter"):
             _reduce_scatter(out, send.view(-1), op=tdist.ReduceOp.SUM, group=group)
@@ -95,8 +100,11 @@ class ExactReduceScatter(DefaultReduceScatter):
                 elif top == NONE:
                     local.zero_()
                 else:
-                    value = combine(self.acc[0, at:at + n], self.acc[1, at:at + n], top)
-                    local.copy_(value[:local.numel()].view(local.shape))
+                    k = local.numel()
+                    out = local.view(-1) if local.is_contiguous() else torch.empty(k, dtype=local.dtype)
+                    fixed_point.combine_into(out, self.acc[0, at:at + k], self.acc[1, at:at + k], top)
+                    if out.data_ptr() != local.data_ptr():
+                        local.copy_(out.view(local.shape))
             at += n
         self.tops, self.acc, self.bad = None, None, False
 

@@ -60,14 +60,9 @@ def largest(tensors: list[torch.Tensor]) -> list[float]:
     """Each tensor's largest magnitude (0.0 if empty, NaN if it holds one), in one pass that writes nothing."""
     if not tensors:
         return []
-    out = []
-    for t in tensors:
-        if t.numel() == 0:
-            out.append(t.new_zeros(()))
-        else:
-            low, high = torch.aminmax(t)
-            out.append(torch.maximum(-low, high))  # maximum propagates a NaN (max() of Python floats may not)
-    return torch.stack(out).tolist()
+    ends = [torch.aminmax(t) if t.numel() else (t.new_zeros(()), t.new_zeros(())) for t in tensors]
+    low, high = (torch.stack([e[k] for e in ends]) for k in (0, 1))  # promoted to the widest dtype: exact
+    return torch.maximum(-low, high).tolist()  # maximum propagates a NaN (max() of Python floats may not)
 
 
 def realign(hi: torch.Tensor, lo: torch.Tensor, old: int, new: int) -> None:
@@ -124,8 +119,8 @@ class ExactGrads:
             self.buf = _SPARE.pop(key, None)
             if self.buf is None:
                 self.buf = torch.empty(2, self.offsets[-1], dtype=torch.float64, device=local[0].device)
-        a, b, shape = self.offsets[i], self.offsets[i + 1], _local(self.params[i]).shape
-        return self.buf[0, a:b].view(shape), self.buf[1, a:b].view(shape)
+            self.flat = [(self.buf[0, a:b], self.buf[1, a:b]) for a, b in zip(self.offsets, self.offsets[1:])]
+        return self.flat[i]
 
     def deposit(self) -> None:
         """Move every parameter's gradient (one micro-batch's) into its bins; its grad is None afterwards."""
@@ -143,7 +138,7 @@ class ExactGrads:
                 continue
             hi, lo = self._bins(i)
             realign(hi, lo, self.tops[i], new)
-            fixed_point.deposit(hi.view(-1), lo.view(-1), g, new, fresh=self.tops[i] == NONE)
+            fixed_point.deposit(hi, lo, g, new, fresh=self.tops[i] == NONE)
             self.tops[i] = new
         for i in have:
             self.params[i].grad = None
@@ -176,7 +171,7 @@ class ExactGrads:
             else:
                 value = torch.empty(local.shape, **like)
                 hi, lo = self._bins(i)
-                fixed_point.combine_into(value.view(-1), hi.reshape(-1), lo.reshape(-1), tops[i])
+                fixed_point.combine_into(value.view(-1), hi, lo, tops[i])
             if _is_dtensor(p):
                 p.grad = torch.zeros_like(p)
                 _local(p.grad).copy_(value)

@@ -35,6 +35,16 @@ def spans(n: int):
         yield a, min(n, a + CHUNK)
 
 
+def chunks(n: int, flat, buffers):
+    """Per chunk of n elements: the flat tensors' slices, then as many elements of each buffer; a tensor of one
+    chunk or less is passed whole (a small tensor's passes cost their calls, not their elements)."""
+    if n <= CHUNK:
+        yield (*flat, *(b[:n] for b in buffers))
+        return
+    for a, b in spans(n):
+        yield (*(t[a:b] for t in flat), *(x[:b - a] for x in buffers))
+
+
 def deposit(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, top: int, fresh: bool = False) -> None:
     """hi += trunc(g / 2^32top), lo += trunc(frac x 2^32) (the bits of g in bins `top` and `top - 1`, truncated
     toward zero), elementwise over flat tensors of one length; hi and lo fp64. The scaled value is exact in fp32
@@ -43,47 +53,42 @@ def deposit(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, top: int, fresh
     to zeros but for a zero's sign in hi (-0 where g is -0), which no sum reads: hi x 2^32T + lo x 2^32(T-1) is
     +0 where lo is +0, and lo is a difference of equal floats (+0) where it is zero."""
     wide = top > 0 or g.dtype != torch.float32
-    a, f, w = scratch(torch.float64 if wide else torch.float32, g.device, 3)
     scale = 2.0 ** (-BIN * top)
-    for s, e in spans(g.numel()):
-        x, y, z = a[:e - s], f[:e - s], w[:e - s]
+    buffers = scratch(torch.float64 if wide else torch.float32, g.device, 3)
+    for g_, hi_, lo_, x, y, z in chunks(g.numel(), (g, hi, lo), buffers):
         if wide:
-            x.copy_(g[s:e]).mul_(scale)
+            x.copy_(g_).mul_(scale)
         else:
-            torch.mul(g[s:e], scale, out=x)
+            torch.mul(g_, scale, out=x)
         torch.frac(x, out=y)
         x.sub_(y)  # trunc(x): its integer part
         y.mul_(2.0 ** BIN)
         torch.frac(y, out=z)
         y.sub_(z)  # trunc(frac x 2^32)
         if fresh:
-            hi[s:e].copy_(x)
-            lo[s:e].copy_(y)
+            hi_.copy_(x)
+            lo_.copy_(y)
         else:
-            hi[s:e].add_(x)
-            lo[s:e].add_(y)
+            hi_.add_(x)
+            lo_.add_(y)
 
 
 def combine_into(out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, top: int) -> None:
     """out = hi x 2^32T + lo x 2^32(T-1), added in fp64 (both products exact, the sum rounded once) and rounded to
     out's dtype; flat tensors of one length."""
-    x, y = scratch(torch.float64, hi.device, 2)
-    for s, e in spans(hi.numel()):
-        u, v = x[:e - s], y[:e - s]
-        torch.mul(hi[s:e], 2.0 ** (BIN * top), out=u)
-        torch.mul(lo[s:e], 2.0 ** (BIN * (top - 1)), out=v)
-        out[s:e].copy_(u.add_(v))
+    for out_, hi_, lo_, u, v in chunks(hi.numel(), (out, hi, lo), scratch(torch.float64, hi.device, 2)):
+        torch.mul(hi_, 2.0 ** (BIN * top), out=u)
+        torch.mul(lo_, 2.0 ** (BIN * (top - 1)), out=v)
+        out_.copy_(u.add_(v))
 
 
 def square_bins(g: torch.Tensor, top: int) -> tuple[int, int]:
     """(sum of hi, sum of lo) over g's squares cut into bins `top` and `top - 1` (each square exact in fp64):
     the integers distributed.exact.clip_grad_norm adds up."""
-    a, f, w = scratch(torch.float64, g.device, 3)
     scale = 2.0 ** (-BIN * top)
     his = los = 0
-    for s, e in spans(g.numel()):
-        x, y, z = a[:e - s], f[:e - s], w[:e - s]
-        x.copy_(g[s:e])
+    for g_, x, y, z in chunks(g.numel(), (g,), scratch(torch.float64, g.device, 3)):
+        x.copy_(g_)
         x.mul_(x).mul_(scale)
         torch.frac(x, out=y)
         x.sub_(y)

@@ -217,7 +217,7 @@ def test_elementwise_adamw_in_chunks_is_the_old_bits(wd):
     """ElementwiseAdamW steps contiguous tensors chunk by chunk (and a transposed one whole): weights, both moments
     equal to the whole-tensor steps bit for bit over 3 steps, on awkward sizes and values."""
     g = torch.Generator().manual_seed(5)
-    shapes = [(0,), (1,), (CHUNK - 1,), (CHUNK + 1,), (3, CHUNK + 7)]
+    shapes = [(0,), (1,), (exact.STEP_CHUNK - 1,), (exact.STEP_CHUNK + 1,), (3, exact.STEP_CHUNK // 2 + 7)]
     params = [nn.Parameter(awkward(math.prod(s), g, 1.0).view(s)) for s in shapes]
     params.append(nn.Parameter(awkward(6 * 5, g, 1.0).view(6, 5).t()))  # not contiguous
     ref = [[p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)] for p in params]

@@ -46,6 +46,7 @@ from evenrl.distributed.ops import _is_dtensor, _local, all_gather_object, all_g
 NONE = -(1 << 20)  # the top bin of a tensor that got no nonzero gradient yet
 LOWEST = -3  # bins below it are clamped to it (|g| < 2^-96); keeps 2^(32 * -T) an fp32 number
 P = (1 << 31) - 1  # the hash's prime (products of two residues fit int64)
+STEP_CHUNK = 1 << 17  # ElementwiseAdamW's elements per pass
 _SPARE: dict[tuple, torch.Tensor] = {}  # CPU: the last ExactGrads' bins, reused by the next of the same size
 
 
@@ -250,10 +251,11 @@ class ElementwiseAdamW(torch.optim.AdamW):
                 if not all(y.is_contiguous() for y in (x, g, m, v)):
                     _adamw(x, g, m, v, b1, b2, eps, root, step, torch.empty_like(x), torch.empty_like(x))
                     continue
-                flat = [y.view(-1) for y in (x, g, m, v)]
-                buffers = fixed_point.scratch(x.dtype, x.device, 2)
-                for a, b in fixed_point.spans(x.numel()):  # in chunks that stay in cache: the same operations
-                    _adamw(*(y[a:b] for y in flat), b1, b2, eps, root, step, *(y[:b - a] for y in buffers))
+                # in chunks that stay in cache, the same operations; longer than the fixed point's: 13 calls a
+                # chunk (at 32 K elements 946 ms a 30.7 M-parameter step, at 128 K 646, torch's fused AdamW 130-160)
+                buffers = fixed_point.scratch(x.dtype, x.device, 2, STEP_CHUNK)
+                for part in fixed_point.chunks(x.numel(), [y.view(-1) for y in (x, g, m, v)], buffers):
+                    _adamw(*part[:4], b1, b2, eps, root, step, *part[4:])
         return loss
 
 

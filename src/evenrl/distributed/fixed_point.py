@@ -20,28 +20,24 @@ CHUNK = 1 << 15  # elements per pass: 4 fp64 buffers of it are 1 MB, within L2 w
 _buffers: dict[tuple, list[torch.Tensor]] = {}
 
 
-def scratch(dtype: torch.dtype, device: torch.device, count: int) -> list[torch.Tensor]:
-    """`count` reused buffers of CHUNK elements (one set per dtype and device, kept for the process)."""
-    key = (dtype, str(device))
+def scratch(dtype: torch.dtype, device: torch.device, count: int, size: int = CHUNK) -> list[torch.Tensor]:
+    """`count` reused buffers of `size` elements (one set per dtype, device and size, kept for the process)."""
+    key = (dtype, str(device), size)
     have = _buffers.setdefault(key, [])
     while len(have) < count:
-        have.append(torch.empty(CHUNK, dtype=dtype, device=device))
+        have.append(torch.empty(size, dtype=dtype, device=device))
     return have[:count]
 
 
-def spans(n: int):
-    """(start, end) of the chunks of n elements."""
-    for a in range(0, n, CHUNK):
-        yield a, min(n, a + CHUNK)
-
-
 def chunks(n: int, flat, buffers):
-    """Per chunk of n elements: the flat tensors' slices, then as many elements of each buffer; a tensor of one
-    chunk or less is passed whole (a small tensor's passes cost their calls, not their elements)."""
-    if n <= CHUNK:
+    """Per chunk of n elements (as long as the buffers): the flat tensors' slices, then as many elements of each
+    buffer; a tensor of one chunk or less is passed whole (a small tensor's passes cost their calls)."""
+    size = buffers[0].numel()
+    if n <= size:
         yield (*flat, *(b[:n] for b in buffers))
         return
-    for a, b in spans(n):
+    for a in range(0, n, size):
+        b = min(n, a + size)
         yield (*(t[a:b] for t in flat), *(x[:b - a] for x in buffers))
 
 
@@ -107,7 +103,8 @@ def hash_sums(bits: torch.Tensor) -> tuple[int, int]:
     b, r = scratch(torch.int64, bits.device, 2)
     ramp = _ramp(bits.device)
     total = moment = 0
-    for s, e in spans(bits.numel()):
+    for s in range(0, bits.numel(), CHUNK):
+        e = min(bits.numel(), s + CHUNK)
         x = b[:e - s]
         x.copy_(bits[s:e]).bitwise_and_(0xFFFFFFFF)
         part = int(x.sum())  # below 2^47

@@ -20,13 +20,22 @@ CHUNK = 1 << 15  # elements per pass: 4 fp64 buffers of it are 1 MB, within L2 w
 _buffers: dict[tuple, list[torch.Tensor]] = {}
 
 
-def scratch(dtype: torch.dtype, device: torch.device, count: int, size: int = CHUNK) -> list[torch.Tensor]:
-    """`count` reused buffers of `size` elements (one set per dtype, device and size, kept for the process)."""
+def scratch(dtype: torch.dtype, device: torch.device, count: int, size: int = CHUNK, n: int = 0) -> list[torch.Tensor]:
+    """`count` reused buffers of `size` elements (one set per dtype, device and size, kept for the process) for
+    passes over n elements. Off the CPU, buffers of n elements: one chunk, the whole tensor (a GPU's kernel
+    launches cost more than its cache misses, and its allocator reuses memory without faulting pages in)."""
+    if whole(device):
+        return [torch.empty(max(n, 1), dtype=dtype, device=device) for _ in range(count)]
     key = (dtype, str(device), size)
     have = _buffers.setdefault(key, [])
     while len(have) < count:
         have.append(torch.empty(size, dtype=dtype, device=device))
     return have[:count]
+
+
+def whole(device) -> bool:
+    """Whether passes on `device` take a tensor whole (off the CPU), not in chunks."""
+    return torch.device(device).type != "cpu"
 
 
 def chunks(n: int, flat, buffers):
@@ -50,7 +59,7 @@ def deposit(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, top: int, fresh
     +0 where lo is +0, and lo is a difference of equal floats (+0) where it is zero."""
     wide = top > 0 or g.dtype != torch.float32
     scale = 2.0 ** (-BIN * top)
-    buffers = scratch(torch.float64 if wide else torch.float32, g.device, 3)
+    buffers = scratch(torch.float64 if wide else torch.float32, g.device, 3, n=g.numel())
     for g_, hi_, lo_, x, y, z in chunks(g.numel(), (g, hi, lo), buffers):
         if wide:
             x.copy_(g_).mul_(scale)
@@ -72,7 +81,8 @@ def deposit(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, top: int, fresh
 def combine_into(out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, top: int) -> None:
     """out = hi x 2^32T + lo x 2^32(T-1), added in fp64 (both products exact, the sum rounded once) and rounded to
     out's dtype; flat tensors of one length."""
-    for out_, hi_, lo_, u, v in chunks(hi.numel(), (out, hi, lo), scratch(torch.float64, hi.device, 2)):
+    buffers = scratch(torch.float64, hi.device, 2, n=hi.numel())
+    for out_, hi_, lo_, u, v in chunks(hi.numel(), (out, hi, lo), buffers):
         torch.mul(hi_, 2.0 ** (BIN * top), out=u)
         torch.mul(lo_, 2.0 ** (BIN * (top - 1)), out=v)
         out_.copy_(u.add_(v))
@@ -83,7 +93,7 @@ def square_bins(g: torch.Tensor, top: int) -> tuple[int, int]:
     the integers distributed.exact.clip_grad_norm adds up."""
     scale = 2.0 ** (-BIN * top)
     his = los = 0
-    for g_, x, y, z in chunks(g.numel(), (g,), scratch(torch.float64, g.device, 3)):
+    for g_, x, y, z in chunks(g.numel(), (g,), scratch(torch.float64, g.device, 3, n=g.numel())):
         x.copy_(g_)
         x.mul_(x).mul_(scale)
         torch.frac(x, out=y)
@@ -91,8 +101,10 @@ def square_bins(g: torch.Tensor, top: int) -> tuple[int, int]:
         y.mul_(2.0 ** BIN)
         torch.frac(y, out=z)
         y.sub_(z)
-        his += int(x.sum())  # a chunk's sum is below 2^32 x CHUNK = 2^47: exact in fp64
-        los += int(y.sum())
+        if x.numel() <= CHUNK:  # below 2^32 x CHUNK = 2^47: exact in fp64
+            his, los = his + int(x.sum()), los + int(y.sum())
+        else:  # a whole tensor (off the CPU): summed as int64, exact below 2^63
+            his, los = his + int(x.long().sum()), los + int(y.long().sum())
     return his, los
 
 
@@ -100,7 +112,7 @@ def hash_sums(bits: torch.Tensor) -> tuple[int, int]:
     """(sum of b, sum of i x b) over a flat integer view of a tensor's bits, b = the bits as an unsigned 32-bit
     number (a negative int16 or int32 plus 2^32), i the element's flat index: the two sums the weights' hash is
     made of (distributed.exact.weights_hash), as exact integers."""
-    b, r = scratch(torch.int64, bits.device, 2)
+    b, r = scratch(torch.int64, bits.device, 2, n=CHUNK)  # chunks on any device: their sums must fit int64
     ramp = _ramp(bits.device)
     total = moment = 0
     for s in range(0, bits.numel(), CHUNK):

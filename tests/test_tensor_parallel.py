@@ -84,33 +84,38 @@ def _split_worker(rank: int, world: int, port: int, path: str, out: str, lora: b
              for n, p in model.named_parameters() if p.grad is not None}
     with torch.no_grad():
         logits, _, _ = response_logits(model, batch, tok.pad_token_id)
-    if rank == 0:
-        torch.save({"outputs": outputs.detach(), "logits": logits, "grads": grads}, out)
+    torch.save({"outputs": outputs.detach(), "logits": logits, "grads": grads}, f"{out}.{rank}")
     dist.shutdown()
     os._exit(0)  # past the interpreter's teardown, where gloo's threads once aborted a rank (SIGABRT)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True])
-def test_a_model_split_over_two_ranks_computes_the_unsplit_model(tmp_path, lora):
+@pytest.mark.parametrize("arch, lora", [("qwen2", False), ("qwen2", True), ("qwen3", False)])
+def test_a_model_split_over_two_ranks_computes_the_unsplit_model(tmp_path, arch, lora):
     """The stable plan sums no partial products across ranks in the forward, and the split output layer's
     log-sum-exp adds the same exps in float64: logits, log-probs and entropies equal bit for bit. The backward of
     a column-wise projection sums its input's gradient over the ranks (another order than one matmul): each
-    gradient within 1e-6 of its largest entry (measured: about 7e-7 at most, 3e-7 typically)."""
+    gradient within 1e-6 of its largest entry (measured: about 7e-7 at most, 3e-7 typically). Qwen3's per-head
+    q_norm / k_norm (whole on every rank, applied to the rank's own heads) are checked on every rank: each one's
+    gradient was its own heads' alone before the plan summed it over the group (off by up to the whole gradient)."""
     from evenrl.testing import make_tiny_model
 
-    path = make_tiny_model(str(tmp_path / "model"), hidden=64, heads=4, layers=2)
+    path = make_tiny_model(str(tmp_path / "model"), arch=arch, hidden=64, heads=4, layers=2)
     got = {}
     for world in (1, 2):
         out = str(tmp_path / f"out{world}.pt")
         mp.spawn(_split_worker, args=(world, free_port(), path, out, lora), nprocs=world, join=True)
-        got[world] = torch.load(out)
-    one, two = got[1], got[2]
-    assert torch.equal(one["logits"], two["logits"])
-    assert torch.equal(one["outputs"], two["outputs"])
-    assert one["grads"].keys() == two["grads"].keys() and len(one["grads"]) > 0
-    for name, g in one["grads"].items():
-        assert (g - two["grads"][name]).abs().max() <= 1e-6 * g.abs().max().clamp(min=1e-3), name
+        got[world] = [torch.load(f"{out}.{rank}") for rank in range(world)]
+    (one,), ranks = got[1], got[2]
+    assert (arch == "qwen3") == any("q_norm" in n for n in one["grads"])
+    for two in ranks:  # a weight whole on every rank has the whole model's gradient on each of them
+        assert torch.equal(one["logits"], two["logits"])
+        assert torch.equal(one["outputs"], two["outputs"])
+        assert one["grads"].keys() == two["grads"].keys() and len(one["grads"]) > 0
+        for name, g in one["grads"].items():
+            assert (g - two["grads"][name]).abs().max() <= 1e-6 * g.abs().max().clamp(min=1e-3), name
+    two = ranks[0]
+    assert all(torch.equal(g, ranks[1]["grads"][n]) for n, g in two["grads"].items())  # replicas stay one
     assert any(float((g - two["grads"][n]).abs().max()) > 0 for n, g in one["grads"].items())  # really split
 
 
@@ -233,3 +238,27 @@ def test_a_mixture_of_experts_is_refused_tensor_parallel(assets, tmp_path, capsy
         check(model, 2)
     deepseek, _ = load_policy(make_tiny_model(str(tmp_path / "ds"), arch="deepseek_v3"))
     assert not supports(deepseek) and supports(load_policy(make_tiny_model(str(tmp_path / "dense")))[0])
+
+
+def test_per_head_norms_are_planned_and_a_norm_over_the_split_projection_is_refused():
+    """Qwen3's and Gemma 3's q_norm / k_norm (one head wide, after the view into heads) get the plan's PER_HEAD
+    style; OLMo 2's normalise the whole q / k projection, which the column-wise split cuts (each rank would
+    normalise its slice with the whole weight): refused in one line, not split."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Olmo2Config, Olmo2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    from evenrl.distributed.tensor_parallel import PER_HEAD, _present, check, supports
+    from evenrl.errors import UsageError
+
+    dims = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)
+    for model in (Qwen3ForCausalLM(Qwen3Config(**dims)), Gemma3ForCausalLM(Gemma3TextConfig(**dims))):
+        check(model, 2)
+        assert [n for n, _ in _present(model.model, PER_HEAD)] == [
+            f"layers.{i}.self_attn.{x}_norm" for x in "qk" for i in range(2)]
+    olmo = Olmo2ForCausalLM(Olmo2Config(**dims, pad_token_id=0, eos_token_id=1, bos_token_id=None))
+    assert supports(olmo)
+    with pytest.raises(UsageError, match=r"layers.0.self_attn.q_norm normalises the whole projection \(32 wide, not "
+                                         r"one head's 8\)") as e:
+        check(olmo, 2)
+    assert "\n" not in str(e.value)

@@ -112,10 +112,10 @@ def make_tiny_model(
     checkpoint's e_score_correction_bias, which training must leave as they are); gpt-oss alternates sliding-window
     (8 tokens) and full attention, with sinks.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    if arch not in ("qwen2", "llama", *VISION_ARCHS, *MOE_ARCHS):
-        raise bad("arch", arch, f"one of qwen2, llama, {', '.join(VISION_ARCHS + MOE_ARCHS)}")
+    if arch not in ("qwen2", "qwen3", "llama", *VISION_ARCHS, *MOE_ARCHS):
+        raise bad("arch", arch, f"one of qwen2, qwen3, llama, {', '.join(VISION_ARCHS + MOE_ARCHS)}")
     if not 1 <= top_k <= experts:
         raise bad("top_k", top_k, f"an integer in 1..experts ({experts})")
     chars = list(dict.fromkeys(vocab))  # keep order, drop duplicates
@@ -150,7 +150,8 @@ def make_tiny_model(
     elif arch in MOE_ARCHS:
         config = _moe_config(arch, common, experts, top_k)
     else:
-        config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
+        config = (Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common) if arch == "llama" else
+                  Qwen3Config(**common, head_dim=hidden // heads))  # Qwen3: RMSNorms over each head's q and k
     # A private RNG stream so building a model never shifts the caller's torch RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

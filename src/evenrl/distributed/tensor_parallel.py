@@ -13,6 +13,9 @@ residual stream, the norms and the rotary tables are whole on every rank of the 
                                                the matmul kernel's own blocking
   embed_tokens                                 row-wise over the vocabulary (each token's row lives on one rank;
                                                the others add exact zeros)
+  q_norm, k_norm (per head: Qwen3, Gemma 3)    whole on every rank, each applied to the rank's own heads: their
+                                               gradients summed over the group (PER_HEAD); a q_norm / k_norm over
+                                               the whole projection (OLMo 2), which the split cuts, is refused
   lm_head                                      an evenrl.distributed.tensor_parallel.VocabParallelHead over the same
                                                vocabulary rows (tied embeddings stay one parameter): its plain
                                                forward gathers whole logits (generation), and `evenrl_logprobs`
@@ -27,8 +30,11 @@ gathered input in memory, for outputs that are sums over T ranks in an order tha
 (benchmarks/parallelism.py measures both).
 
 Every rank of a tensor-parallel group trains the same samples and computes the same loss; gradients of a sharded
-weight are its rank's own, of a whole one (norms) the same on every rank of the group: neither is summed across
-the group (the data-parallel reduction runs over the `data` dimension).
+weight are its rank's own, of a whole one that sees whole inputs (the decoder's norms) the same on every rank of
+the group: neither is summed across the group (the data-parallel reduction runs over the `data` dimension). A
+whole weight applied to the rank's heads alone (PER_HEAD) is the exception: each rank's gradient is its heads'
+part, summed over the group in the backward, so every rank holds the whole model's gradient (the same bits on every
+rank: an all-reduce gives all its ranks one result) and the clip norm counts it once, as any replicated one.
 """
 
 from __future__ import annotations
@@ -45,13 +51,20 @@ from evenrl.errors import UsageError
 COLWISE = "colwise"  # split by output columns: each rank computes its heads / its slice of the MLP
 STABLE = "stable"  # column-wise on the gathered input, output gathered whole (the stable plan of the docstring)
 VOCAB_ROWS = "vocab_rows"  # an embedding split by vocabulary rows: each token's row on one rank, exact zeros elsewhere
+# a norm over each head (head_dim wide: Qwen3's, Gemma 3's q_norm / k_norm) after a column-wise projection: whole on
+# every rank, applied to the rank's own heads, so each rank's gradient covers its heads only; the weight enters each
+# forward through _CopyToGroup, whose backward sums the gradient over the group (transformers'
+# replicated_with_grad_allreduce). Optional: a family without one (Qwen2, Llama) has nothing to apply it to.
+PER_HEAD = "per_head"
 PLAN = {
     "layers.*.self_attn.q_proj": COLWISE, "layers.*.self_attn.k_proj": COLWISE, "layers.*.self_attn.v_proj": COLWISE,
     "layers.*.self_attn.o_proj": STABLE,
+    "layers.*.self_attn.q_norm": PER_HEAD, "layers.*.self_attn.k_norm": PER_HEAD,
     "layers.*.mlp.gate_proj": COLWISE, "layers.*.mlp.up_proj": COLWISE,
     "layers.*.mlp.down_proj": STABLE,
     "embed_tokens": VOCAB_ROWS,
 }  # and the output layer: a VocabParallelHead over the same vocabulary rows (tensor_parallel)
+OPTIONAL = (PER_HEAD,)
 
 
 def supports(model) -> bool:
@@ -63,7 +76,7 @@ def supports(model) -> bool:
     if layers is None or not len(layers) or getattr(inner, "embed_tokens", None) is None:
         return False
     try:
-        for pattern in PLAN:
+        for pattern in (p for p, style in PLAN.items() if style not in OPTIONAL):
             for name in _named(inner, pattern):
                 inner.get_submodule(name)
     except AttributeError:
@@ -85,6 +98,12 @@ def check(model, size: int) -> None:
         if n % size:
             raise UsageError(f"{key}: got {size}, which does not divide the model's {what} ({n}); use a divisor of "
                              f"{n}")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for name, norm in _present(model.model, PER_HEAD):
+        if norm.weight.numel() != head_dim:  # OLMo 2's q_norm / k_norm: over the whole projection, which is split
+            raise UsageError(f"{key}: got {size} for {type(model).__name__}, whose {name} normalises the whole "
+                             f"projection ({norm.weight.numel()} wide, not one head's {head_dim}), which tensor "
+                             "parallelism splits; use 1")
 
 
 def tensor_parallel(model, tp_mesh) -> None:
@@ -96,8 +115,11 @@ def tensor_parallel(model, tp_mesh) -> None:
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is inner.embed_tokens.weight
     for pattern, style in PLAN.items():
-        for name in _named(inner, pattern):
+        for name in _named(inner, pattern) if style not in OPTIONAL else ():
             _apply(inner.get_submodule(name), style, tp_mesh)
+    for style in OPTIONAL:
+        for _, module in _present(inner, style):
+            _apply(module, style, tp_mesh)
     if head is not None and head.weight.shape[0] == model.config.get_text_config().vocab_size:
         weight = inner.embed_tokens.weight if tied else _shard_rows(head.weight, tp_mesh)
         model.set_output_embeddings(VocabParallelHead(weight, head.bias, tp_mesh))
@@ -109,6 +131,18 @@ def _named(inner, pattern: str) -> list[str]:
     return [pattern.replace("*", str(i)) for i in range(len(inner.layers))] if "*" in pattern else [pattern]
 
 
+def _present(inner, style: str) -> list[tuple[str, torch.nn.Module]]:
+    """The modules of `style`'s patterns this model has (an optional style's may be absent)."""
+    found = []
+    for pattern in (p for p, s in PLAN.items() if s == style):
+        for name in _named(inner, pattern):
+            try:
+                found.append((name, inner.get_submodule(name)))
+            except AttributeError:
+                pass
+    return found
+
+
 def _apply(module, style: str, tp_mesh) -> None:
     """One module split in `style`; a LoRA-wrapped projection's base layer and its adapter's B with it (A stays
     whole: it reads the replicated input)."""
@@ -117,7 +151,9 @@ def _apply(module, style: str, tp_mesh) -> None:
                                                    parallelize_module)
 
     base = getattr(module, "base_layer", None)
-    if style == VOCAB_ROWS:
+    if style == PER_HEAD:
+        _sum_grad_over(module, tp_mesh.get_group())
+    elif style == VOCAB_ROWS:
         parallelize_module(module, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
     elif style == COLWISE:
         parallelize_module(base if base is not None else module, tp_mesh, ColwiseParallel())
@@ -132,6 +168,24 @@ def _apply(module, style: str, tp_mesh) -> None:
         parallelize_module(base, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
         for lora_b in _adapters(module, "lora_B"):
             parallelize_module(lora_b, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+
+
+def _sum_grad_over(module, group) -> None:
+    """`module.weight` enters each forward through _CopyToGroup (the same values; its backward sums the gradient
+    over `group`): swapped in by a forward pre-hook, the parameter put back by a forward hook, so its name, its
+    place in the state dict and FSDP2's own swaps (whose unsharded parameter is what the pre-hook finds) are as
+    they were. A recomputed forward (activation checkpointing) passes through the hooks again."""
+    held = []
+
+    def enter(mod, args):
+        held.append(mod._parameters["weight"])
+        mod._parameters["weight"] = _CopyToGroup.apply(held[-1], group)
+
+    def leave(mod, args, output):
+        mod._parameters["weight"] = held.pop()
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
 
 
 def _adapters(proj, kind: str) -> list:

@@ -1,11 +1,12 @@
 """Tensor parallelism (parallel.tensor_parallel_size, evenrl.distributed.tensor_parallel) and the one mesh it lives
 on (evenrl.distributed.mesh_shape): the shape's arithmetic without processes; on gloo, a model split over 2 ranks
-against the unsplit one (forward bit for bit, gradients within rounding), with LoRA; what ranks that sample together
-cannot do, refused by the run as the plan does (config.compatibility), and a mixture of experts; and the exactness
-matrix of `evenrl train` against the shared config's 1-process run: TP = 2 resuming a 1-process checkpoint (DCP
-reshards it), TP = 2 beside a reserved rollout rank whose checkpoint a 1-process run resumes (TP 2 -> 1), and
-(large_world) DP 2 x TP 2 replicated and sharded, SP 2 x TP 2. Greedy evaluation runs on the split model in all of
-them. vLLM engines over several devices: tests/test_engines.py; multi-turn: tests/test_multiturn_runs.py.
+against the unsplit one (forward bit for bit, gradients within rounding), with LoRA and a Qwen3 (per-head q/k
+norms); what ranks that sample together cannot do, refused by the run as the plan does (config.compatibility), and a
+mixture of experts; and the exactness matrix of `evenrl train` against the shared config's 1-process run: TP = 2
+resuming a 1-process checkpoint (DCP reshards it), TP = 2 beside a reserved rollout rank whose checkpoint a 1-process
+run resumes (TP 2 -> 1), and (large_world, a Qwen3) DP 2 x TP 2 replicated and sharded, SP 2 x TP 2. Greedy
+evaluation runs on the split model in all of them. vLLM engines over several devices: tests/test_engines.py;
+multi-turn: tests/test_multiturn_runs.py.
 
 Final weights under TP: the forward is bit for bit, but the backward of a column-wise projection sums its input's
 gradient over the ranks (another order than one matmul: ~3e-7 of a gradient's size), and Adam divides each
@@ -175,12 +176,15 @@ def test_tensor_parallel_beside_a_reserved_rollout_rank_then_resumed_on_one_proc
 def test_data_and_sequence_parallel_beside_tensor_parallel_on_four_processes(assets, tmp_path):
     """DP 2 x TP 2 replicated, DP 2 x TP 2 with FSDP2 over the data dimension (2-D: each weight split on tp and
     sharded on data) and SP 2 x TP 2, 4 processes each, against the shared config's 1-process run (made here: the
-    large_world suite has no other use for shared_runs): the same rewards, losses and greedy evaluation, the weights
-    within e2e.close_weights' bound (measured 1.1e-5, 1.2e-5 and 1.8e-5). The sharded one found ops.clip_grad_norm counting
-    FSDP2's _StridedShard as whole: weights 4.5e-3 off."""
+    large_world suite has no other use for shared_runs), on a tiny Qwen3 (its per-head q_norm / k_norm: PER_HEAD,
+    summed over the TP group, under FSDP2 too): the same rewards, losses and greedy evaluation, the weights within
+    e2e.close_weights' bound (measured 4.1e-6, 4.1e-6 and 3.6e-6; the q/k norms 6e-8; on Qwen2 1.1e-5, 1.2e-5 and
+    1.8e-5). The sharded one found ops.clip_grad_norm counting FSDP2's _StridedShard as whole: weights 4.5e-3 off."""
     from e2e import close_weights, evenrl_many, final_params, shared_args
+    from evenrl.testing import make_tiny_model
 
-    args, tp = shared_args(assets), ["--nproc-per-node", 4, "parallel.tensor_parallel_size=2"]
+    qwen3 = f"model.path={make_tiny_model(str(tmp_path / 'qwen3'), arch='qwen3')}"
+    args, tp = [*shared_args(assets), qwen3], ["--nproc-per-node", 4, "parallel.tensor_parallel_size=2"]
     runs = {"dp_tp": tp, "one": [], "dp_tp_fsdp": [*tp, "parallel.sharding=fsdp"],
             "sp_tp": [*tp, "parallel.sequence_parallel_size=2"]}
     evenrl_many({name: ["train", *args, f"log.run_dir={tmp_path / name}", *more] for name, more in runs.items()})

@@ -185,9 +185,10 @@ def test_ctrl_c_while_the_fork_server_imports_is_one_line(assets, tmp_path):
     everyone: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(b"forkserver" in _cmdline(p) for p in _descendants(launcher.pid)):
-            time.sleep(0.05)
-        # at once: the launcher may still be starting the server, its SIGINT ignored (a Ctrl-C then was lost)
+        while time.monotonic() < deadline and not (
+                any(b"forkserver" in _cmdline(p) for p in _descendants(launcher.pid))
+                and not _ignores_sigint(launcher.pid)):  # the launcher's own handler is back
+            time.sleep(0.02)
         everyone = _descendants(launcher.pid)
         os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does
         assert launcher.wait(timeout=120) == 130
@@ -250,6 +251,17 @@ def _descendants(pid: int) -> list[int]:
         found += kids
         frontier = kids
     return found
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether `pid` ignores SIGINT now (its SigIgn mask in /proc): the launcher does while it starts its fork
+    server, so that the server starts ignoring it; a Ctrl-C sent then can be lost (see launch._start_fork_server)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("SigIgn:") and int(line.split()[1], 16) & (1 << (signal.SIGINT - 1))
+                       for line in f)
+    except OSError:
+        return False
 
 
 def _cmdline(pid: int) -> bytes:

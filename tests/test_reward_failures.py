@@ -16,6 +16,7 @@ from e2e import evenrl_many, final_params, max_diff, metrics
 from evenrl.config import load_config
 from evenrl.core.batch import Batch
 from evenrl.core.masking import counted_lengths, zero_gradient_rows
+from evenrl.distributed.mesh import Mesh
 from evenrl.train.balance import Balance
 from evenrl.train.step import add_advantages, plan_step
 from evenrl.train.update import minibatch_denominators
@@ -55,7 +56,8 @@ def _naive_grpo_over_valid(everyone: Batch) -> list[float]:
 @pytest.mark.parametrize("overrides", [[], ["algo.kl_coef=0.05"], ["train.skip_zero_gradient_samples=false"]])
 def test_masked_samples_have_no_advantage_no_denominator_and_run_nowhere(seed, overrides):
     cfg = load_config(None, ["rewards.on_failure=mask", "algo.minibatches_per_step=2", *overrides])
-    run, everyone = SimpleNamespace(cfg=cfg, balance=Balance(), model=torch.nn.Identity()), _everyone(seed)
+    run = SimpleNamespace(cfg=cfg, balance=Balance(), model=torch.nn.Identity(), mesh=Mesh())  # one process
+    everyone = _everyone(seed)
     local = everyone.select(list(range(len(everyone))))
     add_advantages(run, local, everyone)
     assert torch.allclose(everyone["advantage"].double(), torch.tensor(_naive_grpo_over_valid(everyone),

@@ -257,9 +257,10 @@ def _start_fork_server() -> int | None:
     multiprocessing.set_forkserver_preload(["evenrl.train.preload"])
     quiet = "ignore:resource_tracker:UserWarning"  # each process started now gets it as -W (multiprocessing.util)
     sys.warnoptions.append(quiet)
-    # blocked as well as ignored: Linux keeps a blocked signal pending even while it is ignored, so a Ctrl-C that
-    # comes while the server starts reaches this process's own handler once it is unblocked, not lost (a run
-    # under load went on to the end). The server and the workers it forks inherit the mask: cli.worker unblocks.
+    # blocked as well as ignored: Linux keeps a signal blocked in the thread it is sent to pending even while it is
+    # ignored, so a Ctrl-C that comes while the server starts reaches this thread's handler once it is unblocked.
+    # Another thread of this process (a library's) may still take it while it is ignored: a Ctrl-C in these few
+    # milliseconds can be lost (press it again). The server and its workers inherit the mask: cli.worker unblocks.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

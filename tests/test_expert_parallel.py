@@ -3,7 +3,8 @@ and edata groups and their one-line problems; the planner's --fit; on gloo, ever
 split over 2 ranks against the unsplit model (logits bit for bit, gradients to rounding), a rank that receives no
 tokens, and generation on the gathered experts; `evenrl train` with EP = 2 on 2 processes against 1 process (the
 load-balancing loss on, engine replay, a KL reference split too), checkpoints resumed across EP sizes (2 -> 1, and
-1 -> 2 under FSDP2 with trainer replay), and DP = 2 x EP = 2 on 4 processes, replicated and FSDP2 (large_world).
+1 -> 2 under FSDP2 with trainer replay), and DP = 2 x EP = 2 on 4 processes, replicated and FSDP2, and EP = 2 x
+TP = 2 under FSDP2, resumed on 1 process (large_world).
 The planner's findings are rows of tests/test_plan.py, --from verl's mapping is in tests/test_foreign.py."""
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from evenrl.testing import MOE_ARCHS, make_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_expert_groups_borrow_data_ranks():
-    """ep: each data group cut into groups of ep consecutive ranks; edata: the ranks of one ep index (the same
-    experts). With sequence parallelism the data group is dp x sp ranks; reserved rollout ranks are in neither."""
+def test_expert_groups_borrow_training_ranks():
+    """ep: the training ranks cut into groups of ep consecutive ranks; edata: the ranks of one ep index (the same
+    experts). With sequence or tensor parallelism too (a tp group's ranks dispatch a slice each of the tokens they
+    share, so an ep group may hold them: EP 4 x TP 2 on 8 is 2 of 8 experts per rank); reserved rollout ranks are in
+    neither."""
     s = MeshShape(world=8, sp=2, ep=4)
     assert s.groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]] and s.groups("edata") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert not s.problems() and "experts over ep 4 x edata 2" in s.describe()
@@ -33,10 +36,14 @@ def test_expert_groups_borrow_data_ranks():
     assert r.groups("ep") == [[0, 1], [2, 3]] and r.groups("edata") == [[0, 2], [1, 3]]
     for dim in ("ep", "edata"):
         assert sorted(x for g in s.groups(dim) for x in g) == list(range(8))
+    t = MeshShape(world=8, tp=2, ep=4)
+    assert t.groups("ep") == s.groups("ep") and t.groups("tp")[:2] == [[0, 1], [2, 3]] and not t.problems()
+    assert "dp 4 x sp 1 x tp 2 = 8 training ranks; experts over ep 4 x edata 2" in t.describe()
+    assert t.experts_problem(8) is None and "(allowed: 1, 2, 4, 8)" in MeshShape(world=8, tp=2, ep=3).experts_problem(8)
 
 
 @pytest.mark.parametrize("shape, experts, says", [
-    (MeshShape(world=6, ep=4), 8, "parallel.expert_parallel_size: got 4; it must divide the 6 data-parallel ranks"),
+    (MeshShape(world=6, ep=4), 8, "parallel.expert_parallel_size: got 4; it must divide the 6 training ranks"),
     (MeshShape(world=4, ep=4), 6, "does not divide the model's 6 experts; each rank of an ep group holds experts / "
                                   "ep of them (allowed: 1, 2)"),
     (MeshShape(world=4, ep=2), 0, "got 2, but model.path is not a mixture of experts"),
@@ -280,13 +287,22 @@ def test_checkpoints_resume_across_expert_parallel_sizes(ep_runs):
 
 @pytest.mark.slow
 @pytest.mark.large_world
-@pytest.mark.parametrize("sharding", ["replicated", "fsdp"])
-def test_data_parallel_times_expert_parallel_on_four(one_run, sharding):
+@pytest.mark.parametrize("sharding, tp", [("replicated", 1), ("fsdp", 1), ("fsdp", 2)])
+def test_data_parallel_times_expert_parallel_on_four(one_run, sharding, tp):
     """DP = 2 x EP = 2 on 4 processes: each rank holds 4 experts, the two ranks holding the same ones (edata) reduce
     them (replicated) or FSDP2 shards them; the final weights the 1-process run's within 1e-5 (measured 4.3e-6
-    replicated, 4.4e-6 sharded), identical rewards."""
+    replicated, 4.4e-6 sharded), identical rewards. EP = 2 x TP = 2 (dp 2) under FSDP2: attention and the output
+    layer split over each tp pair (0-1, 2-3), the experts over the ep pairs of one tp index (0-2, 1-3), every rank
+    of a tp pair routing the same tokens (distributed.tensor_parallel); the KL reference and the hf sampler split
+    the same way; measured 1.5e-6 (1 of 130,688 entries over 1e-6); its step-1 checkpoint (the experts saved from
+    both tp indexes, DCP keeping one copy) resumed on 1 process finishes as the 1-process run does."""
     root, cfg = one_run
-    name = f"dp2ep2_{sharding}"
+    name = f"dp2ep2tp{tp}_{sharding}"
     evenrl_many({name: ["train", cfg, f"log.run_dir={root / name}", "--nproc-per-node", 4,
-                        "parallel.expert_parallel_size=2", f"parallel.sharding={sharding}"]})
+                        "parallel.expert_parallel_size=2", f"parallel.sharding={sharding}",
+                        f"parallel.tensor_parallel_size={tp}"]})
     assert _same_as_one(root, name) < 1e-5
+    if tp > 1:
+        back = copy_checkpoint(root / name, 1, root / f"{name}_to_one")
+        evenrl_many({back.name: ["train", cfg, f"log.run_dir={back}", "--resume"]})
+        assert _same_as_one(root, back.name, steps=1) < 1e-5

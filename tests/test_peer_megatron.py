@@ -60,19 +60,23 @@ def test_recompute_is_the_memory_the_plan_counts(tmp_path):
     assert with_ckpt < without / 4, (with_ckpt, without)
 
 
-def test_tensor_parallel_on_a_mixture_of_experts_is_tp1_with_ep(tmp_path):
-    """Megatron TP 4 on Qwen3-30B-A3B (EP 1: its experts split by TP, ETP defaulting to TP): evenrl runs TP 1 with
-    EP 4 on the experts and FSDP2 sharding the rest, says why (EP x TP is issue 54), and plans it runnable."""
+def test_tensor_parallel_on_a_mixture_of_experts_is_tp_with_ep(tmp_path):
+    """Megatron TP 4 on Qwen3-30B-A3B (EP 1: its experts split by TP, ETP defaulting to TP): evenrl runs TP 4 on the
+    attention with EP 4 on the experts and FSDP2 sharding the rest, says so, and plans it runnable; with EP 8 the
+    file's EP; where TP divides no expert count and EP is unset, TP 1 (evenrl's TP needs EP beside it)."""
     t, cfg = megatron(tmp_path, f"{M}tensor_model_parallel_size=4", A3B)
     assert (cfg.parallel.tensor_parallel_size, cfg.parallel.expert_parallel_size, cfg.parallel.sharding) == \
-        (1, 4, "fsdp")
+        (4, 4, "fsdp")
     note = next(n for n in t.notes if n.startswith(M + "tensor_model_parallel_size=4 on a mixture of experts"))
-    assert "issue 54" in note and "parallel.expert_parallel_size=4" in note
+    assert "parallel.tensor_parallel_size=4" in note and "parallel.expert_parallel_size=4" in note
     p = make_plan(cfg, t.layout)
     assert not [f for f in p.findings if f.rule.startswith(("expert-parallel", "tensor-parallel")) and
                 f.level == "error"], [f.rule for f in p.findings]
     t, cfg = megatron(tmp_path / "ep", f"{M}tensor_model_parallel_size=2 {M}expert_model_parallel_size=8")
-    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.expert_parallel_size) == (1, 8)  # EP 8: an MoE
+    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.expert_parallel_size) == (2, 8)  # EP 8: an MoE
+    t, cfg = megatron(tmp_path / "odd", f"{M}tensor_model_parallel_size=3", {**A3B, "num_experts": 128})
+    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.expert_parallel_size) == (1, 1)
+    assert any("whose 128 experts it does not divide" in n for n in t.notes)
     t, cfg = megatron(tmp_path / "dense", f"{M}tensor_model_parallel_size=2", DENSE)
     assert (cfg.parallel.tensor_parallel_size, cfg.parallel.expert_parallel_size) == (2, 1)
 
@@ -140,14 +144,14 @@ ray job submit --address="http://127.0.0.1:8265" -- python3 train.py \\
 def test_slime_script(tmp_path):
     """slime's Megatron/SGLang flags read by the same table reader as the other peers: the layout (2 x 8, engines
     of 8 GPUs), batches (32 prompts x 8 samples in optimizer steps of 64 samples: 4 mini-batches), TP 4 on the
-    mixture of experts as TP 1 with its EP 8, recompute, GSPO, routing replay (R3), TIS, the learning rate."""
+    mixture of experts as TP 4 with its EP 8, recompute, GSPO, routing replay (R3), TIS, the learning rate."""
     t, cfg = plan(tmp_path, "slime", SLIME, device_memory_gib=80)
     assert (t.layout.nnodes, t.layout.nproc_per_node, t.layout.rollout_devices) == (2, 8, 0)
     assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.algo.minibatches_per_step) == (32, 8, 4)
     assert (cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens, cfg.train.token_cap_per_micro_batch) == \
         (1024, 8192, 20480)
     assert (cfg.parallel.tensor_parallel_size, cfg.parallel.expert_parallel_size, cfg.parallel.sharding) == \
-        (1, 8, "fsdp")
+        (4, 8, "fsdp")
     assert (cfg.model.gradient_checkpointing, cfg.model.dtype) == (True, "bfloat16")
     assert (cfg.algo.advantage, cfg.algo.policy_loss, cfg.algo.clip_low, cfg.algo.clip_high) == \
         ("grpo", "gspo", 3e-4, 4e-4)

@@ -91,13 +91,14 @@ CASES = [
      ["does not record or replay", "qwen3_moe"]),
     ("router-replay-off", "note", [], {}, MOE, ["8 experts, top 2", "rollout.router_replay=engine"]),
     ("expert-parallel", "error", ["parallel.expert_parallel_size=3"], {}, MOE,
-     ["must divide the 4 data-parallel ranks", "parallel.expert_parallel_size=2; parallel.expert_parallel_size=4"]),
+     ["must divide the 4 training ranks", "parallel.expert_parallel_size=2; parallel.expert_parallel_size=4"]),
     ("expert-parallel", "error", ["parallel.expert_parallel_size=4"], {}, {**MOE, "num_experts": 6},
      ["does not divide the model's 6 experts", "parallel.expert_parallel_size=2"]),
     ("expert-parallel", "error", ["parallel.expert_parallel_size=2"], {}, TINY, ["not a mixture of experts"]),
-    ("expert-parallel-tensor-parallel", "error", ["parallel.expert_parallel_size=2", "parallel.tensor_parallel_size=2"],
-     {}, MOE, ["splits dense decoders only", "parallel.tensor_parallel_size=1 (the experts keep their expert-parallel "
-                                             "split"]),  # never expert_parallel_size=1
+    # EP x TP (Megatron's layout with expert TP 1): counted, not refused; EP divides the data ranks TP leaves
+    ("expert-parallel", "note", ["parallel.expert_parallel_size=4", "parallel.tensor_parallel_size=2"], {}, MOE,
+     ["each rank holds 2 of the 8 experts", "the only rank holding them", "beside parallel.tensor_parallel_size=2, "
+      "the ranks of a tp group route the same tokens and each sends its 1/tp of them"]),
     ("expert-parallel-offload", "error", ["parallel.expert_parallel_size=2", "parallel.sharding=fsdp",
                                           "parallel.cpu_offload=full"], {}, MOE, ["parallel.cpu_offload=none"]),
     ("expert-parallel-nodes", "warning", ["parallel.expert_parallel_size=4"], {"nnodes": 2, "nproc_per_node": 2},

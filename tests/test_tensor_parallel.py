@@ -221,12 +221,13 @@ def test_the_run_refuses_what_ranks_sampling_together_cannot_do_as_the_plan_does
     assert str(e.value) == f"{found[0].message}; fix: {found[0].fix}" and "\n" not in str(e.value)
 
 
-def test_a_mixture_of_experts_is_refused_tensor_parallel(assets, tmp_path, capsys):
-    """The plan's tensor-parallel-model (one line, exit 2, before anything loads) and the run's own check where the
-    model is split (distributed.tensor_parallel.check, which train.parallelize.split_tensors runs first); a DeepSeek-V3,
-    whose first layer is dense, is not taken for a model the plan covers (every layer is looked at)."""
+def test_a_mixture_of_experts_is_split_beside_expert_parallelism_only(assets, tmp_path, capsys):
+    """TP on a mixture without EP is the plan's tensor-parallel-model (one line, exit 2, before anything loads). The
+    run's own check where the model is split (distributed.tensor_parallel.check, which train.parallelize.split_tensors
+    runs first) takes a Qwen3-MoE and a Qwen2-MoE (its shared expert split as a dense MLP) and refuses gpt-oss (its
+    per-head attention sinks) in one line; a DeepSeek-V3 (latent attention) is no model the plan covers."""
     from e2e import evenrl_here
-    from evenrl.distributed.tensor_parallel import check, supports
+    from evenrl.distributed.tensor_parallel import _targets, check, supports
     from evenrl.errors import UsageError
     from evenrl.models.loading import load_policy
     from evenrl.testing import make_tiny_model
@@ -235,11 +236,17 @@ def test_a_mixture_of_experts_is_refused_tensor_parallel(assets, tmp_path, capsy
     code, _, err = evenrl_here(capsys, "train", assets["cfg"], f"model.path={path}", "parallel.tensor_parallel_size=2",
                                "--nproc-per-node", 2, f"log.run_dir={tmp_path / 'run'}")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "plan tensor-parallel-model" in err, err
-    assert "a mixture of experts (qwen3_moe)" in err
+    assert "a mixture of experts (qwen3_moe) without expert parallelism" in err
     assert not (tmp_path / "run").exists()  # nothing written
-    model, _ = load_policy(path)
-    with pytest.raises(UsageError, match="tensor parallelism covers decoders with q/k/v/o and gate/up/down"):
-        check(model, 2)
+    check(load_policy(path)[0], 2)
+    qwen2_moe, _ = load_policy(make_tiny_model(str(tmp_path / "q2"), arch="qwen2_moe"))
+    check(qwen2_moe, 2)
+    assert [n for n, _ in _targets(qwen2_moe.model) if ".mlp." in n] == [
+        f"layers.{i}.mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj") for i in range(2)]
+    gpt_oss, _ = load_policy(make_tiny_model(str(tmp_path / "oss"), arch="gpt_oss"))
+    with pytest.raises(UsageError, match="whose attention has 'sinks' beside its projections") as e:
+        check(gpt_oss, 2)
+    assert "\n" not in str(e.value)
     deepseek, _ = load_policy(make_tiny_model(str(tmp_path / "ds"), arch="deepseek_v3"))
     assert not supports(deepseek) and supports(load_policy(make_tiny_model(str(tmp_path / "dense")))[0])
 

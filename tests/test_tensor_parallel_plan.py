@@ -43,8 +43,21 @@ def test_a_rank_holds_its_share_of_the_model_by_hand():
     # input (q = 64) and down_proj's (i = 128) whole: 256 + (128 + 32 + 384) / 2 + 64 + 128
     assert d.act_elems == 4 * 64 + 2 * 64 + 2 * 16 + 4 * 128 == 928
     assert two.act_elems == 256 + 272 + 192 == 720 and two.gather_elems == 128
-    for unsplit in (VL, MOE):  # what the plan cannot split is estimated whole
+    for unsplit in (VL, {**MOE, "model_type": "gpt_oss"}):  # what the plan cannot split is estimated whole
         assert rank_share(dims_from_config(unsplit), 2).tp == 1
+    # MOE (2 MoE layers of 8 experts of width 32, top 2, Qwen3's q/k norms): the routed experts (3 x 64 x 32 each)
+    # and routers (8 x 64) stay whole beside EP, attention and the vocabulary split; the norms 2 x (128 + 16) + 64
+    m = dims_from_config(MOE)
+    routed, norms, attention = 8 * (3 * 64 * 32 + 64), 352, 2 * 64 * 64 + 2 * 64 * 16 + 128 + 16
+    assert m.params == 100 * 64 * 2 + 2 * (attention + routed) + 64 == 132_960
+    moe = rank_share(m, 2)
+    assert moe.params == norms + 2 * routed + (132_960 - norms - 2 * routed) // 2 == 116_320
+    assert moe.block == 144 + routed + (attention - 144) // 2 and moe.linear == 2 * routed + (m.linear_params
+                                                                                             - 2 * routed) // 2
+    # 4h; q, k, v, the attention output of the rank's heads, o_proj's gathered input (q); each MoE layer's k x
+    # (3h + 4e) dispatch buffers for the rank's half of the tokens, the 2E router outputs of all of them:
+    # 256 + (128 + 32) / 2 + 64 + 2 x (192 + 128) / 2 + 16
+    assert moe.act_elems == 256 + 80 + 64 + 336 == 736 and moe.gather_elems == 64
     assert tensor_sizes(dims_from_config(QWEN7B), 8, 8) == [1, 2, 4]  # 28 heads, 4 KV heads
     assert tensor_sizes(dims_from_config(QWEN32B), 16, 8, nodes=2) == [1, 2, 4, 8]
     assert tensor_sizes(dims_from_config(QWEN32B), 12, 6, nodes=2) == [1, 2]  # 4 would cross nodes of 6
@@ -115,8 +128,10 @@ def test_the_plan_balances_over_replicas_of_the_mesh():
     (["parallel.tensor_parallel_size=2"], {}, VL, "tensor-parallel-model", "error",
      ["vision-language model", "parallel.tensor_parallel_size=1"]),
     (["parallel.tensor_parallel_size=2"], {}, MOE, "tensor-parallel-model", "error",
-     ["mixture of experts", "gate/up/down", "parallel.tensor_parallel_size=1 with parallel.expert_parallel_size > 1",
-      "parallel.sharding=fsdp"]),  # never expert_parallel_size=1: the experts keep a split
+     ["a mixture of experts (qwen3_moe) without expert parallelism", "routed experts, which expert parallelism splits",
+      "parallel.expert_parallel_size > 1", "or parallel.tensor_parallel_size=1"]),
+    (["parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2"], {}, {**MOE, "model_type": "gpt_oss"},
+     "tensor-parallel-model", "error", ["attention sinks, one per head (gpt_oss)", "parallel.tensor_parallel_size=1"]),
     (["parallel.tensor_parallel_size=2", "parallel.sharding=fsdp", "parallel.cpu_offload=full"], {}, TINY,
      "tensor-parallel-offload", "error", ["parallel.cpu_offload=none", "parallel.tensor_parallel_size=1"]),
     (["parallel.tensor_parallel_size=4"], {"nnodes": 2, "nproc_per_node": 6}, TINY, "tensor-parallel-nodes",
@@ -180,10 +195,12 @@ def test_fit_mends_the_sizes_the_rules_refuse():
             (["parallel.tensor_parallel_size=3"], TINY, 2),
             (["parallel.tensor_parallel_size=8"], QWEN7B, 4),
             (["parallel.tensor_parallel_size=2"], VL, 1),
-            (["parallel.tensor_parallel_size=2"], MOE, 1)):
+            (["parallel.tensor_parallel_size=2"], MOE, 2),  # with EP 8: 8 experts over the 8 training ranks
+            (["parallel.tensor_parallel_size=2"], {**MOE, "model_type": "gpt_oss"}, 1)):  # sinks: no TP
         p = plan(overrides, model)
         new, _ = fit(p)
         assert new.parallel.tensor_parallel_size == want, overrides
+        assert new.parallel.expert_parallel_size == (8 if model["model_type"] == "qwen3_moe" else 1), overrides
         assert not [f for f in make_plan(new, p.layout, model_config=model).findings
                     if f.rule.startswith("tensor-parallel") and f.level == "error"]
     p = plan(["parallel.tensor_parallel_size=2", "parallel.sharding=fsdp", "parallel.cpu_offload=full"], TINY)
@@ -229,3 +246,26 @@ def test_fit_never_leaves_a_tensor_parallel_error():
                        and f.rule.startswith(("tensor-parallel", "engine-", "sequence-"))]
                 assert not bad, (tp, nodes, per, model["hidden_size"], bad)
                 assert math.prod((after.dp_size, after.replica)) == after.layout.training_ranks
+
+
+def test_expert_parallel_beside_tensor_parallel_is_counted_by_hand():
+    """MOE on 8 ranks under FSDP2, EP 8 x TP 2: the rank holds 1/2 of the attention and vocabulary sharded over its
+    data group of 4 (116,320 - 98,304 routed expert parameters / 4, the routers with them) and 1/8 of the routed
+    experts (each whole on its rank: EP 8 x FSDP2 over the 1 other, every training rank), in fp32 (4 bytes); each
+    rank dispatches its half of its TP group's tokens. The plan runs it:
+    no tensor- or expert-parallel error, and the note says how the experts are split."""
+    m = dims_from_config(MOE)
+    assert m.experts_total == 2 * 8 * 3 * 64 * 32 == 98_304
+    lay = make_layout(1, 8, device="cuda", device_memory_gib=80)
+    ep = load_config(None, SHORT + ["parallel.sharding=fsdp", "parallel.expert_parallel_size=8"])
+    both = with_settings(ep, {"parallel.tensor_parallel_size": 2})
+    one, two = estimate_memory(ep, lay, m).breakdown, estimate_memory(both, lay, m).breakdown
+    assert two["parameters"] * GIB == pytest.approx(4 * ((116_320 - 98_304) / 4 + 98_304 / 8))
+    assert two["optimizer"] == pytest.approx(2 * two["parameters"])
+    # 4 x t x k x h x c (/ TP): a rank's 4 samples of 128 tokens at EP 8 alone, a TP group's 8 split in two
+    assert one["expert dispatch"] * GIB == 4 * 512 * 2 * 64 * 4
+    assert two["expert dispatch"] * GIB == 4 * 1024 * 2 * 64 * 4 / 2
+    p = plan(["parallel.sharding=fsdp", "parallel.expert_parallel_size=8", "parallel.tensor_parallel_size=2"], MOE)
+    assert not [f for f in p.findings if f.level == "error" and f.rule.startswith(("tensor-", "expert-"))], render(p)
+    note = next(f.message for f in p.findings if f.rule == "expert-parallel")
+    assert "beside parallel.tensor_parallel_size=2" in note

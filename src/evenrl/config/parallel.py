@@ -49,19 +49,22 @@ class ParallelConfig(Section):
         description="Tensor parallelism in the trainer: each layer's weights are split over a group of this many "
                     "consecutive training ranks (attention heads, MLP width and the vocabulary), which train the "
                     "same samples together; data parallel (replicated or FSDP2 over parallel.sharding) across the "
-                    "groups. It must divide the attention and KV heads, the MLP width and the vocabulary, and "
+                    "groups; a mixture of experts' routed experts are split by expert_parallel_size instead, "
+                    "which must then be > 1. It must divide the attention and KV heads, the MLP width and the "
+                    "vocabulary, and "
                     "sequence_parallel_size x tensor_parallel_size must divide the training ranks (verl "
                     "actor fsdp tensor_parallel_size, Megatron tensor_model_parallel_size). The hf engine samples "
                     "from the split model itself. 1: off. docs/parallelism.md.")
     expert_parallel_size: int = Field(
         1, ge=1, le=1024,
         description="Expert parallelism for a mixture of experts: each MoE layer's experts are split over a group "
-                    "of this many consecutive training ranks borrowed from data parallelism (each holds experts / "
-                    "this many; every token goes to its experts' ranks and back by all-to-all), and the ranks "
-                    "holding the same experts reduce (or, with sharding=fsdp, shard) them; the dense layers are "
-                    "data parallel as before. It must divide the data-parallel ranks (training ranks / "
-                    "tensor_parallel_size) and the experts; not with tensor_parallel_size > 1 (verl/Megatron "
-                    "expert_model_parallel_size, transformers ep_size). 1: off. docs/moe.md.")
+                    "of this many consecutive training ranks (each holds experts / this many; every token goes to "
+                    "its experts' ranks and back by all-to-all), and the ranks holding the same experts reduce (or, "
+                    "with sharding=fsdp, shard) them; the dense layers are data parallel as before. With "
+                    "tensor_parallel_size > 1 the attention and dense layers are split by it and the experts by "
+                    "this (Megatron's layout with expert tensor parallelism 1); a mixture needs this > 1 there. It "
+                    "must divide the training ranks and the experts (verl/Megatron expert_model_parallel_size, "
+                    "transformers ep_size). 1: off. docs/moe.md.")
     collective_timeout_s: float = Field(
         600.0, gt=0.0, le=86400.0,
         description="How long a rank waits in one collective for a stopped peer before the job ends with one line "

@@ -4,7 +4,7 @@ to its experts' ranks and back by all-to-all.
 
     expert_parallel(model, dist.expert_mesh(device))   # before FSDP2 (sharding.shard) and the optimizer
 
-The layout is torchtitan's and prime-rl's: the ep group borrows data-parallel ranks, the ranks holding the same
+The layout is torchtitan's and prime-rl's: the ep group borrows training ranks, the ranks holding the same
 experts (`edata`) reduce their gradients (or, with FSDP2, shard them), and the dense layers keep the usual mesh.
 - Weights stay in transformers' fused layout: each experts module's 3-D tensors (gate_up_proj [E, ...], down_proj
   [E, ...], gpt-oss's biases [E, ...], LoRA's per-expert adapters [E, ...]: models.expert_lora) become DTensors
@@ -31,6 +31,18 @@ experts (`edata`) reduce their gradients (or, with FSDP2, shard them), and the d
   to the expert contributed), so it is summed over `edata` only (distributed.ops.all_reduce_grads; FSDP2
   reduce-scatters it there), never over the whole data group; the clip norm sums its squares over "ep"
   (distributed.ops.clip_grad_norm).
+
+With tensor parallelism (Megatron's layout with expert tensor parallelism 1: distributed.tensor_parallel splits
+attention and the dense MLPs, this the routed experts): after attention every rank of a tp group holds the same whole
+hidden states, routes them with the same whole router (so router replay, the load statistics and the router's
+gradient are those without TP) and hands the same (token, expert) pairs to its experts module. Each rank then
+dispatches only its own 1/tp of the tokens (`_split_tokens`: contiguous slices, uneven where tp does not divide
+them) over an ep group that may span tp ranks (distributed.mesh_shape), and the tp group all-gathers the slices'
+outputs: every token meets its experts once and its output is one rank's arithmetic, the same bits on every rank
+of the group, as the next layer's replicated input must be; the backward gathers the slices' input and routing-weight
+gradients the same way. Simpler would be each tp rank dispatching every token over an ep group of its own tp index:
+exact too, but the experts then held again at every tp index (Pe / (world / tp) per rank under FSDP2 instead of
+Pe / world) and run tp times, which defeats TP for the model it is for (a 235B mixture is mostly experts).
 
 transformers 5.19's own EP plan (a config's `base_model_ep_plan`, `ep_dispatch_experts`, DistributedConfig(ep_size))
 computes the same (measured here on 2 gloo ranks: logits equal, gradients within 1e-9) but replaces each experts
@@ -72,6 +84,9 @@ class ExpertShard:
     local: int  # experts per rank (E / EP)
     names: tuple[str, ...]  # the module's per-expert tensors (gate_up_proj, down_proj, biases, adapters.lora_A...)
     whole: dict[str, Tensor] | None = None  # every expert, while gathered_experts holds them (generation)
+    tp: Any = None  # this rank's tensor-parallel group (None: no TP): its ranks split the tokens they share
+    tp_size: int = 1
+    tp_index: int = 0
 
 
 # each split experts module's ExpertShard, kept beside the module (not set on it): transformers' ExpertsInterface hands
@@ -88,11 +103,13 @@ def is_expert_parallel(model: torch.nn.Module) -> bool:
     return plan_of(model).expert_parallel > 1
 
 
-def expert_parallel(model: torch.nn.Module, mesh) -> None:
+def expert_parallel(model: torch.nn.Module, mesh, tp_group=None) -> None:
     """Split every experts module of `model` over the "ep" dimension of `mesh` (distributed.mesh.expert_mesh), in
     place: its per-expert tensors become DTensors sharded on dim 0, and its forward dispatches (module docstring).
-    Call after the model is on its device and after LoRA adapters are added, before FSDP2 and the optimizer. A
-    model whose experts EP does not divide is one line (UsageError), the mesh's own wording."""
+    tp_group: the rank's tensor-parallel group when the model is split by tensor parallelism too (its ranks then
+    dispatch a slice each of the tokens they share). Call after the model is on its device, after LoRA adapters are
+    added and after tensor parallelism, before FSDP2 and the optimizer. A model whose experts EP does not divide is
+    one line (UsageError), the mesh's own wording."""
     from torch.distributed.tensor import DTensor, Shard
     from transformers.integrations.moe import ExpertsInterface
 
@@ -118,7 +135,9 @@ def expert_parallel(model: torch.nn.Module, mesh) -> None:
             split = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
             owner, _, attr = n.rpartition(".")
             m.get_submodule(owner).register_parameter(attr, torch.nn.Parameter(split, requires_grad=p.requires_grad))
-        _SHARDS[m] = ExpertShard(ep_mesh.get_group(), ep, index, local, names)
+        tp = {} if tp_group is None else dict(tp=tp_group, tp_size=tdist.get_world_size(tp_group),
+                                              tp_index=tdist.get_rank(tp_group))
+        _SHARDS[m] = ExpertShard(ep_mesh.get_group(), ep, index, local, names, **tp)
     model.set_experts_implementation(BACKEND)
     record(model).expert_parallel = ep
 
@@ -171,7 +190,59 @@ def experts_forward(module, hidden: Tensor, top_k_index: Tensor, top_k_weights: 
     if shard.whole is not None:  # generation: every expert is here
         return grouped_mm_experts_forward(_Weights(module, _adapted(module, shard.whole), shard.local * shard.size),
                                           hidden, top_k_index, top_k_weights)
+    if shard.tp_size > 1:
+        return _split_tokens(module, shard, hidden, top_k_index, top_k_weights)
     return _dispatch(module, shard, hidden, top_k_index, top_k_weights)
+
+
+def _split_tokens(module, shard: ExpertShard, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """Under tensor parallelism: this rank's contiguous 1/tp of the tokens its tp group shares dispatched, the
+    group's outputs all-gathered (module docstring)."""
+    n, tp = hidden.shape[0], shard.tp_size
+    sizes = [n // tp + (j < n % tp) for j in range(tp)]
+    lo = sum(sizes[:shard.tp_index])
+    hi = lo + sizes[shard.tp_index]
+    out = _dispatch(module, shard, _TpSlice.apply(hidden, lo, hi, sizes, shard.tp), top_k_index[lo:hi],
+                    _TpSlice.apply(top_k_weights, lo, hi, sizes, shard.tp))
+    return _TpGather.apply(out, lo, hi, sizes, shard.tp)
+
+
+def _gather_rows(x: Tensor, sizes: list[int], group) -> Tensor:
+    """Each tp rank's rows (sizes[j] of them on rank j), concatenated in rank order on every rank."""
+    most = max(sizes)
+    padded = x.new_zeros((most, *x.shape[1:]))
+    padded[:len(x)] = x
+    parts = [torch.empty_like(padded) for _ in sizes]
+    tdist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:k] for p, k in zip(parts, sizes)])
+
+
+class _TpSlice(torch.autograd.Function):
+    """This rank's rows lo:hi of a tensor every rank of its tp group holds whole; the backward gathers every rank's
+    rows' gradients, so the whole tensor's gradient is the same on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, lo: int, hi: int, sizes: list[int], group) -> Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return x[lo:hi]
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _gather_rows(g.contiguous(), ctx.sizes, ctx.group), None, None, None, None
+
+
+class _TpGather(torch.autograd.Function):
+    """Every rank's rows of the tp group concatenated; the backward keeps this rank's rows (their gradient is the
+    same on every rank: what follows is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, lo: int, hi: int, sizes: list[int], group) -> Tensor:
+        ctx.lo, ctx.hi = lo, hi
+        return _gather_rows(x.contiguous(), sizes, group)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g[ctx.lo:ctx.hi], None, None, None, None
 
 
 class _Exchange(torch.autograd.Function):
@@ -208,7 +279,7 @@ def _dispatch(module, shard: ExpertShard, hidden: Tensor, top_k_index: Tensor, t
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order), device=order.device)
     # each pair's output times its weight, summed over the token's k pairs: the grouped_mm backend's own arithmetic
-    return (back[inverse].view(n, k, -1) * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
+    return (back[inverse].view(n, k, back.shape[-1]) * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
 
 
 def _local_experts(module, shard: ExpertShard, tokens: Tensor, ids: Tensor) -> Tensor:

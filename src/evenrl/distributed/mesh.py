@@ -218,7 +218,7 @@ class Mesh:
             raise ValueError("mesh: expert_mesh without expert parallelism (parallel.expert_parallel_size is 1)")
         key = ("experts", device.type)
         if key not in self.meshes:
-            ranks = torch.tensor(s.groups("ep")).view(s.data // s.ep, s.ep)
+            ranks = torch.tensor(s.groups("ep")).view(s.trainers // s.ep, s.ep)
             self.meshes[key] = DeviceMesh.from_group([self.mesh_groups["edata"], self.mesh_groups["ep"]], device.type,
                                                   mesh=ranks, mesh_dim_names=("edata", "ep"))
         return self.meshes[key]

@@ -11,18 +11,16 @@ group strides by tp; a data-parallel index runs over the rest. The ranks of one 
 ranks) train the same samples together: the step's schedule has dp "ranks". Gradients are reduced over the `data`
 groups (dp x sp ranks of one tp index), which is also the dimension FSDP2 shards over.
 
-Expert parallelism (`parallel.expert_parallel_size` = ep, a mixture of experts) borrows data ranks, as torchtitan's
-and prime-rl's meshes do: each `data` group is cut into `ep` groups of ep consecutive ranks, each rank of one holding
-1/ep of every MoE layer's experts (the tokens of all of them are dispatched there by all-to-all), and the `edata`
-groups join the ranks of one ep index (the ranks holding the same experts: their gradient reduction and FSDP2
-shards). The dense layers keep the usual dimensions.
+Expert parallelism (`parallel.expert_parallel_size` = ep, a mixture of experts) borrows training ranks, as
+torchtitan's and prime-rl's meshes borrow data ranks: the training ranks are cut into `ep` groups of ep consecutive
+ranks, each rank of one holding 1/ep of every MoE layer's experts (the tokens of all of them are dispatched there by
+all-to-all), and the `edata` groups join the ranks of one ep index (the ranks holding the same experts: their
+gradient reduction and FSDP2 shards). The dense layers keep the usual dimensions. With tensor parallelism an ep
+group may hold ranks of one tp group: its ranks hold the same tokens, and each dispatches its own 1/tp of them
+(distributed.expert_parallel), so every token meets its experts once (Megatron's expert-data-parallel layout with
+expert tensor parallelism 1).
 
     MeshShape(world=4, ep=2).groups("ep") -> [[0, 1], [2, 3]];  .groups("edata") -> [[0, 2], [1, 3]]
-
-Expert parallelism with tensor parallelism is refused before anything loads (config.compatibility's
-expert-parallel-tensor-parallel): the tensor-parallel plan splits dense decoders only, so ep over the ranks of a tp
-group would hold split attention beside whole experts, a layout no model here can use yet. Its groups are laid out
-here all the same (ep within each tp index's data group).
 
 Rollout engines over several devices (`rollout.tensor_parallel_size` = N, vLLM): colocated, an engine group is N
 consecutive training ranks; reserved, N consecutive rollout ranks.
@@ -100,9 +98,9 @@ class MeshShape:
                                                        ("parallel.tensor_parallel_size", self.tp)) if v > 1)
             out.append(f"{what} = {self.replica} ranks per replica must divide the {self.trainers} training ranks "
                        f"(allowed: a divisor of {self.trainers})")
-        elif self.ep > 1 and self.data % self.ep:
-            out.append(f"parallel.expert_parallel_size: got {self.ep}; it must divide the {self.data} data-parallel "
-                       f"ranks (dp {self.dp} x sp {self.sp}), which it borrows (allowed: a divisor of {self.data})")
+        elif self.ep > 1 and self.trainers % self.ep:
+            out.append(f"parallel.expert_parallel_size: got {self.ep}; it must divide the {self.trainers} training "
+                       f"ranks, which it borrows (allowed: a divisor of {self.trainers})")
         engines_on = self.rollout or self.trainers
         if self.engine_tp > 1 and engines_on % self.engine_tp:
             where = f"{self.rollout} rollout devices" if self.rollout else f"{self.trainers} training ranks"
@@ -119,7 +117,7 @@ class MeshShape:
             return (f"parallel.expert_parallel_size: got {self.ep}, but model.path is not a mixture of experts (no "
                     "experts to split); use 1")
         if experts % self.ep:
-            fits = [d for d in range(1, self.data + 1) if not self.data % d and not experts % d]
+            fits = [d for d in range(1, self.trainers + 1) if not self.trainers % d and not experts % d]
             return (f"parallel.expert_parallel_size: got {self.ep}, which does not divide the model's {experts} "
                     f"experts; each rank of an ep group holds experts / ep of them (allowed: "
                     f"{', '.join(map(str, fits))})")
@@ -140,9 +138,9 @@ class MeshShape:
         """Every group of a dimension, as global ranks in order (each rank in exactly one group of the dimension,
         except that rollout ranks are in no training group and training ranks in no reserved engine group):
         tp: one per (dp, sp); sp: one per (dp, tp); data: one per tp (dp x sp ranks: gradient reduction and the
-        FSDP2 shards); replica: one per dp (sp x tp ranks: the same samples); engine: rollout engines; ep: each data
-        group cut into groups of ep consecutive ranks (each holds 1/ep of the experts); edata: the ranks of a data
-        group at one ep index (they hold the same experts)."""
+        FSDP2 shards); replica: one per dp (sp x tp ranks: the same samples); engine: rollout engines; ep: the
+        training ranks cut into groups of ep consecutive ranks (each holds 1/ep of the experts); edata: the ranks at
+        one ep index (they hold the same experts)."""
         r = lambda dp, sp, tp: self.rank_of(Coords(dp, sp, tp))  # noqa: E731
         if dim == "tp":
             return [[r(d, s, t) for t in range(self.tp)] for d in range(self.dp) for s in range(self.sp)]
@@ -153,10 +151,9 @@ class MeshShape:
         if dim == "replica":
             return [[r(d, s, t) for s in range(self.sp) for t in range(self.tp)] for d in range(self.dp)]
         if dim in ("ep", "edata"):
-            data = self.groups("data")
             if dim == "ep":
-                return [g[i:i + self.ep] for g in data for i in range(0, len(g), self.ep)]
-            return [g[e::self.ep] for g in data for e in range(self.ep)]
+                return [list(range(i, i + self.ep)) for i in range(0, self.trainers, self.ep)]
+            return [list(range(e, self.trainers, self.ep)) for e in range(self.ep)]
         if dim == "engine":
             first, n = (self.trainers, self.rollout) if self.rollout else (0, self.trainers)
             return [list(range(first + i, first + i + self.engine_tp)) for i in range(0, n, self.engine_tp)]
@@ -170,5 +167,5 @@ class MeshShape:
         """'dp 2 x sp 1 x tp 2 = 4 training ranks (+ 1 rollout)'."""
         extra = f" (+ {self.rollout} rollout)" if self.rollout else ""
         engine = f"; engines of {self.engine_tp} devices" if self.engine_tp > 1 else ""
-        experts = f"; experts over ep {self.ep} x edata {self.data // self.ep}" if self.ep > 1 else ""
+        experts = f"; experts over ep {self.ep} x edata {self.trainers // self.ep}" if self.ep > 1 else ""
         return f"dp {self.dp} x sp {self.sp} x tp {self.tp} = {self.trainers} training ranks{extra}{experts}{engine}"

@@ -1,7 +1,8 @@
 """Tensor parallelism applied to a model from outside it (parallel.tensor_parallel_size = T): free functions over the
 mesh's `tp` DeviceMesh, the model class untouched (torchtitan's `parallelize`, NeMo-RL's DTensor plans).
 
-    tensor_parallel(model, mesh["tp"])      # Qwen2 / Qwen2.5 / Qwen3 / Llama / Mistral-style decoders, LoRA too
+    tensor_parallel(model, mesh["tp"])      # Qwen2 / Qwen2.5 / Qwen3 / Llama / Mistral-style decoders, LoRA too,
+                                            # and their mixtures of experts beside expert parallelism
 
 The plan (`PLAN`, data: module pattern -> style; each rank holds 1/T of every projection and of the vocabulary; the
 residual stream, the norms and the rotary tables are whole on every rank of the group):
@@ -35,6 +36,17 @@ the group: neither is summed across the group (the data-parallel reduction runs 
 whole weight applied to the rank's heads alone (PER_HEAD) is the exception: each rank's gradient is its heads'
 part, summed over the group in the backward, so every rank holds the whole model's gradient (the same bits on every
 rank: an all-reduce gives all its ranks one result) and the clip norm counts it once, as any replicated one.
+
+A mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral: Megatron's layout with expert tensor parallelism 1): the plan
+splits attention, the dense layers' MLPs and a shared expert (Qwen2-MoE's `mlp.shared_expert`: a dense MLP beside
+the routed ones) as above; the router stays whole on every rank (it sees the whole hidden states, like the norms) and
+the routed experts are split by expert parallelism (distributed.expert_parallel, applied after this), which every
+MoE layer needs (config.compatibility refuses TP on a mixture without it). Every rank of a tensor-parallel group
+holds the same whole hidden states after attention (o_proj's output is gathered whole), so each routes the same
+tokens the same way; each then dispatches its own 1/TP of them to their experts and the group gathers the outputs
+(distributed.expert_parallel says why that and not every rank dispatching every token).
+A family whose attention has weights outside these projections (gpt-oss's per-head sinks) or whose q/k norms span
+the whole projection (OLMoE, OLMo 2) is refused (`check`).
 """
 
 from __future__ import annotations
@@ -62,26 +74,45 @@ PLAN = {
     "layers.*.self_attn.q_norm": PER_HEAD, "layers.*.self_attn.k_norm": PER_HEAD,
     "layers.*.mlp.gate_proj": COLWISE, "layers.*.mlp.up_proj": COLWISE,
     "layers.*.mlp.down_proj": STABLE,
+    # a mixture's shared expert: a dense MLP beside the routed experts (Qwen2-MoE; its scalar gate stays whole)
+    "layers.*.mlp.shared_expert.gate_proj": COLWISE, "layers.*.mlp.shared_expert.up_proj": COLWISE,
+    "layers.*.mlp.shared_expert.down_proj": STABLE,
     "embed_tokens": VOCAB_ROWS,
 }  # and the output layer: a VocabParallelHead over the same vocabulary rows (tensor_parallel)
 OPTIONAL = (PER_HEAD,)
+# Patterns a layer may lack: the MLP's of a mixture's MoE layers (routed experts instead: expert parallelism's), a
+# shared expert's of a family without one. Every layer must have the attention's.
+PER_LAYER = ("layers.*.mlp.",)
 
 
 def supports(model) -> bool:
-    """Whether the plan knows this model's modules: every decoder layer has the modules PLAN names
-    (self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj: a mixture of experts may keep only its first layers dense,
-    DeepSeek-V3), beside token embeddings and an output layer over the vocabulary."""
+    """Whether the plan knows this model's modules: every decoder layer has the attention projections PLAN names
+    (self_attn.{q,k,v,o}_proj) and either a dense MLP (mlp.{gate,up,down}_proj) or a mixture's routed experts
+    (split by expert parallelism, not here: a mixture may keep only its first layers dense, DeepSeek-V3), beside
+    token embeddings and an output layer over the vocabulary."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not len(layers) or getattr(inner, "embed_tokens", None) is None:
         return False
     try:
-        for pattern in (p for p, style in PLAN.items() if style not in OPTIONAL):
+        for pattern in (p for p, style in PLAN.items() if style not in OPTIONAL and not p.startswith(PER_LAYER)):
             for name in _named(inner, pattern):
                 inner.get_submodule(name)
     except AttributeError:
         return False
-    return True
+    dense = [p.removeprefix("layers.*.") for p in PLAN if p.startswith("layers.*.mlp.") and p.count(".") == 3]
+    return all(_has(layer, dense) or _routed(layer) for layer in layers)
+
+
+def _has(module, names: list[str]) -> bool:
+    return all(_find(module, name) is not None for name in names)
+
+
+def _routed(layer) -> bool:
+    """Whether the layer's MLP is a mixture's block: routed experts (transformers' fused experts module)."""
+    from evenrl.distributed.expert_parallel import experts_modules
+
+    return bool(experts_modules(getattr(layer, "mlp", torch.nn.Module())))
 
 
 def check(model, size: int) -> None:
@@ -89,11 +120,16 @@ def check(model, size: int) -> None:
     key = "parallel.tensor_parallel_size"
     if not supports(model):
         raise UsageError(f"{key}: got {size} for {type(model).__name__}; tensor parallelism covers decoders with "
-                         "q/k/v/o and gate/up/down projections (Qwen2, Qwen2.5, Qwen3, Llama, Mistral); use 1")
+                         "q/k/v/o and gate/up/down projections (Qwen2, Qwen2.5, Qwen3, Llama, Mistral; their "
+                         "mixtures of experts with expert parallelism); use 1")
     cfg = model.config.get_text_config()
     dims = {"attention heads": cfg.num_attention_heads,
             "KV heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            "intermediate size": cfg.intermediate_size, "vocabulary": cfg.vocab_size}
+            "vocabulary": cfg.vocab_size}
+    for name, module in _targets(model.model):  # the MLPs' widths (a mixture's dense layers', its shared expert's)
+        if ".mlp." in name and PLAN[_pattern(name)] == COLWISE:
+            dims.setdefault("shared expert's width" if ".shared_expert." in name else "intermediate size",
+                            module.out_features)
     for what, n in dims.items():
         if n % size:
             raise UsageError(f"{key}: got {size}, which does not divide the model's {what} ({n}); use a divisor of "
@@ -104,6 +140,10 @@ def check(model, size: int) -> None:
             raise UsageError(f"{key}: got {size} for {type(model).__name__}, whose {name} normalises the whole "
                              f"projection ({norm.weight.numel()} wide, not one head's {head_dim}), which tensor "
                              "parallelism splits; use 1")
+    planned = {n.rpartition(".")[2] for n in PLAN if n.startswith("layers.*.self_attn.")}
+    for name, _ in model.model.layers[0].self_attn.named_parameters(recurse=False):  # gpt-oss's sinks: per head
+        raise UsageError(f"{key}: got {size} for {type(model).__name__}, whose attention has {name!r} beside its "
+                         f"projections ({', '.join(sorted(planned))}), which the plan does not split; use 1")
 
 
 def tensor_parallel(model, tp_mesh) -> None:
@@ -114,12 +154,8 @@ def tensor_parallel(model, tp_mesh) -> None:
     inner = model.model
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is inner.embed_tokens.weight
-    for pattern, style in PLAN.items():
-        for name in _named(inner, pattern) if style not in OPTIONAL else ():
-            _apply(inner.get_submodule(name), style, tp_mesh)
-    for style in OPTIONAL:
-        for _, module in _present(inner, style):
-            _apply(module, style, tp_mesh)
+    for name, module in _targets(inner):
+        _apply(module, PLAN[_pattern(name)], tp_mesh)
     if head is not None and head.weight.shape[0] == model.config.get_text_config().vocab_size:
         weight = inner.embed_tokens.weight if tied else _shard_rows(head.weight, tp_mesh)
         model.set_output_embeddings(VocabParallelHead(weight, head.bias, tp_mesh))
@@ -131,16 +167,35 @@ def _named(inner, pattern: str) -> list[str]:
     return [pattern.replace("*", str(i)) for i in range(len(inner.layers))] if "*" in pattern else [pattern]
 
 
+def _pattern(name: str) -> str:
+    """The PLAN pattern a module name matches ("layers.3.mlp.up_proj" -> "layers.*.mlp.up_proj")."""
+    parts = name.split(".")
+    return ".".join(["layers", "*", *parts[2:]]) if parts[0] == "layers" else name
+
+
+def _targets(inner) -> list[tuple[str, torch.nn.Module]]:
+    """Every module the plan splits in this model, by name, in PLAN's order: each pattern's modules, where a layer
+    may lack it (OPTIONAL styles, PER_LAYER patterns) only those present."""
+    found = []
+    for pattern, style in PLAN.items():
+        if style in OPTIONAL or pattern.startswith(PER_LAYER):
+            found += [(n, m) for n in _named(inner, pattern) if (m := _find(inner, n)) is not None]
+        else:
+            found += [(n, inner.get_submodule(n)) for n in _named(inner, pattern)]
+    return found
+
+
+def _find(inner, name: str) -> torch.nn.Module | None:
+    try:
+        return inner.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def _present(inner, style: str) -> list[tuple[str, torch.nn.Module]]:
     """The modules of `style`'s patterns this model has (an optional style's may be absent)."""
-    found = []
-    for pattern in (p for p, s in PLAN.items() if s == style):
-        for name in _named(inner, pattern):
-            try:
-                found.append((name, inner.get_submodule(name)))
-            except AttributeError:
-                pass
-    return found
+    return [(n, m) for pattern, s in PLAN.items() if s == style for n in _named(inner, pattern)
+            if (m := _find(inner, n)) is not None]
 
 
 def _apply(module, style: str, tp_mesh) -> None:

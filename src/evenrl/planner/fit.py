@@ -93,8 +93,9 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
     (tensor_parallel.engine_splits); then, for a vLLM engine whose share of a GPU does not hold its weights
     (planner.tensor_parallel.engine_check), the smallest engine that does, else the share that does (up to 0.9),
     else nothing (the engine is the experiment's); expert_parallel_size to the largest size
-    up to it the model and layout allow (planner.memory_fixes.expert_parallel_sizes: none above 1 beside TP), 1
-    with CPU offload."""
+    up to it the model and layout allow (planner.memory_fixes.expert_parallel_sizes: over the training ranks),
+    1 with CPU offload; and a mixture of experts under tensor parallelism without expert parallelism (refused:
+    config.compatibility) to the largest expert_parallel_size allowed, else tensor_parallel_size=1."""
     from evenrl.planner.model_parallel import divisors_near  # it imports the planner's rules, as this module does
     from evenrl.planner.tensor_parallel import MOST_SHARE, engine_check, engine_splits
 
@@ -117,7 +118,12 @@ def _parallel_sizes(cfg: RunConfig, lay: Layout, dims: ModelDims | None) -> dict
     ep, offload = cfg.parallel.expert_parallel_size, cfg.parallel.cpu_offload == "full" and lay.device != "cpu"
     allowed = expert_parallel_sizes(with_settings(cfg, s) if s else cfg, lay, dims) if dims else [ep]
     if ep > 1 and (ep not in allowed or offload):  # (fit() turns offload off on CPU)
-        s["parallel.expert_parallel_size"] = 1 if offload else max(e for e in allowed if e <= ep)
+        ep = s["parallel.expert_parallel_size"] = 1 if offload else max(e for e in allowed if e <= ep)
+    if dims and dims.experts and tp > 1 and ep == 1:  # TP splits no routed expert: EP must (Megatron's layout)
+        if max(allowed) > 1:
+            s["parallel.expert_parallel_size"] = max(allowed)
+        else:
+            s["parallel.tensor_parallel_size"] = 1
     now = with_settings(cfg, s) if s else cfg
     found = engine_check(now, lay, dims) if dims else None
     if found:
@@ -246,8 +252,9 @@ _CHANGE_IT = ("devices with more memory; or a smaller model, batch or sample, or
 def _gathered(gib: float, dims: ModelDims) -> str:
     """What evenrl lacks where the hf sampler's gathered copy of the model is what does not fit."""
     return (f"the hf sampler gathers the whole model to generate ({gib:.0f} GiB); generating from a model split over "
-            + ("ranks is what evenrl lacks for a mixture of experts (its tensor parallelism splits dense models only)"
-               if dims.experts else "more ranks than one node's tensor parallelism allows is what evenrl lacks"))
+            + ("ranks with its experts left split (the hf sampler gathers every expert) is what evenrl lacks for a "
+               "mixture of experts" if dims.experts else
+               "more ranks than one node's tensor parallelism allows is what evenrl lacks"))
 
 
 ALWAYS_SHOWN = {"data": ("prompts_per_step",), "rollout": ("samples_per_prompt",), "algo": ("minibatches_per_step",)}

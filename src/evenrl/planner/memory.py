@@ -90,10 +90,11 @@ estimate's active weights), an MoE layer's activations add its dispatch buffers 
 and the largest FSDP unit is an MoE block. Expert parallelism (parallel.expert_parallel_size = EP: an ep group of
 ranks holds 1/EP of every layer's experts each, and FSDP shards them over the other T/EP): the routed experts'
 share Pe of P is held /EP replicated, with its autocast copies, gradient buckets and the reference model's (/T with
-fsdp, as before); an FSDP unit gathers E/EP experts, the hf sampler all (replicated: Pe (1 - 1/EP) more); and each
-MoE layer's tokens go out and come back by all-to-all (on average: a rank's experts get t * k of the group's pairs;
-routing all of them to one rank's experts would give it EP times that):
-  expert dispatch  2 * t * k * h * c     log-probs (one layer's send and receive), twice that in the update
+fsdp, T every training rank, with TP too); an FSDP unit gathers E/EP experts, the hf sampler all (replicated:
+Pe (1 - 1/EP) more); and each MoE layer's tokens go out and come back by all-to-all (on average: a rank's experts get
+t * k of the group's pairs; routing all of them to one rank's experts would give it EP times that; with TP a rank
+sends 1/TP of its group's tokens, and the routed experts are not split by TP: planner.split_model):
+  expert dispatch  2 * t * k * h * c / TP   log-probs (one layer's send and receive), twice that in the update
 With rollout.router_replay (off: none) the step's routes travel with its rows in the smallest integer type (b bytes:
 1 up to 256 experts): a micro-batch's on the device while it runs, and one layer's widened to int64 by the hook:
   route records    t * M * k * b + t * k * 8   (M MoE layers, k experts per token); on the host the rank's rows'
@@ -206,7 +207,8 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
               "bf16 weights, bf16 gradients, AdamW's 2 bf16 moments and its bf16 Kahan compensation "
               "(model.weights_dtype=bfloat16): 10 bytes per parameter")
              + (f"; tensor parallel {tp}: {share.params / 1e6:,.1f} M of {dims.params / 1e6:,.1f} M held per rank "
-                "(every weight but the norms split)" if tp > 1 else "")
+                f"(every weight but the norms{', routers and routed experts' if dims.experts else ''} split)"
+                if tp > 1 else "")
              + (f", sharded over {t} ranks" if fsdp and t > 1 else "")
              + ("; bf16 compute" if c == 2 else ""),
              "attention via SDPA/flash (no s^2 scores); worst case: every sample at max length"]
@@ -227,10 +229,11 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         trained, held = A, 4 * A + c * (P + Pv)
         notes[0] = lora_note(cfg, A, t if fsdp else 1)
     device_state = 0 if offload else 1
-    # the routed experts' share: held /EP replicated, /T sharded (EP x the FSDP shards over the other T/EP ranks)
+    # the routed experts' share: held /EP replicated, sharded /T (EP x the FSDP shards over the other T/EP ranks: the
+    # training ranks, the tensor-parallel ones too, where the rest is sharded over the data group)
     ep = par.expert_parallel_size
     Pe = dims.experts_total
-    spread = shard if fsdp else ep
+    spread = max(layout.training_ranks, 1) if fsdp else ep
     experts_saved = 1 - shard / spread  # the share of the experts' state that EP takes off this rank
     held -= (w if not lora.rank else c) * Pe * experts_saved + w * Ae * experts_saved
     params_b = held / shard * device_state
@@ -318,8 +321,9 @@ def estimate_memory(cfg: RunConfig, layout: Layout, dims: ModelDims,
         "all-to-all": 2 * 4 * tokens * dims.hidden // tp * c if sp > 1 else 0,
         "log-prob tensor-parallel buffers": tokens * share.gather_elems * c,
         "tensor-parallel buffers": 2 * tokens * share.gather_elems * c,
-        "log-prob expert dispatch": 2 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
-        "expert dispatch": 4 * tokens * dims.top_k * dims.hidden * c if ep > 1 and dims.experts else 0,
+        # a tensor-parallel rank dispatches 1/TP of its group's tokens
+        "log-prob expert dispatch": 2 * tokens * dims.top_k * dims.hidden * c // tp if ep > 1 and dims.experts else 0,
+        "expert dispatch": 4 * tokens * dims.top_k * dims.hidden * c // tp if ep > 1 and dims.experts else 0,
         "route records": route_record_bytes(cfg, dims, tokens),
         "gradient buckets": g * trained_here if (not fsdp and t > 1) else 0,
     }

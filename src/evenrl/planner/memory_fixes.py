@@ -74,8 +74,10 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
     if cfg.parallel.sharding == "replicated" and data > 1:
         add({"parallel.sharding": "fsdp"}, f"over {data} ranks")
     if split_model and (split := tensor_parallel_fix(cfg, layout, dims, ranks)) is not None:
-        add({"parallel.tensor_parallel_size": split}, f"each layer split over {split} ranks, "
-            f"{plural(layout.training_ranks // (split * sp), 'data-parallel group')}")
+        size = split["parallel.tensor_parallel_size"]
+        add(split, f"each layer split over {size} ranks, "
+            f"{plural(layout.training_ranks // (size * sp), 'data-parallel group')}"
+            + (f", the experts over {split['parallel.expert_parallel_size']}" if dims.experts else ""))
     # offload needs fsdp and an accelerator, and no tensor or expert parallelism (planner.tensor_parallel, .moe)
     if cfg.parallel.cpu_offload != "full" and layout.device != "cpu" and tp == 1 == cfg.parallel.expert_parallel_size:
         add({"parallel.sharding": "fsdp", "parallel.cpu_offload": "full"} if cfg.parallel.sharding == "replicated"
@@ -122,18 +124,29 @@ def sequence_sizes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[int]
 
 
 def tensor_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
-                        ranks: tuple[int, ...] | None = None) -> int | None:
+                        ranks: tuple[int, ...] | None = None) -> dict[str, int] | None:
     """The smallest parallel.tensor_parallel_size above the configured one that the model and layout allow
     (planner.split_model.tensor_sizes over the training ranks left by sequence parallelism, the query heads a rank
     holds divisible by SP) and that fits the device memory; where none fits, the largest (the lowest peak); None
-    when there is no larger one, or with cpu_offload=full (which tensor parallelism does not run with)."""
+    when there is no larger one, or with cpu_offload=full (which tensor parallelism does not run with). A mixture of
+    experts needs expert parallelism beside it (config.compatibility): the configured expert_parallel_size where it
+    is above 1, else the largest the model and layout allow (most experts off each rank)."""
     sp, t = cfg.parallel.sequence_parallel_size, max(layout.training_ranks, 1)
     if cfg.parallel.cpu_offload == "full" or t % sp:
         return None
-    sizes = [s for s in tensor_sizes(dims, t // sp, layout.nproc_per_node, layout.nnodes)
-             if s > cfg.parallel.tensor_parallel_size and (dims.heads // s) % sp == 0]
-    return next((s for s in sizes if _fits(cfg, layout, dims, {"parallel.tensor_parallel_size": s}, ranks)),
-                sizes[-1] if sizes else None)
+    options = []
+    for s in tensor_sizes(dims, t // sp, layout.nproc_per_node, layout.nnodes):
+        if s <= cfg.parallel.tensor_parallel_size or (dims.heads // s) % sp:
+            continue
+        settings = {"parallel.tensor_parallel_size": s}
+        if dims.experts:
+            eps = [e for e in expert_parallel_sizes(cfg, layout, dims) if e > 1]
+            if not eps:
+                continue
+            ep = cfg.parallel.expert_parallel_size
+            settings["parallel.expert_parallel_size"] = ep if ep in eps else eps[-1]
+        options.append(settings)
+    return next((o for o in options if _fits(cfg, layout, dims, o, ranks)), options[-1] if options else None)
 
 
 def engine_share_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
@@ -192,14 +205,13 @@ def sequence_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,
 
 
 def expert_parallel_sizes(cfg: RunConfig, layout: Layout, dims: ModelDims) -> list[int]:
-    """The expert_parallel_size values a layout and model allow, ascending: divisors of the data-parallel ranks
-    that divide the experts ([1] for a dense or vision-language model, or with tensor parallelism: config.compatibility
-    refuses it)."""
-    tp = cfg.parallel.tensor_parallel_size
-    if not dims.experts or dims.vision is not None or tp > 1:
+    """The expert_parallel_size values a layout and model allow, ascending: divisors of the training ranks (the ep
+    groups borrow them, tensor-parallel ones too) that divide the experts ([1] for a dense or vision-language model:
+    config.compatibility refuses it)."""
+    if not dims.experts or dims.vision is not None:
         return [1]
-    data = max(layout.training_ranks, 1)
-    return [e for e in range(1, data + 1) if not data % e and not dims.experts % e]
+    ranks = max(layout.training_ranks, 1)
+    return [e for e in range(1, ranks + 1) if not ranks % e and not dims.experts % e]
 
 
 def expert_parallel_fix(cfg: RunConfig, layout: Layout, dims: ModelDims,

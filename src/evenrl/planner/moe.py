@@ -64,6 +64,9 @@ def rule_moe(p: Plan) -> list[Finding]:
     return out
 
 
+KEY_TP = "parallel.tensor_parallel_size"
+
+
 def rule_expert_parallel(p: Plan) -> list[Finding]:
     c, lay, d = p.config, p.layout, p.dims
     ep, key = c.parallel.expert_parallel_size, "parallel.expert_parallel_size"
@@ -76,9 +79,8 @@ def rule_expert_parallel(p: Plan) -> list[Finding]:
     if d and not wrong and (why := shape.experts_problem(d.experts)):
         wrong = [why]
     out = [Finding("error", "expert-parallel", w, fix) for w in wrong]  # the runtime's own line
-    refused = (d is None or d.vision is not None or c.parallel.cpu_offload == "full"
-               or c.parallel.tensor_parallel_size > 1)
-    if out or refused:  # config.compatibility's expert-parallel-vision, -offload, -tensor-parallel
+    refused = d is None or d.vision is not None or c.parallel.cpu_offload == "full"
+    if out or refused:  # config.compatibility's expert-parallel-vision, -offload
         return out
     if lay.nnodes > 1 and ep > lay.nproc_per_node:
         out.append(Finding("warning", "expert-parallel-nodes",
@@ -86,9 +88,9 @@ def rule_expert_parallel(p: Plan) -> list[Finding]:
                            "processes: every MoE layer's all-to-alls (forward and backward) cross the inter-node "
                            "link", "; ".join(f"{key}={e}" for e in allowed if 1 < e <= lay.nproc_per_node)
                            or f"{key}=1"))
-    same, M, c_b = shape.data // ep, d.moe_layers, 2 if c.model.dtype != "float32" else 4
+    same, M, c_b = shape.trainers // ep, d.moe_layers, 2 if c.model.dtype != "float32" else 4
     sent = (p.memory.micro_tokens if p.memory else 0) * d.top_k * d.hidden * c_b * M / 2 ** 30
-    T = shape.data
+    T = shape.trainers
     gather = c_b * d.experts_total * ((T - 1) / T - (same - 1) / same / ep) / 2 ** 30  # FSDP2's, without EP - with
     out.append(Finding("note", "expert-parallel",
                        f"{key}={ep}: each rank holds {d.experts // ep} of the {d.experts} experts of each of "
@@ -97,6 +99,9 @@ def rule_expert_parallel(p: Plan) -> list[Finding]:
                        + ("the only rank holding them" if same == 1 else
                           f"{'sharded by FSDP2' if c.parallel.sharding == 'fsdp' else 'reduced'} over the "
                           f"{same} ranks holding the same ones")
+                       + (f"; beside {KEY_TP}={c.parallel.tensor_parallel_size}, the ranks of a tp group route "
+                          "the same tokens and each sends its 1/tp of them"
+                          if c.parallel.tensor_parallel_size > 1 else "")
                        + f"; a forward of the largest micro-batch sends its tokens' {d.top_k} expert inputs to "
                        f"their ranks and gets the outputs back by all-to-all, {size_text(sent)} each way over the "
                        f"{M} MoE layers (as much again in its backward"

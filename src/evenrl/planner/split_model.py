@@ -17,8 +17,15 @@ all-gathered inputs, so those inputs are whole and saved for the backward:
   buffers       t x max(q, i) elements: the all-gather's staging copy of the widest gathered input (log-probs),
                 twice in the update (the backward's partial gradient of that input before its reduce-scatter,
                 and the staging copy)
-The plan covers dense decoders with those projections (evenrl.distributed.tensor_parallel.supports): a vision-language
-model, a mixture of experts or latent attention (MLA) is refused (planner.tensor_parallel), and estimated as TP = 1.
+A mixture of experts (beside expert parallelism: Megatron's layout with expert TP 1) splits its attention, its
+dense layers' MLPs and its shared experts as above; the routed experts and the routers stay whole on every rank of
+the group (expert parallelism divides the experts: planner.memory); each rank of a group routes every token (the
+router's outputs whole) and sends 1/TP of them to their experts (distributed.expert_parallel):
+  MoE layer     k (3h + 4e) / TP + 2E + 3s / TP + s   (e the expert width, s the shared experts', E experts) in place of
+                the dense MLP's 3i / TP + i, averaged over the layers as planner.dims.ModelDims.act_elems does
+The plan covers decoders with those projections (evenrl.distributed.tensor_parallel.supports): a vision-language
+model, latent attention (MLA), attention sinks (gpt-oss) or q/k norms over the whole projection (OLMoE) are refused
+(planner.tensor_parallel), and estimated as TP = 1.
 Pure Python: never imports torch.
 """
 
@@ -54,17 +61,35 @@ def splittable(dims: ModelDims) -> str:
     """Why the plan cannot split this model ('' when it can): what evenrl.distributed.tensor_parallel covers."""
     if dims.vision is not None:
         return f"a vision-language model ({dims.model_type}): its vision tower is not split"
-    if dims.experts:
-        return f"a mixture of experts ({dims.model_type}): its experts have no gate/up/down projections to split"
     if dims.mla:
         return f"latent attention (MLA, {dims.model_type}): no q/k/v projections to split"
+    if dims.model_type in UNSPLIT_ATTENTION:
+        return f"{UNSPLIT_ATTENTION[dims.model_type]} ({dims.model_type}), which the plan does not split"
     return ""
 
 
+# Attention with weights the plan does not split, by model_type (evenrl.distributed.tensor_parallel.check says the
+# same of the loaded model)
+UNSPLIT_ATTENTION = {"gpt_oss": "attention sinks, one per head", "olmoe": "q/k norms over the whole projection",
+                     "olmo2": "q/k norms over the whole projection"}
+
+
 def split_sizes(dims: ModelDims) -> dict[str, int]:
-    """The model's sizes TP must divide (each rank holds 1/TP of them), by name."""
-    return {"attention heads": dims.heads, "KV heads": dims.kv_heads, "intermediate size": dims.intermediate,
-            "vocabulary": dims.vocab}
+    """The model's sizes TP must divide (each rank holds 1/TP of them), by name: a mixture's dense MLP width only
+    where it has dense layers, its shared experts' where it has them."""
+    sizes = {"attention heads": dims.heads, "KV heads": dims.kv_heads, "intermediate size": dims.intermediate,
+             "vocabulary": dims.vocab}
+    if dims.experts and dims.moe_layers == dims.layers:
+        del sizes["intermediate size"]
+    if dims.shared_intermediate:
+        sizes["shared experts' width"] = dims.shared_intermediate
+    return sizes
+
+
+def routed_params(dims: ModelDims) -> tuple[int, int]:
+    """(one MoE block's, the whole model's) routed experts and routers: what tensor parallelism leaves whole."""
+    block = dims.experts * (dims.expert_params + dims.hidden + (1 if dims.expert_bias else 0)) if dims.experts else 0
+    return block, dims.moe_layers * block
 
 
 def norm_params(dims: ModelDims) -> tuple[int, int]:
@@ -83,15 +108,20 @@ def rank_share(dims: ModelDims, tp: int) -> RankShare:
     if tp == 1:
         return RankShare(1, dims.params, dims.linear_params, dims.root_params, dims.layer_params, dims.act_elems, kv,
                          dims.kv_heads, dims.heads, dims.vocab, 0)
+    routed_block, routed = routed_params(dims)  # whole on every rank (0 for a dense model)
+    mlp, dense, s = 3 * i // tp + i, dims.layers - dims.moe_layers, dims.shared_intermediate
+    if dims.moe_layers:
+        moe = dims.top_k * (3 * h + 4 * dims.expert_intermediate) // tp + 2 * dims.experts + 3 * s // tp + s
+        mlp = -(-(dims.moe_layers * moe + dense * mlp) // dims.layers)
     return RankShare(
         tp=tp,
-        params=norms + (dims.params - norms) // tp,
-        linear=dims.linear_params // tp,
+        params=norms + routed + (dims.params - norms - routed) // tp,
+        linear=routed + (dims.linear_params - routed) // tp,
         root=h + (dims.root_params - h) // tp,
-        block=block_norms + (dims.layer_params - block_norms) // tp,
-        act_elems=4 * h + (2 * q + 2 * kv + 3 * i) // tp + q + i,
+        block=block_norms + routed_block + (dims.layer_params - block_norms - routed_block) // tp,
+        act_elems=4 * h + (2 * q + 2 * kv) // tp + q + mlp,
         kv_dim=kv // tp, kv_heads=dims.kv_heads // tp, heads=dims.heads // tp, vocab=dims.vocab // tp,
-        gather_elems=max(q, i))
+        gather_elems=max(q, i if dense else 0, s))
 
 
 def tensor_sizes(dims: ModelDims, ranks: int, per_node: int, nodes: int = 1) -> list[int]:

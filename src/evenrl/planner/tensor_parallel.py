@@ -5,9 +5,11 @@ the model on its devices (rollout.tensor_parallel_size); two of planner.rules.RU
 
 The trainer's TP (evenrl.distributed.tensor_parallel, on the mesh of evenrl.distributed.mesh_shape: dp x sp x tp,
 tp fastest): a TP group is TP consecutive training ranks, each holding 1/TP of every layer's heads, MLP width and
-vocabulary (planner.split_model sizes it, planner.memory counts it). Hence: the model must be a dense decoder with
-q/k/v/o and gate/up/down projections (no latent attention; a vision tower or experts, and FSDP2's CPU offload, are
-config.compatibility's rows), TP must divide its attention heads, KV heads, intermediate size and vocabulary; SP x TP
+vocabulary (planner.split_model sizes it, planner.memory counts it). Hence: the model must be a decoder with q/k/v/o
+and gate/up/down projections, or a mixture of experts of such layers beside expert parallelism, whose routed experts
+stay whole here (no latent attention, attention sinks or q/k norms over the whole projection; a vision tower, experts
+without expert parallelism, and FSDP2's CPU offload are config.compatibility's rows), TP must divide its attention
+heads, KV heads, MLP widths (a mixture's dense layers', its shared experts') and vocabulary; SP x TP
 must divide the training ranks (MeshShape.problems, the line the run would stop with); a group should sit on one node
 (its all-gathers run every layer). The hf engine samples from the split model (a TP group generates together), so
 its rollout needs no engine of its own. The smallest TP that fits a model too large for a rank is a memory fix
@@ -51,13 +53,14 @@ def rule_tensor_parallel(p: Plan) -> list[Finding]:
         out.append(Finding("error", "tensor-parallel-ranks", problem,
                            "; ".join([f"{KEY}={s}" for s in near] + [f"or {sp * tp * max(t // (sp * tp), 1)} "
                                                                       "training ranks"])))
-    if d is None or d.vision is not None or d.experts:  # config.compatibility's tensor-parallel-model rows
-        return out
+    if d is None or d.vision is not None or d.experts and c.parallel.expert_parallel_size == 1:
+        return out  # config.compatibility's tensor-parallel-model rows
     why = splittable(d) or _unsplit_layers(c.model.path)
     if why:
         out.append(Finding("error", "tensor-parallel-model",
-                           f"{KEY}={tp} for {why}; the tensor-parallel plan covers dense decoders with q/k/v/o and "
-                           "gate/up/down projections (Qwen2, Qwen2.5, Qwen3, Llama, Mistral)", f"{KEY}=1"))
+                           f"{KEY}={tp} for {why}; the tensor-parallel plan covers decoders with q/k/v/o and "
+                           "gate/up/down projections (Qwen2, Qwen2.5, Qwen3, Llama, Mistral; their mixtures of "
+                           "experts beside expert parallelism)", f"{KEY}=1"))
         return out
     bad = {name: n for name, n in split_sizes(d).items() if n % tp}
     if bad:
@@ -95,9 +98,11 @@ def _unsplit_layers(path: str) -> str:
         names = weight_names(path) if path else []
     except UsageError:
         return ""
-    if not names or any(".self_attn.q_proj." in n for n in names) and any(".mlp.down_proj." in n for n in names):
+    mlp = (".mlp.down_proj.", ".mlp.experts.")  # a dense MLP's, or a mixture's routed experts (expert parallelism's)
+    if not names or any(".self_attn.q_proj." in n for n in names) and any(m in n for n in names for m in mlp):
         return ""
-    return f"{path}, whose weights have no self_attn.q_proj and mlp.down_proj layers (fused or differently named)"
+    return (f"{path}, whose weights have no self_attn.q_proj and mlp.down_proj (or mlp.experts) layers (fused or "
+            "differently named)")
 
 
 def engine_check(c: RunConfig, lay: Layout, d: ModelDims) -> tuple[float, float, float, int | None, float] | None:

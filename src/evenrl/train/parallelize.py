@@ -81,8 +81,8 @@ def split_tensors(model, mesh: Mesh) -> None:
     # what they do not split (a vision-language model) was refused before anything loaded (config.compatibility)
     if mesh.tp > 1:
         tensor_parallel(model, mesh.device_mesh(device)["tp"])
-    if mesh.ep > 1:
-        expert_parallel(model, mesh.expert_mesh(device))
+    if mesh.ep > 1:  # after TP: its tp group splits the tokens the experts see (distributed.expert_parallel)
+        expert_parallel(model, mesh.expert_mesh(device), mesh.group("tp") if mesh.tp > 1 else None)
 
 
 def split_sequences(model, cfg: RunConfig, mesh: Mesh) -> None:

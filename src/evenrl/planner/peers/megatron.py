@@ -1,11 +1,11 @@
 """A Megatron engine's model-parallel and memory settings (verl's megatron strategy, slime's and Miles' flags) as the
 layout evenrl would really run, each difference in a note naming the peer's key.
 
-    tensor_model_parallel_size   dense model: parallel.tensor_parallel_size (a note on the row-wise split evenrl
-                                 does not use). Mixture of experts: evenrl's tensor parallelism splits dense decoders
-                                 only (trainer TP on an MoE is refused until EP x TP, issue 54), so TP 1 with
-                                 parallel.expert_parallel_size on the experts (the file's EP, else its TP, which
-                                 Megatron's experts are split by: ETP defaults to TP) and FSDP2 sharding the rest
+    tensor_model_parallel_size   parallel.tensor_parallel_size (a note on the row-wise split evenrl does not use).
+                                 Mixture of experts: TP on the attention and dense layers, and
+                                 parallel.expert_parallel_size on the routed experts (the file's EP, else its TP,
+                                 which Megatron's experts are split by: ETP defaults to TP), FSDP2 sharding the rest;
+                                 where neither divides the experts, TP 1 (evenrl's TP needs EP beside it on an MoE)
     expert_model_parallel_size   parallel.expert_parallel_size
     pipeline_model_parallel_size no pipeline in evenrl: FSDP2 shards every layer over all the ranks instead
     context_parallel_size        Ulysses sequence parallelism over as many ranks (parallel.sequence_parallel_size)
@@ -59,12 +59,18 @@ def apply(t: Translation, m: Megatron, world: int, experts: int | None) -> None:
         if ep == 1 and (experts is None or experts % tp == 0):
             ep = tp  # Megatron splits the experts over the TP ranks (expert_tensor_parallel_size defaults to TP)
         t.set("parallel.sharding", "fsdp", k["tp"])
-        t.notes.append(f"{k['tp']}={tp} on a mixture of experts: Megatron splits the attention (and, at expert "
-                       f"tensor parallelism, each expert) over {tp} ranks; evenrl's tensor parallelism splits dense "
-                       "decoders only, and trainer TP on a mixture of experts is refused until expert parallelism "
-                       "with tensor parallelism (EP x TP, issue 54) lands: the plan runs "
-                       f"parallel.tensor_parallel_size=1 with parallel.expert_parallel_size={ep} on the experts and "
-                       f"FSDP2 sharding the rest over all {world} ranks (parallel.sharding=fsdp)")
+        if ep > 1:
+            t.set("parallel.tensor_parallel_size", tp, k["tp"])
+            t.notes.append(f"{k['tp']}={tp} on a mixture of experts: evenrl splits the attention and dense layers "
+                           f"over {tp} ranks (parallel.tensor_parallel_size={tp}) and the routed experts by expert "
+                           f"parallelism (parallel.expert_parallel_size={ep}, each expert whole on its rank: expert "
+                           "tensor parallelism 1; each rank of a TP group sends its 1/TP of the tokens to their "
+                           "experts), FSDP2 sharding the rest (parallel.sharding=fsdp); docs/moe.md")
+        else:
+            t.notes.append(f"{k['tp']}={tp} on a mixture of experts whose {experts} experts it does not divide: "
+                           "evenrl's tensor parallelism needs expert parallelism beside it on a mixture, so the plan "
+                           f"runs parallel.tensor_parallel_size=1 with FSDP2 sharding the model over all {world} "
+                           "ranks (parallel.sharding=fsdp)")
         tp = 1
     elif tp > 1:
         t.set("parallel.tensor_parallel_size", tp, k["tp"])
@@ -76,7 +82,7 @@ def apply(t: Translation, m: Megatron, world: int, experts: int | None) -> None:
     if ep > 1:
         t.set("parallel.expert_parallel_size", ep, k.get("ep") if m.ep > 1 else k["tp"])
         t.notes.append(f"{k.get('ep', 'expert_model_parallel_size')}={ep}: evenrl's parallel.expert_parallel_size "
-                       "splits each MoE layer's experts the same way, over ranks borrowed from data parallelism; the "
+                       "splits each MoE layer's experts the same way, over consecutive training ranks; the "
                        "ranks holding the same experts reduce them (or FSDP2 shards them: parallel.sharding=fsdp) "
                        "(docs/moe.md)")
     if m.etp and m.etp > 1:

@@ -179,8 +179,8 @@ ROWS: tuple[Row, ...] = (
     # Megatron's layout with expert tensor parallelism 1: TP splits the rest, EP the routed experts
     Row("tp", "moe-whole", "tensor-parallel-model", "tensor parallelism splits attention and dense MLPs, not the "
         "routed experts, which expert parallelism splits (each rank of a tensor-parallel group would hold and run "
-        "every expert)", "parallel.expert_parallel_size > 1 (a divisor of the experts and of the data-parallel "
-        "ranks, training ranks / tensor_parallel_size); or parallel.tensor_parallel_size=1"),
+        "every expert)", "parallel.expert_parallel_size > 1 (a divisor of the experts and of the training ranks); "
+        "or parallel.tensor_parallel_size=1"),
     Row("tp", "offload", "tensor-parallel-offload", "FSDP2's offload keeps the shards on the host, which the "
         "tensor-parallel split does not run with", "parallel.cpu_offload=none; or parallel.tensor_parallel_size=1"),
     Row("sp", "vision", "sequence-parallel-vision", "not supported yet: its image tokens would need splitting with "

@@ -9,9 +9,9 @@ aux-loss-free router (sigmoid scores with correction biases). Engine replay besi
 config.compatibility's rows; beside a GPU vLLM it is a note (never run). The memory an MoE holds is planner.memory's.
 
 Expert parallelism (parallel.expert_parallel_size, `rule_expert_parallel`): the mesh's own check
-(evenrl.distributed.mesh_shape: EP divides the data-parallel ranks and the experts), a dense model, ep groups that
-cross nodes (every MoE layer's all-to-all then on the inter-node link), and what a rank holds and sends (beside
-tensor parallelism, CPU offload or a vision-language model it is config.compatibility's to refuse). memory_fixes
+(evenrl.distributed.mesh_shape: EP divides the training ranks and the experts), a dense model, ep groups that
+cross nodes (every MoE layer's all-to-all then on the inter-node link), and what a rank holds and sends (beside CPU
+offload or a vision-language model it is config.compatibility's to refuse; beside tensor parallelism it runs). memory_fixes
 offers the smallest size that fits where the experts do not (`--fit` proposes it).
 Pure Python: never imports torch.
 """

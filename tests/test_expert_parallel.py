@@ -292,10 +292,11 @@ def test_data_parallel_times_expert_parallel_on_four(one_run, sharding, tp):
     """DP = 2 x EP = 2 on 4 processes: each rank holds 4 experts, the two ranks holding the same ones (edata) reduce
     them (replicated) or FSDP2 shards them; the final weights the 1-process run's within 1e-5 (measured 4.3e-6
     replicated, 4.4e-6 sharded), identical rewards. EP = 2 x TP = 2 (dp 2) under FSDP2: attention and the output
-    layer split over each tp pair (0-1, 2-3), the experts over the ep pairs of one tp index (0-2, 1-3), every rank
-    of a tp pair routing the same tokens (distributed.tensor_parallel); the KL reference and the hf sampler split
-    the same way; measured 1.5e-6 (1 of 130,688 entries over 1e-6); its step-1 checkpoint (the experts saved from
-    both tp indexes, DCP keeping one copy) resumed on 1 process finishes as the 1-process run does."""
+    layer split over each tp pair (0-1, 2-3), the experts over the ep pairs (0-1, 2-3 too; edata 0-2, 1-3): both
+    ranks of a tp pair route the same tokens and each dispatches its half of them, the pair gathering the outputs
+    (distributed.expert_parallel); the KL reference and the hf sampler split the same way; measured 1.3e-6 (2 of
+    130,688 entries over 1e-6), the same rewards, load-balancing loss and expert load; its step-1 checkpoint resumed
+    on 1 process finishes as the 1-process run does."""
     root, cfg = one_run
     name = f"dp2ep2tp{tp}_{sharding}"
     evenrl_many({name: ["train", cfg, f"log.run_dir={root / name}", "--nproc-per-node", 4,

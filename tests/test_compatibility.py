@@ -38,6 +38,7 @@ EXAMPLES = {
     "tp": {"parallel.tensor_parallel_size": 2},
     "sp": {"parallel.sequence_parallel_size": 2},
     "ep": {"parallel.expert_parallel_size": 2, "model": "moe"},
+    "ep-tp": {"parallel.expert_parallel_size": 2, "parallel.tensor_parallel_size": 2, "model": "moe"},
     "offload": {"parallel.cpu_offload": "full", "parallel.sharding": "fsdp"},
     "replicated": {"parallel.sharding": "replicated"},
     "engine-tp": {"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2},

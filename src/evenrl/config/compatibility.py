@@ -57,6 +57,10 @@ SETTINGS: dict[str, Setting] = {
     "tp": _size("parallel.tensor_parallel_size"),
     "sp": _size("parallel.sequence_parallel_size"),
     "ep": _size("parallel.expert_parallel_size"),
+    "ep-tp": Setting("expert with tensor parallelism (parallel.expert_parallel_size > 1 and "
+                     "parallel.tensor_parallel_size > 1)", "parallel.expert_parallel_size={c.parallel.expert_parallel_size}"
+                     " with parallel.tensor_parallel_size={c.parallel.tensor_parallel_size}",
+                     lambda c, f: c.parallel.expert_parallel_size > 1 and c.parallel.tensor_parallel_size > 1),
     "offload": _is("parallel.cpu_offload", "full"),
     "replicated": _is("parallel.sharding", "replicated"),
     "engine-tp": Setting("rollout.tensor_parallel_size > 1 with rollout.engine=vllm (an engine over several devices)",
@@ -181,6 +185,10 @@ ROWS: tuple[Row, ...] = (
         "routed experts, which expert parallelism splits (each rank of a tensor-parallel group would hold and run "
         "every expert)", "parallel.expert_parallel_size > 1 (a divisor of the experts and of the training ranks); "
         "or parallel.tensor_parallel_size=1"),
+    # each pair of the three runs (tests/test_expert_parallel, test_tensor_parallel, test_moe); the three together
+    # have not run: refused until a test shows them exact
+    Row("ep-tp", "sp", "expert-tensor-sequence", "the three together have not run (each pair has): not supported yet",
+        "parallel.sequence_parallel_size=1; or parallel.tensor_parallel_size=1"),
     Row("tp", "offload", "tensor-parallel-offload", "FSDP2's offload keeps the shards on the host, which the "
         "tensor-parallel split does not run with", "parallel.cpu_offload=none; or parallel.tensor_parallel_size=1"),
     Row("sp", "vision", "sequence-parallel-vision", "not supported yet: its image tokens would need splitting with "

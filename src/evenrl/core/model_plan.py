@@ -29,6 +29,7 @@ class ModelPlan:
     expert_parallel: int = 1  # ranks its experts are split over (distributed.expert_parallel)
     sharded: bool = False  # FSDP2 shards it (parallel.sharding=fsdp)
     autocast: torch.dtype | None = None  # a replicated model's forwards run under torch.autocast(this)
+    reduction: Any = None  # a trained model's gradient reduction (train.reduction), chosen by train.parallelize
 
     @property
     def split(self) -> bool:

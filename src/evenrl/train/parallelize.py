@@ -8,9 +8,10 @@ reward models (frozen).
   2. checkpointing     activation checkpointing of a trained model (model.gradient_checkpointing)
   3. TP / EP           the layers over the mesh's tp group (distributed.tensor_parallel), a mixture's experts over its
                        ep group (distributed.expert_parallel); not for a reward model
-  4. FSDP2 or exact    parallel.sharding=fsdp: FSDP2 over what is left (distributed.sharding; a trained model's
-                       units compute in model.dtype), under train.reproducibility=bitwise its reduce-scatters in
-                       fixed point (distributed.exact_fsdp); replicated, the trainer reduces the gradients itself
+  4. FSDP2, reduction  parallel.sharding=fsdp: FSDP2 over what is left (distributed.sharding; a trained model's
+                       units compute in model.dtype); then a trained model's gradient reduction (train.reduction:
+                       float or, under train.reproducibility=bitwise, fixed point, in FSDP2's reduce-scatters
+                       (distributed.exact_fsdp) or after the backward passes)
   5. packing / SP      the packed forward (one rank's rows back to back) or Ulysses over the mesh's sp group
                        (distributed.sequence); not for a reward model
   6. precision         TF32 (model.tf32); a replicated trained model's forwards under autocast(model.dtype)
@@ -26,7 +27,6 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.core.model_plan import ModelPlan, record
-from evenrl.distributed import exact_fsdp
 from evenrl.distributed.expert_parallel import expert_parallel
 from evenrl.distributed.mesh import Mesh
 from evenrl.distributed.sequence import sequence_parallel
@@ -36,6 +36,7 @@ from evenrl.models.decoder import LeanDecoder
 from evenrl.models.loading import set_autocast, set_tf32
 from evenrl.models.routing import is_moe
 from evenrl.models.vision import freeze_tower, is_vision_model
+from evenrl.train.reduction import choose
 
 ROLES = ("policy", "critic", "reference", "scorer")
 TRAINED = ("policy", "critic")
@@ -61,8 +62,9 @@ def parallelize(model, mesh: Mesh, cfg: RunConfig, role: str = "policy") -> Mode
         offload = cfg.parallel.cpu_offload == "full"
         # a frozen model is held in the compute dtype already: no master copy to cast from
         shard(model, compute_dtype=compute if trained else torch.float32, offload=offload)
-        if trained and cfg.train.reproducibility == "bitwise" and mesh.size("data") > 1:
-            exact_fsdp.install(model)  # its reduce-scatters in fixed point (one process has none)
+    if trained:  # how its gradients are summed: float or fixed point, by FSDP2 or after the backward passes
+        record(model).reduction = choose(model, bitwise=cfg.train.reproducibility == "bitwise",
+                                         data=mesh.size("data"))
     if not scorer:
         split_sequences(model, cfg, mesh)
     if trained:

@@ -332,7 +332,7 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
     experts = moe.Experts(cfg, trainer.model, trainer.pad_id) if is_moe(trainer.model) else None
     for epoch in range(algo.epochs_per_step):
         for i, (rows, denom, common) in enumerate(zip(micro, denoms, pooled)):
-            seed = keyed_seed("evenrl-update", cfg.train.seed, step, epoch, i)  # bitwise: dropout per micro-batch
+            seed = keyed_seed("evenrl-update", cfg.train.seed, step, epoch, i)  # an exact reduction: dropout seeds
             policy, critic = trainer.policy, trainer.critic
             stats = minibatch_update(policy.model, policy.optimizer, policy.lr_scheduler, batch, rows, denom,
                                      forward=functools.partial(response_logprobs, pad_token_id=trainer.pad_id,
@@ -341,7 +341,7 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
                                      loss_fn=functools.partial(rl_objective, cfg, step, pooled=common),
                                      stat_names=stat_names, aggregation=algo.loss_aggregation,
                                      max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id, busy=busy,
-                                     experts=experts, bitwise=bitwise(cfg), seed=seed)
+                                     experts=experts, seed=seed)
             if critic is not None:  # same rows, same global denominators: exact on any layout too
                 with routing.options(critic.model, replay=False):  # the policy's routes are not the critic's
                     values = minibatch_update(critic.model, critic.optimizer, critic.lr_scheduler, batch, rows,
@@ -350,7 +350,7 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
                                               loss_fn=functools.partial(value_objective, cfg),
                                               stat_names=CRITIC_STAT_NAMES, aggregation=algo.loss_aggregation,
                                               max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id,
-                                              busy=busy, bitwise=bitwise(cfg), seed=seed)
+                                              busy=busy, seed=seed)
                 stats.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in values.items()})
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v

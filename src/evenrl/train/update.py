@@ -18,12 +18,11 @@ from torch import Tensor
 from evenrl.core.aggregation import Denominators, aggregate
 from evenrl.core.batch import Batch, Ragged
 from evenrl.distributed import collectives as dist
-from evenrl.distributed import exact, exact_fsdp
-from evenrl.engines.base import keyed_seed
 from evenrl.errors import NonFinite
 from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
-from evenrl.models.loading import forwards_meet, is_sharded
+from evenrl.models.loading import forwards_meet
 from evenrl.models.vision import images_in, tower_parameters
+from evenrl.train.reduction import Reduction, reduction_of
 
 
 # forward(model, micro_batch) -> (outputs [B, R, k], targets [B, R], mask [B, R]): response_logprobs, response_logits
@@ -92,8 +91,8 @@ LossFn = Callable[[Tensor, Tensor, Tensor, Batch], tuple[Tensor, dict]]
 
 def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: list[list[int]], denom: Denominators,
                      *, forward: Forward, loss_fn: LossFn, stat_names: list[str], aggregation: str,
-                     max_grad_norm: float, pad_token_id: int, busy=None, experts=None, bitwise: bool = False,
-                     seed: int = 0) -> dict:
+                     max_grad_norm: float, pad_token_id: int, busy=None, experts=None, seed: int = 0,
+                     reduction: Reduction | None = None) -> dict:
     """One optimizer step over this rank's micro-batches of one mini-batch, exact across ranks:
     losses are divided by the mini-batch's GLOBAL token/sequence counts (`denom`, from minibatch_denominators)
     and gradients are SUM-reduced, so the step equals the one a single device would take on the whole mini-batch.
@@ -103,17 +102,15 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     rank's own work, before it waits for the others in the gradient reduction).
     experts: a mixture of experts' evenrl.train.moe.Experts: the mini-batch's expert counts gathered first (a
     collective), then each micro-batch's share of the load-balancing loss and its expert load.
-    bitwise (train.reproducibility): the micro-batches are canonical (core.canonical) and every sum over them is
-    layout-free (distributed.exact): each one's gradient goes into fixed-point bins, its statistics are added in
-    the micro-batches' canonical order, the clip norm is summed in fixed point; the global RNG (dropout) is seeded
-    per micro-batch from `seed` and the micro-batch's first sample."""
+    reduction: how gradients and statistics are summed over micro-batches and ranks (train.reduction: float or exact,
+    replicated or sharded), by default the one parallelize chose for the model; `seed` is the mini-batch's, from
+    which an exact one seeds each micro-batch's dropout."""
     started = time.perf_counter()
-    sums: dict[str, list[float]] = {}
-    sharded, meet = is_sharded(model), forwards_meet(model)
-    ran = 0
-    params = [p for p in model.parameters() if p.requires_grad]
-    bins = exact.ExactGrads(params, every=sharded) if bitwise and not exact_fsdp.installed(model) else None
-    keyed: list[tuple[int, list[float]]] = []  # bitwise: (canonical key, statistics) per micro-batch run here
+    reduce = reduction or reduction_of(model)
+    meet = forwards_meet(model)
+    c = dist.coords()  # the sequence group's first rank counts what all of its ranks computed (every tensor-parallel
+    counts = c is None or c.sp == 0  # rank does: the statistics are summed over the data group only)
+    reduce.begin([p for p in model.parameters() if p.requires_grad], seed)
     if experts is not None:
         experts.begin(model, batch, micro_rows)
     for rows in micro_rows:
@@ -121,12 +118,10 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
             if meet:  # zero-weight filler: FSDP's gathers and reduce-scatters, EP's all-to-alls meet on every rank
                 logits, _, _ = response_logits(model, filler_row(pad_token_id), pad_token_id)
                 (logits.sum() * 0.0).backward()
-                if bins is not None:
-                    bins.deposit()
+                reduce.backward_done()
             continue  # replicated: nothing to forward; collectives happen once per mini-batch below
         mb = batch.select(rows)
-        if bitwise:  # dropout's masks: the micro-batch's own, on any rank
-            torch.manual_seed(keyed_seed("evenrl-micro-batch", seed, int(mb["sample_index"][0])) >> 1)
+        reduce.micro_batch(mb)
         with experts.forward(model, mb, rows) if experts is not None else contextlib.nullcontext():
             outputs, targets, mask = forward(model, mb)
         if "loss_mask" in mb:  # a trajectory's environment tokens: no loss, no statistic, no count
@@ -134,46 +129,16 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         per_token, stats = loss_fn(outputs, targets, mask, mb)
         loss = aggregate(per_token, mask, aggregation, denom)
         (loss if experts is None else loss + experts.balance_loss(model)).backward()
-        ran += 1
-        if bitwise:
-            if bins is not None:
-                bins.deposit()
-            keyed.append((int(mb["sample_index"][0]), [float(v) for k in stat_names for v in stats.get(k, (0, 0))]
-                          + [images_in(mb)]))
-            continue
-        for k, (s, c) in stats.items():
-            acc = sums.setdefault(k, [0.0, 0.0])
-            acc[0] += float(s)
-            acc[1] += float(c)
+        reduce.backward_done()
+        if counts:  # stats are (sum, count) pairs so their global means are exact too; every rank the same names
+            reduce.add([float(v) for k in stat_names for v in stats.get(k, (0, 0))] + [float(images_in(mb)), 1.0])
     if busy is not None:
         busy.add(started, int(sum(batch["tokens"].lengths[rows].sum() for rows in micro_rows if rows)))
-    c = dist.coords()
-    if c is not None and c.sp > 0:  # the sequence group's first rank counts what all of its ranks computed (every
-        sums, ran, keyed = {}, 0, []  # tensor-parallel rank does: the statistics are summed over the data group only)
-    # stats are (sum, count) pairs so their global means are exact too; every rank reduces the same names.
-    images = sum(images_in(batch, rows) for rows in micro_rows if rows) if ran else 0
-    flat = torch.tensor([v for k in stat_names for v in sums.get(k, [0.0, 0.0])] + [images, ran], dtype=torch.float64)
     # the parameters again, as they are now: FSDP2's registered parameters before the first forward need not be the
     # objects that hold the gradients after the backward (a critic under FSDP2 on 2 ranks clipped by a norm of 2.095
     # for the 1-process 2.233 when the list taken above was used here)
     params = [p for p in model.parameters() if p.requires_grad]
-    if bitwise:  # the same bits on any layout: statistics in canonical order, gradients in fixed point
-        flat = torch.tensor(exact.canonical_sum([k for k, _ in keyed], [v + [1.0] for _, v in keyed],
-                                                2 * len(stat_names) + 2), dtype=torch.float64)
-        if bins is not None:
-            bins.reduce()
-        else:
-            exact_fsdp.finish(model)
-        if flat[-1] == 0 and denom.seqs == 0:
-            for p in params:
-                p.grad = None
-    elif sharded:  # gradients were reduce-scattered (summed) in each backward; only the statistics are left
-        dist.all_reduce_sum(flat, over="data")
-        if flat[-1] == 0 and denom.seqs == 0:  # what one device has here: no gradient at all, no step
-            for p in params:
-                p.grad = None
-    else:  # summed together with the gradients (extra=): one wait for both instead of a second meeting
-        dist.all_reduce_grads(params, extra=[flat])
+    flat = reduce.finish(params, 2 * len(stat_names) + 2, denom.seqs)  # ... + [images, micro-batches run]
     if flat[-2] == 0:  # no image in the whole mini-batch: one device leaves its vision tower without gradients
         for p in tower_parameters(model):  # (AdamW skips it), where FSDP2's blank images gave it zeros
             p.grad = None
@@ -182,8 +147,7 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
         # (momentum and weight decay still move the weights), so do exactly that.
         for p in params:
             p.grad = torch.zeros_like(p)
-    clip = exact.clip_grad_norm if bitwise else dist.clip_grad_norm
-    grad_norm = clip(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    grad_norm = reduce.clip(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded: a DTensor
     # Both numbers are global (summed over ranks above), so every rank stops here together, before the optimizer
     # could write a NaN into the weights.

@@ -152,3 +152,16 @@ def test_what_is_applied_to_a_model_is_its_plan_not_attributes_on_it():
     found = [f"{p.relative_to(SRC)}:{i}" for p in SRC.rglob("*.py")
              for i, line in enumerate(p.read_text().splitlines(), 1) if set_on.search(line)]
     assert not found, f"evenrl_* attributes set on objects: {found}"
+
+
+def test_the_update_leaves_the_reduction_to_its_strategy():
+    """How gradients and statistics are summed (float or exact, replicated or FSDP2) is the model's reduction
+    strategy, chosen once by train.parallelize (train/reduction.py): the update names neither setting, nor the
+    exact sums' modules, which it once tested in 9 if-tests."""
+    tree = ast.parse((SRC / "train" / "update.py").read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    named = names & {"bitwise", "reproducibility", "sharded", "is_sharded", "exact", "exact_fsdp", "canonical_sum"}
+    assert not named, f"train/update.py tests the reduction itself: {sorted(named)}"
+    assert {"begin", "micro_batch", "backward_done", "add", "finish", "clip"} <= names  # the strategy's calls

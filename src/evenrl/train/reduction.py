@@ -15,18 +15,22 @@ which therefore has no branch on either.
 Both exact ones (docs/reproducibility.md) also seed the global RNG per micro-batch from the mini-batch's seed and
 the micro-batch's first sample (dropout's masks the micro-batch's own, on any rank), add the statistics rows in
 the micro-batches' canonical order (exact.canonical_sum), and clip by a norm summed in fixed point
-(exact.clip_grad_norm). Both sharded ones, having run filler backwards where a rank had no rows, drop the
-gradients of a mini-batch no rank ran and none counted: one device has no gradient there and takes no step.
+(exact.clip_grad_norm). All but FloatReplicated (whose all-reduce keeps None where no rank had a gradient) drop
+the gradients of a mini-batch no rank ran and none counted, where filler backwards or the bins left zeros: one
+device has no gradient there and takes no step.
 
 Why an object chosen once, not flags tested in the update (torchtitan's `parallelize` picks FSDP, HSDP or DDP for a
 model and its train step only calls backward and clip): the choice needs the config and the model's plan (sharded,
 its data group of one or more), both known where the model is parallelized and nowhere in the update, which read
-`bitwise`, `sharded` and `exact_fsdp.installed` in 9 if-tests. The exact schedule of micro-batches (core.canonical)
-and the elementwise AdamW stay where they are chosen (the step's planner, the optimizer's builder): they are not
-sums over ranks. This module sits in train/, not distributed/: it composes distributed's sums with the step's
-rules (the dropout seed, the statistics row, no step without rows), and the seed is engines.base's keyed_seed.
+`bitwise`, `sharded` and `exact_fsdp.installed` in 9 if-tests. The strategy also cuts the step's micro-batches
+(`schedule`), since an exact sum is layout-free only over micro-batches that are: the canonical ones (core.canonical)
+for an exact one, make_schedule's (balanced per rank) for a float one. The elementwise AdamW stays with the
+optimizer's builder: it is no sum. This module sits in train/, not distributed/: it composes distributed's sums with
+the step's rules (the dropout seed, the statistics row, no step without rows), and the seed is engines.base's
+keyed_seed.
 
-Per mini-batch, in this order:
+Per step, `r.schedule(lengths, token_cap=..., fixed_cap=..., world=..., ...)`: its StepSchedule. Per mini-batch, in
+this order:
     r.begin(params, seed)               # before the first forward: the parameters as registered now
     r.micro_batch(mb)                   # before each forward of a micro-batch with rows
     r.backward_done()                   # after each backward, a filler's too
@@ -37,18 +41,21 @@ Per mini-batch, in this order:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
 from evenrl.core.batch import Batch
+from evenrl.core.canonical import canonical_schedule
 from evenrl.core.model_plan import plan_of
+from evenrl.core.schedule import StepSchedule, make_schedule
 from evenrl.distributed import collectives as dist
 from evenrl.distributed import exact, exact_fsdp
 from evenrl.engines.base import keyed_seed
 
 
 class Reduction(Protocol):
+    def schedule(self, lengths: Sequence[int], *, token_cap, fixed_cap: int | None = None, **kw) -> StepSchedule: ...
     def begin(self, params: list, seed: int) -> None: ...
     def micro_batch(self, mb: Batch) -> None: ...
     def backward_done(self) -> None: ...
@@ -77,6 +84,10 @@ def reduction_of(model) -> Reduction:
 
 class _Float:
     """Rounding: statistics rows added as they come (fp64); torch's norm (distributed.ops.clip_grad_norm)."""
+
+    def schedule(self, lengths: Sequence[int], *, token_cap, fixed_cap: int | None = None, **kw) -> StepSchedule:
+        """make_schedule's: `token_cap` per rank (a list where ranks differ: parallel.capacity_weights)."""
+        return make_schedule(lengths, token_cap=token_cap, **kw)
 
     def begin(self, params: list, seed: int) -> None:
         self.total: list[float] | None = None
@@ -116,6 +127,11 @@ class FloatSharded(_Float):
 
 class _Exact:
     """Bitwise: the same bits on any layout (module docstring)."""
+
+    def schedule(self, lengths: Sequence[int], *, token_cap, fixed_cap: int | None = None, **kw) -> StepSchedule:
+        """The canonical one, whole micro-batches cut by `fixed_cap` (the config's cap alone, the same on any
+        layout; `token_cap` where not given)."""
+        return canonical_schedule(lengths, token_cap=token_cap if fixed_cap is None else fixed_cap, **kw)
 
     def begin(self, params: list, seed: int) -> None:
         self.seed, self.key, self.keyed = seed, 0, []

@@ -18,14 +18,13 @@ import torch
 
 from evenrl.config import RunConfig, config_to_yaml
 from evenrl.core.batch import Batch, Ragged
-from evenrl.core.canonical import canonical_schedule
 from evenrl.core.model_plan import plan_of
-from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.exact import ElementwiseAdamW
 from evenrl.models.forward import response_logprobs
 from evenrl.train.data import PromptSampler, load_data
 from evenrl.train.optimizer import make_adamw
+from evenrl.train.reduction import reduction_of
 from evenrl.train import determinism, rundir
 from evenrl.train.checkpoint import save_final
 from evenrl.config.compatibility import SFT_RULES
@@ -72,11 +71,11 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
         seqs = [prompt_tokens[i] + targets[i] for i in ids]
         # sequence parallelism: a group of S ranks trains its rows together, each a slice of every micro-batch
         group, groups = dist.data_parallel()
-        bitwise = cfg.train.reproducibility == "bitwise"  # micro-batches the same on any layout (core.canonical)
-        schedule = (canonical_schedule if bitwise else make_schedule)([len(s) for s in seqs], world=groups,
-                                 token_cap=cfg.train.token_cap_per_micro_batch * mesh.sp,
-                                 min_rows=cfg.train.min_rows_per_micro_batch,
-                                 packed=plan_of(model).sequence is not None)
+        # the model's reduction cuts the micro-batches: under bitwise the same on any layout (train.reduction)
+        schedule = reduction_of(model).schedule([len(s) for s in seqs], world=groups,
+                                                token_cap=cfg.train.token_cap_per_micro_batch * mesh.sp,
+                                                min_rows=cfg.train.min_rows_per_micro_batch,
+                                                packed=plan_of(model).sequence is not None)
         mine = schedule.rank_rows(group)
         batch = Batch({
             "tokens": Ragged.of([torch.tensor(seqs[i], dtype=torch.long) for i in mine], torch.long),

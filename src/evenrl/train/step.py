@@ -23,11 +23,9 @@ from evenrl.config import RunConfig
 from evenrl.core.advantages import (TOKEN_ADVANTAGES, compute_advantages, discounted_returns, gae_advantages,
                                     pooled_moments, token_moments, token_rewards, whiten)
 from evenrl.core.batch import Batch, Ragged
-from evenrl.core.canonical import canonical_schedule
 from evenrl.core.losses import kl_penalty
 from evenrl.core.masking import counted_lengths, masked_rows, sampled_view, spread_sampled, zero_gradient_rows
 from evenrl.core.model_plan import plan_of
-from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
 from evenrl.distributed import exact
 from evenrl.engines.base import keyed_seed
@@ -41,6 +39,7 @@ from evenrl.train import moe
 from evenrl.train.balance import rebalance
 from evenrl.train.metrics import Timer, step_metrics
 from evenrl.train.pooled import needs_pooling, pool
+from evenrl.train.reduction import reduction_of
 from evenrl.train.objectives import (CRITIC_STAT_NAMES, advantage_settings, norm_tokens, policy_stat_names,
                                      rl_objective, value_objective)
 from evenrl.train.sampling import sample, stop_if_all_failed_alike
@@ -249,11 +248,10 @@ def plan_step(trainer: Trainer, everyone: Batch):
     if M > 1:  # a replica is as fast and holds as much as its weakest rank; tensor parallelism splits no tokens
         caps = [S * min(caps[g:g + M]) for g in range(0, len(caps), M)] if isinstance(caps, list) else S * caps
         weights = None if weights is None else [min(weights[g:g + M]) for g in range(0, len(weights), M)]
-    if bitwise(cfg):  # whole micro-batches cut by the config's cap alone, the same on any layout (core.canonical)
-        caps = S * cfg.train.token_cap_per_micro_batch
-    return (canonical_schedule if bitwise(cfg) else make_schedule)(everyone["total_len"].tolist(),
-                                                                   world=dist.data_parallel()[1],
+    # the model's reduction cuts it: canonical under bitwise, by the config's cap alone (train.reduction)
+    return reduction_of(trainer.model).schedule(everyone["total_len"].tolist(), world=dist.data_parallel()[1],
                          minibatches=cfg.algo.minibatches_per_step, token_cap=caps,
+                         fixed_cap=S * cfg.train.token_cap_per_micro_batch,
                          groups=everyone["group"].tolist(), weights=weights,
                          min_rows=cfg.train.min_rows_per_micro_batch, inert=zero_gradient_rows(cfg, everyone),
                          extra=everyone["vision_tokens"].tolist() if "vision_tokens" in everyone else None,

@@ -13,7 +13,7 @@ not quite: a replicated model may run a shared prompt once, FSDP2 never; docs/re
 Every unit reduce-scatters every trainable parameter, used or not (set_reduce_scatter_unused_params), so the input's
 layout (per rank, each parameter's padded shard in order) is known here. Memory: the shard's bins (16 bytes per
 shard element) and a send buffer 4x the unit's fp32 input while it runs. One process (a data group of 1) never
-reduce-scatters: update.py then deposits .grad after each micro-batch as for a replicated model.
+reduce-scatters: train.reduction then deposits .grad after each micro-batch as for a replicated model.
 
     install(model)              # before training, per sharded model (policy, critic)
     ... backward passes ...

@@ -265,7 +265,7 @@ def exact_checks(sharded: bool) -> dict:
     out = {"grads": [], "norms": [], "stats": [], "hashes": []}
     for mb in sched.minibatches:
         denom = local_counts([data.select(list(mb.rows)).padded("loss_mask", False)[0]])
-        bins = None if exact_fsdp.installed(model) else exact.ExactGrads(params, every=sharded)
+        bins = None if sharded and W > 1 else exact.ExactGrads(params, every=sharded)  # as train.reduction
         keyed = []
         for m in mb.per_rank[me]:
             b = data.select(list(m.rows) or [0])

@@ -122,10 +122,6 @@ def install(model) -> None:
         unit.set_custom_reduce_scatter(ExactReduceScatter(unit))
 
 
-def installed(model) -> bool:
-    return any(isinstance(_comm(u), ExactReduceScatter) for u in _units(model))
-
-
 def _comm(unit):
     group = unit._get_fsdp_state()._fsdp_param_group
     return None if group is None else group._reduce_scatter_comm

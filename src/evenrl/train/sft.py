@@ -88,7 +88,7 @@ def sft(cfg: RunConfig, *, overwrite: bool = False) -> Path:
         stats = minibatch_update(model, opt, None, batch, micro, denom, loss_fn=loss_fn, stat_names=["sft/nll"],
                                  forward=functools.partial(response_logprobs, pad_token_id=tokenizer.pad_token_id),
                                  aggregation="token-mean", max_grad_norm=cfg.train.max_grad_norm,
-                                 pad_token_id=tokenizer.pad_token_id)
+                                 pad_token_id=tokenizer.pad_token_id, reduction=reduction_of(model))
         log.metrics(step, stats)
     save_final(model, tokenizer, run_dir / "final", merged=cfg.log.save_merged)
     log.close()

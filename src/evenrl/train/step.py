@@ -339,7 +339,7 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
                                      loss_fn=functools.partial(rl_objective, cfg, step, pooled=common),
                                      stat_names=stat_names, aggregation=algo.loss_aggregation,
                                      max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id, busy=busy,
-                                     experts=experts, seed=seed)
+                                     experts=experts, seed=seed, reduction=reduction_of(policy.model))
             if critic is not None:  # same rows, same global denominators: exact on any layout too
                 with routing.options(critic.model, replay=False):  # the policy's routes are not the critic's
                     values = minibatch_update(critic.model, critic.optimizer, critic.lr_scheduler, batch, rows,
@@ -348,7 +348,7 @@ def update(trainer: Trainer, step: int, batch: Batch, micro: list[list[list[int]
                                               loss_fn=functools.partial(value_objective, cfg),
                                               stat_names=CRITIC_STAT_NAMES, aggregation=algo.loss_aggregation,
                                               max_grad_norm=cfg.train.max_grad_norm, pad_token_id=trainer.pad_id,
-                                              busy=busy, seed=seed)
+                                              busy=busy, seed=seed, reduction=reduction_of(critic.model))
                 stats.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in values.items()})
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v

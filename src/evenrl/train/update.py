@@ -103,8 +103,8 @@ def minibatch_update(model, optimizer, lr_scheduler, batch: Batch, micro_rows: l
     experts: a mixture of experts' evenrl.train.moe.Experts: the mini-batch's expert counts gathered first (a
     collective), then each micro-batch's share of the load-balancing loss and its expert load.
     reduction: how gradients and statistics are summed over micro-batches and ranks (train.reduction: float or exact,
-    replicated or sharded), by default the one parallelize chose for the model; `seed` is the mini-batch's, from
-    which an exact one seeds each micro-batch's dropout."""
+    replicated or sharded), the one parallelize chose for the model (reduction_of; the default); `seed` is the
+    mini-batch's, from which an exact one seeds each micro-batch's dropout."""
     started = time.perf_counter()
     reduce = reduction or reduction_of(model)
     meet = forwards_meet(model)

@@ -299,3 +299,15 @@ class Batch:
         if b._n is None:
             b._n = d["size"]
         return b
+
+
+def ragged_to_right_aligned(batch: Batch, name: str, device) -> Tensor:
+    """A per-response-token ragged column as [B, R], right-aligned like the training forward's outputs
+    (evenrl.models.forward: each row's response at the right edge, R the longest response)."""
+    values, _ = batch.padded(name, 0.0, side="left")
+    return values.to(device)
+
+
+def response_mask(response_len: Tensor, width: int) -> Tensor:
+    """[B, width] True on each row's response tokens, right-aligned (the training forward's layout)."""
+    return torch.arange(width, device=response_len.device)[None, :] >= (width - response_len)[:, None]

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from evenrl.core.batch import Batch
+from evenrl.core.batch import Batch, response_mask
 from evenrl.core.fused_head import head_logprobs
 from evenrl.core.model_plan import plan_of
 from evenrl.models.loading import autocast, compute_device, is_checkpointing, is_sharded
@@ -127,7 +127,7 @@ def _response_logits_model(model, batch: Batch, pad_token_id: int, head: Head | 
         out = model(input_ids=tokens, attention_mask=attn.long(), position_ids=position_ids,
                     logits_to_keep=width + 1, use_cache=False)
     logits = out.logits[:, :-1]
-    return logits, targets, _response_mask(resp_len, width)
+    return logits, targets, response_mask(resp_len, width)
 
 
 def _with_last(targets: Tensor) -> Tensor:
@@ -156,7 +156,7 @@ def _response_logits_vision(model, batch: Batch, pad_token_id: int, head: Head |
         with _output_layer_computes(model, head, every):
             out = model(input_ids=tokens, attention_mask=attn, position_ids=positions, pixel_values=pixels,
                         image_grid_thw=grid, logits_to_keep=width + 1, use_cache=False)
-    return out.logits[:rows, :-1], targets, _response_mask(resp_len, width)
+    return out.logits[:rows, :-1], targets, response_mask(resp_len, width)
 
 
 # A shared prefix pays for a second forward call and a key/value copy per row; below this many saved tokens per
@@ -221,12 +221,7 @@ def _response_logits_shared(model, batch: Batch, pad_token_id: int, head: Head |
         out = model(input_ids=t_ids, attention_mask=attn, position_ids=position_ids, past_key_values=cache,
                     use_cache=True, logits_to_keep=width + 1)
     logits = out.logits[:, :-1]
-    return logits, targets, _response_mask(resp_len, width)
-
-
-def _response_mask(resp_len: Tensor, width: int) -> Tensor:
-    """[B, width] True on each row's response tokens, right-aligned."""
-    return torch.arange(width, device=resp_len.device)[None, :] >= (width - resp_len)[:, None]
+    return logits, targets, response_mask(resp_len, width)
 
 
 def _left_padded(rows: list[Tensor], pad_token_id: int, device) -> tuple[Tensor, Tensor]:
@@ -238,9 +233,3 @@ def _left_padded(rows: list[Tensor], pad_token_id: int, device) -> tuple[Tensor,
         ids[i, width - len(r):] = r
         attn[i, width - len(r):] = 1
     return ids.to(device), attn.to(device)
-
-
-def ragged_to_right_aligned(batch: Batch, name: str, device) -> Tensor:
-    """A per-response-token ragged column as [B, R], right-aligned like response_logits' outputs."""
-    values, _ = batch.padded(name, 0.0, side="left")
-    return values.to(device)

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from evenrl.core.batch import Batch
+from evenrl.core.batch import Batch, response_mask
 from evenrl.core.model_plan import plan_of
 from evenrl.models.loading import compute_device
 from evenrl.models.routing import packed_plan, route_rows
@@ -53,7 +53,7 @@ def split_forward(model, batch: Batch, head: Callable | None, output_layer_compu
     ends = torch.cumsum(lengths, 0)
     target_at = torch.maximum(ends[:, None] - width + torch.arange(width, device=device)[None, :],
                               (ends - lengths + 1)[:, None]).clamp_(max=T - 1)
-    mask = torch.arange(width, device=device)[None, :] >= (width - resp_len)[:, None]
+    mask = response_mask(resp_len, width)
     targets = ids[target_at]
 
     per_rank = -(-T // S)  # each rank's slice of the packed row, padded at the end to S slices

@@ -15,11 +15,10 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.core import offpolicy, selection
-from evenrl.core.batch import Batch, Ragged
+from evenrl.core.batch import Batch, Ragged, ragged_to_right_aligned
 from evenrl.core.losses import LossInputs, LossSettings, rl_loss, value_loss
 from evenrl.core.masking import counted_lengths, masked_rows
 from evenrl.engines.base import keyed_seed
-from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.train.runlog import MISMATCH_THRESHOLD
 
 STAT_NAMES = ["policy/loss", "policy/clip_fraction", "policy/approx_kl", "kl", "entropy",

@@ -18,11 +18,10 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.core import selection
-from evenrl.core.batch import Batch
+from evenrl.core.batch import Batch, ragged_to_right_aligned
 from evenrl.core.importance import importance_weights, weight_sums
 from evenrl.distributed import collectives as dist
 from evenrl.distributed import exact
-from evenrl.models.forward import ragged_to_right_aligned
 from evenrl.train.objectives import (Pooled, behavior_logprobs, columns, importance_weighted, kept_rows,
                                      selection_keys)
 

@@ -22,7 +22,7 @@ import torch
 from evenrl.config import RunConfig
 from evenrl.core.advantages import (TOKEN_ADVANTAGES, compute_advantages, discounted_returns, gae_advantages,
                                     pooled_moments, token_moments, token_rewards, whiten)
-from evenrl.core.batch import Batch, Ragged
+from evenrl.core.batch import Batch, Ragged, ragged_to_right_aligned
 from evenrl.core.losses import kl_penalty
 from evenrl.core.masking import counted_lengths, masked_rows, sampled_view, spread_sampled, zero_gradient_rows
 from evenrl.core.model_plan import plan_of
@@ -30,7 +30,7 @@ from evenrl.distributed import collectives as dist
 from evenrl.distributed import exact
 from evenrl.engines.base import keyed_seed
 from evenrl.errors import RunStopped
-from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
+from evenrl.models.forward import response_logits, response_logprobs
 from evenrl.models.loading import forwards_meet
 from evenrl.models import routing
 from evenrl.models.routing import is_moe

@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 
 from evenrl.core.aggregation import Denominators, aggregate
-from evenrl.core.batch import Batch, Ragged
+from evenrl.core.batch import Batch, Ragged, ragged_to_right_aligned
 from evenrl.distributed import collectives as dist
 from evenrl.errors import NonFinite
-from evenrl.models.forward import ragged_to_right_aligned, response_logits, response_logprobs
+from evenrl.models.forward import response_logits, response_logprobs
 from evenrl.models.loading import forwards_meet
 from evenrl.models.vision import images_in, tower_parameters
 from evenrl.train.reduction import Reduction, reduction_of

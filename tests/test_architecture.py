@@ -147,7 +147,7 @@ def test_no_module_over_450_lines():
 def test_what_is_applied_to_a_model_is_its_plan_not_attributes_on_it():
     """What parallelism, packing or precision did to a model is its ModelPlan (core.model_plan), kept beside it:
     no module sets an `evenrl_*` attribute on a model or module object (an attribute no import shows), by assignment
-    or setattr. (evenrl's own classes may name methods so: VocabParallelHead.evenrl_logprobs.)"""
+    or setattr."""
     set_on = re.compile(r"""\.evenrl_\w+\s*=(?!=)|setattr\([^,]+,\s*["']evenrl_""")
     found = [f"{p.relative_to(SRC)}:{i}" for p in SRC.rglob("*.py")
              for i, line in enumerate(p.read_text().splitlines(), 1) if set_on.search(line)]

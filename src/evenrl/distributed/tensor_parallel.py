@@ -19,7 +19,7 @@ residual stream, the norms and the rotary tables are whole on every rank of the 
                                                the whole projection (OLMo 2), which the split cuts, is refused
   lm_head                                      an evenrl.distributed.tensor_parallel.VocabParallelHead over the same
                                                vocabulary rows (tied embeddings stay one parameter): its plain
-                                               forward gathers whole logits (generation), and `evenrl_logprobs`
+                                               forward gathers whole logits (generation), and `logprobs`
                                                computes log-probs and entropies from the rank's own vocabulary slice
                                                with one all-reduce of per-token numbers (no [tokens, vocabulary]
                                                tensor is ever gathered; core.fused_head with a VocabShard)
@@ -261,7 +261,7 @@ def is_tensor_parallel(model) -> bool:
 class VocabParallelHead(torch.nn.Module):
     """The output layer over a vocabulary split by rows over a tensor-parallel group: `weight` a DTensor sharded on
     dim 0 (the embedding's own parameter when tied). `forward(hidden)` returns whole logits (each rank's slice
-    all-gathered: generation); `evenrl_logprobs(...)` (what evenrl.models.forward's fused head calls) the log-probs
+    all-gathered: generation); `logprobs(...)` (what evenrl.models.output_head's installed head calls) the log-probs
     and entropies of targets from the local slice, exact up to float rounding (tests/test_tensor_parallel.py)."""
 
     def __init__(self, weight: torch.nn.Parameter, bias: Tensor | None, tp_mesh):
@@ -279,7 +279,7 @@ class VocabParallelHead(torch.nn.Module):
         local = torch.nn.functional.linear(hidden, self.weight.to_local())
         return _GatherVocab.apply(local, self.group)
 
-    def evenrl_logprobs(self, hidden: Tensor, targets: Tensor, temperature: float, *, entropy: bool,
+    def logprobs(self, hidden: Tensor, targets: Tensor, temperature: float, *, entropy: bool,
                         entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
         return head_logprobs(_CopyToGroup.apply(hidden, self.group), self.weight.to_local(), None, targets,
                              temperature, entropy=entropy, entropy_grad=entropy_grad,

@@ -39,9 +39,9 @@ import torch
 from torch import Tensor
 
 from evenrl.core.batch import Batch, response_mask
-from evenrl.core.fused_head import head_logprobs
 from evenrl.core.model_plan import plan_of
 from evenrl.models.loading import autocast, compute_device, is_checkpointing, is_sharded
+from evenrl.models.output_head import computes_head
 from evenrl.models.routing import is_moe
 from evenrl.models.split_forward import split_forward
 from evenrl.models.vision import is_vision_model, mrope_positions, sampled_placeholders, with_blank_image
@@ -68,13 +68,8 @@ def response_logprobs(model, batch: Batch, pad_token_id: int, *, temperature: fl
     """(log-prob of each response token under softmax(logits / temperature) and, with `entropy`, the distribution's
     entropy, as [B, R, 1 or 2]; targets; mask), computed by the output layer chunk by chunk from the hidden states
     (core.fused_head). The entropy is a measurement unless entropy_grad (an entropy bonus in the loss)."""
-    def head(layer, hidden, targets):
-        split = getattr(layer, "evenrl_logprobs", None)  # a vocabulary split over a tensor-parallel group
-        if split is not None:
-            logp, ent = split(hidden, targets, temperature, entropy=entropy, entropy_grad=entropy_grad)
-        else:
-            logp, ent = head_logprobs(hidden, layer.weight, layer.bias, targets, temperature, entropy=entropy,
-                                      entropy_grad=entropy_grad)
+    def head(layer, hidden, targets):  # layer.logprobs: models.output_head (a vocabulary split under TP)
+        logp, ent = layer.logprobs(hidden, targets, temperature, entropy=entropy, entropy_grad=entropy_grad)
         return torch.stack([logp, ent] if entropy else [logp], dim=-1)  # a new tensor: FSDP2 hooks its outputs
 
     return response_logits(model, batch, pad_token_id, head)
@@ -100,16 +95,12 @@ def _response_logits(model, batch: Batch, pad_token_id: int, head: Head | None) 
 def _output_layer_computes(model, head: Head | None, targets: Tensor):
     """Within the block, the model's own forward has its output layer compute `head` on the hidden states it is
     given (targets: one per position it will see) instead of logits. Inside the forward, so that a sharded output
-    layer is gathered by FSDP2's hooks as usual."""
+    layer is gathered by FSDP2's hooks as usual (models.output_head, installed once)."""
     if head is None:
         yield
         return
-    layer = model.get_output_embeddings()
-    layer.forward = lambda hidden: head(layer, hidden, targets)  # an instance attribute, shadowing the method
-    try:
+    with computes_head(model).computing(lambda layer, hidden: head(layer, hidden, targets)):
         yield
-    finally:
-        del layer.forward
 
 
 def _response_logits_model(model, batch: Batch, pad_token_id: int, head: Head | None

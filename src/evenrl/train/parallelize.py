@@ -7,7 +7,8 @@ reward models (frozen).
   1. freeze            a trained model's vision tower (model.freeze_vision_tower); a frozen model whole
   2. checkpointing     activation checkpointing of a trained model (model.gradient_checkpointing)
   3. TP / EP           the layers over the mesh's tp group (distributed.tensor_parallel), a mixture's experts over its
-                       ep group (distributed.expert_parallel); not for a reward model
+                       ep group (distributed.expert_parallel); then the output layer made able to compute
+                       log-probs in place of logits, once (models.output_head); not for a reward model
   4. FSDP2, reduction  parallel.sharding=fsdp: FSDP2 over what is left (distributed.sharding; a trained model's
                        units compute in model.dtype); then a trained model's gradient reduction (train.reduction:
                        float or, under train.reproducibility=bitwise, fixed point, in FSDP2's reduce-scatters
@@ -34,6 +35,7 @@ from evenrl.distributed.sharding import shard
 from evenrl.distributed.tensor_parallel import tensor_parallel
 from evenrl.models.decoder import LeanDecoder
 from evenrl.models.loading import set_autocast, set_tf32
+from evenrl.models.output_head import computes_head
 from evenrl.models.routing import is_moe
 from evenrl.models.vision import freeze_tower, is_vision_model
 from evenrl.train.reduction import choose
@@ -57,6 +59,7 @@ def parallelize(model, mesh: Mesh, cfg: RunConfig, role: str = "policy") -> Mode
         enable()
     if not scorer:
         split_tensors(model, mesh)
+        computes_head(model)  # after TP, which replaces the output layer; before FSDP2 wraps it
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     if cfg.parallel.sharding == "fsdp":
         offload = cfg.parallel.cpu_offload == "full"

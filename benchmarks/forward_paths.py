@@ -4,6 +4,7 @@ fused head, as the update runs them) for a plain Qwen2 at a few shapes, fp32, th
 
     python benchmarks/forward_paths.py --threads 1 --reps 9      # ~1 min
     python benchmarks/forward_paths.py --hidden 256 --layers 4
+    python benchmarks/forward_paths.py --arch qwen3 --threads 1 --reps 9
 
 Paths (evenrl.models.forward): `packed` (models/split_forward.py at sequence-parallel size 1: the model's own forward
 over the rows back to back, attention within each row; what a plain Qwen2/Llama trains with), `shared` (each
@@ -70,6 +71,7 @@ def shared(model, batch, head):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen2", help="a text family of evenrl.testing.make_tiny_model")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
@@ -78,14 +80,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
-        model, _ = load_policy(make_tiny_model(d + "/m", hidden=args.hidden, layers=args.layers, heads=4, seed=0,
-                                               max_positions=args.longest + 128))
+        model, _ = load_policy(make_tiny_model(d + "/m", arch=args.arch, hidden=args.hidden, layers=args.layers,
+                                               heads=4, seed=0, max_positions=args.longest + 128))
     model.train()
-    sequence_parallel(model, SequenceGroup(None, 1, 0))  # what evenrl.train.parallelize.split_sequences gives a Qwen2
+    sequence_parallel(model, SequenceGroup(None, 1, 0))  # what evenrl.train.parallelize.split_sequences gives it
     vocab = model.config.vocab_size
     paths = {"packed": lambda m, b, h: fw.split_forward(m, b, h, fw._output_layer_computes), "shared": shared,
              "masked": lambda m, b, h: fw._response_logits_model(m, b, 0, h)}
-    print(f"Qwen2 hidden {args.hidden}, {args.layers} layers, fp32, {args.threads} threads; forward + backward "
+    print(f"{args.arch} hidden {args.hidden}, {args.layers} layers, fp32, {args.threads} threads; forward + backward "
           f"seconds, the fastest of {args.reps} taken in turn (max |log-prob - masked's|)")
     print(f"{'micro-batch':<28}{'padding':>8}" + "".join(f"{p:>20}" for p in paths))
     for name, (lengths, prompt, group) in shapes(args.longest).items():

@@ -2,7 +2,7 @@
 geometry workload planned from its published config.json (tests/fixtures/qwen3-vl-30b-a3b, no weights).
 
 In this process: both tiny models' hf sampler against the training forward (log-probs within 1e-5 in fp32; the
-MoE's recorded routes replayed as the trainer's own), the MoE's packed training forward with images (each row's
+MoE's recorded routes replayed as the trainer's own), both models' packed training forward with images (each row's
 M-RoPE positions, the DeepStack features, placeholders sampled in responses) against the model's own padded forward
 (log-probs, entropies and every gradient), replay of its own routes bit for bit, LoRA on its attention, the
 planner's dimensions of both towers against the tiny models' own parameter counts. Real processes (gloo): the MoE
@@ -13,6 +13,7 @@ data that mixes image and text prompts (a sharded forward without images runs a 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from pathlib import Path
@@ -55,10 +56,9 @@ def _png(w: int, h: int, seed: int = 0) -> bytes:
 
 
 def trainer_model(path: str, arch: str):
-    """(the model as evenrl trains it, its tokenizer): a mixture of experts packs its rows (parallelize.split_sequences)."""
+    """(the model as evenrl trains it, its tokenizer): its rows packed with their images (parallelize.split_sequences)."""
     model, tok = load_policy(path)
-    if arch == "qwen3_vl_moe":
-        sequence_parallel(model, SequenceGroup(None, 1, 0))
+    sequence_parallel(model, SequenceGroup(None, 1, 0))
     return model, tok
 
 
@@ -105,15 +105,16 @@ def test_the_sampler_and_the_trainer_agree(paths, arch):
         assert stats["moe/routes_differ_any_layer"] == 0.0
 
 
-def test_the_packed_forward_with_images_is_the_models_own(paths):
-    """Qwen3-VL-MoE's packed forward (how evenrl trains it) on rows with one and two images, a text row and image
-    placeholders sampled in responses, against the model's own left-padded forward: log-probs and entropies, and
-    every parameter's gradient (the tower, its DeepStack mergers and the routers included), within 1e-5. Replaying
-    the routes it recorded gives its outputs and gradients bit for bit (the router family's rule is the router's
-    own); replaying other experts moves them (replay reaches the experts)."""
-    path = paths["qwen3_vl_moe"]
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_vl_moe"])
+def test_the_packed_forward_with_images_is_the_models_own(paths, arch):
+    """Qwen3-VL's and Qwen3-VL-MoE's packed forward (how evenrl trains them) on rows with one and two images, a text
+    row and image placeholders sampled in responses, against the model's own left-padded forward: log-probs and
+    entropies, and every parameter's gradient (the tower, its DeepStack mergers and the routers included), within
+    1e-5. Replaying the routes the MoE recorded gives its outputs and gradients bit for bit (the router family's rule
+    is the router's own); replaying other experts moves them (replay reaches the experts)."""
+    path, moe_model = paths[arch], arch == "qwen3_vl_moe"
     reference, tok = load_policy(path)
-    model, _ = trainer_model(path, "qwen3_vl_moe")
+    model, _ = trainer_model(path, arch)
     processor = load_image_processor(path, min_pixels=None, max_pixels=None)
     cfg, image = model.config, model.config.image_token_id
     one = encode_vision_prompt(tok, processor, cfg, "<image>x=", [(56, 56)], False)
@@ -123,9 +124,8 @@ def test_the_packed_forward_with_images_is_the_models_own(paths):
             (two, [20, 31, 9, 40, 7, 33, 12], b), (one, [9, 10], a)]
     batch = rows_batch(rows, 1536)
     out_ref, _, mask = response_logprobs(reference, batch, 0, entropy=True)
-    with routing.options(model, record=True):
+    with routing.options(model, record=True) if moe_model else contextlib.nullcontext():
         out, _, _ = response_logprobs(model, batch, 0, entropy=True)
-    recorded = routing.routing(model).plan.rows
     assert float((out - out_ref).detach()[mask].abs().max()) <= TOL
     weight = torch.linspace(-1.0, 1.5, out.shape[1])[None, :, None] * mask[..., None]
     (out_ref * weight).sum().backward()
@@ -135,7 +135,9 @@ def test_the_packed_forward_with_images_is_the_models_own(paths):
     assert max(float((g - h).abs().max()) for g, h in grads) <= TOL
     deepstack = reference.model.visual.deepstack_merger_list[0].linear_fc2.weight.grad
     assert float(deepstack.abs().max()) > 1e-6  # the DeepStack features reach the loss
-
+    if not moe_model:
+        return
+    recorded = routing.routing(model).plan.rows
     assert recorded.lengths.tolist() == [len(p) + len(r) - 1 for p, r, _ in rows]
     again, _ = trainer_model(path, "qwen3_vl_moe")
     replayed, _, _ = response_logprobs(again, Batch({**batch, "routes": recorded}), 0, entropy=True)

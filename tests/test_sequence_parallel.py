@@ -32,11 +32,11 @@ from test_dist import ENV_KEYS
 
 
 def tiny(arch: str = "qwen2", kv_heads: int = 2, *, seed: int = 0, value_head: bool = False):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     kw = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=False)
-    cfg = Qwen2Config(**kw) if arch == "qwen2" else LlamaConfig(**kw)
+    cfg = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[arch](**kw)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -58,7 +58,7 @@ def loss_of(outputs, mask):
 
 
 def run_case(name: str, sp: SequenceGroup) -> dict:
-    arch = "llama" if name == "llama" else "qwen2"
+    arch = name if name in ("llama", "qwen3") else "qwen2"
     model = tiny(arch, kv_heads=1 if name == "repeat_kv" else 2, value_head=name == "critic")
     if name == "lora":
         from peft import LoraConfig, inject_adapter_in_model
@@ -124,8 +124,9 @@ def test_sequence_parallel_equals_the_unsplit_forward(tmp_path):
 
 
 def test_packed_rows_of_a_group_of_one_equal_the_padded_forward():
-    """A checkpointed model's packed path (a group of one) vs the model's own padded forward."""
-    for name in ("gqa", "checkpointing"):
+    """The packed path (a group of one: how a Qwen2, a Qwen3 with its q/k norms, or any checkpointed model trains,
+    parallelize.split_sequences) vs the model's own padded forward."""
+    for name in ("gqa", "qwen3", "checkpointing"):
         res = run_case(name, SequenceGroup(None, 1, 0))
         assert_same(res["split"], res["reference"], name)
 

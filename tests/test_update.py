@@ -61,7 +61,7 @@ def packed(model):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2+lora"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "qwen2+lora"])
 def test_the_packed_forward_matches_the_models_masked_one(tmp_path, monkeypatch, arch):
     """Also with LoRA adapters in the projections: both paths are the model's own modules, adapters included."""
     model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch.split("+")[0], seed=2))
@@ -95,18 +95,34 @@ def test_packed_forward_with_biases_and_one_token_rows(tmp_path, monkeypatch):
     assert max(float((g_plain[k] - g_fast[k]).abs().max()) for k in g_plain) < 1e-5
 
 
-def test_plain_qwen2_and_llama_train_packed_other_families_masked(tmp_path):
+def test_families_through_the_attention_interface_train_packed_others_masked(tmp_path, monkeypatch):
+    """Every model whose attention goes through transformers' interface with rotary positions packs (a Mistral with
+    sliding-window attention too: the window applied within each row, its masked forward's log-probs and gradients);
+    GPT-2 (learned absolute positions) and Gemma 2 (attention softcap) keep the model's own masked forward."""
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig,
+                              MistralForCausalLM)
+
     cfg = load_config(None, [])
-    for arch in ("qwen2", "llama"):
+    for arch in ("qwen2", "llama", "qwen3", "qwen2_vl"):
         model, _ = load_policy(make_tiny_model(str(tmp_path / arch), arch=arch, seed=1))
         split_sequences(model, cfg, Mesh())
-        assert plan_of(model).sequence.size == 1
-    from transformers import MistralConfig, MistralForCausalLM  # sliding-window attention: the model's own masks
-
+        assert plan_of(model).sequence.size == 1, arch
+    torch.manual_seed(0)
     model = MistralForCausalLM(MistralConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=8))
+                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=8)).train()
+    batch = _batch([9, 3, 14, 1], samples=2, max_resp=7, seed=3)  # rows of up to 21 tokens: the window cuts in
+    plain, _, g_plain = _logp_and_grads(model, batch, False, monkeypatch)
     split_sequences(model, cfg, Mesh())
-    assert plan_of(model).sequence is None
+    assert plan_of(model).sequence.size == 1
+    fast, _, g_fast = _logp_and_grads(model, batch, False, monkeypatch)
+    assert float((plain - fast).abs().max()) < 1e-5
+    assert max(float((g_plain[k] - g_fast[k]).abs().max()) for k in g_plain) < 1e-5
+    small = dict(vocab_size=90, num_hidden_layers=1, num_attention_heads=4)
+    for model in (GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=90)),
+                  Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=48, num_key_value_heads=2,
+                                                 head_dim=8, **small))):
+        split_sequences(model, cfg, Mesh())
+        assert plan_of(model).sequence is None, type(model).__name__
 
 
 def test_shared_prefix_only_when_it_saves_enough(tmp_path):

@@ -28,6 +28,7 @@ from evenrl.config import RunConfig
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.schedule import make_schedule
 from evenrl.demo import write_addition_data
+from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
 from evenrl.engines import HFEngine, SamplingParams
 from evenrl.errors import UsageError
 from evenrl.models.loading import load_policy
@@ -71,9 +72,11 @@ def _png(w: int, h: int, seed: int = 0) -> bytes:
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
 def test_tiny_vl_models_load_with_their_processor_and_sample_what_the_trainer_scores(arch, tmp_path):
     """The image tokens of a prompt are its grid / merge^2; the hf sampler's log-probs of the tokens it drew equal
-    the training forward's on the same rows (images in the Batch columns) at fp32 level, for both towers."""
+    the training forward's on the same rows (images in the Batch columns, packed with each row's M-RoPE positions, as
+    parallelize.split_sequences has it train) at fp32 level, for both towers."""
     path = make_tiny_model(str(tmp_path / arch), arch=arch)
     model, tok = load_policy(path)
+    sequence_parallel(model, SequenceGroup(None, 1, 0))
     processor = load_image_processor(path, min_pixels=None, max_pixels=None)
     assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
     images = [_png(56, 56), _png(224, 168, 1)]

@@ -4,15 +4,18 @@ Rows are stored pad-free in a Batch: `tokens` (ragged: prompt + response ids) an
 `response_logits` forwards a micro-batch by one of four paths, each through the model's own forward:
 
   packed   the rows back to back in one row, attention within each (models.split_forward), split over a
-           sequence-parallel group or on one rank: every plain Qwen2/Llama, any text model with activation
-           checkpointing, tensor parallelism or experts, and a vision-language mixture of experts (Qwen3-VL-MoE:
-           its images and each row's M-RoPE positions, models.vision.packed_images), as
+           sequence-parallel group or on one rank: every model whose attention goes through transformers' interface
+           with rotary positions (models.split_forward.packs: Qwen2/2.5/3, Llama, Mistral, Gemma 3, ...), the
+           vision-language ones with their images and each row's M-RoPE positions (models.vision.packed_images),
+           any text model with activation checkpointing, tensor parallelism or experts, as
            evenrl.train.parallelize.split_sequences gives them the group;
   shared   each distinct prompt run once and its keys/values copied to its samples, where that saves enough and
            runs fewer tokens than the packed rows would (a GRPO group with a long prompt: 4 prompts of 96 tokens x 8
-           samples, 2.4x faster than packed on CPU);
-  vision   a dense vision-language model's left-padded forward with its images and M-RoPE positions;
-  masked   the model's own left-padded masked forward: any other causal LM, and the reference the tests compare with.
+           samples, 2.1x faster than packed on CPU for a Qwen3, benchmarks/forward_paths.py); text models only;
+  vision   a vision-language model's own left-padded forward with its images and M-RoPE positions: the reference
+           the tests compare the packed path with (a model nothing was applied to);
+  masked   the model's own left-padded masked forward: a model that cannot pack (GPT-2, OPT: learned absolute
+           positions; Gemma 2: attention softcap), and the reference the tests compare with.
 
 Two more paths went (issue 43, benchmarks/forward_paths.py): a hand-written packed Qwen2/Llama forward (norms,
 projections and MLP on the real tokens, attention on right-padded rows) and the model's forward on right-padded
@@ -22,7 +25,11 @@ for 16 rows of 28-140, 0.365 against 0.557 and 1.018 for a 32-row long tail (67%
 long-tail rows) 0.566 s against 0.674 and 0.824. Neither was clearly faster (the packed path runs rows of about one
 length in one attention call, evenrl.distributed.sequence, without which 32 equal rows took 0.088 s), and the
 model's own forward keeps LoRA, checkpointing, FSDP2 and any family's modules working without a second
-implementation. tests/test_golden.py's numbers held (within 1e-6).
+implementation. tests/test_golden.py's numbers held (within 1e-6). Issue 53 let every family above pack (it was plain
+Qwen2/Llama and Qwen3-VL-MoE): on this CPU (fp32, 1 thread, busy: the fastest of 5) a tiny Qwen3 (hidden 128, 4
+layers) took 0.93 s packed against 1.14 masked for 32 equal rows, 1.19 against 1.85 for 16 mixed rows, 3.99 against
+14.1 for the long tail (benchmarks/forward_paths.py --arch qwen3); a Qwen2-VL of that size 1.22 s against 1.68 for
+its left-padded forward, 16 rows with images (38% padding).
 
 Only the positions that predict response tokens go through the output layer. `response_logprobs` takes the same
 paths but has the output layer compute log-probs and entropies straight from the hidden states (core.fused_head),
@@ -79,7 +86,7 @@ def _response_logits(model, batch: Batch, pad_token_id: int, head: Head | None) 
     sp = plan_of(model).sequence  # evenrl.train.parallelize (packing, sequence parallelism)
     if sp is not None and (sp.size > 1 or is_sharded(model)):  # one forward call on every rank of a group
         return split_forward(model, batch, head, _output_layer_computes)
-    if is_vision_model(model) and sp is None:  # a vision mixture of experts packs (parallelize.split_sequences)
+    if is_vision_model(model) and sp is None:  # the reference: a model nothing packed (parallelize packs them)
         return _response_logits_vision(model, batch, pad_token_id, head)
     if is_sharded(model):
         return _response_logits_model(model, batch, pad_token_id, head)
@@ -162,8 +169,10 @@ def _shared_prefixes(model, batch: Batch, packed: bool = False):
     the path it stands in for (the rows back to back when `packed`, else padded to the longest), and never for a
     checkpointed model (its
     layers drop the cache), a mixture of experts (routes are recorded and replayed by packed position) or a
-    tensor-parallel one: they train packed only."""
-    if is_checkpointing(model) or is_moe(model) or plan_of(model).tensor_parallel is not None:
+    tensor-parallel one: they train packed only; nor for a vision-language model (a prompt's images would have to
+    run with its prefix)."""
+    if (is_checkpointing(model) or is_moe(model) or plan_of(model).tensor_parallel is not None
+            or is_vision_model(model)):
         return None
     tok = batch["tokens"]
     seqs = torch.split(tok.values, tok.lengths.tolist())

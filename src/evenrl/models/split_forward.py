@@ -41,6 +41,20 @@ from evenrl.models.vision import is_vision_model, packed_images
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
+def packs(model) -> bool:
+    """Whether the packed forward runs `model` as its own padded forward would: its attention goes through
+    transformers' attention interface (`_supports_attention_backend`: the packed attention is registered there,
+    evenrl.distributed.sequence), its positions are rotary ones taken from position_ids (so each row's restart at 0
+    is that row's own; a learned absolute table read from the attention mask, OPT's, would not), and its attention
+    has no logit softcap (Gemma 2's, which the packed attention does not implement). Qwen2/2.5/3, Llama, Mistral,
+    Gemma 3, OLMo, Phi-3 and the dense and mixture vision-language models here pack; GPT-2, OPT and Gemma 2 train by
+    the model's own masked forward."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    text = model.config.get_text_config()
+    return (bool(getattr(model, "_supports_attention_backend", False)) and hasattr(decoder, "rotary_emb")
+            and getattr(text, "attn_logit_softcapping", None) is None)
+
+
 def split_forward(model, batch: Batch, head: Callable | None, output_layer_computes) -> tuple[Tensor, Tensor, Tensor]:
     """(outputs [B, R, k], targets [B, R], mask [B, R]) as evenrl.models.forward.response_logits returns them.
     output_layer_computes(model, head, targets): forward's context that has the output layer compute `head`."""

@@ -33,10 +33,10 @@ from evenrl.distributed.mesh import Mesh
 from evenrl.distributed.sequence import sequence_parallel
 from evenrl.distributed.sharding import shard
 from evenrl.distributed.tensor_parallel import tensor_parallel
-from evenrl.models.decoder import LeanDecoder
 from evenrl.models.loading import set_autocast, set_tf32
 from evenrl.models.output_head import computes_head
 from evenrl.models.routing import is_moe
+from evenrl.models.split_forward import packs
 from evenrl.models.vision import freeze_tower, is_vision_model
 from evenrl.train.reduction import choose
 
@@ -92,15 +92,16 @@ def split_tensors(model, mesh: Mesh) -> None:
 
 def split_sequences(model, cfg: RunConfig, mesh: Mesh) -> None:
     """Sequence parallelism (the mesh's sp > 1): the model's training forwards split each packed micro-batch over
-    this rank's group (evenrl.distributed.sequence). On one rank (a group of one) a plain Qwen2/Llama packs its rows
-    the same way instead of padding them to the longest (evenrl.models.forward says why), and so do a checkpointed
-    text model, a mixture of experts (its routes are then recorded and replayed by packed position:
-    evenrl.models.routing; a vision-language one with its images) and a tensor-parallel model (the model's own
-    forward is its only training path). The step's schedule then counts a micro-batch's real tokens against the cap
-    (packed)."""
+    this rank's group (evenrl.distributed.sequence). On one rank (a group of one) every model whose attention the
+    packed forward can run (evenrl.models.split_forward.packs: transformers' attention interface, rotary positions)
+    packs its rows the same way instead of padding them to the longest (evenrl.models.forward says why), a
+    vision-language one with its images and each row's M-RoPE positions; and so do a checkpointed text model, a
+    mixture of experts (its routes are then recorded and replayed by packed position: evenrl.models.routing) and a
+    tensor-parallel model (the model's own forward is its only training path). The step's schedule then counts a
+    micro-batch's real tokens against the cap (packed)."""
     # mesh.sp > 1 for a vision-language model: refused before it loaded
-    packs = cfg.model.gradient_checkpointing or mesh.tp > 1 or is_moe(model) or LeanDecoder.supports(model)
-    if mesh.sp > 1 or (packs and (is_moe(model) or not is_vision_model(model))):  # a vision MoE packs with its images
+    text = not is_vision_model(model)
+    if mesh.sp > 1 or packs(model) or (text and (cfg.model.gradient_checkpointing or mesh.tp > 1)) or is_moe(model):
         sequence_parallel(model, mesh.sequence_group())
 
 

@@ -56,7 +56,7 @@ def test_shared_prefix_forward_matches_plain(tmp_path, monkeypatch, arch):
 
 
 def packed(model):
-    """`model` with the packed path of one rank (what evenrl.train.parallelize.split_sequences gives a plain Qwen2/Llama)."""
+    """`model` with the packed path of one rank (what evenrl.train.parallelize.split_sequences gives it)."""
     sequence_parallel(model, SequenceGroup(None, 1, 0))
     return model
 

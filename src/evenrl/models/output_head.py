@@ -60,7 +60,7 @@ def _logprobs(self, hidden: Tensor, targets: Tensor, temperature: float, *, entr
 def computes_head(model) -> torch.nn.Module:
     """The model's output layer, its class swapped once for one that can compute a head (module docstring)."""
     layer = model.get_output_embeddings()
-    if not isinstance(layer, ComputesHead):
+    if layer is not None and not isinstance(layer, ComputesHead):  # None: a model without one computes no head
         cls = type(layer)
         if cls not in _CLASSES:
             own = {} if hasattr(cls, "logprobs") else {"logprobs": _logprobs}

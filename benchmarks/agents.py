@@ -53,9 +53,9 @@ class Timed:
         self.engine, self.name, self.needs_weights = engine, engine.name, engine.needs_weights
         self.calls, self.rows, self.seconds = 0, 0, 0.0
 
-    def generate(self, prompts, *args, **kw):
+    def generate(self, requests, params):
         start = time.perf_counter()
-        out = self.engine.generate(prompts, *args, **kw)
+        out = self.engine.generate(requests, params)
         self.seconds += time.perf_counter() - start
         self.calls, self.rows = self.calls + 1, self.rows + sum(len(x) for x in out)
         return out
@@ -73,7 +73,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from evenrl.config import RunConfig
-    from evenrl.engines.base import sampling_params
+    from evenrl.engines.base import Request, sampling_params
     from evenrl.engines.hf import HFEngine
     from evenrl.envs.builtin import addition_rows
     from evenrl.models.loading import load_policy
@@ -111,8 +111,8 @@ def main() -> None:
             engine = Timed(HFEngine(policy, eos_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id))
             busy[0] = 0.0
             start = time.perf_counter()
-            out = loop.generate(engine, tokens, list(range(len(rows))), sampling_params(cfg), step=step + 1,
-                                sample_ranges=[(0, args.samples)] * len(rows), rows=rows, openings=openings)
+            asks = [Request(t, i, step + 1, range(args.samples)) for i, t in enumerate(tokens)]
+            out = loop.generate(engine, asks, sampling_params(cfg), rows=rows, openings=openings)
             wall = time.perf_counter() - start
             done = [t for ts in out for t in ts]
             if step == 0:

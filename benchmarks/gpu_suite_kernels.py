@@ -27,6 +27,7 @@ from evenrl.core.batch import Batch, Ragged
 from evenrl.core.losses import token_logprobs
 from evenrl.core.model_plan import record
 from evenrl.distributed.mesh import Mesh
+from evenrl.engines.base import Request
 from evenrl.engines.hf import SamplingParams, generate
 from evenrl.models import forward as forward_module
 from evenrl.models.forward import response_logits, response_logprobs
@@ -88,7 +89,7 @@ class Ctx:
 
     def rollout(self, model, decoder="auto", new_tokens=None):
         params = SamplingParams(max_new_tokens=new_tokens or self.new, samples_per_prompt=self.samples, seed=0)
-        return generate(model, self.prompts, list(range(len(self.prompts))), params, step=0, eos_token_ids=set(),
+        return generate(model, [Request(p, i, 0) for i, p in enumerate(self.prompts)], params, eos_token_ids=set(),
                         pad_token_id=self.pad, decoder=decoder)
 
     def step_batch(self, completions=None, seed=0) -> Batch:

@@ -80,7 +80,7 @@ def experts_rows(tokens: int, repeats: int) -> list[tuple[str, float, float]]:
 def mismatch_row(arch: str, prompts: int, root: str) -> dict:
     from evenrl.core.batch import Batch, Ragged
     from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
-    from evenrl.engines.base import SamplingParams
+    from evenrl.engines.base import Request, SamplingParams
     from evenrl.engines.hf import HFEngine
     from evenrl.models import routing
     from evenrl.models.loading import load_policy, set_autocast
@@ -95,8 +95,8 @@ def mismatch_row(arch: str, prompts: int, root: str) -> dict:
     engine = HFEngine(engine_model, eos_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id,
                       record_routes=True)
     ids = [tok(f"{i}+{3 * i + 1}=")["input_ids"] for i in range(prompts)]
-    res = engine.generate(ids, list(range(prompts)), SamplingParams(max_new_tokens=16, samples_per_prompt=4, seed=2),
-                          step=1)
+    res = engine.generate([Request(p, i, 1) for i, p in enumerate(ids)],
+                          SamplingParams(max_new_tokens=16, samples_per_prompt=4, seed=2))
     rows = [(p, c) for p, r in zip(ids, res) for c in r]
     batch = Batch({"tokens": Ragged.of([torch.tensor(p + c.token_ids) for p, c in rows], torch.long),
                    "response_len": torch.tensor([len(c.token_ids) for _, c in rows]),

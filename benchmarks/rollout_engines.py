@@ -20,7 +20,7 @@ import time
 import torch
 
 from evenrl.config import RunConfig
-from evenrl.engines import HFEngine, SamplingParams, make_engine
+from evenrl.engines import HFEngine, Request, SamplingParams, make_engine
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
 
@@ -29,7 +29,7 @@ BATCHES = (4, 16, 64)  # prompts per call; x 8 samples
 
 def timed(engine, prompts, params, step) -> tuple[float, int]:
     t0 = time.perf_counter()
-    res = engine.generate(prompts, list(range(len(prompts))), params, step=step)
+    res = engine.generate([Request(p, i, step) for i, p in enumerate(prompts)], params)
     dt = time.perf_counter() - t0
     return dt, sum(len(c.token_ids) for r in res for c in r)
 
@@ -56,7 +56,7 @@ def main() -> None:
         prompts = [tok(f"{i % 50}+{(7 * i) % 50}=")["input_ids"] for i in range(max(BATCHES))]
         params = SamplingParams(max_new_tokens=args.new_tokens, samples_per_prompt=8, seed=0)
         for e in (hf, vllm):
-            e.generate(prompts[:2], [0, 1], params, step=0)
+            e.generate([Request(p, i, 0) for i, p in enumerate(prompts[:2])], params)
         print(f"model: Qwen2, {n_params / 1e6:.1f} M parameters (hidden {args.hidden}, {args.layers} layers), fp32; "
               f"torch threads {torch.get_num_threads()}; vLLM start-up {start:.1f} s")
         print(f"{'prompts x 8 x new':>20} {'hf tok/s':>10} {'vllm tok/s':>11} {'vllm/hf (median of pairs)':>26}"

@@ -17,6 +17,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from evenrl.engines.base import Request
 from evenrl.engines.hf import SamplingParams, generate
 from evenrl.models.decoder import LeanDecoder
 from evenrl.models.loading import autocast, load_policy, set_autocast
@@ -57,11 +58,11 @@ def tokens_per_s(model, tok, decoder: str, new: int) -> float:
     prompts = [tok(f"{i % 50}+{(7 * i) % 50}=")["input_ids"] for i in range(32)]
     keys = list(range(32))
     params = SamplingParams(max_new_tokens=new, samples_per_prompt=8)
-    generate(model, prompts[:2], keys[:2], params, step=0, eos_token_ids=set(), pad_token_id=tok.pad_token_id,
-             decoder=decoder)
+    generate(model, [Request(p, k, 0) for p, k in zip(prompts[:2], keys)], params, eos_token_ids=set(),
+             pad_token_id=tok.pad_token_id, decoder=decoder)
     t0 = time.perf_counter()
-    res = generate(model, prompts, keys, params, step=1, eos_token_ids=set(), pad_token_id=tok.pad_token_id,
-                   decoder=decoder)
+    res = generate(model, [Request(p, k, 1) for p, k in zip(prompts, keys)], params, eos_token_ids=set(),
+                   pad_token_id=tok.pad_token_id, decoder=decoder)
     n_tok = sum(len(c.token_ids) for r in res for c in r)
     return n_tok / (time.perf_counter() - t0)
 

@@ -26,6 +26,7 @@ def _worker(rank: int, world: int, model_dir: str, port: int, out):
     from evenrl.distributed import collectives as dist
     from evenrl.distributed.sharding import shard
     from evenrl.distributed.weights import gathered
+    from evenrl.engines.base import Request
     from evenrl.engines.hf import SamplingParams, generate
     from evenrl.models.loading import load_policy
 
@@ -38,7 +39,8 @@ def _worker(rank: int, world: int, model_dir: str, port: int, out):
     rows = []
     for new in (16, 64):
         params = SamplingParams(max_new_tokens=new, samples_per_prompt=4)
-        kw = dict(step=0, eos_token_ids=set(), pad_token_id=tok.pad_token_id)
+        kw = dict(eos_token_ids=set(), pad_token_id=tok.pad_token_id)
+        asks = [Request(p, k, 0) for p, k in zip(prompts, keys)]
         for pair in range(3):
             times = {}
             for arm in ("gather once", "per layer"):
@@ -46,9 +48,9 @@ def _worker(rank: int, world: int, model_dir: str, port: int, out):
                 t0 = time.perf_counter()
                 if arm == "gather once":
                     with gathered(model):
-                        res = generate(model, prompts, keys, params, **kw)
+                        res = generate(model, asks, params, **kw)
                 else:  # the model's own forward: FSDP's hooks gather each block at every decoding step
-                    res = generate(model, prompts, keys, params, decoder="forward", **kw)
+                    res = generate(model, asks, params, decoder="forward", **kw)
                 tdist.barrier()
                 times[arm] = time.perf_counter() - t0
                 if arm == "gather once":

@@ -31,7 +31,7 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.core.batch import Batch
-from evenrl.engines import SamplingParams, make_engine
+from evenrl.engines import Request, SamplingParams, make_engine
 from evenrl.engines.payload import make_payload
 from evenrl.engines.vllm_worker import prepack_cpu_experts
 from evenrl.models.loading import load_policy
@@ -75,7 +75,7 @@ def logprob_gap(engine, model, tok) -> tuple[float, list]:
     """(largest |engine - trainer| log-prob over the tokens of 4 prompts x 2 samples the engine draws, the tokens)."""
     prompts = [tok(f"{i}+{2 * i + 1}=")["input_ids"] for i in range(4)]
     params = SamplingParams(max_new_tokens=12, temperature=0.7, samples_per_prompt=2, seed=1)
-    rows = [(p, c) for p, r in zip(prompts, engine.generate(prompts, [0, 1, 2, 3], params, step=1)) for c in r]
+    rows = [(p, c) for p, r in zip(prompts, engine.generate([Request(p, i, 1) for i, p in enumerate(prompts)], params)) for c in r]
     batch = Batch({"tokens": [torch.tensor(p + c.token_ids) for p, c in rows],
                    "response_len": torch.tensor([len(c.token_ids) for _, c in rows])})
     trainer = compute_logprobs(model, batch, [[i] for i in range(len(rows))], temperature=params.temperature,

@@ -286,13 +286,25 @@ def with_random_adapters(model, rank: int = 4):
     return model
 
 
+def requests(prompts: list, keys: list, step=0, *, sample_ranges=None, **fields) -> list:
+    """Engine requests (evenrl.engines.base.Request) of `prompts` with `keys`, at `step` (or one per prompt):
+    `sample_ranges` their (first sample, count), `fields` Request's other fields, each one value or one per prompt."""
+    from evenrl.engines.base import Request
+
+    n = len(prompts)
+    at = lambda v, i: v[i] if isinstance(v, list) else v  # noqa: E731
+    ranges = [None] * n if sample_ranges is None else [range(a, a + c) for a, c in sample_ranges]
+    return [Request(prompts[i], keys[i], at(step, i), ranges[i],
+                    **{f: at(v, i) for f, v in fields.items() if v is not None}) for i in range(n)]
+
+
 def engine_gap(engine, model, prompts: list, params, pad_token_id: int) -> float:
     """Largest |engine log-prob - trainer log-prob| over the tokens `engine` samples for `prompts` (keys 0..n-1,
     step 1), the trainer's from `model`'s forward on the same tokens."""
     from evenrl.core.batch import Batch
     from evenrl.train.update import compute_logprobs
 
-    res = engine.generate(prompts, list(range(len(prompts))), params, step=1)
+    res = engine.generate(requests(prompts, list(range(len(prompts))), 1), params)
     rows = [(p, c) for p, r in zip(prompts, res) for c in r]
     batch = Batch({"tokens": [torch.tensor(p + c.token_ids) for p, c in rows],
                    "response_len": torch.tensor([len(c.token_ids) for _, c in rows])})

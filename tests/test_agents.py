@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import toy_agents
-from e2e import ENV
+from e2e import ENV, requests
 from evenrl.agents.calls import Call, assemble
 from evenrl.agents.job import agent_problem
 from evenrl.agents.openai_api import chat_chunks, reply_message, same_reply, sse, template_messages
@@ -58,8 +58,8 @@ def run_agent(model, spec, rows, samples=2, rewards_functions=None, extra_fields
         f.writelines(json.dumps(r) + "\n" for r in rows)
     rows, tokens, openings, _ = agents.load(tok, path)
     engine = HFEngine(policy, eos_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id)
-    out = agents.generate(engine, tokens, list(range(len(rows))), sampling_params(cfg), step=1,
-                          sample_ranges=[(0, samples)] * len(rows), rows=rows, openings=openings)
+    out = agents.generate(engine, requests(tokens, list(range(len(rows))), 1, sample_ranges=[(0, samples)] * len(rows)),
+                          sampling_params(cfg), rows=rows, openings=openings)
     return out, agents, policy, tok
 
 
@@ -227,8 +227,8 @@ def test_an_agent_with_two_tool_calls_trains_exactly_the_engines_tokens(tools_mo
         key = Record(t.prompt_key, t.sample_index, {})
         for a, b in stretches:
             prefix = t.prompt_ids + t.token_ids[:a]
-            again = engine.generate([prefix], [key.call_key(prefix)], sampling_params(cfg), step=1,
-                                    sample_ranges=[(t.sample_index, 1)])[0][0]
+            again = engine.generate(requests([prefix], [key.call_key(prefix)], 1, sample_ranges=[(t.sample_index, 1)]),
+                                    sampling_params(cfg))[0][0]
             assert again.token_ids[:b - a] == t.token_ids[a:b]
         tool_text = tok.decode([x for x, m in zip(t.token_ids, t.loss_mask) if not m])
         assert "<tool_response>40</tool_response>" in tool_text and "<tool_response>41</tool_response>" in tool_text
@@ -283,8 +283,8 @@ def test_a_responses_agent_echoing_its_function_calls_chains_onto_them(tools_mod
     scripted = [said + [tok.eos_token_id], agents.prompts.encode("5") + [tok.eos_token_id]]
 
     class Scripted:
-        def generate(self, prompts, keys, params, *, step, sample_ranges):
-            return [[Completion(0, 0, ids := scripted.pop(0), [-1.0] * len(ids), True)] for _ in prompts]
+        def generate(self, requests, params):
+            return [[Completion(0, 0, ids := scripted.pop(0), [-1.0] * len(ids), True)] for _ in requests]
     rec = Record(0, 0, {})
 
     def ask(body):
@@ -328,9 +328,9 @@ def test_a_tool_call_cut_at_max_new_tokens_is_counted_and_warned_once(tools_mode
     scripted = [said[:12], agents.prompts.encode("5") + [tok.eos_token_id]]
 
     class Scripted:
-        def generate(self, prompts, keys, params, *, step, sample_ranges):
+        def generate(self, requests, params):
             ids = scripted.pop(0)[:params.max_new_tokens]
-            return [[Completion(0, 0, ids, [-1.0] * len(ids), ids[-1] == tok.eos_token_id)] for _ in prompts]
+            return [[Completion(0, 0, ids, [-1.0] * len(ids), ids[-1] == tok.eos_token_id)] for _ in requests]
     rec = Record(0, 0, {})
     answers = []
     for body in ({"messages": [{"role": "user", "content": "2+3="}], "tools": toy_agents.TOOLS},

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from e2e import engine_gap, evenrl, evenrl_here, evenrl_many, final_params, max_diff, metrics
+from e2e import engine_gap, evenrl, evenrl_here, evenrl_many, final_params, max_diff, metrics, requests
 from evenrl.config import RunConfig
 from evenrl.distributed.weights import full_weights
-from evenrl.engines import HFEngine, SamplingParams, make_engine
+from evenrl.engines import HFEngine, Request, SamplingParams, make_engine
 from evenrl.engines import vllm_engine
 from evenrl.engines.payload import merged_weights
 from evenrl.models.loading import load_policy
@@ -70,14 +70,14 @@ def test_vllm_same_keys_same_samples_whatever_the_batch(vllm_setup):
     engine, _, tok = vllm_setup
     prompts, keys = prompts_of(tok), [10, 11, 12, 13, 14]
     params = SamplingParams(max_new_tokens=12, temperature=1.0, samples_per_prompt=4, seed=7)
-    whole = by_key(engine.generate(prompts, keys, params, step=3))
-    backwards = by_key(engine.generate(prompts[::-1], keys[::-1], params, step=3))
-    replica_a = engine.generate(prompts[:3], keys[:3], params, step=3, sample_ranges=[(0, 4), (0, 4), (0, 1)])
-    replica_b = engine.generate(prompts[2:], keys[2:], params, step=3, sample_ranges=[(1, 3), (0, 4), (0, 4)])
+    whole = by_key(engine.generate(requests(prompts, keys, 3), params))
+    backwards = by_key(engine.generate(requests(prompts[::-1], keys[::-1], 3), params))
+    replica_a = engine.generate(requests(prompts[:3], keys[:3], 3, sample_ranges=[(0, 4), (0, 4), (0, 1)]), params)
+    replica_b = engine.generate(requests(prompts[2:], keys[2:], 3, sample_ranges=[(1, 3), (0, 4), (0, 4)]), params)
     split = {**by_key(replica_a), **by_key(replica_b)}
     assert len(whole) == 20 and whole == backwards == split
     assert len({tuple(v) for v in whole.values()}) == 20  # distinct keys draw distinct samples
-    other_step = by_key(engine.generate(prompts, keys, params, step=4))
+    other_step = by_key(engine.generate(requests(prompts, keys, 4), params))
     assert sum(other_step[k] != whole[k] for k in whole) >= 18  # the step is part of the key
 
 
@@ -134,8 +134,8 @@ def test_vllm_cpu_prefills_a_batch_longer_than_its_step_budget(vllm_setup):
     engine, _, _ = vllm_setup
     prompts = [[3 + (i * 7 + j) % 40 for j in range(150)] for i in range(40)]
     params = SamplingParams(max_new_tokens=6, temperature=1.0, samples_per_prompt=1, seed=2)
-    many = by_key(engine.generate(prompts, list(range(40)), params, step=1))
-    few = by_key(engine.generate(prompts[:3], [0, 1, 2], params, step=1))
+    many = by_key(engine.generate(requests(prompts, list(range(40)), 1), params))
+    few = by_key(engine.generate(requests(prompts[:3], [0, 1, 2], 1), params))
     assert len(many) == 40 and all(many[k] == v for k, v in few.items())
 
 
@@ -152,16 +152,15 @@ def test_vllm_continues_a_cut_sample_from_its_tokens(vllm_setup):
     engine.update_weights(full_weights(model))
     prompts = prompts_of(tok, 3)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, samples_per_prompt=2, seed=5)
-    cut = engine.generate(prompts, [0, 1, 2], params, step=4, max_tokens=[4, 4, 4])
+    cut = engine.generate(requests(prompts, [0, 1, 2], 4, max_tokens=4), params)
     assert all(len(c.token_ids) == 4 or c.finished for r in cut for c in r)
     rows = [(p + c.token_ids, (4, c.sample_index, k)) for p, k, r in zip(prompts, [0, 1, 2], cut) for c in r
             if not c.finished]
     assert len(rows) >= 4
 
     def go(order):
-        out = engine.generate([rows[i][0] for i in order], [rows[i][1][2] for i in order], params,
-                              step=[rows[i][1][0] for i in order], sample_ranges=[(rows[i][1][1], 1) for i in order],
-                              first_token=[4] * len(order), max_tokens=[3 + i % 3 for i in order])
+        out = engine.generate([Request(rows[i][0], k, step, range(s, s + 1), first_token=4, max_tokens=3 + i % 3)
+                               for i in order for step, s, k in [rows[i][1]]], params)
         return {i: c for i, [c] in zip(order, out)}
 
     together, backwards = go(list(range(len(rows)))), go(list(range(len(rows)))[::-1])
@@ -190,7 +189,7 @@ def test_vllm_and_hf_end_at_eos_the_same_way(vllm_setup):
         params = SamplingParams(max_new_tokens=12, temperature=1.0, samples_per_prompt=3, seed=2)
         hf = HFEngine(model, eos_token_ids={eos}, pad_token_id=tok.pad_token_id)
         for eng in (engine, hf):
-            done = [c for r in eng.generate(prompts_of(tok, 3), [0, 1, 2], params, step=0) for c in r]
+            done = [c for r in eng.generate(requests(prompts_of(tok, 3), [0, 1, 2], 0), params) for c in r]
             assert sum(c.finished for c in done) >= 7, eng.name
             for c in done:
                 assert len(c.logprobs) == len(c.token_ids) and c.finished == (c.token_ids[-1] == eos)
@@ -345,20 +344,21 @@ def test_an_engine_group_hands_the_engine_each_requests_budget_and_continuation(
     class Recorder:
         name, needs_weights, lockstep, calls = "recorder", True, None, []
 
-        def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None, turn=0,
-                     first_token=None, max_tokens=None):
-            self.calls.append(dict(step=step, first_token=first_token, max_tokens=max_tokens, turn=turn))
-            return [[Completion(k, a, list(p), [0.0] * len(p), False)] for p, k, (a, _) in
-                    zip(prompts, keys, sample_ranges)]
+        def generate(self, requests, params):
+            self.calls.append(list(requests))
+            return [[Completion(r.key, r.samples.start, list(r.prompt), [0.0] * len(r.prompt), False)]
+                    for r in requests]
 
     engine = Recorder()
     group, params = EngineGroup(engine), SamplingParams(max_new_tokens=5)
-    out = group.generate([[1, 2], [3]], [7, 8], params, step=3, sample_ranges=[(0, 1), (1, 1)], turn=2)
-    assert engine.calls[-1] == dict(step=[3, 3], first_token=[0, 0], max_tokens=[5, 5], turn=2)
+    asks = requests([[1, 2], [3]], [7, 8], 3, sample_ranges=[(0, 1), (1, 1)], turn=2)
+    out = group.generate(asks, params)
+    assert engine.calls[-1] == asks
     assert [[(c.prompt_key, c.sample_index, c.token_ids) for c in s] for s in out] == [[(7, 0, [1, 2])], [(8, 1, [3])]]
-    group.generate([[1]], [7], params, step=[2], sample_ranges=[(0, 1)], first_token=[4], max_tokens=[3])
-    assert engine.calls[-1] == dict(step=[2], first_token=[4], max_tokens=[3], turn=0)
-    assert group.generate([], [], params, step=3) == [] and len(engine.calls) == 2
+    asks = requests([[1]], [7], 2, sample_ranges=[(0, 1)], first_token=4, max_tokens=3)
+    group.generate(asks, params)
+    assert engine.calls[-1] == asks and (asks[0].first_token, asks[0].max_tokens, asks[0].turn) == (4, 3, 0)
+    assert group.generate([], params) == [] and len(engine.calls) == 2
 
 
 @needs_vllm

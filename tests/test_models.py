@@ -8,6 +8,7 @@ from evenrl.errors import UsageError
 from evenrl.models.loading import load_policy
 from evenrl.testing import DEFAULT_VOCAB, make_tiny_model
 from evenrl.train.data import encode_prompt
+from evenrl.engines.base import Request
 from evenrl.engines.hf import SamplingParams, generate
 
 
@@ -27,7 +28,7 @@ def test_round_trip_make_load_generate(tmp_path, arch):
     assert len(ids) == len(text) and tok.decode(ids) == text
     assert len(encode_prompt(tok, DEFAULT_VOCAB, False)) == len(DEFAULT_VOCAB)
 
-    res = generate(model, [ids], [0], SamplingParams(max_new_tokens=5, samples_per_prompt=2), step=0,
+    res = generate(model, [Request(ids, 0, 0)], SamplingParams(max_new_tokens=5, samples_per_prompt=2),
                    eos_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id)
     for c in res[0]:
         assert len(c.token_ids) == 5 or (c.finished and c.token_ids[-1] == tok.eos_token_id)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from e2e import BITWISE, assert_same_run, evenrl_many, final_params, max_diff, metrics
+from e2e import BITWISE, assert_same_run, evenrl_many, final_params, max_diff, metrics, requests
 from evenrl.config import RunConfig
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.moe import balance_loss, route_dtype
@@ -139,8 +139,8 @@ def test_the_hf_engine_records_every_tokens_routes(moe_paths, arch):
     prompts = [tok(f"{i}+{3 * i + 1}=")["input_ids"] for i in range(6)]
     eos = set(range(10, 30))  # many stop tokens: rows end after 1..12 tokens
     params = SamplingParams(max_new_tokens=12, samples_per_prompt=3, seed=5)
-    res = generate(model, prompts, list(range(6)), params, step=1, eos_token_ids=eos, pad_token_id=tok.pad_token_id,
-                   record_routes=True)
+    res = generate(model, requests(prompts, list(range(6)), 1), params, eos_token_ids=eos,
+                   pad_token_id=tok.pad_token_id, record_routes=True)
     rows = [(p, c) for p, r in zip(prompts, res) for c in r]
     assert len({len(c.token_ids) for _, c in rows}) >= 4  # rows of many lengths: the batch shrank on the way
     assert all(c.routes.shape[0] == len(p) + len(c.token_ids) - 1 for p, c in rows)
@@ -153,7 +153,7 @@ def test_the_hf_engine_records_every_tokens_routes(moe_paths, arch):
     replayed = compute_logprobs(model, batch, [list(range(len(batch)))], temperature=1.0,
                                 pad_token_id=tok.pad_token_id)
     assert max(float((t - torch.tensor(c.logprobs)).abs().max()) for t, (_, c) in zip(replayed, rows)) < 1e-5
-    alone = generate(model, prompts[2:3], [2], params, step=1, eos_token_ids=eos, pad_token_id=tok.pad_token_id,
+    alone = generate(model, requests(prompts[2:3], [2], 1), params, eos_token_ids=eos, pad_token_id=tok.pad_token_id,
                      record_routes=True)[0]
     assert all(torch.equal(a.routes, b.routes) for a, b in zip(alone, res[2]))
 
@@ -169,8 +169,8 @@ def test_a_bf16_engine_routes_differently_and_replay_lowers_the_mismatch(moe_pat
     engine = HFEngine(engine_model, eos_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id,
                       record_routes=True)
     prompts = [tok(f"{i}+{3 * i + 1}=")["input_ids"] for i in range(16)]
-    res = engine.generate(prompts, list(range(16)), SamplingParams(max_new_tokens=16, samples_per_prompt=4, seed=2),
-                          step=1)
+    res = engine.generate(requests(prompts, list(range(16)), 1),
+                          SamplingParams(max_new_tokens=16, samples_per_prompt=4, seed=2))
     rows = [c for r in res for c in r]
     batch = Batch({"tokens": Ragged.of([torch.tensor(p + c.token_ids) for p, r in zip(prompts, res) for c in r],
                                        torch.long),

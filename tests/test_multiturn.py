@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from e2e import ENV, evenrl_here
+from e2e import ENV, evenrl_here, requests
 from evenrl.config import RunConfig
 from evenrl.core.aggregation import Denominators
 from evenrl.core.batch import Batch, Ragged
@@ -56,15 +56,15 @@ class Script:
     def __init__(self, tokenizer, reply):
         self.tok, self.reply, self.seen = tokenizer, reply, {}
 
-    def generate(self, prompts, keys, params, *, step, sample_ranges=None, turn=0):
+    def generate(self, requests, params):
         out = []
-        for prompt, key, (first, count) in zip(prompts, keys, sample_ranges):
+        for r in requests:
             out.append([])
-            for s in range(first, first + count):
-                self.seen[(key, s, turn)] = list(prompt)
-                ids = self.tok(self.reply(key, s, turn), add_special_tokens=False)["input_ids"]
+            for s in r.samples:
+                self.seen[(r.key, s, r.turn)] = list(r.prompt)
+                ids = self.tok(self.reply(r.key, s, r.turn), add_special_tokens=False)["input_ids"]
                 ids = (ids + [self.tok.eos_token_id])[:params.max_new_tokens]
-                out[-1].append(Completion(key, s, ids, [-0.5] * len(ids), ids[-1] == self.tok.eos_token_id))
+                out[-1].append(Completion(r.key, s, ids, [-0.5] * len(ids), ids[-1] == self.tok.eos_token_id))
         return out
 
 
@@ -79,8 +79,8 @@ def run_turns(model, reply, rows, **rollout):
     engine = Script(tok, reply)
     from evenrl.engines.base import sampling_params
 
-    out = turns.generate(engine, tokens, list(range(len(rows))), sampling_params(cfg), step=1,
-                         sample_ranges=[(0, 2)] * len(rows), rows=rows, openings=openings)
+    out = turns.generate(engine, requests(tokens, list(range(len(rows))), 1, sample_ranges=[(0, 2)] * len(rows)),
+                         sampling_params(cfg), rows=rows, openings=openings)
     return out, tokens, tok, engine
 
 
@@ -222,9 +222,9 @@ def test_turn_streams_are_keyed_and_layout_free(tools_model):
     from evenrl.engines.base import sampling_params
 
     params = sampling_params(cfg)
-    whole = turns.generate(engine, tokens, [0, 1], params, step=2, sample_ranges=[(0, 3)] * 2, rows=rows,
+    whole = turns.generate(engine, requests(tokens, [0, 1], 2, sample_ranges=[(0, 3)] * 2), params, rows=rows,
                            openings=openings)
-    split = [turns.generate(engine, [tokens[p]], [p], params, step=2, sample_ranges=[(s, 1)], rows=[rows[p]],
+    split = [turns.generate(engine, requests([tokens[p]], [p], 2, sample_ranges=[(s, 1)]), params, rows=[rows[p]],
                             openings=[openings[p]])[0][0] for p in (1, 0) for s in (2, 0, 1)]
     flat = {(t.prompt_key, t.sample_index): t for ts in whole for t in ts}
     assert all(t.token_ids == flat[(t.prompt_key, t.sample_index)].token_ids for t in split)

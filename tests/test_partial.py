@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from e2e import requests
 from evenrl.core.carry import CarryRules, finishing_age, outcome, round_tokens
+from evenrl.engines.base import Request
 from evenrl.engines.hf import SamplingParams, generate, row_seed, sample_from_logits, uniforms
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
@@ -58,8 +60,8 @@ def _continue_in_rounds(model, prompt, key, step, params, budget, **kw):
     tokens, logps = [], []
     while len(tokens) < params.max_new_tokens:
         cap = min(budget, params.max_new_tokens - len(tokens))
-        [[c]] = generate(model, [prompt + tokens], [key], params, step=[step], eos_token_ids=set(), pad_token_id=PAD,
-                         sample_ranges=[(1, 1)], first_token=[len(tokens)], max_tokens=[cap], **kw)
+        [[c]] = generate(model, [Request(prompt + tokens, key, step, range(1, 2), first_token=len(tokens),
+                                         max_tokens=cap)], params, eos_token_ids=set(), pad_token_id=PAD, **kw)
         assert len(c.token_ids) == cap
         tokens, logps = tokens + c.token_ids, logps + c.logprobs
     return tokens, logps
@@ -71,7 +73,7 @@ def test_a_cut_sample_continued_with_unchanged_weights_is_the_uncut_one(tiny, de
     (and its log-probs to float rounding): the budget changes when tokens are drawn, never which."""
     model, prompts = tiny
     params = SamplingParams(max_new_tokens=11, temperature=1.0, top_p=0.9, samples_per_prompt=2, seed=4)
-    whole = generate(model, prompts, [5, 6, 7], params, step=2, eos_token_ids=set(), pad_token_id=PAD,
+    whole = generate(model, requests(prompts, [5, 6, 7], 2), params, eos_token_ids=set(), pad_token_id=PAD,
                      decoder=decoder)
     for prompt, key, samples in zip(prompts, [5, 6, 7], whole):
         tokens, logps = _continue_in_rounds(model, prompt, key, 2, params, 3, decoder=decoder)
@@ -85,12 +87,11 @@ def test_one_call_mixes_new_prompts_and_continued_samples(tiny):
     first token and cap, in one call: every row is what it is alone, and stops at its cap."""
     model, prompts = tiny
     params = SamplingParams(max_new_tokens=6, temperature=1.0, samples_per_prompt=3, seed=1)
-    alone_new = generate(model, prompts[:1], [0], params, step=5, eos_token_ids=set(), pad_token_id=PAD)
-    prefix = [11, 12, 13, 14]
-    alone_old = generate(model, [prompts[1] + prefix], [2], params, step=[3], eos_token_ids=set(), pad_token_id=PAD,
-                         sample_ranges=[(2, 1)], first_token=[4], max_tokens=[2])
-    mixed = generate(model, [prompts[0], prompts[1] + prefix], [0, 2], params, step=[5, 3], eos_token_ids=set(),
-                     pad_token_id=PAD, sample_ranges=[(0, 3), (2, 1)], first_token=[0, 4], max_tokens=[6, 2])
+    kw = dict(eos_token_ids=set(), pad_token_id=PAD)
+    new, old = Request(prompts[0], 0, 5), Request(prompts[1] + [11, 12, 13, 14], 2, 3, range(2, 3), first_token=4,
+                                                  max_tokens=2)
+    alone_new, alone_old = generate(model, [new], params, **kw), generate(model, [old], params, **kw)
+    mixed = generate(model, [new, old], params, **kw)
     assert [c.token_ids for c in mixed[0]] == [c.token_ids for c in alone_new[0]]
     assert mixed[1][0].token_ids == alone_old[0][0].token_ids and len(mixed[1][0].token_ids) == 2
 
@@ -100,13 +101,13 @@ def test_one_call_continues_trajectories_at_different_turns(tiny):
     from its own turn's stream, as a call at that turn alone; the same prompt at another turn draws otherwise."""
     model, prompts = tiny
     params = SamplingParams(max_new_tokens=5, temperature=1.0, samples_per_prompt=3, seed=2)
-    kw = dict(eos_token_ids=set(), pad_token_id=PAD, sample_ranges=[(1, 1)] * 3, first_token=[0, 2, 1])
-    mixed = generate(model, prompts, [0, 1, 2], params, step=[4, 3, 4], turn=[0, 2, 1], **kw)
-    for i, turn in enumerate((0, 2, 1)):
-        [[alone]] = generate(model, prompts[i:i + 1], [i], params, step=[[4, 3, 4][i]], turn=turn,
-                             **{**kw, "sample_ranges": [(1, 1)], "first_token": [[0, 2, 1][i]]})
+    kw = dict(eos_token_ids=set(), pad_token_id=PAD)
+    asks = dict(sample_ranges=[(1, 1)] * 3, first_token=[0, 2, 1])
+    mixed = generate(model, requests(prompts, [0, 1, 2], [4, 3, 4], turn=[0, 2, 1], **asks), params, **kw)
+    for i, req in enumerate(requests(prompts, [0, 1, 2], [4, 3, 4], turn=[0, 2, 1], **asks)):
+        [[alone]] = generate(model, [req], params, **kw)
         assert mixed[i][0].token_ids == alone.token_ids
-    other = generate(model, prompts, [0, 1, 2], params, step=[4, 3, 4], turn=[1, 0, 2], **kw)
+    other = generate(model, requests(prompts, [0, 1, 2], [4, 3, 4], turn=[1, 0, 2], **asks), params, **kw)
     assert [c[0].token_ids for c in other] != [c[0].token_ids for c in mixed]
 
 
@@ -153,10 +154,10 @@ def test_continuation_across_a_weight_change_position_by_position(tiny, tmp_path
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
     params = SamplingParams(max_new_tokens=10, samples_per_prompt=1, seed=8)
     prompt, key, step = prompts[2], 4, 6
-    [[first]] = generate(model, [prompt], [key], params, step=step, eos_token_ids=set(), pad_token_id=PAD,
-                         max_tokens=[4])
-    [[rest]] = generate(w1, [prompt + first.token_ids], [key], params, step=[step], eos_token_ids=set(),
-                        pad_token_id=PAD, first_token=[4], max_tokens=[6])
+    [[first]] = generate(model, [Request(prompt, key, step, max_tokens=4)], params, eos_token_ids=set(),
+                         pad_token_id=PAD)
+    [[rest]] = generate(w1, [Request(prompt + first.token_ids, key, step, first_token=4, max_tokens=6)], params,
+                        eos_token_ids=set(), pad_token_id=PAD)
     tokens, logps = first.token_ids + rest.token_ids, first.logprobs + rest.logprobs
     seed = row_seed(8, step, key, 0)
     want0, lp0 = _naive_draws(model, prompt, tokens, seed, 0, 4)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e import evenrl_many, final_params, max_diff, metrics
+from e2e import evenrl_many, final_params, max_diff, metrics, requests
 from evenrl.core.batch import Batch, Ragged
 from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
 from evenrl.engines import HFEngine, SamplingParams
@@ -92,7 +92,7 @@ def test_the_sampler_and_the_trainer_agree(paths, arch):
     params = SamplingParams(max_new_tokens=6, temperature=1.0, samples_per_prompt=2, seed=3)
     moe_model = arch == "qwen3_vl_moe"
     engine = HFEngine(model, eos_token_ids=set(), pad_token_id=tok.pad_token_id, record_routes=moe_model)
-    done = engine.generate([ids, text], [0, 1], params, step=1, images=[inputs, None])
+    done = engine.generate(requests([ids, text], [0, 1], 1, images=[inputs, None]), params)
     rows = [(ids if p == 0 else text, c.token_ids, inputs if p == 0 else None) for p, cs in enumerate(done) for c in cs]
     sampled = [c for cs in done for c in cs]
     batch = rows_batch(rows, 1536, sampled if moe_model else None)

@@ -2,11 +2,12 @@ import numpy as np
 import pytest
 import torch
 
-from e2e import with_random_adapters
+from e2e import requests, with_random_adapters
 from evenrl.errors import UsageError
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
 from evenrl.train.data import encode_prompt
+from evenrl.engines.base import Request
 from evenrl.engines.hf import Completion, SamplingParams, generate, greedy, row_seed, sample_from_logits, uniforms
 from evenrl.models.decoder import LeanDecoder
 
@@ -28,8 +29,9 @@ def abc(policy):
     return [encode_prompt(tok, t, False) for t in ("7+8=", "countdown 3 5 7 to 15:", "12*3=")]
 
 
-def run(model, prompts, keys, params, *, step=0, eos=frozenset(), **kw):
-    return generate(model, prompts, keys, params, step=step, eos_token_ids=set(eos), pad_token_id=PAD, **kw)
+def run(model, prompts, keys, params, *, step=0, eos=frozenset(), sample_ranges=None, **kw):
+    return generate(model, requests(prompts, keys, step, sample_ranges=sample_ranges), params, eos_token_ids=set(eos),
+                    pad_token_id=PAD, **kw)
 
 
 def by_key(results):
@@ -287,9 +289,11 @@ def test_bad_inputs(policy, abc):
         run(model, abc[:2], [1, 1], p)
     with pytest.raises(ValueError, match="no tokens"):
         run(model, [[]], [0], p)
-    for ranges in ([(0, 2)], [(-1, 1)], [(0, 0)], [(0, 1), (0, 1)]):  # past samples_per_prompt=1, or one per prompt
-        with pytest.raises(UsageError, match="sample_ranges"):
-            run(model, abc[:1], [0], p, sample_ranges=ranges)
+    for samples in (range(2), range(-1, 0), range(0), range(0, 1, 2)):  # past samples_per_prompt=1, or not a run
+        with pytest.raises(UsageError, match="samples"):
+            generate(model, [Request(abc[0], 0, 0, samples)], p, eos_token_ids=set(), pad_token_id=PAD)
+    with pytest.raises(UsageError, match="max_tokens"):
+        generate(model, [Request(abc[0], 0, 0, max_tokens=3)], p, eos_token_ids=set(), pad_token_id=PAD)
 
 
 def test_restores_training_mode(policy, abc):

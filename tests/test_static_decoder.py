@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from e2e import with_random_adapters
+from e2e import requests, with_random_adapters
 from evenrl.engines.hf import SamplingParams, generate
 from evenrl.models.decode_graph import DecodeStep
 from evenrl.models.decoder import LeanDecoder
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(model, prompts, params, eos, decoder):
-    return generate(model, prompts, list(range(len(prompts))), params, step=2, eos_token_ids=set(eos), pad_token_id=0,
-                    decoder=decoder)
+    return generate(model, requests(prompts, list(range(len(prompts))), 2), params, eos_token_ids=set(eos),
+                    pad_token_id=0, decoder=decoder)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2+lora"])

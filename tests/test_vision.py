@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from e2e import (BITWISE, assert_same_run, copy_checkpoint, evenrl, evenrl_here, evenrl_many, final_params, max_diff,
-                 metrics)
+                 metrics, requests)
 from evenrl.config import RunConfig
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.schedule import make_schedule
@@ -87,7 +87,7 @@ def test_tiny_vl_models_load_with_their_processor_and_sample_what_the_trainer_sc
     text_ids = tok("7+1=")["input_ids"]
     params = SamplingParams(max_new_tokens=6, temperature=1.0, samples_per_prompt=2, seed=3)
     engine = HFEngine(model, eos_token_ids=set(), pad_token_id=tok.pad_token_id)
-    done = engine.generate([ids, text_ids], [0, 1], params, step=1, images=[inputs, None])
+    done = engine.generate(requests([ids, text_ids], [0, 1], 1, images=[inputs, None]), params)
     rows = [(ids if p == 0 else text_ids, c, inputs if p == 0 else None) for p, cs in enumerate(done) for c in cs]
     batch = Batch({"tokens": Ragged.of([torch.tensor(p + c.token_ids) for p, c, _ in rows], torch.long),
                    "response_len": torch.tensor([len(c.token_ids) for _, c, _ in rows]),
@@ -98,7 +98,7 @@ def test_tiny_vl_models_load_with_their_processor_and_sample_what_the_trainer_sc
     trainer = compute_logprobs(model, batch, [[0, 3], [1, 2]], temperature=1.0, pad_token_id=tok.pad_token_id)
     for (_, c, _), lp in zip(rows, trainer):
         assert torch.allclose(lp, torch.tensor(c.logprobs), atol=2e-5), (lp, c.logprobs)
-    alone = engine.generate([ids], [0], params, step=1, images=[inputs])  # a sample is its key's, batch or not
+    alone = engine.generate(requests([ids], [0], 1, images=[inputs]), params)  # a sample is its key's, batch or not
     assert [c.token_ids for c in alone[0]] == [c.token_ids for c in done[0]]
 
 

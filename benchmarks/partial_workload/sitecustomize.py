@@ -52,27 +52,23 @@ def _wrap(generate):
     median, sigma, seed = float(median), float(sigma), int(seed)
     record = os.environ.get("EVENRL_BENCH_RECORD")
 
-    def lognormal_lengths(self, prompts, keys, params, *, step, sample_ranges=None, first_token=None,
-                          max_tokens=None, **kw):
-        n = len(prompts)
-        steps = [step] * n if isinstance(step, int) else list(step)
-        ranges = sample_ranges or [(0, params.samples_per_prompt)] * n
-        first = first_token or [0] * n
-        caps = max_tokens or [params.max_new_tokens] * n
-        rows = [(i, s) for i, (a, c) in enumerate(ranges) for s in range(a, a + c)]
-        ends = [_length(seed, steps[i], keys[i], s, median, sigma, params.max_new_tokens) for i, s in rows]
+    def lognormal_lengths(self, requests, params):
+        from dataclasses import replace
+
+        rows = [(i, s) for i, r in enumerate(requests) for s in r.sample_range(params)]
+        ends = [_length(seed, requests[i].step, requests[i].key, s, median, sigma, params.max_new_tokens)
+                for i, s in rows]
         eos, self.eos_ids = self.eos_ids, set()  # lengths come from the draw, not the model
         t0 = time.perf_counter()
         try:
-            out = generate(self, [prompts[i] for i, _ in rows], [keys[i] for i, _ in rows], params,
-                           step=[steps[i] for i, _ in rows], sample_ranges=[(s, 1) for _, s in rows],
-                           first_token=[first[i] for i, _ in rows],
-                           max_tokens=[max(1, min(caps[i], L - first[i])) for (i, _), L in zip(rows, ends)], **kw)
+            out = generate(self, [replace(requests[i], samples=range(s, s + 1), max_tokens=max(
+                1, min(requests[i].cap(params), L - requests[i].first_token))) for (i, s), L in zip(rows, ends)],
+                           params)
         finally:
             self.eos_ids = eos
-        result = [[] for _ in prompts]
+        result = [[] for _ in requests]
         for (i, _), L, [c] in zip(rows, ends, out):
-            c.finished = first[i] + len(c.token_ids) >= L
+            c.finished = requests[i].first_token + len(c.token_ids) >= L
             result[i].append(c)
         if record:
             made = [len(c.token_ids) for r in out for c in r]

@@ -33,7 +33,7 @@ from evenrl.agents.replay import ROUND_WAIT_S, Transcript, from_talk, next_round
 from evenrl.agents.server import GONE, AgentServer, Answer, Pending, error
 from evenrl.config import RunConfig
 from evenrl.core.carry import CarryRules, step_budget
-from evenrl.engines.base import Engine, SamplingParams, Trajectory
+from evenrl.engines.base import Engine, Request, SamplingParams, Trajectory
 from evenrl.envs.template import file_render, tokenizer_render
 from evenrl.envs.toolcalls import ends_inside_call
 from evenrl.errors import RunStopped, UsageError, bad, describe_error
@@ -88,27 +88,29 @@ class Agents:
         self.tokenizer = tokenizer
         return self.load_openings(self.cfg, tokenizer, path, user_openings, None)
 
-    def generate(self, engine: Engine, prompts: list[list[int]], keys: list[int], params: SamplingParams, *,
-                 step: int, sample_ranges: list[tuple[int, int]], rows: list[dict],
+    def generate(self, engine: Engine, requests: list[Request], params: SamplingParams, *, rows: list[dict],
                  openings: list[list[dict]]) -> list[list[Trajectory]]:
-        """[prompt][sample] trajectories, each with its split-off samples in `splits`."""
+        """[request][sample] trajectories, each with its split-off samples in `splits` (`rows`: each request's
+        dataset row; the agent writes its own opening, so `openings` is unused: the trajectory loops' one call)."""
         if self.server is None:
             self.server = AgentServer(MODEL_NAME)
         self.prompts = Prompts(self.tokenizer, tokenizer_render(self.tokenizer), self._eos_ids())
+        assert len({r.step for r in requests}) <= 1, "one step's requests: the agents' calls draw from its streams"
+        step = requests[0].step if requests else 0
         records: dict[str, Record] = {}
-        for key, (first, count), row in zip(keys, sample_ranges, rows):
-            for s in range(first, first + count):
-                records[secrets.token_hex(16)] = Record(key, s, row)
+        for req, row in zip(requests, rows):
+            for s in req.sample_range(params):
+                records[secrets.token_hex(16)] = Record(req.key, s, row)
         self.server.live.update(records)
         try:
             outcomes = self._run(records, engine, params, step)
         finally:  # agents that never said they returned (a worker killed) are done too: nothing more is recorded
             self.server.live.difference_update(records)
         out, at, unscored = [], iter(records.items()), []
-        for prompt, (_, count) in zip(prompts, sample_ranges):
+        for req in requests:
             out.append([])
-            for token, rec in (next(at) for _ in range(count)):
-                out[-1].append(self._trajectory(prompt, rec, outcomes[token]))
+            for token, rec in (next(at) for _ in req.sample_range(params)):
+                out[-1].append(self._trajectory(req.prompt, rec, outcomes[token]))
                 if outcomes[token] == ("ok", None) and rec.failure is None:
                     unscored.append((out[-1][-1], rec))
         self._score(unscored)
@@ -275,14 +277,14 @@ class Agents:
 
     def _generate(self, engine: Engine, params: SamplingParams, asks: list[tuple]) -> list:
         """One sample per ask (prompt ids, key, sample, most tokens, first token or None, step): in one engine call,
-        or under train.reproducibility=bitwise each alone (its logits then do not depend on which came together)."""
+        or under train.reproducibility=bitwise each alone (its logits then do not depend on which came together).
+        A new call's sample runs to the most tokens of its call and is cut after (its budget is not the engine's)."""
         out = []
         for g in [[a] for a in asks] if self.cfg.train.reproducibility == "bitwise" else [asks]:
-            more = {} if g[0][4] is None else {"first_token": [a[4] for a in g], "max_tokens": [a[3] for a in g]}
-            got = engine.generate([a[0] for a in g], [a[1] for a in g],
-                                  replace(params, max_new_tokens=max(a[3] for a in g)),
-                                  step=g[0][5] if g[0][4] is None else [a[5] for a in g],
-                                  sample_ranges=[(a[2], 1) for a in g], **more)
+            got = engine.generate([Request(ids, key, step, range(s, s + 1), first_token=first or 0,
+                                           max_tokens=None if first is None else most)
+                                   for ids, key, s, most, first, step in g],
+                                  replace(params, max_new_tokens=max(a[3] for a in g)))
             out += [c for (c,) in got]
         return out
 

@@ -10,7 +10,7 @@ step (`outcome`) it is
   dropped   age == max_carry_steps, at_max_carry=drop and still unfinished: its whole group is dropped
 So a sample's tokens after any step, and the version that sampled each, follow from (birth, step, EOS positions)
 alone, never from timing; a sample that is never cut has the tokens the same stream gives uncut (its random draws
-are keyed by token position: evenrl.engines.hf.generate's first_token).
+are keyed by token position: evenrl.engines.base.Request's first_token).
 
 A multi-turn trajectory (rollout.env) spends its step's B sampled tokens across turns (`step_budget`): its replies
 and the environment's turns in between, until B are spent (cut inside a reply, continued there) or it is complete;

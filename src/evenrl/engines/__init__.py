@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from evenrl.distributed import collectives as dist
-from evenrl.engines.base import Completion, Engine, SamplingParams
+from evenrl.engines.base import Completion, Engine, Request, SamplingParams
 from evenrl.engines.hf import HFEngine
 
-__all__ = ["Engine", "Completion", "HFEngine", "SamplingParams", "make_engine"]
+__all__ = ["Engine", "Completion", "HFEngine", "Request", "SamplingParams", "make_engine"]
 
 
 def make_engine(cfg, model, *, eos_token_ids: set[int], pad_token_id: int, device: torch.device) -> Engine:

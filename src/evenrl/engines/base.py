@@ -1,5 +1,6 @@
-"""What every rollout engine shares: the sampling settings, a completion (and a trajectory: a completion of many
-turns), the keyed random stream of a sample and the `Engine` interface the trainer and the weight sync call.
+"""What every rollout engine shares: the sampling settings, a request (one prompt's samples to make), a completion
+(and a trajectory: a completion of many turns), the keyed random stream of a sample and the `Engine` interface the
+trainer and the weight sync call.
 
 A sample's randomness is keyed by (train.seed, step, prompt position, sample index[, turn]): `row_seed` names its
 stream, so which rank or engine replica makes a sample does not change it. A multi-turn trajectory's later turns
@@ -11,12 +12,15 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 import torch
 
 from evenrl.config import RunConfig
 from evenrl.errors import bad
+
+if TYPE_CHECKING:
+    from evenrl.models.vision import ImageInputs
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,38 @@ class SamplingParams:
             raise bad("temperature", self.temperature, "a number >= 0 (0 means greedy)")
         if not (0 < self.top_p <= 1):
             raise bad("top_p", self.top_p, "a number in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt's samples for Engine.generate, each drawn from its stream row_seed(seed, step, key, sample, turn):
+    what a sample is follows from these fields alone, not from the call, rank or batch it is made in. Engines and
+    every caller share it: the step's rollout (train.sampling, train.rollout_rank), carried samples (train.carry,
+    train.carry_turns), the turn loops (train.trajectories, agents.rollout), judges (train.reward_models)."""
+
+    prompt: list[int]  # token ids; a continued sample's are its prompt's then its tokens so far (prefilled again)
+    key: int  # names the prompt's streams: a position that does not depend on the layout (not its dataset row)
+    step: int  # the step whose streams it draws from (a carried sample's: the step that started it)
+    samples: range | None = None  # which sample indices (streams) of the prompt; None: all of samples_per_prompt
+    turn: int = 0  # the turn of the multi-turn trajectories it continues (0: the single-turn stream)
+    first_token: int = 0  # tokens its streams have drawn already: its next draw is that position's (partial rollouts)
+    max_tokens: int | None = None  # most new tokens in this call (<= max_new_tokens); None: max_new_tokens
+    images: ImageInputs | None = None  # a vision-language model's prompt images (placeholders expanded in `prompt`)
+
+    def sample_range(self, params: SamplingParams) -> range:
+        """Its sample indices, checked against the call's samples_per_prompt."""
+        n = params.samples_per_prompt
+        r = range(n) if self.samples is None else self.samples
+        if not (r.step == 1 and 0 <= r.start and len(r) >= 1 and r.stop <= n):
+            raise bad("samples", self.samples, f"a range of 1 or more of the {n} samples per prompt")
+        return r
+
+    def cap(self, params: SamplingParams) -> int:
+        """Its most new tokens in this call, checked against the call's max_new_tokens."""
+        cap = params.max_new_tokens if self.max_tokens is None else self.max_tokens
+        if not 1 <= cap <= params.max_new_tokens or self.first_token < 0:
+            raise bad("max_tokens", cap, f"1..max_new_tokens ({params.max_new_tokens}), first_token >= 0")
+        return cap
 
 
 @dataclass
@@ -102,15 +138,11 @@ class Engine(Protocol):
     # tensor-parallel model: "tp"), so what they do between calls must agree too; None: each rank's calls are its own.
     lockstep: str | None
 
-    def generate(self, prompts: list[list[int]], keys: list[int], params: SamplingParams, *, step: int | list[int],
-                 sample_ranges: list[tuple[int, int]] | None = None, images: list | None = None,
-                 turn: int | list[int] = 0, first_token: list[int] | None = None,
-                 max_tokens: list[int] | None = None) -> list[list[Completion]]:
-        """[prompt][sample] completions: token ids, finished (stopped at EOS), the engine's own log-prob of each
-        sampled token under softmax(logits / temperature) and, where the engine records them, the routes of a
-        mixture of experts. `sample_ranges` and `turn` as in engines.hf.generate;
-        `images`, per prompt, its evenrl.models.vision.ImageInputs or None (a vision-language model's prompts);
-        `step` per prompt, `first_token` and `max_tokens` continue samples cut earlier (partial rollouts), as there."""
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
+        """[request][sample] completions, in the order of each request's samples: token ids, finished (stopped at
+        EOS), the engine's own log-prob of each sampled token under softmax(logits / temperature) and, where the
+        engine records them, the routes of a mixture of experts. A (step, key, sample, turn) must be unique within
+        a call: equal streams give equal samples."""
 
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         """Load the trainer's weights, given as buckets of (Hugging Face name, whole tensor)."""

@@ -16,7 +16,7 @@ import torch
 from evenrl.config.schema import Decoder
 from evenrl.distributed.tensor_parallel import is_tensor_parallel
 from evenrl.distributed.weights import gathered
-from evenrl.engines.base import Completion, SamplingParams, row_seed
+from evenrl.engines.base import Completion, Request, SamplingParams, row_seed
 from evenrl.errors import bad
 from evenrl.models.decode_graph import DecodeStep
 from evenrl.models.decoder import LeanDecoder
@@ -105,66 +105,31 @@ DECODERS = get_args(Decoder)
 # inference_mode, not no_grad: no version counters or view tracking, ~7% faster sampling here (32 rows x 16 tokens
 # and 256 x 128, same samples); nothing made here reaches autograd (completions leave as Python lists).
 @torch.inference_mode()
-def generate(
-    model,
-    prompts: list[list[int]],
-    keys: list[int],
-    params: SamplingParams,
-    *,
-    step: int | list[int],
-    eos_token_ids: set[int],
-    pad_token_id: int,
-    max_batch_prompts: int | None = None,
-    decoder: str = "auto",
-    sample_ranges: list[tuple[int, int]] | None = None,
-    images: list | None = None,
-    turn: int | list[int] = 0,
-    record_routes: bool = False,
-    first_token: list[int] | None = None,
-    max_tokens: list[int] | None = None,
-) -> list[list[Completion]]:
-    """Sample `params.samples_per_prompt` completions per prompt; returns [prompt][sample].
-    `sample_ranges` [(first, count)] per prompt samples only those indices of the prompt's streams (a rank's part of
-    a prompt split over ranks); a sample is the same whichever part it is generated in.
+def generate(model, requests: list[Request], params: SamplingParams, *, eos_token_ids: set[int], pad_token_id: int,
+             max_batch_prompts: int | None = None, decoder: str = "auto", record_routes: bool = False
+             ) -> list[list[Completion]]:
+    """Each request's samples (engines.base.Request: its prompt, key, step, sample indices, turn, continuation and
+    budget); returns [request][sample]. A sample is the same whichever call, batch or rank it is made in.
 
-    `keys` name the prompts' random streams; a (step, key, sample index) must be unique within a call (a key may
-    repeat when each repeat has its own samples: the trajectories of one prompt at a later turn); use something
-    that does not depend on the rank layout, e.g. the prompt's position in the global batch (not its
-    dataset row, which can repeat across an epoch boundary). `turn` (or per prompt) names the turn of multi-turn
-    trajectories these samples continue (0: a prompt's first sample, the single-turn stream). `max_batch_prompts`
-    bounds how many prompts share one forward pass; it changes speed and memory, never the samples.
+    `max_batch_prompts` bounds how many prompts share one forward pass; it changes speed and memory, never the samples.
     `decoder` changes speed, not samples: "lean" (Qwen2/Llama-style models: their own modules on a KV cache
     allocated once, see LeanDecoder), "static" (lean at fixed shapes, each step replayed from a CUDA graph on CUDA,
     see models.decode_graph), "forward" (the model's Hugging Face forward with a DynamicCache: any causal LM), or
     "auto" (static on CUDA and lean elsewhere when the model supports them, else forward).
-    `images`: per prompt, its evenrl.models.vision.ImageInputs or None; prompts with images prefill with their
-    pixels and the model's multimodal positions (the forward decoder).
+    Requests with images prefill with their pixels and the model's multimodal positions (the forward decoder).
     `record_routes`: a mixture of experts' completions carry the experts each of their tokens went to (routes: the
     prompt's in its prefill, each sampled token's when it was fed; evenrl.models.routing).
-    Continuing samples (partial rollouts, evenrl.train.carry): a prompt is the sample's prompt + its tokens so far
-    (prefilled again), `step` per prompt the step that drew it, `first_token` per prompt how many tokens its stream
-    has drawn (its next draw is that position's uniform: cut and continued under unchanged weights, a sample is the
-    one never cut) and `max_tokens` per prompt its most new tokens in this call (<= max_new_tokens).
+    Continuing samples (partial rollouts, evenrl.train.carry): a request's prompt is the sample's prompt + its tokens
+    so far (prefilled again), its step the step that drew it, its first_token how many tokens its stream has drawn
+    (its next draw is that position's uniform: cut and continued under unchanged weights, a sample is the one never
+    cut) and its max_tokens its most new tokens in this call.
     """
-    if len(keys) != len(prompts):
-        raise ValueError(f"generate: {len(prompts)} prompts but {len(keys)} keys")
-    for k, p in zip(keys, prompts):
-        if len(p) == 0:
-            raise ValueError(f"generate: prompt with key {k} has no tokens")
-    n = params.samples_per_prompt
-    ranges = [(0, n)] * len(prompts) if sample_ranges is None else [(int(a), int(c)) for a, c in sample_ranges]
-    if len(ranges) != len(prompts) or any(a < 0 or c < 1 or a + c > n for a, c in ranges):
-        raise bad("sample_ranges", sample_ranges, f"one (first, count) per prompt with 0 <= first, count >= 1, "
-                                                  f"first + count <= samples_per_prompt ({n})")
-    steps, turns = ([x] * len(prompts) if isinstance(x, int) else [int(v) for v in x] for x in (step, turn))
-    first = [0] * len(prompts) if first_token is None else [int(x) for x in first_token]
-    caps = [params.max_new_tokens] * len(prompts) if max_tokens is None else [int(x) for x in max_tokens]
-    if not len(steps) == len(turns) == len(first) == len(caps) == len(prompts):
-        raise ValueError(f"generate: {len(prompts)} prompts but {len(steps)}, {len(turns)}, {len(first)}, {len(caps)} "
-                         "steps, turns, first tokens, token caps")
-    if any(f < 0 for f in first) or any(not 1 <= c <= params.max_new_tokens for c in caps):
-        raise bad("max_tokens", caps, f"per prompt 1..max_new_tokens ({params.max_new_tokens}), first_token >= 0")
-    streams = [(st, k, s, t) for st, k, (a, c), t in zip(steps, keys, ranges, turns) for s in range(a, a + c)]
+    ranges = [r.sample_range(params) for r in requests]
+    for r in requests:
+        r.cap(params)  # checked before any forward
+        if len(r.prompt) == 0:
+            raise ValueError(f"generate: prompt with key {r.key} has no tokens")
+    streams = [(r.step, r.key, s, r.turn) for r, samples in zip(requests, ranges) for s in samples]
     if len(set(streams)) != len(streams):
         raise ValueError("generate: (step, prompt key, sample) must be unique within a call (equal keys give equal "
                          "samples)")
@@ -173,31 +138,28 @@ def generate(
     if decoder in ("lean", "static") and not LeanDecoder.supports(model):
         raise bad("decoder", decoder, f"forward or auto for {type(model).__name__} "
                                       f"({decoder} covers {', '.join(LeanDecoder.ARCHS)})")
-    if images is not None and len(images) != len(prompts):
-        raise ValueError(f"generate: {len(prompts)} prompts but {len(images)} image inputs")
-    if not prompts:
+    if not requests:
         return []
-    images = images if images is not None and any(x is not None for x in images) else None
-    if images is not None:  # the vision tower and multimodal positions: the model's own forward
+    if any(r.images is not None for r in requests):  # the vision tower and multimodal positions: the model's forward
         decoder = "forward"
     elif decoder == "auto":
         decoder = _auto_decoder(model)
-    chunk = max_batch_prompts or len(prompts)
+    chunk = max_batch_prompts or len(requests)
     # continued samples apart from new prompts: left padding makes every row pay for the longest (676 ms -> 192 ms)
-    groups = [[i for i, f in enumerate(first) if f == 0], [i for i, f in enumerate(first) if f > 0]]
+    groups = [[i for i, r in enumerate(requests) if r.first_token == 0],
+              [i for i, r in enumerate(requests) if r.first_token > 0]]
     was_training = model.training
     model.eval()  # dropout off: a sample must not depend on anything but its key
     try:
-        out: list[list[Completion] | None] = [None] * len(prompts)
+        out: list[list[Completion] | None] = [None] * len(requests)
         with autocast(model):  # mixed precision of a replicated model (models.loading.set_autocast)
             for group in groups:
                 for s in range(0, len(group), chunk):
                     rows = group[s:s + chunk]
-                    pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
-                    made = _generate_batch(model, pick(prompts), pick(keys), pick(ranges), params, pick(steps),
-                                           set(eos_token_ids), pad_token_id, decoder,
-                                           None if images is None else pick(images), pick(turns), record_routes,
-                                           pick(first), pick(caps))
+                    # every forward here runs with no training plan on the routers: recording, or passing through
+                    with routing.recording(model, record_routes) as recorder:
+                        made = _generate_batch(model, [requests[i] for i in rows], params, set(eos_token_ids),
+                                               pad_token_id, decoder, recorder)
                     for i, samples in zip(rows, made):
                         out[i] = samples
         return out
@@ -215,17 +177,10 @@ def _auto_decoder(model) -> str:
     return "static" if next(model.parameters()).device.type == "cuda" else "lean"
 
 
-def _generate_batch(model, prompts, keys, ranges, params: SamplingParams, steps, eos_ids, pad_token_id, decoder: str,
-                    images=None, turns=None, record_routes: bool = False, first=None, caps=None):
-    # every forward here runs with no training plan on the routers: recording, or passing through
-    with routing.recording(model, record_routes) as recorder:
-        return _generate_recorded(model, prompts, keys, ranges, params, steps, eos_ids, pad_token_id, decoder,
-                                  images, turns or [0] * len(prompts), recorder, first or [0] * len(prompts),
-                                  caps or [params.max_new_tokens] * len(prompts))
-
-
-def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, steps, eos_ids, pad_token_id,
-                       decoder: str, images, turns: list[int], recorder, first, caps):
+def _generate_batch(model, reqs: list[Request], params: SamplingParams, eos_ids, pad_token_id, decoder: str,
+                    recorder):
+    prompts, caps = [r.prompt for r in reqs], [r.cap(params) for r in reqs]
+    ranges = [r.sample_range(params) for r in reqs]
     device = next(model.parameters()).device
     n_prompts = len(prompts)
     lens = [len(p) for p in prompts]
@@ -246,20 +201,22 @@ def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, ste
     else:
         dec = LeanDecoder(model, width + max_new, static=decoder == "static")
     shift = [0] * n_prompts  # multimodal positions: a next token's position beyond the prompt's length
-    if images is None or all(x is None for x in images):
+    if all(r.images is None for r in reqs):
         logits = dec.prefill(input_ids, attn, position_ids)
     else:
-        logits, shift = dec.prefill_images(input_ids, attn, images)
+        logits, shift = dec.prefill_images(input_ids, attn, [r.images for r in reqs])
     prefill_routes = None if recorder is None else recorder.take().unflatten(0, (n_prompts, width))
     # batch row -> (prompt, sample index)
-    row_of = [(i, a + j) for i, (a, c) in enumerate(ranges) for j in range(c)]
+    row_of = [(i, s) for i, samples in enumerate(ranges) for s in samples]
     n_rows = len(row_of)
     if n_rows > n_prompts:  # the samples of a prompt share its prefill: its row is copied to each of them
         index = torch.tensor([i for i, _ in row_of], device=device)
         dec.repeat_rows(index)
         logits = logits.index_select(0, index)
-    seeds = np.array([row_seed(params.seed, steps[i], keys[i], s, turns[i]) for i, s in row_of], dtype=np.uint64)
+    seeds = np.array([row_seed(params.seed, reqs[i].step, reqs[i].key, s, reqs[i].turn) for i, s in row_of],
+                     dtype=np.uint64)
     # a continued sample's draws start at its first new token's position; the rows of one call stop at their caps
+    first = [r.first_token for r in reqs]
     offsets = np.array([first[i] for i, _ in row_of], dtype=np.uint64) if any(first) else None
     row_caps = np.array([caps[i] for i, _ in row_of]) if min(caps) < max_new else None
     next_pos = torch.tensor([lens[i] + shift[i] for i, _ in row_of], device=device)
@@ -280,7 +237,7 @@ def _generate_recorded(model, prompts, keys, ranges, params: SamplingParams, ste
     out: list[list[Completion]] = [[] for _ in range(n_prompts)]
     for r, (i, s) in enumerate(row_of):
         m = lens_out[r]
-        out[i].append(Completion(keys[i], s, toks[r][:m], lps[r][:m], toks[r][m - 1] in eos_set,
+        out[i].append(Completion(reqs[i].key, s, toks[r][:m], lps[r][:m], toks[r][m - 1] in eos_set,
                                  None if routes is None else routes[r]))
     return out
 
@@ -409,8 +366,9 @@ def greedy(model, prompts: list[list[int]], *, max_new_tokens: int, eos_token_id
            max_batch_prompts: int | None = None, images: list | None = None) -> list[Completion]:
     """Greedy decoding for evaluation: one completion per prompt, in prompt order."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    res = generate(model, prompts, list(range(len(prompts))), params, step=0, eos_token_ids=eos_token_ids,
-                   pad_token_id=pad_token_id, max_batch_prompts=max_batch_prompts, images=images)
+    requests = [Request(p, i, 0, images=None if images is None else images[i]) for i, p in enumerate(prompts)]
+    res = generate(model, requests, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                   max_batch_prompts=max_batch_prompts)
     return [r[0] for r in res]
 
 
@@ -427,15 +385,13 @@ class HFEngine:
         # rollout.router_replay=engine; a tensor-parallel model's tp group calls with the same requests, in lockstep
         self.record_routes, self.lockstep = record_routes, "tp" if is_tensor_parallel(model) else None
 
-    def generate(self, prompts, keys, params, *, step, sample_ranges=None, images=None, turn=0, first_token=None,
-                 max_tokens=None):
-        # every rank enters gathered() even with no prompts: with FSDP2 it is an all-gather all ranks must join
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
+        # every rank enters gathered() even with no requests: with FSDP2 it is an all-gather all ranks must join
         with gathered(self.model):
-            if not prompts:
+            if not requests:
                 return []
-            return generate(self.model, prompts, keys, params, step=step, eos_token_ids=self.eos_ids,
-                            pad_token_id=self.pad_id, decoder=self.decoder, sample_ranges=sample_ranges, images=images,
-                            turn=turn, record_routes=self.record_routes, first_token=first_token, max_tokens=max_tokens)
+            return generate(self.model, requests, params, eos_token_ids=self.eos_ids, pad_token_id=self.pad_id,
+                            decoder=self.decoder, record_routes=self.record_routes)
 
     def update_weights(self, buckets) -> None:
         state = self.model.state_dict(keep_vars=True)

@@ -43,7 +43,7 @@ import torch
 from evenrl.distributed import collectives as dist
 from evenrl.engines import payload as engines_payload
 from evenrl.engines import vllm_lora, vllm_worker
-from evenrl.engines.base import Completion, SamplingParams, keyed_seed, row_seed
+from evenrl.engines.base import Completion, Request, SamplingParams, keyed_seed, row_seed
 from evenrl.errors import UsageError
 from evenrl.models.files import VISION_TYPES
 
@@ -169,42 +169,34 @@ class VLLMEngine:
         self.asleep = False
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts, keys, params: SamplingParams, *, step, sample_ranges=None, images=None,
-                 turn: int | list[int] = 0, first_token=None, max_tokens=None):
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
 
-        n = params.samples_per_prompt
-        ranges = [(0, n)] * len(prompts) if sample_ranges is None else [(int(a), int(c)) for a, c in sample_ranges]
-        if len(keys) != len(prompts) or len(ranges) != len(prompts):
-            raise ValueError(f"generate: {len(prompts)} prompts, {len(keys)} keys, {len(ranges)} sample ranges")
-        if not prompts:
+        if not requests:
             return []
-        steps = [step] * len(prompts) if isinstance(step, int) else list(step)
-        turns = [turn] * len(prompts) if isinstance(turn, int) else list(turn)
-        first = first_token or [0] * len(prompts)
-        caps = max_tokens or [params.max_new_tokens] * len(prompts)
-        requests, sps, where = [], [], []
-        for i, (p, k, (a, c)) in enumerate(zip(prompts, keys, ranges)):
-            request = TokensPrompt(prompt_token_ids=list(p))
-            if images is not None and images[i] is not None:  # placeholders already expanded in the ids
-                request["multi_modal_data"] = {"image": images[i].images}
-            for s in range(a, a + c):
-                requests.append(request)
-                sps.append(VParams(n=1, max_tokens=caps[i], temperature=params.temperature, top_p=params.top_p,
-                                   seed=request_seed(row_seed(params.seed, steps[i], k, s, turns[i]), first[i]),
+        prompts, sps, where = [], [], []
+        for i, r in enumerate(requests):
+            prompt = TokensPrompt(prompt_token_ids=list(r.prompt))
+            if r.images is not None:  # placeholders already expanded in the ids
+                prompt["multi_modal_data"] = {"image": r.images.images}
+            for s in r.sample_range(params):
+                prompts.append(prompt)
+                sps.append(VParams(n=1, max_tokens=r.cap(params), temperature=params.temperature, top_p=params.top_p,
+                                   seed=request_seed(row_seed(params.seed, r.step, r.key, s, r.turn), r.first_token),
                                    logprobs=0, stop_token_ids=self.eos_ids, detokenize=False))
                 where.append((i, s))
-        outs = self.llm.generate(requests, sps, use_tqdm=False,
+        outs = self.llm.generate(prompts, sps, use_tqdm=False,
                                  lora_request=self.slots.current if self.slots is not None else None)
         eos = set(self.eos_ids)
-        result: list[list[Completion]] = [[] for _ in prompts]
+        result: list[list[Completion]] = [[] for _ in requests]
         for (i, s), out in zip(where, outs):
             o = out.outputs[0]
             ids = list(o.token_ids)
             lps = [float(step_lp[t].logprob) for t, step_lp in zip(ids, o.logprobs)]
-            routes = None if self.routes is None else self._routes(len(prompts[i]) + len(ids) - 1, o.routed_experts)
-            result[i].append(Completion(keys[i], s, ids, lps, bool(ids) and ids[-1] in eos, routes))
+            routes = None if self.routes is None else self._routes(len(requests[i].prompt) + len(ids) - 1,
+                                                                   o.routed_experts)
+            result[i].append(Completion(requests[i].key, s, ids, lps, bool(ids) and ids[-1] in eos, routes))
         return result
 
     def _routes(self, tokens: int, experts) -> torch.Tensor:

@@ -5,7 +5,7 @@ evenrl.core.carry's; this module holds the samples and moves them.
 Each step, where samples are generated (a training rank when colocated, each reserved rollout rank otherwise):
   the step's new prompts (this rank's share, rollout_shares) and the in-flight samples this rank continues, one
   engine call: a new sample draws its first round, a carried one is re-prefilled (prompt + its tokens so far) and
-  draws its next round from the token position where it stopped (engines.hf.generate's first_token), every token
+  draws its next round from the token position where it stopped (engines.base.Request's first_token), every token
   recording the policy version that sampled it and its log-prob. Samples that are done go to the training rank that
   trains them (their home: the rank that generated them colocated, the share's trainer with reserved rollout
   ranks); the others stay for the next step.
@@ -37,7 +37,7 @@ from evenrl.core.offpolicy import tokens_by_age, version_runs
 from evenrl.core.schedule import rollout_shares
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
-from evenrl.engines.base import Trajectory, sampling_params
+from evenrl.engines.base import Request, Trajectory, sampling_params
 from evenrl.errors import RunStopped
 from evenrl.train.carry_turns import advance_turns, decode, encode, opening, trajectory
 from evenrl.train.trajectories import trajectory_columns
@@ -190,14 +190,12 @@ class Carry:
             return advance_turns(self.turns, engine, prompts, new + live, [0] * len(new) + ages, rules,
                                  sampling_params(self.cfg), version)
         tokens = prompts.tokens
-        inputs = [tokens[prompt_ids[p]] for p, _, _ in share] + [tokens[r.row_id] + r.tokens.tolist() for r in live]
-        caps = [round_tokens(rules, 0, 0)] * len(share) + [round_tokens(rules, len(r.tokens), a)
-                                                            for r, a in zip(live, ages)]
-        self.waited += sum(1 for c in caps[len(share):] if c > rules.budget)  # generated to their end
-        out = engine.generate(inputs, [p for p, _, _ in share] + [r.position for r in live],
-                              sampling_params(self.cfg), step=[step] * len(share) + [r.birth for r in live],
-                              sample_ranges=[(a, c) for _, a, c in share] + [(r.sample, 1) for r in live],
-                              first_token=[0] * len(share) + [len(r.tokens) for r in live], max_tokens=caps)
+        fresh, caps = round_tokens(rules, 0, 0), [round_tokens(rules, len(r.tokens), a) for r, a in zip(live, ages)]
+        self.waited += sum(1 for c in caps if c > rules.budget)  # generated to their end
+        requests = [Request(tokens[prompt_ids[p]], p, step, range(a, a + c), max_tokens=fresh) for p, a, c in share]
+        requests += [Request(tokens[r.row_id] + r.tokens.tolist(), r.position, r.birth, range(r.sample, r.sample + 1),
+                             first_token=len(r.tokens), max_tokens=cap) for r, cap in zip(live, caps)]
+        out = engine.generate(requests, sampling_params(self.cfg))
         made = {(c.prompt_key, c.sample_index): c for samples in out[:len(share)] for c in samples}
         for r in new:
             self._extend(r, made[(r.position, r.sample)], version)

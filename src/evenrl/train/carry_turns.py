@@ -11,7 +11,7 @@ step, with samples or not (the hf engine's call gathers a sharded model, a colle
 ends a turn or spends the budget.
 
 Reply k of a trajectory draws from the stream of its (birth step, position, sample, turn k) from its token
-position in the reply on (engines.hf.generate's first_token), the environment from keyed_seed("evenrl-env", seed,
+position in the reply on (engines.base.Request's first_token), the environment from keyed_seed("evenrl-env", seed,
 birth, position, sample) and the state it pickled after the last turn: where and when a trajectory was cut changes
 which policy sampled a token, never which stream drew it.
 """
@@ -24,7 +24,7 @@ import json
 import torch
 
 from evenrl.core.carry import CarryRules, step_budget
-from evenrl.engines.base import Engine, SamplingParams, Trajectory, keyed_seed
+from evenrl.engines.base import Engine, Request, SamplingParams, Trajectory, keyed_seed
 from evenrl.envs.template import tokenizer_render
 from evenrl.train.trajectories import Turns, Live
 
@@ -82,12 +82,9 @@ def advance_turns(turns: Turns, engine: Engine, prompts, records: list, ages: li
                                           - len(x.traj.token_ids), r.max_new_tokens if left[i] is None else left[i])
                 for i, x in enumerate(xs)]
         active = [i for i, cap in enumerate(caps) if cap > 0]
-        got = engine.generate([xs[i].prompt + xs[i].traj.token_ids for i in active],
-                              [records[i].position for i in active], params,
-                              step=[records[i].birth for i in active],
-                              sample_ranges=[(records[i].sample, 1) for i in active],
-                              turn=[xs[i].traj.turns for i in active], first_token=[reply[i] for i in active],
-                              max_tokens=[caps[i] for i in active])
+        got = engine.generate([Request(xs[i].prompt + xs[i].traj.token_ids, records[i].position, records[i].birth,
+                                       range(records[i].sample, records[i].sample + 1), xs[i].traj.turns, reply[i],
+                                       caps[i]) for i in active], params)
         ended = []
         for i, [c] in zip(active, got):
             t = xs[i].traj

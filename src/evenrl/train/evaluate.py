@@ -16,7 +16,7 @@ from evenrl.core.canonical import prompt_batches
 from evenrl.core.partition import balanced_partition
 from evenrl.distributed.exact import canonical_sum
 from evenrl.rewards import score_all
-from evenrl.engines.base import SamplingParams
+from evenrl.engines.base import Request, SamplingParams
 from evenrl.engines.hf import HFEngine, greedy
 from evenrl.models.vision import prompt_image_inputs
 from evenrl.train.reward_models import add_model_rewards
@@ -63,8 +63,8 @@ def _score_trajectories(run, prompts, mine: list[int]) -> list[float]:
     cfg = run.cfg
     engine = HFEngine(run.model, eos_token_ids=run.eos_ids, pad_token_id=run.pad_id)
     trajectories = run.turns.generate(
-        engine, [prompts.tokens[i] for i in mine], mine, SamplingParams(cfg.rollout.max_new_tokens, 0.0), step=0,
-        sample_ranges=[(0, 1)] * len(mine), rows=[prompts.rows[i] for i in mine],
+        engine, [Request(prompts.tokens[i], i, 0, range(1)) for i in mine],
+        SamplingParams(cfg.rollout.max_new_tokens, 0.0), rows=[prompts.rows[i] for i in mine],
         openings=[prompts.openings[i] for i in mine])
     done = [t for ts in trajectories for t in ts]
     return [sum(t.reward for t in done), len(done), sum(len(t.token_ids) for t in done)]

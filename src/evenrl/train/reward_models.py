@@ -36,7 +36,7 @@ from evenrl.core.schedule import make_schedule
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.mesh import Mesh
 from evenrl.engines import Engine, HFEngine
-from evenrl.engines.base import SamplingParams
+from evenrl.engines.base import Request, SamplingParams
 from evenrl.errors import UsageError
 from evenrl.models.files import read_model_config
 from evenrl.models.loading import is_sharded, load_policy, load_reward_model
@@ -235,7 +235,7 @@ def judge_outputs(judge: Judge, rows: list[dict], completions: list[str], keys: 
     made = []
     with on_device(judge.model, judge.device):  # every rank generates: with sharding it is a collective
         for call in calls:
-            made += judge.engine.generate([prompts[i] for i in call], [keys[i] for i in call], params, step=step)
+            made += judge.engine.generate([Request(prompts[i], keys[i], step) for i in call], params)
     judge.engine.sleep()
     outputs: list[str | None] = [None] * len(rows)
     for i, samples in zip(fits, made):

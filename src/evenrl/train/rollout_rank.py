@@ -18,7 +18,6 @@ from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.mesh import Mesh
 from evenrl.engines import Engine, make_engine
-from evenrl.engines.base import sampling_params
 from evenrl.engines.payload import make_payload
 from evenrl.engines.sync import Broadcast
 from evenrl.models.loading import load_policy, set_tf32
@@ -28,7 +27,7 @@ from evenrl.errors import UsageError
 from evenrl.train import carry_check, checkpoint
 from evenrl.train.carry import Carry, serve_step
 from evenrl.train.data import PromptSampler
-from evenrl.train.sampling import unit_batches
+from evenrl.train.sampling import generate_batch, unit_batches
 from evenrl.train.trainer import Prompts, check_settings, load_prompt_set, vision_setup
 from evenrl.agents.rollout import Agents
 from evenrl.train.trajectories import Turns, make_turns
@@ -96,13 +95,8 @@ def generate_and_send(cfg: RunConfig, engine: Engine | None, prompts: Prompts, s
     calls = unit_batches(cfg, costs, len(replicas), None)[replicas.index(dist.rank())] if engine is not None else []
     for mine in calls:
         ids = [prompt_ids[p] for p, _, _ in mine]
-        args = ([prompts.tokens[i] for i in ids], [p for p, _, _ in mine], sampling_params(cfg))
-        kw = dict(step=step, sample_ranges=[(first, count) for _, first, count in mine])
-        if turns is None:
-            completions += engine.generate(*args, **kw, images=prompt_image_inputs(processor, prompts.images, ids))
-        else:
-            completions += turns.generate(engine, *args, **kw, rows=[prompts.rows[i] for i in ids],
-                                          openings=[prompts.openings[i] for i in ids])
+        completions += generate_batch(cfg, engine, turns, prompts, step, mine, ids, 0,
+                                      prompt_image_inputs(processor, prompts.images, ids) if turns is None else None)
     if engine is not None:
         engine.sleep()
     made = {(c.prompt_key, c.sample_index): c for samples in completions for c in samples}

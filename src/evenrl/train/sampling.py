@@ -12,7 +12,7 @@ from evenrl.core.canonical import rollout_batches
 from evenrl.core.schedule import rollout_shares
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
-from evenrl.engines.base import sampling_params
+from evenrl.engines.base import Request, sampling_params
 from evenrl.errors import RunStopped
 from evenrl.isolation.pool import backstop_hits
 from evenrl.models.routing import routing
@@ -151,8 +151,8 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
         # every rank as many engine calls as the unit with the most batches: with FSDP2 a call gathers the model
         for b in batches[unit] + [[]] * (max(len(x) for x in batches) - len(batches[unit])):
             part = slice(at, at + len(b))
-            completions += generate_batch(trainer, step, b, ids[part], first,
-                                          None if images is None else images[part])
+            completions += generate_batch(cfg, trainer.engine, trainer.turns, trainer.prompts, step, b, ids[part],
+                                          first, None if images is None else images[part])
             at += len(b)
         trainer.engine.sleep()  # vLLM on GPU: its KV cache is freed while the trainer needs the memory
         if not keeps:  # this unit's samples are its first rank's: the step holds one copy of each
@@ -207,16 +207,19 @@ def unit_batches(cfg, costs: list[float], units: int, weights) -> list[list[list
     return [[share] for share in rollout_shares(costs, n, units, weights)]
 
 
-def generate_batch(trainer: Trainer, step: int, batch: list[tuple[int, int, int]], ids: list[int], first: int,
-                   images) -> list:
-    """One engine call: the samples of `batch` ((prompt position, first sample, count); `ids` their dataset rows),
-    or with rollout.env / rollout.agent their whole trajectories, the environments stepped in between."""
-    args = ([trainer.prompts.tokens[i] for i in ids], [first + p for p, _, _ in batch], sampling_params(trainer.cfg))
-    kw = dict(step=step, sample_ranges=[(a, count) for _, a, count in batch])  # key: the prompt's position
-    if trainer.turns is None:
-        return trainer.engine.generate(*args, **kw, images=images)
-    return trainer.turns.generate(trainer.engine, *args, **kw, rows=[trainer.prompts.rows[i] for i in ids],
-                                  openings=[trainer.prompts.openings[i] for i in ids])
+def generate_batch(cfg, engine, turns, prompts, step: int, batch: list[tuple[int, int, int]], ids: list[int],
+                   first: int, images) -> list:
+    """One engine call: the samples of `batch` ((prompt position, first sample, count); `ids` their rows of
+    `prompts`, a evenrl.train.trainer.Prompts; a prompt's key is `first` + its position), or with rollout.env /
+    rollout.agent (`turns`) their whole trajectories, the environments stepped in between. `images`: per prompt its
+    ImageInputs or None (a vision-language model), or None."""
+    requests = [Request(prompts.tokens[i], first + p, step, range(a, a + count),
+                        images=None if images is None else images[j])
+                for j, (i, (p, a, count)) in enumerate(zip(ids, batch))]
+    if turns is None:
+        return engine.generate(requests, sampling_params(cfg))
+    return turns.generate(engine, requests, sampling_params(cfg), rows=[prompts.rows[i] for i in ids],
+                          openings=[prompts.openings[i] for i in ids])
 
 
 def engine_routes(routes: list, model) -> Ragged:

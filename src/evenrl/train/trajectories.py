@@ -24,7 +24,7 @@ from evenrl.agents.rollout import Agents
 from evenrl.config import RunConfig
 from evenrl.core.batch import Ragged
 from evenrl.distributed import collectives as dist
-from evenrl.engines.base import Engine, SamplingParams, Trajectory, keyed_seed
+from evenrl.engines.base import Engine, Request, SamplingParams, Trajectory, keyed_seed
 from evenrl.envs.registry import resolve
 from evenrl.envs.session import EnvSession
 from evenrl.envs.template import (PREFIX_FIX, TemplateDrift, check_template, env_turn_text, file_render,
@@ -43,6 +43,7 @@ class Live:
     history: str  # the conversation so far as the template renders it, with the generation prompt
     seed: int
     state: bytes | None = None
+    step: int = 0  # the step whose streams it draws from
 
 
 class Turns:
@@ -63,24 +64,24 @@ class Turns:
         self.tokenizer = tokenizer
         return load_openings(self.cfg, tokenizer, path, self.session.openings, self.tools)
 
-    def generate(self, engine: Engine, prompts: list[list[int]], keys: list[int], params: SamplingParams, *,
-                 step: int, sample_ranges: list[tuple[int, int]], rows: list[dict],
+    def generate(self, engine: Engine, requests: list[Request], params: SamplingParams, *, rows: list[dict],
                  openings: list[list[dict]]) -> list[list[Trajectory]]:
-        """Engine.generate's [prompt][sample] result, as whole trajectories."""
+        """Engine.generate's [request][sample] result, as whole trajectories (`rows`, `openings`: each request's
+        dataset row and opening messages)."""
         r = self.cfg.rollout
         render = tokenizer_render(self.tokenizer)
         out: list[list[Trajectory]] = []
         live: list[Live] = []
-        for prompt, key, (first, count), row, opening in zip(prompts, keys, sample_ranges, rows, openings):
+        for req, row, opening in zip(requests, rows, openings):
             history = render(opening, self.tools, True)
             out.append([])
-            for s in range(first, first + count):
-                t = Trajectory(key, s, [], [], True)
+            for s in req.sample_range(params):
+                t = Trajectory(req.key, s, [], [], True)
                 out[-1].append(t)
-                live.append(Live(t, row, prompt, list(opening), history,
-                                  keyed_seed("evenrl-env", params.seed, step, key, s)))
+                live.append(Live(t, row, req.prompt, list(opening), history,
+                                  keyed_seed("evenrl-env", params.seed, req.step, req.key, s), step=req.step))
         for turn in range(r.max_turns):  # every turn on every rank, live trajectories or not: see _sample
-            replies = self._sample(engine, live, params, step, turn)
+            replies = self._sample(engine, live, params, turn)
             calls = [(x.state, x.row, x.seed, text) for x, (_, text) in zip(live, replies)]
             results = self.env_steps(engine, calls)
             live = [x for x, (ids, text), result in zip(live, replies, results)
@@ -108,7 +109,7 @@ class Turns:
         eos_text = self.decode(ids[-1:]) if ended_with_eos else None
         return self._append_env_turn(x, render, text, messages, eos_text)
 
-    def _sample(self, engine: Engine, live: list[Live], params: SamplingParams, step: int, turn: int):
+    def _sample(self, engine: Engine, live: list[Live], params: SamplingParams, turn: int):
         """Turn `turn` of every live trajectory: (sampled ids, reply text) each, appended to its trajectory. One
         engine call per turn on every rank, even with nothing to sample: the hf engine's call gathers a sharded
         model, a collective every rank must join as often. A trajectory whose budget (what is left of
@@ -122,12 +123,15 @@ class Turns:
             for i, x in enumerate(live):
                 groups.setdefault(x.traj.prompt_key, []).append(i)
             rows = list(groups.values())
-            res = engine.generate([live[g[0]].prompt for g in rows], [live[g[0]].traj.prompt_key for g in rows], call,
-                                  step=step, sample_ranges=[(live[g[0]].traj.sample_index, len(g)) for g in rows])
+            heads = [live[g[0]] for g in rows]
+            res = engine.generate([Request(x.prompt, x.traj.prompt_key, x.step, range(x.traj.sample_index,
+                                                                                   x.traj.sample_index + len(g)))
+                                   for x, g in zip(heads, rows)], call)
             got = {i: c for g, cs in zip(rows, res) for i, c in zip(g, cs)}
         else:
-            res = engine.generate([x.prompt + x.traj.token_ids for x in live], [x.traj.prompt_key for x in live],
-                                  call, step=step, sample_ranges=[(x.traj.sample_index, 1) for x in live], turn=turn)
+            res = engine.generate([Request(x.prompt + x.traj.token_ids, x.traj.prompt_key, x.step,
+                                           range(x.traj.sample_index, x.traj.sample_index + 1), turn) for x in live],
+                                  call)
             got = {i: cs[0] for i, cs in enumerate(res)}
         eos = self.eos_ids()
         out = []

@@ -3,7 +3,7 @@ mismatch a bf16 engine leaves, with and without router replay. Numbers side by s
 
 Run: .venv/bin/python benchmarks/moe.py [--tokens 2048] [--repeats 5] [--prompts 32] [--only experts,mismatch,ep]
      [--lora 16]
-(~1 min on the shared 2-core project machine, 1 thread, without the EP rows; those take 2-5 min more: 3 x 4 processes)
+(~1 min on the shared 2-core project machine, 1 thread, without the EP rows; those take 3-6 min more: 4 x 4 processes)
 
 experts   One Qwen3-MoE-shaped experts layer (hidden 256, 16 experts of width 128, top 4, fp32), the same routed
           tokens through transformers' `grouped_mm` (torch.nn.functional.grouped_mm: one grouped GEMM per
@@ -15,8 +15,11 @@ mismatch  A tiny model of each family with random weights, sampled by the hf eng
           engine recording each token's routes; the fp32 trainer then routes the same tokens itself (no replay) and
           replays the engine's routes (rollout.router_replay=engine): the share of routed tokens whose top-k set
           differs (per layer, in any layer) and |engine - trainer| log-prob over the sampled tokens, mean and max,
-          without and with replay (what evenrl.train.moe.probe and rollout/logprob_mismatch report per step).
-EP        expert parallelism (parallel.expert_parallel_size) at EP = 1, 2, 4 on 4 gloo processes (1 thread each):
+          without and with replay (what evenrl.train.moe.probe and rollout/logprob_mismatch report per step), and
+          what replay costs: the trainer's scoring of the same rows (compute_logprobs: its forward, the fastest of
+          3) routing itself and replaying the engine's routes.
+EP        expert parallelism (parallel.expert_parallel_size) at EP = 1, 2, 4, and EP 2 x TP 2 (tensor parallelism on the
+          attention and output layer, the experts' tokens split over the tp group), on 4 gloo processes (1 thread each):
           a Qwen3-MoE-shaped model whose experts are most of its weights (EP_MODEL: 16 experts x 256 wide in each
           of 4 layers, 6.3 M of 6.6 M parameters), replicated, fp32, AdamW per tensor (as the trainer steps an
           expert-parallel model). Each rank trains its own 4 rows of 64 tokens through the packed forward every MoE
@@ -104,13 +107,21 @@ def mismatch_row(arch: str, prompts: int, root: str) -> dict:
                    "routes": Ragged.of([c.routes for _, c in rows], routing.routing(trainer).dtype)})
     micro = [list(range(i, min(i + 16, len(batch)))) for i in range(0, len(batch), 16)]
     live = moe.probe(trainer, batch, micro, temperature=1.0, pad_token_id=tok.pad_token_id)
-    with routing.options(trainer, replay=False):
-        own = compute_logprobs(trainer, batch, micro, temperature=1.0, pad_token_id=tok.pad_token_id)
-    replayed = compute_logprobs(trainer, batch, micro, temperature=1.0, pad_token_id=tok.pad_token_id)
+    def scored(replay: bool) -> tuple[list, float]:  # the log-probs and the fastest of 3 passes' seconds
+        times = []
+        with routing.options(trainer, replay=replay):
+            for _ in range(3):
+                t0 = time.perf_counter()
+                out = compute_logprobs(trainer, batch, micro, temperature=1.0, pad_token_id=tok.pad_token_id)
+                times.append(time.perf_counter() - t0)
+        return out, min(times)
+
+    (own, own_s), (replayed, replay_s) = scored(False), scored(True)
     gaps = {name: torch.cat([(t - torch.tensor(c.logprobs)).abs() for t, (_, c) in zip(lp, rows)])
             for name, lp in (("own", own), ("replay", replayed))}
     return {"arch": arch, "tokens": sum(len(p) + len(c.token_ids) - 1 for p, c in rows),
             "per_layer": live["moe/routes_differ"], "any": live["moe/routes_differ_any_layer"],
+            "own_s": own_s, "replay_s": replay_s,
             **{f"{k}_{s}": float(getattr(v, s)()) for k, v in gaps.items() for s in ("mean", "max")}}
 
 
@@ -122,23 +133,23 @@ EP_MODEL = {"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 
 EP_WORLD, ROWS, LENGTH = 4, 4, 64
 
 
-def ep_config(ep: int, lora: int = 0):
+def ep_config(ep: int, lora: int = 0, tp: int = 1):
     """The evenrl config whose worst-case micro-batch is the benchmark's (ROWS rows of LENGTH tokens a rank)."""
     from evenrl.config import RunConfig
 
     return RunConfig.model_validate({
         "model": {"lora": {"rank": lora, "experts": bool(lora)}},
-        "parallel": {"expert_parallel_size": ep}, "data": {"prompts_per_step": 8, "max_prompt_tokens": LENGTH // 2},
+        "parallel": {"expert_parallel_size": ep, "tensor_parallel_size": tp}, "data": {"prompts_per_step": 8, "max_prompt_tokens": LENGTH // 2},
         "rollout": {"samples_per_prompt": 2, "max_new_tokens": LENGTH // 2},
         "train": {"token_cap_per_micro_batch": ROWS * LENGTH}})
 
 
-def ep_planned(ep: int, lora: int = 0) -> dict:
+def ep_planned(ep: int, lora: int = 0, tp: int = 1) -> dict:
     from evenrl.planner.dims import dims_from_config
     from evenrl.planner.layout import make_layout
     from evenrl.planner.memory import GIB, OVERHEAD_GIB, estimate_memory, worst_case_shape
 
-    cfg, lay = ep_config(ep, lora), make_layout(1, EP_WORLD, device="cpu")
+    cfg, lay = ep_config(ep, lora, tp), make_layout(1, EP_WORLD, device="cpu")
     assert worst_case_shape(cfg, lay)[0] == ROWS * LENGTH, "the planned micro-batch must be the measured one"
     est = estimate_memory(cfg, lay, dims_from_config(EP_MODEL))
     b = est.breakdown
@@ -146,7 +157,8 @@ def ep_planned(ep: int, lora: int = 0) -> dict:
             "update": (est.phases["update"] - OVERHEAD_GIB["cpu"]) * GIB, "params": est.params}
 
 
-def ep_rank(rank: int, world: int, port: int, ep: int, repeats: int, out_dir: str, lora: int = 0) -> None:
+def ep_rank(rank: int, world: int, port: int, ep: int, repeats: int, out_dir: str, lora: int = 0,
+            tp: int = 1) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -155,12 +167,11 @@ def ep_rank(rank: int, world: int, port: int, ep: int, repeats: int, out_dir: st
     from memory import phase_peaks, resident_bytes  # benchmarks/memory.py: the same measurement
     from evenrl.core.batch import Batch, Ragged
     from evenrl.distributed import collectives as dist
-    from evenrl.distributed.expert_parallel import expert_parallel
-    from evenrl.distributed.sequence import sequence_parallel
     from evenrl.models.forward import response_logprobs
+    from evenrl.train.parallelize import parallelize
 
     torch.set_num_threads(1)
-    info = dist.init(expert_parallel=ep)
+    mesh = dist.init(expert_parallel=ep, tensor_parallel=tp)
     tokens = torch.randint(0, EP_MODEL["vocab_size"], (ROWS, LENGTH), generator=torch.Generator().manual_seed(rank))
     batch = Batch({"tokens": Ragged.of(list(tokens), torch.long), "response_len": torch.full((ROWS,), LENGTH - 1)})
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -170,10 +181,10 @@ def ep_rank(rank: int, world: int, port: int, ep: int, repeats: int, out_dir: st
         if lora:  # adapters on the attention and every expert, as evenrl.train.trainer adds them before EP
             from evenrl.models.lora import add_adapters
 
-            add_adapters(model, ep_config(ep, lora).model.lora)
-        if ep > 1:
-            expert_parallel(model, dist.expert_mesh(info.device))
-        sequence_parallel(model, dist.sequence_group())  # the packed forward every MoE forward takes
+            add_adapters(model, ep_config(ep, lora, tp).model.lora)
+        # TP, then EP (its tp group splitting the tokens the experts see), the log-prob head, the packed forward
+        # every MoE forward takes: as the trainer applies them
+        parallelize(model, mesh, ep_config(ep, lora, tp))
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=False)
@@ -212,11 +223,12 @@ def ep_rows(repeats: int, lora: int = 0) -> list[dict]:
     from memory import free_port
 
     rows = []
-    for ep in (1, 2, 4):
+    for ep, tp in ((1, 1), (2, 1), (4, 1), (2, 2)):  # TP without EP on a mixture is refused (config.compatibility)
         with tempfile.TemporaryDirectory() as d:
-            mp.spawn(ep_rank, args=(EP_WORLD, free_port(), ep, repeats, d, lora), nprocs=EP_WORLD, join=True)
+            mp.spawn(ep_rank, args=(EP_WORLD, free_port(), ep, repeats, d, lora, tp), nprocs=EP_WORLD, join=True)
             ranks = [json.loads(Path(d, f"{r}.json").read_text()) for r in range(EP_WORLD)]
-        rows.append({"ep": ep, **{k: max(r[k] for r in ranks) for k in ranks[0]}, "plan": ep_planned(ep, lora)})
+        rows.append({"ep": ep, "tp": tp, **{k: max(r[k] for r in ranks) for k in ranks[0]},
+                     "plan": ep_planned(ep, lora, tp)})
     return rows
 
 
@@ -246,22 +258,25 @@ def main() -> None:
               + (f"frozen under LoRA rank {args.lora} on the attention and experts, " if args.lora else "")
               + f"{ROWS} x {LENGTH} tokens a rank; MiB per rank (the largest), plan = evenrl plan's less its 0.3 GiB "
               "overhead")
-        print(f"  {'EP':>2} | {'state':>7} {'plan':>7} | {'update':>7} {'plan':>7} | {'step s':>7}")
+        print(f"  {'EP':>2} {'TP':>2} | {'state':>7} {'plan':>7} | {'update':>7} {'plan':>7} | {'step s':>7}")
         for r in rows:
-            print(f"  {r['ep']:>2} | {r['state'] / mib:7.1f} {r['plan']['state'] / mib:7.1f} | "
+            print(f"  {r['ep']:>2} {r['tp']:>2} | {r['state'] / mib:7.1f} {r['plan']['state'] / mib:7.1f} | "
                   f"{r['update'] / mib:7.1f} {r['plan']['update'] / mib:7.1f} | {r['seconds']:7.3f}")
 
 
 def mismatch_table(prompts: int) -> None:
     print(f"\nbf16 engine vs fp32 trainer: {prompts} prompts x 4 samples x 16 tokens")
-    print(f"  {'family':<12} {'tokens':>7} {'differ/layer':>20} {'any':>7}   {'|dlogp| mean':>20} {'|dlogp| max':>20}")
-    print(f"  {'':<12} {'':>7} {'':>20} {'':>7}   {'no replay / replay':>20} {'no replay / replay':>20}")
+    print(f"  {'family':<12} {'tokens':>7} {'differ/layer':>20} {'any':>7}   {'|dlogp| mean':>20} {'|dlogp| max':>20}"
+          f" {'scoring s':>15}")
+    print(f"  {'':<12} {'':>7} {'':>20} {'':>7}   {'no replay / replay':>20} {'no replay / replay':>20}"
+          f" {'no replay / rep':>15}")
     with tempfile.TemporaryDirectory() as root:
         for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"):
             r = mismatch_row(arch, prompts, root)
             layers = " ".join(f"{x:.2%}" for x in r["per_layer"])
             print(f"  {r['arch']:<12} {r['tokens']:>7} {layers:>20} {r['any']:>7.2%}   "
-                  f"{r['own_mean']:>9.2e} / {r['replay_mean']:.2e} {r['own_max']:>9.2e} / {r['replay_max']:.2e}")
+                  f"{r['own_mean']:>9.2e} / {r['replay_mean']:.2e} {r['own_max']:>9.2e} / {r['replay_max']:.2e}"
+                  f" {r['own_s']:>7.3f} / {r['replay_s']:.3f}")
 
 
 if __name__ == "__main__":

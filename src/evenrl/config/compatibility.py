@@ -61,6 +61,8 @@ SETTINGS: dict[str, Setting] = {
                      "parallel.tensor_parallel_size > 1)", "parallel.expert_parallel_size={c.parallel.expert_parallel_size}"
                      " with parallel.tensor_parallel_size={c.parallel.tensor_parallel_size}",
                      lambda c, f: c.parallel.expert_parallel_size > 1 and c.parallel.tensor_parallel_size > 1),
+    "lora-experts": Setting("LoRA on the experts (model.lora.experts)", "model.lora.experts",
+                            lambda c, f: c.model.lora.rank > 0 and c.model.lora.experts),
     "offload": _is("parallel.cpu_offload", "full"),
     "replicated": _is("parallel.sharding", "replicated"),
     "engine-tp": Setting("rollout.tensor_parallel_size > 1 with rollout.engine=vllm (an engine over several devices)",
@@ -189,6 +191,9 @@ ROWS: tuple[Row, ...] = (
     # have not run: refused until a test shows them exact
     Row("ep-tp", "sp", "expert-tensor-sequence", "the three together have not run (each pair has): not supported yet",
         "parallel.sequence_parallel_size=1; or parallel.tensor_parallel_size=1"),
+    Row("lora-experts", "tp", "lora-experts-tensor-parallel", "adapters on the experts have run with EP and FSDP2, "
+        "not yet beside tensor parallelism's split layers: not supported yet", "parallel.tensor_parallel_size=1; or "
+        "model.lora.experts=false"),
     Row("tp", "offload", "tensor-parallel-offload", "FSDP2's offload keeps the shards on the host, which the "
         "tensor-parallel split does not run with", "parallel.cpu_offload=none; or parallel.tensor_parallel_size=1"),
     Row("sp", "vision", "sequence-parallel-vision", "not supported yet: its image tokens would need splitting with "

@@ -91,16 +91,17 @@ def test_dr_grpo_with_kl_in_the_reward_under_fsdp_is_the_same_bits_on_one_two_an
 
 def test_the_tools_demo_under_bitwise_is_the_same_run_on_one_and_two_processes(tmp_path):
     """evenrl demo --task tools (a shorter warm start and 4 prompts a step instead of 8, for the suite's time: the
-    demo's quality is not what is tested) with 30 GRPO steps of 4 prompts x 8 multi-turn trajectories under bitwise
+    demo's quality is not what is tested) with 16 GRPO steps of 4 prompts x 8 multi-turn trajectories under bitwise
     on 1 process, then the same GRPO on 2 processes from the same warm start: identical logs (rewards, tool calls,
     evaluations, hashes) and weights. Under rounding the demo parted from its 2-process self after 21 steps
-    (docs/batch-sizes.md). The weights must move through the run, or the comparison would only be of sampling: the
-    short warm start rarely earns a reward (8 prompts a step: 1 rewarded step in 60; 4 prompts: none, one hash), so a
-    small entropy bonus gives every step a gradient."""
+    (docs/batch-sizes.md); 16 steps here for the suite's time (the test took 165 s with 30). The weights must move
+    through the run, or the comparison would only be of sampling: the short warm start rarely earns a reward (8
+    prompts a step: 1 rewarded step in 60; 4 prompts: none, one hash), so a small entropy bonus gives every step a
+    gradient."""
     from e2e import Job
 
     out, two = tmp_path / "demo", tmp_path / "two"
-    common = [BITWISE, "train.steps=30", "data.prompts_per_step=4", "algo.entropy_coef=0.001", "eval.every_steps=15",
+    common = [BITWISE, "train.steps=16", "data.prompts_per_step=4", "algo.entropy_coef=0.001", "eval.every_steps=8",
               "log.progress=false"]
     Job("demo", "--task", "tools", "--out", out, "sft.steps=300", *common, timeout_s=1800).wait()
     data = out / "data" / "train.jsonl"
@@ -109,6 +110,6 @@ def test_the_tools_demo_under_bitwise_is_the_same_run_on_one_and_two_processes(t
            "--nproc-per-node", "2")
     assert_same_run(out / "grpo", two)
     rows = [r for r in metrics(two) if r["step"] > 0]
-    assert len(rows) == 30 and sum(r["tools/calls_per_trajectory"] for r in rows) > 0  # tools were called
+    assert len(rows) == 16 and sum(r["tools/calls_per_trajectory"] for r in rows) > 0  # tools were called
     assert len({r["weights/hash"] for r in rows}) >= 10
     assert len([r for r in metrics(two) if "eval/reward" in r]) == 3

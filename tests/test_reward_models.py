@@ -84,6 +84,24 @@ def test_judge_samples_are_keyed_like_the_policys(assets):
     assert later != out
 
 
+def test_reward_model_rows_split_by_the_meshs_weights_when_they_are_measured(rm_path):
+    """parallel.capacity_weights=auto (measured at run time): a reward model's rows are split by the mesh's
+    configured weights (none here: equal), so its scores are those of a run without weights. The config's "auto"
+    once reached the partition as the weights themselves (ValueError: could not convert string to float)."""
+    from evenrl.config import load_config
+
+    rm = _rm(rm_path)
+    rows = [{"prompt": p, "answer": "x"} for p in PROMPTS]
+
+    def scored(cfg):
+        stats = {"failed": [False] * 5, "failures": 0, "by_reward": {},
+                 **{k: 0 for k in ("raised", "bad_value", "timeout", "memory", "cpu")}}
+        return add_model_rewards([rm], cfg, COMPLETIONS, rows, list(range(5)), 1, [0.0] * 5, stats)[0]
+
+    plain = scored(RunConfig())
+    assert scored(load_config(None, ["parallel.capacity_weights=auto"])) == plain and len(set(plain)) > 1
+
+
 def test_a_judge_output_that_does_not_parse_is_a_failed_reward(assets):
     """The tiny random judge writes no yes/no: every sample's reward call fails (kind raised, counted, flagged for
     rewards.on_failure); the function rewards' scores and failures are kept."""

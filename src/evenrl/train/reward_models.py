@@ -146,7 +146,7 @@ def add_model_rewards(scorers: list[Scorer], cfg: RunConfig, completions: list[s
     for scorer in scorers:
         if isinstance(scorer, RewardModel):
             values, errors = reward_model_scores(scorer, [r["prompt"] for r in rows], completions, keys,
-                                                 cfg.train.token_cap_per_micro_batch, cfg.parallel.capacity_weights)
+                                                 cfg.train.token_cap_per_micro_batch, dist.capacity())
             entry = _entry(values, errors)
         else:
             outputs, errors = judge_outputs(scorer, rows, completions, keys, step,

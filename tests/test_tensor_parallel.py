@@ -175,16 +175,17 @@ def test_tensor_parallel_beside_a_reserved_rollout_rank_then_resumed_on_one_proc
 @pytest.mark.large_world
 def test_data_and_sequence_parallel_beside_tensor_parallel_on_four_processes(assets, tmp_path):
     """DP 2 x TP 2 replicated, DP 2 x TP 2 with FSDP2 over the data dimension (2-D: each weight split on tp and
-    sharded on data) and SP 2 x TP 2, 4 processes each, against the shared config's 1-process run (made here: the
-    large_world suite has no other use for shared_runs), on a tiny Qwen3 (its per-head q_norm / k_norm: PER_HEAD,
-    summed over the TP group, under FSDP2 too): the same rewards, losses and greedy evaluation, the weights within
-    e2e.close_weights' bound (measured 4.1e-6, 4.1e-6 and 3.6e-6; the q/k norms 6e-8; on Qwen2 1.1e-5, 1.2e-5 and
-    1.8e-5). The sharded one found ops.clip_grad_norm counting FSDP2's _StridedShard as whole: weights 4.5e-3 off."""
+    sharded on data) and SP 2 x TP 2, 4 processes each, against the same config on 1 process (made here), on a tiny
+    Qwen3 (its per-head q_norm / k_norm: PER_HEAD, summed over the TP group, under FSDP2 too), 2 steps: the same
+    rewards, losses and greedy evaluation, the weights within e2e.close_weights' bound (measured after 4 steps:
+    4.1e-6, 4.1e-6 and 3.6e-6; the q/k norms 6e-8; on Qwen2 1.1e-5, 1.2e-5 and 1.8e-5). The sharded one found ops.clip_grad_norm counting FSDP2's _StridedShard as whole: weights 4.5e-3 off."""
     from e2e import close_weights, evenrl_many, final_params, shared_args
     from evenrl.testing import make_tiny_model
 
     qwen3 = f"model.path={make_tiny_model(str(tmp_path / 'qwen3'), arch='qwen3')}"
-    args, tp = [*shared_args(assets), qwen3], ["--nproc-per-node", 4, "parallel.tensor_parallel_size=2"]
+    # 2 steps of the shared config, no checkpoint (4 steps and 2 checkpoints cost 142 s of the suite's time)
+    args = [*shared_args(assets), qwen3, "train.steps=2", "checkpoint.every_steps=0"]
+    tp = ["--nproc-per-node", 4, "parallel.tensor_parallel_size=2"]
     runs = {"dp_tp": tp, "one": [], "dp_tp_fsdp": [*tp, "parallel.sharding=fsdp"],
             "sp_tp": [*tp, "parallel.sequence_parallel_size=2"]}
     evenrl_many({name: ["train", *args, f"log.run_dir={tmp_path / name}", *more] for name, more in runs.items()})

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenrl.config import load_config
-from evenrl.core.canonical import canonical_schedule, prompt_batches, rollout_batches
-from evenrl.core.schedule import make_schedule
+from evenrl.core.canonical import canonical_schedule, prompt_batches, rollout_batches, unit_batches
+from evenrl.core.schedule import make_schedule, rollout_shares
 from evenrl.errors import UsageError
 from evenrl.planner.layout import make_layout
 from evenrl.planner.plan import make_plan
@@ -67,6 +67,17 @@ def test_rollout_batches_hold_whole_prompts_the_same_on_any_layout(costs, n, uni
     batches = sorted(tuple(b) for unit in got for b in unit)
     one = sorted(tuple(b) for b in rollout_batches(costs, n, 1, per_batch)[0])
     assert batches == one == sorted(tuple((p, 0, n) for p in b) for b in prompt_batches(len(costs), per_batch))
+
+
+def test_unit_batches_choose_by_the_mode():
+    """The one choice the trainers, the reserved rollout ranks and partial rollouts share: bitwise deals canonical
+    batches, rounding one call of each unit's rollout_shares (a prompt's samples may be split)."""
+    costs, weights = [5.0, 40.0, 7.0], [1.0, 2.0]
+    cfg = load_config(None, ["rollout.samples_per_prompt=3", "rollout.batch_prompts=2"])
+    assert unit_batches(cfg, costs, 2, weights) == [[s] for s in rollout_shares(costs, 3, 2, weights)]
+    cfg = load_config(None, ["rollout.samples_per_prompt=3", "rollout.batch_prompts=2",
+                             "train.reproducibility=bitwise"])
+    assert unit_batches(cfg, costs, 2, weights) == rollout_batches(costs, 3, 2, 2, weights)
 
 
 def _plan(overrides=(), resumed=None):

@@ -19,16 +19,21 @@ cannot be split to even out the ranks (benchmarks/reproducibility.py measures it
 
     schedule = canonical_schedule(lengths, world=3, minibatches=2, token_cap=4096)   # a StepSchedule, as make_schedule
     batches = rollout_batches(prompt_costs, n=8, units=3, per_batch=2)             # per unit: its batches
+    calls = unit_batches(cfg, prompt_costs, units=3, weights=None)                 # either mode's engine calls
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 from evenrl.core.partition import balanced_partition
-from evenrl.core.schedule import FILLER, MicroBatch, MiniBatch, StepSchedule, make_schedule
+from evenrl.core.schedule import FILLER, MicroBatch, MiniBatch, StepSchedule, make_schedule, rollout_shares
 
-__all__ = ["canonical_schedule", "micro_key", "prompt_batches", "rollout_batches"]
+if TYPE_CHECKING:
+    from evenrl.config import RunConfig
+
+__all__ = ["canonical_schedule", "micro_key", "prompt_batches", "rollout_batches", "unit_batches"]
 
 
 def canonical_schedule(lengths: Sequence[int], *, world: int, minibatches: int = 1, token_cap: int | None = None,
@@ -74,3 +79,15 @@ def rollout_batches(prompt_costs: Sequence[float], n: int, units: int, per_batch
     costs = [n * sum(prompt_costs[p] for p in b) for b in batches]
     parts = balanced_partition(costs, units, weights=weights).parts if batches else [[] for _ in range(units)]
     return [[[(p, 0, n) for p in batches[j]] for j in part] for part in parts]
+
+
+def unit_batches(cfg: RunConfig, costs: Sequence[float], units: int,
+                 weights: Sequence[float] | None) -> list[list[list[tuple[int, int, int]]]]:
+    """Per generating unit, its engine calls' (prompt, first sample, count) lists: under bitwise the canonical
+    batches of rollout.batch_prompts prompts dealt whole (rollout_batches), under rounding one call of the unit's
+    core.schedule.rollout_shares. The one place either mode's split is chosen: the trainers' sampling, the reserved
+    rollout ranks and partial rollouts (train.carry) all deal the step's prompts by it."""
+    n = cfg.rollout.samples_per_prompt
+    if cfg.train.reproducibility == "bitwise":
+        return rollout_batches(costs, n, units, cfg.rollout.batch_prompts, weights)
+    return [[share] for share in rollout_shares(costs, n, units, weights)]

@@ -31,7 +31,7 @@ import torch
 
 from evenrl.agents.rollout import Agents
 from evenrl.core.batch import Batch, Ragged
-from evenrl.core.canonical import rollout_batches
+from evenrl.core.canonical import unit_batches
 from evenrl.core.carry import CarryRules, carry_rules, oldest_token_age, outcome, round_tokens, step_budget
 from evenrl.core.offpolicy import tokens_by_age, version_runs
 from evenrl.core.schedule import rollout_shares
@@ -309,16 +309,11 @@ def carried_rows(trainer, step: int, prompt_ids: list[int]) -> Batch:
         carry.receive([d for _, d in receive_checked(step, cfg.rollout.max_staleness)])
     else:
         costs = [len(trainer.prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
-        calls, pad = None, 0
+        batches = unit_batches(cfg, costs, dist.world(), trainer.balance.rollout)[dist.rank()]
+        share, calls, pad = [x for b in batches for x in b], None, 0
         if cfg.train.reproducibility == "bitwise":  # canonical calls, as many on every rank (one all-gather)
-            calls = rollout_batches(costs, cfg.rollout.samples_per_prompt, dist.world(), cfg.rollout.batch_prompts,
-                                    trainer.balance.rollout)[dist.rank()]
-            mine = len(calls) + len({r.group for r in carry.live})
+            calls, mine = batches, len(batches) + len({r.group for r in carry.live})
             pad = max(int(p["calls"]) for p in dist.all_gather_tensors({"calls": torch.tensor([mine])})) - mine
-            share = [x for b in calls for x in b]
-        else:
-            share = rollout_shares(costs, cfg.rollout.samples_per_prompt, dist.world(), trainer.balance.rollout)[
-                dist.rank()]
         homes = {(p, s): dist.rank() for p, a, c in share for s in range(a, a + c)}
         carry.pool += carry.advance(trainer.engine, trainer.prompts, step, step - 1, prompt_ids, share,
                                     dist.rank(), homes, calls, pad)
@@ -377,11 +372,10 @@ def serve_step(cfg, carry: Carry, engine, prompts, step: int, prompt_ids: list[i
     prompts), the rest kept."""
     n, replicas, trainers = cfg.rollout.samples_per_prompt, dist.rollout_ranks(), dist.world()
     costs = [len(prompts.tokens[i]) + cfg.response_tokens() for i in prompt_ids]
-    calls = None  # bitwise: canonical calls (an engine of its own on each rollout rank: no call is a collective)
-    if cfg.train.reproducibility == "bitwise":
-        calls = rollout_batches(costs, n, len(replicas), cfg.rollout.batch_prompts, None)[replicas.index(dist.rank())]
-    share = ([x for b in calls for x in b] if calls is not None
-             else rollout_shares(costs, n, len(replicas), None)[replicas.index(dist.rank())])
+    batches = unit_batches(cfg, costs, len(replicas), None)[replicas.index(dist.rank())]
+    share = [x for b in batches for x in b]
+    # bitwise: canonical calls (an engine of its own on each rollout rank: no call is a collective, no padding)
+    calls = batches if cfg.train.reproducibility == "bitwise" else None
     split = rollout_shares(costs, n, trainers, dist.capacity())
     homes = {(p, s): t for t, part in enumerate(split) for p, a, c in part for s in range(a, a + c)}
     version = policy_version(step, cfg.rollout.max_staleness)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from evenrl.config import RunConfig
+from evenrl.core.canonical import unit_batches
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.mesh import Mesh
@@ -27,7 +28,7 @@ from evenrl.errors import UsageError
 from evenrl.train import carry_check, checkpoint
 from evenrl.train.carry import Carry, serve_step
 from evenrl.train.data import PromptSampler
-from evenrl.train.sampling import generate_batch, unit_batches
+from evenrl.train.sampling import generate_batch
 from evenrl.train.trainer import Prompts, check_settings, load_prompt_set, vision_setup
 from evenrl.agents.rollout import Agents
 from evenrl.train.trajectories import Turns, make_turns

@@ -8,8 +8,7 @@ import torch
 
 from evenrl.agents.rollout import REPLY_SCORE_FAILED
 from evenrl.core.batch import Batch, Ragged
-from evenrl.core.canonical import rollout_batches
-from evenrl.core.schedule import rollout_shares
+from evenrl.core.canonical import unit_batches
 from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
 from evenrl.engines.base import Request, sampling_params
@@ -195,16 +194,6 @@ def rollout(trainer: Trainer, step: int, prompt_ids: list[int], first: int = 0) 
         for name, col in trajectory_columns([c for samples in completions for c in samples]).items():
             batch[name] = col
     return batch
-
-
-def unit_batches(cfg, costs: list[float], units: int, weights) -> list[list[list[tuple[int, int, int]]]]:
-    """Per generating unit, its engine calls' (prompt, first sample, count) lists: under bitwise the canonical
-    batches of rollout.batch_prompts prompts dealt whole (core.canonical), under rounding one call of the unit's
-    rollout_shares."""
-    n = cfg.rollout.samples_per_prompt
-    if cfg.train.reproducibility == "bitwise":
-        return rollout_batches(costs, n, units, cfg.rollout.batch_prompts, weights)
-    return [[share] for share in rollout_shares(costs, n, units, weights)]
 
 
 def generate_batch(cfg, engine, turns, prompts, step: int, batch: list[tuple[int, int, int]], ids: list[int],

@@ -165,3 +165,18 @@ def test_the_update_leaves_the_reduction_to_its_strategy():
     named = names & {"bitwise", "reproducibility", "sharded", "is_sharded", "exact", "exact_fsdp", "canonical_sum"}
     assert not named, f"train/update.py tests the reduction itself: {sorted(named)}"
     assert {"begin", "micro_batch", "backward_done", "add", "finish", "clip"} <= names  # the strategy's calls
+
+
+# Who may read the config's parallel section (`<cfg>.parallel`): the config, the planner (the plan is made from it),
+# the mesh (built from it once, then asked: sizes, groups, capacity weights and their mode), the parallelize step
+# (a model's sharding and offload), and the launcher, whose liveness watch starts before any mesh exists.
+READS_PARALLEL = {"distributed/mesh.py", "train/parallelize.py", "train/launch.py"}
+
+
+def test_only_the_mesh_parallelize_and_planner_read_cfg_parallel():
+    found = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                   if p.relative_to(SRC).parts[0] not in ("config", "planner")
+                   and str(p.relative_to(SRC)) not in READS_PARALLEL
+                   and any(isinstance(n, ast.Attribute) and n.attr == "parallel"
+                           for n in ast.walk(ast.parse(p.read_text()))))
+    assert not found, f"cfg.parallel read at run time (ask the mesh): {found}"

@@ -66,6 +66,9 @@ class Mesh:
     info: DistInfo | None = None
     shape: MeshShape = field(default_factory=lambda: MeshShape(1))
     capacity: list[float] | None = None  # parallel.capacity_weights given as numbers (None: equal, or measured)
+    # parallel.capacity_weights' mode: 'fixed' (numbers, `capacity`), 'auto' (the run measures the ranks and
+    # rebalances: evenrl.train.balance) or 'none' (equal ranks, nothing measured)
+    capacity_mode: str = "none"
     own_group: bool = False  # init (or device_mesh) built the default group, so shutdown destroys it
     store: Any = None  # the group's store; each rank leaves its current phase there (guard.mark)
     phase: str = "start"  # where this rank last said it was (guard.mark)
@@ -300,6 +303,7 @@ def from_config(cfg, *, rollout: bool = True) -> Mesh:
          expert_parallel=p.expert_parallel_size,
          engine_tensor_parallel=cfg.rollout.tensor_parallel_size if rollout and cfg.rollout.engine == "vllm" else 1)
     G.capacity = p.fixed_capacity_weights()
+    G.capacity_mode = "none" if p.capacity_weights is None else "auto" if p.capacity_weights == "auto" else "fixed"
     return G
 
 

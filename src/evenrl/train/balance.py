@@ -35,6 +35,7 @@ import torch
 from evenrl.config import RunConfig
 from evenrl.core.capacity import smoothed_weights
 from evenrl.distributed import collectives as dist
+from evenrl.distributed.mesh import Mesh
 
 
 @dataclass
@@ -87,14 +88,14 @@ class Balance:
                 setattr(self, name, [float(x) for x in saved])
 
 
-def make_balance(cfg: RunConfig, plan, *, colocated: bool) -> Balance:
-    """The plan's token caps and starting weights (evenrl.planner.plan: made on the gathered devices)."""
-    auto = cfg.parallel.capacity_weights == "auto"
+def make_balance(mesh: Mesh, plan, *, colocated: bool) -> Balance:
+    """The plan's token caps and starting weights (evenrl.planner.plan: made on the gathered devices), measured and
+    rebalanced as the mesh's capacity mode says (parallel.capacity_weights, read once where the mesh is built)."""
     weights = plan.weights
     # reserved rollout ranks split each step by the configured weights alone: they never see the trainers' measures
-    rollout = weights if colocated else cfg.parallel.fixed_capacity_weights()
-    return Balance(token_caps=plan.token_caps, update=weights, rollout=rollout, auto=auto, colocated=colocated,
-                   measured=cfg.parallel.capacity_weights is not None)
+    rollout = weights if colocated else mesh.capacity
+    return Balance(token_caps=plan.token_caps, update=weights, rollout=rollout, auto=mesh.capacity_mode == "auto",
+                   colocated=colocated, measured=mesh.capacity_mode != "none")
 
 
 def rebalance(balance: Balance, timer, local) -> dict:

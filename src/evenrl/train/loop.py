@@ -83,7 +83,7 @@ def train_here(cfg: RunConfig, mesh: Mesh, plan, found: Path | None, stopping: S
     `earlier`: the run directory's metrics rows before this start (for the trackers)."""
     run_dir = Path(cfg.log.run_dir)
     dist.mark("set-up: loading the model and its engine")
-    trainer = build_trainer(cfg, mesh, make_balance(cfg, plan, colocated=not dist.rollout_ranks()))
+    trainer = build_trainer(cfg, mesh, make_balance(mesh, plan, colocated=not dist.rollout_ranks()))
     dist.mark("set-up: loading the checkpoint" if found else "set-up: first steps")
     trainer.resume(found)
     # once the checkpoint has loaded, before the run writes anything: one that cannot start stops the run here

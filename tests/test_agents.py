@@ -20,6 +20,7 @@ from evenrl.agents.calls import Call, assemble
 from evenrl.agents.job import agent_problem
 from evenrl.agents.openai_api import chat_chunks, reply_message, same_reply, sse, template_messages
 from evenrl.agents.prompts import Prompts, Record
+from evenrl.agents.rows import parts, trajectory
 from evenrl.config import RunConfig
 from evenrl.core.aggregation import Denominators
 from evenrl.core.batch import Batch, Ragged
@@ -340,7 +341,7 @@ def test_a_tool_call_cut_at_max_new_tokens_is_counted_and_warned_once(tools_mode
         answers.append(p.future.result().body["choices"][0])
     assert answers[0]["finish_reason"] == "length" and "tool_calls" not in answers[0]["message"]
     assert [c.cut for c in rec.calls] == [True, False]
-    t = agents._parts(0, 0, [1], assemble(rec.calls), None, False)
+    t = parts(0, 0, [1], assemble(rec.calls), None, False, {tok.eos_token_id})
     assert sorted([t.cut_calls, *(x.cut_calls for x in t.splits)]) == [0, 1]  # two samples: the calls do not chain
     cols = trajectory_columns([t, *t.splits])
     everyone = Batch({k: cols[k] for k in ("turns", "sampled_len", "tool_calls", "tool_errors", "cut_calls")})
@@ -380,7 +381,7 @@ def test_only_a_step_whose_trajectories_all_failed_alike_stops_the_run():
     reward's failures are warned about), not while one trajectory worked or the errors differ."""
     from types import SimpleNamespace
 
-    from evenrl.agents.rollout import REPLY_SCORE_FAILED
+    from evenrl.agents.rows import REPLY_SCORE_FAILED
     from evenrl.errors import RunStopped
     from evenrl.train.sampling import stop_if_all_failed_alike
 
@@ -460,7 +461,7 @@ def test_history_rewrites_split_into_samples_or_are_refused(tools_model, monkeyp
         update={"agent_history": "refuse"})})
     rec = Record(0, 0, {})
     rec.calls = [Call([1, 2], [3], [-1.0], True), Call([1, 4], [5], [-1.0], True)]
-    refused = agents._trajectory([1], rec, ("ok", 1.0))
+    refused = trajectory(agents.cfg, [1], rec, ("ok", 1.0), {tok.eos_token_id})
     assert refused.failed and "agent_history=refuse" in refused.error and refused.reward == 0.0
 
 

@@ -23,14 +23,15 @@ from dataclasses import replace
 
 import torch
 
-from evenrl.agents.calls import Call, Segment, assemble
+from evenrl.agents.answers import MODEL_NAME, answer
+from evenrl.agents.calls import Call
 from evenrl.agents.job import AgentRunner, agent_problem
-from evenrl.agents.openai_api import (BadRequest, chat_body, chat_chunks, completion_body, completion_chunks,
-                                      finish_reason, reply_message, sse)
-from evenrl.agents.openai_responses import chat_request, reply_chat_message, response_body, response_events, sse_events
+from evenrl.agents.openai_api import BadRequest, reply_message
+from evenrl.agents.openai_responses import chat_request
 from evenrl.agents.prompts import Prompts, Record, Turn
 from evenrl.agents.replay import ROUND_WAIT_S, Transcript, from_talk, next_round, to_talk
-from evenrl.agents.server import GONE, AgentServer, Answer, Pending, error
+from evenrl.agents.rows import carried_rows, score_replies, trajectory
+from evenrl.agents.server import GONE, AgentServer, Pending, error
 from evenrl.config import RunConfig
 from evenrl.core.carry import CarryRules, step_budget
 from evenrl.engines.base import Engine, Request, SamplingParams, Trajectory
@@ -39,7 +40,6 @@ from evenrl.envs.toolcalls import ends_inside_call
 from evenrl.errors import RunStopped, UsageError, bad, describe_error
 from evenrl.isolation import pool
 from evenrl.isolation.pool import Limits, run_contained
-from evenrl.rewards import score_all
 from evenrl.rewards.registry import resolve as resolve_reward
 
 # Requests are served in batches: after the first of a batch arrives, more are taken until none has come for this
@@ -48,12 +48,8 @@ _QUIET_S = 0.01
 # The worker's own limit on a job of agents: their time limit plus this, so that the agents' own timeouts fire first
 # (the agent's module is imported before, when the worker loads it: evenrl.agents.job.AgentRunner).
 _JOB_SLACK_S = 3.0
-MODEL_NAME = "evenrl-policy"
 CUT = ("the step's token budget (rollout.tokens_per_round) ended here; the trajectory continues at the next step, "
        "its agent started again and its calls answered from its transcript (rollout.partial)")
-# the error of an agent's trajectory whose None reward rewards.functions failed to score: a reward's failure, not the
-# agent's (evenrl.train.sampling leaves it to the reward warnings)
-REPLY_SCORE_FAILED = "rewards.functions failed on the last reply"
 ONE_AT_A_TIME = ("rollout.partial: a trajectory's calls must be made one at a time (the step's budget goes to them "
                  "in order)")
 
@@ -110,10 +106,10 @@ class Agents:
         for req in requests:
             out.append([])
             for token, rec in (next(at) for _ in req.sample_range(params)):
-                out[-1].append(self._trajectory(req.prompt, rec, outcomes[token]))
+                out[-1].append(trajectory(self.cfg, req.prompt, rec, outcomes[token], self._eos_ids()))
                 if outcomes[token] == ("ok", None) and rec.failure is None:
                     unscored.append((out[-1][-1], rec))
-        self._score(unscored)
+        score_replies(self.cfg, self.reward_fns, self.prompts.reply_text, unscored)
         if self.cfg.rollout.router_replay == "engine":  # a trajectory without calls: its prompt's routes
             bare = [t for ts in out for t in ts if t.routes is None]
             got = self._generate(engine, params, [(t.prompt_ids, t.prompt_key, t.sample_index, 1, None, step)
@@ -227,8 +223,7 @@ class Agents:
             budget = min(asked, r.max_new_tokens, cap - (len(ids) - root), cap - rec.sampled)
             if budget < 1:  # the trajectory's cap is reached: an empty reply cut for length, no call recorded
                 rec.truncated = True
-                answer = self._answer(p, rec, [], False, len(ids), history)
-                p.future.set_result(self._stream(p, answer))
+                p.future.set_result(answer(p, rec, self.prompts.reply_text([]), 0, False, len(ids), history))
                 continue
             call = None
             if rec.transcript is not None:  # rollout.partial: the call replayed, continued or new
@@ -255,8 +250,8 @@ class Agents:
                 continue
             sampled, lps, versions, routes = reply
             eos = bool(sampled) and sampled[-1] in self.prompts.eos_ids
-            answer = self._answer(p, rec, sampled, eos, len(ids), history)
             text = self.prompts.reply_text(sampled)
+            answered = answer(p, rec, text, len(sampled), eos, len(ids), history)
             content, calls = reply_message(text) if p.kind != "completion" else (None, [])
             cut = not eos and len(sampled) >= budget and ends_inside_call(text)
             routes = None if routes is None else routes[:len(ids) + len(sampled) - 1]  # (a reply cut to its budget)
@@ -273,7 +268,7 @@ class Agents:
                 conv = (conv, text)
             rec.turns.append(Turn("completion" if p.kind == "completion" else "chat", conv, tools, ids, sampled,
                                   eos, root))
-            p.future.set_result(self._stream(p, answer))
+            p.future.set_result(answered)
 
     def _generate(self, engine: Engine, params: SamplingParams, asks: list[tuple]) -> list:
         """One sample per ask (prompt ids, key, sample, most tokens, first token or None, step): in one engine call,
@@ -304,88 +299,8 @@ class Agents:
             rec.transcript.add(call, ids, c.logprobs[:n], bool(ids) and ids[-1] in self.prompts.eos_ids, n)
         return [(call.ids, call.logprobs, call.versions, None) if call.complete else None for *_, call in todo]
 
-    def _answer(self, p: Pending, rec: Record, sampled: list[int], eos: bool, prompt_len: int,
-                history: list[dict] | None = None) -> Answer:
-        rid = f"{p.kind}-{secrets.token_hex(8)}"
-        text = self.prompts.reply_text(sampled)
-        if p.kind == "responses":
-            content, calls = reply_message(text)
-            rid = f"resp_{secrets.token_hex(12)}"
-            if sampled:  # a recorded call: kept for a later previous_response_id (as many as the calls cap allows)
-                rec.responses[rid] = history + [reply_chat_message(content, calls)]
-            return Answer(200, response_body(rid, MODEL_NAME, p.body, content, calls, eos, prompt_len, len(sampled)))
-        if p.kind == "chat":
-            content, calls = reply_message(text)
-            return Answer(200, chat_body(rid, MODEL_NAME, content, calls, finish_reason(eos, calls), prompt_len,
-                                         len(sampled)))
-        return Answer(200, completion_body(rid, MODEL_NAME, text, finish_reason(eos, []), prompt_len, len(sampled)))
-
-    def _stream(self, p: Pending, answer: Answer) -> Answer:
-        if not p.body.get("stream"):
-            return answer
-        if p.kind == "responses":
-            return Answer(200, stream=sse_events(response_events(answer.body)))
-        chunks = chat_chunks(answer.body) if p.kind == "chat" else completion_chunks(answer.body)
-        return Answer(200, stream=sse(chunks))
-
-    # ------------------------------------------------------------------ trajectories
-
-    def _trajectory(self, prompt: list[int], rec: Record, outcome: tuple[str, object]) -> Trajectory:
-        kind, value = outcome
-        segments = assemble(rec.calls)
-        if rec.failure is None and kind != "ok":
-            rec.failure = f"{kind}: {value}"
-        if rec.failure is None and not segments:
-            rec.failure = "the agent made no call to the endpoint"
-        if rec.failure is None and len(segments) > 1 and self.cfg.rollout.agent_history == "refuse":
-            rec.failure = (f"{len(segments) - 1} calls did not extend the conversation of an earlier call "
-                           "(rollout.agent_history=refuse)")
-        t = self._parts(rec.position, rec.sample, prompt, segments, rec.failure, rec.truncated)
-        for part in (t, *t.splits):
-            part.reward = value if kind == "ok" and isinstance(value, float) and rec.failure is None else 0.0
-        if rec.failure is not None:
-            print(f"evenrl: rollout.agent: trajectory (prompt {rec.position}, sample {rec.sample}) failed: "
-                  f"{rec.failure}", flush=True)
-        return t
-
-    def _parts(self, position: int, sample: int, prompt: list[int], segments: list[Segment], failure: str | None,
-               truncated: bool) -> Trajectory:
-        """A trajectory's samples as rows: the first, its splits in `splits` (no reward yet)."""
-        t = Trajectory(position, sample, [], [], False)
-        if not segments:  # nothing sampled: one untrained token so the row exists
-            t.token_ids, t.logprobs, t.loss_mask, t.prompt_ids = [min(self._eos_ids(), default=0)], [0.0], [False], \
-                list(prompt)
-        parts = [t] + [Trajectory(position, sample, [], [], False) for _ in segments[1:]]
-        for part, seg in zip(parts, segments):
-            part.prompt_ids, part.token_ids, part.logprobs = seg.prompt_ids, seg.token_ids, seg.logprobs
-            part.loss_mask, part.turns, part.tool_calls = seg.loss_mask, seg.calls, seg.tool_calls
-            part.cut_calls, part.routes = seg.cut_calls, seg.routes
-            part.finished = seg.finished and not truncated
-        for k, part in enumerate(parts):
-            part.segment, part.history_breaks = k, (len(parts) - 1 if k == 0 else 0)
-            part.failed, part.error = failure is not None, failure
-        t.splits = parts[1:]
-        return t
-
-    def _score(self, unscored: list[tuple[Trajectory, Record]]) -> None:
-        """Trajectories whose agent returned None: rewards.functions on the text of the last call's reply (calls in
-        prompt order, as assembled) and the row."""
-        if not unscored:
-            return
-        rc = self.cfg.rewards
-        texts = [self.prompts.reply_text(max(rec.calls, key=lambda c: (len(c.prompt_ids), c.prompt_ids, c.ids)).ids)
-                 for _, rec in unscored]
-        scores, stats = score_all(self.reward_fns, texts, [rec.row for _, rec in unscored], rc.timeout_s,
-                                  isolate=rc.isolate, memory_limit_mib=rc.memory_limit_mib,
-                                  cpu_time_limit_s=rc.cpu_time_limit_s)
-        for (t, _), score, failed in zip(unscored, scores, stats["failed"]):
-            for part in (t, *t.splits):
-                part.reward, part.failed = score, bool(failed)
-                part.error = REPLY_SCORE_FAILED if failed else None
-
     def _eos_ids(self) -> set[int]:
         return {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-
 
     # ------------------------------------------------------------------ partial rollouts (evenrl.agents.replay)
 
@@ -421,11 +336,11 @@ class Agents:
             c.tokens, c.logprobs = torch.tensor(ids, dtype=torch.int32), torch.tensor(lps, dtype=torch.float32)
             c.versions, c.ended = torch.tensor(versions, dtype=torch.int32), bool(rec.calls) and rec.calls[-1].finished
             if rec.held is None:  # its agent returned: complete, scored as an uncut trajectory is
-                t = self._trajectory(prompts.tokens[c.row_id], rec, outcomes[token])
+                t = trajectory(self.cfg, prompts.tokens[c.row_id], rec, outcomes[token], self._eos_ids())
                 done.append((c, t, rec))
                 if outcomes[token] == ("ok", None) and rec.failure is None:
                     unscored.append((t, rec))
-        self._score(unscored)
+        score_replies(self.cfg, self.reward_fns, self.prompts.reply_text, unscored)
         for c, t, rec in done:
             c.talk.update(complete=True, reward=t.reward, failed=t.failed, error=t.error, failure=rec.failure,
                           truncated=rec.truncated, tool_calls=[x.tool_calls for x in rec.calls],
@@ -433,15 +348,5 @@ class Agents:
         return [c.talk["complete"] for c in records]
 
     def carried_rows(self, c, prompt: list[int]) -> tuple[list[Trajectory], list[list[int]]]:
-        """A complete carried trajectory (advance's) as the rows an uncut rollout makes of it, with each row's
-        token versions."""
-        talk = c.talk
-        cuts = talk.get("cut_calls") or [False] * len(talk["calls"])  # absent from older checkpoints
-        calls = [Call(x.prompt, x.ids, x.logprobs, x.eos, n, x.versions, cut) for x, n, cut in
-                 zip(from_talk(talk, c.tokens.tolist(), c.logprobs.tolist(), c.versions.tolist()), talk["tool_calls"],
-                     cuts)]
-        segments = assemble(calls)
-        t = self._parts(c.position, c.sample, prompt, segments, talk["failure"], talk["truncated"])
-        for part in (t, *t.splits):
-            part.reward, part.failed, part.error = talk["reward"], talk["failed"], talk["error"]
-        return [t, *t.splits], [s.versions for s in segments] or [[0]]
+        """A complete carried trajectory (advance's) as the rows an uncut rollout makes of it (evenrl.agents.rows)."""
+        return carried_rows(c, prompt, self._eos_ids())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from evenrl.agents.rollout import REPLY_SCORE_FAILED
+from evenrl.agents.rows import REPLY_SCORE_FAILED
 from evenrl.core.batch import Batch, Ragged
 from evenrl.core.canonical import unit_batches
 from evenrl.core.staleness import policy_version

@@ -446,7 +446,7 @@ def test_history_rewrites_split_into_samples_or_are_refused(tools_model, monkeyp
     trajectory's reward, counted), the same whether the agents share a worker or not; with
     agent_history=refuse the trajectory fails."""
     out, agents, _, tok = run_agent(tools_model, "toy_agents:rewrites_history", ROWS[:1])
-    monkeypatch.setattr(pool, "WORKERS", 1)
+    monkeypatch.setattr(pool, "workers", lambda: 1)
     again, _, _, _ = run_agent(tools_model, "toy_agents:rewrites_history", ROWS[:1])
     for t, u in zip(out[0], again[0]):
         assert (t.token_ids, t.splits[0].token_ids) == (u.token_ids, u.splits[0].token_ids)
@@ -476,7 +476,7 @@ def test_hostile_agents_cost_their_own_trajectory(tools_model, monkeypatch, capf
 
     kinds = ["hang_async", "hog", "shout", "flood", "elsewhere", "silent", "malformed", "polite", "lingers",
              "unix_elsewhere"]
-    monkeypatch.setattr(pool, "WORKERS", 2)  # agents k::2 share a worker: the flood (3) not with "malformed" (6);
+    monkeypatch.setattr(pool, "workers", lambda: 2)  # agents k::2 share a worker: the flood (3) not with "malformed" (6);
     # "lingers" (8) with "hang_async" (0), so its worker runs on after it returned
     listening = socket.socket(socket.AF_UNIX)
     listening.bind(str(tmp_path / "other.sock"))

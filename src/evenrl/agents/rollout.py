@@ -123,7 +123,8 @@ class Agents:
     def _run(self, records: dict[str, Record], engine: Engine, params: SamplingParams, step: int) -> dict:
         r, rc = self.cfg.rollout, self.cfg.rewards
         tokens = list(records)
-        groups = [tokens[k::pool.WORKERS] for k in range(min(pool.WORKERS, len(tokens)))]
+        size = pool.workers()
+        groups = [tokens[k::size] for k in range(min(size, len(tokens)))]
         jobs = [(j, 0, (self.server.socket_path, [(t, records[t].row) for t in g], MODEL_NAME, r.agent_timeout_s))
                 for j, g in enumerate(groups)]
         limits = Limits(r.agent_timeout_s + _JOB_SLACK_S, r.agent_timeout_s + _JOB_SLACK_S, rc.memory_limit_mib)

@@ -30,8 +30,23 @@ from evenrl.errors import UsageError, bad
 from evenrl.isolation import sandbox
 from evenrl.isolation.worker import EXIT_CPU, WORKER_PROCESSES, call, on_alarm
 
-# Size of the worker pool; read when the pool (re)starts.
-WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+def workers() -> int:
+    """The size of this process's worker pool, read when the pool (re)starts: its share of the CPUs it may run on
+    (the node's ranks, LOCAL_WORLD_SIZE, share them), at most 4, at least 1. Each worker imports the called
+    functions' modules once (an environment library: ~7 s of a core for verifiers), so 8 ranks on 16 cores start 16,
+    not 32."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        local = 1
+    return max(1, min(4, cpus // local))
+
+
 # A worker gets this long to start and import the called functions before its jobs are failed.
 LOAD_TIMEOUT_S = 60.0
 
@@ -220,11 +235,12 @@ class _Pool:
 
     def _run(self, blobs, jobs, limits, hard_limit, results) -> None:
         """Deal jobs to the workers, collect one answer per job, replace workers that die or overrun."""
-        if len(self.workers) != WORKERS:
+        size = workers()
+        if len(self.workers) != size:
             self.close()
-            self.workers = [None] * WORKERS
-        for slot in range(WORKERS):
-            share = jobs[slot::WORKERS]  # interleaved, so one slow function's jobs spread over all workers
+            self.workers = [None] * size
+        for slot in range(size):
+            share = jobs[slot::size]  # interleaved, so one slow function's jobs spread over all workers
             if share:
                 self._submit(slot, blobs, share, limits)
         busy = [w for w in self.workers if w is not None and w.pending]

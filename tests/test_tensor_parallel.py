@@ -178,20 +178,31 @@ def test_data_and_sequence_parallel_beside_tensor_parallel_on_four_processes(ass
     sharded on data) and SP 2 x TP 2, 4 processes each, against the same config on 1 process (made here), on a tiny
     Qwen3 (its per-head q_norm / k_norm: PER_HEAD, summed over the TP group, under FSDP2 too), 2 steps: the same
     rewards, losses and greedy evaluation, the weights within e2e.close_weights' bound (measured after 4 steps:
-    4.1e-6, 4.1e-6 and 3.6e-6; the q/k norms 6e-8; on Qwen2 1.1e-5, 1.2e-5 and 1.8e-5). The sharded one found ops.clip_grad_norm counting FSDP2's _StridedShard as whole: weights 4.5e-3 off."""
-    from e2e import close_weights, evenrl_many, final_params, shared_args
+    4.1e-6, 4.1e-6 and 3.6e-6; the q/k norms 6e-8; on Qwen2 1.1e-5, 1.2e-5 and 1.8e-5). The sharded one found
+    ops.clip_grad_norm counting FSDP2's _StridedShard as whole: weights 4.5e-3 off.
+
+    And train.reproducibility=bitwise beside TP 2: TP 2 on 2 processes (one data group) and on 4 (two) are one run,
+    the same bits (weights, every step's metrics and weights/hash: the gradients summed in fixed point over the data
+    group, the norm's and the hash's integer sums over the tp group too). Negative control: the same two under
+    rounding differ. Not claimed: TP 2's bits equal TP 1's (each layer's row-parallel sum over the TP group is an
+    fp32 sum of 2 partial products; measured 8.6e-6 apart after 3 steps on a tiny Qwen2)."""
+    from e2e import BITWISE, assert_same_run, close_weights, evenrl_many, final_params, max_diff, shared_args
     from evenrl.testing import make_tiny_model
 
     qwen3 = f"model.path={make_tiny_model(str(tmp_path / 'qwen3'), arch='qwen3')}"
     # 2 steps of the shared config, no checkpoint (4 steps and 2 checkpoints cost 142 s of the suite's time)
     args = [*shared_args(assets), qwen3, "train.steps=2", "checkpoint.every_steps=0"]
     tp = ["--nproc-per-node", 4, "parallel.tensor_parallel_size=2"]
-    runs = {"dp_tp": tp, "one": [], "dp_tp_fsdp": [*tp, "parallel.sharding=fsdp"],
-            "sp_tp": [*tp, "parallel.sequence_parallel_size=2"]}
+    tp_alone = ["--nproc-per-node", 2, "parallel.tensor_parallel_size=2"]
+    runs = {"dp_tp": tp, "dp_tp_bitwise": [*tp, BITWISE], "dp_tp_fsdp": [*tp, "parallel.sharding=fsdp"],
+            "sp_tp": [*tp, "parallel.sequence_parallel_size=2"], "tp_bitwise": [*tp_alone, BITWISE],
+            "tp": tp_alone, "one": []}
     evenrl_many({name: ["train", *args, f"log.run_dir={tmp_path / name}", *more] for name, more in runs.items()})
     for name in ("dp_tp", "dp_tp_fsdp", "sp_tp"):
         same_run(tmp_path / "one", tmp_path / name)
         assert not (far := close_weights(final_params(tmp_path / "one"), final_params(tmp_path / name))), (name, far)
+    assert_same_run(tmp_path / "tp_bitwise", tmp_path / "dp_tp_bitwise")
+    assert max_diff(final_params(tmp_path / "tp"), final_params(tmp_path / "dp_tp")) > 0.0
 
 
 @pytest.mark.parametrize("settings, rule", [

@@ -63,6 +63,9 @@ SETTINGS: dict[str, Setting] = {
                      lambda c, f: c.parallel.expert_parallel_size > 1 and c.parallel.tensor_parallel_size > 1),
     "lora-experts": Setting("LoRA on the experts (model.lora.experts)", "model.lora.experts",
                             lambda c, f: c.model.lora.rank > 0 and c.model.lora.experts),
+    "tp-fsdp": Setting("tensor parallelism with FSDP2 (parallel.tensor_parallel_size > 1 and parallel.sharding=fsdp)",
+                       "parallel.tensor_parallel_size={c.parallel.tensor_parallel_size} with parallel.sharding=fsdp",
+                       lambda c, f: c.parallel.tensor_parallel_size > 1 and c.parallel.sharding == "fsdp"),
     "offload": _is("parallel.cpu_offload", "full"),
     "replicated": _is("parallel.sharding", "replicated"),
     "engine-tp": Setting("rollout.tensor_parallel_size > 1 with rollout.engine=vllm (an engine over several devices)",
@@ -160,8 +163,10 @@ ROWS: tuple[Row, ...] = (
     Row("bitwise", "vllm-cpu", "bitwise-vllm-cpu", "vLLM's CPU build has no batch-invariant mode (a sample's logits "
         "change with the requests that share its batch)", f"rollout.engine=hf; or {_ROUNDING}"),
     *(Row("bitwise", name, "bitwise-model-parallel", _BITWISE_SPLIT, f"parallel.{key}=1; or {_ROUNDING}")
-      for name, key in (("tp", "tensor_parallel_size"), ("sp", "sequence_parallel_size"),
-                        ("ep", "expert_parallel_size"))),
+      for name, key in (("sp", "sequence_parallel_size"), ("ep", "expert_parallel_size"))),
+    Row("bitwise", "tp-fsdp", "bitwise-tensor-fsdp", "FSDP2's fixed-point reduce-scatter (distributed.exact_fsdp) is "
+        "not made for a weight split on two mesh dimensions; not implemented (bitwise with tensor parallelism runs "
+        "replicated over the data ranks)", f"parallel.sharding=replicated; or {_ROUNDING}"),
     Row("bitwise", "engine-tp", "bitwise-engine-parallel", "an engine over several devices sums each layer's slices "
         "across them and batches its group's requests together; not shown bit-identical to one device's (no machine "
         "with several GPUs has run it)", f"rollout.tensor_parallel_size=1; or {_ROUNDING}"),

@@ -184,28 +184,54 @@ class ExactGrads:
         self.tops, self.had, self.bad, self.buf = [NONE] * n, [False] * n, False, None
 
 
+def _sharded_dims(t) -> tuple:
+    """(its mesh, the mesh dimensions a DTensor is split on) or () for a tensor whole on this rank: FSDP2's data
+    dimension, tensor parallelism's tp, or both. Not isinstance(Shard): FSDP2 over a tensor-parallel dim 0 is a
+    _StridedShard (ops.clip_grad_norm says the same)."""
+    if not _is_dtensor(t):
+        return ()
+    dims = tuple(i for i, pl in enumerate(t.placements) if not (pl.is_replicate() or pl.is_partial()))
+    return (t.device_mesh, dims) if dims else ()
+
+
+def _over_shards(values: torch.Tensor, tensors: list, op) -> torch.Tensor:
+    """values[i] (a row per tensor) reduced by `op` over the ranks that hold parts of tensors[i]; rows of tensors
+    whole on this rank are left as they are. One all-reduce per kind of split and mesh dimension, in the order the
+    tensors come (the same on every rank: the same parameters); exact for integers (and MAX)."""
+    kinds: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        split = _sharded_dims(t)
+        if split:
+            kinds.setdefault((id(split[0]), split[1]), [split[0], split[1], []])[2].append(i)
+    for mesh, dims, rows in kinds.values():
+        part = values[rows]
+        for d in dims:
+            x = part.to(comm_device())
+            with guard("exact reduction"):
+                tdist.all_reduce(x, op=op, group=mesh.get_group(d))
+            part = x.to(values.device)
+        values[rows] = part
+    return values
+
+
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ with a layout-free norm: each gradient's sum of squares in fixed point (the
-    squares are exact in fp64; int64 bins under the tensor's top bin, summed exactly, and over a sharded
-    gradient's ranks), the tensors' sums then added in parameter order. Replicated gradients are whole on every
-    rank and need no collective; FSDP2's shards are summed over the data group."""
+    squares are exact in fp64; int64 bins under the tensor's top bin, summed exactly, and over the ranks holding
+    parts of a split gradient), the tensors' sums then added in parameter order. Gradients whole on a rank need no
+    collective (a norm weight's beside tensor parallelism is whole on each rank of its group: counted once); FSDP2's
+    shards are summed over the data group, tensor parallelism's over the tp group."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     flat = [_local(g).detach().reshape(-1) for g in grads]
-    sharded = [_is_dtensor(g) for g in grads]
     amax = torch.tensor([m * m for m in largest(flat)], dtype=torch.float64)  # the largest square, exactly
-    if any(sharded):
-        all_reduce(amax, tdist.ReduceOp.MAX)
+    _over_shards(amax[:, None], grads, tdist.ReduceOp.MAX)
     tops = [top_bin(float(m), lowest=-10) for m in amax.tolist()]
     sums = torch.zeros(len(grads), 2, dtype=torch.long)
     for i, (g, t) in enumerate(zip(flat, tops)):
         if t != NONE and math.isfinite(float(amax[i])):
             sums[i, 0], sums[i, 1] = fixed_point.square_bins(g, t)
-    if any(sharded):
-        mask = torch.tensor(sharded, dtype=torch.long)[:, None]
-        shard_sums = all_reduce(sums * mask, tdist.ReduceOp.SUM)
-        sums = torch.where(mask.bool(), shard_sums, sums)
+    _over_shards(sums, grads, tdist.ReduceOp.SUM)
     total = 0.0
     for (h, l_), t, m in zip(sums.tolist(), tops, amax.tolist()):
         if not math.isfinite(m):
@@ -296,22 +322,20 @@ def _global_offset(t: torch.Tensor) -> int:
 def weights_hash(params) -> str:
     """A short hash of the parameters' bits (16 hex digits), layout-free: per element (bits mod p) x (a weight of
     its tensor and flat index) mod p, summed, for two weightings; a shard's sum is its part of the whole tensor's,
-    so FSDP2's shards add up over the data group and a replicated rank hashes what it holds. The weight is
+    so FSDP2's shards add up over the data group and a replicated rank hashes what it holds (a tensor-parallel
+    split of a weight's columns hashes each shard as if its elements came first: the same hash on any number of
+    data-parallel ranks, not the unsplit model's). The weight is
     (index x c + d_j) mod p, so a tensor's sum is c x (sum of index x bits) + d_j x (sum of bits) mod p: two exact
     integer sums per tensor (fixed_point.hash_sums), whatever the weighting."""
     params = list(params)
     sums = torch.zeros(len(params), 2, dtype=torch.long)
-    sharded = []
     for j, p in enumerate(params):
         x = _local(p).detach().contiguous().reshape(-1)
         total, moment = fixed_point.hash_sums(x.view(torch.int32) if x.element_size() == 4 else x.view(torch.int16))
         moment += _global_offset(p) * total  # the flat indices of the whole tensor, not of this shard
         for k, (c, d) in enumerate(((48271, 16807), (69621, 40692))):
             sums[j, k] = (c * moment + ((j + 1) * d + 1) * total) % P
-        sharded.append(_is_dtensor(p))
-    if any(sharded):
-        mask = torch.tensor(sharded, dtype=torch.long)[:, None]
-        sums = torch.where(mask.bool(), all_reduce(sums * mask, tdist.ReduceOp.SUM), sums)
+    _over_shards(sums, params, tdist.ReduceOp.SUM)
     h = (sums % P).sum(0) % P
     return f"{int(h[0]):08x}{int(h[1]):08x}"
 

@@ -39,8 +39,11 @@ def rule_reproducibility(p: Plan) -> list[Finding]:
                            f"{c.data.prompts_per_step} prompts into {batches} generation batches for {units} "
                            f"generating ranks: {units - batches} of them generate nothing",
                            f"rollout.batch_prompts={max(1, c.data.prompts_per_step // units)}"))
-    out.append(Finding("note", "bitwise", "train.reproducibility=bitwise: the run is the same bits on any number "
-                       "of processes: generation in batches of rollout.batch_prompts="
+    tp = c.parallel.tensor_parallel_size
+    where = (f"any number of data-parallel groups of parallel.tensor_parallel_size={tp} (not TP 1's bits)" if tp > 1
+             else "any number of processes")
+    out.append(Finding("note", "bitwise", f"train.reproducibility=bitwise: the run is the same bits on {where}: "
+                       "generation in batches of rollout.batch_prompts="
                        f"{c.rollout.batch_prompts} prompts, whole micro-batches of "
                        f"train.token_cap_per_micro_batch={c.train.token_cap_per_micro_batch} tokens dealt to ranks, "
                        "gradients summed in fixed point, one CPU thread per process; each step logs weights/hash "

@@ -5,7 +5,7 @@ Run: .venv/bin/python benchmarks/agents.py [--prompts 8] [--samples 8] [--steps 
 The task is the built-in `feedback` environment's: the model answers an addition problem, is told "That is not right.
 Try again." and answers again, up to 3 turns (reward 2^-(k-1) for a right answer at turn k). Both paths run it on
 the same tiny random Qwen2 (tool-calling template) with the hf engine in this process:
-  env     rollout.env=feedback: evenrl.train.trajectories.Turns, turns in lockstep, the environment's steps in the
+  env     rollout.env=feedback: evenrl.rollout.trajectories.Turns, turns in lockstep, the environment's steps in the
           reward workers;
   agent   rollout.agent=agents:feedback (below): the same conversation written with the openai client, run in the
           reward workers against the endpoint (HTTP over the worker's loopback, FastAPI/uvicorn, a Unix socket),
@@ -78,7 +78,7 @@ def main() -> None:
     from evenrl.envs.builtin import addition_rows
     from evenrl.models.loading import load_policy
     from evenrl.testing import make_tiny_model
-    from evenrl.train.trajectories import make_turns
+    from evenrl.rollout.trajectories import make_turns
 
     root = tempfile.mkdtemp(prefix="evenrl-bench-agents-")
     model = make_tiny_model(f"{root}/model", chat_template="tools", seed=0)

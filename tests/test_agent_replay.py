@@ -14,7 +14,7 @@ import torch
 from evenrl.agents.prompts import Record
 from evenrl.agents.replay import Transcript, from_talk, next_round, to_talk
 from evenrl.agents.server import Pending
-from evenrl.train.carry import Carried, pack, unpack
+from evenrl.rollout.carry import Carried, pack, unpack
 
 MOST = 5  # each call's token budget
 

@@ -32,7 +32,7 @@ from evenrl.models.forward import response_logprobs
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
 from evenrl.train.objectives import STAT_NAMES, rl_objective
-from evenrl.train.trajectories import make_turns, trajectory_columns
+from evenrl.rollout.trajectories import make_turns, trajectory_columns
 from evenrl.train.update import minibatch_update
 
 ROWS = [{"prompt": "2+3=", "answer": "5"}, {"prompt": "7+1=", "answer": "8"}]

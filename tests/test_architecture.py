@@ -13,7 +13,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "evenrl"
 
 # Lower number = lower layer. A module may import its own package and any lower layer, nothing at or above its layer
-# in another package. The planner is torch-free (tests/test_plan.py checks that separately).
+# in another package. The planner is torch-free (tests/test_plan.py checks that separately); rollout/ (torch) sits
+# beside it, so neither imports the other.
 LAYERS = {
     "errors": 0,
     "config": 1, "isolation": 1,
@@ -21,7 +22,7 @@ LAYERS = {
     "distributed": 3, "models": 3, "envs": 3,
     "engines": 4, "testing": 4,
     "agents": 5,
-    "planner": 6,
+    "planner": 6, "rollout": 6,
     "train": 7,
     "report": 8, "demo": 9, "cli": 10, "__main__": 11, "__init__": 11,
 }

@@ -20,7 +20,7 @@ from evenrl.data.readers import Fields, read_rows
 from evenrl.errors import UsageError
 from evenrl.planner.layout import make_layout
 from evenrl.planner.plan import count_rows, make_plan
-from evenrl.train.data import load_prompts
+from evenrl.data.prompts import load_prompts
 
 TRAIN = [{"problem": f"{i} + 1 =", "answer": str(i + 1)} for i in range(7)]
 TEST = [{"problem": "9 + 9 =", "answer": "18"}]

@@ -5,6 +5,7 @@ trajectories against naive loops. The runs on several processes, vLLM and resume
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from e2e import ENV, evenrl_here, requests
+from evenrl.agents.rollout import Agents
 from evenrl.config import RunConfig
 from evenrl.core.aggregation import Denominators
 from evenrl.core.batch import Batch, Ragged
@@ -27,10 +29,11 @@ from evenrl.isolation import pool
 from evenrl.isolation.code import run_code
 from evenrl.models.forward import response_logprobs
 from evenrl.models.loading import load_policy
+from evenrl.rollout.source import TrajectorySource
+from evenrl.rollout.trajectories import Turns, trajectory_columns
 from evenrl.testing import make_tiny_model
 from evenrl.train.objectives import STAT_NAMES, rl_objective
 from evenrl.train.step import add_token_returns
-from evenrl.train.trajectories import Turns, trajectory_columns
 from evenrl.train.update import minibatch_update
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
@@ -238,6 +241,17 @@ STRIPPING = ("{% for m in messages %}{% if m.role == 'assistant' and not loop.la
              "{% elif m.role == 'assistant' %}assistant: {{ m.content }}<|endoftext|>\n"
              "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
              "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_both_trajectory_loops_are_the_one_protocol():
+    """rollout.env's Turns and rollout.agent's Agents are what the step, the reserved rollout ranks, evaluation and
+    partial rollouts call through one TrajectorySource (evenrl.rollout.source): Agents sits below that package and
+    matches it by shape only, so its methods' parameters are checked here, name and kind, in order."""
+    for loop in (Turns, Agents):
+        for name in ("load", "generate", "advance"):
+            want = inspect.signature(getattr(TrajectorySource, name)).parameters.values()
+            got = inspect.signature(getattr(loop, name)).parameters.values()
+            assert [(p.name, p.kind) for p in got] == [(p.name, p.kind) for p in want], (loop.__name__, name)
 
 
 def test_a_template_that_rewrites_history_is_refused_before_weights_load(tools_model, tmp_path, capsys):

@@ -16,7 +16,7 @@ from evenrl.engines.base import Request
 from evenrl.engines.hf import SamplingParams, generate, row_seed, sample_from_logits, uniforms
 from evenrl.models.loading import load_policy
 from evenrl.testing import make_tiny_model
-from evenrl.train.carry import Carried, pack, unpack
+from evenrl.rollout.carry import Carried, pack, unpack
 from evenrl.train.data import encode_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")

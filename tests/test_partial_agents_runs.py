@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from e2e import close_weights, copy_checkpoint, evenrl, evenrl_many, final_params, max_diff, metrics
 from evenrl.demo import write_addition_data
 from evenrl.testing import make_tiny_model
-from evenrl.train.carry import unpack
+from evenrl.rollout.carry import unpack
 
 SHAPE = ["rollout.partial=true", "rollout.tokens_per_round=7", "checkpoint.every_steps=2"]
 SAME = ["samples", "reward/mean", "reward/std", "response/length_mean", "response/sampled_length_mean",

@@ -1,4 +1,4 @@
-"""A partial-rollout checkpoint's carried samples, checked when a run resumes from it (evenrl.train.carry_check):
+"""A partial-rollout checkpoint's carried samples, checked when a run resumes from it (evenrl.rollout.carry_check):
 each way of damaging them (lengths that do not add up, a token id past the vocabulary, a dataset row that does not
 exist, NaN log-probs, a talk that does not fit its tokens) is named in one line, for single-turn samples, multi-turn
 trajectories and agents' transcripts alike; a sound one passes. The resumed runs that refuse a damaged checkpoint
@@ -13,8 +13,9 @@ import torch
 
 from evenrl.agents.replay import Recorded, to_talk
 from evenrl.config import load_config
-from evenrl.train.carry import Carried, pack
-from evenrl.train.carry_check import last_good, problem
+from evenrl.rollout.carry import Carried, pack
+from evenrl.rollout.carry_check import problem
+from evenrl.train.checkpoint import last_good
 
 EOS, VOCAB, ROWS, STEP = 2, 50, 10, 3
 COMMON = ["rollout.partial=true", "rollout.max_new_tokens=8", "rollout.samples_per_prompt=2"]

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from e2e import BITWISE, assert_same_run, evenrl, evenrl_many, fault_env, final_params, max_diff, metrics
 from evenrl.demo import write_addition_data
 from evenrl.testing import make_tiny_model
-from evenrl.train.carry import unpack
+from evenrl.rollout.carry import unpack
 
 SHAPE = ["rollout.partial=true", "rollout.tokens_per_round=5", "rewards.isolate=false", "checkpoint.every_steps=2"]
 SAME = ["samples", "reward/mean", "reward/std", "rollout/turns_mean", "response/length_mean",

@@ -18,7 +18,7 @@ import torch
 
 from e2e import (BITWISE, assert_same_run, copy_checkpoint, evenrl, evenrl_many, fault_env, final_params, max_diff,
                  metrics)
-from evenrl.train.carry import unpack
+from evenrl.rollout.carry import unpack
 
 SHAPE = ["rollout.partial=true", "rollout.max_new_tokens=8", "rollout.tokens_per_round=3", "train.steps=6",
          "rewards.isolate=false", "checkpoint.every_steps=3"]
@@ -63,7 +63,7 @@ def test_the_same_run_on_one_and_three_processes(partial_runs):
 @pytest.mark.slow
 def test_under_bitwise_the_same_bits_on_one_and_three_processes(partial_runs):
     """train.reproducibility=bitwise: each step's engine calls are the canonical batches of its new prompts and
-    one call per carried group (evenrl.train.carry.canonical_calls), so which samples share a forward pass does not
+    one call per carried group (evenrl.rollout.carry.canonical_calls), so which samples share a forward pass does not
     depend on the layout: weights and every metric the same bits, samples carried over steps as under rounding.
     Negative control: the rounding runs differ."""
     assert_same_run(partial_runs / "bitwise_one", partial_runs / "bitwise_three")

@@ -5,7 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from evenrl.errors import UsageError
-from evenrl.train.data import PromptSampler, filter_by_length, load_prompts
+from evenrl.data.prompts import filter_by_length, load_prompts
+from evenrl.train.data import PromptSampler
 
 RECORDS = [
     {"question": "1+2=", "solution": "3", "level": 1},

@@ -99,7 +99,7 @@ def test_a_bad_environment_is_one_short_line(config, monkeypatch, override):
     from evenrl.errors import UsageError
     from evenrl.planner.layout import make_layout
     from evenrl.train.preflight import preflight
-    from evenrl.train.trajectories import make_turns
+    from evenrl.rollout.trajectories import make_turns
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     cfg = load_config(str(config), [override])

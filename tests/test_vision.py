@@ -34,7 +34,8 @@ from evenrl.errors import UsageError
 from evenrl.models.loading import load_policy
 from evenrl.models.vision import encode_vision_prompt, image_inputs, load_image_processor
 from evenrl.testing import make_tiny_model, write_geometry_data
-from evenrl.train.data import load_data, load_prompts, take_images
+from evenrl.data.prompts import load_prompts
+from evenrl.train.data import load_data, take_images
 from evenrl.train.update import compute_logprobs
 
 TOL = 1e-5

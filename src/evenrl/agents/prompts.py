@@ -71,7 +71,7 @@ class Record:
 
 
 class Prompts:
-    """Renders requests for one tokenizer; `encode` and `render` as evenrl.train.trajectories uses them."""
+    """Renders requests for one tokenizer; `encode` and `render` as evenrl.rollout.trajectories uses them."""
 
     def __init__(self, tokenizer, render, eos_ids: set[int]):
         self.tokenizer, self.render, self.eos_ids = tokenizer, render, eos_ids

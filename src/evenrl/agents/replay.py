@@ -13,7 +13,7 @@ rank has returned or is held, which ends the step's generation: what each call s
 from step numbers, budgets and the agents' requests, never from timing. The calls of one trajectory must be made
 one at a time (the budget goes to them in their order).
 
-Torch-free: the transcript as lists, and as the JSON-able `talk` that evenrl.train.carry.Carried keeps beside the
+Torch-free: the transcript as lists, and as the JSON-able `talk` that evenrl.rollout.carry.Carried keeps beside the
 transcript's sampled tokens, log-probs and versions (the calls' ids one after another).
 """
 

@@ -1,9 +1,9 @@
 """Agent rollouts (rollout.agent): a user's async function drives the model through an OpenAI-compatible endpoint,
 and its calls become trajectories, token for token (docs/agents.md).
 
-`Agents` has the interface of evenrl.train.trajectories.Turns (load, generate), so the step, reserved rollout
-ranks, evaluation and every algorithm take its trajectories as they take rollout.env's (evenrl.train.trajectories.
-make_turns picks one). Per generate: each
+`Agents` satisfies evenrl.rollout.source.TrajectorySource (load, generate, advance) as rollout.env's
+evenrl.rollout.trajectories.Turns does, so the step, reserved rollout ranks, evaluation and every algorithm take its
+trajectories as they take rollout.env's (evenrl.rollout.trajectories.make_turns picks one). Per generate: each
 trajectory gets a token naming it, the agents run in the reward workers (evenrl.agents.job, contained, their
 only way out the endpoint), and this thread serves their requests in batches on the engine until every agent has
 returned: each request's prompt is rendered and spliced (evenrl.agents.prompts), sampled from the stream keyed
@@ -65,7 +65,7 @@ class Agents:
     """rollout.agent for one process: the function's spec checked, the endpoint started at the first rollout."""
 
     def __init__(self, cfg: RunConfig, load_openings, tokenizer=None):
-        # load_openings: the trainer's reading of a prompt set as openings (evenrl.train.trajectories.load_openings,
+        # load_openings: the trainer's reading of a prompt set as openings (evenrl.rollout.trajectories.load_openings,
         # shared with rollout.env; given by make_turns because the trainer's data reading sits above this package)
         self.cfg, self.tokenizer, self.load_openings = cfg, tokenizer, load_openings
         problem = agent_problem(cfg.rollout.agent, cfg.rollout.agent_args)
@@ -307,7 +307,7 @@ class Agents:
 
     def advance(self, engine: Engine, prompts, records: list, ages: list[int], rules: CarryRules,
                 params: SamplingParams, version: int) -> list[bool]:
-        """One step of rollout.partial for these trajectories (evenrl.train.carry.Carried: talk None for a new one)
+        """One step of rollout.partial for these trajectories (evenrl.rollout.carry.Carried: talk None for a new one)
         under policy `version`, each at its age: every agent started on its row, its recorded calls answered from
         the transcript, the cut one sampled on, new ones sampled within the step's budget. Their tokens,
         log-probs, versions and talk (the transcript; once complete, its outcome) are set in place. Returns per

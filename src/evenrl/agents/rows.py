@@ -78,7 +78,7 @@ def score_replies(cfg: RunConfig, reward_fns: list, reply_text, unscored: list[t
 
 
 def carried_rows(c, prompt: list[int], eos_ids: set[int]) -> tuple[list[Trajectory], list[list[int]]]:
-    """A complete carried trajectory (evenrl.train.carry.Carried, its talk as Agents.advance left it) as the rows an
+    """A complete carried trajectory (evenrl.rollout.carry.Carried, its talk as Agents.advance left it) as the rows an
     uncut rollout makes of it, with each row's token versions."""
     talk = c.talk
     cuts = talk.get("cut_calls") or [False] * len(talk["calls"])  # absent from older checkpoints

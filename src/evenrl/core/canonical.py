@@ -86,7 +86,7 @@ def unit_batches(cfg: RunConfig, costs: Sequence[float], units: int,
     """Per generating unit, its engine calls' (prompt, first sample, count) lists: under bitwise the canonical
     batches of rollout.batch_prompts prompts dealt whole (rollout_batches), under rounding one call of the unit's
     core.schedule.rollout_shares. The one place either mode's split is chosen: the trainers' sampling, the reserved
-    rollout ranks and partial rollouts (train.carry) all deal the step's prompts by it."""
+    rollout ranks and partial rollouts (rollout.carry) all deal the step's prompts by it."""
     n = cfg.rollout.samples_per_prompt
     if cfg.train.reproducibility == "bitwise":
         return rollout_batches(costs, n, units, cfg.rollout.batch_prompts, weights)

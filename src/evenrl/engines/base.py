@@ -4,7 +4,7 @@ trainer and the weight sync call.
 
 A sample's randomness is keyed by (train.seed, step, prompt position, sample index[, turn]): `row_seed` names its
 stream, so which rank or engine replica makes a sample does not change it. A multi-turn trajectory's later turns
-(turn >= 1, evenrl.train.trajectories) draw from streams of their own; turn 0 is the single-turn stream.
+(turn >= 1, evenrl.rollout.trajectories) draw from streams of their own; turn 0 is the single-turn stream.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class SamplingParams:
 class Request:
     """One prompt's samples for Engine.generate, each drawn from its stream row_seed(seed, step, key, sample, turn):
     what a sample is follows from these fields alone, not from the call, rank or batch it is made in. Engines and
-    every caller share it: the step's rollout (train.sampling, train.rollout_rank), carried samples (train.carry,
-    train.carry_turns), the turn loops (train.trajectories, agents.rollout), judges (train.reward_models)."""
+    every caller share it: the step's rollout (rollout.generate, train.rollout_rank), carried samples (rollout.carry),
+    the turn loops (rollout.trajectories, agents.rollout), judges (train.reward_models)."""
 
     prompt: list[int]  # token ids; a continued sample's are its prompt's then its tokens so far (prefilled again)
     key: int  # names the prompt's streams: a position that does not depend on the layout (not its dataset row)
@@ -90,7 +90,7 @@ class Completion:
 class Trajectory(Completion):
     """A Completion whose token_ids hold every token after the prompt (sampled and environment turns); logprobs
     hold the engine's log-prob of each sampled token and 0 for environment tokens. What both trajectory loops
-    return, rollout.env's (evenrl.train.trajectories) and rollout.agent's (evenrl.agents.rollout), so it lives
+    return, rollout.env's (evenrl.rollout.trajectories) and rollout.agent's (evenrl.agents.rollout), so it lives
     below both."""
 
     loss_mask: list[bool] = field(default_factory=list)

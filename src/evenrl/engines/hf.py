@@ -119,7 +119,7 @@ def generate(model, requests: list[Request], params: SamplingParams, *, eos_toke
     Requests with images prefill with their pixels and the model's multimodal positions (the forward decoder).
     `record_routes`: a mixture of experts' completions carry the experts each of their tokens went to (routes: the
     prompt's in its prefill, each sampled token's when it was fed; evenrl.models.routing).
-    Continuing samples (partial rollouts, evenrl.train.carry): a request's prompt is the sample's prompt + its tokens
+    Continuing samples (partial rollouts, evenrl.rollout.carry): a request's prompt is the sample's prompt + its tokens
     so far (prefilled again), its step the step that drew it, its first_token how many tokens its stream has drawn
     (its next draw is that position's uniform: cut and continued under unchanged weights, a sample is the one never
     cut) and its max_tokens its most new tokens in this call.

@@ -12,7 +12,7 @@ age A(L), or a drop):
                 over the samples in flight, S * E[A + 1] of them; idle share 1 - S*E[L] / (rows * steps)
   held          between steps, carried samples hold S * E[sum over the steps they are carried of their tokens];
                 a done sample of age A and length L holds L while the last of its n - 1 group-mates is still
-                generated (E[max(A, their ages)] - A steps); 12 bytes a token (train.carry: int32 id, float32
+                generated (E[max(A, their ages)] - A steps); 12 bytes a token (rollout.carry: int32 id, float32
                 log-prob, int32 version), on the generating ranks (and trainer 0's copy with reserved rollout
                 ranks), and in every checkpoint
   time          with the model's dimensions: decode steps at evenrl.planner.timing's rates for the rows each

@@ -48,9 +48,11 @@ from evenrl.engines.versions import fsync_dir
 from evenrl.errors import RunStopped, UsageError
 from evenrl.models.lora import adapter_config, has_adapters, is_adapter, save_adapter
 from evenrl.planner.reproducibility import recorded
+from evenrl.rollout import carry_check
 # the step directories' layout (torch-free, for the launcher); latest and read_meta are this module's API too
 from evenrl.train.optimizer import forget_steps
-from evenrl.train.checkpoint_dirs import EARLIER, STEP_DIR, discard, latest, read_meta, retired  # noqa: F401
+from evenrl.train.checkpoint_dirs import (EARLIER, STEP_DIR, discard, is_complete, latest, read_meta,  # noqa: F401
+                                          retired)
 
 
 def _dcp():
@@ -195,6 +197,25 @@ def read_state(path: str | os.PathLike) -> dict:
         raise UsageError(f"{path / 'trainer.pt'}: saved at step {trainer_state['step']!r} but meta.json says {step}; "
                          f"{EARLIER}")
     return trainer_state
+
+
+def last_good(ckpt_root: Path, cfg, *, vocab: int, rows: int, eos: set[int]) -> Path | None:
+    """The newest complete checkpoint under `ckpt_root` whose carried samples are sound (any, without
+    rollout.partial; evenrl.rollout.carry_check.problem); None when there is none."""
+    steps = sorted((p for p in Path(ckpt_root).glob("step-*") if STEP_DIR.fullmatch(p.name) and is_complete(p)),
+                   key=lambda p: int(p.name[5:]), reverse=True)
+    for path in steps:
+        if not cfg.rollout.partial:
+            return path
+        try:
+            state = read_state(path)
+        except UsageError:
+            continue
+        if carry_check.problem(state.get("carry"), cfg, step=int(path.name[5:]), vocab=vocab, rows=rows,
+                               eos=eos) is None:
+            return path
+    return None
+
 
 
 def load(path: str | os.PathLike, state: Checkpointed) -> int:

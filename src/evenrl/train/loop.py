@@ -18,7 +18,8 @@ from evenrl.config import RunConfig, config_to_yaml
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.mesh import Mesh
 from evenrl.errors import Interrupted, NonFinite, RunStopped, UsageError
-from evenrl.train import carry_check, checkpoint, determinism, rundir
+from evenrl.rollout import carry_check
+from evenrl.train import checkpoint, determinism, rundir
 from evenrl.train.balance import make_balance
 from evenrl.train.evaluate import evaluate
 from evenrl.train.metrics import Idle, phase_table
@@ -180,7 +181,7 @@ def _last_good(trainer: Trainer, e: RunStopped) -> str:
     last = checkpoint.latest(root)
     if not isinstance(e, NonFinite) or trainer.carry is None or last is None:
         return str(last or "none yet")
-    good = carry_check.last_good(root, trainer.cfg, vocab=carry_check.vocab_of(trainer.model),
+    good = checkpoint.last_good(root, trainer.cfg, vocab=carry_check.vocab_of(trainer.model),
                                  rows=len(trainer.prompts.rows), eos=trainer.eos_ids)
     return str(good or "none") + (f" ({last.name}'s carried samples are damaged)" if good != last else "")
 

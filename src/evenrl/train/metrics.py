@@ -13,7 +13,7 @@ from evenrl.core.carry import oldest_token_age
 from evenrl.core.masking import masked_rows
 from evenrl.distributed import collectives as dist
 from evenrl.rewards.overlong import overlong_penalty
-from evenrl.train.trajectories import overlong_lengths
+from evenrl.rollout.trajectories import overlong_lengths
 
 
 class Timer:

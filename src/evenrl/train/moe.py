@@ -4,9 +4,9 @@ metrics. The hooks that do the routing are evenrl.models.routing's; the arithmet
 
 Who routes which forward:
   off      every forward by its own router.
-  engine   the hf engine records each sample's routes (the `routes` column, from sampling.rollout); every trainer
-           forward replays them. `probe` measures, with one forward without gradient per step, how the trainer's
-           own routing would differ (per layer and in any layer) and the log-prob mismatch it would have had.
+  engine   the hf engine records each sample's routes (the `routes` column, from rollout.generate.rollout); every
+           trainer forward replays them. `probe` measures, with one forward without gradient per step, how the
+           trainer's own routing would differ (per layer and in any layer) and the log-prob mismatch it would have had.
   trainer  the step's first forward of the policy (old log-probs, or the reward KL's) records the routes
            (`record_routes` into the `routes` column) and the later forwards replay them (R2).
 With algo.router_aux_loss_coef > 0 each mini-batch's expert counts must be known before its first backward: they

@@ -25,13 +25,14 @@ from evenrl.models.loading import load_policy, set_tf32
 from evenrl.models.lora import add_adapters
 from evenrl.models.vision import prompt_image_inputs
 from evenrl.errors import UsageError
-from evenrl.train import carry_check, checkpoint
-from evenrl.train.carry import Carry, serve_step
+from evenrl.rollout import carry_check
+from evenrl.rollout.carry import Carry, serve_step
+from evenrl.rollout.generate import generate_batch
+from evenrl.rollout.source import TrajectorySource
+from evenrl.rollout.trajectories import make_turns
+from evenrl.train import checkpoint
 from evenrl.train.data import PromptSampler
-from evenrl.train.sampling import generate_batch
 from evenrl.train.trainer import Prompts, check_settings, load_prompt_set, vision_setup
-from evenrl.agents.rollout import Agents
-from evenrl.train.trajectories import Turns, make_turns
 
 
 def serve(cfg: RunConfig, mesh: Mesh, found: Path | None) -> None:
@@ -81,7 +82,7 @@ def serve(cfg: RunConfig, mesh: Mesh, found: Path | None) -> None:
 
 
 def generate_and_send(cfg: RunConfig, engine: Engine | None, prompts: Prompts, step: int, prompt_ids: list[int],
-                      turns: Turns | Agents | None, processor=None) -> None:
+                      turns: TrajectorySource | None, processor=None) -> None:
     """One step, with the weights of policy_version(step) loaded: this replica's share of the samples, the step's
     prompts balanced over the replicas by cost, sent to the trainers without waiting for them (each trainer gets
     the samples it starts from, as in a colocated step). A sample's key is what it is on any layout, so the samples

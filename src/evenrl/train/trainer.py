@@ -30,14 +30,15 @@ from evenrl.planner.compatibility import check_run
 from evenrl.planner.dims import dims_from_config
 from evenrl.rewards import RewardFn, resolve
 from evenrl.errors import UsageError
-from evenrl.train import carry_check, checkpoint, moe
+from evenrl.rollout import carry_check
+from evenrl.rollout.carry import Carry
+from evenrl.rollout.source import TrajectorySource
+from evenrl.rollout.trajectories import make_turns
+from evenrl.train import checkpoint, moe
 from evenrl.train.balance import Balance
-from evenrl.train.carry import Carry
 from evenrl.train.data import PromptSampler, load_data, take_images
 from evenrl.train.optimizer import make_adamw
 from evenrl.train.reward_models import Scorer, load_scorers
-from evenrl.agents.rollout import Agents
-from evenrl.train.trajectories import Turns, make_turns
 from evenrl.train.parallelize import parallelize
 
 
@@ -83,8 +84,8 @@ class Trainer:
     vision_weight: float = 0.0  # a patch through its vision encoder, in language-model tokens (vision_token_weight)
     scorers: list[Scorer] = field(default_factory=list)  # reward models and judges (train.reward_models)
     balance: Balance = field(default_factory=Balance)  # token caps and capacity weights (mixed devices)
-    turns: Turns | Agents | None = None  # rollout.env or rollout.agent: the trajectory loop (trajectories, agents)
-    carry: Carry | None = None  # rollout.partial: the samples carried across steps (train.carry)
+    turns: TrajectorySource | None = None  # rollout.env or rollout.agent: the trajectory loop (evenrl.rollout)
+    carry: Carry | None = None  # rollout.partial: the samples carried across steps (rollout.carry)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -216,7 +217,7 @@ def vision_setup(cfg: RunConfig, model) -> tuple[Any, float]:
     return processor, vision_token_weight(text.layers, text.active_layer_params, vision_dims_from_config(hf))
 
 
-def load_prompt_set(cfg: RunConfig, tokenizer, turns: Turns | Agents | None, path: str | None = None,
+def load_prompt_set(cfg: RunConfig, tokenizer, turns: TrajectorySource | None, path: str | None = None,
                     vision=None) -> tuple[Prompts, int]:
     """The prompts of data.path (or `path`) and how many were skipped as too long: with rollout.env, the
     environment's openings rendered by the chat template; `vision`: (image processor, model config) of a

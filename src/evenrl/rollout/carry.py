@@ -17,10 +17,12 @@ Nothing here depends on timing: what a sample holds after step t follows from it
 of each step. A checkpoint holds every in-flight and waiting sample with its tokens (`state_dict`, gathered to
 trainer 0; with reserved rollout ranks trainer 0 keeps a copy of theirs, sent with every step's samples), so a
 resumed run continues them exactly.
-With rollout.env a sample is a trajectory: its step runs its turns within the budget (evenrl.train.carry_turns) and
-its turn loop's state (`talk`) travels and is checkpointed with its tokens. With rollout.agent a sample is an agent's
-trajectory: its step runs the agent with its calls replayed (evenrl.agents.replay), `talk` holds its transcript
-and the tokens its calls' sampled ids; once done it becomes the rows of its samples (`to_batch`).
+With rollout.env a sample is a trajectory: its step runs its turns within the budget (evenrl.rollout.trajectories.
+Turns.advance) and its turn loop's state (`talk`, evenrl.rollout.talk) travels and is checkpointed with its tokens.
+With rollout.agent a sample is an agent's trajectory (evenrl.agents.rollout.Agents.advance): its step runs the agent
+with its calls replayed (evenrl.agents.replay), `talk` holds its transcript and the tokens its calls' sampled ids;
+once done it becomes the rows of its samples (`to_batch`). Either loop is the run's TrajectorySource
+(evenrl.rollout.source), whose `advance` runs a step of its carried samples.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from evenrl.core.staleness import policy_version
 from evenrl.distributed import collectives as dist
 from evenrl.engines.base import Request, Trajectory, sampling_params
 from evenrl.errors import RunStopped
-from evenrl.train.carry_turns import advance_turns, decode, encode, opening, trajectory
-from evenrl.train.trajectories import trajectory_columns
+from evenrl.rollout.source import TrajectorySource
+from evenrl.rollout.talk import decode, encode, trajectory
+from evenrl.rollout.trajectories import trajectory_columns
 
 
 @dataclass
@@ -58,7 +61,7 @@ class Carried:
     logprobs: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float32))  # the engine's
     versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # each token's policy
     ended: bool = False  # its last token is EOS
-    # rollout.env: the turn loop's state (evenrl.train.carry_turns): messages, rendered history, the environment's
+    # rollout.env: the turn loop's state (evenrl.rollout.talk): messages, rendered history, the environment's
     # pickle, the reply it was cut in, turns, rewards, the loss mask; None for a single-turn sample
     talk: dict | None = None
 
@@ -142,8 +145,8 @@ class Carry:
     """A rank's samples of partial rollouts: `live` (in flight, continued by this rank; on trainer 0 with reserved
     rollout ranks, the copy of theirs) and `pool` (done, waiting here for their group)."""
 
-    def __init__(self, cfg, turns=None):
-        self.cfg, self.rules, self.turns = cfg, carry_rules(cfg), turns  # turns: rollout.env's loop, or None
+    def __init__(self, cfg, turns: TrajectorySource | None = None):
+        self.cfg, self.rules, self.turns = cfg, carry_rules(cfg), turns  # the run's trajectory loop, or None
         self.n = cfg.rollout.samples_per_prompt
         self.live: list[Carried] = []
         self.pool: list[Carried] = []
@@ -166,9 +169,7 @@ class Carry:
         new = [Carried(step, p, s, prompt_ids[p], gen, homes[(p, s)]) for p, a, c in share for s in range(a, a + c)]
         live = sorted(self.live, key=lambda r: r.key)
         ages = [step - r.birth for r in live]
-        if self.turns is not None:
-            for r in (new if not isinstance(self.turns, Agents) else []):
-                r.talk = opening(self.turns, prompts.openings[r.row_id])
+        if self.turns is not None:  # a new trajectory's talk is its loop's to open (TrajectorySource.advance)
             self.waited += sum(1 for a in ages if step_budget(self.rules, a) is None)  # generated to their end
         parts = [(share, new, live)] if calls is None else canonical_calls(calls, new, live, pad)
         complete = {}
@@ -183,12 +184,9 @@ class Carry:
         the `live` ones; returns per sample (new, then live) whether its trajectory is complete (single-turn: False,
         _sort reads its EOS and length)."""
         rules, ages = self.rules, [step - r.birth for r in live]
-        if isinstance(self.turns, Agents):  # the agents run, their transcripts replayed (evenrl.agents.replay)
+        if self.turns is not None:  # the turn loop's or the agents' step (their transcripts replayed)
             return self.turns.advance(engine, prompts, new + live, [0] * len(new) + ages, rules,
                                       sampling_params(self.cfg), version)
-        if self.turns is not None:
-            return advance_turns(self.turns, engine, prompts, new + live, [0] * len(new) + ages, rules,
-                                 sampling_params(self.cfg), version)
         tokens = prompts.tokens
         fresh, caps = round_tokens(rules, 0, 0), [round_tokens(rules, len(r.tokens), a) for r, a in zip(live, ages)]
         self.waited += sum(1 for c in caps if c > rules.budget)  # generated to their end
@@ -301,7 +299,7 @@ class Carry:
 # ------------------------------------------------------------------------------------------ the step's batch
 
 def carried_rows(trainer, step: int, prompt_ids: list[int]) -> Batch:
-    """A training rank's part of the step's rollout with rollout.partial (evenrl.train.sampling.rollout): this
+    """A training rank's part of the step's rollout with rollout.partial (evenrl.rollout.generate.rollout): this
     step's generation (here, or received from the reserved rollout ranks), then the complete groups' samples this
     rank holds, as the step's rows."""
     carry, cfg = trainer.carry, trainer.cfg

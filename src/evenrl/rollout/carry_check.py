@@ -1,4 +1,4 @@
-"""The carried samples of a checkpoint (rollout.partial: evenrl.train.carry's packed in-flight and waiting samples),
+"""The carried samples of a checkpoint (rollout.partial: evenrl.rollout.carry's packed in-flight and waiting samples),
 checked when a resumed run loads them, before it uses or rewrites anything: a damaged one would otherwise stop the
 run with a traceback at unpacking (lengths that do not add up), in a re-prefill after the run directory was
 rewritten (a token id past the vocabulary, a dataset row that does not exist), or train on NaN log-probs and stop
@@ -7,22 +7,19 @@ with a non-finite loss naming the damaged checkpoint as the last good one.
 Checked for every field a partial rollout carries: the packed tensors' kinds and shapes; each sample's key, its
 row in the dataset, its tokens (ids in the vocabulary), log-probs (finite) and policy versions (before the
 checkpoint's step); whether it is done or in flight as the rules say; and its talk: a multi-turn trajectory's turn
-loop (evenrl.train.carry_turns: one loss-mask entry per token) or an agent's transcript (evenrl.agents.replay: its
+loop (evenrl.rollout.talk: one loss-mask entry per token) or an agent's transcript (evenrl.agents.replay: its
 calls' tokens adding up to the sample's, their prompts in the vocabulary). `problem` says what is wrong in one line
-(None: sound); `last_good` is the newest checkpoint whose carried samples are sound.
+(None: sound); evenrl.train.checkpoint.last_good finds the newest checkpoint whose carried samples are sound.
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
 import torch
 
 from evenrl.core.carry import CarryRules, carry_rules
-from evenrl.train.carry import META
-from evenrl.train.carry_turns import decode
-from evenrl.train.checkpoint_dirs import STEP_DIR, is_complete
+from evenrl.rollout.carry import META
+from evenrl.rollout.talk import decode
 
 _TENSORS = {"meta": torch.long, "lengths": torch.long, "tokens": torch.int32, "logprobs": torch.float32,
             "versions": torch.int32}
@@ -61,26 +58,6 @@ def problem(carry, cfg, *, step: int, vocab: int, rows: int, eos: set[int]) -> s
 def vocab_of(model) -> int:
     """The token ids `model` can sample: its (text) config's vocabulary size, the rows of its output layer."""
     return int(model.config.get_text_config().vocab_size)
-
-
-def last_good(ckpt_root: Path, cfg, *, vocab: int, rows: int, eos: set[int]) -> Path | None:
-    """The newest complete checkpoint under `ckpt_root` whose carried samples are sound (any, without
-    rollout.partial); None when there is none."""
-    from evenrl.errors import UsageError
-    from evenrl.train.checkpoint import read_state
-
-    steps = sorted((p for p in Path(ckpt_root).glob("step-*") if STEP_DIR.fullmatch(p.name) and is_complete(p)),
-                   key=lambda p: int(p.name[5:]), reverse=True)
-    for path in steps:
-        if not cfg.rollout.partial:
-            return path
-        try:
-            state = read_state(path)
-        except UsageError:
-            continue
-        if problem(state.get("carry"), cfg, step=int(path.name[5:]), vocab=vocab, rows=rows, eos=eos) is None:
-            return path
-    return None
 
 
 def _shape_problem(packed, kind: str | None) -> str | None:

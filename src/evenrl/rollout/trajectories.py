@@ -16,13 +16,15 @@ and a resumed run regenerates it exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from evenrl.agents.rollout import Agents
 from evenrl.config import RunConfig
 from evenrl.core.batch import Ragged
+from evenrl.core.carry import CarryRules, step_budget
+from evenrl.data.prompts import filter_by_length, load_prompts
 from evenrl.distributed import collectives as dist
 from evenrl.engines.base import Engine, Request, SamplingParams, Trajectory, keyed_seed
 from evenrl.envs.registry import resolve
@@ -31,7 +33,8 @@ from evenrl.envs.template import (PREFIX_FIX, TemplateDrift, check_template, env
                                   tokenizer_render)
 from evenrl.envs.toolcalls import ends_inside_call, tool_schemas
 from evenrl.errors import RunStopped, UsageError
-from evenrl.train.data import filter_by_length, load_prompts
+from evenrl.rollout.source import TrajectorySource
+from evenrl.rollout.talk import trajectory
 
 
 @dataclass
@@ -64,6 +67,13 @@ class Turns:
         self.tokenizer = tokenizer
         return load_openings(self.cfg, tokenizer, path, self.session.openings, self.tools)
 
+    def opening(self, messages: list[dict]) -> dict:
+        """A new carried trajectory's talk (evenrl.rollout.talk): its opening messages and their rendering, no turn
+        taken."""
+        return {"messages": list(messages), "history": tokenizer_render(self.tokenizer)(messages, self.tools, True),
+                "state": None, "reply": 0, "complete": False, "mask": "", "turns": 0, "reward": 0.0, "failed": False,
+                "error": None, "tool_calls": 0, "tool_errors": 0, "cut_calls": 0}
+
     def generate(self, engine: Engine, requests: list[Request], params: SamplingParams, *, rows: list[dict],
                  openings: list[list[dict]]) -> list[list[Trajectory]]:
         """Engine.generate's [request][sample] result, as whole trajectories (`rows`, `openings`: each request's
@@ -87,6 +97,73 @@ class Turns:
             live = [x for x, (ids, text), result in zip(live, replies, results)
                     if self.close_turn(x, ids, text, result, render)]
         return out
+
+    def advance(self, engine: Engine, prompts, records: list, ages: list[int], rules: CarryRules,
+                params: SamplingParams, version: int) -> list[bool]:
+        """One step of rollout.partial for these trajectories (evenrl.rollout.carry.Carried; talk None for a new one,
+        which gets its opening) under policy `version`, each at its age; their tokens, log-probs, versions and talk
+        updated in place. Returns per record whether it is complete.
+
+        A step gives each trajectory B sampled tokens (core.carry.step_budget) to spend across turns: each
+        sub-round, every trajectory with budget left samples its reply on (at most B left, what is left of
+        max_new_tokens for the reply and of max_trajectory_tokens); a reply that ends (EOS, max_new_tokens, or the
+        trajectory full) goes to the environment, whose turn is appended as in an uncut trajectory (close_turn); a
+        reply cut by the budget is continued next step from the token where it stopped. Every rank makes
+        rollout.max_turns engine calls a step, with samples or not (the hf engine's call gathers a sharded model, a
+        collective), which is enough: a sub-round ends a turn or spends the budget.
+
+        Reply k of a trajectory draws from the stream of its (birth step, position, sample, turn k) from its token
+        position in the reply on (engines.base.Request's first_token), the environment from keyed_seed("evenrl-env",
+        seed, birth, position, sample) and the state it pickled after the last turn: where and when a trajectory
+        was cut changes which policy sampled a token, never which stream drew it."""
+        for c in records:
+            if c.talk is None:
+                c.talk = self.opening(prompts.openings[c.row_id])
+        r = self.cfg.rollout
+        render = tokenizer_render(self.tokenizer)
+        eos = self.eos_ids()
+        xs = [Live(trajectory(c), prompts.rows[c.row_id], prompts.tokens[c.row_id], c.talk["messages"],
+                    c.talk["history"], keyed_seed("evenrl-env", params.seed, c.birth, c.position, c.sample),
+                    c.talk["state"]) for c in records]
+        reply = [c.talk["reply"] for c in records]
+        complete = [c.talk["complete"] for c in records]
+        left = [step_budget(rules, a) for a in ages]
+        before = [len(c.tokens) for c in records]
+        for _ in range(r.max_turns):  # every rank as many engine calls: see above
+            caps = [0 if complete[i] else min(r.max_new_tokens - reply[i], r.max_trajectory_tokens
+                                              - len(x.traj.token_ids), r.max_new_tokens if left[i] is None else left[i])
+                    for i, x in enumerate(xs)]
+            active = [i for i, cap in enumerate(caps) if cap > 0]
+            got = engine.generate([Request(xs[i].prompt + xs[i].traj.token_ids, records[i].position, records[i].birth,
+                                           range(records[i].sample, records[i].sample + 1), xs[i].traj.turns, reply[i],
+                                           caps[i]) for i in active], params)
+            ended = []
+            for i, [c] in zip(active, got):
+                t = xs[i].traj
+                t.token_ids += c.token_ids
+                t.logprobs += c.logprobs
+                t.loss_mask += [True] * len(c.token_ids)
+                reply[i] += len(c.token_ids)
+                left[i] = None if left[i] is None else left[i] - len(c.token_ids)
+                if c.finished or reply[i] >= r.max_new_tokens or len(t.token_ids) >= r.max_trajectory_tokens:
+                    ended.append(i)  # else cut by the step's budget: continued next step from here
+            replies = [xs[i].traj.token_ids[len(xs[i].traj.token_ids) - reply[i]:] for i in ended]
+            texts = [self.decode(ids[:-1] if ids and ids[-1] in eos else ids) for ids in replies]
+            results = self.env_steps(engine, [(xs[i].state, xs[i].row, xs[i].seed, t) for i, t in zip(ended, texts)])
+            for i, ids, text, result in zip(ended, replies, texts, results):
+                complete[i] = not self.close_turn(xs[i], ids, text, result, render)
+                reply[i] = 0
+        for c, x, n, rep, done in zip(records, xs, before, reply, complete):
+            t = x.traj
+            c.tokens = torch.tensor(t.token_ids, dtype=torch.int32)
+            c.logprobs = torch.tensor(t.logprobs, dtype=torch.float32)
+            c.versions = torch.cat([c.versions, torch.full((len(t.token_ids) - n,), version, dtype=torch.int32)])
+            c.ended = t.finished
+            c.talk = {"messages": x.messages, "history": x.history, "state": x.state, "reply": rep, "complete": done,
+                      "mask": "".join("1" if m else "0" for m in t.loss_mask), "turns": t.turns, "reward": t.reward,
+                      "failed": t.failed, "error": t.error, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
+                      "cut_calls": t.cut_calls}
+        return complete
 
     def close_turn(self, x: Live, ids: list[int], text: str, result: tuple[str, object], render) -> bool:
         """After a turn's reply (its sampled `ids`, its `text`) and its environment step (`result`, as
@@ -184,7 +261,7 @@ class Turns:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def make_turns(cfg: RunConfig) -> Turns | Agents | None:
+def make_turns(cfg: RunConfig) -> TrajectorySource | None:
     """The trajectory loop of the run: rollout.agent's (evenrl.agents), rollout.env's (its template checked before
     any weights load), or None for one completion per prompt."""
     if cfg.rollout.agent:

@@ -130,8 +130,6 @@ CASES = [
     ("bitwise-tensor-fsdp", "error", ["train.reproducibility=bitwise", "parallel.tensor_parallel_size=2",
                                       "parallel.sharding=fsdp"], {}, TINY,
      ["tensor_parallel_size=2 with parallel.sharding=fsdp", "parallel.sharding=replicated"]),
-    ("bitwise-model-parallel", "error", ["train.reproducibility=bitwise", "parallel.sequence_parallel_size=2"], {},
-     TINY, ["sequence_parallel_size=2"]),
     ("bitwise-model-parallel", "error", ["train.reproducibility=bitwise", "parallel.expert_parallel_size=2"], {},
      MOE, ["expert_parallel_size=2", "parallel.expert_parallel_size=1"]),
     ("bitwise-engine-parallel", "error", ["train.reproducibility=bitwise", "rollout.engine=vllm",

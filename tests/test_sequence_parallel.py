@@ -152,12 +152,23 @@ def test_sequence_parallel_run_resumes_a_one_process_checkpoint(shared_runs, tmp
 @pytest.mark.large_world
 def test_two_sequence_parallel_groups_train_the_one_process_model(assets, tmp_path):
     """DP 2 x SP 2 on 4 processes with activation checkpointing against 1 process (the assets' config, 2 steps of 7
-    prompts x 3 samples in 2 mini-batches): the same rewards and the same model within 1e-5."""
-    from e2e import evenrl_many, final_params, max_diff, metrics
+    prompts x 3 samples in 2 mini-batches): the same rewards and the same model within 1e-5.
 
-    evenrl_many({"one": ["train", assets["cfg"], f"log.run_dir={tmp_path / 'one'}"],
-                 "dp2sp2": ["train", assets["cfg"], f"log.run_dir={tmp_path / 'dp2sp2'}", "--nproc-per-node", 4,
-                            "parallel.sequence_parallel_size=2", "model.gradient_checkpointing=true"]})
+    And train.reproducibility=bitwise with SP 2 under FSDP2: one SP group (2 processes) and two (4) are one run, the
+    same bits (weights, every step's metrics and weights/hash: each group's gradients summed in fixed point over the
+    data and sp ranks, FSDP2's reduce-scatter in fixed point). Negative control: SP 2 on 2 and on 4 processes under
+    rounding differ. Not claimed: SP 2's bits equal one process's (an SP rank projects its part of the sequence, a
+    matrix product of other shape; measured 5.3e-7 apart after 3 steps)."""
+    from e2e import BITWISE, assert_same_run, evenrl_many, final_params, max_diff, metrics
+
+    sp, fsdp = ["parallel.sequence_parallel_size=2", "model.gradient_checkpointing=true"], "parallel.sharding=fsdp"
+    runs = {"dp2sp2": ["--nproc-per-node", 4, *sp], "dp2sp2_bitwise": ["--nproc-per-node", 4, *sp, fsdp, BITWISE],
+            "sp2_bitwise": ["--nproc-per-node", 2, *sp, fsdp, BITWISE], "sp2": ["--nproc-per-node", 2, *sp],
+            "one": []}
+    evenrl_many({name: ["train", assets["cfg"], f"log.run_dir={tmp_path / name}", *more]
+                 for name, more in runs.items()})
     one, split = tmp_path / "one", tmp_path / "dp2sp2"
     assert [r.get("reward/mean") for r in metrics(split)] == [r.get("reward/mean") for r in metrics(one)]
     assert max_diff(final_params(one), final_params(split)) <= 1e-5
+    assert_same_run(tmp_path / "sp2_bitwise", tmp_path / "dp2sp2_bitwise")
+    assert max_diff(final_params(tmp_path / "sp2"), final_params(split)) > 0.0

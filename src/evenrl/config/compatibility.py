@@ -135,8 +135,8 @@ class Row:
 _OFF_PARTIAL, _ROUNDING = "rollout.partial=false", "train.reproducibility=rounding"
 _TP_PLAN = ("the tensor-parallel plan covers dense decoders with q/k/v/o and gate/up/down projections (Qwen2, "
             "Qwen2.5, Qwen3, Llama, Mistral)")
-_BITWISE_SPLIT = ("not made bit-identical yet (the split model's gradients and norm are not summed in fixed point "
-                  "across its group)")
+_BITWISE_EXPERTS = ("not made bit-identical yet (an expert's batch is the tokens its EP group routed to it, which "
+                    "the data layout changes, and a matrix product's bits depend on its row count)")
 _LOCKSTEP = ("the ranks that sample together call their engine in lockstep, and agents' calls are served as they "
              "arrive, differently on every rank")
 _HF_TP = "the hf engine's tensor parallelism is the trainer's"
@@ -162,8 +162,8 @@ ROWS: tuple[Row, ...] = (
     # bitwise reproducibility (docs/reproducibility.md)
     Row("bitwise", "vllm-cpu", "bitwise-vllm-cpu", "vLLM's CPU build has no batch-invariant mode (a sample's logits "
         "change with the requests that share its batch)", f"rollout.engine=hf; or {_ROUNDING}"),
-    *(Row("bitwise", name, "bitwise-model-parallel", _BITWISE_SPLIT, f"parallel.{key}=1; or {_ROUNDING}")
-      for name, key in (("sp", "sequence_parallel_size"), ("ep", "expert_parallel_size"))),
+    Row("bitwise", "ep", "bitwise-model-parallel", _BITWISE_EXPERTS,
+        f"parallel.expert_parallel_size=1; or {_ROUNDING}"),
     Row("bitwise", "tp-fsdp", "bitwise-tensor-fsdp", "FSDP2's fixed-point reduce-scatter (distributed.exact_fsdp) is "
         "not made for a weight split on two mesh dimensions; not implemented (bitwise with tensor parallelism runs "
         "replicated over the data ranks)", f"parallel.sharding=replicated; or {_ROUNDING}"),

@@ -39,8 +39,9 @@ def rule_reproducibility(p: Plan) -> list[Finding]:
                            f"{c.data.prompts_per_step} prompts into {batches} generation batches for {units} "
                            f"generating ranks: {units - batches} of them generate nothing",
                            f"rollout.batch_prompts={max(1, c.data.prompts_per_step // units)}"))
-    tp = c.parallel.tensor_parallel_size
-    where = (f"any number of data-parallel groups of parallel.tensor_parallel_size={tp} (not TP 1's bits)" if tp > 1
+    split = [f"parallel.{k}_parallel_size={n}" for k, n in (("tensor", c.parallel.tensor_parallel_size),
+                                                             ("sequence", c.parallel.sequence_parallel_size)) if n > 1]
+    where = (f"any number of data-parallel groups of {' and '.join(split)} (not an unsplit model's bits)" if split
              else "any number of processes")
     out.append(Finding("note", "bitwise", f"train.reproducibility=bitwise: the run is the same bits on {where}: "
                        "generation in batches of rollout.batch_prompts="

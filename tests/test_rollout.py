@@ -304,3 +304,42 @@ def test_restores_training_mode(policy, abc):
         assert model.training
     finally:
         model.eval()
+
+
+def test_an_engines_fused_weights_are_kept_while_the_weights_are_unchanged(abc, tmp_path):
+    """HFEngine keeps LeanDecoder's fused weights from one call to the next (a step makes one call per prompt batch
+    under bitwise, one per turn with environments): the same samples as a call that fuses anew, the same fused
+    tensors while nothing changed, new ones after an optimizer step, a weight push or an adapter switched off, and
+    none after sleep() (the rollout's end)."""
+    from evenrl.engines.hf import HFEngine
+    from evenrl.models.lora import adapters_disabled
+
+    model, _ = load_policy(make_tiny_model(str(tmp_path / "m"), seed=5))
+    with_random_adapters(model)
+    engine = HFEngine(model, eos_token_ids=set(), pad_token_id=PAD, decoder="lean")
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+
+    def call():
+        got = engine.generate(requests(abc, [0, 1, 2]), params)
+        fresh = run(model, abc, [0, 1, 2], params, decoder="lean")  # no cache: fused anew
+        assert [[c.token_ids for c in r] for r in got] == [[c.token_ids for c in r] for r in fresh]
+        assert [[c.logprobs for c in r] for r in got] == [[c.logprobs for c in r] for r in fresh]
+        return engine.fused["fused"][0][0][1]  # the first layer's fused q|k|v weight
+
+    first = call()
+    assert call() is first  # unchanged weights: kept
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(input_ids=torch.tensor([abc[0]])).logits.sum().backward()
+    opt.step()  # the adapters move in place
+    stepped = call()
+    assert stepped is not first and not torch.equal(stepped, first)
+    with torch.no_grad():
+        engine.update_weights([[("model.layers.0.self_attn.q_proj.base_layer.weight",
+                                 model.model.layers[0].self_attn.q_proj.base_layer.weight * 0.5)]])
+    pushed = call()
+    assert pushed is not stepped and not torch.equal(pushed, stepped)
+    with adapters_disabled(model):
+        off = call()
+    assert off is not pushed and not torch.equal(off, pushed)
+    engine.sleep()
+    assert engine.fused == {}

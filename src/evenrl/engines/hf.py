@@ -15,7 +15,7 @@ import torch
 
 from evenrl.config.schema import Decoder
 from evenrl.distributed.tensor_parallel import is_tensor_parallel
-from evenrl.distributed.weights import gathered
+from evenrl.distributed.weights import gathered, sharded_modules
 from evenrl.engines.base import Completion, Request, SamplingParams, row_seed
 from evenrl.errors import bad
 from evenrl.models.decode_graph import DecodeStep
@@ -106,8 +106,8 @@ DECODERS = get_args(Decoder)
 # and 256 x 128, same samples); nothing made here reaches autograd (completions leave as Python lists).
 @torch.inference_mode()
 def generate(model, requests: list[Request], params: SamplingParams, *, eos_token_ids: set[int], pad_token_id: int,
-             max_batch_prompts: int | None = None, decoder: str = "auto", record_routes: bool = False
-             ) -> list[list[Completion]]:
+             max_batch_prompts: int | None = None, decoder: str = "auto", record_routes: bool = False,
+             cache: dict | None = None) -> list[list[Completion]]:
     """Each request's samples (engines.base.Request: its prompt, key, step, sample indices, turn, continuation and
     budget); returns [request][sample]. A sample is the same whichever call, batch or rank it is made in.
 
@@ -119,6 +119,7 @@ def generate(model, requests: list[Request], params: SamplingParams, *, eos_toke
     Requests with images prefill with their pixels and the model's multimodal positions (the forward decoder).
     `record_routes`: a mixture of experts' completions carry the experts each of their tokens went to (routes: the
     prompt's in its prefill, each sampled token's when it was fed; evenrl.models.routing).
+    `cache`: where LeanDecoder keeps its fused weights between calls (HFEngine's; see LeanDecoder).
     Continuing samples (partial rollouts, evenrl.rollout.carry): a request's prompt is the sample's prompt + its tokens
     so far (prefilled again), its step the step that drew it, its first_token how many tokens its stream has drawn
     (its next draw is that position's uniform: cut and continued under unchanged weights, a sample is the one never
@@ -159,7 +160,7 @@ def generate(model, requests: list[Request], params: SamplingParams, *, eos_toke
                     # every forward here runs with no training plan on the routers: recording, or passing through
                     with routing.recording(model, record_routes) as recorder:
                         made = _generate_batch(model, [requests[i] for i in rows], params, set(eos_token_ids),
-                                               pad_token_id, decoder, recorder)
+                                               pad_token_id, decoder, recorder, cache)
                     for i, samples in zip(rows, made):
                         out[i] = samples
         return out
@@ -178,7 +179,7 @@ def _auto_decoder(model) -> str:
 
 
 def _generate_batch(model, reqs: list[Request], params: SamplingParams, eos_ids, pad_token_id, decoder: str,
-                    recorder):
+                    recorder, cache: dict | None = None):
     prompts, caps = [r.prompt for r in reqs], [r.cap(params) for r in reqs]
     ranges = [r.sample_range(params) for r in reqs]
     device = next(model.parameters()).device
@@ -199,7 +200,7 @@ def _generate_batch(model, reqs: list[Request], params: SamplingParams, eos_ids,
     if decoder == "forward":
         dec = ForwardDecoder(model)
     else:
-        dec = LeanDecoder(model, width + max_new, static=decoder == "static")
+        dec = LeanDecoder(model, width + max_new, static=decoder == "static", cache=cache)
     shift = [0] * n_prompts  # multimodal positions: a next token's position beyond the prompt's length
     if all(r.images is None for r in reqs):
         logits = dec.prefill(input_ids, attn, position_ids)
@@ -384,6 +385,9 @@ class HFEngine:
         self.model, self.eos_ids, self.pad_id, self.decoder = model, set(eos_token_ids), pad_token_id, decoder
         # rollout.router_replay=engine; a tensor-parallel model's tp group calls with the same requests, in lockstep
         self.record_routes, self.lockstep = record_routes, "tp" if is_tensor_parallel(model) else None
+        # the decoder's fused weights from one call to the next while the weights are unchanged, until sleep() (the
+        # end of a rollout: the update gets the memory back); not for FSDP2, whose gathered weights are new tensors
+        self.fused: dict = {}
 
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
         # every rank enters gathered() even with no requests: with FSDP2 it is an all-gather all ranks must join
@@ -391,7 +395,8 @@ class HFEngine:
             if not requests:
                 return []
             return generate(self.model, requests, params, eos_token_ids=self.eos_ids, pad_token_id=self.pad_id,
-                            decoder=self.decoder, record_routes=self.record_routes)
+                            decoder=self.decoder, record_routes=self.record_routes,
+                            cache=None if sharded_modules(self.model) else self.fused)
 
     def update_weights(self, buckets) -> None:
         state = self.model.state_dict(keep_vars=True)
@@ -400,7 +405,7 @@ class HFEngine:
                 state[name].copy_(t)
 
     def sleep(self) -> None:
-        return None
+        self.fused.clear()
 
     def wake(self) -> None:
         return None

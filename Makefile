@@ -64,9 +64,11 @@ demo: $(CORE_STAMP)
 # The files run on TEST_WORKERS pytest-xdist workers, a file on one worker (its module fixtures made once), longest
 # first (tests/conftest.py LONGEST_FIRST); the session's shared runs are made once for all workers (conftest.once).
 # Two workers on 2 cores: much of a test is waiting (a process importing while its peers wait, an engine starting,
-# a timeout that must fire), and the other worker fills it.
+# a timeout that must fire), and the other worker fills it. One thread per process (OMP_NUM_THREADS=1, as the runs
+# the tests start already have): a test computing in the worker itself with 2 threads beside the other worker's
+# processes waits in OpenMP's barriers (test_fixed_point + test_objectives beside one busy core: 24 -> 19 s).
 test: $(STAMP)
-	$(BYTECODE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 -m ''
+	$(BYTECODE) OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 -m ''
 
 # bench: partitioner numbers, evenrl vs verl's partitioner (needs VERL_PATH=<a checkout of volcengine/verl>, else it
 # says it skipped), evenrl vs TRL GRPO side by side (~10 min on 2 cores; see docs/performance.md for narrower runs).

@@ -61,6 +61,7 @@ EXAMPLES = {
     "sandbox-all": {"rewards.sandbox": "all"},
     "replay-engine": {"rollout.router_replay": "engine", "model": "moe"},
     "filter-groups": {"algo.filter_groups": True, "algo.max_generation_rounds": 1},
+    "single-sample": {"rollout.samples_per_prompt": 1},
     "rounds": {"algo.filter_groups": True},
     "gae": {"algo.advantage": "gae"},
     "vision": {"model": "vision"},

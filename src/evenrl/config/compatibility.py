@@ -108,6 +108,7 @@ SETTINGS: dict[str, Setting] = {
     "sandbox-all": _is("rewards.sandbox", "all"),
     "replay-engine": _is("rollout.router_replay", "engine"),
     "filter-groups": Setting("algo.filter_groups", "algo.filter_groups", lambda c, f: c.algo.filter_groups),
+    "single-sample": _is("rollout.samples_per_prompt", 1),
     "rounds": Setting("algo.filter_groups with algo.max_generation_rounds > 1",
                       "algo.max_generation_rounds={c.algo.max_generation_rounds} (algo.filter_groups)",
                       lambda c, f: c.algo.filter_groups and c.algo.max_generation_rounds > 1),
@@ -239,6 +240,9 @@ ROWS: tuple[Row, ...] = (
     Row("filter-groups", "reserved", "reserved-filter-groups", "reserved rollout devices run one generation round per "
         "step, and dynamic sampling needs more (the trainers decide them from rewards the rollout devices never see)",
         "--rollout-devices 0 (parallel.rollout_devices=0); or algo.filter_groups=false"),
+    Row("filter-groups", "single-sample", "filter-single-sample", "dynamic sampling drops groups whose rewards are "
+        "all equal, and a group of one sample has one reward",
+        "rollout.samples_per_prompt>=2; or algo.filter_groups=false"),
     Row("gae", "vision", "critic-vision", "evenrl builds critics for text models only",
         "a group advantage (algo.advantage=grpo, rloo, ...)"),
 )
@@ -275,6 +279,13 @@ def problems(cfg: RunConfig, facts: Facts, rules: Iterable[str] | None = None) -
             a, b = (SETTINGS[row.a].shown.format(c=cfg, f=facts), SETTINGS[row.b].shown.format(c=cfg, f=facts))
             out.append(Problem(row.rule, f"{a} with {b}: {row.why}", row.fix))
     return out
+
+
+def stated(rule: str) -> str:
+    """The first row of `rule` as one line in the table's words, for a check deeper in the run that has no config at
+    hand (the settings as docs/compatibility.md lists them, not their values)."""
+    row = next(r for r in ROWS if r.rule == rule)
+    return f"{SETTINGS[row.a].text} with {SETTINGS[row.b].text}: {row.why}; fix: {row.fix}"
 
 
 def refuse(cfg: RunConfig, facts: Facts, rules: Iterable[str] | None = None) -> None:

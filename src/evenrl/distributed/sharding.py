@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from evenrl.config.compatibility import stated
 from evenrl.core.model_plan import record
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.expert_parallel import shard_of
@@ -45,9 +46,8 @@ def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     device = next(model.parameters()).device
-    if offload and device.type == "cpu":
-        raise UsageError("parallel.cpu_offload: got 'full' on a CPU-only machine; FSDP2's offload gathers the host "
-                         "shards on an accelerator (it fails at the first forward without one); use 'none' here")
+    if offload and device.type == "cpu":  # evenrl train's plan and ranks refuse it first; evenrl sft here
+        raise UsageError(stated("offload-cpu"))
     mesh = dist.device_mesh(device, host_collectives=offload)
     mesh = mesh["data"] if "tp" in (mesh.mesh_dim_names or ()) else mesh  # tensor parallelism: FSDP2 over the rest
     mp = MixedPrecisionPolicy() if compute_dtype == torch.float32 else \

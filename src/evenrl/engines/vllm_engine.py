@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from evenrl.config.compatibility import stated
 from evenrl.distributed import collectives as dist
 from evenrl.engines import payload as engines_payload
 from evenrl.engines import vllm_lora, vllm_worker
@@ -132,10 +133,8 @@ class VLLMEngine:
                       limit_mm_per_prompt={"image": cfg.data.max_images_per_prompt or _IMAGES_DEFAULT, "video": 0})
         self.routes = routes
         if routes is not None:
-            if not self.gpu:  # the plan's router-replay-engine row says it first
-                raise UsageError("rollout.router_replay: got 'engine', but vLLM's CPU build records no routes (its "
-                                 "routed-experts capture needs Model Runner V2, which needs Triton); use "
-                                 "rollout.engine=hf, or rollout.router_replay=trainer")
+            if not self.gpu:  # the plan and every rank's check refuse this row first
+                raise UsageError(stated("router-replay-engine"))
             kw.update(enable_return_routed_experts=True)
         if self.gpu:
             kw.update(gpu_memory_utilization=frac or _GPU_DEFAULT_FRACTION, enable_sleep_mode=True)

@@ -65,11 +65,6 @@ def rule_capacity_weights(p: Plan) -> list[Finding]:
 def rule_algorithms(p: Plan) -> list[Finding]:
     """Settings of dynamic sampling, the overlong penalty and the critic that cannot work as given."""
     c, out = p.config, []
-    k = c.rollout.samples_per_prompt
-    if c.algo.filter_groups and k == 1:
-        out.append(Finding("error", "filter-single-sample",
-                           "algo.filter_groups drops groups whose rewards are all equal, but samples_per_prompt=1: "
-                           "every group has one reward", "rollout.samples_per_prompt>=2; or algo.filter_groups=false"))
     if c.algo.filter_groups and c.algo.advantage in ("reinforce_pp", "gae"):
         out.append(Finding("note", "filter-per-token",
                            f"algo.filter_groups with {c.algo.advantage}: groups are still filtered by their rewards, "

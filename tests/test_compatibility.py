@@ -53,6 +53,8 @@ EXAMPLES = {
     "split-other": {"rollout.tensor_parallel_size": 2},
     "lockstep-vllm": {"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2},
     "lockstep-hf": {"parallel.tensor_parallel_size": 2},
+    "stale": {"rollout.max_staleness": 1},
+    "colocated": {},
     "agent": {"rollout.agent": "toy_agents:two_tools"},
     "partial-agent": {"rollout.partial": True, "rollout.agent": "toy_agents:two_tools"},
     "env": {"rollout.env": "calculator"},

@@ -106,16 +106,20 @@ def test_cpu_processes_share_the_cores_and_flags_are_taken_as_given():
 # ------------------------------------------------------------------------------------------ findings
 
 def test_staleness_needs_reserved_devices():
-    found = rules(make(["rollout.max_staleness=1"], TINY))
+    p = make(["rollout.max_staleness=1"], TINY)
+    found = rules(p)
     f = found["staleness-needs-reserved"]
     assert f.level == "error" and "rollout.max_staleness=1" in f.message
+    # the fix's best R: the overlap section's one line when none is reserved
+    best = p.overlap.best.rollout_devices
+    assert p.overlap.at is None and "best split" in render(p) and f"--rollout-devices {best}:" in render(p)
     assert "--rollout-devices" in f.fix and "parallel.rollout_devices=" in f.fix and "rollout.max_staleness=0" in f.fix
     assert "staleness-needs-reserved" not in rules(make([], TINY))  # k = 0: synchronous, nothing to reserve
     assert "staleness-needs-reserved" not in rules(make(["rollout.max_staleness=1"], TINY, rollout_devices=1))
     assert "staleness-needs-reserved" not in rules(make(["rollout.max_staleness=1", "parallel.rollout_devices=1"],
                                                          TINY))  # the config's field counts as the flag does
     alone = rules(make(["rollout.max_staleness=1"], nproc_per_node=1))["staleness-needs-reserved"]
-    assert "--nproc-per-node 2 --rollout-devices 1" in alone.fix
+    assert "at least 2 processes" in alone.fix  # the table's row (evenrl.config.compatibility), one fix for all
 
 
 def test_reserved_filter_groups_is_refused_by_the_plan():

@@ -95,6 +95,10 @@ SETTINGS: dict[str, Setting] = {
                            "parallel.tensor_parallel_size={c.parallel.tensor_parallel_size}",
                            lambda c, f: (c.rollout.engine == "hf" and c.parallel.tensor_parallel_size > 1
                                          and not f.rollout_devices)),
+    "stale": Setting("rollout.max_staleness >= 1", "rollout.max_staleness={c.rollout.max_staleness}",
+                     lambda c, f: c.rollout.max_staleness > 0),
+    "colocated": Setting("no reserved rollout devices (parallel.rollout_devices=0)", "no reserved rollout devices",
+                         lambda c, f: not f.rollout_devices),
     "agent": Setting("rollout.agent", "rollout.agent", lambda c, f: bool(c.rollout.agent)),
     "partial-agent": Setting("rollout.partial with rollout.agent", "rollout.partial with rollout.agent",
                              lambda c, f: c.rollout.partial and bool(c.rollout.agent)),
@@ -236,7 +240,11 @@ ROWS: tuple[Row, ...] = (
     Row("agent", "vision", "agent-vision", "the endpoint serves text", "a text model"),
     Row("env", "vision", "env-vision", "multi-turn trajectories carry text only",
         "rollout.env='' for single-turn image prompts, or a text model"),
-    # sampling rounds, critics
+    # generation overlapped with training (docs/batch-sizes.md), sampling rounds, critics
+    Row("stale", "colocated", "staleness-needs-reserved", "overlapping generation with training needs devices that "
+        "only generate: every rank would train and generate in turn", "--rollout-devices R of at least 2 processes "
+        "(parallel.rollout_devices=R, the best R as the plan's overlap section estimates it); or "
+        "rollout.max_staleness=0"),
     Row("filter-groups", "reserved", "reserved-filter-groups", "reserved rollout devices run one generation round per "
         "step, and dynamic sampling needs more (the trainers decide them from rewards the rollout devices never see)",
         "--rollout-devices 0 (parallel.rollout_devices=0); or algo.filter_groups=false"),

@@ -54,7 +54,7 @@ def render(p: Plan) -> str:
     out += [_row("optimizer", _optimizer_text(p)), _row("", _dataset_text(p))]
     if p.memory:
         out += _memory_lines(p)
-    if p.overlap and p.overlap.at:
+    if p.overlap and (p.overlap.at or p.layout.world > 1):  # none reserved: the best split alone
         out += _overlap_lines(p)
     counts = {lv: n for lv, n in p.counts().items() if n}
     verdict = "runnable" if p.runnable else "not runnable"
@@ -233,8 +233,26 @@ def _group_lines(p: Plan) -> list[str]:
 
 
 def _overlap_lines(p: Plan) -> list[str]:
+    ov = p.overlap
+    at, best = ov.at, ov.best
+    rows = _planned_split_rows(p) if at else []
+    planned = ", the planned split" if at and best.rollout_devices == at.rollout_devices else ""
+    rows.append(("best split", best.overlapped_s,
+                 f"overlapped, {p.layout.world:,} ranks as --rollout-devices {best.rollout_devices}{planned}: "
+                 f"generation {seconds(best.generation_s)}, training {seconds(best.training_s)} on "
+                 f"{plural(best.training_ranks, 'rank')}"))
+    mixed = len(set(p.layout.rank_devices())) > 1
+    lines = [_row("overlap", f"estimates at assumed rates: {ov.rates.describe()}; --device-tflops, --device-gbps, "
+                             "--link-gbps replace them" + ("; mixed devices: each side at its own devices' rates "
+                                                           "(datasheets, or as --nodes gives them)" if mixed else ""))]
+    lines += [_row("", f"  {name:<12}{seconds(v):>9}  {text}", indent=LABEL + 25) for name, v, text in rows]
+    return lines
+
+
+def _planned_split_rows(p: Plan) -> list[tuple]:
+    """The planned split's generation, training, weight push and step: (name, seconds, text) rows."""
     ov, c = p.overlap, p.config
-    at, best, k = ov.at, ov.best, ov.max_staleness
+    at, k = ov.at, ov.max_staleness
     r, t = at.rollout_devices, at.training_ranks
     passes = ", ".join(f"{name} {v:g}" for name, v in ov.passes.items())
     on = "on 1 rollout device" if r == 1 else f"on each of {r:,} rollout devices"
@@ -256,14 +274,4 @@ def _overlap_lines(p: Plan) -> list[str]:
         rows.append(("step", at.sync_s,
                      f"synchronous = generation + push + training; overlapped (rollout.max_staleness=1) "
                      f"{seconds(at.overlapped_s)}: {seconds(at.saved_s)} less"))
-    planned = ", the planned split" if best.rollout_devices == r else ""
-    rows.append(("best split", best.overlapped_s,
-                 f"overlapped, {p.layout.world:,} ranks as --rollout-devices {best.rollout_devices}{planned}: "
-                 f"generation {seconds(best.generation_s)}, training {seconds(best.training_s)} on "
-                 f"{plural(best.training_ranks, 'rank')}"))
-    mixed = len(set(p.layout.rank_devices())) > 1
-    lines = [_row("overlap", f"estimates at assumed rates: {ov.rates.describe()}; --device-tflops, --device-gbps, "
-                             "--link-gbps replace them" + ("; mixed devices: each side at its own devices' rates "
-                                                           "(datasheets, or as --nodes gives them)" if mixed else ""))]
-    lines += [_row("", f"  {name:<12}{seconds(v):>9}  {text}", indent=LABEL + 25) for name, v, text in rows]
-    return lines
+    return rows

@@ -145,21 +145,10 @@ def rule_parallel(p: Plan) -> list[Finding]:
 
 
 def rule_overlap(p: Plan) -> list[Finding]:
-    """Overlapping generation with training (rollout.max_staleness) needs reserved rollout devices, and pays only
-    where both sides take a similar time; the numbers are evenrl.planner.timing's estimates."""
+    """Overlapping generation with training (rollout.max_staleness) on reserved rollout devices pays only where both
+    sides take a similar time; the numbers are evenrl.planner.timing's estimates."""
     c, lay, ov, out = p.config, p.layout, p.overlap, []
-    k = c.rollout.max_staleness
-    if k and not lay.rollout_devices:
-        if lay.world < 2:
-            fix = "--nproc-per-node 2 --rollout-devices 1 (parallel.rollout_devices=1)"
-        else:
-            r = ov.best.rollout_devices if ov else 1
-            why = f" (the estimated best split of {lay.world})" if ov else ""
-            fix = f"--rollout-devices {r} (parallel.rollout_devices={r}){why}"
-        out.append(Finding("error", "staleness-needs-reserved",
-                           f"rollout.max_staleness={k} overlaps generation with training, which needs devices "
-                           "that only generate; none is reserved, so every rank would train and generate in turn",
-                           f"{fix}; or rollout.max_staleness=0"))
+    k = c.rollout.max_staleness  # without reserved devices: the table's staleness-needs-reserved
     if not (k and lay.rollout_devices and lay.training_ranks >= 1):
         return out
     at = ov.at if ov else None

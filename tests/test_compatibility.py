@@ -39,7 +39,6 @@ EXAMPLES = {
     "sp": {"parallel.sequence_parallel_size": 2},
     "ep": {"parallel.expert_parallel_size": 2, "model": "moe"},
     "ep-tp": {"parallel.expert_parallel_size": 2, "parallel.tensor_parallel_size": 2, "model": "moe"},
-    "tp-fsdp": {"parallel.tensor_parallel_size": 2, "parallel.sharding": "fsdp"},
     "lora-experts": {"model.lora.rank": 8, "model.lora.experts": True, "model": "moe"},
     "offload": {"parallel.cpu_offload": "full", "parallel.sharding": "fsdp"},
     "replicated": {"parallel.sharding": "replicated"},
@@ -204,12 +203,12 @@ def test_train_on_two_processes_stops_on_a_row_in_one_line(assets, tmp_path, cap
     nothing written, no worker started."""
     from e2e import evenrl_here
 
-    settings = ["train.reproducibility=bitwise", "parallel.tensor_parallel_size=2", "parallel.sharding=fsdp"]
+    settings = ["train.reproducibility=bitwise", "rollout.engine=vllm"]
     code, _, err = evenrl_here(capsys, "train", assets["cfg"], *settings, "--nproc-per-node", 2,
                                f"log.run_dir={tmp_path}/r")
     line = next(x.line() for x in problems(load_config(str(assets["cfg"]), settings), facts(None, "cpu", 0))
-                if x.rule == "bitwise-tensor-fsdp")
-    assert code == 2 and err.strip() == f"evenrl train: error: plan bitwise-tensor-fsdp: {line}", err
+                if x.rule == "bitwise-vllm-cpu")
+    assert code == 2 and err.strip() == f"evenrl train: error: plan bitwise-vllm-cpu: {line}", err
     assert not (tmp_path / "r").exists()
 
 

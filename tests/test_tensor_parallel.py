@@ -181,10 +181,11 @@ def test_data_and_sequence_parallel_beside_tensor_parallel_on_four_processes(ass
     4.1e-6, 4.1e-6 and 3.6e-6; the q/k norms 6e-8; on Qwen2 1.1e-5, 1.2e-5 and 1.8e-5). The sharded one found
     ops.clip_grad_norm counting FSDP2's _StridedShard as whole: weights 4.5e-3 off.
 
-    And train.reproducibility=bitwise beside TP 2: TP 2 on 2 processes (one data group) and on 4 (two) are one run,
-    the same bits (weights, every step's metrics and weights/hash: the gradients summed in fixed point over the data
-    group, the norm's and the hash's integer sums over the tp group too). Negative control: the same two under
-    rounding differ. Not claimed: TP 2's bits equal TP 1's (each layer's row-parallel sum over the TP group is an
+    And train.reproducibility=bitwise beside TP 2: TP 2 on 2 processes (one data group), on 4 (two) and on 4 with
+    FSDP2 over the data dimension are one run, the same bits (weights, every step's metrics and weights/hash: the
+    gradients summed in fixed point over the data group, FSDP2's reduce-scatter of the tp shards in fixed point, the
+    norm's and the hash's integer sums over the tp group too; replicated and FSDP2 agree on this config, measured).
+    Negative control: TP 2 on 2 and on 4 processes under rounding differ. Not claimed: TP 2's bits equal TP 1's (each layer's row-parallel sum over the TP group is an
     fp32 sum of 2 partial products; measured 8.6e-6 apart after 3 steps on a tiny Qwen2)."""
     from e2e import BITWISE, assert_same_run, close_weights, evenrl_many, final_params, max_diff, shared_args
     from evenrl.testing import make_tiny_model
@@ -195,13 +196,15 @@ def test_data_and_sequence_parallel_beside_tensor_parallel_on_four_processes(ass
     tp = ["--nproc-per-node", 4, "parallel.tensor_parallel_size=2"]
     tp_alone = ["--nproc-per-node", 2, "parallel.tensor_parallel_size=2"]
     runs = {"dp_tp": tp, "dp_tp_bitwise": [*tp, BITWISE], "dp_tp_fsdp": [*tp, "parallel.sharding=fsdp"],
+            "dp_tp_fsdp_bitwise": [*tp, "parallel.sharding=fsdp", BITWISE],
             "sp_tp": [*tp, "parallel.sequence_parallel_size=2"], "tp_bitwise": [*tp_alone, BITWISE],
             "tp": tp_alone, "one": []}
     evenrl_many({name: ["train", *args, f"log.run_dir={tmp_path / name}", *more] for name, more in runs.items()})
     for name in ("dp_tp", "dp_tp_fsdp", "sp_tp"):
         same_run(tmp_path / "one", tmp_path / name)
         assert not (far := close_weights(final_params(tmp_path / "one"), final_params(tmp_path / name))), (name, far)
-    assert_same_run(tmp_path / "tp_bitwise", tmp_path / "dp_tp_bitwise")
+    for name in ("dp_tp_bitwise", "dp_tp_fsdp_bitwise"):
+        assert_same_run(tmp_path / "tp_bitwise", tmp_path / name)
     assert max_diff(final_params(tmp_path / "tp"), final_params(tmp_path / "dp_tp")) > 0.0
 
 

@@ -63,9 +63,6 @@ SETTINGS: dict[str, Setting] = {
                      lambda c, f: c.parallel.expert_parallel_size > 1 and c.parallel.tensor_parallel_size > 1),
     "lora-experts": Setting("LoRA on the experts (model.lora.experts)", "model.lora.experts",
                             lambda c, f: c.model.lora.rank > 0 and c.model.lora.experts),
-    "tp-fsdp": Setting("tensor parallelism with FSDP2 (parallel.tensor_parallel_size > 1 and parallel.sharding=fsdp)",
-                       "parallel.tensor_parallel_size={c.parallel.tensor_parallel_size} with parallel.sharding=fsdp",
-                       lambda c, f: c.parallel.tensor_parallel_size > 1 and c.parallel.sharding == "fsdp"),
     "offload": _is("parallel.cpu_offload", "full"),
     "replicated": _is("parallel.sharding", "replicated"),
     "engine-tp": Setting("rollout.tensor_parallel_size > 1 with rollout.engine=vllm (an engine over several devices)",
@@ -169,9 +166,6 @@ ROWS: tuple[Row, ...] = (
         "change with the requests that share its batch)", f"rollout.engine=hf; or {_ROUNDING}"),
     Row("bitwise", "ep", "bitwise-model-parallel", _BITWISE_EXPERTS,
         f"parallel.expert_parallel_size=1; or {_ROUNDING}"),
-    Row("bitwise", "tp-fsdp", "bitwise-tensor-fsdp", "FSDP2's fixed-point reduce-scatter (distributed.exact_fsdp) is "
-        "not made for a weight split on two mesh dimensions; not implemented (bitwise with tensor parallelism runs "
-        "replicated over the data ranks)", f"parallel.sharding=replicated; or {_ROUNDING}"),
     Row("bitwise", "engine-tp", "bitwise-engine-parallel", "an engine over several devices sums each layer's slices "
         "across them and batches its group's requests together; not shown bit-identical to one device's (no machine "
         "with several GPUs has run it)", f"rollout.tensor_parallel_size=1; or {_ROUNDING}"),

@@ -62,7 +62,9 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
             f"{r} row{'s' if r > 1 else ''} per micro-batch")
     if not cfg.model.gradient_checkpointing:
         add({"model.gradient_checkpointing": True})
-    split_model = cfg.train.reproducibility != "bitwise"  # bitwise refuses SP/TP/EP > 1 (planner.reproducibility)
+    # bitwise: a TP or SP degree is part of the run's bits (TP t is one run on any data layout, not TP 1's), and EP
+    # is refused (config.compatibility): --fit changes none of them
+    split_model = cfg.train.reproducibility != "bitwise"
     sp = cfg.parallel.sequence_parallel_size  # splitting samples pays once a micro-batch is down to one sample
     if split_model and tokens * sp <= length + sp and (split := sequence_parallel_fix(cfg, layout, dims, ranks)):
         add(sequence_settings(cfg, dims, split), f"each sample over {split} ranks, "

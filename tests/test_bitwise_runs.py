@@ -102,7 +102,7 @@ def test_the_tools_demo_under_bitwise_is_the_same_run_on_one_and_two_processes(t
     out, two = tmp_path / "demo", tmp_path / "two"
     common = [BITWISE, "train.steps=8", "data.prompts_per_step=4", "algo.entropy_coef=0.001", "eval.every_steps=4",
               "log.progress=false"]
-    Job("demo", "--task", "tools", "--out", out, "sft.steps=300", *common, timeout_s=1800).wait()
+    Job("demo", "--task", "tools", "--out", out, "sft.steps=150", *common, timeout_s=1800).wait()
     data = out / "data" / "train.jsonl"
     evenrl("train", Path(__file__).resolve().parents[1] / "examples" / "tools.yaml", f"data.path={data}",
            f"eval.path={data}", f"model.path={out / 'sft' / 'final'}", f"log.run_dir={two}", *common,

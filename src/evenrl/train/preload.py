@@ -38,3 +38,29 @@ def _exit_without_finalization() -> None:
 
 
 atexit.register(_exit_without_finalization)
+
+
+from multiprocessing import spawn as _spawn  # noqa: E402
+
+_run_worker = _spawn._main
+
+
+def _worker_main(fd: int, parent_sentinel: int):
+    """A worker the server forks just as its launcher exits (a Ctrl-C while the workers start) unpickles its process
+    object after the launcher unlinked the semaphores in it: SemLock's FileNotFoundError, whose traceback would be
+    printed beside the launcher's one line. Nothing is left to run for it: exit 1 quietly. Any other error, and this
+    one raised anywhere else, is the worker's own (a worker's own code runs inside _bootstrap, which catches it)."""
+    try:
+        return _run_worker(fd, parent_sentinel)
+    except FileNotFoundError as e:
+        frames = []
+        tb = e.__traceback__
+        while tb is not None:
+            frames.append((tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_name))
+            tb = tb.tb_next
+        if frames and frames[-1][1] == "__setstate__" and frames[-1][0].endswith("synchronize.py"):
+            os._exit(1)
+        raise
+
+
+_spawn._main = _worker_main

@@ -41,7 +41,7 @@ from evenrl.distributed import fixed_point
 from evenrl.distributed.fixed_point import BIN
 from evenrl.distributed.guard import guard
 from evenrl.distributed.mesh import G, comm_device, group, size
-from evenrl.distributed.ops import _is_dtensor, _local, all_gather_object, all_gather_tensors
+from evenrl.distributed.ops import _is_dtensor, _local, all_gather_object, all_gather_tensors, sharded_dims
 
 NONE = -(1 << 20)  # the top bin of a tensor that got no nonzero gradient yet
 LOWEST = -3  # bins below it are clamped to it (|g| < 2^-96); keeps 2^(32 * -T) an fp32 number
@@ -184,25 +184,14 @@ class ExactGrads:
         self.tops, self.had, self.bad, self.buf = [NONE] * n, [False] * n, False, None
 
 
-def _sharded_dims(t) -> tuple:
-    """(its mesh, the mesh dimensions a DTensor is split on) or () for a tensor whole on this rank: FSDP2's data
-    dimension, tensor parallelism's tp, or both. Not isinstance(Shard): FSDP2 over a tensor-parallel dim 0 is a
-    _StridedShard (ops.clip_grad_norm says the same)."""
-    if not _is_dtensor(t):
-        return ()
-    dims = tuple(i for i, pl in enumerate(t.placements) if not (pl.is_replicate() or pl.is_partial()))
-    return (t.device_mesh, dims) if dims else ()
-
-
 def _over_shards(values: torch.Tensor, tensors: list, op) -> torch.Tensor:
     """values[i] (a row per tensor) reduced by `op` over the ranks that hold parts of tensors[i]; rows of tensors
     whole on this rank are left as they are. One all-reduce per kind of split and mesh dimension, in the order the
     tensors come (the same on every rank: the same parameters); exact for integers (and MAX)."""
-    kinds: dict[tuple, list[int]] = {}
+    kinds: dict[tuple, list] = {}
     for i, t in enumerate(tensors):
-        split = _sharded_dims(t)
-        if split:
-            kinds.setdefault((id(split[0]), split[1]), [split[0], split[1], []])[2].append(i)
+        if dims := sharded_dims(t):
+            kinds.setdefault((id(t.device_mesh), dims), [t.device_mesh, dims, []])[2].append(i)
     for mesh, dims, rows in kinds.values():
         part = values[rows]
         for d in dims:

@@ -173,10 +173,7 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> tor
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     by_dims: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
-        # sharded: neither replicated nor partial. Not isinstance(Shard): FSDP2 over a tensor-parallel dim 0 is a
-        # _StridedShard, no Shard (torch 2.13), and counting it as whole left out half of a DP 2 x TP 2 norm
-        dims = tuple(i for i, pl in enumerate(g.placements) if not (pl.is_replicate() or pl.is_partial())) \
-            if _is_dtensor(g) else ()
+        dims = sharded_dims(g)
         key = (id(g.device_mesh), dims) if dims else ()
         by_dims.setdefault(key, [g.device_mesh if dims else None, dims, []])[2].append(_local(g))
     total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
@@ -192,6 +189,15 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> tor
         for g in grads:
             _local(g).mul_(coef.to(g.dtype))
     return norm
+
+
+def sharded_dims(t) -> tuple[int, ...]:
+    """The mesh dimensions a DTensor is split on (FSDP2's data, tensor parallelism's tp, both); () for a tensor whole
+    on this rank. Sharded: neither replicated nor partial. Not isinstance(Shard): FSDP2 over a tensor-parallel dim 0
+    is a _StridedShard, no Shard (torch 2.13), and counting it as whole left out half of a DP 2 x TP 2 norm."""
+    if not _is_dtensor(t):
+        return ()
+    return tuple(i for i, pl in enumerate(t.placements) if not (pl.is_replicate() or pl.is_partial()))
 
 
 def _reduced_over(p: torch.Tensor) -> str:

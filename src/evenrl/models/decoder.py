@@ -83,15 +83,15 @@ class LeanDecoder:
         # `cache` (an engine's, evenrl.engines.hf): the fused weights of its last call, kept while nothing they are
         # made of changed (weights_key); fusing anew cost ~0.2 s of each call for a 30.8 M model on CPU, and a step
         # makes one call per prompt batch under bitwise, one per turn with environments or agents
-        key = weights_key(model, self.cast) if cache is not None else None
-        if cache is not None and cache.get("key") == key:
-            self.layers, self.final_norm, self.head = cache["fused"]
+        if cache is None:
+            fused = self._fuse(model)
         else:
-            if cache is not None:
+            key = weights_key(model, self.cast)
+            if cache.get("key") != key:
                 cache.clear()  # the old copy freed before the new one is made
-            self.layers, self.final_norm, self.head = self._fuse(model)
-            if cache is not None:
-                cache.update(key=key, fused=(self.layers, self.final_norm, self.head))
+                cache.update(key=key, fused=self._fuse(model))
+            fused = cache["fused"]
+        self.layers, self.final_norm, self.head = fused
         self.cols = torch.arange(max_len, device=p.device) if static else None
         self.length_t = None  # static: the filled columns, a device tensor [1]
         # Per layer, [rows, kv_heads, max_len, head_dim]. Columns at or past `length` are never read (static: read

@@ -40,6 +40,7 @@ def _exit_without_finalization() -> None:
 atexit.register(_exit_without_finalization)
 
 
+import traceback  # noqa: E402
 from multiprocessing import spawn as _spawn  # noqa: E402
 
 _run_worker = _spawn._main
@@ -53,12 +54,8 @@ def _worker_main(fd: int, parent_sentinel: int):
     try:
         return _run_worker(fd, parent_sentinel)
     except FileNotFoundError as e:
-        frames = []
-        tb = e.__traceback__
-        while tb is not None:
-            frames.append((tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_name))
-            tb = tb.tb_next
-        if frames and frames[-1][1] == "__setstate__" and frames[-1][0].endswith("synchronize.py"):
+        raised = traceback.extract_tb(e.__traceback__)[-1]
+        if raised.name == "__setstate__" and raised.filename.endswith("synchronize.py"):
             os._exit(1)
         raise
 

@@ -39,6 +39,7 @@ EXAMPLES = {
     "sp": {"parallel.sequence_parallel_size": 2},
     "ep": {"parallel.expert_parallel_size": 2, "model": "moe"},
     "ep-tp": {"parallel.expert_parallel_size": 2, "parallel.tensor_parallel_size": 2, "model": "moe"},
+    "ep-beside": {"parallel.expert_parallel_size": 2, "parallel.sharding": "fsdp", "model": "moe"},
     "lora-experts": {"model.lora.rank": 8, "model.lora.experts": True, "model": "moe"},
     "offload": {"parallel.cpu_offload": "full", "parallel.sharding": "fsdp"},
     "replicated": {"parallel.sharding": "replicated"},

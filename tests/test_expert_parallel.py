@@ -202,6 +202,60 @@ def test_a_model_with_experts_split_over_two_ranks_computes_the_unsplit_model(tm
                for n, g in starved.items() if n.endswith(("gate_up_proj", "down_proj")) and ".experts." in n)
 
 
+def _pairing_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
+    """4 micro-batches (one row each) through EP = 2 on 2 ranks, two waves, in two pairings: (0, 1) then (2, 3), and
+    (0, 2) then (1, 3); each wave's backward deposited into fixed-point bins (distributed.exact), as
+    train.reduction's ExactBins does. Per pairing and per-source setting: the summed gradients."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from evenrl.distributed import collectives as dist
+    from evenrl.distributed import exact
+    from evenrl.distributed.expert_parallel import expert_parallel, take_terms
+    from evenrl.models.loading import load_policy
+
+    info = dist.init(expert_parallel=world)
+    rows = [torch.randint(4, 60, (1, 5 + 3 * r), generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    got = {}
+    for per_source in (True, False):
+        model, _ = load_policy(path)
+        expert_parallel(model, dist.expert_mesh(info.device), exact=per_source)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for pairing in ((0, 1, 2, 3), (0, 2, 1, 3)):
+            bins = exact.ExactGrads(params)
+            for wave in range(2):
+                model(input_ids=rows[pairing[2 * wave + rank]]).logits.float().pow(2).mean().backward()
+                bins.deposit(more=take_terms())
+            bins.reduce()
+            got[per_source, pairing] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                                        for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+    if rank == 0:
+        torch.save(got, out)
+    dist.shutdown()
+    os._exit(0)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_under_bitwise_experts_sum_each_source_ranks_gradient_apart(tmp_path):
+    """Why expert parallelism under train.reproducibility=bitwise runs each source rank's tokens as a GEMM of their
+    own (distributed.expert_parallel.take_terms): which micro-batches meet in an expert's GEMM is the layout's (the
+    waves of its ep group's ranks), and one GEMM over two micro-batches' tokens adds both to the weight gradient in
+    one float sum. With a GEMM per source, every micro-batch's gradient is a term of the fixed-point sum, and the
+    same 4 micro-batches paired (0, 1), (2, 3) or (0, 2), (1, 3) give the same bits in every gradient; without it
+    (the float path's one GEMM) the pairings differ (the negative control)."""
+    path = make_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=3)
+    out = str(tmp_path / "pairs.pt")
+    mp.spawn(_pairing_worker, args=(2, free_port(), path, out), nprocs=2, join=True)
+    got = torch.load(out)
+    a, b = got[True, (0, 1, 2, 3)], got[True, (0, 2, 1, 3)]
+    assert a.keys() == b.keys() and any(".experts." in n for n in a)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    c, d = got[False, (0, 1, 2, 3)], got[False, (0, 2, 1, 3)]
+    assert max(float((c[n] - d[n]).abs().max()) for n in c if ".experts." in n) > 0.0
+
+
 # ------------------------------------------------------------------------------------------ real runs
 
 def _config(root: Path, model: str) -> Path:
@@ -287,11 +341,33 @@ def test_checkpoints_resume_across_expert_parallel_sizes(ep_runs):
 
 @pytest.mark.slow
 @pytest.mark.large_world
-@pytest.mark.parametrize("sharding, tp", [("replicated", 1), ("fsdp", 1), ("fsdp", 2)])
+def test_bitwise_expert_parallelism_is_one_run_on_any_number_of_data_groups(ep_runs):
+    """train.reproducibility=bitwise with EP = 2 on 2 processes and on 4 (DP = 2 x EP = 2, replicated): the same
+    bits, final weights, every step's metrics and weights/hash (each source rank's tokens a GEMM of their own, their
+    expert gradients fixed-point terms summed over edata, the dense ones over data; the clip norm's and the hash's
+    integer sums over ep). Not claimed: EP 2's bits equal one process's (the local experts run through
+    transformers' grouped_mm; measured 1.5e-7 apart after 2 steps). Negative control: the same pair under rounding
+    differs, and each stays within 1e-5 of the 1-process run (measured 4.3e-6 for the 4-process one)."""
+    from e2e import BITWISE, assert_same_run
+
+    root = ep_runs
+    cfg = root / "cfg.yaml"
+    ep = ["parallel.expert_parallel_size=2", "checkpoint.every_steps=0"]
+    evenrl_many({name: ["train", cfg, f"log.run_dir={root / name}", "--nproc-per-node", n, *ep, *more]
+                 for name, n, more in (("ep2_bitwise", 2, [BITWISE]), ("ep4_bitwise", 4, [BITWISE]),
+                                       ("ep4", 4, []))})
+    assert_same_run(root / "ep2_bitwise", root / "ep4_bitwise")
+    assert _same_as_one(root, "ep4") < 1e-5
+    assert max_diff(final_params(root / "ep2"), final_params(root / "ep4")) > 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.large_world
+@pytest.mark.parametrize("sharding, tp", [("fsdp", 1), ("fsdp", 2)])
 def test_data_parallel_times_expert_parallel_on_four(one_run, sharding, tp):
-    """DP = 2 x EP = 2 on 4 processes: each rank holds 4 experts, the two ranks holding the same ones (edata) reduce
-    them (replicated) or FSDP2 shards them; the final weights the 1-process run's within 1e-5 (measured 4.3e-6
-    replicated, 4.4e-6 sharded), identical rewards. EP = 2 x TP = 2 (dp 2) under FSDP2: attention and the output
+    """DP = 2 x EP = 2 on 4 processes: each rank holds 4 experts, the two ranks holding the same ones (edata) FSDP2
+    shards them (replicated: the test above); the final weights the 1-process run's within 1e-5 (measured 4.4e-6),
+    identical rewards. EP = 2 x TP = 2 (dp 2) under FSDP2: attention and the output
     layer split over each tp pair (0-1, 2-3), the experts over the ep pairs (0-1, 2-3 too; edata 0-2, 1-3): both
     ranks of a tp pair route the same tokens and each dispatches its half of them, the pair gathering the outputs
     (distributed.expert_parallel); the KL reference and the hf sampler split the same way; measured 1.3e-6 (2 of

@@ -61,6 +61,14 @@ SETTINGS: dict[str, Setting] = {
                      "parallel.tensor_parallel_size > 1)", "parallel.expert_parallel_size={c.parallel.expert_parallel_size}"
                      " with parallel.tensor_parallel_size={c.parallel.tensor_parallel_size}",
                      lambda c, f: c.parallel.expert_parallel_size > 1 and c.parallel.tensor_parallel_size > 1),
+    "ep-beside": Setting("parallel.expert_parallel_size > 1 beside tensor or sequence parallelism or FSDP2",
+                         "parallel.expert_parallel_size={c.parallel.expert_parallel_size} with "
+                         "parallel.tensor_parallel_size={c.parallel.tensor_parallel_size}, "
+                         "parallel.sequence_parallel_size={c.parallel.sequence_parallel_size}, "
+                         "parallel.sharding={c.parallel.sharding}",
+                         lambda c, f: c.parallel.expert_parallel_size > 1 and (
+                             c.parallel.tensor_parallel_size > 1 or c.parallel.sequence_parallel_size > 1
+                             or c.parallel.sharding == "fsdp")),
     "lora-experts": Setting("LoRA on the experts (model.lora.experts)", "model.lora.experts",
                             lambda c, f: c.model.lora.rank > 0 and c.model.lora.experts),
     "offload": _is("parallel.cpu_offload", "full"),
@@ -137,8 +145,9 @@ class Row:
 _OFF_PARTIAL, _ROUNDING = "rollout.partial=false", "train.reproducibility=rounding"
 _TP_PLAN = ("the tensor-parallel plan covers dense decoders with q/k/v/o and gate/up/down projections (Qwen2, "
             "Qwen2.5, Qwen3, Llama, Mistral)")
-_BITWISE_EXPERTS = ("not made bit-identical yet (an expert's batch is the tokens its EP group routed to it, which "
-                    "the data layout changes, and a matrix product's bits depend on its row count)")
+_BITWISE_EXPERTS = ("bitwise expert parallelism runs replicated beside data parallelism (each source rank's tokens "
+                    "a GEMM of their own, their expert gradients a fixed-point term each); beside tensor or sequence "
+                    "parallelism or FSDP2's fixed-point reduce-scatter it has not run: not supported yet")
 _LOCKSTEP = ("the ranks that sample together call their engine in lockstep, and agents' calls are served as they "
              "arrive, differently on every rank")
 _HF_TP = "the hf engine's tensor parallelism is the trainer's"
@@ -164,8 +173,9 @@ ROWS: tuple[Row, ...] = (
     # bitwise reproducibility (docs/reproducibility.md)
     Row("bitwise", "vllm-cpu", "bitwise-vllm-cpu", "vLLM's CPU build has no batch-invariant mode (a sample's logits "
         "change with the requests that share its batch)", f"rollout.engine=hf; or {_ROUNDING}"),
-    Row("bitwise", "ep", "bitwise-model-parallel", _BITWISE_EXPERTS,
-        f"parallel.expert_parallel_size=1; or {_ROUNDING}"),
+    Row("bitwise", "ep-beside", "bitwise-model-parallel", _BITWISE_EXPERTS,
+        f"parallel.sharding=replicated with parallel.tensor_parallel_size=1 and parallel.sequence_parallel_size=1; "
+        f"or parallel.expert_parallel_size=1; or {_ROUNDING}"),
     Row("bitwise", "engine-tp", "bitwise-engine-parallel", "an engine over several devices sums each layer's slices "
         "across them and batches its group's requests together; not shown bit-identical to one device's (no machine "
         "with several GPUs has run it)", f"rollout.tensor_parallel_size=1; or {_ROUNDING}"),

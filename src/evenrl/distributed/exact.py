@@ -41,7 +41,8 @@ from evenrl.distributed import fixed_point
 from evenrl.distributed.fixed_point import BIN
 from evenrl.distributed.guard import guard
 from evenrl.distributed.mesh import G, comm_device, group, size
-from evenrl.distributed.ops import _is_dtensor, _local, all_gather_object, all_gather_tensors, sharded_dims
+from evenrl.distributed.ops import (_is_dtensor, _local, _reduced_over, all_gather_object, all_gather_tensors,
+                                   sharded_dims)
 
 NONE = -(1 << 20)  # the top bin of a tensor that got no nonzero gradient yet
 LOWEST = -3  # bins below it are clamped to it (|g| < 2^-96); keeps 2^(32 * -T) an fp32 number
@@ -101,7 +102,10 @@ class ExactGrads:
     (distributed.exact_fsdp), so a sharded model is the same on one process as on several."""
 
     def __init__(self, params, every: bool = False):
-        self.params = [p for p in params if p.requires_grad]
+        # by the group each is summed over (experts split over "ep": the ranks holding the same ones), so that each
+        # group's bins lie together in the buffer
+        self.params = sorted((p for p in params if p.requires_grad), key=lambda p: _reduced_over(p) != "data")
+        self.overs = [_reduced_over(p) for p in self.params]
         self.every = every
         self.tops = [NONE] * len(self.params)
         self.had = [False] * len(self.params)
@@ -123,13 +127,19 @@ class ExactGrads:
             self.flat = [(self.buf[0, a:b], self.buf[1, a:b]) for a, b in zip(self.offsets, self.offsets[1:])]
         return self.flat[i]
 
-    def deposit(self) -> None:
-        """Move every parameter's gradient (one micro-batch's) into its bins; its grad is None afterwards."""
+    def deposit(self, more: list | None = None) -> None:
+        """Move every parameter's gradient (one micro-batch's) into its bins; its grad is None afterwards. more:
+        (parameter, gradient of its local part) pairs, each a term of its own (expert parallelism's per-source
+        gradients: distributed.expert_parallel.take_terms)."""
         have = [i for i, p in enumerate(self.params) if p.grad is not None]
-        if not have:
+        terms = [(i, _local(self.params[i].grad)) for i in have]
+        if more:
+            where = {id(p): i for i, p in enumerate(self.params)}
+            terms += [(where[id(p)], g) for p, g in more]
+        if not terms:
             return
-        grads = [_local(self.params[i].grad).detach().reshape(-1) for i in have]
-        for i, g, m in zip(have, grads, largest(grads)):
+        grads = [g.detach().reshape(-1) for _, g in terms]
+        for (i, _), g, m in zip(terms, grads, largest(grads)):
             self.had[i] = True
             if not math.isfinite(m):
                 self.bad = True
@@ -144,21 +154,34 @@ class ExactGrads:
         for i in have:
             self.params[i].grad = None
 
-    def reduce(self, over: str = "data") -> None:
-        """The layout-free sum over the ranks of `over` into p.grad (None where no rank had a gradient; NaN
-        everywhere if any term was not finite, so the step's non-finite check stops the run)."""
+    def reduce(self) -> None:
+        """The layout-free sum over the ranks of each parameter's group (`data`; `edata` for experts split over "ep")
+        into p.grad (None where no rank had a gradient; NaN everywhere if any term was not finite, so the step's
+        non-finite check stops the run)."""
         n = len(self.params)
-        head = torch.tensor(self.tops + [int(h) for h in self.had] + [int(self.bad)], dtype=torch.long)
-        all_reduce(head, tdist.ReduceOp.MAX, over)
-        tops, had, bad = head[:n].tolist(), head[n:2 * n].tolist(), bool(head[-1])
-        if any(t != NONE for t in tops):
-            for i, t in enumerate(tops):
+        tops, had, bad = [NONE] * n, [False] * n, False
+        for over in dict.fromkeys(self.overs):
+            mine = [i for i in range(n) if self.overs[i] == over]  # consecutive (__init__)
+            head = torch.tensor([self.tops[i] for i in mine] + [int(self.had[i]) for i in mine] + [int(self.bad)],
+                                dtype=torch.long)
+            all_reduce(head, tdist.ReduceOp.MAX, over)
+            k = len(mine)
+            for j, i in enumerate(mine):
+                tops[i], had[i] = int(head[j]), bool(head[k + j])
+            bad = bad or bool(head[-1])
+            if all(tops[i] == NONE for i in mine):
+                continue
+            for i in mine:
                 hi, lo = self._bins(i)
                 if self.tops[i] == NONE:  # nothing deposited here: zeros to the sum
                     hi.zero_()
                     lo.zero_()
-                realign(hi, lo, self.tops[i], t)
-            all_reduce(self.buf, tdist.ReduceOp.SUM, over)
+                realign(hi, lo, self.tops[i], tops[i])
+            if len(mine) == n:
+                all_reduce(self.buf, tdist.ReduceOp.SUM, over)
+            else:  # the group's bins: a contiguous column range of the two rows
+                part = self.buf[:, self.offsets[mine[0]]:self.offsets[mine[-1] + 1]]
+                part.copy_(all_reduce(part.contiguous(), tdist.ReduceOp.SUM, over))
         for i, p in enumerate(self.params):
             if not had[i] and not self.every:
                 p.grad = None

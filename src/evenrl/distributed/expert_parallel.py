@@ -87,6 +87,11 @@ class ExpertShard:
     tp: Any = None  # this rank's tensor-parallel group (None: no TP): its ranks split the tokens they share
     tp_size: int = 1
     tp_index: int = 0
+    per_source: bool = False  # train.reproducibility=bitwise: each source rank's tokens a GEMM of their own (`exact`)
+
+
+# under `per_source`: (split parameter, the leaf one source's tokens computed with) since the last take_terms()
+_TERMS: list[tuple[torch.nn.Parameter, Tensor]] = []
 
 
 # each split experts module's ExpertShard, kept beside the module (not set on it): transformers' ExpertsInterface hands
@@ -103,11 +108,11 @@ def is_expert_parallel(model: torch.nn.Module) -> bool:
     return plan_of(model).expert_parallel > 1
 
 
-def expert_parallel(model: torch.nn.Module, mesh, tp_group=None) -> None:
+def expert_parallel(model: torch.nn.Module, mesh, tp_group=None, exact: bool = False) -> None:
     """Split every experts module of `model` over the "ep" dimension of `mesh` (distributed.mesh.expert_mesh), in
     place: its per-expert tensors become DTensors sharded on dim 0, and its forward dispatches (module docstring).
     tp_group: the rank's tensor-parallel group when the model is split by tensor parallelism too (its ranks then
-    dispatch a slice each of the tokens they share). Call after the model is on its device, after LoRA adapters are
+    dispatch a slice each of the tokens they share). exact: train.reproducibility=bitwise (`per_source`, below). Call after the model is on its device, after LoRA adapters are
     added and after tensor parallelism, before FSDP2 and the optimizer. A model whose experts EP does not divide is
     one line (UsageError), the mesh's own wording."""
     from torch.distributed.tensor import DTensor, Shard
@@ -137,7 +142,7 @@ def expert_parallel(model: torch.nn.Module, mesh, tp_group=None) -> None:
             m.get_submodule(owner).register_parameter(attr, torch.nn.Parameter(split, requires_grad=p.requires_grad))
         tp = {} if tp_group is None else dict(tp=tp_group, tp_size=tdist.get_world_size(tp_group),
                                               tp_index=tdist.get_rank(tp_group))
-        _SHARDS[m] = ExpertShard(ep_mesh.get_group(), ep, index, local, names, **tp)
+        _SHARDS[m] = ExpertShard(ep_mesh.get_group(), ep, index, local, names, **tp, per_source=exact)
     model.set_experts_implementation(BACKEND)
     record(model).expert_parallel = ep
 
@@ -274,7 +279,7 @@ def _dispatch(module, shard: ExpertShard, hidden: Tensor, top_k_index: Tensor, t
     send_sizes, recv_sizes = counts.view(shard.size, shard.local).sum(dim=1).tolist(), got.sum(dim=1).tolist()
     received = _Exchange.apply(send, shard.group, send_sizes, recv_sizes)
     local_ids = torch.arange(shard.local, device=ids.device).repeat(shard.size).repeat_interleave(got.reshape(-1))
-    out = _local_experts(module, shard, received, local_ids)
+    out = _local_experts(module, shard, received, local_ids, recv_sizes)
     back = _Exchange.apply(out, shard.group, recv_sizes, send_sizes)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order), device=order.device)
@@ -282,13 +287,46 @@ def _dispatch(module, shard: ExpertShard, hidden: Tensor, top_k_index: Tensor, t
     return (back[inverse].view(n, k, back.shape[-1]) * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
 
 
-def _local_experts(module, shard: ExpertShard, tokens: Tensor, ids: Tensor) -> Tensor:
-    """This rank's experts over the tokens sent to them (ids: the local expert of each), one grouped GEMM."""
-    from transformers.integrations.moe import grouped_mm_experts_forward
-
-    local = _Weights(module, _adapted(module, {n: module.get_parameter(n).to_local() for n in shard.names}),
-                     shard.local)
+def _local_experts(module, shard: ExpertShard, tokens: Tensor, ids: Tensor, sources: list[int]) -> Tensor:
+    """This rank's experts over the tokens sent to them (ids: the local expert of each; sources: how many came from
+    each rank of the ep group, in rank order), one grouped GEMM; under `per_source`, one per source rank."""
     if not len(tokens):  # nothing routed here: one zero row, cut to none, keeps this rank in the backward exchange
         row = tokens.sum(dim=0, keepdim=True)
-        return grouped_mm_experts_forward(local, row, ids.new_zeros((1, 1)), row.new_ones((1, 1)))[:0]
+        return _grouped(module, shard, row, ids.new_zeros((1,)))[:0]
+    if not shard.per_source:
+        return _grouped(module, shard, tokens, ids)
+    parts, at = [], 0
+    for n in sources:
+        if n:
+            parts.append(_grouped(module, shard, tokens[at:at + n], ids[at:at + n], terms=torch.is_grad_enabled()))
+        at += n
+    return torch.cat(parts)
+
+
+def _grouped(module, shard: ExpertShard, tokens: Tensor, ids: Tensor, terms: bool = False) -> Tensor:
+    """tokens through this rank's experts (ids: each row's local expert), top-1 with weight 1. terms: on leaves of
+    the local weights of their own, kept in _TERMS for take_terms (the parameters themselves get no gradient)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    weights = {n: module.get_parameter(n).to_local() for n in shard.names}
+    if terms:
+        for n, w in weights.items():
+            p = module.get_parameter(n)
+            if p.requires_grad:
+                weights[n] = w.detach().requires_grad_()
+                _TERMS.append((p, weights[n]))
+    local = _Weights(module, _adapted(module, weights), shard.local)
     return grouped_mm_experts_forward(local, tokens, ids[:, None], tokens.new_ones((len(tokens), 1)))
+
+
+def take_terms() -> list[tuple[torch.nn.Parameter, Tensor]]:
+    """Under `per_source` (train.reproducibility=bitwise): each (split parameter, one source rank's gradient of its
+    local shard) that the backward passes since the last call reached; forgets them. Why per source: an expert's
+    tokens from the micro-batches of its ep group's ranks in one GEMM add their products to its weight gradient in
+    one float sum, which the layout groups (which micro-batches meet in a wave); one GEMM per source rank (one
+    micro-batch's tokens, or its slice under sequence or tensor parallelism) gives each micro-batch's gradient as on
+    one process, and the fixed-point sum (distributed.exact) adds them in any order. Their forward is per source too,
+    so a token's output does not depend on the GEMM's other rows either (old and reference log-probs included)."""
+    got = [(p, leaf.grad) for p, leaf in _TERMS if leaf.grad is not None]
+    _TERMS.clear()
+    return got

@@ -58,7 +58,7 @@ def parallelize(model, mesh: Mesh, cfg: RunConfig, role: str = "policy") -> Mode
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
     if not scorer:
-        split_tensors(model, mesh)
+        split_tensors(model, mesh, exact=cfg.train.reproducibility == "bitwise")
         computes_head(model)  # after TP, which replaces the output layer; before FSDP2 wraps it
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     if cfg.parallel.sharding == "fsdp":
@@ -79,15 +79,17 @@ def parallelize(model, mesh: Mesh, cfg: RunConfig, role: str = "policy") -> Mode
     return plan
 
 
-def split_tensors(model, mesh: Mesh) -> None:
+def split_tensors(model, mesh: Mesh, exact: bool = False) -> None:
     """Tensor parallelism (the mesh's tp > 1: the model's layers split over this rank's tp group) or expert
-    parallelism (ep > 1: a mixture's experts split over its ep group), before FSDP2 shards what is left."""
+    parallelism (ep > 1: a mixture's experts split over its ep group), before FSDP2 shards what is left. exact
+    (train.reproducibility=bitwise): the experts run each source rank's tokens apart (expert_parallel.take_terms),
+    in every role: old and reference log-probs must be layout-free too."""
     device = next(model.parameters()).device
     # what they do not split (a vision-language model) was refused before anything loaded (config.compatibility)
     if mesh.tp > 1:
         tensor_parallel(model, mesh.device_mesh(device)["tp"])
     if mesh.ep > 1:  # after TP: its tp group splits the tokens the experts see (distributed.expert_parallel)
-        expert_parallel(model, mesh.expert_mesh(device), mesh.group("tp") if mesh.tp > 1 else None)
+        expert_parallel(model, mesh.expert_mesh(device), mesh.group("tp") if mesh.tp > 1 else None, exact=exact)
 
 
 def split_sequences(model, cfg: RunConfig, mesh: Mesh) -> None:

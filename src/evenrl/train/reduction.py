@@ -50,7 +50,7 @@ from evenrl.core.canonical import canonical_schedule
 from evenrl.core.model_plan import plan_of
 from evenrl.core.schedule import StepSchedule, make_schedule
 from evenrl.distributed import collectives as dist
-from evenrl.distributed import exact, exact_fsdp
+from evenrl.distributed import exact, exact_fsdp, expert_parallel
 from evenrl.engines.base import keyed_seed
 
 
@@ -166,7 +166,7 @@ class ExactBins(_Exact):
         self.bins = exact.ExactGrads(params, every=self.every)
 
     def backward_done(self) -> None:
-        self.bins.deposit()
+        self.bins.deposit(more=expert_parallel.take_terms())  # experts split over "ep": a term per source rank
 
     def finish(self, params: list, width: int, seqs: float) -> torch.Tensor:
         flat = self._flat(width)

@@ -341,24 +341,26 @@ def test_checkpoints_resume_across_expert_parallel_sizes(ep_runs):
 
 @pytest.mark.slow
 @pytest.mark.large_world
-def test_bitwise_expert_parallelism_is_one_run_on_any_number_of_data_groups(ep_runs):
-    """train.reproducibility=bitwise with EP = 2 on 2 processes and on 4 (DP = 2 x EP = 2, replicated): the same
-    bits, final weights, every step's metrics and weights/hash (each source rank's tokens a GEMM of their own, their
-    expert gradients fixed-point terms summed over edata, the dense ones over data; the clip norm's and the hash's
-    integer sums over ep). Not claimed: EP 2's bits equal one process's (the local experts run through
-    transformers' grouped_mm; measured 1.5e-7 apart after 2 steps). Negative control: the same pair under rounding
-    differs, and each stays within 1e-5 of the 1-process run (measured 4.3e-6 for the 4-process one)."""
+def test_bitwise_expert_parallelism_is_the_one_process_run(ep_runs):
+    """train.reproducibility=bitwise on 1 process, with EP = 2 on 2 processes and on 4 (DP = 2 x EP = 2,
+    replicated): one run, bit for bit: final weights, every step's metrics and weights/hash (each source rank's
+    tokens GEMMs of their own, one per expert, their expert gradients fixed-point terms summed over edata, the dense
+    ones over data; the clip norm's and the hash's integer sums over ep; the 1-process model's experts computed in
+    the same order: canonical_experts). Measured also: EP 4 on 4 and DP 3 the same bits. Negative control: under
+    rounding EP 2 on 2 is not the 1-process run, and DP 2 x EP 2 on 4 stays within 1e-5 of it (measured 4.3e-6)."""
     from e2e import BITWISE, assert_same_run
 
     root = ep_runs
     cfg = root / "cfg.yaml"
-    ep = ["parallel.expert_parallel_size=2", "checkpoint.every_steps=0"]
-    evenrl_many({name: ["train", cfg, f"log.run_dir={root / name}", "--nproc-per-node", n, *ep, *more]
-                 for name, n, more in (("ep2_bitwise", 2, [BITWISE]), ("ep4_bitwise", 4, [BITWISE]),
-                                       ("ep4", 4, []))})
-    assert_same_run(root / "ep2_bitwise", root / "ep4_bitwise")
+    no_save = ["checkpoint.every_steps=0"]
+    ep = ["parallel.expert_parallel_size=2", *no_save]
+    evenrl_many({name: ["train", cfg, f"log.run_dir={root / name}", "--nproc-per-node", n, *more]
+                 for name, n, more in (("one_bitwise", 1, [*no_save, BITWISE]), ("ep2_bitwise", 2, [*ep, BITWISE]),
+                                       ("ep4_bitwise", 4, [*ep, BITWISE]), ("ep4", 4, ep))})
+    assert_same_run(root / "one_bitwise", root / "ep2_bitwise")
+    assert_same_run(root / "one_bitwise", root / "ep4_bitwise")
     assert _same_as_one(root, "ep4") < 1e-5
-    assert max_diff(final_params(root / "ep2"), final_params(root / "ep4")) > 0.0
+    assert max_diff(final_params(root / "one"), final_params(root / "ep2")) > 0.0
 
 
 @pytest.mark.slow

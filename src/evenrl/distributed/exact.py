@@ -157,18 +157,14 @@ class ExactGrads:
     def reduce(self) -> None:
         """The layout-free sum over the ranks of each parameter's group (`data`; `edata` for experts split over "ep")
         into p.grad (None where no rank had a gradient; NaN everywhere if any term was not finite, so the step's
-        non-finite check stops the run)."""
+        non-finite check stops the run). The top bins are max-reduced over the whole data group, experts' too: every
+        shard of an expert tensor is cut at the whole tensor's top, as one process cuts it."""
         n = len(self.params)
-        tops, had, bad = [NONE] * n, [False] * n, False
+        head = torch.tensor(self.tops + [int(h) for h in self.had] + [int(self.bad)], dtype=torch.long)
+        all_reduce(head, tdist.ReduceOp.MAX, "data")
+        tops, had, bad = head[:n].tolist(), head[n:2 * n].tolist(), bool(head[-1])
         for over in dict.fromkeys(self.overs):
             mine = [i for i in range(n) if self.overs[i] == over]  # consecutive (__init__)
-            head = torch.tensor([self.tops[i] for i in mine] + [int(self.had[i]) for i in mine] + [int(self.bad)],
-                                dtype=torch.long)
-            all_reduce(head, tdist.ReduceOp.MAX, over)
-            k = len(mine)
-            for j, i in enumerate(mine):
-                tops[i], had[i] = int(head[j]), bool(head[k + j])
-            bad = bad or bool(head[-1])
             if all(tops[i] == NONE for i in mine):
                 continue
             for i in mine:

@@ -31,6 +31,10 @@ experts (`edata`) reduce their gradients (or, with FSDP2, shard them), and the d
   to the expert contributed), so it is summed over `edata` only (distributed.ops.all_reduce_grads; FSDP2
   reduce-scatters it there), never over the whole data group; the clip norm sums its squares over "ep"
   (distributed.ops.clip_grad_norm).
+- train.reproducibility=bitwise (`per_source`, replicated, without TP or SP): the tokens each source rank sent run
+  apart, each expert's rows a call of their own, on leaves of the local weights per source, so each micro-batch's
+  expert gradient is its own term of the fixed-point sum (take_terms, distributed.exact); a model without EP
+  computes its experts in the same order (canonical_experts). EP e is then the one-process run bit for bit.
 
 With tensor parallelism (Megatron's layout with expert tensor parallelism 1: distributed.tensor_parallel splits
 attention and the dense MLPs, this the routed experts): after attention every rank of a tp group holds the same whole
@@ -92,6 +96,8 @@ class ExpertShard:
 
 # under `per_source`: (split parameter, the leaf one source's tokens computed with) since the last take_terms()
 _TERMS: list[tuple[torch.nn.Parameter, Tensor]] = []
+# experts modules of a model not split that compute in the canonical order (`canonical_experts`)
+_CANONICAL: weakref.WeakSet = weakref.WeakSet()
 
 
 # each split experts module's ExpertShard, kept beside the module (not set on it): transformers' ExpertsInterface hands
@@ -147,6 +153,22 @@ def expert_parallel(model: torch.nn.Module, mesh, tp_group=None, exact: bool = F
     record(model).expert_parallel = ep
 
 
+def canonical_experts(model: torch.nn.Module) -> None:
+    """train.reproducibility=bitwise on a mixture without expert parallelism: its experts compute as a split
+    model's do under bitwise (`_canonical`: the (token, expert) pairs in stable expert order, each expert's rows a
+    GEMM of their own, the pairs' outputs weighted and summed after), so that EP e is one process's run bit for bit.
+    transformers' grouped_mm backend alone would not do: it orders the pairs with torch.sort, which is not stable on
+    CPU past 16 elements (measured: rows of one expert reordered, its weight gradient summed in another order,
+    1.5e-8 apart)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    modules = [m for m in experts_modules(model) if m not in _SHARDS]
+    if modules:
+        ExpertsInterface.register(BACKEND, experts_forward)
+        _CANONICAL.update(modules)
+        model.set_experts_implementation(BACKEND)
+
+
 @contextlib.contextmanager
 def gathered_experts(model: torch.nn.Module):
     """Within the block every experts module runs all its experts locally, gathered once over its ep group (a
@@ -189,10 +211,15 @@ def experts_forward(module, hidden: Tensor, top_k_index: Tensor, top_k_weights: 
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     shard = _SHARDS.get(module)
-    if shard is None:  # a model not split (a copy built from the same config object)
+    if shard is None:  # a model not split (or a copy built from the same config object)
+        if module in _CANONICAL:
+            return _canonical(module, dict(module.named_parameters()), module.num_experts, hidden, top_k_index,
+                              top_k_weights)
         own = _Weights(module, _adapted(module, dict(module.named_parameters())), module.num_experts)
         return grouped_mm_experts_forward(own, hidden, top_k_index, top_k_weights)
     if shard.whole is not None:  # generation: every expert is here
+        if shard.per_source:
+            return _canonical(module, shard.whole, shard.local * shard.size, hidden, top_k_index, top_k_weights)
         return grouped_mm_experts_forward(_Weights(module, _adapted(module, shard.whole), shard.local * shard.size),
                                           hidden, top_k_index, top_k_weights)
     if shard.tp_size > 1:
@@ -304,8 +331,9 @@ def _local_experts(module, shard: ExpertShard, tokens: Tensor, ids: Tensor, sour
 
 
 def _grouped(module, shard: ExpertShard, tokens: Tensor, ids: Tensor, terms: bool = False) -> Tensor:
-    """tokens through this rank's experts (ids: each row's local expert), top-1 with weight 1. terms: on leaves of
-    the local weights of their own, kept in _TERMS for take_terms (the parameters themselves get no gradient)."""
+    """tokens through this rank's experts (ids: each row's local expert), top-1 with weight 1; under `per_source`
+    each expert's rows (ids ascending) a call of their own (`_by_expert`). terms: on leaves of the local weights of
+    their own, kept in _TERMS for take_terms (the parameters themselves get no gradient)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     weights = {n: module.get_parameter(n).to_local() for n in shard.names}
@@ -315,8 +343,40 @@ def _grouped(module, shard: ExpertShard, tokens: Tensor, ids: Tensor, terms: boo
             if p.requires_grad:
                 weights[n] = w.detach().requires_grad_()
                 _TERMS.append((p, weights[n]))
+    if shard.per_source:
+        return _by_expert(module, weights, shard.local, tokens, ids)
     local = _Weights(module, _adapted(module, weights), shard.local)
     return grouped_mm_experts_forward(local, tokens, ids[:, None], tokens.new_ones((len(tokens), 1)))
+
+
+def _by_expert(module, weights: dict[str, Tensor], experts: int, tokens: Tensor, ids: Tensor) -> Tensor:
+    """Rows sorted by expert (ids ascending) through their experts, each expert's rows one call of transformers'
+    grouped_mm backend (top-1, weight 1): an expert's rows keep their order whatever other experts' rows share the
+    micro-batch or the rank (the backend's own sort is not stable), and its GEMM sees its rows alone."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    local = _Weights(module, _adapted(module, weights), experts)
+    parts, at = [], 0
+    for count in torch.bincount(ids, minlength=experts).tolist():
+        if count:
+            rows = slice(at, at + count)
+            parts.append(grouped_mm_experts_forward(local, tokens[rows], ids[rows, None],
+                                                    tokens.new_ones((count, 1))))
+        at += count
+    return torch.cat(parts) if parts else tokens[:0]
+
+
+def _canonical(module, weights: dict[str, Tensor], experts: int, hidden: Tensor, top_k_index: Tensor,
+               top_k_weights: Tensor) -> Tensor:
+    """Every expert here, in the order a split model's bitwise dispatch uses (`_dispatch` with `per_source`): the
+    pairs in stable expert order, `_by_expert`, each pair's output times its weight, summed per token."""
+    n, k = top_k_index.shape
+    ids = top_k_index.reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    out = _by_expert(module, weights, experts, hidden[order // k], ids[order])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=order.device)
+    return (out[inverse].view(n, k, out.shape[-1]) * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
 
 
 def take_terms() -> list[tuple[torch.nn.Parameter, Tensor]]:

@@ -13,8 +13,7 @@ from evenrl.core.canonical import prompt_batches
 from evenrl.planner.types import Finding, Plan
 
 # what a bitwise run records in its checkpoints (evenrl.train.checkpoint) and a resume compares
-RECORDED = ("train.reproducibility", "parallel.sequence_parallel_size", "parallel.tensor_parallel_size",
-            "parallel.expert_parallel_size")
+RECORDED = ("train.reproducibility", "parallel.sequence_parallel_size", "parallel.tensor_parallel_size")
 _ROUNDING = "train.reproducibility=rounding"
 
 
@@ -22,8 +21,7 @@ def recorded(cfg) -> dict:
     """The settings of `cfg` a bitwise resume must find unchanged, by their dotted names."""
     return {"train.reproducibility": cfg.train.reproducibility,
             "parallel.sequence_parallel_size": cfg.parallel.sequence_parallel_size,
-            "parallel.tensor_parallel_size": cfg.parallel.tensor_parallel_size,
-            "parallel.expert_parallel_size": cfg.parallel.expert_parallel_size}
+            "parallel.tensor_parallel_size": cfg.parallel.tensor_parallel_size}
 
 
 def rule_reproducibility(p: Plan) -> list[Finding]:
@@ -42,8 +40,7 @@ def rule_reproducibility(p: Plan) -> list[Finding]:
                            f"generating ranks: {units - batches} of them generate nothing",
                            f"rollout.batch_prompts={max(1, c.data.prompts_per_step // units)}"))
     split = [f"parallel.{k}_parallel_size={n}" for k, n in (("tensor", c.parallel.tensor_parallel_size),
-                                                             ("sequence", c.parallel.sequence_parallel_size),
-                                                             ("expert", c.parallel.expert_parallel_size)) if n > 1]
+                                                             ("sequence", c.parallel.sequence_parallel_size)) if n > 1]
     where = (f"any number of data-parallel groups of {' and '.join(split)} (not an unsplit model's bits)" if split
              else "any number of processes")
     out.append(Finding("note", "bitwise", f"train.reproducibility=bitwise: the run is the same bits on {where}: "

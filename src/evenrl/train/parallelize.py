@@ -28,7 +28,7 @@ import torch
 
 from evenrl.config import RunConfig
 from evenrl.core.model_plan import ModelPlan, record
-from evenrl.distributed.expert_parallel import expert_parallel
+from evenrl.distributed.expert_parallel import canonical_experts, expert_parallel
 from evenrl.distributed.mesh import Mesh
 from evenrl.distributed.sequence import sequence_parallel
 from evenrl.distributed.sharding import shard
@@ -90,6 +90,8 @@ def split_tensors(model, mesh: Mesh, exact: bool = False) -> None:
         tensor_parallel(model, mesh.device_mesh(device)["tp"])
     if mesh.ep > 1:  # after TP: its tp group splits the tokens the experts see (distributed.expert_parallel)
         expert_parallel(model, mesh.expert_mesh(device), mesh.group("tp") if mesh.tp > 1 else None, exact=exact)
+    elif exact:  # the experts' arithmetic a split model's has under bitwise, so EP e is this model's run
+        canonical_experts(model)
 
 
 def split_sequences(model, cfg: RunConfig, mesh: Mesh) -> None:

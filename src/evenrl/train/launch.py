@@ -197,9 +197,12 @@ def _launch(cmd: str, args: argparse.Namespace, argv: list[str], worker: Callabl
     watch = liveness.Watch(cfg.parallel.liveness_timeout_s)
     os.environ.update(watch.env())
     try:
-        return _launch_workers(cmd, args, worker, watch)
+        code = _launch_workers(cmd, args, worker, watch)
     finally:
         watch.close()
+    if code == 0:
+        _stop_fork_server()
+    return code
 
 
 def _launch_workers(cmd: str, args: argparse.Namespace, worker: Callable[[list[str]], None],
@@ -270,6 +273,24 @@ def _start_fork_server() -> int | None:
         sys.warnoptions.remove(quiet)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def _stop_fork_server() -> None:
+    """Once every worker has exited 0: the fork server and its resource tracker stopped now, by closing the pipes
+    they wait on, so that this process has no child left when evenrl.cli.run ends it, and it ends without the
+    interpreter's finalization (a live child makes run() take the normal exit: measured 2 s of a core after the
+    workers' last line, in the tests' launchers, which have transformers imported). Not after a failure or a
+    signal: the server's exit sends its children their parent-death signal, and a worker may still be saving."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        pid = server._forkserver_pid
+        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
+        if pid is not None:
+            os.waitpid(pid, 0)
+    resource_tracker._resource_tracker._stop()
 
 
 def _report_failures(cmd: str, failures: dict, watch: liveness.Watch | None = None) -> int:

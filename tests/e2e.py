@@ -157,6 +157,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# what the fork server of `spawn` imports once: what every in-test rank imports (torch's distributed code,
+# transformers' common model classes, evenrl's collectives and model loading)
+SPAWN_PRELOAD = ["torch", "torch.distributed.tensor", "transformers", "transformers.models.qwen2.modeling_qwen2",
+                 "transformers.models.qwen3_moe.modeling_qwen3_moe", "evenrl.distributed.collectives",
+                 "evenrl.models.loading"]
+
+
+def spawn(fn, args: tuple, nprocs: int) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs), each process forked from multiprocessing's fork server (started
+    on the first call in this test process, with SPAWN_PRELOAD imported) instead of started as a new Python that
+    imports torch and transformers again (~7 s of a core each; the suite starts ~40). What differs from spawn: the
+    processes start from the server's environment and modules, taken when it started (the tests that call this set
+    their ranks' variables inside `fn`). No test of this process may start evenrl's launcher in-process after it
+    (the launcher's own fork server would be this one)."""
+    import multiprocessing
+
+    import torch.multiprocessing as tmp
+
+    multiprocessing.set_forkserver_preload(SPAWN_PRELOAD)  # read when the server starts: the first call
+    tmp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def evenrl(*args, env=None, check=True) -> subprocess.CompletedProcess:
     """Run `evenrl ARGS` in a subprocess and wait; by default a non-zero exit fails the test with its output."""
     return Job(*args, env=env).wait(check=check)

@@ -11,10 +11,9 @@ import os
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 from torch import nn
 
-from e2e import free_port
+from e2e import free_port, spawn
 from evenrl.distributed import collectives as dist
 from evenrl.distributed import exchange as exchange_mod
 from evenrl.core.aggregation import MODES, aggregate
@@ -313,7 +312,7 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
     result = run_all()
     dist.shutdown()
     torch.save(result, f"{path}.{rank}")
-    os._exit(0)  # saved; Python's finalization of torch's modules would cost each rank ~0.5 s of CPU, mp.spawn waits
+    os._exit(0)  # saved; Python's finalization of torch's modules would cost each rank ~0.5 s of CPU, spawn waits
 
 
 _RESULTS: dict[int, list[dict]] = {}
@@ -323,7 +322,7 @@ _REFERENCE: dict[str, dict] = {}
 def results(world: int, tmp_path_factory) -> list[dict]:
     if world not in _RESULTS:
         path = str(tmp_path_factory.mktemp(f"w{world}") / "out")
-        mp.spawn(_worker, args=(world, free_port(), path), nprocs=world)
+        spawn(_worker, args=(world, free_port(), path), nprocs=world)
         _RESULTS[world] = [torch.load(f"{path}.{r}", weights_only=True) for r in range(world)]
     return _RESULTS[world]
 

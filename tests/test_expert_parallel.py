@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from e2e import copy_checkpoint, evenrl_many, final_params, free_port, max_diff, metrics
+from e2e import copy_checkpoint, evenrl_many, final_params, free_port, max_diff, metrics, spawn
 from evenrl.demo import write_addition_data
 from evenrl.distributed.mesh_shape import MeshShape
 from evenrl.testing import MOE_ARCHS, make_tiny_model
@@ -180,7 +179,7 @@ def test_a_model_with_experts_split_over_two_ranks_computes_the_unsplit_model(tm
     paths["qwen3_moe-starved"] = paths["qwen3_moe"]
     paths["qwen3_moe-lora"], paths["gpt_oss-lora"] = paths["qwen3_moe"], paths["gpt_oss"]  # gpt-oss: [E, in, out]
     out = str(tmp_path / "split.pt")
-    mp.spawn(_split_worker, args=(2, free_port(), paths, out), nprocs=2, join=True)
+    spawn(_split_worker, args=(2, free_port(), paths, out), nprocs=2)
     split = torch.load(out)
     for name, path in paths.items():
         one, two = _unsplit(path, name, name.endswith("starved")), split[name]
@@ -247,7 +246,7 @@ def test_under_bitwise_experts_sum_each_source_ranks_gradient_apart(tmp_path):
     (the float path's one GEMM) the pairings differ (the negative control)."""
     path = make_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=3)
     out = str(tmp_path / "pairs.pt")
-    mp.spawn(_pairing_worker, args=(2, free_port(), path, out), nprocs=2, join=True)
+    spawn(_pairing_worker, args=(2, free_port(), path, out), nprocs=2)
     got = torch.load(out)
     a, b = got[True, (0, 1, 2, 3)], got[True, (0, 2, 1, 3)]
     assert a.keys() == b.keys() and any(".experts." in n for n in a)

@@ -20,9 +20,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from e2e import free_port
+from e2e import free_port, spawn
 from evenrl.core.batch import Batch, Ragged
 from evenrl.distributed import collectives as dist
 from evenrl.distributed.sequence import SequenceGroup, sequence_parallel
@@ -100,7 +99,7 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
     result = {name: run_case(name, sp) for name in CASES}
     dist.shutdown()
     torch.save(result, f"{path}.{rank}")
-    os._exit(0)  # saved; Python's finalization of torch's modules would cost each rank ~0.5 s of CPU, mp.spawn waits
+    os._exit(0)  # saved; Python's finalization of torch's modules would cost each rank ~0.5 s of CPU, spawn waits
 
 
 def assert_same(got: dict, want: dict, what: str, tol: float = 1e-6) -> None:
@@ -116,7 +115,7 @@ def assert_same(got: dict, want: dict, what: str, tol: float = 1e-6) -> None:
 @pytest.mark.slow
 def test_sequence_parallel_equals_the_unsplit_forward(tmp_path):
     path = str(tmp_path / "out")
-    mp.spawn(_worker, args=(2, free_port(), path), nprocs=2)
+    spawn(_worker, args=(2, free_port(), path), nprocs=2)
     per_rank = [torch.load(f"{path}.{r}", weights_only=True) for r in range(2)]
     for r, res in enumerate(per_rank):
         for name in CASES:

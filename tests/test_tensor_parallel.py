@@ -18,9 +18,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from e2e import free_port
+from e2e import free_port, spawn
 from evenrl.distributed.mesh_shape import Coords, MeshShape
 
 
@@ -105,7 +104,7 @@ def test_a_model_split_over_two_ranks_computes_the_unsplit_model(tmp_path, arch,
     got = {}
     for world in (1, 2):
         out = str(tmp_path / f"out{world}.pt")
-        mp.spawn(_split_worker, args=(world, free_port(), path, out, lora), nprocs=world, join=True)
+        spawn(_split_worker, args=(world, free_port(), path, out, lora), nprocs=world)
         got[world] = [torch.load(f"{out}.{rank}") for rank in range(world)]
     (one,), ranks = got[1], got[2]
     assert (arch == "qwen3") == any("q_norm" in n for n in one["grads"])

@@ -145,8 +145,8 @@ class Row:
 _OFF_PARTIAL, _ROUNDING = "rollout.partial=false", "train.reproducibility=rounding"
 _TP_PLAN = ("the tensor-parallel plan covers dense decoders with q/k/v/o and gate/up/down projections (Qwen2, "
             "Qwen2.5, Qwen3, Llama, Mistral)")
-_BITWISE_EXPERTS = ("bitwise expert parallelism runs replicated beside data parallelism (the one-process run's bits: "
-                    "each source rank's tokens GEMMs of their own, their expert gradients a fixed-point term each); "
+_BITWISE_EXPERTS = ("bitwise expert parallelism runs replicated beside data parallelism (each source rank's tokens "
+                    "GEMMs of their own, their expert gradients a fixed-point term each); "
                     "beside tensor or sequence parallelism or FSDP2's fixed-point reduce-scatter it has not run: not "
                     "supported yet")
 _LOCKSTEP = ("the ranks that sample together call their engine in lockstep, and agents' calls are served as they "

@@ -62,18 +62,17 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
             f"{r} row{'s' if r > 1 else ''} per micro-batch")
     if not cfg.model.gradient_checkpointing:
         add({"model.gradient_checkpointing": True})
-    # bitwise: a TP or SP degree is part of the run's bits (TP t is one run on any data layout, not TP 1's): --fit
-    # changes neither. EP under bitwise is the unsplit model's run, replicated without TP or SP (config.compatibility)
+    # bitwise: a TP, SP or EP degree is part of the run's bits (TP t is one run on any data layout, not TP 1's; EP
+    # e is one process's on a Qwen3-MoE, not on gpt-oss): --fit changes none of them
     split_model = cfg.train.reproducibility != "bitwise"
     sp = cfg.parallel.sequence_parallel_size
-    experts_alone = cfg.parallel.sharding == "replicated" and cfg.parallel.tensor_parallel_size == 1 == sp
     # splitting samples pays once a micro-batch is down to one sample
     if split_model and tokens * sp <= length + sp and (split := sequence_parallel_fix(cfg, layout, dims, ranks)):
         add(sequence_settings(cfg, dims, split), f"each sample over {split} ranks, "
             f"{layout.training_ranks // split} data-parallel groups")
     tp = cfg.parallel.tensor_parallel_size
     data = layout.training_ranks // tp  # FSDP shards over the data group
-    if (split_model or experts_alone) and (ep := expert_parallel_fix(cfg, layout, dims, ranks)) is not None:
+    if split_model and (ep := expert_parallel_fix(cfg, layout, dims, ranks)) is not None:
         add({"parallel.expert_parallel_size": ep}, f"{dims.experts // ep} of {dims.experts} experts per rank")
     if cfg.parallel.sharding == "replicated" and data > 1:
         add({"parallel.sharding": "fsdp"}, f"over {data} ranks")

@@ -13,7 +13,8 @@ from evenrl.core.canonical import prompt_batches
 from evenrl.planner.types import Finding, Plan
 
 # what a bitwise run records in its checkpoints (evenrl.train.checkpoint) and a resume compares
-RECORDED = ("train.reproducibility", "parallel.sequence_parallel_size", "parallel.tensor_parallel_size")
+RECORDED = ("train.reproducibility", "parallel.sequence_parallel_size", "parallel.tensor_parallel_size",
+            "parallel.expert_parallel_size")
 _ROUNDING = "train.reproducibility=rounding"
 
 
@@ -21,7 +22,9 @@ def recorded(cfg) -> dict:
     """The settings of `cfg` a bitwise resume must find unchanged, by their dotted names."""
     return {"train.reproducibility": cfg.train.reproducibility,
             "parallel.sequence_parallel_size": cfg.parallel.sequence_parallel_size,
-            "parallel.tensor_parallel_size": cfg.parallel.tensor_parallel_size}
+            "parallel.tensor_parallel_size": cfg.parallel.tensor_parallel_size,
+            # a Qwen3-MoE's bits are the same at any EP, gpt-oss's are not (docs/reproducibility.md)
+            "parallel.expert_parallel_size": cfg.parallel.expert_parallel_size}
 
 
 def rule_reproducibility(p: Plan) -> list[Finding]:

@@ -120,8 +120,9 @@ def expert_parallel(model: torch.nn.Module, mesh, tp_group=None, exact: bool = F
     """Split every experts module of `model` over the "ep" dimension of `mesh` (distributed.mesh.expert_mesh), in
     place: its per-expert tensors become DTensors sharded on dim 0, and its forward dispatches (module docstring).
     tp_group: the rank's tensor-parallel group when the model is split by tensor parallelism too (its ranks then
-    dispatch a slice each of the tokens they share). exact: train.reproducibility=bitwise (`per_source`, below). Call after the model is on its device, after LoRA adapters are
-    added and after tensor parallelism, before FSDP2 and the optimizer. A model whose experts EP does not divide is
+    dispatch a slice each of the tokens they share). exact: train.reproducibility=bitwise (ExpertShard.per_source).
+    Call after the model is on its device, after LoRA adapters are added and after tensor parallelism, before FSDP2
+    and the optimizer. A model whose experts EP does not divide is
     one line (UsageError), the mesh's own wording."""
     from torch.distributed.tensor import DTensor, Shard
     from transformers.integrations.moe import ExpertsInterface
@@ -158,10 +159,10 @@ def expert_parallel(model: torch.nn.Module, mesh, tp_group=None, exact: bool = F
 def canonical_experts(model: torch.nn.Module) -> None:
     """train.reproducibility=bitwise on a mixture without expert parallelism: its experts compute as a split
     model's do under bitwise (`_canonical`: the (token, expert) pairs in stable expert order, each expert's rows a
-    GEMM of their own, the pairs' outputs weighted and summed after), so that EP e is one process's run bit for bit.
-    transformers' grouped_mm backend alone would not do: it orders the pairs with torch.sort, which is not stable on
-    CPU past 16 elements (measured: rows of one expert reordered, its weight gradient summed in another order,
-    1.5e-8 apart)."""
+    GEMM of their own, the pairs' outputs weighted and summed after), so that EP e can be one process's run bit for
+    bit (a Qwen3-MoE's is: docs/reproducibility.md). transformers' grouped_mm backend alone would not do: it orders
+    the pairs with torch.sort, which is not stable on CPU past 16 elements (measured: rows of one expert reordered,
+    its weight gradient summed in another order, 1.5e-8 apart)."""
     from transformers.integrations.moe import ExpertsInterface
 
     modules = [m for m in experts_modules(model) if m not in _SHARDS]

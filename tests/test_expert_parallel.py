@@ -201,9 +201,13 @@ def test_a_model_with_experts_split_over_two_ranks_computes_the_unsplit_model(tm
                for n, g in starved.items() if n.endswith(("gate_up_proj", "down_proj")) and ".experts." in n)
 
 
-def _pairing_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
-    """4 micro-batches (one row each) through EP = 2 on 2 ranks, two waves, in two pairings: (0, 1) then (2, 3), and
-    (0, 2) then (1, 3); each wave's backward deposited into fixed-point bins (distributed.exact), as
+def _rows4() -> list[torch.Tensor]:
+    return [torch.randint(4, 60, (1, 5 + 3 * r), generator=torch.Generator().manual_seed(r)) for r in range(4)]
+
+
+def _pairing_worker(rank: int, world: int, port: int, paths: dict, out: str) -> None:
+    """Per family: 4 micro-batches (one row each) through EP = 2 on 2 ranks, two waves, in two pairings: (0, 1) then
+    (2, 3), and (0, 2) then (1, 3); each wave's backward deposited into fixed-point bins (distributed.exact), as
     train.reduction's ExactBins does. Per pairing and per-source setting: the summed gradients."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -214,21 +218,23 @@ def _pairing_worker(rank: int, world: int, port: int, path: str, out: str) -> No
     from evenrl.models.loading import load_policy
 
     info = dist.init(expert_parallel=world)
-    rows = [torch.randint(4, 60, (1, 5 + 3 * r), generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    rows = _rows4()
     got = {}
-    for per_source in (True, False):
-        model, _ = load_policy(path)
-        expert_parallel(model, dist.expert_mesh(info.device), exact=per_source)
-        params = [p for p in model.parameters() if p.requires_grad]
-        for pairing in ((0, 1, 2, 3), (0, 2, 1, 3)):
-            bins = exact.ExactGrads(params)
-            for wave in range(2):
-                model(input_ids=rows[pairing[2 * wave + rank]]).logits.float().pow(2).mean().backward()
-                bins.deposit(more=take_terms())
-            bins.reduce()
-            got[per_source, pairing] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                                        for n, p in model.named_parameters() if p.grad is not None}
-            model.zero_grad(set_to_none=True)
+    for arch, path in paths.items():
+        for per_source in (True, False):
+            model, _ = load_policy(path)
+            expert_parallel(model, dist.expert_mesh(info.device), exact=per_source)
+            params = [p for p in model.parameters() if p.requires_grad]
+            for pairing in ((0, 1, 2, 3), (0, 2, 1, 3)):
+                bins = exact.ExactGrads(params)
+                for wave in range(2):
+                    model(input_ids=rows[pairing[2 * wave + rank]]).logits.float().pow(2).mean().backward()
+                    bins.deposit(more=take_terms())
+                bins.reduce()
+                got[arch, per_source, pairing] = {
+                    n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                    for n, p in model.named_parameters() if p.grad is not None}
+                model.zero_grad(set_to_none=True)
     if rank == 0:
         torch.save(got, out)
     dist.shutdown()
@@ -238,21 +244,37 @@ def _pairing_worker(rank: int, world: int, port: int, path: str, out: str) -> No
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_under_bitwise_experts_sum_each_source_ranks_gradient_apart(tmp_path):
-    """Why expert parallelism under train.reproducibility=bitwise runs each source rank's tokens as a GEMM of their
+    """Why expert parallelism under train.reproducibility=bitwise runs each source rank's tokens as GEMMs of their
     own (distributed.expert_parallel.take_terms): which micro-batches meet in an expert's GEMM is the layout's (the
     waves of its ep group's ranks), and one GEMM over two micro-batches' tokens adds both to the weight gradient in
-    one float sum. With a GEMM per source, every micro-batch's gradient is a term of the fixed-point sum, and the
-    same 4 micro-batches paired (0, 1), (2, 3) or (0, 2), (1, 3) give the same bits in every gradient; without it
-    (the float path's one GEMM) the pairings differ (the negative control)."""
-    path = make_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=3)
+    one float sum. With a GEMM per source and expert, every micro-batch's gradient is a term of the fixed-point sum:
+    the same 4 micro-batches paired (0, 1), (2, 3) or (0, 2), (1, 3) give the same bits in every gradient, and the
+    bits one process gives them (the unsplit model under bitwise: canonical_experts), for a Qwen3-MoE and for gpt-oss
+    (experts stored [E, in, out] with biases, whose backward GEMM gave other bits for weights at another memory
+    alignment until canonical_experts reallocated them: 3.7e-9). Without it (the float path's one GEMM) the pairings
+    differ (the negative control)."""
+    from evenrl.distributed import exact
+    from evenrl.distributed.expert_parallel import canonical_experts
+    from evenrl.models.loading import load_policy
+
+    paths = {arch: make_tiny_model(str(tmp_path / arch), arch=arch, seed=3) for arch in ("qwen3_moe", "gpt_oss")}
     out = str(tmp_path / "pairs.pt")
-    spawn(_pairing_worker, args=(2, free_port(), path, out), nprocs=2)
+    spawn(_pairing_worker, (2, free_port(), paths, out), 2)
     got = torch.load(out)
-    a, b = got[True, (0, 1, 2, 3)], got[True, (0, 2, 1, 3)]
-    assert a.keys() == b.keys() and any(".experts." in n for n in a)
-    assert all(torch.equal(a[n], b[n]) for n in a)
-    c, d = got[False, (0, 1, 2, 3)], got[False, (0, 2, 1, 3)]
-    assert max(float((c[n] - d[n]).abs().max()) for n in c if ".experts." in n) > 0.0
+    for arch, path in paths.items():
+        model, _ = load_policy(path)
+        canonical_experts(model)
+        bins = exact.ExactGrads([p for p in model.parameters() if p.requires_grad])
+        for row in _rows4():
+            model(input_ids=row).logits.float().pow(2).mean().backward()
+            bins.deposit()
+        bins.reduce()
+        one = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        a, b = got[arch, True, (0, 1, 2, 3)], got[arch, True, (0, 2, 1, 3)]
+        assert a.keys() == b.keys() == one.keys() and any(".experts." in n for n in a), arch
+        assert all(torch.equal(a[n], b[n]) and torch.equal(a[n], one[n]) for n in a), arch
+        c, d = got[arch, False, (0, 1, 2, 3)], got[arch, False, (0, 2, 1, 3)]
+        assert max(float((c[n] - d[n]).abs().max()) for n in c if ".experts." in n) > 0.0, arch
 
 
 # ------------------------------------------------------------------------------------------ real runs

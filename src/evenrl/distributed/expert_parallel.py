@@ -34,9 +34,8 @@ experts (`edata`) reduce their gradients (or, with FSDP2, shard them), and the d
 - train.reproducibility=bitwise (`per_source`, replicated, without TP or SP): the tokens each source rank sent run
   apart, each expert's rows a call of their own, on leaves of the local weights per source, so each micro-batch's
   expert gradient is its own term of the fixed-point sum (take_terms, distributed.exact); a model without EP
-  computes its experts in the same order (canonical_experts). EP e is then one run on any number of data groups,
-  and on a Qwen3-MoE the one-process run bit for bit (measured; gpt-oss's [E, in, out] experts: 6e-8 from one
-  process after 2 steps, the backward through the local experts adding in another order).
+  computes its experts in the same order, its experts' weights reallocated as the shards are (canonical_experts).
+  EP e is then the one-process run bit for bit (measured: Qwen3-MoE, gpt-oss).
 
 With tensor parallelism (Megatron's layout with expert tensor parallelism 1: distributed.tensor_parallel splits
 attention and the dense MLPs, this the routed experts): after attention every rank of a tp group holds the same whole
@@ -157,15 +156,21 @@ def expert_parallel(model: torch.nn.Module, mesh, tp_group=None, exact: bool = F
 
 
 def canonical_experts(model: torch.nn.Module) -> None:
-    """train.reproducibility=bitwise on a mixture without expert parallelism: its experts compute as a split
-    model's do under bitwise (`_canonical`: the (token, expert) pairs in stable expert order, each expert's rows a
-    GEMM of their own, the pairs' outputs weighted and summed after), so that EP e can be one process's run bit for
-    bit (a Qwen3-MoE's is: docs/reproducibility.md). transformers' grouped_mm backend alone would not do: it orders
-    the pairs with torch.sort, which is not stable on CPU past 16 elements (measured: rows of one expert reordered,
-    its weight gradient summed in another order, 1.5e-8 apart)."""
+    """train.reproducibility=bitwise on a mixture without expert parallelism: its experts compute as a split model's do
+    under bitwise (`_canonical`: the (token, expert) pairs in stable expert order, each expert's rows a GEMM of
+    their own, the pairs' outputs weighted and summed after), so that EP e can be one process's run bit for bit
+    (measured: Qwen3-MoE, gpt-oss; docs/reproducibility.md). transformers' grouped_mm backend alone would not do:
+    it orders the pairs with torch.sort, which is not stable on CPU past 16 elements (measured: rows of one
+    expert reordered, its weight gradient summed in another order, 1.5e-8 apart)."""
     from transformers.integrations.moe import ExpertsInterface
 
     modules = [m for m in experts_modules(model) if m not in _SHARDS]
+    with torch.no_grad():
+        for p in (p for m in modules for p in m.parameters()):
+            # in memory of the allocator's alignment, as expert_parallel's shards are (clones): a weight loaded from
+            # safetensors may start anywhere (measured: 56 bytes past a 64-byte boundary), and the backward GEMM
+            # through gpt-oss's [E, in, out] experts gives other bits for another alignment (3.7e-9 in dx)
+            p.data = p.data.clone()
     if modules:
         ExpertsInterface.register(BACKEND, experts_forward)
         _CANONICAL.update(modules)

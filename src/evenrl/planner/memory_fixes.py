@@ -62,8 +62,8 @@ def memory_fixes(cfg: RunConfig, layout: Layout, dims: ModelDims,
             f"{r} row{'s' if r > 1 else ''} per micro-batch")
     if not cfg.model.gradient_checkpointing:
         add({"model.gradient_checkpointing": True})
-    # bitwise: a TP, SP or EP degree is part of the run's bits (TP t is one run on any data layout, not TP 1's; EP
-    # e is one process's on a Qwen3-MoE, not on gpt-oss): --fit changes none of them
+    # bitwise: a TP or SP degree is part of the run's bits (TP t is one run on any data layout, not TP 1's), and EP
+    # e is one process's run only where measured (Qwen3-MoE, gpt-oss): --fit changes none of them
     split_model = cfg.train.reproducibility != "bitwise"
     sp = cfg.parallel.sequence_parallel_size
     # splitting samples pays once a micro-batch is down to one sample

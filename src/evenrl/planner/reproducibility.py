@@ -23,7 +23,7 @@ def recorded(cfg) -> dict:
     return {"train.reproducibility": cfg.train.reproducibility,
             "parallel.sequence_parallel_size": cfg.parallel.sequence_parallel_size,
             "parallel.tensor_parallel_size": cfg.parallel.tensor_parallel_size,
-            # a Qwen3-MoE's bits are the same at any EP, gpt-oss's are not (docs/reproducibility.md)
+            # the same bits at any EP measured for Qwen3-MoE and gpt-oss only (docs/reproducibility.md)
             "parallel.expert_parallel_size": cfg.parallel.expert_parallel_size}
 
 

@@ -303,7 +303,7 @@ class _Exchange(torch.autograd.Function):
 
 
 def _dispatch(module, shard: ExpertShard, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    n, k = top_k_index.shape
+    k = top_k_index.shape[1]
     ids = top_k_index.reshape(-1)
     order = torch.argsort(ids, stable=True)  # pairs by expert, hence by the rank that holds it
     send = hidden[order // k]
@@ -316,10 +316,16 @@ def _dispatch(module, shard: ExpertShard, hidden: Tensor, top_k_index: Tensor, t
     local_ids = torch.arange(shard.local, device=ids.device).repeat(shard.size).repeat_interleave(got.reshape(-1))
     out = _local_experts(module, shard, received, local_ids, recv_sizes)
     back = _Exchange.apply(out, shard.group, recv_sizes, send_sizes)
+    return _weighted_sum(back, order, top_k_weights, hidden.dtype)
+
+
+def _weighted_sum(out: Tensor, order: Tensor, top_k_weights: Tensor, dtype: torch.dtype) -> Tensor:
+    """The pairs' outputs (in `order`, the pairs sorted by expert) back in token order, each times its weight, summed
+    over a token's k pairs: the grouped_mm backend's own arithmetic. [N, H]."""
+    n, k = top_k_weights.shape
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order), device=order.device)
-    # each pair's output times its weight, summed over the token's k pairs: the grouped_mm backend's own arithmetic
-    return (back[inverse].view(n, k, back.shape[-1]) * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
+    return (out[inverse].view(n, k, out.shape[-1]) * top_k_weights.unsqueeze(-1)).sum(dim=1).to(dtype)
 
 
 def _local_experts(module, shard: ExpertShard, tokens: Tensor, ids: Tensor, sources: list[int]) -> Tensor:
@@ -378,13 +384,10 @@ def _canonical(module, weights: dict[str, Tensor], experts: int, hidden: Tensor,
                top_k_weights: Tensor) -> Tensor:
     """Every expert here, in the order a split model's bitwise dispatch uses (`_dispatch` with `per_source`): the
     pairs in stable expert order, `_by_expert`, each pair's output times its weight, summed per token."""
-    n, k = top_k_index.shape
     ids = top_k_index.reshape(-1)
     order = torch.argsort(ids, stable=True)
-    out = _by_expert(module, weights, experts, hidden[order // k], ids[order])
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order), device=order.device)
-    return (out[inverse].view(n, k, out.shape[-1]) * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
+    out = _by_expert(module, weights, experts, hidden[order // top_k_index.shape[1]], ids[order])
+    return _weighted_sum(out, order, top_k_weights, hidden.dtype)
 
 
 def take_terms() -> list[tuple[torch.nn.Parameter, Tensor]]:

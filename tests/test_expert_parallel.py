@@ -369,6 +369,8 @@ def test_bitwise_expert_parallelism_is_the_one_process_run(ep_runs):
     ones over data; the clip norm's and the hash's integer sums over ep; the 1-process model's experts computed in
     the same order: canonical_experts). Measured also: EP 4 on 4 and DP 3 the same bits. Negative control: under
     rounding EP 2 on 2 is not the 1-process run, and DP 2 x EP 2 on 4 stays within 1e-5 of it (measured 4.3e-6)."""
+    from safetensors.torch import load_file
+
     from e2e import BITWISE, assert_same_run
 
     root = ep_runs
@@ -380,6 +382,8 @@ def test_bitwise_expert_parallelism_is_the_one_process_run(ep_runs):
                                        ("ep4_bitwise", 4, [*ep, BITWISE]), ("ep4", 4, ep))})
     assert_same_run(root / "one_bitwise", root / "ep2_bitwise")
     assert_same_run(root / "one_bitwise", root / "ep4_bitwise")
+    start = load_file(str(root / "model" / "model.safetensors"))  # the same bits after training, not after none
+    assert max_diff(final_params(root / "one_bitwise"), start) > 1e-3
     assert _same_as_one(root, "ep4") < 1e-5
     assert max_diff(final_params(root / "one"), final_params(root / "ep2")) > 0.0
 
